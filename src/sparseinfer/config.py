@@ -1,0 +1,113 @@
+"""Frozen configuration dataclasses shared by every part of sparseinfer.
+
+Per-architecture differences are data here (``FFN_KINDS``, the fields of ``ModelConfig``), so the
+model code has no architecture ``if`` chains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class FFNKind:
+    """How one FFN neuron i turns the layer input x into its coefficient h_i.
+
+    gated:    h_i = act_gate(gate_i · x) * act_up(up_i · x)      (SwiGLU, GeGLU, ReGLU, dReLU)
+    ungated:  h_i = act_up(up_i · x + b_i)                       (OPT/Falcon ReLU or GELU MLP)
+    The layer output is sum_i h_i * down_i. ``relu_sparse`` means h_i == 0 exactly for most
+    neurons, so "active" is exact; otherwise activity is a magnitude threshold.
+    """
+
+    gated: bool
+    gate_act: str | None  # "silu" | "gelu" | "relu" | None
+    up_act: str | None  # activation applied to the up projection (None = identity)
+    relu_sparse: bool
+
+
+FFN_KINDS: dict[str, FFNKind] = {
+    "swiglu": FFNKind(gated=True, gate_act="silu", up_act=None, relu_sparse=False),
+    "geglu": FFNKind(gated=True, gate_act="gelu", up_act=None, relu_sparse=False),
+    "reglu": FFNKind(gated=True, gate_act="relu", up_act=None, relu_sparse=True),
+    "drelu": FFNKind(gated=True, gate_act="relu", up_act="relu", relu_sparse=True),
+    "relu": FFNKind(gated=False, gate_act=None, up_act="relu", relu_sparse=True),
+    "gelu": FFNKind(gated=False, gate_act=None, up_act="gelu", relu_sparse=False),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and flavour of a decoder-only transformer."""
+
+    arch: str  # "llama" | "opt"  (family, for messages and checkpoint maps)
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    max_seq_len: int
+    head_dim: int = 0  # 0 = d_model // n_heads
+    ffn_kind: str = "swiglu"  # key of FFN_KINDS
+    norm: str = "rms"  # "rms" | "layer"
+    norm_eps: float = 1e-5
+    pos: str = "rope"  # "rope" | "learned"
+    rope_theta: float = 10000.0
+    pos_offset: int = 0  # learned positions: OPT stores 2 extra rows in front
+    attn_bias: bool = False  # q/k/v/o biases
+    ffn_bias: bool = False  # up/down biases (ungated MLPs)
+    tie_embeddings: bool = False
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if self.ffn_kind not in FFN_KINDS:
+            raise ValueError(f"ffn_kind: expected one of {sorted(FFN_KINDS)}, got {self.ffn_kind!r}")
+        if self.norm not in ("rms", "layer"):
+            raise ValueError(f"norm: expected 'rms' or 'layer', got {self.norm!r}")
+        if self.pos not in ("rope", "learned"):
+            raise ValueError(f"pos: expected 'rope' or 'learned', got {self.pos!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+
+    @property
+    def ffn(self) -> FFNKind:
+        return FFN_KINDS[self.ffn_kind]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings; defaults follow llama.cpp's."""
+
+    max_tokens: int = 128  # -n; -1 = until EOS or the context is full
+    temperature: float = 0.8  # 0 = greedy
+    top_k: int = 40  # 0 = off
+    top_p: float = 0.95  # 1.0 = off
+    min_p: float = 0.05  # 0.0 = off
+    repeat_penalty: float = 1.0  # 1.0 = off (llama.cpp style, over the last repeat_last_n tokens)
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0  # OpenAI style
+    frequency_penalty: float = 0.0  # OpenAI style
+    seed: int | None = None  # None = random
+    stop: tuple[str, ...] = ()  # stop strings (not included in the output)
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class SparsityConfig:
+    """How the sparse runtime chooses active neurons."""
+
+    threshold: float = 0.0  # predictor logit threshold (PowerInfer's sparse_threshold)
+    mode: str = "predictor"  # "predictor" | "oracle" (exact: dense activations) | "dense"
+    prefill: str = "dense"  # "dense" | "union"
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    """Which FFN neurons of one layer live on the fast tier (a hot-first prefix after reordering)."""
+
+    hot: tuple[int, ...] = field(default_factory=tuple)  # neuron indices on the fast tier
+    d_ff: int = 0
