@@ -1,0 +1,1 @@
+"""Offline pipeline: profile activations, train predictors, solve placement, export a sparse GGUF."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server over an engine (see sparseinfer.engine)."""

@@ -1,0 +1,1 @@
+"""Sparse runtime: predictors, neuron-aware FFN operators (kernels + torch references), tiers."""
