@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from .config import SamplingParams
+from .errors import ContextOverflowError, SparseInferError
 
 
 @dataclass(frozen=True)
@@ -61,3 +62,177 @@ class EngineProtocol(Protocol):
         yielded. Setting ``cancel`` ends the stream early with reason "cancelled".
         """
         ...
+
+
+class Engine:
+    """A loaded model, its tokenizer and one KV cache; implements ``EngineProtocol``."""
+
+    def __init__(self, loaded, n_ctx: int | None = None, threads: int | None = None):
+        import torch
+
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.name = loaded.path.stem if loaded.path.is_file() else loaded.path.name
+        self.n_ctx = min(n_ctx or 4096, loaded.config.max_seq_len)
+        if threads:
+            set_threads(threads)
+        self._cache = self.model.new_cache(1, self.n_ctx)
+        self._cached_ids: list[int] = []  # tokens whose keys/values are in the cache
+        self._torch = torch
+
+    @classmethod
+    def load(cls, path=None, *, n_ctx: int | None = None, threads: int | None = None,
+             dtype: str = "fp32", **sparse_options) -> Engine:
+        """Load a model file (default: the embedded SmolLM2) and wrap it.
+
+        ``sparse_options`` (dense, threshold, device, vram_budget...) reach the sparse runtime
+        when the file carries predictors.
+        """
+        from .data import default_model_path
+        from .models.loading import load_model
+
+        loaded = load_model(path or default_model_path(), dtype=dtype)
+        engine = cls(loaded, n_ctx=n_ctx, threads=threads)
+        engine.sparse_info = _maybe_sparsify(loaded, threads, **sparse_options)
+        return engine
+
+    # ---- text ----------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_bos=None if add_bos else False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # the template writes BOS itself when the model wants one
+        return self.tokenizer.encode(text, add_bos=False)
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    def check_fits(self, n_prompt: int) -> None:
+        if n_prompt == 0:
+            raise SparseInferError("the prompt is empty: expected at least one token")
+        if n_prompt >= self.n_ctx:
+            raise ContextOverflowError(
+                f"the prompt has {n_prompt} tokens but the context holds {self.n_ctx}; "
+                f"shorten the prompt or raise the context size (-c)"
+            )
+
+    def stream(self, prompt_ids, params: SamplingParams, cancel=None) -> Iterator[StreamEvent]:
+        import time
+
+        from .generate import generate
+
+        prompt_ids = list(prompt_ids)
+        self.check_fits(len(prompt_ids))
+        torch = self._torch
+        rng = torch.Generator()
+        rng.manual_seed(params.seed if params.seed is not None
+                        else int.from_bytes(__import__("os").urandom(6), "little"))
+        # reuse the keys/values of the longest common prefix with the previous call
+        cached = 0
+        for a, b in zip(self._cached_ids, prompt_ids[:-1]):
+            if a != b:
+                break
+            cached += 1
+        self._cached_ids = prompt_ids[:cached]
+        stop_ids = frozenset() if params.ignore_eos else self.tokenizer.eos_ids
+        limit = self.n_ctx - len(prompt_ids)
+        if params.max_tokens >= 0:
+            limit = min(limit, params.max_tokens)
+        decoder = self.tokenizer.decoder()
+        stopper = StopStrings(params.stop)
+        n_out, reason = 0, "length"
+        t0 = time.perf_counter()
+        t_first = None
+        gen = generate(self.model, prompt_ids, params, self._cache, rng, cached, stop_ids)
+        try:
+            with torch.inference_mode():
+                while n_out < limit:
+                    if cancel is not None and cancel.is_set():
+                        reason = "cancelled"
+                        break
+                    tok = next(gen)
+                    if t_first is None:
+                        t_first = time.perf_counter()
+                        self._cached_ids = list(prompt_ids)
+                    n_out += 1
+                    if tok in stop_ids:
+                        reason = "stop"
+                        break
+                    self._cached_ids.append(tok)
+                    text, hit = stopper.push(decoder.push(tok))
+                    yield TokenEvent(tok, text)
+                    if hit:
+                        reason = "stop_string"
+                        break
+                if reason != "stop_string":  # emit what the decoder and stop filter held back
+                    text, _ = stopper.push(decoder.flush(), final=True)
+                    if text:
+                        yield TokenEvent(-1, text)
+                else:
+                    reason = "stop"
+        finally:
+            gen.close()
+            # the last sampled token was never run through the model: drop it from the prefix
+            if self._cached_ids and len(self._cached_ids) > len(prompt_ids):
+                self._cached_ids.pop()
+        t_end = time.perf_counter()
+        t_first = t_first or t_end
+        yield FinishEvent(reason, len(prompt_ids), n_out, t_first - t0, t_end - t_first)
+
+
+class StopStrings:
+    """Holds back text that might be the start of a stop string; cuts at the first match."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""
+
+    def push(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was hit)."""
+        if not self.stops:
+            return text, False
+        self.pending += text
+        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.pending = self.pending[:cut], ""
+            return out, True
+        if final:
+            out, self.pending = self.pending, ""
+            return out, False
+        keep = 0  # longest suffix of pending that is a proper prefix of some stop string
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), keep, -1):
+                if self.pending.endswith(s[:n]):
+                    keep = n
+                    break
+        out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep:]
+        return out, False
+
+
+def set_threads(n: int) -> None:
+    """Use ``n`` threads for torch and for the sparse kernels."""
+    import torch
+
+    if n < 1:
+        raise SparseInferError(f"threads: expected a positive number, got {n}")
+    torch.set_num_threads(n)
+    try:
+        from .sparse.kernels import set_threads as set_kernel_threads
+    except ImportError:
+        return
+    set_kernel_threads(n)
+
+
+def _maybe_sparsify(loaded, threads, **options):
+    """Hand the model to the sparse runtime when the file carries predictors (see sparse/)."""
+    if not any(k.endswith(".fc1.weight") for k in loaded.extras):
+        return None
+    from .sparse.runtime import sparsify
+
+    return sparsify(loaded, **options)

@@ -1,0 +1,293 @@
+"""The ``sparseinfer`` command line (flags follow llama.cpp where one exists).
+
+Only this module prints; library code logs. A ``SparseInferError`` becomes one ``error:`` line
+and exit status 1 (``-v`` shows the traceback and INFO logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from .config import SamplingParams
+from .errors import SparseInferError
+
+log = logging.getLogger("sparseinfer.cli")
+
+
+# ---- shared flags ------------------------------------------------------------------------------
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", type=Path, default=None,
+                   help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M)")
+    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1,
+                   help="CPU threads (default: all cores)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="dtype the dense weights are held in")
+    sp = p.add_argument_group("sparse runtime (models converted with `sparseinfer convert`)")
+    sp.add_argument("--dense", action="store_true", help="ignore predictors: dense FFNs")
+    sp.add_argument("--sparse-threshold", type=float, default=None,
+                    help="predictor logit threshold (default: the one stored in the file)")
+    sp.add_argument("--device", default="cpu", help="fast-tier device: cpu or cuda")
+    sp.add_argument("--vram-budget", type=float, default=None,
+                    help="fast-tier budget in GiB (default: the placement stored in the file)")
+    p.add_argument("-v", "--verbose", action="store_true", help="INFO logs and tracebacks")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    d = SamplingParams()
+    p.add_argument("-n", "--n-predict", type=int, default=d.max_tokens,
+                   help=f"tokens to generate, -1 = until EOS (default {d.max_tokens})")
+    p.add_argument("--temp", type=float, default=d.temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--min-p", type=float, default=d.min_p)
+    p.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty)
+    p.add_argument("--repeat-last-n", type=int, default=d.repeat_last_n)
+    p.add_argument("--seed", type=int, default=-1, help="-1 = random")
+    p.add_argument("-r", "--reverse-prompt", "--stop", dest="stop", action="append", default=[],
+                   help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling(args) -> SamplingParams:
+    for name, ok, want in (("--temp", args.temp >= 0, ">= 0"), ("--top-k", args.top_k >= 0, ">= 0"),
+                           ("--top-p", 0 < args.top_p <= 1, "in (0, 1]"),
+                           ("--min-p", 0 <= args.min_p <= 1, "in [0, 1]"),
+                           ("--repeat-penalty", args.repeat_penalty > 0, "> 0")):
+        if not ok:
+            raise SparseInferError(f"{name}: expected a value {want}, got "
+                                   f"{getattr(args, name[2:].replace('-', '_'))}")
+    return SamplingParams(
+        max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+        seed=None if args.seed < 0 else args.seed, stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _engine(args):
+    from .engine import Engine
+
+    if args.ctx_size < 8:
+        raise SparseInferError(f"-c/--ctx-size: expected at least 8, got {args.ctx_size}")
+    return Engine.load(args.model, n_ctx=args.ctx_size, threads=args.threads, dtype=args.dtype,
+                       dense=args.dense, threshold=args.sparse_threshold, device=args.device,
+                       vram_budget=args.vram_budget)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SparseInferError(f"file not found: {path}") from None
+    except UnicodeDecodeError as e:
+        raise SparseInferError(f"{path}: expected UTF-8 text: {e}") from None
+    except OSError as e:
+        raise SparseInferError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _print_timings(fin) -> None:
+    def rate(n, s):
+        return f"{n / s:8.2f} tokens/s" if s > 0 else "       - tokens/s"
+
+    print(f"\nprompt eval: {fin.prompt_tokens:5d} tokens in {fin.prefill_seconds * 1e3:9.1f} ms "
+          f"({rate(fin.prompt_tokens, fin.prefill_seconds)})", file=sys.stderr)
+    n_dec = max(fin.completion_tokens - 1, 0)  # the first token comes from the prefill
+    print(f"generation:  {n_dec:5d} tokens in {fin.decode_seconds * 1e3:9.1f} ms "
+          f"({rate(n_dec, fin.decode_seconds)})", file=sys.stderr)
+
+
+# ---- subcommands -------------------------------------------------------------------------------
+
+
+def cmd_run(args) -> int:
+    from .engine import FinishEvent
+
+    if args.file is not None:
+        prompt = _read_text(args.file)
+    elif args.prompt is not None:
+        prompt = args.prompt
+    else:
+        raise SparseInferError("no prompt: give one with -p TEXT or -f FILE")
+    params = _sampling(args)
+    engine = _engine(args)
+    ids = engine.encode(prompt)
+    print(prompt, end="", flush=True)
+    for ev in engine.stream(ids, params):
+        if isinstance(ev, FinishEvent):
+            print()
+            _print_timings(ev)
+        else:
+            print(ev.text, end="", flush=True)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from .engine import FinishEvent
+
+    params = _sampling(args)
+    engine = _engine(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"chatting with {engine.name} — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        ids = engine.chat_prompt(messages)
+        reply = []
+        for ev in engine.stream(ids, params):
+            if isinstance(ev, FinishEvent):
+                print()
+                if args.timings:
+                    _print_timings(ev)
+            else:
+                reply.append(ev.text)
+                print(ev.text, end="", flush=True)
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_perplexity(args) -> int:
+    from tqdm import tqdm
+
+    from .data import HELDOUT_TEXT
+    from .engine import Engine  # noqa: F401  (import cost paid before the progress bar)
+    from .perplexity import perplexity
+
+    path = args.file or HELDOUT_TEXT
+    text = _read_text(path)
+    engine = _engine(args)
+    tok = engine.tokenizer
+    ids = tok.encode(text, add_bos=False)
+    bos = tok.bos_id if tok.add_bos else None
+    print(f"perplexity: {path}: {len(ids)} tokens, {len(ids) // args.ctx_size} chunks of "
+          f"{args.ctx_size}", file=sys.stderr)
+    bar = tqdm(total=max(len(ids) // args.ctx_size, 0), unit="chunk", file=sys.stderr,
+               disable=None)
+
+    def progress(done, total, ppl):
+        bar.total = total
+        bar.update(1)
+        bar.set_postfix(ppl=f"{ppl:.4f}")
+
+    t0 = time.perf_counter()
+    res = perplexity(engine.model, ids, args.ctx_size, bos, args.chunks, progress)
+    bar.close()
+    dt = time.perf_counter() - t0
+    print(f"{res.n_scored} tokens scored in {res.n_chunks} chunks, {dt:.1f} s "
+          f"({res.n_chunks * args.ctx_size / dt:.1f} tokens/s)", file=sys.stderr)
+    print(f"PPL = {res.ppl:.4f}")
+    return 0
+
+
+def cmd_info(args) -> int:
+    from .data import default_model_path
+    from .models.loading import load_model
+
+    lm = load_model(args.model or default_model_path(), dtype=args.dtype)
+    cfg = lm.config
+    print(f"file:   {lm.path}  ({lm.file_bytes / 2**20:.1f} MiB, {lm.format})")
+    print(f"name:   {cfg.name}")
+    for k, v in vars(cfg).items():
+        print(f"  {k:16s} {v}")
+    n_params = sum(p.numel() for p in {id(p): p for p in lm.model.parameters()}.values())
+    print(f"parameters: {n_params / 1e6:.1f} M")
+    sparse = {k for k in lm.metadata if k.startswith(("powerinfer.", "sparseinfer."))}
+    for k in sorted(sparse):
+        print(f"  {k} = {lm.metadata[k]}")
+    print(f"tensors: {len(lm.tensors)}")
+    print(f"  {'name':40s} {'type':8s} {'shape':>20s} {'bytes':>12s}")
+    for t in lm.tensors:
+        print(f"  {t.name:40s} {t.kind:8s} {str(list(t.shape)):>20s} {t.nbytes:12d}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from .server.app import serve
+
+    engine = _engine(args)
+    print(f"serving {engine.name} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
+          file=sys.stderr)
+    serve(engine, host=args.host, port=args.port, api_key=args.api_key,
+          max_queue=args.max_queue)
+    return 0
+
+
+# ---- parser ------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparseinfer", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="continue a prompt")
+    _add_model(r)
+    _add_sampling(r)
+    r.add_argument("-p", "--prompt", help="prompt text")
+    r.add_argument("-f", "--file", type=Path, help="read the prompt from a file")
+    r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat with the model's template")
+    _add_model(c)
+    _add_sampling(c)
+    c.add_argument("--system", default=None, help="system message")
+    c.add_argument("--timings", action="store_true", help="print tokens/s after each reply")
+    c.set_defaults(func=cmd_chat, n_predict=512)
+
+    pp = sub.add_parser("perplexity", help="llama.cpp-style chunked perplexity of a text file")
+    _add_model(pp)
+    pp.add_argument("-f", "--file", type=Path, default=None,
+                    help="text file (default: the held-out Austen excerpt shipped with us)")
+    pp.add_argument("--chunks", type=int, default=None, help="score at most this many chunks")
+    pp.set_defaults(func=cmd_perplexity, ctx_size=512)
+
+    i = sub.add_parser("info", help="model config, tensor table and file size")
+    i.add_argument("-m", "--model", type=Path, default=None)
+    i.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    i.add_argument("-v", "--verbose", action="store_true")
+    i.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_model(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--api-key", default=None, help="require this bearer token")
+    s.add_argument("--max-queue", type=int, default=16, help="requests waiting at most")
+    s.set_defaults(func=cmd_serve)
+
+    try:
+        from .offline.cli import add_offline_commands
+    except ImportError:  # pragma: no cover - offline pipeline not installed
+        pass
+    else:
+        add_offline_commands(sub, _add_model)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args) or 0
+    except SparseInferError as e:
+        if args.verbose:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,259 @@
+"""One readable decoder-only transformer covering the llama family (SwiGLU / GeGLU / ReGLU / dReLU,
+RMSNorm, RoPE, GQA) and OPT-style models (LayerNorm, learned positions, biased ReLU MLP).
+
+Everything that differs between architectures is a field of ``ModelConfig``; this file has no
+loading, sampling or CLI in it. Weights arrive through ``Transformer.load_state`` with canonical
+names (see ``CANONICAL`` in loading.py); q/k/v and gate/up are fused here for fewer calls per token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import FFN_KINDS, ModelConfig
+
+ACTIVATIONS = {
+    None: lambda t: t,
+    "silu": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+}
+
+
+class KVCache:
+    """Preallocated keys/values for every layer: (L, B, n_kv_heads, max_seq, head_dim)."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_seq: int, dtype: torch.dtype, device=None):
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_seq, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_seq = max_seq
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class Norm(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.weight = nn.Parameter(torch.ones(cfg.d_model), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.zeros(cfg.d_model), requires_grad=False)
+            if cfg.norm == "layer"
+            else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kind == "layer":
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rope_tables(cfg: ModelConfig, max_seq: int) -> tuple[Tensor, Tensor]:
+    """cos/sin of shape (max_seq, head_dim) for the rotate-half (Hugging Face) layout."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
+    angles = torch.outer(torch.arange(max_seq, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: (B, H, T, hd); cos/sin: (T, hd)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        self.wqkv = nn.Linear(cfg.d_model, (nh + 2 * nkv) * hd, bias=cfg.attn_bias)
+        self.wo = nn.Linear(nh * hd, cfg.d_model, bias=cfg.attn_bias)
+        self.scale = 1.0 / math.sqrt(hd)
+
+    def forward(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        q, k, v = self.wqkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, nkv, hd).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope[0][pos : pos + T], rope[1][pos : pos + T]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.k[layer, :B, :, pos : pos + T] = k
+        cache.v[layer, :B, :, pos : pos + T] = v
+        S = pos + T
+        keys, values = cache.k[layer, :B, :, :S], cache.v[layer, :B, :, :S]  # (B, nkv, S, hd)
+        # grouped-query attention as batched matmuls: (B, nkv, group*T, hd) x (B, nkv, hd, S)
+        group = nh // nkv
+        qg = q.reshape(B, nkv, group * T, hd)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # (B, nkv, group*T, S)
+        if T > 1:
+            causal = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=pos)
+            scores = scores.view(B, nkv, group, T, S).masked_fill(~causal, float("-inf"))
+            scores = scores.view(B, nkv, group * T, S)
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values)  # (B, nkv, group*T, hd)
+        out = out.view(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
+        return self.wo(out)
+
+
+class FFN(nn.Module):
+    """Dense FFN. Gated: down(act_g(gate x) * act_u(up x)); ungated: down(act_u(up x + b) ) + b."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        kind = FFN_KINDS[cfg.ffn_kind]
+        self.gated, self.d_ff = kind.gated, cfg.d_ff
+        self.act_gate, self.act_up = ACTIVATIONS[kind.gate_act], ACTIVATIONS[kind.up_act]
+        n_in = 2 * cfg.d_ff if kind.gated else cfg.d_ff  # gated: rows [0, d_ff) gate, then up
+        self.w_in = nn.Linear(cfg.d_model, n_in, bias=cfg.ffn_bias)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.ffn_bias)
+
+    def activations(self, x: Tensor) -> Tensor:
+        """Per-neuron coefficients h (..., d_ff): the FFN output is down(h)."""
+        if self.gated:
+            gate, up = self.w_in(x).split(self.d_ff, dim=-1)
+            return self.act_gate(gate) * self.act_up(up)
+        return self.act_up(self.w_in(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(self.activations(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm, self.attn = Norm(cfg), Attention(cfg)
+        self.ffn_norm, self.ffn = Norm(cfg), FFN(cfg)
+
+    def forward(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), layer, pos, cache, rope)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = (
+            nn.Embedding(cfg.max_seq_len + cfg.pos_offset, cfg.d_model)
+            if cfg.pos == "learned"
+            else None
+        )
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = Norm(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.rope: tuple[Tensor, Tensor] | None = None
+        self.requires_grad_(False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def new_cache(self, batch: int = 1, max_seq: int | None = None) -> KVCache:
+        max_seq = max_seq or self.cfg.max_seq_len
+        if self.cfg.pos == "rope" and (self.rope is None or self.rope[0].shape[0] < max_seq):
+            cos, sin = rope_tables(self.cfg, max_seq)
+            self.rope = (cos.to(self.device, self.dtype), sin.to(self.device, self.dtype))
+        return KVCache(self.cfg, batch, max_seq, self.dtype, self.device)
+
+    def hidden(self, tokens: Tensor, pos: int, cache: KVCache) -> Tensor:
+        """Final-normed hidden states (B, T, D) for ``tokens`` (B, T) placed at ``pos``."""
+        B, T = tokens.shape
+        if pos + T > cache.max_seq:
+            raise ValueError(f"positions {pos}..{pos + T} exceed the cache size {cache.max_seq}")
+        x = self.tok_emb(tokens)  # (B, T, D)
+        if self.pos_emb is not None:
+            off = self.cfg.pos_offset
+            x = x + self.pos_emb.weight[off + pos : off + pos + T]
+        for i, block in enumerate(self.layers):
+            x = block(x, i, pos, cache, self.rope)
+        return self.norm(x)
+
+    def forward(self, tokens: Tensor, pos: int, cache: KVCache, last_only: bool = False) -> Tensor:
+        """Logits (B, T, V) in float32 (or (B, 1, V) with ``last_only``)."""
+        h = self.hidden(tokens, pos, cache)
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(h).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def load_state(self, state: dict[str, Tensor], dtype: torch.dtype = torch.float32) -> None:
+        """Take canonical per-projection weights (see loading.CANONICAL), fuse and assign them.
+
+        ``state`` is consumed (entries are popped) so no second copy of the weights lingers.
+        Raises KeyError / ValueError naming the tensor on a missing name or a wrong shape.
+        """
+        cfg = self.cfg
+
+        def take(name: str, shape: tuple[int, ...]) -> Tensor:
+            if name not in state:
+                raise KeyError(name)
+            t = state.pop(name)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"tensor {name}: expected shape {shape}, found {tuple(t.shape)}")
+            return t
+
+        def put(param_owner: nn.Module, attr: str, value: Tensor) -> None:
+            value = value.to(dtype)
+            setattr(param_owner, attr, nn.Parameter(value.contiguous(), requires_grad=False))
+
+        D, F_, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
+        put(self.tok_emb, "weight", take("tok_emb.weight", (cfg.vocab_size, D)))
+        if self.pos_emb is not None:
+            n_pos = cfg.max_seq_len + cfg.pos_offset
+            put(self.pos_emb, "weight", take("pos_emb.weight", (n_pos, D)))
+        for i, blk in enumerate(self.layers):
+            p = f"layers.{i}."
+            for norm_name, norm in (("attn_norm", blk.attn_norm), ("ffn_norm", blk.ffn_norm)):
+                put(norm, "weight", take(p + norm_name + ".weight", (D,)))
+                if norm.bias is not None:
+                    put(norm, "bias", take(p + norm_name + ".bias", (D,)))
+            q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
+            parts = [take(p + f"attn.{n}.weight", (o, D)) for n, o in
+                     (("wq", q_out), ("wk", kv_out), ("wv", kv_out))]
+            put(blk.attn.wqkv, "weight", torch.cat(parts))
+            put(blk.attn.wo, "weight", take(p + "attn.wo.weight", (D, q_out)))
+            if cfg.attn_bias:
+                parts = [take(p + f"attn.{n}.bias", (o,)) for n, o in
+                         (("wq", q_out), ("wk", kv_out), ("wv", kv_out))]
+                put(blk.attn.wqkv, "bias", torch.cat(parts))
+                put(blk.attn.wo, "bias", take(p + "attn.wo.bias", (D,)))
+            ins = [take(p + "ffn.up.weight", (F_, D))]
+            if blk.ffn.gated:
+                ins.insert(0, take(p + "ffn.gate.weight", (F_, D)))
+            put(blk.ffn.w_in, "weight", torch.cat(ins))
+            put(blk.ffn.down, "weight", take(p + "ffn.down.weight", (D, F_)))
+            if cfg.ffn_bias:
+                put(blk.ffn.w_in, "bias", take(p + "ffn.up.bias", (F_,)))
+                put(blk.ffn.down, "bias", take(p + "ffn.down.bias", (D,)))
+        put(self.norm, "weight", take("norm.weight", (D,)))
+        if self.norm.bias is not None:
+            put(self.norm, "bias", take("norm.bias", (D,)))
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+            state.pop("lm_head.weight", None)
+        else:
+            put(self.lm_head, "weight", take("lm_head.weight", (cfg.vocab_size, D)))
+        if state:
+            raise ValueError(f"unexpected tensors: {sorted(state)[:8]}")

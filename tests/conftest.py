@@ -1,0 +1,110 @@
+"""Shared fixtures: tiny random Hugging Face models of every supported architecture and FFN kind
+(built offline by transformers from a config, saved as safetensors: they double as the numerical
+reference), and the embedded SmolLM2 model, loaded once per session."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparseinfer.data import DEFAULT_CORPUS, default_model_path
+
+TINY_VOCAB = 384
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TINY_KINDS = ("swiglu", "reglu", "drelu", "geglu", "opt")
+
+
+def _train_tokenizer(out: Path) -> None:
+    """A byte-level BPE trained on the default corpus, saved as tokenizer.json + config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator([DEFAULT_CORPUS.read_text()[:200_000]], trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "add_bos_token": False, "chat_template": TINY_CHAT_TEMPLATE,
+    }))
+
+
+def tiny_hf_model(kind: str, seed: int = 0):
+    """A random transformers model of the given FFN kind ('opt' = OPT ReLU MLP)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if kind == "opt":
+        cfg = tf.OPTConfig(vocab_size=TINY_VOCAB, hidden_size=64, ffn_dim=192,
+                           num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+                           word_embed_proj_dim=64, do_layer_norm_before=True,
+                           activation_function="relu", enable_bias=True, init_std=0.1,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        return tf.OPTForCausalLM(cfg).eval()
+    act = {"swiglu": "silu", "reglu": "relu", "drelu": "relu", "geglu": "gelu"}[kind]
+    cfg = tf.LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=192,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, rms_norm_eps=1e-6, hidden_act=act,
+                         initializer_range=0.1, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2)
+    if kind == "drelu":
+        cfg.sparseinfer_ffn_kind = "drelu"  # dReLU (Bamboo/TurboSparse): relu on gate and up
+    model = tf.LlamaForCausalLM(cfg).eval()
+    if kind == "drelu":  # transformers has no dReLU MLP: patch the reference's forward
+        for layer in model.model.layers:
+            mlp = layer.mlp
+            mlp.forward = (lambda m: lambda x: m.down_proj(
+                torch.relu(m.gate_proj(x)) * torch.relu(m.up_proj(x))))(mlp)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: kind -> directory with config.json, model.safetensors and a tokenizer."""
+    made: dict[str, Path] = {}
+    tok_dir = tmp_path_factory.mktemp("tiny_tok")
+    _train_tokenizer(tok_dir)
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            out = tmp_path_factory.mktemp(f"tiny_{kind}")
+            tiny_hf_model(kind).save_pretrained(out, safe_serialization=True)
+            for f in tok_dir.iterdir():
+                (out / f.name).write_bytes(f.read_bytes())
+            made[kind] = out
+        return made[kind]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """Our loaded SmolLM2 (fp32), shared by every test of the session."""
+    from sparseinfer.models.loading import load_model
+
+    return load_model(smollm2_path, max_seq_len=2048)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """transformers' own load of the same GGUF: the independent reference."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32)
+    return model.eval()
