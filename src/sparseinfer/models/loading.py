@@ -44,6 +44,22 @@ GGUF_LLAMA_NAMES = {
     "blk.{i}.ffn_down_t": "layers.{i}.ffn.down_t",  # sparse GGUFs store down transposed
 }
 
+GGUF_OPT_NAMES = {  # sparseinfer's own GGUF layout for OPT-style models (llama.cpp has none)
+    "token_embd": "tok_emb",
+    "position_embd": "pos_emb",
+    "output_norm": "norm",
+    "output": "lm_head",
+    "blk.{i}.attn_norm": "layers.{i}.attn_norm",
+    "blk.{i}.attn_q": "layers.{i}.attn.wq",
+    "blk.{i}.attn_k": "layers.{i}.attn.wk",
+    "blk.{i}.attn_v": "layers.{i}.attn.wv",
+    "blk.{i}.attn_output": "layers.{i}.attn.wo",
+    "blk.{i}.ffn_norm": "layers.{i}.ffn_norm",
+    "blk.{i}.ffn_up": "layers.{i}.ffn.up",
+    "blk.{i}.ffn_down": "layers.{i}.ffn.down",
+    "blk.{i}.ffn_down_t": "layers.{i}.ffn.down_t",
+}
+
 HF_LLAMA_NAMES = {
     "model.embed_tokens": "tok_emb",
     "model.norm": "norm",
@@ -84,7 +100,7 @@ HF_ARCHS = {  # config.json "architectures"[0] -> (family, name map)
     "MistralForCausalLM": ("llama", HF_LLAMA_NAMES),
     "OPTForCausalLM": ("opt", HF_OPT_NAMES),
 }
-GGUF_ARCHS = {"llama": GGUF_LLAMA_NAMES}
+GGUF_ARCHS = {"llama": GGUF_LLAMA_NAMES, "opt": GGUF_OPT_NAMES}
 
 
 def _compile(names: dict[str, str]) -> list[tuple[re.Pattern, str]]:
@@ -93,6 +109,17 @@ def _compile(names: dict[str, str]) -> list[tuple[re.Pattern, str]]:
         pat = re.escape(src).replace(re.escape("{i}"), r"(?P<i>\d+)")
         out.append((re.compile(pat + r"\.(?P<suffix>weight|bias)$"), dst))
     return out
+
+
+def source_name(canon: str, names: dict[str, str]) -> str:
+    """The checkpoint's name for a canonical tensor name (for error messages)."""
+    m = re.match(r"^(?:layers\.(\d+)\.)?(.*)\.(weight|bias)$", canon)
+    if m:
+        i, rest, suffix = m.groups()
+        for src, dst in names.items():
+            if dst == (f"layers.{{i}}.{rest}" if i is not None else rest):
+                return src.replace("{i}", i or "") + "." + suffix
+    return canon
 
 
 def map_name(name: str, compiled: list[tuple[re.Pattern, str]]) -> str | None:
@@ -160,7 +187,7 @@ def load_model(path: str | Path, dtype: str = "fp32", max_seq_len: int | None = 
 
 
 def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, path: Path,
-           canon_to_src: dict[str, str]) -> Transformer:
+           canon_to_src: dict[str, str], names: dict[str, str]) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg)
     try:
@@ -168,7 +195,7 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
     except KeyError as e:
         name = e.args[0]
         raise ModelFileError(
-            f"{path}: missing tensor {canon_to_src.get(name, name)!r} "
+            f"{path}: missing tensor {source_name(name, names)!r} "
             f"(expected for a {cfg.arch} model with {cfg.n_layers} layers)"
         ) from None
     except ValueError as e:
@@ -222,9 +249,16 @@ def open_gguf(path: Path):
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's convert-time Q/K row permutation (interleaved -> rotate-half rope)."""
-    rows, cols = w.shape
-    return (w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2)
-            .reshape(rows, cols))
+    rows = w.shape[0]
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2)
+            .reshape(w.shape))
+
+
+def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's convert-time Q/K row permutation (rotate-half -> interleaved rope)."""
+    rows = w.shape[0]
+    return (w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2)
+            .reshape(w.shape))
 
 
 def gguf_tensor_to_torch(t) -> torch.Tensor:
@@ -239,6 +273,34 @@ def gguf_tensor_to_torch(t) -> torch.Tensor:
     else:
         arr = quants.dequantize(t.data, t.tensor_type)
     return torch.from_numpy(np.ascontiguousarray(arr).reshape(shape))
+
+
+def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) -> ModelConfig:
+    """ModelConfig from llama.cpp's standard ``{arch}.*`` metadata keys."""
+    n_heads = int(key("attention.head_count"))
+    d_model = int(key("embedding_length"))
+    vocab = meta.get(f"{arch}.vocab_size")
+    if vocab is None:
+        if "tokenizer.ggml.tokens" not in reader.fields:
+            raise ModelFileError(f"{path}: missing both '{arch}.vocab_size' and the tokenizer vocab")
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    ctx = int(key("context_length"))
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(vocab),
+        d_model=d_model,
+        n_layers=int(key("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+        d_ff=int(key("feed_forward_length")),
+        max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
+        head_dim=int(key("attention.key_length", d_model // n_heads)),
+        ffn_kind=kind,
+        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        tie_embeddings="output.weight" not in names,
+        name=str(meta.get("general.name", path.stem)),
+    )
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, max_seq_len: int | None,
@@ -260,32 +322,20 @@ def _load_gguf(path: Path, dtype: torch.dtype, max_seq_len: int | None,
             raise ModelFileError(f"{path}: missing metadata key '{arch}.{k}'")
         return v
 
-    n_heads = int(key("attention.head_count"))
-    d_model = int(key("embedding_length"))
     kind = ffn_kind or meta.get("sparseinfer.ffn_kind")
     if kind is None:
         # PowerInfer's sparse GGUFs (predictors present) are ReLU-family llama models
         kind = "reglu" if "blk.0.fc1.weight" in names else "swiglu"
-    vocab = meta.get(f"{arch}.vocab_size") or len(_field_value(reader.fields["tokenizer.ggml.tokens"]))
-    ctx = int(key("context_length"))
     try:
-        cfg = ModelConfig(
-            arch=arch,
-            vocab_size=int(vocab),
-            d_model=d_model,
-            n_layers=int(key("block_count")),
-            n_heads=n_heads,
-            n_kv_heads=int(key("attention.head_count_kv", n_heads)),
-            d_ff=int(key("feed_forward_length")),
-            max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
-            head_dim=int(key("attention.key_length", d_model // n_heads)),
-            ffn_kind=kind,
-            norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
-            tie_embeddings="output.weight" not in names,
-            name=str(meta.get("general.name", path.stem)),
-        )
-    except ValueError as e:
+        if "sparseinfer.config" in meta:  # written by our exporter: the whole ModelConfig
+            fields = json.loads(meta["sparseinfer.config"])
+            fields["ffn_kind"] = kind
+            if max_seq_len:
+                fields["max_seq_len"] = min(fields["max_seq_len"], max_seq_len)
+            cfg = ModelConfig(**fields)
+        else:
+            cfg = _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader)
+    except (ValueError, TypeError) as e:
         raise ModelFileError(f"{path}: inconsistent hyper-parameters: {e}") from None
     if "rope_freqs.weight" in names:
         raise ModelFileError(f"{path}: rope frequency factors (Llama-3.1 rope scaling) are not "
@@ -309,15 +359,15 @@ def _load_gguf(path: Path, dtype: torch.dtype, max_seq_len: int | None,
         except Exception as e:
             raise ModelFileError(f"{path}: cannot read tensor {t.name!r} "
                                  f"(truncated or corrupt file?): {e}") from None
-        if canon.endswith("attn.wq.weight"):
+        if cfg.pos == "rope" and canon.endswith(("attn.wq.weight", "attn.wq.bias")):
             w = unpermute_qk(w, cfg.n_heads)
-        elif canon.endswith("attn.wk.weight"):
+        elif cfg.pos == "rope" and canon.endswith(("attn.wk.weight", "attn.wk.bias")):
             w = unpermute_qk(w, cfg.n_kv_heads)
         elif canon.endswith("ffn.down_t.weight"):
             w, canon = w.t(), canon.replace("down_t", "down")
         state[canon] = w.to(dtype)
         canon_to_src[canon] = t.name
-    model = _build(cfg, state, dtype, path, canon_to_src)
+    model = _build(cfg, state, dtype, path, canon_to_src, GGUF_ARCHS[arch])
     try:
         tokenizer = Tokenizer.from_gguf(reader, path)
     except SparseInferError:
@@ -438,7 +488,7 @@ def _load_hf(path: Path, dtype: torch.dtype, max_seq_len: int | None,
         except Exception as e:
             raise ModelFileError(f"{f}: cannot read safetensors file (truncated or corrupt?): "
                                  f"{e}") from None
-    model = _build(cfg, state, dtype, path, canon_to_src)
+    model = _build(cfg, state, dtype, path, canon_to_src, names)
     if not (path / "tokenizer.json").is_file():
         raise ModelFileError(f"{path}: expected tokenizer.json beside config.json, found none")
     tokenizer = Tokenizer.from_hf_dir(path)
