@@ -231,7 +231,8 @@ def read_gguf_metadata(reader, skip_arrays_longer_than: int = 64) -> dict[str, A
     for name, f in reader.fields.items():
         if name.startswith("GGUF."):
             continue
-        if f.types and f.types[0].name == "ARRAY" and len(f.data) > skip_arrays_longer_than:
+        if (name.startswith("tokenizer.") and f.types and f.types[0].name == "ARRAY"
+                and len(f.data) > skip_arrays_longer_than):
             meta[name] = f"<array of {len(f.data)}>"
             continue
         meta[name] = _field_value(f)

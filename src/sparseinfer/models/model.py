@@ -179,6 +179,7 @@ class Transformer(nn.Module):
     def hidden(self, tokens: Tensor, pos: int, cache: KVCache) -> Tensor:
         """Final-normed hidden states (B, T, D) for ``tokens`` (B, T) placed at ``pos``."""
         B, T = tokens.shape
+        tokens = tokens.to(self.device)
         if pos + T > cache.max_seq:
             raise ValueError(f"positions {pos}..{pos + T} exceed the cache size {cache.max_seq}")
         x = self.tok_emb(tokens)  # (B, T, D)
