@@ -37,6 +37,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--device", default="cpu", help="fast-tier device: cpu or cuda")
     sp.add_argument("--vram-budget", type=float, default=None,
                     help="fast-tier budget in GiB (default: the placement stored in the file)")
+    sp.add_argument("--ffn-dtype", default="fp32", choices=["fp32", "bf16", "int8"],
+                    help="storage of the sparse FFN rows (int8: per-row scales)")
     p.add_argument("-v", "--verbose", action="store_true", help="INFO logs and tracebacks")
 
 
@@ -79,7 +81,7 @@ def _engine(args):
         raise SparseInferError(f"-c/--ctx-size: expected at least 8, got {args.ctx_size}")
     return Engine.load(args.model, n_ctx=args.ctx_size, threads=args.threads, dtype=args.dtype,
                        dense=args.dense, threshold=args.sparse_threshold, device=args.device,
-                       vram_budget=args.vram_budget)
+                       vram_budget=args.vram_budget, ffn_dtype=args.ffn_dtype)
 
 
 def _read_text(path: Path) -> str:
@@ -91,6 +93,14 @@ def _read_text(path: Path) -> str:
         raise SparseInferError(f"{path}: expected UTF-8 text: {e}") from None
     except OSError as e:
         raise SparseInferError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _print_sparse(engine) -> None:
+    info = engine.sparse_info
+    if info is not None:
+        print(f"sparse FFN: {info.density():.1%} of neurons computed per token "
+              f"(mode {info.mode}, {info.ffn_dtype}, fast tier {info.device}, "
+              f"{sum(info.hot_counts)} hot neurons)", file=sys.stderr)
 
 
 def _print_timings(fin) -> None:
@@ -124,6 +134,7 @@ def cmd_run(args) -> int:
         if isinstance(ev, FinishEvent):
             print()
             _print_timings(ev)
+            _print_sparse(engine)
         else:
             print(ev.text, end="", flush=True)
     return 0
@@ -181,9 +192,12 @@ def cmd_perplexity(args) -> int:
         bar.update(1)
         bar.set_postfix(ppl=f"{ppl:.4f}")
 
+    if engine.sparse_info is not None:  # score what sparse decoding computes, token by token
+        engine.sparse_info.set_batch_mode("masked")
     t0 = time.perf_counter()
     res = perplexity(engine.model, ids, args.ctx_size, bos, args.chunks, progress)
     bar.close()
+    _print_sparse(engine)
     dt = time.perf_counter() - t0
     print(f"{res.n_scored} tokens scored in {res.n_chunks} chunks, {dt:.1f} s "
           f"({res.n_chunks * args.ctx_size / dt:.1f} tokens/s)", file=sys.stderr)

@@ -6,6 +6,7 @@ that serves several clients runs it from one worker thread.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from typing import Literal, Protocol
 
 from .config import SamplingParams
 from .errors import ContextOverflowError, SparseInferError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class Engine:
         self._cache = self.model.new_cache(1, self.n_ctx)
         self._cached_ids: list[int] = []  # tokens whose keys/values are in the cache
         self._torch = torch
+        self.sparse_info = None  # set by load() when the sparse runtime takes the FFNs
 
     @classmethod
     def load(cls, path=None, *, n_ctx: int | None = None, threads: int | None = None,
@@ -94,7 +98,7 @@ class Engine:
 
         loaded = load_model(path or default_model_path(), dtype=dtype)
         engine = cls(loaded, n_ctx=n_ctx, threads=threads)
-        engine.sparse_info = _maybe_sparsify(loaded, threads, **sparse_options)
+        engine.sparse_info = _maybe_sparsify(loaded, **sparse_options)
         return engine
 
     # ---- text ----------------------------------------------------------------------------------
@@ -229,9 +233,11 @@ def set_threads(n: int) -> None:
     set_kernel_threads(n)
 
 
-def _maybe_sparsify(loaded, threads, **options):
+def _maybe_sparsify(loaded, **options):
     """Hand the model to the sparse runtime when the file carries predictors (see sparse/)."""
     if not any(k.endswith(".fc1.weight") for k in loaded.extras):
+        if options.get("threshold") is not None or options.get("vram_budget") is not None:
+            log.warning("%s has no predictors: sparse options ignored, running dense", loaded.path)
         return None
     from .sparse.runtime import sparsify
 
