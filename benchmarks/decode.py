@@ -1,0 +1,227 @@
+"""Decode speed of sparseinfer (dense and sparse) against transformers and llama.cpp, in one run.
+
+    python benchmarks/decode.py                       # dense SmolLM2 vs transformers
+    python benchmarks/decode.py --sparse out/smollm2.sparse.gguf --ppl-chunks 4
+
+Each engine runs in its own subprocess (clean peak RSS, no shared caches), one after the other,
+on the same prompt with greedy decoding and EOS ignored. Printed per engine: prefill and decode
+tokens/s, bytes of weights read per decoded token, the achieved GB/s against the machine's
+measured read bandwidth (the physical floor), peak RSS, the ratio to transformers and to
+llama.cpp (when `llama-cpp-python` is installed), and optionally held-out perplexity.
+Machines are noisy: compare the ratios of one run, not absolute times across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import resource
+import sys
+import time
+
+PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good "
+          "fortune, must be in want of a wife. However little known the feelings or views of "
+          "such a man may be on his first entering a neighbourhood, this truth is so well fixed "
+          "in the minds of the surrounding families, that he is considered")
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _ours(model, dense: bool, threads: int, n_tokens: int, ppl_chunks: int,
+          ffn_dtype: str) -> dict:
+    import torch
+
+    from sparseinfer.config import SamplingParams
+    from sparseinfer.data import HELDOUT_TEXT
+    from sparseinfer.engine import Engine, FinishEvent
+    from sparseinfer.perplexity import perplexity
+
+    engine = Engine.load(model, n_ctx=1024, threads=threads, dense=dense, ffn_dtype=ffn_dtype)
+    m = engine.model
+    ids = engine.encode(PROMPT)
+    params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
+    list(engine.stream(ids[:8], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+    engine._cached_ids = []  # no prefix reuse: time the whole prompt
+    info = engine.sparse_info
+    if info is not None:
+        info.reset_stats()
+    fin = [e for e in engine.stream(ids, params) if isinstance(e, FinishEvent)][0]
+    density = info.density() if info is not None else 1.0
+
+    # bytes of weights one decoded token reads: every matrix once, the FFN scaled by density,
+    # the embedding table once as the LM head (one embedding row for the input is negligible)
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    attn = sum(nbytes(p) for b in m.layers for p in b.attn.parameters())
+    norms = sum(nbytes(p) for b in m.layers for n in (b.attn_norm, b.ffn_norm)
+                for p in n.parameters())
+    if info is None:
+        ffn = sum(nbytes(p) for b in m.layers for p in b.ffn.parameters())
+        pred = 0
+    else:
+        ffn = sum(mod.d_ff and (nbytes(mod.cold.rows) + (nbytes(mod.cold.scales)
+                  if mod.cold.scales is not None else 0)) for mod in info.modules)
+        ffn += sum(nbytes(mod.hot.rows) for mod in info.modules if mod.hot is not None)
+        ffn = int(ffn * density)
+        pred = sum(nbytes(mod.predictor.fc1) + nbytes(mod.predictor.fc2)
+                   for mod in info.modules if mod.predictor is not None)
+    head = nbytes(m.lm_head.weight)
+    out = {
+        "prefill_tok_s": fin.prompt_tokens / fin.prefill_seconds,
+        "decode_tok_s": (fin.completion_tokens - 1) / fin.decode_seconds,
+        "bytes_per_token": attn + norms + ffn + pred + head,
+        "density": density,
+        "prompt_tokens": fin.prompt_tokens,
+    }
+    if ppl_chunks:
+        if info is not None:
+            info.set_batch_mode("masked")
+            info.reset_stats()
+        toks = engine.tokenizer.encode(HELDOUT_TEXT.read_text(), add_bos=False)
+        out["ppl"] = perplexity(m, toks, 512, None, ppl_chunks).ppl
+        if info is not None:
+            out["ppl_density"] = info.density()
+    out["peak_rss_mb"] = _peak_rss_mb()
+    del torch
+    return out
+
+
+def _transformers(model, threads: int, n_tokens: int, ppl_chunks: int) -> dict:
+    import torch
+    import transformers as tf
+
+    from sparseinfer.data import default_model_path
+
+    torch.set_num_threads(threads)
+    path = model or default_model_path()
+    tok = tf.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+    kw = dict(do_sample=False, pad_token_id=tok.eos_token_id)
+    with torch.no_grad():
+        hf.generate(ids[:, :8], max_new_tokens=8, min_new_tokens=8, **kw)
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        t_prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=n_tokens, min_new_tokens=n_tokens, **kw)
+        t_total = time.perf_counter() - t0
+    n_params = sum(p.numel() for p in hf.parameters())
+    return {
+        "prefill_tok_s": ids.shape[1] / t_prefill,
+        "decode_tok_s": (n_tokens - 1) / max(t_total - t_prefill, 1e-9),
+        "bytes_per_token": 4 * n_params,
+        "density": 1.0,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+def _llama_cpp(model, threads: int, n_tokens: int, ppl_chunks: int) -> dict:
+    from llama_cpp import Llama
+
+    from sparseinfer.data import default_model_path
+
+    path = model or default_model_path()
+    llm = Llama(str(path), n_threads=threads, n_ctx=1024, verbose=False)
+    ids = llm.tokenize(PROMPT.encode())
+    llm.create_completion(PROMPT[:40], max_tokens=8, temperature=0.0)
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    t_prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(n_tokens - 1):
+        tok = llm.sample(temp=0.0)
+        llm.eval([tok])
+    t_dec = time.perf_counter() - t0
+    return {
+        "prefill_tok_s": len(ids) / t_prefill,
+        "decode_tok_s": (n_tokens - 1) / t_dec,
+        "bytes_per_token": path.stat().st_size,  # quantized weights, read once per token
+        "density": 1.0,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+def _child(fn_name, kwargs, conn):
+    try:
+        conn.send(globals()[fn_name](**kwargs))
+    except Exception as e:  # report, don't hang the parent
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+
+
+def run_isolated(fn_name: str, **kwargs) -> dict:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_child, args=(fn_name, kwargs, child))
+    p.start()
+    out = parent.recv()
+    p.join()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default=None, help="dense model (default: embedded SmolLM2)")
+    ap.add_argument("--sparse", default=None, help="sparse GGUF from `sparseinfer convert`")
+    ap.add_argument("--ffn-dtype", default="fp32", choices=["fp32", "bf16", "int8"])
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-n", "--tokens", type=int, default=128)
+    ap.add_argument("--ppl-chunks", type=int, default=0, help="held-out perplexity chunks (512)")
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the raw results as JSON too")
+    args = ap.parse_args()
+
+    from pathlib import Path
+
+    from sparseinfer.bench import measure_read_bandwidth
+
+    model = Path(args.model) if args.model else None
+    bw = measure_read_bandwidth(args.threads)
+    print(f"read bandwidth ({args.threads} threads): {bw:.1f} GB/s", file=sys.stderr)
+    rows = {}
+    common = dict(threads=args.threads, n_tokens=args.tokens, ppl_chunks=args.ppl_chunks)
+    rows["sparseinfer dense fp32"] = run_isolated("_ours", model=model, dense=True,
+                                                  ffn_dtype="fp32", **common)
+    if args.sparse:
+        rows[f"sparseinfer sparse {args.ffn_dtype}"] = run_isolated(
+            "_ours", model=Path(args.sparse), dense=False, ffn_dtype=args.ffn_dtype, **common)
+    if not args.no_transformers:
+        rows["transformers fp32"] = run_isolated("_transformers", model=model, **common)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama-cpp-python not installed: llama.cpp not measured", file=sys.stderr)
+    else:
+        rows["llama.cpp (GGUF as is)"] = run_isolated("_llama_cpp", model=model, **common)
+
+    ref_hf = rows.get("transformers fp32", {}).get("decode_tok_s")
+    ref_cpp = rows.get("llama.cpp (GGUF as is)", {}).get("decode_tok_s")
+    print(f"\n{'engine':28s} {'prefill':>9s} {'decode':>8s} {'MB/tok':>7s} {'GB/s':>6s} "
+          f"{'of BW':>6s} {'floor':>7s} {'density':>7s} {'RSS MB':>7s} {'vs HF':>6s} "
+          f"{'vs cpp':>6s} {'PPL':>8s}")
+    for name, r in rows.items():
+        if "error" in r:
+            print(f"{name:28s} error: {r['error']}")
+            continue
+        gbs = r["bytes_per_token"] * r["decode_tok_s"] / 1e9
+        floor = bw * 1e9 / r["bytes_per_token"]
+        ratio = lambda ref: f"{r['decode_tok_s'] / ref:5.2f}x" if ref else "     -"  # noqa: E731
+        ppl = f"{r['ppl']:8.3f}" if "ppl" in r else "       -"
+        print(f"{name:28s} {r['prefill_tok_s']:7.1f}/s {r['decode_tok_s']:6.1f}/s "
+              f"{r['bytes_per_token'] / 1e6:7.1f} {gbs:6.1f} {gbs / bw:6.0%} {floor:5.1f}/s "
+              f"{r['density']:7.1%} {r['peak_rss_mb']:7.0f} {ratio(ref_hf)} {ratio(ref_cpp)} {ppl}")
+    print("\nfloor = decode tokens/s if every weight byte a token needs were read once at the "
+          "measured bandwidth", file=sys.stderr)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
