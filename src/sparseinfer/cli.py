@@ -231,8 +231,8 @@ def cmd_serve(args) -> int:
     from .server.app import serve
 
     engine = _engine(args)
-    print(f"serving {engine.name} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
-          file=sys.stderr)
+    logging.getLogger("sparseinfer.server").setLevel(logging.INFO)  # the bound address, requests
+    print(f"serving {engine.name} (Ctrl-C to stop)", file=sys.stderr)
     serve(engine, host=args.host, port=args.port, api_key=args.api_key,
           max_queue=args.max_queue)
     return 0

@@ -1,0 +1,303 @@
+"""Load benchmark of the OpenAI-compatible server: concurrent streaming clients over loopback.
+
+    python benchmarks/serve_load.py [--engine real|synthetic] [--clients 1,4,16] [--requests 16]
+                                    [--max-tokens 16] [--max-queue 16] [--budget 120]
+
+The server runs in a child process (its own GIL) on 127.0.0.1, port 0, over the real Engine on
+the embedded default model (SmolLM2-135M) unless ``--engine synthetic`` (a fixed-rate fake that
+measures the server alone). For each concurrency level C, C clients (official ``openai`` async
+client, streaming chat) share at most ``--requests`` requests; no new request starts after
+``--budget`` seconds, and every started one is awaited. Reported per level: completed / failed /
+rejected (429) / lost (must be 0: every request ends in a full answer or an explicit error),
+p50 / p99 time to first token (includes queueing), and aggregate completion tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+TOPICS = [
+    "the sea",
+    "a library",
+    "winter",
+    "bread",
+    "a violin",
+    "the moon",
+    "rivers",
+    "chess",
+    "tea",
+    "bridges",
+    "owls",
+    "a lighthouse",
+    "maps",
+    "rain",
+    "clocks",
+    "gardens",
+]
+
+
+# -- the server process ---------------------------------------------------------------------------
+
+
+class SyntheticEngine:
+    """EngineProtocol at a fixed rate: ``prefill`` s per request, ``per_token`` s per token."""
+
+    name = "synthetic"
+
+    def __init__(self, n_ctx: int = 2048, prefill: float = 0.02, per_token: float = 0.01):
+        self.n_ctx, self.prefill, self.per_token = n_ctx, prefill, per_token
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        return ([1] if add_bos else []) + [3 + b for b in text.encode()]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i - 3 for i in ids if i >= 3).decode(errors="replace")
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode("".join(f"<{m['role']}>{m['content']}\n" for m in messages))
+
+    def stream(self, prompt_ids, params, cancel=None) -> Iterator:
+        from sparseinfer.engine import FinishEvent, TokenEvent
+
+        cancel = cancel or threading.Event()
+        if cancel.wait(self.prefill):
+            yield FinishEvent("cancelled", len(prompt_ids), 0)
+            return
+        n = params.max_tokens if params.max_tokens >= 0 else self.n_ctx - len(prompt_ids)
+        for i in range(n):
+            if cancel.wait(self.per_token):
+                yield FinishEvent("cancelled", len(prompt_ids), i)
+                return
+            yield TokenEvent(100 + i, f" w{i}")
+        yield FinishEvent("length", len(prompt_ids), n)
+
+
+def _server_process(conn, engine_kind: str, n_ctx: int, threads: int, max_queue: int) -> None:
+    from sparseinfer.server.app import ServerThread, create_app
+
+    if engine_kind == "real":
+        from sparseinfer.engine import Engine
+
+        engine = Engine.load(n_ctx=n_ctx, threads=threads)
+    else:
+        engine = SyntheticEngine(n_ctx=n_ctx)
+    with ServerThread(create_app(engine, max_queue=max_queue)) as srv:
+        conn.send((srv.base_url, engine.name))
+        conn.recv()  # any message (or the parent dying) stops the server
+
+
+def real_engine_available() -> bool:
+    try:
+        from sparseinfer.data import default_model_path
+        from sparseinfer.engine import Engine  # noqa: F401
+
+        default_model_path()
+    except Exception:
+        return False
+    return True
+
+
+# -- the clients ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Level:
+    clients: int
+    issued: int = 0
+    completed: int = 0
+    failed: int = 0
+    rejected: int = 0
+    tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    wall: float = 0.0
+
+    @property
+    def lost(self) -> int:
+        return self.issued - self.completed - self.failed - self.rejected
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+async def one_request(client, model: str, i: int, max_tokens: int, level: Level) -> None:
+    import openai
+
+    t0 = time.perf_counter()
+    first = None
+    usage = None
+    finish = None
+    try:
+        stream = await client.chat.completions.create(
+            model=model,
+            max_tokens=max_tokens,
+            temperature=0.7,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            messages=[
+                {"role": "user", "content": f"Write one sentence about {TOPICS[i % len(TOPICS)]}."}
+            ],
+        )
+        async for chunk in stream:
+            if chunk.choices:
+                if first is None and chunk.choices[0].delta.content:
+                    first = time.perf_counter() - t0
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                usage = chunk.usage
+        if usage is None or finish is None:
+            raise RuntimeError("stream ended without finish_reason and usage")
+        level.completed += 1
+        level.tokens += usage.completion_tokens
+        level.ttft.append(first if first is not None else time.perf_counter() - t0)
+    except openai.RateLimitError:
+        level.rejected += 1
+    except Exception as exc:  # noqa: BLE001 - every failure is counted, by kind
+        level.failed += 1
+        key = f"{type(exc).__name__}: {str(exc)[:80]}"
+        level.errors[key] = level.errors.get(key, 0) + 1
+
+
+async def run_level(
+    base_url: str,
+    model: str,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    budget: float,
+    timeout: float,
+) -> Level:
+    import httpx
+    import openai
+
+    level = Level(clients)
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    client = openai.AsyncOpenAI(
+        base_url=base_url,
+        api_key="bench",
+        max_retries=0,
+        timeout=timeout,
+        http_client=openai.DefaultAsyncHttpxClient(limits=limits),
+    )
+    counter = iter(range(requests))
+    t0 = time.perf_counter()
+
+    async def worker() -> None:
+        for i in counter:
+            if time.perf_counter() - t0 > budget:
+                return
+            level.issued += 1
+            await one_request(client, model, i, max_tokens, level)
+
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    level.wall = time.perf_counter() - t0
+    await client.close()
+    return level
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=["auto", "real", "synthetic"], default="auto")
+    p.add_argument("--clients", default="1,4,16", help="comma-separated concurrency levels")
+    p.add_argument("--requests", type=int, default=16, help="requests per level (upper bound)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-queue", type=int, default=16)
+    p.add_argument("--ctx-size", type=int, default=512)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=120.0,
+        help="seconds per level after which no new request starts",
+    )
+    p.add_argument("--timeout", type=float, default=300.0, help="per-request client timeout (s)")
+    p.add_argument("--json", action="store_true", help="also print one JSON line per level")
+    args = p.parse_args()
+
+    kind = args.engine
+    if kind == "auto":
+        kind = "real" if real_engine_available() else "synthetic"
+    levels = [int(c) for c in args.clients.split(",")]
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    t_load = time.perf_counter()
+    proc = ctx.Process(
+        target=_server_process,
+        daemon=True,
+        args=(child, kind, args.ctx_size, args.threads, args.max_queue),
+    )
+    proc.start()
+    if not parent.poll(600):
+        proc.kill()
+        raise SystemExit("server did not start within 600 s")
+    base_url, model = parent.recv()
+    ready = time.perf_counter() - t_load
+    print(
+        f"engine={kind} model={model} server={base_url} (ready in {ready:.1f} s)"
+        f" max_tokens={args.max_tokens} max_queue={args.max_queue} requests/level<={args.requests}"
+    )
+    results: list[Level] = []
+    try:
+        # one warm-up request (first-call compilation and allocation) outside the measurements
+        asyncio.run(run_level(base_url, model, 1, 1, args.max_tokens, args.budget, args.timeout))
+        print(
+            f"{'clients':>7} {'issued':>6} {'done':>5} {'failed':>6} {'429':>4} {'lost':>4} "
+            f"{'ttft p50':>9} {'ttft p99':>9} {'tok/s':>7} {'wall s':>7}"
+        )
+        for c in levels:
+            lv = asyncio.run(
+                run_level(
+                    base_url, model, c, args.requests, args.max_tokens, args.budget, args.timeout
+                )
+            )
+            results.append(lv)
+            print(
+                f"{c:>7} {lv.issued:>6} {lv.completed:>5} {lv.failed:>6} {lv.rejected:>4} "
+                f"{lv.lost:>4} {pct(lv.ttft, 0.5):>8.3f}s {pct(lv.ttft, 0.99):>8.3f}s "
+                f"{lv.tokens / lv.wall if lv.wall else 0:>7.1f} {lv.wall:>7.1f}"
+            )
+            for err, n in lv.errors.items():
+                print(f"        {n} x {err}")
+            if args.json:
+                print(
+                    json.dumps(
+                        {
+                            "engine": kind,
+                            "clients": c,
+                            "issued": lv.issued,
+                            "completed": lv.completed,
+                            "failed": lv.failed,
+                            "rejected": lv.rejected,
+                            "lost": lv.lost,
+                            "ttft_p50": pct(lv.ttft, 0.5),
+                            "ttft_p99": pct(lv.ttft, 0.99),
+                            "ttft_mean": statistics.fmean(lv.ttft) if lv.ttft else None,
+                            "tokens": lv.tokens,
+                            "wall": lv.wall,
+                        }
+                    )
+                )
+    finally:
+        parent.send("stop")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return 1 if any(lv.lost for lv in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""Small helpers shared by the server tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import httpx
+import openai
+
+from sparseinfer.server.app import ServerThread
+
+
+def openai_client(srv: ServerThread, api_key: str = "unused", **kw) -> openai.OpenAI:
+    """The official client pointed at ``srv``; no retries, so a 429 surfaces as an error."""
+    kw.setdefault("timeout", 10.0)
+    return openai.OpenAI(base_url=srv.base_url, api_key=api_key, max_retries=0, **kw)
+
+
+def health(srv: ServerThread) -> dict:
+    return httpx.get(srv.url + "/health", timeout=5.0).json()
+
+
+def wait_until(
+    predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005
+) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` passes; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def assert_error(
+    resp: httpx.Response, status: int, *, param: str | None = None, code: str | None = None
+) -> dict:
+    """``resp`` is an OpenAI-shaped error with ``status`` (and ``param`` / ``code`` if given)."""
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+        assert param.split(".")[0].split("[")[0] in err["message"], err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
