@@ -1,0 +1,169 @@
+"""Sparse FFN kernels vs the dense FFN and vs the memory-bandwidth floor.
+
+    python benchmarks/kernels.py [-t THREADS] [--quick]
+
+For a Llama-7B FFN (4096 x 11008, SwiGLU) and SmolLM2-135M's (576 x 1536, SwiGLU), each storage
+dtype and density: time of ``kernels.sparse_ffn`` on a random active set, the effective bandwidth
+of the bytes it must read (active neurons' bundled rows + scales), that as a share of the measured
+read bandwidth, and the speedup over the best dense torch FFN of the same weights in the same run.
+
+Honest-timing rules: every call gets a different layer (a pool of copies larger than the L3
+cache, like the layers of a real model) and a different random active set, so nothing is served
+from cache. The headline time is the best single call (the same rule as
+``measure_read_bandwidth``, and the one that filters out other processes on a shared machine);
+the median is shown beside it, and the 1-minute load average is printed so a reader can judge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+
+from sparseinfer.bench import measure_read_bandwidth
+from sparseinfer.sparse import kernels
+from sparseinfer.sparse.packed import PackedFFN, empty_hugepages
+
+log = logging.getLogger("benchmarks.kernels")
+
+SHAPES = {"llama-7b": (4096, 11008), "smollm2-135m": (576, 1536)}
+DENSITIES = (0.05, 0.10, 0.20, 0.50)
+DTYPES = (("fp32", 0), ("bf16", 0), ("int8", 0), ("int8", 32))
+POOL_BYTES = 512 * 2**20  # >= 16x the 32 MiB L3 of these machines
+MAX_LAYERS = 128
+
+
+def dtype_name(dtype: str, block: int, d: int) -> str:
+    return "int8/row" if dtype == "int8" and block in (0, d) else f"int8/{block}" if block else dtype
+
+
+def pool_of(ffn: PackedFFN, nbytes: int) -> list[PackedFFN]:
+    """Copies of one layer (own memory) adding up to >= ``POOL_BYTES``."""
+    n = max(2, min(MAX_LAYERS, math.ceil(POOL_BYTES / nbytes)))
+    clone = lambda t: None if t is None else t.clone()  # noqa: E731
+    layers = [ffn]
+    for _ in range(n - 1):
+        rows = empty_hugepages(tuple(ffn.rows.shape), ffn.rows.dtype)  # as from_dense allocates
+        rows.copy_(ffn.rows)
+        layers.append(replace(ffn, rows=rows, scales=clone(ffn.scales), up_bias=clone(ffn.up_bias)))
+    return layers
+
+
+def call_times(fn, n_calls: int) -> list[float]:
+    """Seconds of each of ``n_calls`` calls ``fn(i)`` (after one warm-up call)."""
+    fn(0)
+    out = []
+    for i in range(1, n_calls + 1):
+        t0 = time.perf_counter()
+        fn(i)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def time_dense(base: PackedFFN, x: torch.Tensor, weights: str, n_calls: int) -> list[float]:
+    """Per-call seconds of the dense FFN over a pool of layers with their own dense copies."""
+    out = torch.empty(base.d_model)
+    kernels.dense_ffn_ref(x, base, out, weights=weights)  # builds base's dense copy
+    key = f"dense_{weights}"
+    tensors = base._cache[key]
+    dense_bytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    n = max(2, min(MAX_LAYERS, math.ceil(POOL_BYTES / dense_bytes)))
+    layers = [base]
+    for _ in range(n - 1):  # share the packed rows; own dense copies
+        layer = replace(base)
+        layer._cache[key] = tuple(None if t is None else t.clone() for t in tensors)
+        layers.append(layer)
+    ts = call_times(lambda i: kernels.dense_ffn_ref(x, layers[i % n], out, weights=weights), n_calls)
+    for layer in layers:
+        layer._cache.pop(key, None)
+    return ts
+
+
+def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: int) -> None:
+    torch.set_num_threads(threads)
+    kernels.set_threads(threads)
+    kernels.warmup()
+    bw = measure_read_bandwidth(threads)
+    print(f"# {threads} threads; measured read bandwidth {bw:.1f} GB/s; "
+          f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print("# times: best call (p50 in brackets) of calls cycling over a pool of layer copies "
+          f">= {POOL_BYTES >> 20} MiB and 16 random active sets")  # fmt: skip
+    hdr = (f"{'model':<13} {'dtype':<8} {'dens':>4} {'k':>5} {'sparse (p50)':>20} {'MB':>6} "
+           f"{'GB/s':>5} {'%bw':>4} {'dense (p50)':>20} {'dense path':<13} {'speedup':>7}")  # fmt: skip
+    print(hdr)
+    print("-" * len(hdr))
+    g = torch.Generator().manual_seed(0)
+    for name in shapes:
+        d, f = SHAPES[name]
+        gate = torch.randn(f, d, generator=g) / math.sqrt(d)
+        up = torch.randn(f, d, generator=g) / math.sqrt(d)
+        down = torch.randn(d, f, generator=g) / math.sqrt(f)
+        x = torch.randn(d, generator=g)
+        out = torch.empty(d)
+        dense_fp32 = None
+        for dtype, block in DTYPES:
+            base = PackedFFN.from_dense("swiglu", gate, up, down, dtype=dtype, block=block)
+            # dense baseline: torch's fastest path for these weights, measured now
+            paths = {"F.linear fp32": "fp32"}
+            if dtype == "bf16":
+                paths["F.linear bf16"] = "stored"
+            if dtype == "int8" and base.block == d:
+                paths["int8pack_mm"] = "stored"
+            dense = {}
+            for label, w in paths.items():
+                if w == "fp32" and dense_fp32 is not None:
+                    dense[label] = dense_fp32
+                    continue
+                dense[label] = time_dense(base, x, w, max(8, n_calls // 4))
+                if w == "fp32":
+                    dense_fp32 = dense[label]
+                gc.collect()
+            dense_label = min(dense, key=lambda k: min(dense[k]))
+            t_dense = min(dense[dense_label])
+            pool = pool_of(base, base.nbytes)
+            for density in densities:
+                k = round(f * density)
+                sets = [torch.sort(torch.randperm(f, generator=g)[:k])[0].to(torch.int32) for _ in range(16)]
+                n = len(pool)
+
+                def call(i: int) -> None:
+                    kernels.sparse_ffn(x, pool[i % n], sets[i % 16], out)
+
+                ts = call_times(call, max(n_calls, n))
+                t = min(ts)
+                nbytes = k * base.bytes_per_neuron
+                gbs = nbytes / t / 1e9
+                print(f"{name:<13} {dtype_name(dtype, block, d):<8} {density:>4.0%} {k:>5} "
+                      f"{fmt_time(t):>9} ({fmt_time(statistics.median(ts)):>8}) "
+                      f"{nbytes / 1e6:>6.2f} {gbs:>5.1f} {gbs / bw:>4.0%} "
+                      f"{fmt_time(t_dense):>9} ({fmt_time(statistics.median(dense[dense_label])):>8}) "
+                      f"{dense_label:<13} {t_dense / t:>6.1f}x")  # fmt: skip
+            del pool, base
+            gc.collect()
+    print(f"# load average at the end {os.getloadavg()[0]:.2f}")
+
+
+def fmt_time(t: float) -> str:
+    return f"{t * 1e6:.0f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="10%% density only, fewer calls")
+    p.add_argument("--shape", choices=sorted(SHAPES), action="append", help="default: all")
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    densities = (0.10,) if a.quick else DENSITIES
+    run(a.threads, a.shape or list(SHAPES), densities, n_calls=32 if a.quick else 96)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Benchmark helpers shared by ``benchmarks/*.py`` and ``sparseinfer bench``.
+
+``measure_read_bandwidth`` is the physical floor every decode benchmark is judged against: a
+token has to read the weights it uses at least once, so bytes / bandwidth is the best time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+log = logging.getLogger(__name__)
+
+
+@njit(fastmath=True, cache=True)
+def _sum4(a: np.ndarray, start: int, end: int) -> float:
+    """Sum of a[start:end] read as 4 concurrent streams (one per quarter), like a kernel that
+    walks 4 rows at a time: one stream per core leaves bandwidth unused on these CPUs."""
+    q = (end - start) // 4
+    b0 = a[start : start + q]
+    b1 = a[start + q : start + 2 * q]
+    b2 = a[start + 2 * q : start + 3 * q]
+    b3 = a[start + 3 * q : start + 4 * q]
+    s0 = s1 = s2 = s3 = np.float32(0.0)
+    for j in range(q):  # from 0 over slices: no negative-index wraparound, so it vectorises
+        s0 += b0[j]
+        s1 += b1[j]
+        s2 += b2[j]
+        s3 += b3[j]
+    tail = a[start + 4 * q : end]
+    for j in range(tail.shape[0]):
+        s0 += tail[j]
+    return s0 + s1 + s2 + s3
+
+
+@njit(parallel=True, cache=True)
+def _parallel_sum(a: np.ndarray, n_chunks: int) -> float:
+    # The loop body is its own function: numba does not apply fastmath inside a prange body, and
+    # without reassociation the sum is one dependency chain (~3 GB/s instead of streaming).
+    n = a.shape[0]
+    per = (n + n_chunks - 1) // n_chunks
+    parts = np.zeros(n_chunks, np.float32)
+    for t in prange(n_chunks):
+        parts[t] = _sum4(a, t * per, min(n, (t + 1) * per))
+    return parts.sum()
+
+
+def measure_read_bandwidth(threads: int, nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Best-of-``repeats`` read bandwidth (GB/s, 1e9 B/s) of a ``threads``-thread streaming sum
+    (each thread reads its part as 4 concurrent streams)."""
+    if threads < 1:
+        raise ValueError(f"threads: expected >= 1, got {threads}")
+    a = np.ones(nbytes // 4, np.float32)  # touched, so no page faults in the timed runs
+    prev = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        _parallel_sum(a, threads)  # compile / warm
+        best = min(timeit(lambda: _parallel_sum(a, threads), repeats=repeats, number=1))
+    finally:
+        numba.set_num_threads(prev)
+    return a.nbytes / best / 1e9
+
+
+def timeit(fn: Callable[[], object], repeats: int = 5, number: int = 1) -> list[float]:
+    """Seconds per call of ``fn`` for each of ``repeats`` runs of ``number`` calls."""
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        out.append((time.perf_counter() - t0) / number)
+    return out

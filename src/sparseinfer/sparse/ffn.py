@@ -1,0 +1,185 @@
+"""The sparse FFN module that replaces a dense ``FFN`` in the transformer.
+
+Per decoded token: the predictor (or, in oracle mode, the true activations) gives the active set;
+only those neurons' bundled rows are read. Neurons are stored hot-first, so the fast tier holds
+neurons ``[0, n_hot)`` and the slow tier (always the CPU) ``[n_hot, d_ff)``; each tier computes its
+own active neurons and the results merge on the fast device. Prefill (several tokens at once)
+runs the dense product on the same bundled rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..config import FFN_KINDS
+from . import kernels
+from .packed import PackedFFN
+from .reference import neuron_coefs, sparse_ffn_ref
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Predictor:
+    """``logits = fc2 @ relu(fc1 @ x) (+ bias)``; neuron i is predicted active iff logit >= threshold."""
+
+    fc1: Tensor  # [r, d_model] fp32
+    fc2: Tensor  # [d_ff, r] fp32
+    threshold: float = 0.0
+    bias: Tensor | None = None  # [d_ff]
+
+    @property
+    def n_params(self) -> int:
+        return self.fc1.numel() + self.fc2.numel() + (0 if self.bias is None else self.bias.numel())
+
+    def logits(self, x: Tensor) -> Tensor:
+        z = self.fc2 @ torch.relu(self.fc1 @ x)
+        return z if self.bias is None else z + self.bias
+
+
+@dataclass
+class FFNStats:
+    tokens: int = 0
+    active: int = 0  # neurons computed, summed over tokens
+
+    def density(self, d_ff: int) -> float:
+        return self.active / max(self.tokens * d_ff, 1)
+
+
+class SparseFFN(nn.Module):
+    """Drop-in replacement for ``models.model.FFN`` (same forward signature)."""
+
+    def __init__(self, packed: PackedFFN, down_bias: Tensor | None, predictor: Predictor | None,
+                 mode: str = "predictor", n_hot: int = 0, fast_device: str | torch.device = "cpu",
+                 oracle_threshold: float = 0.0, split_tiers: bool | None = None):
+        super().__init__()
+        if mode not in ("predictor", "oracle"):
+            raise ValueError(f"mode: expected 'predictor' or 'oracle', got {mode!r}")
+        if mode == "predictor" and predictor is None:
+            raise ValueError("mode 'predictor' needs a predictor")
+        self.kind = FFN_KINDS[packed.kind]
+        self.d_ff, self.d_model = packed.d_ff, packed.d_model
+        self.mode, self.predictor = mode, predictor
+        self.oracle_threshold = oracle_threshold
+        self.fast = torch.device(fast_device)
+        self.n_hot = int(n_hot)
+        # one tier when everything lives on the CPU (unless a test asks for the split path)
+        self.split = (self.fast.type != "cpu") if split_tiers is None else split_tiers
+        self.split = self.split and 0 < self.n_hot
+        if self.split:
+            self.hot = _to_device(packed.select(torch.arange(self.n_hot)), self.fast)
+            self.cold = packed.select(torch.arange(self.n_hot, self.d_ff))
+        else:
+            self.hot, self.cold = None, packed
+        self.packed = packed if not self.split else None
+        self.down_bias = down_bias
+        self._idx = torch.empty(self.d_ff, dtype=torch.int32)
+        self._out = torch.empty(self.d_model, dtype=torch.float32)
+        self._out_cold = torch.empty(self.d_model, dtype=torch.float32)
+        self.stats = FFNStats()
+        # several tokens at once: "dense" computes every neuron (fast prefill); "masked" keeps
+        # each token's own active set (what decode computes), for perplexity of the sparse model
+        self.batch_mode = "dense"
+
+    # ---- active set ----------------------------------------------------------------------------
+
+    def active(self, x: Tensor) -> Tensor:
+        """Ascending int32 indices of the neurons to compute for the 1-D input ``x``."""
+        if self.mode == "oracle":
+            h = self._coefs_dense(x)
+            score = h.abs()
+            keep = score > 0 if self.kind.relu_sparse else score >= self.oracle_threshold
+            return torch.nonzero(keep).reshape(-1).to(torch.int32)
+        p = self.predictor
+        if p.bias is None and x.device.type == "cpu":
+            k = kernels.predict_active(x, p.fc1, p.fc2, p.threshold, self._idx)
+            return self._idx[:k]
+        return torch.nonzero(p.logits(x) >= p.threshold).reshape(-1).to(torch.int32)
+
+    def _rows(self) -> list[tuple[PackedFFN, int]]:
+        return [(self.hot, 0), (self.cold, self.n_hot)] if self.split else [(self.packed, 0)]
+
+    def _coefs_dense(self, x: Tensor) -> Tensor:
+        """True coefficients h of every neuron for input(s) x (..., d_model)."""
+        parts = []
+        for ffn, _ in self._rows():
+            if ffn.d_ff:
+                xx = x.to(ffn.rows.device)
+                parts.append(neuron_coefs(xx, ffn, ffn.rows_fp32(), ffn.up_bias).to(x.device))
+        return torch.cat(parts, dim=-1)
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, D = x.shape
+        if B * T > 1:
+            return self._dense(x)
+        xv = x.reshape(D).float()
+        idx = self.active(xv)
+        self.stats.tokens += 1
+        self.stats.active += int(idx.numel())
+        out = self._sparse(xv, idx)
+        if self.down_bias is not None:
+            out = out + self.down_bias
+        return out.to(x.dtype).reshape(B, T, D)
+
+    def _sparse(self, x: Tensor, idx: Tensor) -> Tensor:
+        if not self.split:
+            if x.device.type == "cpu":
+                return kernels.sparse_ffn(x, self.packed, idx, self._out)
+            return sparse_ffn_ref(x, self.packed, idx, torch.empty_like(x))
+        # indices are ascending: [0, n_hot) belong to the fast tier, the rest to the CPU tier
+        cut = int(torch.searchsorted(idx, torch.tensor(self.n_hot, dtype=idx.dtype)))
+        hot_idx, cold_idx = idx[:cut], idx[cut:] - self.n_hot
+        x_fast = x.to(self.fast, non_blocking=True)
+        # launch the fast tier first: on CUDA it runs asynchronously while the CPU works
+        out = sparse_ffn_ref(x_fast, self.hot, hot_idx.to(self.fast, non_blocking=True),
+                             torch.empty(self.d_model, device=self.fast))
+        x_cpu = x.cpu()
+        cold = kernels.sparse_ffn(x_cpu, self.cold, cold_idx.cpu(), self._out_cold)
+        return out + cold.to(self.fast, non_blocking=True)
+
+    def _mask(self, x: Tensor, h: Tensor) -> Tensor:
+        """Per-token active mask (..., d_ff) for inputs x and their true coefficients h."""
+        if self.mode == "oracle":
+            return h != 0 if self.kind.relu_sparse else h.abs() >= self.oracle_threshold
+        p = self.predictor
+        z = torch.relu(x @ p.fc1.t()) @ p.fc2.t()
+        if p.bias is not None:
+            z = z + p.bias
+        return z >= p.threshold
+
+    def _dense(self, x: Tensor) -> Tensor:
+        """A batch of tokens (prefill) from the bundled rows: all neurons, or with
+        ``batch_mode == "masked"`` only each token's own active set."""
+        xf = x.float()
+        mask = None
+        if self.batch_mode == "masked":
+            mask = self._mask(xf, self._coefs_dense(xf))
+            self.stats.tokens += mask[..., 0].numel()
+            self.stats.active += int(mask.sum())
+        out = None
+        for ffn, start in self._rows():
+            if not ffn.d_ff:
+                continue
+            rows = ffn.rows_fp32()  # fp32: a view, no copy
+            xx = xf.to(rows.device)
+            h = neuron_coefs(xx, ffn, rows, ffn.up_bias)
+            if mask is not None:
+                h = h * mask[..., start:start + ffn.d_ff].to(h.device)
+            part = (h @ rows[:, -1]).to(x.device)
+            out = part if out is None else out + part
+        if self.down_bias is not None:
+            out = out + self.down_bias
+        return out.to(x.dtype)
+
+
+def _to_device(p: PackedFFN, device: torch.device) -> PackedFFN:
+    from dataclasses import replace
+
+    mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return replace(p, rows=mv(p.rows), scales=mv(p.scales), up_bias=mv(p.up_bias))

@@ -1,0 +1,598 @@
+"""Fused numba kernels for the neuron-aware operators; references with the same signatures are in
+``reference.py``.
+
+The sparse FFN splits the active list into one chunk per thread (``prange`` over chunks); each
+chunk walks its neurons four at a time — the 4 neurons' gate and up dot products in one loop
+(8 memory streams in flight), then their 4 down rows in one axpy loop — into that thread's row of a
+preallocated ``[n_threads, d_model]`` scratch, which is summed into ``out``. The rows are read in
+place (no gather copy), one contiguous bundle per neuron. bf16 rows are passed as uint16 and
+widened by ``<< 16`` into float32 bits; int8 rows are multiplied by their per-block scale once per
+block. Everything accumulates in float32.
+
+Threads: numba's, set with ``set_threads(n)`` (the calling thread's setting, like
+``numba.set_num_threads``). Buffers are cached per (thread, shape); none is allocated per call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import NamedTuple
+
+import numba
+import numpy as np
+import torch
+import torch.nn.functional as F
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core.extending import intrinsic, overload
+
+from ..config import FFN_KINDS
+from .packed import PackedFFN, n_blocks
+from .reference import ACTS, check_batch_args, check_ffn_args, check_predict_args
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "dense_ffn_ref",
+    "get_threads",
+    "predict_active",
+    "set_threads",
+    "sparse_ffn",
+    "sparse_ffn_batch",
+    "sparse_ffn_predicted",
+    "warmup",
+]
+
+# Reassociation (vectorised reductions) and FMA contraction, but keep inf/NaN semantics
+# (``fastmath=True`` would also assume no inf/NaN, which silu/gelu of large inputs can produce).
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+
+# Activation codes, by FFNKind.gate_act / up_act name.
+ACT_CODES: dict[str | None, int] = {None: 0, "relu": 1, "silu": 2, "gelu": 3}
+
+
+def _jit(**kw):
+    """``njit`` with on-disk caching; if the cache dir is unusable, compile without it."""
+
+    def deco(fn):
+        try:
+            return njit(cache=True, fastmath=FASTMATH, **kw)(fn)
+        except Exception as e:  # pragma: no cover - depends on the install
+            log.warning("numba cache unavailable for %s (%s); compiling uncached", fn.__name__, e)
+            return njit(cache=False, fastmath=FASTMATH, **kw)(fn)
+
+    return deco
+
+
+# --------------------------------------------------------------------------- element loads
+
+
+@intrinsic
+def _bf16_bits_to_f32(typingctx, v):
+    """uint16/int16 bf16 bits → float32 (``bits << 16`` reinterpreted)."""
+    if not (isinstance(v, types.Integer) and v.bitwidth == 16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        w = builder.zext(args[0], ir.IntType(32))
+        w = builder.shl(w, ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(w, ir.FloatType())
+
+    return types.float32(v), codegen
+
+
+def _f32(v):  # pragma: no cover - replaced by the overload inside numba
+    raise NotImplementedError
+
+
+@overload(_f32, inline="always")
+def _f32_ov(v):
+    if v == types.float32:
+        return lambda v: v
+    if isinstance(v, types.Integer) and v.bitwidth == 16:
+        return lambda v: _bf16_bits_to_f32(v)
+    if v == types.int8:
+        return lambda v: np.float32(v)
+    return None
+
+
+@_jit(inline="always")
+def _act(z, code):
+    if code == 0:
+        return z
+    if code == 1:
+        return max(z, np.float32(0.0))
+    if code == 2:
+        return np.float32(z / (1.0 + math.exp(-z)))
+    return np.float32(0.5 * z * (1.0 + math.erf(z * 0.7071067811865476)))
+
+
+# --------------------------------------------------------------------------- sparse FFN core
+
+
+@_jit()
+def _walk(x, rows, scales, bias, idx, start, end, gated, ga, ua, block, acc):
+    """acc[t] += sum_{c in [start, end)} h_t(idx[c]) * down_t[idx[c]] for each token t.
+
+    x, acc: ``[T, d]``. Neurons go four at a time: their gate/up dot products in one loop, then
+    their down rows in one axpy loop. The group's rows are re-read from cache for tokens after
+    the first. A last group of fewer than 4 repeats its first neuron with h forced to 0 (cached
+    rows again), so there is a single code path. ``scales`` has 0 blocks when unscaled. Loops run
+    over unsigned indices: with signed ones numba keeps negative-index wraparound, which stops
+    LLVM from vectorising (5-10x slower).
+    """
+    T = x.shape[0]
+    d = x.shape[1]
+    nb = scales.shape[2]
+    scaled = nb > 0
+    if not scaled:
+        nb = 1
+        block = d
+    m_up = 1 if gated else 0
+    m_dn = 2 if gated else 1
+    has_bias = bias.shape[0] > 0
+    zero = np.float32(0.0)
+    for c in range(start, end, 4):
+        n_live = min(4, end - c)
+        i0 = idx[c]
+        i1 = idx[c + 1] if n_live > 1 else i0
+        i2 = idx[c + 2] if n_live > 2 else i0
+        i3 = idx[c + 3] if n_live > 3 else i0
+        u0 = rows[i0, m_up]
+        u1 = rows[i1, m_up]
+        u2 = rows[i2, m_up]
+        u3 = rows[i3, m_up]
+        g0 = rows[i0, 0]
+        g1 = rows[i1, 0]
+        g2 = rows[i2, 0]
+        g3 = rows[i3, 0]
+        w0 = rows[i0, m_dn]
+        w1 = rows[i1, m_dn]
+        w2 = rows[i2, m_dn]
+        w3 = rows[i3, m_dn]
+        for t in range(T):
+            xt = x[t]
+            # --- up (and gate) dot products, 4 neurons interleaved
+            a0 = a1 = a2 = a3 = zero  # up
+            b0 = b1 = b2 = b3 = zero  # gate
+            for blk in range(nb):
+                lo = np.uint64(blk * block)
+                hi = np.uint64(min(blk * block + block, d))
+                p0 = p1 = p2 = p3 = zero
+                q0 = q1 = q2 = q3 = zero
+                if gated:
+                    for j in range(lo, hi):
+                        xj = xt[j]
+                        p0 += _f32(u0[j]) * xj
+                        p1 += _f32(u1[j]) * xj
+                        p2 += _f32(u2[j]) * xj
+                        p3 += _f32(u3[j]) * xj
+                        q0 += _f32(g0[j]) * xj
+                        q1 += _f32(g1[j]) * xj
+                        q2 += _f32(g2[j]) * xj
+                        q3 += _f32(g3[j]) * xj
+                else:
+                    for j in range(lo, hi):
+                        xj = xt[j]
+                        p0 += _f32(u0[j]) * xj
+                        p1 += _f32(u1[j]) * xj
+                        p2 += _f32(u2[j]) * xj
+                        p3 += _f32(u3[j]) * xj
+                if scaled:
+                    p0 *= scales[i0, m_up, blk]
+                    p1 *= scales[i1, m_up, blk]
+                    p2 *= scales[i2, m_up, blk]
+                    p3 *= scales[i3, m_up, blk]
+                    q0 *= scales[i0, 0, blk]
+                    q1 *= scales[i1, 0, blk]
+                    q2 *= scales[i2, 0, blk]
+                    q3 *= scales[i3, 0, blk]
+                a0 += p0
+                a1 += p1
+                a2 += p2
+                a3 += p3
+                b0 += q0
+                b1 += q1
+                b2 += q2
+                b3 += q3
+            if gated:
+                h0 = _act(b0, ga) * _act(a0, ua)
+                h1 = _act(b1, ga) * _act(a1, ua)
+                h2 = _act(b2, ga) * _act(a2, ua)
+                h3 = _act(b3, ga) * _act(a3, ua)
+            else:
+                if has_bias:
+                    a0 += bias[i0]
+                    a1 += bias[i1]
+                    a2 += bias[i2]
+                    a3 += bias[i3]
+                h0 = _act(a0, ua)
+                h1 = _act(a1, ua)
+                h2 = _act(a2, ua)
+                h3 = _act(a3, ua)
+            if n_live < 4:
+                h3 = zero
+                if n_live < 3:
+                    h2 = zero
+                    if n_live < 2:
+                        h1 = zero
+            if h0 == 0 and h1 == 0 and h2 == 0 and h3 == 0:
+                continue  # ReLU-family neurons that came out inactive: skip their down rows
+            # --- down rows: acc += h * down_t, 4 neurons interleaved
+            at = acc[t]
+            for blk in range(nb):
+                lo = np.uint64(blk * block)
+                hi = np.uint64(min(blk * block + block, d))
+                c0 = h0
+                c1 = h1
+                c2 = h2
+                c3 = h3
+                if scaled:
+                    c0 *= scales[i0, m_dn, blk]
+                    c1 *= scales[i1, m_dn, blk]
+                    c2 *= scales[i2, m_dn, blk]
+                    c3 *= scales[i3, m_dn, blk]
+                for j in range(lo, hi):
+                    at[j] += (
+                        c0 * _f32(w0[j]) + c1 * _f32(w1[j]) + c2 * _f32(w2[j]) + c3 * _f32(w3[j])
+                    )
+
+
+@_jit(parallel=True)
+def _sparse_ffn_kernel(x, rows, scales, bias, idx, gated, ga, ua, block, scratch, out):
+    """x, out ``[T, d]``; scratch ``[n_chunks, T, d]``: one chunk of the active list per thread.
+
+    The loop bodies live in ``_walk``: numba does not apply fastmath inside a prange body.
+    Returns the position in idx of the first out-of-range index (then nothing is computed), or -1.
+    """
+    nc = scratch.shape[0]
+    k = idx.shape[0]
+    n = rows.shape[0]
+    for c in range(k):
+        if idx[c] < 0 or idx[c] >= n:
+            return c
+    per = ((k + nc - 1) // nc + 3) // 4 * 4  # chunk length, a multiple of 4
+    for t in prange(nc):
+        acc = scratch[t]
+        acc[:, :] = 0.0
+        s = t * per
+        e = min(k, s + per)
+        if s < e:
+            _walk(x, rows, scales, bias, idx, s, e, gated, ga, ua, block, acc)
+    _sum_first_axis(scratch, out)
+    return -1
+
+
+@_jit()
+def _sum_first_axis(scratch, out):
+    nc = scratch.shape[0]
+    T = scratch.shape[1]
+    d = scratch.shape[2]
+    for t in range(T):
+        o = out[t]
+        s0 = scratch[0, t]
+        for j in range(d):
+            o[j] = s0[j]
+        for c in range(1, nc):
+            sc = scratch[c, t]
+            for j in range(d):
+                o[j] += sc[j]
+
+
+# --------------------------------------------------------------------------- predictor
+
+
+@_jit()
+def _gemv_rows(w, x, start, end, y):
+    """y[r] = w[r] · x for r in [start, end), four rows at a time."""
+    d = x.shape[0]
+    r = start
+    while r + 4 <= end:  # inner loops start at 0, so numba's negative-index wraparound folds away
+        w0 = w[r]
+        w1 = w[r + 1]
+        w2 = w[r + 2]
+        w3 = w[r + 3]
+        s0 = s1 = s2 = s3 = np.float32(0.0)
+        for j in range(d):
+            xj = x[j]
+            s0 += w0[j] * xj
+            s1 += w1[j] * xj
+            s2 += w2[j] * xj
+            s3 += w3[j] * xj
+        y[r] = s0
+        y[r + 1] = s1
+        y[r + 2] = s2
+        y[r + 3] = s3
+        r += 4
+    while r < end:
+        w0 = w[r]
+        s0 = np.float32(0.0)
+        for j in range(d):
+            s0 += w0[j] * x[j]
+        y[r] = s0
+        r += 1
+
+
+@_jit(parallel=True)
+def _predict_kernel(x, fc1, fc2, threshold, hidden, logits, counts, out_idx):
+    nt = counts.shape[0]
+    r = fc1.shape[0]
+    n = fc2.shape[0]
+    per1 = ((r + nt - 1) // nt + 3) // 4 * 4
+    for t in prange(nt):
+        s = t * per1
+        e = min(r, s + per1)
+        if s < e:
+            _gemv_rows(fc1, x, s, e, hidden)
+            for i in range(s, e):
+                hidden[i] = max(hidden[i], np.float32(0.0))
+    per2 = ((n + nt - 1) // nt + 3) // 4 * 4
+    for t in prange(nt):
+        s = t * per2
+        e = min(n, s + per2)
+        c = 0
+        if s < e:
+            _gemv_rows(fc2, hidden, s, e, logits)
+            for i in range(s, e):
+                if logits[i] >= threshold:
+                    out_idx[s + c] = i
+                    c += 1
+        counts[t] = c
+    k = counts[0]
+    for t in range(1, nt):
+        s = t * per2
+        for c in range(counts[t]):
+            out_idx[k + c] = out_idx[s + c]
+        k += counts[t]
+    return k
+
+
+# --------------------------------------------------------------------------- Python wrappers
+
+
+class _Views(NamedTuple):
+    rows: np.ndarray  # float32 / uint16 (bf16 bits) / int8, [d_ff, n_mats, d_model]
+    scales: np.ndarray  # float32 [d_ff, n_mats, nb]; nb = 0 when unscaled
+    bias: np.ndarray  # float32 [d_ff] or [0]
+    gated: bool
+    ga: int
+    ua: int
+    block: int
+
+
+def _views(ffn: PackedFFN) -> _Views:
+    v = ffn._cache.get("views")
+    if v is None:
+        if ffn.dtype == "bf16":
+            rows = ffn.rows.view(torch.int16).numpy().view(np.uint16)
+        else:
+            rows = ffn.rows.numpy()
+        if ffn.scales is not None:
+            scales = ffn.scales.numpy()
+        else:
+            scales = np.zeros((ffn.d_ff, ffn.n_mats, 0), np.float32)
+        bias = ffn.up_bias.numpy() if ffn.up_bias is not None else np.zeros(0, np.float32)
+        kind = FFN_KINDS[ffn.kind]
+        ga = ACT_CODES[kind.gate_act] if kind.gated else 0
+        v = _Views(rows, scales, bias, kind.gated, ga, ACT_CODES[kind.up_act], ffn.block)
+        ffn._cache["views"] = v
+    return v
+
+
+_local = threading.local()
+
+
+def _buffer(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A reusable scratch array of the calling thread (contents undefined).
+
+    One flat buffer per name, grown when a larger shape is asked for, so varying batch sizes
+    don't pile up buffers.
+    """
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    n = math.prod(shape)
+    b = bufs.get(name)
+    if b is None or b.shape[0] < n or b.dtype != dtype:
+        b = bufs[name] = np.empty(n, dtype)
+    return b[:n].reshape(shape)
+
+
+_threads = numba.config.NUMBA_NUM_THREADS  # = numba.get_num_threads() until set_threads
+
+
+def set_threads(n: int) -> None:
+    """Threads for the kernels: numba's setting (for the calling thread) and the chunk count."""
+    global _threads
+    if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
+        raise ValueError(f"threads: expected 1..{numba.config.NUMBA_NUM_THREADS}, got {n}")
+    numba.set_num_threads(n)
+    _threads = n
+
+
+def get_threads() -> int:
+    return _threads
+
+
+# Below this many bytes of active weights one thread beats waking the others (~2 us).
+SERIAL_BYTES = 64 * 1024
+
+
+class _one_thread:
+    """Run a parallel kernel on the calling thread only: a 1-chunk ``prange`` still wakes the
+    whole team (2-10 us, more when torch's OpenMP threads are still spinning)."""
+
+    __slots__ = ("nt",)
+
+    def __init__(self, nt: int):
+        self.nt = nt
+
+    def __enter__(self):
+        if self.nt > 1:
+            numba.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        if self.nt > 1:
+            numba.set_num_threads(self.nt)
+
+
+def _idx_numpy(idx: torch.Tensor) -> np.ndarray:
+    """int32 numpy view of idx (int64 is converted: one kernel specialisation, not two)."""
+    if idx.dtype == torch.int32 and idx.is_contiguous():
+        return idx.numpy()
+    return idx.numpy().astype(np.int32)
+
+
+def _run_ffn(xn: np.ndarray, ffn: PackedFFN, idn: np.ndarray, on: np.ndarray) -> None:
+    """xn, on: [T, d] float32 numpy; idn int32."""
+    v = _views(ffn)
+    nt = _threads  # (numba.get_num_threads() costs ~0.7 us)
+    T = xn.shape[0]
+    if nt > 1 and T * idn.shape[0] * ffn.bytes_per_neuron >= SERIAL_BYTES:
+        scratch = _buffer("acc", (nt, T, ffn.d_model), np.float32)
+        bad = _sparse_ffn_kernel(
+            xn, v.rows, v.scales, v.bias, idn, v.gated, v.ga, v.ua, v.block, scratch, on
+        )
+    else:
+        scratch = on.reshape(1, T, ffn.d_model)  # one chunk: accumulate straight into out
+        with _one_thread(nt):
+            bad = _sparse_ffn_kernel(
+                xn, v.rows, v.scales, v.bias, idn, v.gated, v.ga, v.ua, v.block, scratch, on
+            )
+    if bad != -1:
+        raise IndexError(f"idx: expected neuron indices in [0, {ffn.d_ff}), found {idn[bad]}")
+
+
+def sparse_ffn(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[:] = sum_{i in idx} h_i(x) * down_t[i]`` (see ``reference.sparse_ffn_ref``).
+
+    x, out: ``[d_model]`` float32 (out overwritten); idx: int32 (fast) or int64 ``[k]``, unique.
+    """
+    check_ffn_args(x, ffn, idx, out)
+    xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
+    _run_ffn(xn.reshape(1, -1), ffn, _idx_numpy(idx), out.numpy().reshape(1, -1))
+    return out
+
+
+def sparse_ffn_batch(
+    x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Batched ``sparse_ffn``: x, out ``[T, d_model]``, one (union) active set for all T tokens.
+
+    Each group of 4 neurons is read from memory once and reused from cache for every token, so
+    this pays off for small T (a few tokens); for long prompts the dense FFN is faster.
+    """
+    check_batch_args(x, ffn, idx, out)
+    xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
+    _run_ffn(xn, ffn, _idx_numpy(idx), out.numpy())
+    return out
+
+
+def predict_active(
+    x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: float, out_idx: torch.Tensor
+) -> int:
+    """Neurons with predictor logit ``fc2 @ relu(fc1 @ x) >= threshold``, ascending, into
+    ``out_idx[:k]``; returns k (see ``reference.predict_active_ref``)."""
+    check_predict_args(x, fc1, fc2, out_idx)
+    nt = _threads
+    if (fc1.numel() + fc2.numel()) * 4 < SERIAL_BYTES:
+        nt = 1
+    hidden = _buffer("hidden", (fc1.shape[0],), np.float32)
+    logits = _buffer("logits", (fc2.shape[0],), np.float32)
+    counts = _buffer("counts", (nt,), np.int64)
+    xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
+    args = (xn, fc1.numpy(), fc2.numpy(), np.float32(threshold), hidden, logits, counts)
+    with _one_thread(_threads if nt == 1 else 1):
+        k = _predict_kernel(*args, out_idx.numpy())
+    return int(k)
+
+
+def sparse_ffn_predicted(
+    x: torch.Tensor,
+    ffn: PackedFFN,
+    fc1: torch.Tensor,
+    fc2: torch.Tensor,
+    threshold: float,
+    out_idx: torch.Tensor,
+    out: torch.Tensor,
+) -> int:
+    """``predict_active`` then ``sparse_ffn`` on its active set; returns k (``out_idx[:k]``)."""
+    k = predict_active(x, fc1, fc2, threshold, out_idx)
+    sparse_ffn(x, ffn, out_idx[:k], out)
+    return k
+
+
+# --------------------------------------------------------------------------- dense baseline
+
+
+def _dense_weights(ffn: PackedFFN, weights: str):
+    """Cached dense matrices for ``dense_ffn_ref``: fused [gate; up], down, bias, scales."""
+    key = f"dense_{weights}"
+    w = ffn._cache.get(key)
+    if w is not None:
+        return w
+    gate, up, down = ffn.dequantized()
+    gu = torch.cat([gate, up]) if gate is not None else up
+    if weights == "fp32" or ffn.dtype == "fp32":
+        w = (gu, down, None, None)
+    elif ffn.dtype == "bf16":
+        w = (gu.to(torch.bfloat16), down.to(torch.bfloat16), None, None)
+    else:  # int8: torch's int8 GEMV needs one scale per output row
+        if ffn.block != ffn.d_model:
+            raise ValueError(
+                f"weights='stored': torch's int8 matmul needs per-row scales (block={ffn.d_model}),"
+                f" got block={ffn.block}; use weights='fp32'"
+            )
+        n = ffn.n_mats
+        q_gu = ffn.rows[:, : n - 1].transpose(0, 1).reshape(-1, ffn.d_model).contiguous()
+        s_gu = ffn.scales[:, : n - 1, 0].t().reshape(-1).contiguous()
+        # down (nn.Linear layout [d_model, d_ff]) rows are columns of the stored int8: requantize.
+        from .packed import quantize_int8
+
+        q_dn, s_dn = quantize_int8(down, down.shape[1])
+        w = (q_gu, q_dn, s_gu, s_dn.reshape(-1).contiguous())
+    ffn._cache[key] = w
+    return w
+
+
+def dense_ffn_ref(
+    x: torch.Tensor, ffn: PackedFFN, out: torch.Tensor, *, weights: str = "fp32"
+) -> torch.Tensor:
+    """All neurons with torch matmuls — the dense baseline of the benchmarks.
+
+    ``weights="fp32"``: F.linear on cached fp32 dequantized matrices (gate and up fused).
+    ``weights="stored"``: torch's own path for the storage dtype: fp32 F.linear, bf16 F.linear,
+    int8 ``torch._weight_int8pack_mm`` (per-row scales only; the down matrix is requantized per
+    row of its nn.Linear layout, so it is close to but not bit-equal with the packed weights).
+    The first call builds and caches the dense copies (memory: a second copy of the layer).
+    """
+    if weights not in ("fp32", "stored"):
+        raise ValueError(f"weights: expected 'fp32' or 'stored', got {weights!r}")
+    kind = FFN_KINDS[ffn.kind]
+    gu, down, s_gu, s_dn = _dense_weights(ffn, weights)
+    if s_gu is not None:
+        z = torch._weight_int8pack_mm(x.unsqueeze(0), gu, s_gu)[0]
+    else:
+        z = F.linear(x.to(gu.dtype), gu).float()
+    if ffn.up_bias is not None:
+        z = z + ffn.up_bias
+    if kind.gated:
+        h = ACTS[kind.gate_act](z[: ffn.d_ff]) * ACTS[kind.up_act](z[ffn.d_ff :])
+    else:
+        h = ACTS[kind.up_act](z)
+    if s_dn is not None:
+        out.copy_(torch._weight_int8pack_mm(h.unsqueeze(0), down, s_dn)[0])
+    else:
+        out.copy_(F.linear(h.to(down.dtype), down))
+    return out
+
+
+def warmup() -> None:
+    """Compile (or load from numba's cache) the kernels for every storage dtype."""
+    for dtype in ("fp32", "bf16", "int8"):
+        ffn = PackedFFN.from_dense("relu", None, torch.zeros(4, 8), torch.zeros(8, 4), dtype=dtype)
+        sparse_ffn(torch.zeros(8), ffn, torch.arange(4, dtype=torch.int32), torch.zeros(8))
+    out_idx = torch.zeros(4, dtype=torch.int32)
+    predict_active(torch.zeros(8), torch.zeros(4, 8), torch.zeros(4, 4), 0.0, out_idx)
