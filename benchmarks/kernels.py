@@ -38,10 +38,13 @@ DENSITIES = (0.05, 0.10, 0.20, 0.50)
 DTYPES = (("fp32", 0), ("bf16", 0), ("int8", 0), ("int8", 32))
 POOL_BYTES = 512 * 2**20  # >= 16x the 32 MiB L3 of these machines
 MAX_LAYERS = 128
+BW_BYTES = 128 * 2**20  # per-row bandwidth probe: 4x L3
 
 
 def dtype_name(dtype: str, block: int, d: int) -> str:
-    return "int8/row" if dtype == "int8" and block in (0, d) else f"int8/{block}" if block else dtype
+    if dtype == "int8":
+        return "int8/row" if block in (0, d) else f"int8/{block}"
+    return dtype
 
 
 def pool_of(ffn: PackedFFN, nbytes: int) -> list[PackedFFN]:
@@ -70,19 +73,10 @@ def call_times(fn, n_calls: int) -> list[float]:
 def time_dense(base: PackedFFN, x: torch.Tensor, weights: str, n_calls: int) -> list[float]:
     """Per-call seconds of the dense FFN over a pool of layers with their own dense copies."""
     out = torch.empty(base.d_model)
-    kernels.dense_ffn_ref(x, base, out, weights=weights)  # builds base's dense copy
-    key = f"dense_{weights}"
-    tensors = base._cache[key]
-    dense_bytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
-    n = max(2, min(MAX_LAYERS, math.ceil(POOL_BYTES / dense_bytes)))
-    layers = [base]
-    for _ in range(n - 1):  # share the packed rows; own dense copies
-        layer = replace(base)
-        layer._cache[key] = tuple(None if t is None else t.clone() for t in tensors)
-        layers.append(layer)
-    ts = call_times(lambda i: kernels.dense_ffn_ref(x, layers[i % n], out, weights=weights), n_calls)
-    for layer in layers:
-        layer._cache.pop(key, None)
+    dense = kernels.dense_weights(base, weights)
+    n = max(2, min(MAX_LAYERS, math.ceil(POOL_BYTES / dense.nbytes)))
+    layers = [dense] + [dense.clone() for _ in range(n - 1)]
+    ts = call_times(lambda i: kernels.dense_ffn(x, layers[i % n], out), n_calls)
     return ts
 
 
@@ -90,13 +84,16 @@ def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: 
     torch.set_num_threads(threads)
     kernels.set_threads(threads)
     kernels.warmup()
-    bw = measure_read_bandwidth(threads)
-    print(f"# {threads} threads; measured read bandwidth {bw:.1f} GB/s; "
+    bws = [measure_read_bandwidth(threads)]
+    print(f"# {threads} threads; measured read bandwidth {bws[0]:.1f} GB/s; "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     print("# times: best call (p50 in brackets) of calls cycling over a pool of layer copies "
-          f">= {POOL_BYTES >> 20} MiB and 16 random active sets")  # fmt: skip
+          f">= {POOL_BYTES >> 20} MiB and 16 random active sets")
+    print("# bw: read bandwidth measured just before and after each row, the higher one (on this "
+          "VM it drifts between ~33 and ~60 GB/s from minute to minute); %bw = GB/s / bw")  # fmt: skip
     hdr = (f"{'model':<13} {'dtype':<8} {'dens':>4} {'k':>5} {'sparse (p50)':>20} {'MB':>6} "
-           f"{'GB/s':>5} {'%bw':>4} {'dense (p50)':>20} {'dense path':<13} {'speedup':>7}")  # fmt: skip
+           f"{'GB/s':>5} {'bw':>4} {'%bw':>4} {'dense (p50)':>20} {'dense path':<13} "
+           f"{'speedup':>7}")  # fmt: skip
     print(hdr)
     print("-" * len(hdr))
     g = torch.Generator().manual_seed(0)
@@ -130,24 +127,30 @@ def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: 
             pool = pool_of(base, base.nbytes)
             for density in densities:
                 k = round(f * density)
-                sets = [torch.sort(torch.randperm(f, generator=g)[:k])[0].to(torch.int32) for _ in range(16)]
+                perms = (torch.randperm(f, generator=g)[:k] for _ in range(16))
+                sets = [torch.sort(p)[0].to(torch.int32) for p in perms]
                 n = len(pool)
 
                 def call(i: int) -> None:
                     kernels.sparse_ffn(x, pool[i % n], sets[i % 16], out)
 
+                bw_before = measure_read_bandwidth(threads, nbytes=BW_BYTES, repeats=3)
                 ts = call_times(call, max(n_calls, n))
+                bw = max(bw_before, measure_read_bandwidth(threads, nbytes=BW_BYTES, repeats=3))
+                bws.append(bw)
                 t = min(ts)
                 nbytes = k * base.bytes_per_neuron
                 gbs = nbytes / t / 1e9
+                p50, p50_dense = statistics.median(ts), statistics.median(dense[dense_label])
                 print(f"{name:<13} {dtype_name(dtype, block, d):<8} {density:>4.0%} {k:>5} "
-                      f"{fmt_time(t):>9} ({fmt_time(statistics.median(ts)):>8}) "
-                      f"{nbytes / 1e6:>6.2f} {gbs:>5.1f} {gbs / bw:>4.0%} "
-                      f"{fmt_time(t_dense):>9} ({fmt_time(statistics.median(dense[dense_label])):>8}) "
+                      f"{fmt_time(t):>9} ({fmt_time(p50):>8}) "
+                      f"{nbytes / 1e6:>6.2f} {gbs:>5.1f} {bw:>4.0f} {gbs / bw:>4.0%} "
+                      f"{fmt_time(t_dense):>9} ({fmt_time(p50_dense):>8}) "
                       f"{dense_label:<13} {t_dense / t:>6.1f}x")  # fmt: skip
             del pool, base
             gc.collect()
-    print(f"# load average at the end {os.getloadavg()[0]:.2f}")
+    print(f"# read bandwidth over the run: {min(bws):.1f}..{max(bws):.1f} GB/s; "
+          f"load average at the end {os.getloadavg()[0]:.2f}")  # fmt: skip
 
 
 def fmt_time(t: float) -> str:

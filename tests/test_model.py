@@ -93,3 +93,20 @@ def test_smollm2_greedy_continuation_matches_transformers(smollm2, smollm2_hf):
         out = smollm2_hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                                   min_new_tokens=24)
     assert ours == out[0, len(prompt):].tolist()
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_through_engine_load_with_kernels(smollm2_hf):
+    """The CLI's path (Engine.load: numba kernels for decode) gives transformers' greedy text."""
+    from sparseinfer.config import SamplingParams
+    from sparseinfer.engine import Engine, TokenEvent
+
+    engine = Engine.load(None, n_ctx=256, threads=2)
+    assert type(engine.model.lm_head).__name__ == "KernelLinear"
+    prompt = engine.encode("Pride and Prejudice was written by")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    ours = [e.token_id for e in engine.stream(prompt, params) if isinstance(e, TokenEvent)]
+    with torch.no_grad():
+        out = smollm2_hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                  min_new_tokens=24)
+    assert ours == out[0, len(prompt):].tolist()

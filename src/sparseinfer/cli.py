@@ -37,6 +37,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--device", default="cpu", help="fast-tier device: cpu or cuda")
     sp.add_argument("--vram-budget", type=float, default=None,
                     help="fast-tier budget in GiB (default: the placement stored in the file)")
+    sp.add_argument("--sparse-mode", default="predictor", choices=["predictor", "oracle"],
+                    help="predictor: computed set from the predictors (default); oracle: the "
+                         "true active set from dense activations (exactness/quality checks)")
     sp.add_argument("--ffn-dtype", default="fp32", choices=["fp32", "bf16", "int8"],
                     help="storage of the sparse FFN rows (int8: per-row scales)")
     p.add_argument("-v", "--verbose", action="store_true", help="INFO logs and tracebacks")
@@ -81,7 +84,8 @@ def _engine(args):
         raise SparseInferError(f"-c/--ctx-size: expected at least 8, got {args.ctx_size}")
     return Engine.load(args.model, n_ctx=args.ctx_size, threads=args.threads, dtype=args.dtype,
                        dense=args.dense, threshold=args.sparse_threshold, device=args.device,
-                       vram_budget=args.vram_budget, ffn_dtype=args.ffn_dtype)
+                       vram_budget=args.vram_budget, ffn_dtype=args.ffn_dtype,
+                       mode=args.sparse_mode)
 
 
 def _read_text(path: Path) -> str:

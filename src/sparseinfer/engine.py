@@ -87,11 +87,12 @@ class Engine:
 
     @classmethod
     def load(cls, path=None, *, n_ctx: int | None = None, threads: int | None = None,
-             dtype: str = "fp32", **sparse_options) -> Engine:
+             dtype: str = "fp32", kernels: bool = True, **sparse_options) -> Engine:
         """Load a model file (default: the embedded SmolLM2) and wrap it.
 
         ``sparse_options`` (dense, threshold, device, vram_budget...) reach the sparse runtime
-        when the file carries predictors.
+        when the file carries predictors. ``kernels`` routes single-token decode of the dense
+        parts through the fused numba kernels (``sparse.runtime.use_kernels``).
         """
         from .data import default_model_path
         from .models.loading import load_model
@@ -99,6 +100,10 @@ class Engine:
         loaded = load_model(path or default_model_path(), dtype=dtype)
         engine = cls(loaded, n_ctx=n_ctx, threads=threads)
         engine.sparse_info = _maybe_sparsify(loaded, **sparse_options)
+        if kernels:  # fused numba GEMVs for what stays dense (CPU, fp32 only)
+            from .sparse.runtime import use_kernels
+
+            use_kernels(loaded, ffn=engine.sparse_info is None)
         return engine
 
     # ---- text ----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from sparseinfer.config import FFN_KINDS
 from sparseinfer.sparse import kernels, reference
-from sparseinfer.sparse.packed import PackedFFN, expand_scales, quantize_int8
+from sparseinfer.sparse.packed import PackedFFN, empty_hugepages, expand_scales, quantize_int8
 
 KINDS = sorted(FFN_KINDS)
 SHAPES = [(13, 37), (64, 100), (576, 1536)]  # (d_model, d_ff); odd sizes, SmolLM2's FFN
@@ -253,6 +253,7 @@ def test_errors_say_expected_and_found():
     d, f = 13, 37
     ffn = packed("swiglu", "fp32", 0, d, f, 0)
     idx = torch.arange(4, dtype=torch.int32)
+    x = torch.zeros(d)
     with pytest.raises(ValueError, match=r"x: expected float32 \[13\], got torch.float32 \[12\]"):
         kernels.sparse_ffn(torch.zeros(12), ffn, idx, torch.empty(d))
     with pytest.raises(ValueError, match="out: expected"):
@@ -260,17 +261,20 @@ def test_errors_say_expected_and_found():
     with pytest.raises(ValueError, match="idx: expected"):
         kernels.sparse_ffn(torch.zeros(d), ffn, idx.float(), torch.empty(d))
     with pytest.raises(IndexError, match=r"\[0, 37\), found 37"):
-        kernels.sparse_ffn(torch.zeros(d), ffn, torch.tensor([1, 37], dtype=torch.int32), torch.empty(d))
+        kernels.sparse_ffn(x, ffn, torch.tensor([1, 37], dtype=torch.int32), torch.empty(d))
     with pytest.raises(IndexError, match="found -1"):
-        kernels.sparse_ffn(torch.zeros(d), ffn, torch.tensor([-1], dtype=torch.int32), torch.empty(d))
+        kernels.sparse_ffn(x, ffn, torch.tensor([-1], dtype=torch.int32), torch.empty(d))
     with pytest.raises(ValueError, match="kind: expected one of"):
         PackedFFN.from_dense("swish", None, torch.zeros(4, 8), torch.zeros(8, 4))
     with pytest.raises(ValueError, match="gate: expected None for ungated"):
         PackedFFN.from_dense("relu", torch.zeros(4, 8), torch.zeros(4, 8), torch.zeros(8, 4))
     with pytest.raises(ValueError, match=r"down: expected \[8, 4\], got \[4, 8\]"):
         PackedFFN.from_dense("swiglu", torch.zeros(4, 8), torch.zeros(4, 8), torch.zeros(4, 8))
+    up, down = torch.zeros(4, 8), torch.zeros(8, 4)
     with pytest.raises(ValueError, match="block: expected"):
-        PackedFFN.from_dense("relu", None, torch.zeros(4, 8), torch.zeros(8, 4), dtype="int8", block=9)
+        PackedFFN.from_dense("relu", None, up, down, dtype="int8", block=9)
+    with pytest.raises(ValueError, match="block: expected 0 for dtype 'fp32'"):
+        PackedFFN.from_dense("relu", None, up, down, dtype="fp32", block=4)
     with pytest.raises(ValueError, match="threads: expected"):
         kernels.set_threads(0)
 
@@ -332,7 +336,8 @@ def test_predict_errors():
     with pytest.raises(ValueError, match="out_idx: expected int32"):
         kernels.predict_active(x, fc1, fc2, 0.0, torch.empty(37, dtype=torch.int64))
     with pytest.raises(ValueError, match="fc1/fc2: expected"):
-        kernels.predict_active(x, fc1, fc2.t().contiguous(), 0.0, torch.empty(37, dtype=torch.int32))
+        fc2_t = fc2.t().contiguous()
+        kernels.predict_active(x, fc1, fc2_t, 0.0, torch.empty(37, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("kind", ["reglu", "relu"])
@@ -371,3 +376,24 @@ def test_dense_baseline(kind, dtype, block):
     # bf16 matmul rounds x and h to bf16; the int8 path requantizes down per row
     tol = {"fp32": 1e-5, "bf16": 3e-2, "int8": 3e-2}[dtype]
     assert float((stored - want).norm() / want.norm()) < tol
+
+
+def test_empty_hugepages_is_aligned_and_usable():
+    t = empty_hugepages((3, 1024, 1024), torch.float32)  # 12 MiB: the madvise path
+    assert t.shape == (3, 1024, 1024) and t.is_contiguous() and t.data_ptr() % (2 * 2**20) == 0
+    t.fill_(1.5)
+    assert float(t.sum()) == 1.5 * t.numel()
+    small = empty_hugepages((5, 7), torch.bfloat16)
+    assert small.shape == (5, 7) and small.dtype == torch.bfloat16
+
+
+def test_dense_weights_clone_is_independent():
+    ffn = packed("relu", "fp32", 0, 64, 100, 0)
+    dense = kernels.dense_weights(ffn)
+    assert kernels.dense_weights(ffn) is dense  # cached
+    copy = dense.clone()
+    assert copy.gate_up.data_ptr() != dense.gate_up.data_ptr() and copy.nbytes == dense.nbytes
+    x = inputs(64, 0)
+    a = kernels.dense_ffn(x, dense, torch.empty(64))
+    b = kernels.dense_ffn(x, copy, torch.empty(64))
+    assert torch.equal(a, b)

@@ -129,3 +129,27 @@ def test_masked_batch_equals_token_by_token(tiny_model_dir, kind):
     assert abs(info.density() - d_step) < 1e-9 and 0.0 < d_step < 1.0
     info.set_batch_mode("dense")
     assert not _close(_prefill_logits(lm, IDS), step, 1e-5)  # random predictors drop neurons
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "geglu", "opt"])
+def test_kernel_decode_equals_torch_decode(tiny_model_dir, kind):
+    """use_kernels (fused GEMVs for attention / LM head, all-neuron FFN kernel) changes no output."""
+    from sparseinfer.sparse.kernels import KernelLinear
+    from sparseinfer.sparse.runtime import use_kernels
+
+    path = tiny_model_dir(kind)
+    ref = _decode_logits(load_model(path), IDS)
+    lm = load_model(path)
+    assert use_kernels(lm) > 0
+    assert isinstance(lm.model.lm_head, KernelLinear)
+    assert _close(_decode_logits(lm, IDS), ref, 1e-5)
+    assert _close(_prefill_logits(lm, IDS), _prefill_logits(load_model(path), IDS), 1e-5)
+
+
+def test_gemv_matches_torch_mv():
+    from sparseinfer.sparse.kernels import gemv
+
+    g = torch.Generator().manual_seed(0)
+    for n, d in [(1, 5), (7, 13), (49152 // 64, 576), (130, 64)]:
+        w, x = torch.randn(n, d, generator=g), torch.randn(d, generator=g)
+        assert torch.allclose(gemv(w, x, torch.empty(n)), torch.mv(w, x), rtol=1e-5, atol=1e-5)

@@ -55,16 +55,22 @@ class SparseFFN(nn.Module):
 
     def __init__(self, packed: PackedFFN, down_bias: Tensor | None, predictor: Predictor | None,
                  mode: str = "predictor", n_hot: int = 0, fast_device: str | torch.device = "cpu",
-                 oracle_threshold: float = 0.0, split_tiers: bool | None = None):
+                 oracle_threshold: float = 0.0, split_tiers: bool | None = None,
+                 oracle_score: str = "output"):
         super().__init__()
-        if mode not in ("predictor", "oracle"):
-            raise ValueError(f"mode: expected 'predictor' or 'oracle', got {mode!r}")
+        if mode not in ("predictor", "oracle", "all"):
+            raise ValueError(f"mode: expected 'predictor', 'oracle' or 'all', got {mode!r}")
         if mode == "predictor" and predictor is None:
             raise ValueError("mode 'predictor' needs a predictor")
         self.kind = FFN_KINDS[packed.kind]
         self.d_ff, self.d_model = packed.d_ff, packed.d_model
         self.mode, self.predictor = mode, predictor
         self.oracle_threshold = oracle_threshold
+        if oracle_score not in ("output", "output_norm"):
+            raise ValueError(f"oracle score: expected 'output' or 'output_norm', got {oracle_score!r}")
+        # magnitude score of neuron i: |h_i| ("output") or |h_i| * ||down_i|| ("output_norm")
+        self._score_scale = (packed.rows_fp32()[:, -1].norm(dim=-1)
+                             if oracle_score == "output_norm" else None)
         self.fast = torch.device(fast_device)
         self.n_hot = int(n_hot)
         # one tier when everything lives on the CPU (unless a test asks for the split path)
@@ -78,6 +84,7 @@ class SparseFFN(nn.Module):
         self.packed = packed if not self.split else None
         self.down_bias = down_bias
         self._idx = torch.empty(self.d_ff, dtype=torch.int32)
+        self._all = torch.arange(self.d_ff, dtype=torch.int32)
         self._out = torch.empty(self.d_model, dtype=torch.float32)
         self._out_cold = torch.empty(self.d_model, dtype=torch.float32)
         self.stats = FFNStats()
@@ -89,16 +96,23 @@ class SparseFFN(nn.Module):
 
     def active(self, x: Tensor) -> Tensor:
         """Ascending int32 indices of the neurons to compute for the 1-D input ``x``."""
+        if self.mode == "all":  # every neuron: the dense FFN through the fused kernel
+            return self._all
         if self.mode == "oracle":
-            h = self._coefs_dense(x)
-            score = h.abs()
-            keep = score > 0 if self.kind.relu_sparse else score >= self.oracle_threshold
+            keep = self._oracle_mask(self._coefs_dense(x))
             return torch.nonzero(keep).reshape(-1).to(torch.int32)
         p = self.predictor
         if p.bias is None and x.device.type == "cpu":
             k = kernels.predict_active(x, p.fc1, p.fc2, p.threshold, self._idx)
             return self._idx[:k]
         return torch.nonzero(p.logits(x) >= p.threshold).reshape(-1).to(torch.int32)
+
+    def _oracle_mask(self, h: Tensor) -> Tensor:
+        """The true active set: non-zero (ReLU family) or magnitude score above the threshold."""
+        if self.kind.relu_sparse:
+            return h != 0
+        score = h.abs() if self._score_scale is None else h.abs() * self._score_scale
+        return score > self.oracle_threshold
 
     def _rows(self) -> list[tuple[PackedFFN, int]]:
         return [(self.hot, 0), (self.cold, self.n_hot)] if self.split else [(self.packed, 0)]
@@ -145,8 +159,10 @@ class SparseFFN(nn.Module):
 
     def _mask(self, x: Tensor, h: Tensor) -> Tensor:
         """Per-token active mask (..., d_ff) for inputs x and their true coefficients h."""
+        if self.mode == "all":
+            return torch.ones_like(h, dtype=torch.bool)
         if self.mode == "oracle":
-            return h != 0 if self.kind.relu_sparse else h.abs() >= self.oracle_threshold
+            return self._oracle_mask(h)
         p = self.predictor
         z = torch.relu(x @ p.fc1.t()) @ p.fc2.t()
         if p.bias is not None:

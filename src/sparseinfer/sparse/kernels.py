@@ -2,15 +2,23 @@
 ``reference.py``.
 
 The sparse FFN splits the active list into one chunk per thread (``prange`` over chunks); each
-chunk walks its neurons four at a time — the 4 neurons' gate and up dot products in one loop
-(8 memory streams in flight), then their 4 down rows in one axpy loop — into that thread's row of a
-preallocated ``[n_threads, d_model]`` scratch, which is summed into ``out``. The rows are read in
-place (no gather copy), one contiguous bundle per neuron. bf16 rows are passed as uint16 and
-widened by ``<< 16`` into float32 bits; int8 rows are multiplied by their per-block scale once per
-block. Everything accumulates in float32.
+chunk walks its neurons four at a time (the 4 neurons' gate and up dot products in one loop, 8
+memory streams in flight, then their 4 down rows in one axpy loop) into that thread's slice of a
+preallocated ``[n_threads, T, d_model]`` scratch, which is then summed into ``out``. Rows are read
+in place (no gather copy), one contiguous bundle per neuron. bf16 rows are passed as uint16 and
+widened by ``<< 16`` into float32 bits; int8 rows are multiplied by their scale once per block.
+Everything accumulates in float32. Small calls (< ``SERIAL_BYTES`` of weights) run on the calling
+thread only.
 
-Threads: numba's, set with ``set_threads(n)`` (the calling thread's setting, like
-``numba.set_num_threads``). Buffers are cached per (thread, shape); none is allocated per call.
+Threads: ``set_threads(n)`` (numba's setting for the calling thread, plus the chunk count).
+Scratch buffers are cached per calling thread and grown on demand; no call allocates in the
+steady state. Compiled code is cached on disk by numba (``cache=True``): the first import on a
+fresh checkout compiles for ~10-20 s, later ones load in well under a second.
+
+Measured (benchmarks/kernels.py, 2 threads, Llama-7B FFN at 10%): fp32 ~50 GB/s of active
+weights when a streaming read reaches ~60-70 GB/s (a read-only pass over the same bundles, no
+arithmetic, reaches ~51), i.e. at the access pattern's limit; int8 is compute-bound at ~33 GB/s
+(per row) and ~20 GB/s (blocks of 32: one horizontal reduction per block and row).
 """
 
 from __future__ import annotations
@@ -29,13 +37,16 @@ from numba import njit, prange, types
 from numba.core.extending import intrinsic, overload
 
 from ..config import FFN_KINDS
-from .packed import PackedFFN, n_blocks
+from .packed import PackedFFN, quantize_int8
 from .reference import ACTS, check_batch_args, check_ffn_args, check_predict_args
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "DenseFFN",
+    "dense_ffn",
     "dense_ffn_ref",
+    "dense_weights",
     "get_threads",
     "predict_active",
     "set_threads",
@@ -365,6 +376,8 @@ class _Views(NamedTuple):
 def _views(ffn: PackedFFN) -> _Views:
     v = ffn._cache.get("views")
     if v is None:
+        if ffn.rows.device.type != "cpu":
+            raise ValueError(f"ffn.rows: expected a CPU tensor, got one on {ffn.rows.device}")
         if ffn.dtype == "bf16":
             rows = ffn.rows.view(torch.int16).numpy().view(np.uint16)
         else:
@@ -465,12 +478,16 @@ def _run_ffn(xn: np.ndarray, ffn: PackedFFN, idn: np.ndarray, on: np.ndarray) ->
         raise IndexError(f"idx: expected neuron indices in [0, {ffn.d_ff}), found {idn[bad]}")
 
 
-def sparse_ffn(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def sparse_ffn(
+    x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
     """``out[:] = sum_{i in idx} h_i(x) * down_t[i]`` (see ``reference.sparse_ffn_ref``).
 
     x, out: ``[d_model]`` float32 (out overwritten); idx: int32 (fast) or int64 ``[k]``, unique.
     """
     check_ffn_args(x, ffn, idx, out)
+    if idx.shape[0] == 0:
+        return out.zero_()
     xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
     _run_ffn(xn.reshape(1, -1), ffn, _idx_numpy(idx), out.numpy().reshape(1, -1))
     return out
@@ -527,66 +544,85 @@ def sparse_ffn_predicted(
 # --------------------------------------------------------------------------- dense baseline
 
 
-def _dense_weights(ffn: PackedFFN, weights: str):
-    """Cached dense matrices for ``dense_ffn_ref``: fused [gate; up], down, bias, scales."""
+class DenseFFN(NamedTuple):
+    """Dense copy of a layer for torch's matmuls (the baseline): gate and up fused."""
+
+    kind: str
+    d_ff: int
+    gate_up: torch.Tensor  # [(n_mats - 1) * d_ff, d_model]: gate rows then up rows
+    down: torch.Tensor  # [d_model, d_ff] (nn.Linear layout)
+    gate_up_scales: torch.Tensor | None  # int8: per output row
+    down_scales: torch.Tensor | None
+    up_bias: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self[2:] if t is not None)
+
+    def clone(self) -> DenseFFN:
+        return DenseFFN(self.kind, self.d_ff, *(None if t is None else t.clone() for t in self[2:]))
+
+
+def dense_weights(ffn: PackedFFN, weights: str = "fp32") -> DenseFFN:
+    """The dense copy of ``ffn`` (built once, cached on it: a second copy of the layer).
+
+    ``weights="fp32"``: dequantized fp32. ``weights="stored"``: the storage dtype for torch's own
+    path: fp32, bf16, or int8 with per-row scales for ``torch._weight_int8pack_mm`` (int8 per-row
+    packs only; the down matrix is requantized per row of its nn.Linear layout, so it is close to
+    but not bit-equal with the packed weights).
+    """
+    if weights not in ("fp32", "stored"):
+        raise ValueError(f"weights: expected 'fp32' or 'stored', got {weights!r}")
     key = f"dense_{weights}"
     w = ffn._cache.get(key)
     if w is not None:
         return w
     gate, up, down = ffn.dequantized()
     gu = torch.cat([gate, up]) if gate is not None else up
-    if weights == "fp32" or ffn.dtype == "fp32":
-        w = (gu, down, None, None)
-    elif ffn.dtype == "bf16":
-        w = (gu.to(torch.bfloat16), down.to(torch.bfloat16), None, None)
-    else:  # int8: torch's int8 GEMV needs one scale per output row
+    s_gu = s_dn = None
+    if weights == "stored" and ffn.dtype == "bf16":
+        gu, down = gu.to(torch.bfloat16), down.to(torch.bfloat16)
+    elif weights == "stored" and ffn.dtype == "int8":
         if ffn.block != ffn.d_model:
             raise ValueError(
-                f"weights='stored': torch's int8 matmul needs per-row scales (block={ffn.d_model}),"
-                f" got block={ffn.block}; use weights='fp32'"
+                f"weights='stored': torch's int8 matmul needs per-row scales "
+                f"(block={ffn.d_model}), got block={ffn.block}; use weights='fp32'"
             )
         n = ffn.n_mats
-        q_gu = ffn.rows[:, : n - 1].transpose(0, 1).reshape(-1, ffn.d_model).contiguous()
+        gu = ffn.rows[:, : n - 1].transpose(0, 1).reshape(-1, ffn.d_model).contiguous()
         s_gu = ffn.scales[:, : n - 1, 0].t().reshape(-1).contiguous()
-        # down (nn.Linear layout [d_model, d_ff]) rows are columns of the stored int8: requantize.
-        from .packed import quantize_int8
-
-        q_dn, s_dn = quantize_int8(down, down.shape[1])
-        w = (q_gu, q_dn, s_gu, s_dn.reshape(-1).contiguous())
+        down, s_dn = quantize_int8(down, down.shape[1])
+        s_dn = s_dn.reshape(-1).contiguous()
+    w = DenseFFN(ffn.kind, ffn.d_ff, gu, down, s_gu, s_dn, ffn.up_bias)
     ffn._cache[key] = w
     return w
+
+
+def dense_ffn(x: torch.Tensor, dense: DenseFFN, out: torch.Tensor) -> torch.Tensor:
+    """All neurons of ``dense`` with torch matmuls; out ``[d_model]`` is overwritten."""
+    kind = FFN_KINDS[dense.kind]
+    if dense.gate_up_scales is not None:
+        z = torch._weight_int8pack_mm(x.unsqueeze(0), dense.gate_up, dense.gate_up_scales)[0]
+    else:
+        z = F.linear(x.to(dense.gate_up.dtype), dense.gate_up).float()
+    if dense.up_bias is not None:
+        z = z + dense.up_bias
+    if kind.gated:
+        h = ACTS[kind.gate_act](z[: dense.d_ff]) * ACTS[kind.up_act](z[dense.d_ff :])
+    else:
+        h = ACTS[kind.up_act](z)
+    if dense.down_scales is not None:
+        out.copy_(torch._weight_int8pack_mm(h.unsqueeze(0), dense.down, dense.down_scales)[0])
+    else:
+        out.copy_(F.linear(h.to(dense.down.dtype), dense.down))
+    return out
 
 
 def dense_ffn_ref(
     x: torch.Tensor, ffn: PackedFFN, out: torch.Tensor, *, weights: str = "fp32"
 ) -> torch.Tensor:
-    """All neurons with torch matmuls — the dense baseline of the benchmarks.
-
-    ``weights="fp32"``: F.linear on cached fp32 dequantized matrices (gate and up fused).
-    ``weights="stored"``: torch's own path for the storage dtype: fp32 F.linear, bf16 F.linear,
-    int8 ``torch._weight_int8pack_mm`` (per-row scales only; the down matrix is requantized per
-    row of its nn.Linear layout, so it is close to but not bit-equal with the packed weights).
-    The first call builds and caches the dense copies (memory: a second copy of the layer).
-    """
-    if weights not in ("fp32", "stored"):
-        raise ValueError(f"weights: expected 'fp32' or 'stored', got {weights!r}")
-    kind = FFN_KINDS[ffn.kind]
-    gu, down, s_gu, s_dn = _dense_weights(ffn, weights)
-    if s_gu is not None:
-        z = torch._weight_int8pack_mm(x.unsqueeze(0), gu, s_gu)[0]
-    else:
-        z = F.linear(x.to(gu.dtype), gu).float()
-    if ffn.up_bias is not None:
-        z = z + ffn.up_bias
-    if kind.gated:
-        h = ACTS[kind.gate_act](z[: ffn.d_ff]) * ACTS[kind.up_act](z[ffn.d_ff :])
-    else:
-        h = ACTS[kind.up_act](z)
-    if s_dn is not None:
-        out.copy_(torch._weight_int8pack_mm(h.unsqueeze(0), down, s_dn)[0])
-    else:
-        out.copy_(F.linear(h.to(down.dtype), down))
-    return out
+    """All neurons with torch matmuls on ``dense_weights(ffn, weights)``: the dense baseline."""
+    return dense_ffn(x, dense_weights(ffn, weights), out)
 
 
 def warmup() -> None:
@@ -596,3 +632,46 @@ def warmup() -> None:
         sparse_ffn(torch.zeros(8), ffn, torch.arange(4, dtype=torch.int32), torch.zeros(8))
     out_idx = torch.zeros(4, dtype=torch.int32)
     predict_active(torch.zeros(8), torch.zeros(4, 8), torch.zeros(4, 4), 0.0, out_idx)
+
+
+# --------------------------------------------------------------------------- dense GEMV
+
+
+@_jit(parallel=True)
+def _gemv_kernel(w, x, n_chunks, y):
+    n = w.shape[0]
+    per = ((n + n_chunks - 1) // n_chunks + 3) // 4 * 4
+    for c in prange(n_chunks):
+        _gemv_rows(w, x, min(c * per, n), min((c + 1) * per, n), y)
+
+
+def gemv(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = w @ x`` for fp32 ``w`` [n, d] (contiguous) and ``x`` [d]: one streaming pass over
+    the rows, four at a time, split across the kernel threads (reference: ``torch.mv``)."""
+    if w.dtype != torch.float32 or w.dim() != 2 or not w.is_contiguous():
+        raise ValueError(f"w: expected contiguous float32 [n, d], got {w.dtype} {list(w.shape)}")
+    if x.dtype != torch.float32 or x.shape != (w.shape[1],):
+        raise ValueError(f"x: expected float32 [{w.shape[1]}], got {x.dtype} {list(x.shape)}")
+    if out.dtype != torch.float32 or out.shape != (w.shape[0],) or not out.is_contiguous():
+        raise ValueError(f"out: expected contiguous float32 [{w.shape[0]}], got {list(out.shape)}")
+    xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
+    _gemv_kernel(w.numpy(), xn, numba.get_num_threads() * 4, out.numpy())
+    return out
+
+
+class KernelLinear(torch.nn.Module):
+    """A bias-free ``nn.Linear`` whose single-token (GEMV) calls go through ``gemv``; batches and
+    non-CPU/fp32 weights fall back to ``F.linear``. Shares the weight tensor (no copy)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+        self._out = torch.empty(weight.shape[0], dtype=torch.float32)
+        self._fast = (weight.device.type == "cpu" and weight.dtype == torch.float32
+                      and weight.is_contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fast and x.numel() == x.shape[-1] and x.dtype == torch.float32:
+            y = gemv(self.weight, x.reshape(-1), self._out)
+            return y.clone().view(*x.shape[:-1], -1)
+        return torch.nn.functional.linear(x, self.weight)

@@ -70,7 +70,7 @@ def expand_scales(scales: torch.Tensor, block: int, d_model: int) -> torch.Tenso
 def quantize_int8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax int8 over blocks of the last dim: ``w ≈ q * expand_scales(s)``.
 
-    w: ``[..., d]`` float; returns ``q`` int8 ``[..., d]`` and ``s`` float32 ``[..., ceil(d/block)]``.
+    w: ``[..., d]`` float; returns ``q`` int8 ``[..., d]``, ``s`` float32 ``[..., ceil(d/block)]``.
     """
     d = w.shape[-1]
     nb = n_blocks(d, block)
@@ -111,10 +111,11 @@ class PackedFFN:
             raise ValueError(f"rows: expected shape {want}, got {tuple(self.rows.shape)}")
         if self.rows.dtype != DTYPES[self.dtype]:
             raise ValueError(
-                f"rows: expected {DTYPES[self.dtype]} for dtype {self.dtype!r}, got {self.rows.dtype}"
+                f"rows: expected {DTYPES[self.dtype]} for dtype {self.dtype!r}, "
+                f"got {self.rows.dtype}"
             )
-        if not self.rows.is_contiguous() or self.rows.device.type != "cpu":
-            raise ValueError("rows: expected a contiguous CPU tensor")
+        if not self.rows.is_contiguous():
+            raise ValueError("rows: expected a contiguous tensor")
         if self.dtype == "int8":
             if not 0 < self.block <= self.d_model:
                 raise ValueError(f"block: expected 1..{self.d_model} for int8, got {self.block}")

@@ -35,7 +35,9 @@ def check_ffn_args(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torc
     if x.dtype != torch.float32 or x.shape != (d,):
         raise ValueError(f"x: expected float32 [{d}], got {x.dtype} {list(x.shape)}")
     if out.dtype != torch.float32 or out.shape != (d,) or not out.is_contiguous():
-        raise ValueError(f"out: expected contiguous float32 [{d}], got {out.dtype} {list(out.shape)}")
+        raise ValueError(
+            f"out: expected contiguous float32 [{d}], got {out.dtype} {list(out.shape)}"
+        )
     if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64) or idx.shape[0] > ffn.d_ff:
         raise ValueError(
             f"idx: expected int32/int64 [k] with k <= {ffn.d_ff}, got {idx.dtype} {list(idx.shape)}"
@@ -43,7 +45,7 @@ def check_ffn_args(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torc
 
 
 def neuron_coefs(x: torch.Tensor, ffn: PackedFFN, rows: torch.Tensor, bias: torch.Tensor | None):
-    """h for bundled fp32 ``rows`` ``[k, n_mats, d]`` and input ``x`` ``[..., d]`` → ``[..., k]``."""
+    """h for bundled fp32 ``rows`` ``[k, n_mats, d]`` and inputs ``x`` ``[..., d]``: ``[..., k]``."""
     kind = FFN_KINDS[ffn.kind]
     if kind.gated:
         return ACTS[kind.gate_act](x @ rows[:, 0].t()) * ACTS[kind.up_act](x @ rows[:, 1].t())
@@ -123,7 +125,8 @@ def check_predict_args(
         raise ValueError(f"x: expected float32 [{fc1.shape[1]}], got {x.dtype} {list(x.shape)}")
     if out_idx.dtype != torch.int32 or out_idx.dim() != 1 or out_idx.shape[0] < fc2.shape[0]:
         raise ValueError(
-            f"out_idx: expected int32 [>= {fc2.shape[0]}], got {out_idx.dtype} {list(out_idx.shape)}"
+            f"out_idx: expected int32 [>= {fc2.shape[0]}], "
+            f"got {out_idx.dtype} {list(out_idx.shape)}"
         )
 
 

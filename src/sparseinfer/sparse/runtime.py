@@ -139,7 +139,9 @@ def sparsify(loaded, *, dense: bool = False, threshold: float | None = None, dev
         sparse = SparseFFN(packed, down_bias, predictor, mode=mode, n_hot=counts[i],
                            fast_device=dev,
                            oracle_threshold=float(oracle[i]) if isinstance(oracle, list) else 0.0,
-                           split_tiers=split_tiers)
+                           split_tiers=split_tiers,
+                           oracle_score=str(loaded.metadata.get("sparseinfer.sparsity.score",
+                                                                "output")))
         block.ffn = sparse  # the dense module (and its weights) is released here
         modules.append(sparse)
     if dev.type != "cpu":
@@ -147,3 +149,31 @@ def sparsify(loaded, *, dense: bool = False, threshold: float | None = None, dev
     log.info("sparse runtime: %d layers, mode %s, ffn %s, fast tier %s, %d hot neurons",
              len(modules), mode, ffn_dtype, dev, sum(counts))
     return SparseInfo(mode, ffn_dtype, str(dev), thresholds, counts, modules)
+
+
+def use_kernels(loaded, ffn: bool = True) -> int:
+    """Route single-token decode through the fused numba kernels, in place: bias-free fp32 CPU
+    projections (attention, LM head) become ``KernelLinear`` (same weight tensor), and with
+    ``ffn`` every dense FFN becomes a ``SparseFFN`` computing all neurons (mode "all").
+    Outputs equal the torch path up to float reassociation. Returns the modules replaced."""
+    from .kernels import KernelLinear
+
+    model = loaded.model
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return 0
+    n = 0
+
+    def swap(owner, attr):
+        nonlocal n
+        lin = getattr(owner, attr)
+        if isinstance(lin, torch.nn.Linear) and lin.bias is None and lin.weight.is_contiguous():
+            setattr(owner, attr, KernelLinear(lin.weight))
+            n += 1
+
+    for block in model.layers:
+        swap(block.attn, "wqkv")
+        swap(block.attn, "wo")
+    swap(model, "lm_head")
+    if ffn and not isinstance(model.layers[0].ffn, SparseFFN):
+        n += len(sparsify(loaded, mode="all").modules)
+    return n

@@ -1,0 +1,292 @@
+"""The offline pipeline end to end: profile → train predictors → solve placement → export.
+
+Each step is a function over explicit inputs and outputs (a profile directory, a predictors
+.npz, a placement .npz, the GGUF), so the CLI can run them one at a time or all together
+(``convert``). Progress bars (tqdm, on stderr, hidden when stderr is not a terminal) show each
+long step; ``summary_rows`` / ``format_summary`` give the per-layer table printed at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..data import DEFAULT_CORPUS
+from ..errors import SparseInferError
+from .export import (ExportOptions, ExportResult, check_output_path, dense_parts,
+                     export_sparse_gguf, neuron_bytes, stored_sizes)
+from .profile import Profile, ProfileOptions, corpus_chunks, profile_model, read_corpus
+from .train import Predictors, TrainOptions, train_predictors
+
+log = logging.getLogger(__name__)
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'1500000', '512MiB', '1.5G', '2 GiB' -> bytes (K/M/G are powers of 1000, KiB… of 1024)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise SparseInferError(f"budget: expected bytes such as 1500000, 512MiB or 1.5GB, got "
+                               f"{text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+# ---- progress ----------------------------------------------------------------------------------
+
+
+class Bars:
+    """A factory of tqdm bars, one per stage; a new stage closes the previous bar."""
+
+    def __init__(self, enabled: bool | None = None):
+        self.enabled = enabled
+        self.bar = None
+
+    def __call__(self, stage: str, total: int, unit: str):
+        from tqdm import tqdm
+
+        self.close()
+        scale = unit == "B"
+        self.bar = tqdm(total=total, desc=stage, unit=unit, unit_scale=scale, file=sys.stderr,
+                        disable=None if self.enabled is None else not self.enabled,
+                        leave=True, dynamic_ncols=True)
+        return self.bar.update
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+# ---- steps -------------------------------------------------------------------------------------
+
+
+def load(model_path: str | Path | None):
+    """The model to convert, in float32 (exact weights for the export)."""
+    from ..data import default_model_path
+    from ..models.loading import load_model
+
+    return load_model(model_path or default_model_path(), dtype="fp32")
+
+
+def run_profile(loaded, corpus: Sequence[Path], out_dir: str | Path,
+                options: ProfileOptions = ProfileOptions(), bars: Bars | None = None) -> Profile:
+    chunk_len = min(options.chunk_len, loaded.config.max_seq_len)  # learned positions end
+    if chunk_len < options.chunk_len:
+        log.info("chunks of %d tokens: the model's context is %d", chunk_len, chunk_len)
+    chunks = corpus_chunks(loaded.tokenizer, read_corpus(corpus), chunk_len,
+                           options.max_tokens, options.min_tokens)
+    try:
+        return profile_model(loaded.model, chunks, out_dir, options, str(loaded.path), bars)
+    finally:
+        if bars:
+            bars.close()
+
+
+def run_train(profile: Profile, options: TrainOptions = TrainOptions(),
+              bars: Bars | None = None) -> Predictors:
+    tick = bars("train", profile.n_layers, "layer") if bars else None
+    try:
+        return train_predictors(profile, options, tick)
+    finally:
+        if bars:
+            bars.close()
+
+
+def placement_inputs(loaded, profile: Profile, predictors: Predictors, ctx: int,
+                     outtype: str = "f32"):
+    """(neuron_bytes, dense_parts) of the stored model, for the placement problem."""
+    sizes = stored_sizes(loaded, outtype)
+    cfg = loaded.config
+    return (neuron_bytes(sizes, cfg.n_layers, cfg.d_ff),
+            dense_parts(sizes, cfg, ctx, predictors, outtype))
+
+
+def check_budget_early(loaded, budget: int | None, ctx: int, outtype: str = "f32") -> None:
+    """Fail before profiling when the budget cannot even hold the dense parts (predictors not
+    counted yet: the exact check runs in the solver)."""
+    if budget is None:
+        return
+    empty = Predictors((), TrainOptions(), 0, 0)
+    sizes = stored_sizes(loaded, outtype)
+    parts = dense_parts(sizes, loaded.config, ctx, empty, outtype)
+    need = sum(b for _, b in parts)
+    if budget < need:
+        detail = ", ".join(f"{n}={b}" for n, b in parts if b)
+        raise SparseInferError(
+            f"fast-tier budget too small: expected --budget >= the dense parts' {need} bytes "
+            f"({detail}; predictors come on top), got {budget} bytes")
+
+
+def run_solve(loaded, profile: Profile, predictors: Predictors, budget: int, ctx: int,
+              outtype: str = "f32", time_limit: float = 30.0, **problem_options):
+    """Solve the placement ILP (``problem_options``: group_size, min_split_neurons)."""
+    from .solve import PlacementProblem, solve_placement
+
+    nb, parts = placement_inputs(loaded, profile, predictors, ctx, outtype)
+    problem = PlacementProblem(freqs=tuple(profile.freqs), neuron_bytes=nb, budget_bytes=budget,
+                               dense_parts=parts, **problem_options)
+    return solve_placement(problem, time_limit=time_limit)
+
+
+def run_export(loaded, profile: Profile, predictors: Predictors, out: str | Path, placement=None,
+               options: ExportOptions = ExportOptions(), bars: Bars | None = None) -> ExportResult:
+    try:
+        return export_sparse_gguf(loaded, profile, predictors, out, placement, options, bars)
+    finally:
+        if bars:
+            bars.close()
+
+
+# ---- end to end --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    corpus: tuple[Path, ...] = (DEFAULT_CORPUS,)
+    profile: ProfileOptions = field(default_factory=ProfileOptions)
+    train: TrainOptions = field(default_factory=TrainOptions)
+    export: ExportOptions = field(default_factory=ExportOptions)
+    budget_bytes: int | None = None  # None: nothing on the fast tier
+    ctx: int = 4096  # tokens of KV cache charged to the fast tier
+    work_dir: Path | None = None  # where the profile goes (default: a temporary directory)
+    keep_work: bool = False
+    solve_time_limit: float = 30.0
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    output: ExportResult
+    profile: Profile
+    predictors: Predictors
+    placement: object | None  # solve.PlacementSolution
+    seconds: dict[str, float]
+    work_dir: Path | None  # kept profile directory, if any
+
+
+def convert(model_path: str | Path | None, out: str | Path,
+            options: ConvertOptions = ConvertOptions(), bars: Bars | None = None,
+            loaded=None) -> ConvertReport:
+    """Profile, train, place and export ``model_path`` into the sparse GGUF ``out``."""
+    seconds: dict[str, float] = {}
+    out = check_output_path(out)
+    for p in options.corpus:
+        if not Path(p).is_file():
+            raise SparseInferError(f"corpus file not found: {p}")
+    t0 = time.perf_counter()
+    loaded = loaded or load(model_path)
+    seconds["load"] = time.perf_counter() - t0
+    check_budget_early(loaded, options.budget_bytes, options.ctx, options.export.outtype)
+
+    made_tmp = options.work_dir is None
+    work = Path(tempfile.mkdtemp(prefix="sparseinfer-profile-")) if made_tmp else \
+        Path(options.work_dir)
+    try:
+        t0 = time.perf_counter()
+        profile = run_profile(loaded, options.corpus, work, options.profile, bars)
+        seconds["profile"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        predictors = run_train(profile, options.train, bars)
+        seconds["train"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        placement = None
+        if options.budget_bytes is not None:
+            placement = run_solve(loaded, profile, predictors, options.budget_bytes, options.ctx,
+                                  options.export.outtype, options.solve_time_limit)
+        seconds["solve"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        result = run_export(loaded, profile, predictors, out, placement, options.export, bars)
+        seconds["export"] = time.perf_counter() - t0
+    finally:
+        if made_tmp and not options.keep_work:
+            shutil.rmtree(work, ignore_errors=True)
+    return ConvertReport(result, profile, predictors, placement, seconds,
+                         work if (options.keep_work or not made_tmp) else None)
+
+
+# ---- summary -----------------------------------------------------------------------------------
+
+
+def summary_rows(profile: Profile, predictors: Predictors | None = None,
+                 placement=None) -> list[dict]:
+    """One dict per layer: density, rank, recall, precision, predicted density, hot count."""
+    rows = []
+    dens = profile.densities
+    for l in range(profile.n_layers):
+        row = {"layer": l, "density": float(dens[l])}
+        if predictors is not None:
+            p = predictors.layers[l]
+            row.update(rank=p.rank, recall=p.recall, precision=p.precision,
+                       pred_density=p.pred_density, met=p.met_targets)
+        row["hot"] = int(placement.hot_counts[l]) if placement is not None else 0
+        rows.append(row)
+    return rows
+
+
+def format_summary(profile: Profile, predictors: Predictors | None = None,
+                   placement=None) -> str:
+    """The per-layer table and totals, as text."""
+    rows = summary_rows(profile, predictors, placement)
+    lines = []
+    head = f"{'layer':>5} {'density':>8}"
+    if predictors is not None:
+        head += f" {'rank':>5} {'recall':>7} {'precision':>9} {'pred.dens':>9}"
+    head += f" {'hot':>7}"
+    lines.append(head)
+    for r in rows:
+        s = f"{r['layer']:5d} {r['density']:8.3f}"
+        if predictors is not None:
+            flag = "" if r["met"] else " *"
+            s += (f" {r['rank']:5d} {r['recall']:7.4f} {r['precision']:9.3f} "
+                  f"{r['pred_density']:9.3f}")
+            s += f" {r['hot']:7d}{flag}"
+        else:
+            s += f" {r['hot']:7d}"
+        lines.append(s)
+    d = profile.d_ff
+    total = f"{'all':>5} {float(np.mean([r['density'] for r in rows])):8.3f}"
+    if predictors is not None:
+        total += (f" {'':5} {np.mean([r['recall'] for r in rows]):7.4f} "
+                  f"{np.mean([r['precision'] for r in rows]):9.3f} "
+                  f"{np.mean([r['pred_density'] for r in rows]):9.3f}")
+    total += f" {sum(r['hot'] for r in rows):7d}"
+    lines.append(total)
+    mode = (f"relu (h != 0)" if profile.mode == "relu" else
+            f"magnitude ({profile.score} > t_l, target density {profile.target_density:g})")
+    lines.append(f"{profile.n_tokens} profiled tokens; {profile.n_layers} layers x {d} neurons; "
+                 f"activity: {mode}")
+    if predictors is not None:
+        o = predictors.options
+        lines.append(
+            f"predictors: {predictors.n_params:,} parameters = {predictors.param_share:.1%} of "
+            f"the FFN parameters; recall target {o.recall:g} at predicted density <= "
+            f"{o.max_density_ratio:g}x true (policy '{o.policy}'); measured on "
+            f"{predictors.n_test_tokens} held-out tokens")
+        missed = sum(not r["met"] for r in rows)
+        if missed:
+            lines.append(f"* {missed} layer(s) could not meet both targets; policy "
+                         f"'{o.policy}' kept the "
+                         f"{'recall' if o.policy == 'recall' else 'density cap'}")
+    if placement is not None:
+        lines.append(
+            f"placement: {placement.status}; {sum(placement.hot_counts)} of "
+            f"{d * profile.n_layers} neurons on the fast tier, "
+            f"{placement.objective / max(placement.total_mass, 1e-12):.1%} of the activation "
+            f"mass; {placement.fast_bytes:,} of {placement.budget_bytes:,} budget bytes")
+    else:
+        lines.append("placement: none (no --budget): every neuron on the CPU")
+    return "\n".join(lines)

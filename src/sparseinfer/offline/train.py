@@ -1,0 +1,400 @@
+"""Train the per-layer activation predictors  p_l(x) = fc2 · relu(fc1 · x) + b  on a profile.
+
+Each layer's profiled tokens are split in three contiguous stretches: train (80%), val (10%),
+test (10%). A predictor is fitted on train with binary cross-entropy against the active masks
+(Adam, one-cycle schedule, torch on CPU). Its decision threshold τ is then chosen on val so that
+the share of truly active neurons predicted (recall) reaches the target, and folded into the bias
+(b ← b − τ): a neuron is predicted active iff its logit is >= 0 (PowerInfer's
+``sparse_threshold``). Recall, precision and predicted density are reported on test, which
+neither the fit nor the threshold saw.
+
+Rank. Candidate ranks are tried from small to large (capped so the predictor stays within
+``max_param_share`` of the layer's FFN parameters). The first rank that meets both targets —
+recall >= ``recall`` at a predicted density <= ``max_density_ratio`` × the true density — is
+kept. Otherwise the rank grows only while it pays: once doubling the rank lowers the val density
+at the target recall by less than ``min_gain``, the smaller rank is kept (fewest parameters for
+the quality the rank family reaches).
+
+When the targets cannot both be met (magnitude-thresholded SwiGLU masks: the neurons just above
+the threshold are hard to tell from those just below), ``policy`` decides: "recall" keeps the
+recall target (the predicted density is what it is); "density" caps the predicted density at
+``max_density_ratio`` × the true density (the recall is what it is).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..config import FFN_KINDS
+from ..errors import SparseInferError
+from .profile import Profile
+
+log = logging.getLogger(__name__)
+
+PREDICTORS_FORMAT = "sparseinfer-predictors"
+PREDICTORS_VERSION = 1
+POLICIES = ("recall", "density")
+MIN_SPLIT_TOKENS = 16  # val and test each need at least this many tokens
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    recall: float = 0.99  # target recall on held-out tokens
+    max_density_ratio: float = 1.5  # predicted density <= this × true density
+    policy: str = "recall"  # which target wins when both cannot be met
+    ranks: tuple[int, ...] = (16, 32, 64, 128)  # candidates, smallest first
+    max_param_share: float = 0.10  # predictor parameters <= this share of the FFN's
+    min_gain: float = 0.01  # grow the rank only while val density drops by at least this
+    epochs: int = 6
+    min_steps: int = 300
+    batch_size: int = 256
+    lr: float = 3e-3
+    pos_weight: float = 1.0  # BCE weight of active neurons (the threshold sets the recall anyway)
+    val_fraction: float = 0.1
+    test_fraction: float = 0.1
+    max_train_tokens: int = 0  # 0 = every training token
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.recall <= 1.0:
+            raise SparseInferError(f"recall: expected a fraction in (0, 1], got {self.recall}")
+        if self.max_density_ratio < 1.0:
+            raise SparseInferError(f"max density ratio: expected >= 1, got "
+                                   f"{self.max_density_ratio}")
+        if self.policy not in POLICIES:
+            raise SparseInferError(f"policy: expected one of {list(POLICIES)}, got {self.policy!r}")
+        if not self.ranks or any(r < 1 for r in self.ranks):
+            raise SparseInferError(f"ranks: expected positive integers, got {self.ranks}")
+        if not 0.0 < self.max_param_share <= 1.0:
+            raise SparseInferError(f"max param share: expected a fraction in (0, 1], got "
+                                   f"{self.max_param_share}")
+        if not (0 < self.val_fraction < 1 and 0 <= self.test_fraction < 1
+                and self.val_fraction + self.test_fraction < 0.9):
+            raise SparseInferError(f"val/test fractions: expected 0 < val, 0 <= test, "
+                                   f"val + test < 0.9, got {self.val_fraction}, "
+                                   f"{self.test_fraction}")
+
+
+@dataclass(frozen=True)
+class LayerPredictor:
+    layer: int
+    fc1: np.ndarray = field(repr=False)  # (r, d_model) float32
+    fc2: np.ndarray = field(repr=False)  # (d_ff, r) float32
+    bias: np.ndarray = field(repr=False)  # (d_ff,) float32, decision threshold folded in
+    threshold: float  # τ subtracted from the trained bias
+    true_density: float  # test split
+    pred_density: float
+    recall: float
+    precision: float
+    met_targets: bool  # recall and density targets both met on val
+    tried: tuple[tuple[int, float], ...]  # (rank, val density at the target recall)
+    seconds: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.fc1.shape[0])
+
+    @property
+    def n_params(self) -> int:
+        return int(self.fc1.size + self.fc2.size + self.bias.size)
+
+
+@dataclass(frozen=True)
+class Predictors:
+    layers: tuple[LayerPredictor, ...]
+    options: TrainOptions
+    ffn_params: int  # parameters of one layer's FFN (for the share)
+    n_test_tokens: int
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.n_params for p in self.layers)
+
+    @property
+    def param_share(self) -> float:
+        return self.n_params / max(self.ffn_params * len(self.layers), 1)
+
+
+def ffn_param_count(kind: str, d_model: int, d_ff: int) -> int:
+    """Weights of one FFN: gate + up + down (gated) or up + down and their biases (ungated)."""
+    if FFN_KINDS[kind].gated:
+        return 3 * d_model * d_ff
+    return 2 * d_model * d_ff + d_ff + d_model
+
+
+def rank_cap(kind: str, d_model: int, d_ff: int, share: float) -> int:
+    """Largest rank whose fc1 + fc2 + bias stays within ``share`` of the FFN's parameters."""
+    return int((share * ffn_param_count(kind, d_model, d_ff) - d_ff) // (d_model + d_ff))
+
+
+def candidate_ranks(options: TrainOptions, kind: str, d_model: int, d_ff: int) -> list[int]:
+    cap = rank_cap(kind, d_model, d_ff, options.max_param_share)
+    if cap < 1:
+        raise SparseInferError(
+            f"predictor budget: expected room for a rank-1 predictor within "
+            f"{options.max_param_share:.0%} of the FFN's parameters, found none "
+            f"(d_model {d_model}, d_ff {d_ff})")
+    return sorted({min(r, cap) for r in options.ranks})
+
+
+# ---- one layer ---------------------------------------------------------------------------------
+
+
+class _Predictor(torch.nn.Module):
+    def __init__(self, d_model: int, rank: int, d_ff: int):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d_model, rank, bias=False)
+        self.fc2 = torch.nn.Linear(rank, d_ff)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, opt: TrainOptions,
+         seed: int) -> _Predictor:
+    torch.manual_seed(seed)
+    net = _Predictor(x.shape[1], rank, y.shape[1])
+    n = x.shape[0]
+    bs = min(opt.batch_size, n)
+    steps_per_epoch = max(n // bs, 1)
+    steps = max(opt.epochs * steps_per_epoch, opt.min_steps, 20)  # one-cycle needs a few
+    adam = torch.optim.Adam(net.parameters(), lr=opt.lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(adam, max_lr=opt.lr, total_steps=steps,
+                                                pct_start=0.1)
+    pw = None if opt.pos_weight == 1.0 else torch.full((y.shape[1],), float(opt.pos_weight))
+    gen = torch.Generator().manual_seed(seed)
+    step = 0
+    while step < steps:
+        perm = torch.randperm(n, generator=gen)
+        for s in range(steps_per_epoch):
+            if step >= steps:
+                break
+            idx = perm[s * bs:(s + 1) * bs]
+            loss = F.binary_cross_entropy_with_logits(net(x[idx]), y[idx].float(), pos_weight=pw)
+            adam.zero_grad(set_to_none=True)
+            loss.backward()
+            adam.step()
+            sched.step()
+            step += 1
+    return net.eval()
+
+
+def _logits(net: _Predictor, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([net(x[i:i + 4096]) for i in range(0, x.shape[0], 4096)])
+
+
+def recall_threshold(logits: torch.Tensor, y: torch.Tensor, recall: float) -> float:
+    """The largest τ with share(logit >= τ | active) >= recall."""
+    pos = logits[y]
+    if pos.numel() == 0:
+        return float("inf")
+    k = int(np.floor((1.0 - recall) * pos.numel()))  # positives that may fall below τ
+    return float(torch.kthvalue(pos.flatten(), k + 1).values) if k > 0 else float(pos.min())
+
+
+def density_threshold(logits: torch.Tensor, density: float) -> float:
+    """τ with share(logit >= τ) ≈ ``density`` (at most)."""
+    flat = logits.flatten()
+    keep = int(np.floor(density * flat.numel()))
+    if keep >= flat.numel():
+        return float(flat.min())
+    if keep <= 0:
+        return float("inf")
+    return float(torch.kthvalue(flat, flat.numel() - keep + 1).values)  # the keep-th largest
+
+
+def classify(logits: torch.Tensor, y: torch.Tensor, tau: float) -> tuple[float, float, float]:
+    """(recall, precision, predicted density) of ``logits >= tau`` against ``y``."""
+    pred = logits >= tau
+    tp = int((pred & y).sum())
+    n_pos, n_pred = int(y.sum()), int(pred.sum())
+    recall = tp / n_pos if n_pos else 1.0
+    precision = tp / n_pred if n_pred else 1.0
+    return recall, precision, n_pred / max(pred.numel(), 1)
+
+
+def train_layer(layer: int, x: torch.Tensor, y: torch.Tensor, splits: tuple[int, int],
+                ranks: list[int], opt: TrainOptions) -> LayerPredictor:
+    """Fit, pick the rank and threshold, evaluate. ``x`` (T, d) float32, ``y`` (T, d_ff) bool,
+    ``splits`` = (end of train, end of val); test is the rest (or val when empty)."""
+    t0 = time.perf_counter()
+    a, b = splits
+    x_tr, y_tr = x[:a], y[:a]
+    if opt.max_train_tokens and a > opt.max_train_tokens:
+        x_tr, y_tr = x_tr[:opt.max_train_tokens], y_tr[:opt.max_train_tokens]
+    x_va, y_va = x[a:b], y[a:b]
+    x_te, y_te = (x[b:], y[b:]) if b < x.shape[0] else (x_va, y_va)
+    cap = opt.max_density_ratio * float(y_va.float().mean())
+
+    tried: list[tuple[int, float]] = []
+    best = None  # (net, val logits, val density at target recall)
+    for r in ranks:
+        net = _fit(x_tr, y_tr, r, opt, seed=opt.seed * 1000 + layer)
+        lg = _logits(net, x_va)
+        dens = classify(lg, y_va, recall_threshold(lg, y_va, opt.recall))[2]
+        tried.append((r, dens))
+        if dens <= cap:
+            best = (net, lg, dens)
+            break
+        if best is not None and best[2] - dens < opt.min_gain:
+            break  # the larger rank does not pay: keep the smaller one
+        best = (net, lg, dens)
+    net, lg, dens = best
+    met = dens <= cap
+    tau = recall_threshold(lg, y_va, opt.recall)
+    if not met and opt.policy == "density":
+        tau = density_threshold(lg, cap)
+    recall, precision, pred_density = classify(_logits(net, x_te), y_te, tau)
+    fc1 = net.fc1.weight.detach().numpy().astype(np.float32)
+    fc2 = net.fc2.weight.detach().numpy().astype(np.float32)
+    bias = (net.fc2.bias.detach() - tau).numpy().astype(np.float32)
+    return LayerPredictor(
+        layer=layer, fc1=fc1, fc2=fc2, bias=bias, threshold=tau,
+        true_density=float(y_te.float().mean()), pred_density=pred_density, recall=recall,
+        precision=precision, met_targets=met, tried=tuple(tried),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+# ---- all layers --------------------------------------------------------------------------------
+
+
+def split_points(n_tokens: int, opt: TrainOptions) -> tuple[int, int]:
+    """(end of train, end of val) for contiguous train / val / test stretches."""
+    n_val = int(n_tokens * opt.val_fraction)
+    n_test = int(n_tokens * opt.test_fraction)
+    if n_val < MIN_SPLIT_TOKENS or (opt.test_fraction > 0 and n_test < MIN_SPLIT_TOKENS) or \
+            n_tokens - n_val - n_test < 2 * MIN_SPLIT_TOKENS:
+        need = int(np.ceil(MIN_SPLIT_TOKENS / min(opt.val_fraction,
+                                                  opt.test_fraction or opt.val_fraction)))
+        raise SparseInferError(
+            f"profile too small to train predictors: expected at least {need} tokens (so that "
+            f"val and test hold {MIN_SPLIT_TOKENS} each), found {n_tokens}")
+    a = n_tokens - n_val - n_test
+    return a, a + n_val
+
+
+def train_predictors(profile: Profile, options: TrainOptions = TrainOptions(),
+                     progress: Callable[[int], None] | None = None,
+                     layers: list[int] | None = None) -> Predictors:
+    """Train one predictor per layer of ``profile`` (``progress(1)`` after each layer)."""
+    splits = split_points(profile.n_tokens, options)
+    ranks = candidate_ranks(options, profile.ffn_kind, profile.d_model, profile.d_ff)
+    out = []
+    for l in (range(profile.n_layers) if layers is None else layers):
+        x = torch.from_numpy(np.array(profile.inputs(l), dtype=np.float32))
+        y = torch.from_numpy(profile.masks(l))
+        p = train_layer(l, x, y, splits, ranks, options)
+        log.info("layer %d: rank %d, recall %.4f, precision %.3f, density %.3f (true %.3f), "
+                 "%.1f s", l, p.rank, p.recall, p.precision, p.pred_density, p.true_density,
+                 p.seconds)
+        out.append(p)
+        if progress:
+            progress(1)
+    return Predictors(tuple(out), options,
+                      ffn_param_count(profile.ffn_kind, profile.d_model, profile.d_ff),
+                      profile.n_tokens - splits[1] if options.test_fraction > 0
+                      else splits[1] - splits[0])
+
+
+def evaluate_predictors(preds: Predictors, profile: Profile) -> list[tuple[float, float, float,
+                                                                         float]]:
+    """Per layer (recall, precision, predicted density, true density) of ``preds`` on every
+    token of ``profile`` (e.g. a profile of held-out text made with the same thresholds)."""
+    check_matches(preds, profile)
+    out = []
+    for p in preds.layers:
+        x = torch.from_numpy(np.array(profile.inputs(p.layer), dtype=np.float32))
+        y = torch.from_numpy(profile.masks(p.layer))
+        with torch.no_grad():
+            lg = torch.relu(x @ torch.from_numpy(p.fc1).T) @ torch.from_numpy(p.fc2).T
+            lg += torch.from_numpy(p.bias)
+        recall, precision, dens = classify(lg, y, 0.0)
+        out.append((recall, precision, dens, float(y.float().mean())))
+    return out
+
+
+# ---- file --------------------------------------------------------------------------------------
+
+_METRICS = ("threshold", "true_density", "pred_density", "recall", "precision", "seconds")
+
+
+def save_predictors(path: str | Path, preds: Predictors) -> None:
+    """Write predictors as an .npz (no pickles); replaces the file atomically."""
+    path = Path(path)
+    arrays: dict[str, np.ndarray] = {
+        "format": np.array(PREDICTORS_FORMAT), "version": np.array(PREDICTORS_VERSION),
+        "layers": np.array([p.layer for p in preds.layers], dtype=np.int64),
+        "met_targets": np.array([p.met_targets for p in preds.layers], dtype=bool),
+        "options": np.array(json.dumps(asdict(preds.options))),
+        "info": np.array([preds.ffn_params, preds.n_test_tokens], dtype=np.int64),
+        "tried": np.array(json.dumps([p.tried for p in preds.layers])),
+    }
+    for m in _METRICS:
+        arrays[m] = np.array([getattr(p, m) for p in preds.layers], dtype=np.float64)
+    for p in preds.layers:
+        arrays[f"fc1_{p.layer}"], arrays[f"fc2_{p.layer}"] = p.fc1, p.fc2
+        arrays[f"bias_{p.layer}"] = p.bias
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            np.savez(fh, **arrays)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise SparseInferError(f"{path}: cannot write predictors: {e.strerror or e}") from None
+    log.info("wrote %d predictors to %s", len(preds.layers), path)
+
+
+def load_predictors(path: str | Path) -> Predictors:
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            a = {k: z[k] for k in z.files}
+    except FileNotFoundError:
+        raise SparseInferError(f"{path}: expected a predictors file, found no such file") from None
+    except (OSError, ValueError) as e:
+        raise SparseInferError(f"{path}: expected a predictors .npz written by "
+                               f"`sparseinfer train-predictors`: {e}") from None
+    if str(a.get("format", "")) != PREDICTORS_FORMAT or int(a.get("version", -1)) != \
+            PREDICTORS_VERSION:
+        raise SparseInferError(f"{path}: expected format {PREDICTORS_FORMAT!r} version "
+                               f"{PREDICTORS_VERSION}, found {str(a.get('format', ''))!r}")
+    try:
+        opts = json.loads(str(a["options"]))
+        opts["ranks"] = tuple(opts["ranks"])
+        tried = json.loads(str(a["tried"]))
+        layers = []
+        for i, l in enumerate(a["layers"].tolist()):
+            layers.append(LayerPredictor(
+                layer=l, fc1=a[f"fc1_{l}"], fc2=a[f"fc2_{l}"], bias=a[f"bias_{l}"],
+                met_targets=bool(a["met_targets"][i]),
+                tried=tuple((int(r), float(d)) for r, d in tried[i]),
+                **{m: float(a[m][i]) for m in _METRICS}))
+        ffn_params, n_test = (int(v) for v in a["info"])
+        return Predictors(tuple(layers), TrainOptions(**opts), ffn_params, n_test)
+    except (KeyError, TypeError, ValueError) as e:
+        raise SparseInferError(f"{path}: incomplete or corrupt predictors file: {e!r}") from None
+
+
+def check_matches(preds: Predictors, profile: Profile) -> None:
+    """Predictors must cover every layer of the profile with matching shapes."""
+    if [p.layer for p in preds.layers] != list(range(profile.n_layers)):
+        raise SparseInferError(f"predictors: expected layers 0..{profile.n_layers - 1}, found "
+                               f"{[p.layer for p in preds.layers]}")
+    for p in preds.layers:
+        if p.fc1.shape[1] != profile.d_model or p.fc2.shape[0] != profile.d_ff:
+            raise SparseInferError(
+                f"predictor of layer {p.layer}: expected fc1 [r, {profile.d_model}] and fc2 "
+                f"[{profile.d_ff}, r], found {list(p.fc1.shape)} and {list(p.fc2.shape)}")

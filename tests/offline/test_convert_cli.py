@@ -1,0 +1,137 @@
+"""`sparseinfer convert` and the step subcommands end to end through ``cli.main``, and the error
+cases: exit status 1, one message, no output file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from sparseinfer.cli import main
+from sparseinfer.models.loading import load_model
+
+FAST = ["--max-tokens", "1024", "--chunk-len", "128", "--ranks", "4", "--epochs", "2", "-t", "1"]
+
+
+def _files(d):
+    return sorted(os.listdir(d))
+
+
+def test_convert_end_to_end(tiny_model_dir, tmp_path, capsys):
+    src = tiny_model_dir("reglu")
+    out = tmp_path / "sparse.gguf"
+    rc = main(["convert", "-m", str(src), "-o", str(out), *FAST, "--budget", "1MB", "-c", "64"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert out.is_file() and _files(tmp_path) == ["sparse.gguf"]  # no profile left behind
+    text = captured.out
+    assert "layer  density  rank  recall precision pred.dens     hot" in text
+    assert "predictors:" in text and "placement: optimal" in text
+    assert f"wrote {out}" in text
+    lines = [ln.split() for ln in text.splitlines() if ln.startswith("    ")]
+    assert [int(ln[0]) for ln in lines] == [0, 1] and all(int(ln[2]) == 4 for ln in lines)
+    lm = load_model(out)
+    assert any(k.endswith("gpu_bucket") for k in lm.extras)
+    assert lm.metadata["sparseinfer.placement.budget_bytes"] == 1_000_000
+
+
+def test_steps_equal_convert(tiny_model_dir, tmp_path, capsys):
+    src = str(tiny_model_dir("swiglu"))
+    corpus = tmp_path / "corpus.txt"
+    from sparseinfer.data import DEFAULT_CORPUS
+
+    corpus.write_text(DEFAULT_CORPUS.read_text()[:40_000])
+    prof, preds, place = tmp_path / "prof", tmp_path / "p.npz", tmp_path / "place.npz"
+    steps = [
+        ["profile", "-m", src, "-o", str(prof), "--corpus", str(corpus), "--max-tokens", "1024",
+         "--chunk-len", "128", "--target-density", "0.4", "-t", "1"],
+        ["train-predictors", "--profile", str(prof), "-o", str(preds), "--ranks", "4",
+         "--epochs", "2", "-t", "1"],
+        ["solve", "-m", src, "--profile", str(prof), "--predictors", str(preds), "--budget",
+         "1MB", "-c", "64", "-o", str(place)],
+        ["export", "-m", src, "--profile", str(prof), "--predictors", str(preds),
+         "--placement", str(place), "-o", str(tmp_path / "steps.gguf")],
+    ]
+    for argv in steps:
+        assert main(argv) == 0, (argv[0], capsys.readouterr().err)
+    out = capsys.readouterr().out
+    assert "wrote profile" in out and "wrote predictors" in out and "wrote placement" in out
+    assert main(["convert", "-m", src, "-o", str(tmp_path / "all.gguf"), "--corpus", str(corpus),
+                 "--target-density", "0.4", *FAST, "--budget", "1MB", "-c", "64"]) == 0
+    # the steps and the all-in-one run make the same file, byte for byte
+    assert (tmp_path / "steps.gguf").read_bytes() == (tmp_path / "all.gguf").read_bytes()
+    lm = load_model(tmp_path / "steps.gguf")
+    assert lm.metadata["sparseinfer.sparsity.target_density"] == pytest.approx(0.4)
+
+
+def _tiny_corpus(tmp_path):
+    p = tmp_path / "tiny.txt"
+    p.write_text("Emma Woodhouse, handsome, clever, and rich.")
+    return p
+
+
+@pytest.mark.parametrize("case", ["small corpus", "missing corpus", "unknown arch",
+                                  "small budget", "missing model", "missing out dir",
+                                  "bad budget"])
+def test_convert_errors(tiny_model_dir, tmp_path, capsys, case):
+    src = tiny_model_dir("reglu")
+    work = tmp_path / "work"
+    work.mkdir()
+    out = work / "out.gguf"
+    args = ["convert", "-m", str(src), "-o", str(out), *FAST]
+    expect = {
+        "small corpus": "corpus too small: expected at least 256 tokens",
+        "missing corpus": "corpus file not found",
+        "unknown arch": "unsupported architecture 'GPT2LMHeadModel'",
+        "small budget": "fast-tier budget too small",
+        "missing model": "model not found",
+        "missing out dir": "output directory does not exist",
+        "bad budget": "budget: expected bytes",
+    }[case]
+    if case == "small corpus":
+        args += ["--corpus", str(_tiny_corpus(tmp_path))]
+    elif case == "missing corpus":
+        args += ["--corpus", str(tmp_path / "nope.txt")]
+    elif case == "unknown arch":
+        bad = tmp_path / "gpt2"
+        bad.mkdir()
+        for f in src.iterdir():
+            (bad / f.name).write_bytes(f.read_bytes())
+        cfg = json.loads((bad / "config.json").read_text())
+        cfg["architectures"] = ["GPT2LMHeadModel"]
+        (bad / "config.json").write_text(json.dumps(cfg))
+        args[2] = str(bad)
+    elif case == "small budget":
+        args += ["--budget", "1000"]
+    elif case == "missing model":
+        args[2] = str(tmp_path / "no-model.gguf")
+    elif case == "missing out dir":
+        out = tmp_path / "no-dir" / "out.gguf"
+        args[4] = str(out)
+    elif case == "bad budget":
+        args += ["--budget", "lots"]
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert expect in err and err.count("error:") == 1
+    assert "Traceback" not in err
+    assert not out.exists() and _files(work) == []
+
+
+def test_step_errors(tiny_model_dir, tmp_path, capsys):
+    src = str(tiny_model_dir("reglu"))
+    cases = [
+        (["train-predictors", "--profile", str(tmp_path / "none"), "-o", str(tmp_path / "p.npz")],
+         "expected a directory written by `sparseinfer profile`"),
+        (["solve", "-m", src, "--profile", str(tmp_path), "--predictors", str(tmp_path / "p.npz"),
+          "--budget", "1GB", "-o", str(tmp_path / "s.npz")], "expected profile.json"),
+        (["profile", "-m", src, "-o", str(tmp_path / "prof"), "--corpus",
+          str(_tiny_corpus(tmp_path))], "corpus too small"),
+        (["profile", "-m", src, "-o", str(tmp_path / "prof2"), "--target-density", "1.5"],
+         "target density: expected a fraction in (0, 1], got 1.5"),
+    ]
+    for argv, msg in cases:
+        assert main(argv) == 1
+        assert msg in capsys.readouterr().err
+    assert not (tmp_path / "p.npz").exists() and not (tmp_path / "s.npz").exists()

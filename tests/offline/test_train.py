@@ -1,0 +1,132 @@
+"""Predictor training: recall on held-out tokens, the parameter budget, rank choice, policies,
+the predictors file."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sparseinfer.data import DEFAULT_CORPUS, HELDOUT_TEXT
+from sparseinfer.errors import SparseInferError
+from sparseinfer.models.loading import load_model
+from sparseinfer.offline.profile import (Profile, ProfileOptions, corpus_chunks, profile_model,
+                                         read_corpus)
+from sparseinfer.offline.train import (TrainOptions, evaluate_predictors, ffn_param_count,
+                                       load_predictors, rank_cap, save_predictors,
+                                       train_predictors)
+
+FAST = dict(epochs=4, min_steps=150)
+
+
+@pytest.fixture(scope="module")
+def reglu_profiles(tiny_model_dir, tmp_path_factory):
+    """A 4096-token Emma profile and a 1024-token Sense and Sensibility one of tiny ReGLU."""
+    lm = load_model(tiny_model_dir("reglu"))
+    out = tmp_path_factory.mktemp("prof")
+    opts = ProfileOptions(chunk_len=256, min_tokens=1)
+    train = corpus_chunks(lm.tokenizer, read_corpus([DEFAULT_CORPUS]), 256, 4096)
+    held = corpus_chunks(lm.tokenizer, read_corpus([HELDOUT_TEXT]), 256, 1024)
+    return (profile_model(lm.model, train, out / "emma", opts),
+            profile_model(lm.model, held, out / "sense", opts))
+
+
+def test_recall_on_held_out_tokens(reglu_profiles):
+    prof, held = reglu_profiles
+    preds = train_predictors(prof, TrainOptions(ranks=(4, 8, 16), **FAST))
+    assert len(preds.layers) == prof.n_layers
+    for p in preds.layers:
+        # test split: tokens neither the fit nor the threshold choice saw
+        assert p.recall >= 0.985, p
+        assert 0 < p.precision <= 1 and p.true_density <= p.pred_density <= 1
+    # an independent text, scored from scratch (fc2 · relu(fc1 · x) + b >= 0)
+    for recall, precision, dens, true in evaluate_predictors(preds, held):
+        assert recall >= 0.98
+        assert precision == pytest.approx(recall * true / dens, rel=1e-6)
+
+
+def test_param_budget(reglu_profiles):
+    prof, _ = reglu_profiles
+    d, f = prof.d_model, prof.d_ff
+    ffn = 3 * d * f  # gate, up, down
+    assert ffn_param_count("reglu", d, f) == ffn
+    cap = rank_cap("reglu", d, f, 0.10)
+    assert cap * (d + f) + f <= 0.10 * ffn < (cap + 1) * (d + f) + f
+    preds = train_predictors(prof, TrainOptions(ranks=(64, 128), **FAST), layers=[0])
+    p = preds.layers[0]
+    assert p.rank == cap  # candidates above the cap are clipped to it
+    assert p.n_params == p.fc1.size + p.fc2.size + p.bias.size <= 0.10 * ffn
+    assert p.fc1.shape == (cap, d) and p.fc2.shape == (f, cap) and p.bias.shape == (f,)
+
+
+def _synthetic_profile(tmp_path, n_tokens, d, f, hidden_rank, seed=0) -> Profile:
+    """A profile on disk whose masks are a rank-``hidden_rank`` function of the inputs."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n_tokens, d)).astype(np.float16)
+    basis = rng.normal(size=(hidden_rank, d))
+    coef = rng.normal(size=(f, hidden_rank))
+    y = (x.astype(np.float64) @ basis.T @ coef.T) > 0.5
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    np.save(tmp_path / "x_000.npy", x)
+    np.save(tmp_path / "mask_000.npy", np.packbits(y, axis=-1, bitorder="little"))
+    return Profile(path=tmp_path, model="synthetic", ffn_kind="reglu", mode="relu", score=None,
+                   target_density=None, n_layers=1, d_model=d, d_ff=f, n_tokens=n_tokens,
+                   chunk_lens=(n_tokens,), thresholds=np.zeros(1, np.float32),
+                   counts=y.sum(0)[None].astype(np.int64))
+
+
+def test_smallest_rank_meeting_the_targets(tmp_path):
+    # masks are thresholds of 2 linear features: rank 4 (±2 through the relu) reaches them
+    prof = _synthetic_profile(tmp_path, 6000, 48, 96, hidden_rank=2)
+    opts = TrainOptions(ranks=(1, 4, 8), recall=0.99, epochs=20, min_steps=1000, lr=1e-2)
+    p = train_predictors(prof, opts).layers[0]
+    assert p.met_targets and p.recall >= 0.985
+    assert p.rank in (1, 4) and len(p.tried) <= 2  # stopped at the first rank that met them
+    assert p.pred_density <= 1.5 * p.true_density + 0.01
+
+
+def test_density_policy_caps_predicted_density(reglu_profiles):
+    prof, _ = reglu_profiles
+    opts = TrainOptions(ranks=(4,), max_density_ratio=1.2, policy="density", **FAST)
+    for p in train_predictors(prof, opts).layers:
+        if not p.met_targets:
+            assert p.pred_density <= 1.2 * p.true_density + 0.03
+            assert p.recall < 0.99
+
+
+def test_save_load_round_trip(reglu_profiles, tmp_path):
+    prof, _ = reglu_profiles
+    preds = train_predictors(prof, TrainOptions(ranks=(4,), **FAST))
+    save_predictors(tmp_path / "p.npz", preds)
+    again = load_predictors(tmp_path / "p.npz")
+    assert again.options == preds.options and again.ffn_params == preds.ffn_params
+    for a, b in zip(again.layers, preds.layers):
+        for name in ("fc1", "fc2", "bias"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        assert (a.rank, a.recall, a.tried) == (b.rank, b.recall, b.tried)
+    with pytest.raises(SparseInferError, match="no such file"):
+        load_predictors(tmp_path / "missing.npz")
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(SparseInferError, match="expected a predictors"):
+        load_predictors(tmp_path / "bad.npz")
+
+
+def test_training_is_deterministic(reglu_profiles):
+    prof, _ = reglu_profiles
+    torch.set_num_threads(1)
+    a = train_predictors(prof, TrainOptions(ranks=(4,), **FAST), layers=[1]).layers[0]
+    b = train_predictors(prof, TrainOptions(ranks=(4,), **FAST), layers=[1]).layers[0]
+    np.testing.assert_array_equal(a.fc2, b.fc2)
+
+
+def test_profile_too_small_and_bad_options(tmp_path):
+    prof = _synthetic_profile(tmp_path, 100, 8, 16, 2)
+    with pytest.raises(SparseInferError, match="profile too small.*at least 160 tokens"):
+        train_predictors(prof)
+    for bad in (dict(recall=1.5), dict(policy="fast"), dict(ranks=()),
+                dict(max_density_ratio=0.5)):
+        with pytest.raises(SparseInferError, match="expected"):
+            TrainOptions(**bad)
+    json.dumps(TrainOptions().__dict__, default=list)  # options are plain data
