@@ -31,7 +31,7 @@ def _peak_rss_mb() -> float:
 
 
 def _ours(model, dense: bool, threads: int, n_tokens: int, ppl_chunks: int,
-          ffn_dtype: str) -> dict:
+          ffn_dtype: str, kernels: bool = True) -> dict:
     import torch
 
     from sparseinfer.config import SamplingParams
@@ -39,7 +39,8 @@ def _ours(model, dense: bool, threads: int, n_tokens: int, ppl_chunks: int,
     from sparseinfer.engine import Engine, FinishEvent
     from sparseinfer.perplexity import perplexity
 
-    engine = Engine.load(model, n_ctx=1024, threads=threads, dense=dense, ffn_dtype=ffn_dtype)
+    engine = Engine.load(model, n_ctx=1024, threads=threads, dense=dense, ffn_dtype=ffn_dtype,
+                         kernels=kernels)
     m = engine.model
     ids = engine.encode(PROMPT)
     params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
@@ -61,6 +62,8 @@ def _ours(model, dense: bool, threads: int, n_tokens: int, ppl_chunks: int,
                 for p in n.parameters())
     if info is None:
         ffn = sum(nbytes(p) for b in m.layers for p in b.ffn.parameters())
+        if ffn == 0:  # FFNs run by the all-neuron kernel: bundled rows, not parameters
+            ffn = sum(nbytes(b.ffn.packed.rows) for b in m.layers)
         pred = 0
     else:
         ffn = sum(mod.d_ff and (nbytes(mod.cold.rows) + (nbytes(mod.cold.scales)
@@ -186,6 +189,8 @@ def main() -> int:
     print(f"read bandwidth ({args.threads} threads): {bw:.1f} GB/s", file=sys.stderr)
     rows = {}
     common = dict(threads=args.threads, n_tokens=args.tokens, ppl_chunks=args.ppl_chunks)
+    rows["sparseinfer dense, torch ops"] = run_isolated("_ours", model=model, dense=True,
+                                                       ffn_dtype="fp32", kernels=False, **common)
     rows["sparseinfer dense fp32"] = run_isolated("_ours", model=model, dense=True,
                                                   ffn_dtype="fp32", **common)
     if args.sparse:
