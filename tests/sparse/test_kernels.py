@@ -397,3 +397,21 @@ def test_dense_weights_clone_is_independent():
     a = kernels.dense_ffn(x, dense, torch.empty(64))
     b = kernels.dense_ffn(x, copy, torch.empty(64))
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_predict_active_per_neuron_thresholds(seed, threads):
+    """A predictor bias folded into per-neuron thresholds selects exactly the neurons whose
+    biased logit passes the scalar threshold (independent check in plain torch)."""
+    g = torch.Generator().manual_seed(seed)
+    d, r, n = 96, 16, 700
+    x, fc1, fc2 = torch.randn(d, generator=g), torch.randn(r, d, generator=g), torch.randn(n, r, generator=g)
+    bias = torch.randn(n, generator=g) * 3
+    want = torch.nonzero(fc2 @ torch.relu(fc1 @ x) + bias >= 0.5).reshape(-1).tolist()
+    thr = (0.5 - bias).contiguous()
+    kernels.set_threads(threads)
+    for fn in (kernels.predict_active, reference.predict_active_ref):
+        out = torch.empty(n, dtype=torch.int32)
+        k = fn(x, fc1, fc2, 0.5, out, neuron_thresholds=thr)
+        assert out[:k].tolist() == want

@@ -23,6 +23,7 @@ def _with_random_predictors(lm, rank: int = 8, seed: int = 0):
     for i in range(cfg.n_layers):
         lm.extras[f"blk.{i}.fc1.weight"] = rng.standard_normal((rank, cfg.d_model)).astype(np.float32)
         lm.extras[f"blk.{i}.fc2.weight"] = rng.standard_normal((cfg.d_ff, rank)).astype(np.float32)
+        lm.extras[f"blk.{i}.fc2.bias"] = rng.standard_normal(cfg.d_ff).astype(np.float32)
         freq = np.sort(rng.random(cfg.d_ff))[::-1].astype(np.float32)
         lm.extras[f"blk.{i}.act_freq"] = freq
         lm.extras[f"blk.{i}.gpu_idx"] = (np.arange(cfg.d_ff) < cfg.d_ff // 3).astype(np.int32)

@@ -85,6 +85,9 @@ class SparseFFN(nn.Module):
         self.down_bias = down_bias
         self._idx = torch.empty(self.d_ff, dtype=torch.int32)
         self._all = torch.arange(self.d_ff, dtype=torch.int32)
+        # a predictor bias folds into per-neuron thresholds: fc2·h + b >= t  <=>  fc2·h >= t - b
+        self._neuron_thr = (None if predictor is None or predictor.bias is None else
+                            (predictor.threshold - predictor.bias).float().contiguous())
         self._out = torch.empty(self.d_model, dtype=torch.float32)
         self._out_cold = torch.empty(self.d_model, dtype=torch.float32)
         self.stats = FFNStats()
@@ -102,8 +105,9 @@ class SparseFFN(nn.Module):
             keep = self._oracle_mask(self._coefs_dense(x))
             return torch.nonzero(keep).reshape(-1).to(torch.int32)
         p = self.predictor
-        if p.bias is None and x.device.type == "cpu":
-            k = kernels.predict_active(x, p.fc1, p.fc2, p.threshold, self._idx)
+        if x.device.type == "cpu":
+            k = kernels.predict_active(x, p.fc1, p.fc2, p.threshold, self._idx,
+                                       neuron_thresholds=self._neuron_thr)
             return self._idx[:k]
         return torch.nonzero(p.logits(x) >= p.threshold).reshape(-1).to(torch.int32)
 

@@ -327,7 +327,7 @@ def _gemv_rows(w, x, start, end, y):
 
 
 @_jit(parallel=True)
-def _predict_kernel(x, fc1, fc2, threshold, hidden, logits, counts, out_idx):
+def _predict_kernel(x, fc1, fc2, thresholds, hidden, logits, counts, out_idx):
     nt = counts.shape[0]
     r = fc1.shape[0]
     n = fc2.shape[0]
@@ -347,7 +347,7 @@ def _predict_kernel(x, fc1, fc2, threshold, hidden, logits, counts, out_idx):
         if s < e:
             _gemv_rows(fc2, hidden, s, e, logits)
             for i in range(s, e):
-                if logits[i] >= threshold:
+                if logits[i] >= thresholds[i]:
                     out_idx[s + c] = i
                     c += 1
         counts[t] = c
@@ -508,11 +508,22 @@ def sparse_ffn_batch(
 
 
 def predict_active(
-    x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: float, out_idx: torch.Tensor
+    x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: float, out_idx: torch.Tensor,
+    *, neuron_thresholds: torch.Tensor | None = None,
 ) -> int:
     """Neurons with predictor logit ``fc2 @ relu(fc1 @ x) >= threshold``, ascending, into
-    ``out_idx[:k]``; returns k (see ``reference.predict_active_ref``)."""
+    ``out_idx[:k]``; returns k (see ``reference.predict_active_ref``). ``neuron_thresholds``
+    (float32 [d_ff]) replaces the scalar threshold per neuron: a predictor bias b folds in as
+    ``threshold - b``."""
     check_predict_args(x, fc1, fc2, out_idx)
+    if neuron_thresholds is None:
+        thr = _buffer("thresholds", (fc2.shape[0],), np.float32)
+        thr.fill(np.float32(threshold))
+    else:
+        if neuron_thresholds.dtype != torch.float32 or neuron_thresholds.shape != (fc2.shape[0],):
+            raise ValueError(f"neuron_thresholds: expected float32 [{fc2.shape[0]}], got "
+                             f"{neuron_thresholds.dtype} {list(neuron_thresholds.shape)}")
+        thr = neuron_thresholds.numpy()
     nt = _threads
     if (fc1.numel() + fc2.numel()) * 4 < SERIAL_BYTES:
         nt = 1
@@ -520,7 +531,7 @@ def predict_active(
     logits = _buffer("logits", (fc2.shape[0],), np.float32)
     counts = _buffer("counts", (nt,), np.int64)
     xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
-    args = (xn, fc1.numpy(), fc2.numpy(), np.float32(threshold), hidden, logits, counts)
+    args = (xn, fc1.numpy(), fc2.numpy(), thr, hidden, logits, counts)
     with _one_thread(_threads if nt == 1 else 1):
         k = _predict_kernel(*args, out_idx.numpy())
     return int(k)

@@ -97,7 +97,8 @@ def sparse_ffn_batch_ref(
 
 
 def predict_active_ref(
-    x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: float, out_idx: torch.Tensor
+    x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: float, out_idx: torch.Tensor,
+    *, neuron_thresholds: torch.Tensor | None = None,
 ) -> int:
     """Neurons whose predictor logit ``fc2 @ relu(fc1 @ x)`` is >= threshold, ascending.
 
@@ -105,7 +106,8 @@ def predict_active_ref(
     """
     check_predict_args(x, fc1, fc2, out_idx)
     logits = fc2 @ torch.relu(fc1 @ x)
-    sel = torch.nonzero(logits >= threshold).reshape(-1)
+    thr = threshold if neuron_thresholds is None else neuron_thresholds
+    sel = torch.nonzero(logits >= thr).reshape(-1)
     k = int(sel.numel())
     out_idx[:k] = sel.to(torch.int32)
     return k
