@@ -1,4 +1,4 @@
-"""The ``sparseinfer`` command line (flags follow llama.cpp where one exists).
+"""The sparseinfer command line (flags follow llama.cpp where one exists).
 
 Only this module prints; library code logs. A ``SparseInferError`` becomes one ``error:`` line
 and exit status 1 (``-v`` shows the traceback and INFO logs).
@@ -284,12 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=16, help="requests waiting at most")
     s.set_defaults(func=cmd_serve)
 
-    try:
-        from .offline.cli import add_offline_commands
-    except ImportError:  # pragma: no cover - offline pipeline not installed
-        pass
-    else:
-        add_offline_commands(sub, _add_model)
+    from .offline.cli import add_offline_commands
+
+    add_offline_commands(sub, _add_model)  # convert, profile, train-predictors, solve, export
     return p
 
 
