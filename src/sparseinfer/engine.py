@@ -7,6 +7,7 @@ that serves several clients runs it from one worker thread.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -104,6 +105,8 @@ class Engine:
             from .sparse.runtime import use_kernels
 
             use_kernels(loaded, ffn=engine.sparse_info is None)
+        if engine._cache.k.device != engine.model.device:  # the sparse runtime moved the model
+            engine._cache = engine.model.new_cache(1, engine.n_ctx)
         return engine
 
     # ---- text ----------------------------------------------------------------------------------
@@ -140,7 +143,7 @@ class Engine:
         torch = self._torch
         rng = torch.Generator()
         rng.manual_seed(params.seed if params.seed is not None
-                        else int.from_bytes(__import__("os").urandom(6), "little"))
+                        else int.from_bytes(os.urandom(6), "little"))
         # reuse the keys/values of the longest common prefix with the previous call
         cached = 0
         for a, b in zip(self._cached_ids, prompt_ids[:-1]):
