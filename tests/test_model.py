@@ -80,33 +80,34 @@ def test_smollm2_logits_match_transformers(smollm2, smollm2_hf):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-@pytest.mark.slow
-def test_smollm2_greedy_continuation_matches_transformers(smollm2, smollm2_hf):
+def _assert_greedy_matches(engine, hf, text: str, n: int = 24) -> None:
+    """Our greedy continuation of ``text`` equals transformers' generate, token for token."""
     from sparseinfer.config import SamplingParams
-    from sparseinfer.engine import Engine, TokenEvent
+    from sparseinfer.engine import TokenEvent
 
-    engine = Engine(smollm2, n_ctx=256)
-    prompt = engine.encode("The capital of France is Paris. The capital of Germany is")
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompt = engine.encode(text)
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     ours = [e.token_id for e in engine.stream(prompt, params) if isinstance(e, TokenEvent)]
     with torch.no_grad():
-        out = smollm2_hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                  min_new_tokens=24)
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                          min_new_tokens=n)
     assert ours == out[0, len(prompt):].tolist()
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_continuation_matches_transformers(smollm2, smollm2_hf):
+    from sparseinfer.engine import Engine
+
+    engine = Engine(smollm2, n_ctx=256)  # plain torch ops
+    _assert_greedy_matches(engine, smollm2_hf,
+                           "The capital of France is Paris. The capital of Germany is")
 
 
 @pytest.mark.slow
 def test_smollm2_greedy_through_engine_load_with_kernels(smollm2_hf):
     """The CLI's path (Engine.load: numba kernels for decode) gives transformers' greedy text."""
-    from sparseinfer.config import SamplingParams
-    from sparseinfer.engine import Engine, TokenEvent
+    from sparseinfer.engine import Engine
 
     engine = Engine.load(None, n_ctx=256, threads=2)
     assert type(engine.model.lm_head).__name__ == "KernelLinear"
-    prompt = engine.encode("Pride and Prejudice was written by")
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    ours = [e.token_id for e in engine.stream(prompt, params) if isinstance(e, TokenEvent)]
-    with torch.no_grad():
-        out = smollm2_hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                  min_new_tokens=24)
-    assert ours == out[0, len(prompt):].tolist()
+    _assert_greedy_matches(engine, smollm2_hf, "Pride and Prejudice was written by")
