@@ -49,6 +49,7 @@ import scipy.sparse as sp
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from ..errors import SparseInferError
+from ..fileio import read_npz
 
 logger = logging.getLogger(__name__)
 
@@ -489,15 +490,7 @@ def save_placement(path: str | os.PathLike, solution: PlacementSolution) -> None
 def load_placement(path: str | os.PathLike) -> PlacementSolution:
     """Read a file written by :func:`save_placement`."""
     path = Path(path)
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            a = {k: z[k] for k in z.files}
-    except FileNotFoundError:
-        raise SparseInferError(f"{path}: expected a placement file, found no such file") from None
-    except (OSError, ValueError) as e:
-        raise SparseInferError(
-            f"{path}: expected a placement .npz written by save_placement, found: {e}"
-        ) from e
+    a = read_npz(path, "a placement .npz written by save_placement")
     fmt = str(a.get("format", ""))
     if fmt != PLACEMENT_FORMAT:
         raise SparseInferError(

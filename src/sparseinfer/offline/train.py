@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from ..config import FFN_KINDS
 from ..errors import SparseInferError
+from ..fileio import read_npz
 from .profile import Profile
 
 log = logging.getLogger(__name__)
@@ -359,14 +360,7 @@ def save_predictors(path: str | Path, preds: Predictors) -> None:
 
 def load_predictors(path: str | Path) -> Predictors:
     path = Path(path)
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            a = {k: z[k] for k in z.files}
-    except FileNotFoundError:
-        raise SparseInferError(f"{path}: expected a predictors file, found no such file") from None
-    except (OSError, ValueError) as e:
-        raise SparseInferError(f"{path}: expected a predictors .npz written by "
-                               f"`sparseinfer train-predictors`: {e}") from None
+    a = read_npz(path, "a predictors .npz written by `sparseinfer train-predictors`")
     if str(a.get("format", "")) != PREDICTORS_FORMAT or int(a.get("version", -1)) != \
             PREDICTORS_VERSION:
         raise SparseInferError(f"{path}: expected format {PREDICTORS_FORMAT!r} version "
