@@ -102,7 +102,7 @@ def cmd_profile(args) -> int:
             raise SparseInferError(f"corpus file not found: {p}")
     loaded = load(args.model)
     prof = run_profile(loaded, corpus, args.output, options, Bars())
-    print(format_summary(prof).rsplit("\nplacement:", 1)[0])
+    print(format_summary(prof, placement_line=False))
     print(f"wrote profile {args.output} ({prof.n_tokens} tokens, {prof.seconds:.1f} s)")
     return 0
 
@@ -118,7 +118,7 @@ def cmd_train(args) -> int:
     _check_writable(args.output)
     preds = run_train(prof, options, Bars())
     save_predictors(args.output, preds)
-    print(format_summary(prof, preds).rsplit("\nplacement:", 1)[0])
+    print(format_summary(prof, preds, placement_line=False))
     print(f"wrote predictors {args.output}")
     return 0
 

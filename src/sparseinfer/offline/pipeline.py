@@ -238,8 +238,9 @@ def summary_rows(profile: Profile, predictors: Predictors | None = None,
 
 
 def format_summary(profile: Profile, predictors: Predictors | None = None,
-                   placement=None) -> str:
-    """The per-layer table and totals, as text."""
+                   placement=None, placement_line: bool = True) -> str:
+    """The per-layer table and totals, as text (``placement_line=False``: steps that come
+    before placement say nothing about it)."""
     rows = summary_rows(profile, predictors, placement)
     lines = []
     head = f"{'layer':>5} {'density':>8}"
@@ -287,6 +288,6 @@ def format_summary(profile: Profile, predictors: Predictors | None = None,
             f"{d * profile.n_layers} neurons on the fast tier, "
             f"{placement.objective / max(placement.total_mass, 1e-12):.1%} of the activation "
             f"mass; {placement.fast_bytes:,} of {placement.budget_bytes:,} budget bytes")
-    else:
+    elif placement_line:
         lines.append("placement: none (no --budget): every neuron on the CPU")
     return "\n".join(lines)
