@@ -111,15 +111,15 @@ def _compile(names: dict[str, str]) -> list[tuple[re.Pattern, str]]:
     return out
 
 
-def source_name(canon: str, names: dict[str, str]) -> str:
-    """The checkpoint's name for a canonical tensor name (for error messages)."""
+def source_name(canon: str, names: dict[str, str]) -> str | None:
+    """The checkpoint's name for a canonical tensor name under the map ``names`` (None: none)."""
     m = re.match(r"^(?:layers\.(\d+)\.)?(.*)\.(weight|bias)$", canon)
     if m:
         i, rest, suffix = m.groups()
         for src, dst in names.items():
             if dst == (f"layers.{{i}}.{rest}" if i is not None else rest):
                 return src.replace("{i}", i or "") + "." + suffix
-    return canon
+    return None
 
 
 def map_name(name: str, compiled: list[tuple[re.Pattern, str]]) -> str | None:
@@ -195,7 +195,7 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
     except KeyError as e:
         name = e.args[0]
         raise ModelFileError(
-            f"{path}: missing tensor {source_name(name, names)!r} "
+            f"{path}: missing tensor {source_name(name, names) or name!r} "
             f"(expected for a {cfg.arch} model with {cfg.n_layers} layers)"
         ) from None
     except ValueError as e:

@@ -102,23 +102,23 @@ def check_output_path(path: str | Path) -> Path:
 
 
 def gguf_names(arch: str) -> dict[str, str]:
-    """Canonical name prefix -> GGUF name prefix for ``arch`` (the inverse of the loader's map)."""
+    """The loader's GGUF name map for ``arch`` (GGUF prefix -> canonical prefix)."""
     from ..models.loading import GGUF_ARCHS
 
     if arch not in GGUF_ARCHS:
         raise SparseInferError(f"unsupported architecture {arch!r} for a sparse GGUF: expected "
                                f"one of {sorted(GGUF_ARCHS)}")
-    return {canon: src for src, canon in GGUF_ARCHS[arch].items()}
+    return GGUF_ARCHS[arch]
 
 
-def _to_gguf_name(canon: str, inverse: dict[str, str]) -> str:
-    stem, suffix = canon.rsplit(".", 1)
-    m = re.match(r"layers\.(\d+)\.(.*)$", stem)
-    key = f"layers.{{i}}.{m.group(2)}" if m else stem
-    if key not in inverse:
+def _to_gguf_name(canon: str, names: dict[str, str]) -> str:
+    """The GGUF name of a canonical tensor: the loader's map read backwards."""
+    from ..models.loading import source_name
+
+    name = source_name(canon, names)
+    if name is None:
         raise SparseInferError(f"no GGUF name for tensor {canon!r}")
-    name = inverse[key]
-    return (name.replace("{i}", m.group(1)) if m else name) + "." + suffix
+    return name
 
 
 def _float_type(outtype: str):
@@ -274,7 +274,7 @@ def plan_model_tensors(src: _Source, perms: list[np.ndarray] | None) -> list[_Te
     from ..models.loading import permute_qk
 
     cfg = src.cfg
-    inverse = gguf_names(cfg.arch)
+    names = gguf_names(cfg.arch)
     ftype = _float_type(src.outtype)
     out: list[_Tensor] = []
     for canon in canonical_names(cfg):
@@ -282,7 +282,7 @@ def plan_model_tensors(src: _Source, perms: list[np.ndarray] | None) -> list[_Te
         perm = perms[layer] if (perms is not None and layer is not None) else None
         is_rows = canon.endswith(("ffn.gate.weight", "ffn.up.weight", "ffn.up.bias"))
         if canon.endswith("ffn.down.weight"):  # -> down_t, rows permuted
-            name = _to_gguf_name(canon.replace("ffn.down.", "ffn.down_t."), inverse)
+            name = _to_gguf_name(canon.replace("ffn.down.", "ffn.down_t."), names)
 
             def make(canon=canon, perm=perm):
                 t = src.float_array(canon).T
@@ -290,7 +290,7 @@ def plan_model_tensors(src: _Source, perms: list[np.ndarray] | None) -> list[_Te
 
             out.append(_float_tensor(name, make, (cfg.d_ff, cfg.d_model), ftype))
             continue
-        name = _to_gguf_name(canon, inverse)
+        name = _to_gguf_name(canon, names)
         if src.has_raw(canon):  # GGUF source: keep the stored type, copy bytes (permuted rows)
             t = src.raw[canon]
             shape = tuple(int(n) for n in reversed(t.shape.tolist()))
