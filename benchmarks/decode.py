@@ -31,7 +31,7 @@ def _peak_rss_mb() -> float:
 
 
 def _ours(model, dense: bool, threads: int, n_tokens: int, ppl_chunks: int,
-          ffn_dtype: str, kernels: bool = True) -> dict:
+          ffn_dtype: str, kernels: bool = True, dtype: str = "fp32") -> dict:
     import torch
 
     from sparseinfer.config import SamplingParams
@@ -39,8 +39,10 @@ def _ours(model, dense: bool, threads: int, n_tokens: int, ppl_chunks: int,
     from sparseinfer.engine import Engine, FinishEvent
     from sparseinfer.perplexity import perplexity
 
+    from sparseinfer.quant.linear import Int4Linear, Int8Linear
+
     engine = Engine.load(model, n_ctx=1024, threads=threads, dense=dense, ffn_dtype=ffn_dtype,
-                         kernels=kernels)
+                         kernels=kernels, dtype=dtype)
     m = engine.model
     ids = engine.encode(PROMPT)
     params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
@@ -55,13 +57,19 @@ def _ours(model, dense: bool, threads: int, n_tokens: int, ppl_chunks: int,
     # bytes of weights one decoded token reads: every matrix once, the FFN scaled by density,
     # the embedding table once as the LM head (one embedding row for the input is negligible)
     def nbytes(t):
+        if isinstance(t, (Int4Linear, Int8Linear)):
+            return t.nbytes
         return t.numel() * t.element_size()
 
-    attn = sum(nbytes(p) for b in m.layers for p in b.attn.parameters())
+    def weights(module):  # parameters and quantized projections
+        return [sub for sub in module.modules() if isinstance(sub, (Int4Linear, Int8Linear))] + \
+            list(module.parameters())
+
+    attn = sum(nbytes(p) for b in m.layers for p in weights(b.attn))
     norms = sum(nbytes(p) for b in m.layers for n in (b.attn_norm, b.ffn_norm)
                 for p in n.parameters())
     if info is None:
-        ffn = sum(nbytes(p) for b in m.layers for p in b.ffn.parameters())
+        ffn = sum(nbytes(p) for b in m.layers for p in weights(b.ffn))
         if ffn == 0:  # FFNs run by the all-neuron kernel: bundled rows, not parameters
             ffn = sum(nbytes(b.ffn.packed.rows) for b in m.layers)
         pred = 0
@@ -72,7 +80,7 @@ def _ours(model, dense: bool, threads: int, n_tokens: int, ppl_chunks: int,
         ffn = int(ffn * density)
         pred = sum(nbytes(mod.predictor.fc1) + nbytes(mod.predictor.fc2)
                    for mod in info.modules if mod.predictor is not None)
-    head = nbytes(m.lm_head.weight)
+    head = nbytes(m.lm_head if isinstance(m.lm_head, Int8Linear) else m.lm_head.weight)
     out = {
         "prefill_tok_s": fin.prompt_tokens / fin.prefill_seconds,
         "decode_tok_s": (fin.completion_tokens - 1) / fin.decode_seconds,
@@ -173,6 +181,8 @@ def main() -> int:
     ap.add_argument("-m", "--model", default=None, help="dense model (default: embedded SmolLM2)")
     ap.add_argument("--sparse", default=None, help="sparse GGUF from `sparseinfer convert`")
     ap.add_argument("--ffn-dtype", default="fp32", choices=["fp32", "bf16", "int8"])
+    ap.add_argument("--sparse-dtype", default="q4", choices=["fp32", "q4"],
+                    help="attention / LM head weights of the sparse engine")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-n", "--tokens", type=int, default=128)
     ap.add_argument("--ppl-chunks", type=int, default=0, help="held-out perplexity chunks (512)")
@@ -193,9 +203,12 @@ def main() -> int:
                                                        ffn_dtype="fp32", kernels=False, **common)
     rows["sparseinfer dense fp32"] = run_isolated("_ours", model=model, dense=True,
                                                   ffn_dtype="fp32", **common)
+    rows["sparseinfer dense q4"] = run_isolated("_ours", model=model, dense=True,
+                                                ffn_dtype="fp32", dtype="q4", **common)
     if args.sparse:
-        rows[f"sparseinfer sparse {args.ffn_dtype}"] = run_isolated(
-            "_ours", model=Path(args.sparse), dense=False, ffn_dtype=args.ffn_dtype, **common)
+        rows[f"sparseinfer sparse {args.ffn_dtype}/{args.sparse_dtype}"] = run_isolated(
+            "_ours", model=Path(args.sparse), dense=False, ffn_dtype=args.ffn_dtype,
+            dtype=args.sparse_dtype, **common)
     if not args.no_transformers:
         rows["transformers fp32"] = run_isolated("_transformers", model=model, **common)
     try:

@@ -105,9 +105,10 @@ def test_smollm2_greedy_continuation_matches_transformers(smollm2, smollm2_hf):
 
 @pytest.mark.slow
 def test_smollm2_greedy_through_engine_load_with_kernels(smollm2_hf):
-    """The CLI's path (Engine.load: numba kernels for decode) gives transformers' greedy text."""
+    """The fp32 CLI path (Engine.load: numba kernels for decode) gives transformers' greedy
+    text. (The default for this Q4_1 file is --dtype q4, judged by perplexity in tests/quant.)"""
     from sparseinfer.engine import Engine
 
-    engine = Engine.load(None, n_ctx=256, threads=2)
+    engine = Engine.load(None, n_ctx=256, threads=2, dtype="fp32")
     assert type(engine.model.lm_head).__name__ == "KernelLinear"
     _assert_greedy_matches(engine, smollm2_hf, "Pride and Prejudice was written by")

@@ -28,8 +28,10 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1,
                    help="CPU threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="dtype the dense weights are held in")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "q4"],
+                   help="dense weights: q4 = 4-bit blocks (a Q4_0/Q4_1 GGUF's own) for "
+                        "attention and dense FFNs with an int8 LM head (CPU); auto (default) = "
+                        "q4 for a Q4_0/Q4_1 file, else fp32")
     sp = p.add_argument_group("sparse runtime (models converted with `sparseinfer convert`)")
     sp.add_argument("--dense", action="store_true", help="ignore predictors: dense FFNs")
     sp.add_argument("--sparse-threshold", type=float, default=None,
@@ -82,10 +84,13 @@ def _engine(args):
 
     if args.ctx_size < 8:
         raise SparseInferError(f"-c/--ctx-size: expected at least 8, got {args.ctx_size}")
-    return Engine.load(args.model, n_ctx=args.ctx_size, threads=args.threads, dtype=args.dtype,
-                       dense=args.dense, threshold=args.sparse_threshold, device=args.device,
-                       vram_budget=args.vram_budget, ffn_dtype=args.ffn_dtype,
-                       mode=args.sparse_mode)
+    engine = Engine.load(args.model, n_ctx=args.ctx_size, threads=args.threads,
+                         dtype=args.dtype, dense=args.dense, threshold=args.sparse_threshold,
+                         device=args.device, vram_budget=args.vram_budget,
+                         ffn_dtype=args.ffn_dtype, mode=args.sparse_mode)
+    if args.dtype == "auto":
+        print(f"weights: {engine.dtype} (--dtype auto)", file=sys.stderr)
+    return engine
 
 
 def _read_text(path: Path) -> str:

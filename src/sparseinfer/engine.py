@@ -85,26 +85,46 @@ class Engine:
         self._cached_ids: list[int] = []  # tokens whose keys/values are in the cache
         self._torch = torch
         self.sparse_info = None  # set by load() when the sparse runtime takes the FFNs
+        self.dtype = str(self.model.dtype).replace("torch.float32", "fp32").replace(
+            "torch.bfloat16", "bf16")  # load() records "q4" when it quantizes
 
     @classmethod
     def load(cls, path=None, *, n_ctx: int | None = None, threads: int | None = None,
-             dtype: str = "fp32", kernels: bool = True, **sparse_options) -> Engine:
+             dtype: str = "auto", kernels: bool = True, **sparse_options) -> Engine:
         """Load a model file (default: the embedded SmolLM2) and wrap it.
 
+        ``dtype``: fp32 / bf16 weights, "q4" (4-bit blocks for attention and dense FFNs,
+        the file's own Q4_0/Q4_1 blocks where it has them, and an int8 LM head; CPU only), or
+        "auto" (default): q4 for a file whose projections are Q4_0/Q4_1, else fp32.
         ``sparse_options`` (dense, threshold, device, vram_budget...) reach the sparse runtime
         when the file carries predictors. ``kernels`` routes single-token decode of the dense
-        parts through the fused numba kernels (``sparse.runtime.use_kernels``).
+        parts through the fused numba kernels (``sparse.runtime.use_kernels``, and
+        ``fused.decode`` for norms, rope and attention).
         """
         from .data import default_model_path
         from .models.loading import load_model
 
-        loaded = load_model(path or default_model_path(), dtype=dtype)
+        from .quant.apply import DTYPE_CHOICES, QUANTIZED_DTYPES, auto_dtype, quantize_model
+
+        if dtype not in DTYPE_CHOICES:
+            raise SparseInferError(f"dtype: expected one of {list(DTYPE_CHOICES)}, got {dtype!r}")
+        held = "fp32" if dtype in QUANTIZED_DTYPES or dtype == "auto" else dtype
+        loaded = load_model(path or default_model_path(), dtype=held)
+        if dtype == "auto":
+            dtype = auto_dtype(loaded)
+        quantized = dtype in QUANTIZED_DTYPES
         engine = cls(loaded, n_ctx=n_ctx, threads=threads)
+        engine.dtype = dtype
         engine.sparse_info = _maybe_sparsify(loaded, **sparse_options)
+        if quantized:  # 4-bit attention / dense FFN, int8 LM head (quant/)
+            quantize_model(loaded, dtype)
         if kernels:  # fused numba GEMVs for what stays dense (CPU, fp32 only)
             from .sparse.runtime import use_kernels
 
-            use_kernels(loaded, ffn=engine.sparse_info is None)
+            use_kernels(loaded, ffn=engine.sparse_info is None and not quantized)
+            from .fused.decode import use_fused_decode
+
+            use_fused_decode(engine.model)  # norm/rope/attention of one token: two numba calls
         if engine._cache.k.device != engine.model.device:  # the sparse runtime moved the model
             engine._cache = engine.model.new_cache(1, engine.n_ctx)
         return engine

@@ -132,6 +132,40 @@ def test_masked_batch_equals_token_by_token(tiny_model_dir, kind):
     assert not _close(_prefill_logits(lm, IDS), step, 1e-5)  # random predictors drop neurons
 
 
+@pytest.mark.parametrize("kind", RELU_KINDS)
+def test_union_prefill_oracle_relu_equals_dense(tiny_model_dir, kind):
+    """Batched-sparse prefill over the union of the tokens' true active sets is exact on
+    ReLU-family models (every neuron outside the union is zero for every token)."""
+    path = tiny_model_dir(kind)
+    dense = _prefill_logits(load_model(path), IDS)
+    lm = load_model(path)
+    info = sparsify(lm, mode="oracle")
+    info.set_batch_mode("union")
+    assert _close(_prefill_logits(lm, IDS), dense)
+    assert 0.0 < info.density() <= 1.0
+
+
+def test_union_prefill_computes_the_union_of_predicted_sets(tiny_model_dir):
+    """With predictors, each token gets exactly the union's neurons: the same as a masked batch
+    whose every mask is the union (the torch reference path)."""
+    from sparseinfer.sparse.reference import sparse_ffn_ref
+
+    lm = _with_random_predictors(load_model(tiny_model_dir("swiglu")), seed=5)
+    info = sparsify(lm)
+    ffn = info.modules[0]
+    x = torch.randn(1, 6, lm.config.d_model)
+    ffn.batch_mode = "union"
+    got = ffn(x)[0]
+    union = ffn._mask(x[0], None).any(0)
+    idx = torch.nonzero(union).reshape(-1)
+    assert 0 < idx.numel() < lm.config.d_ff
+    for t in range(6):
+        want = sparse_ffn_ref(x[0, t], ffn.packed, idx, torch.empty(lm.config.d_model))
+        assert _close(got[t], want, 1e-5)
+    with pytest.raises(ValueError, match="batch mode"):
+        info.set_batch_mode("sideways")
+
+
 @pytest.mark.parametrize("kind", ["swiglu", "geglu", "opt"])
 def test_kernel_decode_equals_torch_decode(tiny_model_dir, kind):
     """use_kernels (fused GEMVs for attention / LM head, all-neuron FFN kernel) changes no output."""

@@ -139,8 +139,11 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm, self.attn = Norm(cfg), Attention(cfg)
         self.ffn_norm, self.ffn = Norm(cfg), FFN(cfg)
+        self.fast_decode = None  # optional fused single-token path (fused/decode.py)
 
     def forward(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
+        if self.fast_decode is not None and x.shape[0] == 1 and x.shape[1] == 1:
+            return self.fast_decode(self, x, layer, pos, cache, rope)
         x = x + self.attn(self.attn_norm(x), layer, pos, cache, rope)
         return x + self.ffn(self.ffn_norm(x))
 
@@ -163,11 +166,11 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.tok_emb.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.tok_emb.weight.device
 
     def new_cache(self, batch: int = 1, max_seq: int | None = None) -> KVCache:
         max_seq = max_seq or self.cfg.max_seq_len

@@ -50,6 +50,9 @@ class FFNStats:
         return self.active / max(self.tokens * d_ff, 1)
 
 
+BATCH_MODES = ("dense", "union", "masked")
+
+
 class SparseFFN(nn.Module):
     """Drop-in replacement for ``models.model.FFN`` (same forward signature)."""
 
@@ -91,8 +94,9 @@ class SparseFFN(nn.Module):
         self._out = torch.empty(self.d_model, dtype=torch.float32)
         self._out_cold = torch.empty(self.d_model, dtype=torch.float32)
         self.stats = FFNStats()
-        # several tokens at once: "dense" computes every neuron (fast prefill); "masked" keeps
-        # each token's own active set (what decode computes), for perplexity of the sparse model
+        # several tokens at once: "dense" computes every neuron (prefill); "union" the union of
+        # the tokens' active sets with the batched sparse kernel; "masked" keeps each token's own
+        # active set (what decode computes), for perplexity of the sparse model
         self.batch_mode = "dense"
 
     # ---- active set ----------------------------------------------------------------------------
@@ -135,6 +139,8 @@ class SparseFFN(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         B, T, D = x.shape
         if B * T > 1:
+            if self.batch_mode == "union" and not self.split and x.device.type == "cpu":
+                return self._union(x)
             return self._dense(x)
         xv = x.reshape(D).float()
         idx = self.active(xv)
@@ -172,6 +178,28 @@ class SparseFFN(nn.Module):
         if p.bias is not None:
             z = z + p.bias
         return z >= p.threshold
+
+    def _union(self, x: Tensor) -> Tensor:
+        """A batch of tokens over the union of their active sets (one read of each active
+        neuron's bundle for all tokens: ``kernels.sparse_ffn_batch``)."""
+        B, T, D = x.shape
+        xf = x.float().reshape(B * T, D).contiguous()
+        if self.mode == "all":
+            idx = self._all
+        else:
+            h = self._coefs_dense(xf) if self.mode == "oracle" else None
+            mask = self._mask(xf, h).any(dim=0)
+            idx = torch.nonzero(mask).reshape(-1).to(torch.int32)
+        self.stats.tokens += B * T
+        self.stats.active += int(idx.numel()) * B * T
+        out = torch.empty(B * T, D, dtype=torch.float32)
+        if idx.numel():
+            kernels.sparse_ffn_batch(xf, self.packed, idx, out)
+        else:
+            out.zero_()
+        if self.down_bias is not None:
+            out += self.down_bias
+        return out.to(x.dtype).reshape(B, T, D)
 
     def _dense(self, x: Tensor) -> Tensor:
         """A batch of tokens (prefill) from the bundled rows: all neurons, or with

@@ -417,10 +417,15 @@ _threads = numba.config.NUMBA_NUM_THREADS  # = numba.get_num_threads() until set
 
 
 def set_threads(n: int) -> None:
-    """Threads for the kernels: numba's setting (for the calling thread) and the chunk count."""
+    """Threads for the kernels: numba's setting (for the calling thread) and the chunk count.
+    More than numba's pool (NUMBA_NUM_THREADS, by default the cores) is capped, with a warning."""
     global _threads
-    if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
-        raise ValueError(f"threads: expected 1..{numba.config.NUMBA_NUM_THREADS}, got {n}")
+    if n < 1:
+        raise ValueError(f"threads: expected a positive number, got {n}")
+    if n > numba.config.NUMBA_NUM_THREADS:
+        log.warning("threads: %d requested, the kernels' pool has %d (NUMBA_NUM_THREADS): "
+                    "using %d", n, numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS)
+        n = numba.config.NUMBA_NUM_THREADS
     numba.set_num_threads(n)
     _threads = n
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import SparseInferError
-from .ffn import Predictor, SparseFFN
+from .ffn import BATCH_MODES, Predictor, SparseFFN
 from .packed import PackedFFN
 
 log = logging.getLogger(__name__)
@@ -40,9 +40,11 @@ class SparseInfo:
         return sum(m.stats.active for m in self.modules) / tok if tok else float("nan")
 
     def set_batch_mode(self, mode: str) -> None:
-        """"dense" (fast prefill) or "masked" (each token its own active set: perplexity)."""
-        if mode not in ("dense", "masked"):
-            raise ValueError(f"batch mode: expected 'dense' or 'masked', got {mode!r}")
+        """"dense" (prefill over every neuron, the default: see benchmarks/prefill.py),
+        "union" (prefill over the union of the tokens' predicted sets, batched-sparse kernel) or
+        "masked" (each token its own active set: perplexity of the sparse model)."""
+        if mode not in BATCH_MODES:
+            raise ValueError(f"batch mode: expected one of {list(BATCH_MODES)}, got {mode!r}")
         for m in self.modules:
             m.batch_mode = mode
 

@@ -1,0 +1,182 @@
+"""Fused single-token decode: the non-matmul work of a llama block in two numba calls.
+
+For one token the projections are a few dozen microseconds each, and the dozens of small torch
+ops around them (norm, rope, cache writes, grouped-query attention, residual adds, each ≈2–3 µs
+of dispatch) cost as much again. ``FusedDecode`` keeps the block's own projection modules (fp32
+``KernelLinear``, 4-bit ``Int4Linear``, or whatever the FFN is, sparse included) and replaces
+the rest for B = T = 1 (``Block.fast_decode``) by:
+
+- ``rms_norm`` — ``out = x · rsqrt(mean(x²) + eps) · w`` (optionally ``x += add`` first, the
+  residual), and
+- ``attend`` — rope (rotate-half) on q and k, the new k/v written into the cache at ``pos``,
+  softmax(q·Kᵀ · scale) · V per head with grouped K/V heads.
+
+Everything else (prompts, batches, LayerNorm models, learned positions, non-CPU or non-fp32
+models) runs the block's torch code unchanged. ``rms_norm_ref`` / ``attend_ref`` are the plain
+torch references the tests compare the kernels with; whole blocks are compared with
+``Block``'s torch path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..models.model import Block, KVCache, apply_rope
+
+
+@numba.njit(cache=True, fastmath=False, nogil=True)
+def _rms_norm(x, add, w, eps, out):  # pragma: no cover - compiled
+    d = x.shape[0]
+    if add.shape[0] == d:
+        for i in range(d):
+            x[i] += add[i]
+    ss = 0.0
+    for i in range(d):
+        ss += x[i] * x[i]
+    r = np.float32(1.0 / math.sqrt(ss / d + eps))
+    for i in range(d):
+        out[i] = x[i] * r * w[i]
+
+
+@numba.njit(cache=True, fastmath=True, nogil=True)
+def _attend(qkv, kc, vc, pos, cos, sin, nh, nkv, scale, scores, out):  # pragma: no cover
+    hd = kc.shape[2]
+    half = hd // 2
+    group = nh // nkv
+    ko = nh * hd
+    vo = ko + nkv * hd
+    # rope on every q and k head (rotate-half layout), in place in qkv; k/v into the cache
+    for h in range(nh + nkv):
+        base = h * hd
+        for j in range(half):
+            a, b = qkv[base + j], qkv[base + half + j]
+            qkv[base + j] = a * cos[j] - b * sin[j]
+            qkv[base + half + j] = b * cos[half + j] + a * sin[half + j]
+    for g in range(nkv):
+        for j in range(hd):
+            kc[g, pos, j] = qkv[ko + g * hd + j]
+            vc[g, pos, j] = qkv[vo + g * hd + j]
+    n = pos + 1
+    for h in range(nh):
+        g = h // group
+        q = qkv[h * hd:(h + 1) * hd]
+        m = -np.inf
+        for s in range(n):
+            acc = np.float32(0.0)
+            for j in range(hd):
+                acc += q[j] * kc[g, s, j]
+            acc *= scale
+            scores[s] = acc
+            if acc > m:
+                m = acc
+        tot = np.float32(0.0)
+        for s in range(n):
+            e = np.float32(math.exp(scores[s] - m))
+            scores[s] = e
+            tot += e
+        o = out[h * hd:(h + 1) * hd]
+        for j in range(hd):
+            o[j] = 0.0
+        for s in range(n):
+            p = scores[s] / tot
+            for j in range(hd):
+                o[j] += p * vc[g, s, j]
+
+
+# ---- torch references ---------------------------------------------------------------------------
+
+
+def rms_norm_ref(x: Tensor, add: Tensor | None, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(new residual, normed) for 1-D ``x``."""
+    x = x + add if add is not None else x
+    return x, x * torch.rsqrt(x.pow(2).mean() + eps) * w
+
+
+def attend_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, cos: Tensor, sin: Tensor,
+               nh: int, nkv: int) -> Tensor:
+    """One token's attention output (nh · hd,); writes its k/v into the (nkv, S, hd) caches."""
+    hd = k_cache.shape[-1]
+    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd])
+    q = apply_rope(q.view(nh, 1, hd), cos, sin)
+    k = apply_rope(k.view(nkv, 1, hd), cos, sin)
+    k_cache[:, pos] = k[:, 0]
+    v_cache[:, pos] = v.view(nkv, hd)
+    keys, values = k_cache[:, :pos + 1], v_cache[:, :pos + 1]
+    group = nh // nkv
+    keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+    probs = torch.softmax((q @ keys.transpose(-1, -2)) / math.sqrt(hd), dim=-1)
+    return (probs @ values).reshape(nh * hd)
+
+
+# ---- kernels with the references' signatures ----------------------------------------------------
+
+_EMPTY = np.zeros(0, dtype=np.float32)
+
+
+def rms_norm(x: Tensor, add: Tensor | None, w: Tensor, eps: float, out: Tensor) -> Tensor:
+    """In place: ``x += add`` (when given), ``out = rmsnorm(x) · w``; fp32 contiguous 1-D."""
+    _rms_norm(x.numpy(), _EMPTY if add is None else add.numpy(), w.numpy(), eps, out.numpy())
+    return out
+
+
+def attend(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, cos: Tensor, sin: Tensor,
+           nh: int, nkv: int, scores: Tensor, out: Tensor) -> Tensor:
+    """``attend_ref`` as one kernel call (``qkv`` is rotated in place; ``scores`` is scratch of at
+    least pos + 1 floats)."""
+    _attend(qkv.numpy(), k_cache.numpy(), v_cache.numpy(), pos, cos.numpy(), sin.numpy(), nh, nkv,
+            np.float32(1.0 / math.sqrt(k_cache.shape[-1])), scores.numpy(), out.numpy())
+    return out
+
+
+# ---- the block ---------------------------------------------------------------------------------
+
+
+class FusedDecode:
+    """Installed as ``block.fast_decode``: the block's single-token decode with ``rms_norm`` and
+    ``attend`` around its own projection modules (read from the block at each call, so a sparse
+    FFN or quantized projections swapped in later are used)."""
+
+    def __init__(self, block: Block):
+        cfg = block.attn.cfg
+        self.nh, self.nkv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.eps = float(block.attn_norm.eps)
+        self._h = torch.empty(cfg.d_model)
+        self._o = torch.empty(self.nh * self.hd)
+        self._scores = torch.empty(cfg.max_seq_len)
+
+    def __call__(self, blk: Block, x: Tensor, layer: int, pos: int, cache: KVCache,
+                 rope) -> Tensor:
+        if self._scores.shape[0] < cache.max_seq:
+            self._scores = torch.empty(cache.max_seq)
+        x1 = x.reshape(-1).clone()  # the residual stream, updated in place below
+        h = rms_norm(x1, None, blk.attn_norm.weight, self.eps, self._h)
+        qkv = blk.attn.wqkv(h).reshape(-1)
+        if not qkv.is_contiguous():
+            qkv = qkv.contiguous()
+        o = attend(qkv, cache.k[layer, 0], cache.v[layer, 0], pos, rope[0][pos], rope[1][pos],
+                   self.nh, self.nkv, self._scores, self._o)
+        a = blk.attn.wo(o).reshape(-1)
+        h = rms_norm(x1, a, blk.ffn_norm.weight, self.eps, self._h)
+        y = blk.ffn(h.view(1, 1, -1))
+        return (x1 + y.reshape(-1)).view(1, 1, -1)
+
+
+def supports(model) -> bool:
+    cfg = model.cfg
+    return (model.device.type == "cpu" and model.dtype == torch.float32 and cfg.norm == "rms"
+            and cfg.pos == "rope")
+
+
+def use_fused_decode(model) -> int:
+    """Give every block of ``model`` a ``FusedDecode`` (in place); returns how many (0 when the
+    model is not a CPU fp32 RMSNorm/RoPE model)."""
+    if not supports(model):
+        return 0
+    for blk in model.layers:
+        blk.fast_decode = FusedDecode(blk)
+    return len(model.layers)

@@ -1,0 +1,90 @@
+"""4-bit block weights: ``w[r, 32·b + j] = scale[r, b] · q[r, 32·b + j] + offset[r, b]``.
+
+This is llama.cpp's Q4_1 layout (Q4_0 is the case ``offset = -8 · scale``), kept as three plain
+arrays so it can be read straight from a GGUF's blocks (no requantization: the quantized values
+are the file's own) or made from float weights with Q4_1's rule. ``dequantize`` is the pure-torch
+reference every 4-bit operator is tested against.
+
+GGUF block layouts (ggml-common.h), 32 weights each, low nibbles first:
+- Q4_0: ``d`` (fp16), 16 bytes of nibbles; ``w = d · (q − 8)``;
+- Q4_1: ``d`` (fp16), ``m`` (fp16), 16 bytes of nibbles; ``w = d · q + m``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GROUP = 32  # weights per block
+BLOCK_BYTES = {"Q4_0": 2 + GROUP // 2, "Q4_1": 4 + GROUP // 2}
+
+
+@dataclass(frozen=True)
+class Q4Blocks:
+    q: torch.Tensor  # (n, k) uint8, values 0..15
+    scale: torch.Tensor  # (n, k // GROUP) float32
+    offset: torch.Tensor  # (n, k // GROUP) float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+    def rows(self, index: torch.Tensor) -> Q4Blocks:
+        """The blocks of rows ``index`` (a row permutation or selection)."""
+        return Q4Blocks(self.q[index], self.scale[index], self.offset[index])
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights ``(n, k)`` (reference)."""
+        n, k = self.shape
+        w = self.q.float().view(n, k // GROUP, GROUP) * self.scale[..., None]
+        return (w + self.offset[..., None]).view(n, k)
+
+    @staticmethod
+    def cat(parts: list[Q4Blocks]) -> Q4Blocks:
+        """Stack row-wise (e.g. q, k and v into one fused projection)."""
+        return Q4Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                        torch.cat([p.offset for p in parts]))
+
+
+def check_shape(shape: tuple[int, ...], what: str) -> None:
+    if len(shape) != 2 or shape[1] % GROUP:
+        raise ValueError(f"{what}: expected a 2-D weight whose rows are a multiple of {GROUP} "
+                         f"long, found shape {list(shape)}")
+
+
+def from_gguf(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Q4Blocks:
+    """Blocks of a Q4_0 / Q4_1 GGUF tensor; ``raw`` its bytes, ``shape`` (rows, cols)."""
+    if kind not in BLOCK_BYTES:
+        raise ValueError(f"expected a Q4_0 or Q4_1 tensor, found {kind}")
+    check_shape(shape, kind)
+    n, k = shape
+    nb, size = k // GROUP, BLOCK_BYTES[kind]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+    if blocks.size != n * nb * size:
+        raise ValueError(f"{kind} tensor of shape {list(shape)}: expected {n * nb * size} bytes, "
+                         f"found {blocks.size}")
+    blocks = blocks.reshape(n, nb, size)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., 4:]
+    else:
+        m = -8.0 * d
+        qs = blocks[..., 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)  # low nibbles: 0..15
+    return Q4Blocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+
+
+def quantize(w: torch.Tensor) -> Q4Blocks:
+    """Q4_1's rule on float weights: per block ``offset = min``, ``scale = (max − min) / 15``,
+    ``q = round((w − offset) / scale)`` (as llama.cpp's ``quantize_row_q4_1``)."""
+    check_shape(tuple(w.shape), "quantize")
+    n, k = w.shape
+    blk = w.detach().float().reshape(n, k // GROUP, GROUP)
+    lo, hi = blk.amin(-1), blk.amax(-1)
+    scale = (hi - lo) / 15.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = ((blk - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return Q4Blocks(q.reshape(n, k), scale.contiguous(), lo.contiguous())

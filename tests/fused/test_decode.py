@@ -1,0 +1,72 @@
+"""Fused single-token decode kernels against their torch references, and whole models with and
+without them (the unfused path is itself compared with transformers in tests/test_model.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from sparseinfer.fused.decode import (attend, attend_ref, rms_norm, rms_norm_ref,
+                                      use_fused_decode)
+from sparseinfer.models.model import rope_tables
+
+
+@pytest.mark.parametrize("d", [8, 576, 1000])
+@pytest.mark.parametrize("with_add", [False, True])
+def test_rms_norm_matches_reference(d, with_add):
+    torch.manual_seed(d)
+    x, add, w = torch.randn(d) * 3, torch.randn(d), torch.rand(d) + 0.5
+    want_x, want = rms_norm_ref(x, add if with_add else None, w, 1e-5)
+    out = torch.empty(d)
+    got = rms_norm(x, add if with_add else None, w, 1e-5, out)
+    assert got is out
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x, want_x)  # the residual is updated in place
+
+
+@pytest.mark.parametrize("nh,nkv,hd", [(4, 4, 16), (9, 3, 64), (8, 2, 32), (6, 1, 8)])
+@pytest.mark.parametrize("pos", [0, 1, 37, 200])
+def test_attend_matches_reference(nh, nkv, hd, pos):
+    torch.manual_seed(nh * 1000 + pos)
+    S = 256
+    cos_t, sin_t = rope_tables(type("C", (), {"head_dim": hd, "rope_theta": 10000.0})(), S)
+    qkv = torch.randn((nh + 2 * nkv) * hd)
+    kc, vc = torch.randn(nkv, S, hd), torch.randn(nkv, S, hd)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = attend_ref(qkv.clone(), kc_ref, vc_ref, pos, cos_t[pos], sin_t[pos], nh, nkv)
+    got = attend(qkv.clone(), kc, vc, pos, cos_t[pos], sin_t[pos], nh, nkv, torch.empty(S),
+                 torch.empty(nh * hd))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(kc, kc_ref, rtol=1e-5, atol=1e-6)  # the new key, rotated
+    torch.testing.assert_close(vc, vc_ref)
+
+
+def _decode(model, prompt, n):
+    cache = model.new_cache(1, 64)
+    out = [model(prompt, 0, cache, last_only=True)]
+    pos = prompt.shape[1]
+    for i in range(n):
+        tok = out[-1].argmax(-1)
+        out.append(model(tok, pos + i, cache))
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "reglu", "drelu"])
+def test_fused_model_equals_torch_path(tiny_model_dir, kind):
+    from sparseinfer.models.loading import load_model
+
+    lm = load_model(tiny_model_dir(kind))
+    plain = copy.deepcopy(lm.model)
+    assert use_fused_decode(lm.model) == lm.config.n_layers
+    prompt = torch.tensor([[1, 7, 3, 9, 4]])
+    torch.testing.assert_close(_decode(lm.model, prompt, 12), _decode(plain, prompt, 12),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_fused_decode_declines_other_models(tiny_model_dir):
+    from sparseinfer.models.loading import load_model
+
+    assert use_fused_decode(load_model(tiny_model_dir("opt")).model) == 0  # LayerNorm, learned pos
+    assert use_fused_decode(load_model(tiny_model_dir("swiglu"), dtype="bf16").model) == 0

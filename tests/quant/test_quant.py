@@ -1,0 +1,161 @@
+"""4-bit blocks and the quantized projections (``--dtype q4``), against gguf-py's own
+quantization code and plain float matmuls."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from sparseinfer.quant import blocks as qb
+from sparseinfer.quant.apply import auto_dtype, quantize_model
+from sparseinfer.quant.linear import Int4Linear, Int8Linear, reference
+
+BF16_REL = 2.0 ** -8  # relative rounding of a bfloat16 scale
+
+
+def _gguf_blocks(w: np.ndarray, kind: str) -> np.ndarray:
+    return quants.quantize(w, GGMLQuantizationType[kind])
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("shape", [(8, 32), (5, 96), (64, 576)])
+def test_from_gguf_equals_gguf_py_dequantize(kind, shape):
+    rng = np.random.default_rng(sum(shape))
+    w = (rng.standard_normal(shape) * 0.05 + rng.uniform(-0.02, 0.02, (shape[0], 1))).astype(
+        np.float32)
+    raw = _gguf_blocks(w, kind)
+    b = qb.from_gguf(raw, kind, shape)
+    assert b.q.dtype == torch.uint8 and int(b.q.max()) <= 15
+    want = quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(shape)
+    np.testing.assert_array_equal(b.dequantize().numpy(), want)
+
+
+def test_from_gguf_rejects_wrong_sizes():
+    raw = _gguf_blocks(np.zeros((4, 64), np.float32), "Q4_1")
+    with pytest.raises(ValueError, match="expected 60 bytes, found 160"):
+        qb.from_gguf(raw, "Q4_1", (3, 32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qb.from_gguf(raw, "Q4_1", (4, 40))
+    with pytest.raises(ValueError, match="Q4_0 or Q4_1"):
+        qb.from_gguf(raw, "Q8_0", (4, 64))
+
+
+def test_quantize_follows_q4_1_rule():
+    torch.manual_seed(0)
+    w = torch.randn(16, 128)
+    b = qb.quantize(w)
+    err = (b.dequantize() - w).abs().view(16, 4, 32)
+    assert bool((err <= b.scale[..., None] / 2 + 1e-6).all())  # round to nearest level
+    # weights that are already on a Q4_1 grid come back exactly (up to float rounding)
+    grid = b.dequantize()
+    assert torch.allclose(qb.quantize(grid).dequantize(), grid, atol=1e-6)
+    # a constant block has scale 0 and is exact
+    c = qb.quantize(torch.full((1, 32), 0.25))
+    assert float(c.scale) == 0.0 and torch.equal(c.dequantize(), torch.full((1, 32), 0.25))
+
+
+@pytest.mark.parametrize("n,k", [(32, 64), (96, 576), (576, 1536)])
+@pytest.mark.parametrize("m", [1, 7])
+def test_int4_linear_matches_float_reference(n, k, m):
+    torch.manual_seed(n + k + m)
+    b = qb.quantize(torch.randn(n, k) * 0.05)
+    bias = torch.randn(n)
+    lin = Int4Linear(b, bias)
+    # the weights it multiplies by are the blocks' up to bfloat16 scales
+    deq = lin.dequantized()
+    assert torch.allclose(deq, b.dequantize(), rtol=0,
+                          atol=float(b.scale.abs().max() + b.offset.abs().max()) * 16 * BF16_REL)
+    x = torch.randn(2, m, k)
+    y = lin(x)
+    assert y.shape == (2, m, n) and y.dtype == torch.float32
+    ref = reference(lin, x)
+    scale = float(ref.abs().max())
+    assert float((y - ref).abs().max()) <= 0.02 * scale
+    # and the plain float computation (fp32 activations, unrounded scales) is close too
+    plain = torch.nn.functional.linear(x, b.dequantize(), bias)
+    assert float((y - plain).abs().max()) <= 0.03 * scale
+
+
+def test_int8_linear_matches_float_reference():
+    torch.manual_seed(1)
+    w = torch.randn(1000, 64)
+    lin = Int8Linear(w)
+    assert float((lin.dequantized() - w).abs().max()) <= float(w.abs().max()) / 127
+    x = torch.randn(3, 64)
+    y, ref = lin(x), reference(lin, x)
+    assert float((y - ref).abs().max()) <= 0.02 * float(ref.abs().max())
+    assert float((y - x @ w.T).abs().max()) <= 0.05 * float(ref.abs().max())
+
+
+def test_smollm2_q4_uses_the_files_blocks(smollm2):
+    """Every projection of the Q4_1 file keeps its own blocks: the fused, un-permuted modules
+    multiply by the fp32 model's weights (gguf-py dequantization) up to bfloat16 scales."""
+    lm = copy.copy(smollm2)
+    lm.model = copy.deepcopy(smollm2.model)
+    assert auto_dtype(lm) == "q4"
+    counts = quantize_model(lm)
+    assert counts == {"from_file": 4 * lm.config.n_layers, "requantized": 0, "head": 1}
+    for i in (0, lm.config.n_layers - 1):
+        ref_blk, q_blk = smollm2.model.layers[i], lm.model.layers[i]
+        for ref_lin, q_lin in ((ref_blk.attn.wqkv, q_blk.attn.wqkv), (ref_blk.attn.wo, q_blk.attn.wo),
+                               (ref_blk.ffn.w_in, q_blk.ffn.w_in), (ref_blk.ffn.down, q_blk.ffn.down)):
+            assert isinstance(q_lin, Int4Linear)
+            w = ref_lin.weight
+            err = (q_lin.dequantized() - w).abs().max()
+            assert float(err) <= 4 * BF16_REL * float(w.abs().max()), (i, float(err))
+    # quality: greedy next tokens agree and perplexity stays within 1% on real text
+    from sparseinfer.data import HELDOUT_TEXT
+    from sparseinfer.perplexity import perplexity
+
+    ids = smollm2.tokenizer.encode(HELDOUT_TEXT.read_text(encoding="utf-8")[:6000])
+    p32 = perplexity(smollm2.model, ids, 256, None, 3).ppl
+    p4 = perplexity(lm.model, ids, 256, None, 3).ppl
+    assert abs(p4 / p32 - 1) < 0.01, (p32, p4)
+
+
+def test_requantized_tiny_model_equals_its_dequantized_weights(tiny_model_dir):
+    """A float model (HF safetensors) is quantized here; its logits equal those of the same
+    model whose weights are replaced by the dequantized blocks (activations in bfloat16)."""
+    from sparseinfer.models.loading import load_model
+
+    lm = load_model(tiny_model_dir("swiglu"))
+    assert auto_dtype(lm) == "fp32"
+    ref = copy.deepcopy(lm.model)
+    counts = quantize_model(lm)
+    assert counts["from_file"] == 0 and counts["requantized"] == 4 * lm.config.n_layers
+    for blk_ref, blk in zip(ref.layers, lm.model.layers):
+        for name in ("attn.wqkv", "attn.wo", "ffn.w_in", "ffn.down"):
+            owner, attr = name.split(".")
+            q_lin = getattr(getattr(blk, owner), attr)
+            getattr(getattr(blk_ref, owner), attr).weight.copy_(q_lin.dequantized())
+    ref.lm_head = torch.nn.Linear(lm.config.d_model, lm.config.vocab_size, bias=False)
+    ref.lm_head.weight = torch.nn.Parameter(lm.model.lm_head.dequantized(), requires_grad=False)
+    tokens = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
+    want = ref(tokens, 0, ref.new_cache(1, 16))
+    got = lm.model(tokens, 0, lm.model.new_cache(1, 16))
+    assert float((got - want).abs().max()) <= 0.03 * float(want.abs().max())
+
+
+def test_engine_dtype_auto_and_errors(tiny_model_dir):
+    from sparseinfer.config import SamplingParams
+    from sparseinfer.engine import Engine, TokenEvent
+    from sparseinfer.errors import SparseInferError
+
+    dense = Engine.load(tiny_model_dir("opt"))
+    assert dense.dtype == "fp32"
+    e = Engine.load(tiny_model_dir("opt"), dtype="q4")  # biased projections, LayerNorm
+    assert e.dtype == "q4" and isinstance(e.model.layers[0].attn.wqkv, Int4Linear)
+    tokens = torch.tensor([e.encode("Emma said")])
+    want = dense.model(tokens, 0, dense.model.new_cache(1, 16))
+    got = e.model(tokens, 0, e.model.new_cache(1, 16))
+    # 4-bit random weights: close, not equal (exactness is the swiglu test above)
+    assert float(torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), 0)) > 0.95
+    events = list(e.stream(tokens[0].tolist(), SamplingParams(max_tokens=4, temperature=0,
+                                                              ignore_eos=True)))
+    assert sum(isinstance(ev, TokenEvent) for ev in events) == 4
+    with pytest.raises(SparseInferError, match="expected one of"):
+        Engine.load(tiny_model_dir("opt"), dtype="int3")
