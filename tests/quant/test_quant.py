@@ -12,7 +12,8 @@ from gguf import GGMLQuantizationType, quants
 
 from sparseinfer.quant import blocks as qb
 from sparseinfer.quant.apply import auto_dtype, quantize_model
-from sparseinfer.quant.linear import Int4Linear, Int8Linear, reference
+from sparseinfer.quant.linear import (Int4Linear, Int8Linear, gemv_int8, gemv_int8_ref,
+                                      reference)
 
 BF16_REL = 2.0 ** -8  # relative rounding of a bfloat16 scale
 
@@ -80,6 +81,17 @@ def test_int4_linear_matches_float_reference(n, k, m):
     assert float((y - plain).abs().max()) <= 0.03 * scale
 
 
+@pytest.mark.parametrize("n,k", [(1, 8), (7, 64), (1000, 576), (4099, 100)])
+def test_gemv_int8_matches_reference(n, k):
+    torch.manual_seed(n)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scale, x = torch.rand(n) * 0.01, torch.randn(k)
+    got = gemv_int8(q, scale, x, torch.empty(n))
+    torch.testing.assert_close(got, gemv_int8_ref(q, scale, x), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="expected contiguous float32"):
+        gemv_int8(q, scale, x[:-1], torch.empty(n))
+
+
 def test_int8_linear_matches_float_reference():
     torch.manual_seed(1)
     w = torch.randn(1000, 64)
@@ -89,6 +101,10 @@ def test_int8_linear_matches_float_reference():
     y, ref = lin(x), reference(lin, x)
     assert float((y - ref).abs().max()) <= 0.02 * float(ref.abs().max())
     assert float((y - x @ w.T).abs().max()) <= 0.05 * float(ref.abs().max())
+    # one token: the fp32 GEMV kernel, float32 scales
+    one = lin(x[1])
+    torch.testing.assert_close(one, gemv_int8_ref(lin.q, lin.scale32, x[1]), rtol=1e-4, atol=1e-4)
+    assert float((one - x[1] @ w.T).abs().max()) <= 0.02 * float(one.abs().max())
 
 
 def test_smollm2_q4_uses_the_files_blocks(smollm2):

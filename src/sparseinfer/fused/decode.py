@@ -138,32 +138,50 @@ def attend(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, cos: Tensor,
 
 class FusedDecode:
     """Installed as ``block.fast_decode``: the block's single-token decode with ``rms_norm`` and
-    ``attend`` around its own projection modules (read from the block at each call, so a sparse
-    FFN or quantized projections swapped in later are used)."""
+    ``attend`` around its own projection modules. Install it last (``use_fused_decode``), after
+    any module swap (sparse FFN, quantized projections): the modules are looked up once, here,
+    and their ``forward`` called directly (no hook dispatch: ≈1 µs each)."""
 
     def __init__(self, block: Block):
         cfg = block.attn.cfg
         self.nh, self.nkv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.eps = float(block.attn_norm.eps)
+        self.scale = np.float32(1.0 / math.sqrt(self.hd))
+        self.wqkv, self.wo = block.attn.wqkv.forward, block.attn.wo.forward
+        self.ffn = block.ffn
+        self.w_attn = block.attn_norm.weight.detach().numpy()
+        self.w_ffn = block.ffn_norm.weight.detach().numpy()
         self._h = torch.empty(cfg.d_model)
+        self._hn = self._h.numpy()
         self._o = torch.empty(self.nh * self.hd)
-        self._scores = torch.empty(cfg.max_seq_len)
+        self._on = self._o.numpy()
+        self._scores = np.empty(cfg.max_seq_len, dtype=np.float32)
+        self._cache_key = None  # (id of the cache tensors, layer) -> numpy views
+        self._rope_key = None
 
     def __call__(self, blk: Block, x: Tensor, layer: int, pos: int, cache: KVCache,
                  rope) -> Tensor:
-        if self._scores.shape[0] < cache.max_seq:
-            self._scores = torch.empty(cache.max_seq)
+        if self._cache_key != (id(cache.k), layer):
+            self._kc, self._vc = cache.k[layer, 0].numpy(), cache.v[layer, 0].numpy()
+            self._cache_key = (id(cache.k), layer)
+            if self._scores.shape[0] < cache.max_seq:
+                self._scores = np.empty(cache.max_seq, dtype=np.float32)
+        if self._rope_key is not rope[0]:
+            self._cos, self._sin = rope[0].numpy(), rope[1].numpy()
+            self._rope_key = rope[0]
         x1 = x.reshape(-1).clone()  # the residual stream, updated in place below
-        h = rms_norm(x1, None, blk.attn_norm.weight, self.eps, self._h)
-        qkv = blk.attn.wqkv(h).reshape(-1)
+        xn = x1.numpy()
+        _rms_norm(xn, _EMPTY, self.w_attn, self.eps, self._hn)
+        qkv = self.wqkv(self._h).reshape(-1)
         if not qkv.is_contiguous():
             qkv = qkv.contiguous()
-        o = attend(qkv, cache.k[layer, 0], cache.v[layer, 0], pos, rope[0][pos], rope[1][pos],
-                   self.nh, self.nkv, self._scores, self._o)
-        a = blk.attn.wo(o).reshape(-1)
-        h = rms_norm(x1, a, blk.ffn_norm.weight, self.eps, self._h)
-        y = blk.ffn(h.view(1, 1, -1))
-        return (x1 + y.reshape(-1)).view(1, 1, -1)
+        _attend(qkv.numpy(), self._kc, self._vc, pos, self._cos[pos], self._sin[pos], self.nh,
+                self.nkv, self.scale, self._scores, self._on)
+        a = self.wo(self._o).reshape(-1)
+        _rms_norm(xn, a.numpy(), self.w_ffn, self.eps, self._hn)
+        y = self.ffn(self._h.view(1, 1, -1))
+        x1 += y.reshape(-1)
+        return x1.view(1, 1, -1)
 
 
 def supports(model) -> bool:

@@ -1,21 +1,25 @@
 """Quantized projections for the dense parts: 4-bit blocks (attention, dense FFN) and an int8
 LM head, each a drop-in for a bias-free or biased ``nn.Linear`` on the CPU.
 
-Both run on torch's own CPU kernels for weight-only quantization, which take bfloat16
-activations: ``torch._weight_int4pack_mm_for_cpu`` (groups of 32, per-group scale and zero, so a
-Q4_0/Q4_1 block maps onto it exactly: ``(q − 8) · scale + zero`` with ``zero = offset + 8 ·
-scale``; the scales are rounded to bfloat16) and ``torch._weight_int8pack_mm`` (per-row scales).
-Activations are rounded to bfloat16 on the way in (llama.cpp rounds them to 8 bits for its
-quantized dot products); results come back as float32. The reference for each is ``F.linear``
-on the dequantized weights (``reference`` below).
+4-bit: torch's own CPU kernel for weight-only quantization, ``torch._weight_int4pack_mm_for_cpu``
+(groups of 32, per-group scale and zero, so a Q4_0/Q4_1 block maps onto it exactly: ``(q − 8) ·
+scale + zero`` with ``zero = offset + 8 · scale``; the scales are rounded to bfloat16). It takes
+bfloat16 activations (llama.cpp rounds them to 8 bits for its quantized dot products); results
+come back as float32. int8: one token through ``gemv_int8`` (numba, fp32 activations, ≈2× torch's
+int8 kernel on this machine: the head is the largest single matrix), batches through
+``torch._weight_int8pack_mm`` (bfloat16 activations). The reference for each is ``F.linear`` on
+the dequantized weights (``reference``, ``gemv_int8_ref``).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from numba import prange
 
 from ..errors import SparseInferError
+from ..sparse.kernels import _jit, get_threads
 from .blocks import GROUP, Q4Blocks
 
 ACT_DTYPE = torch.bfloat16
@@ -61,8 +65,48 @@ class Int4Linear(torch.nn.Module):
                                                  self.scales_zeros).float().t().contiguous()
 
 
+@_jit()
+def _int8_rows(q, scale, x, start, end, y):  # pragma: no cover - compiled
+    k = x.shape[0]
+    for r in range(start, end):
+        qr = q[r]
+        acc = np.float32(0.0)
+        for j in range(k):
+            acc += np.float32(qr[j]) * x[j]
+        y[r] = acc * scale[r]
+
+
+@_jit(parallel=True)
+def _int8_gemv_kernel(q, scale, x, n_chunks, y):  # pragma: no cover - compiled
+    n = q.shape[0]
+    per = (n + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        _int8_rows(q, scale, x, min(c * per, n), min((c + 1) * per, n), y)
+
+
+def gemv_int8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
+              out: torch.Tensor) -> torch.Tensor:
+    """``out = (q · scale[:, None]) @ x`` for int8 ``q`` [n, k] (contiguous), float32 ``scale``
+    [n], ``x`` [k] and ``out`` [n]: fp32 activations, one streaming pass split over the kernel
+    threads (reference: ``gemv_int8_ref``)."""
+    if q.dtype != torch.int8 or q.dim() != 2 or not q.is_contiguous():
+        raise ValueError(f"q: expected contiguous int8 [n, k], got {q.dtype} {list(q.shape)}")
+    n, k = q.shape
+    for name, t, shape in (("scale", scale, (n,)), ("x", x, (k,)), ("out", out, (n,))):
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{name}: expected contiguous float32 {list(shape)}, got "
+                             f"{t.dtype} {list(t.shape)}")
+    _int8_gemv_kernel(q.numpy(), scale.numpy(), x.numpy(), get_threads() * 4, out.numpy())
+    return out
+
+
+def gemv_int8_ref(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (q.float() * scale[:, None]) @ x
+
+
 class Int8Linear(torch.nn.Module):
-    """``y = x @ W.T (+ b)`` with ``W`` quantized per row, symmetric absmax int8 (CPU)."""
+    """``y = x @ W.T (+ b)`` with ``W`` quantized per row, symmetric absmax int8 (CPU). One token
+    goes through ``gemv_int8`` (fp32 activations), batches through torch's int8 kernel."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -71,8 +115,10 @@ class Int8Linear(torch.nn.Module):
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
         self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.scale32 = scale.contiguous()
         self.scale = scale.to(ACT_DTYPE)
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._out = torch.empty(self.out_features)
 
     @property
     def nbytes(self) -> int:
@@ -80,6 +126,11 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
+        if x.numel() == self.in_features and x.dtype == torch.float32:
+            y = gemv_int8(self.q, self.scale32, x.reshape(-1).contiguous(), self._out).clone()
+            if self.bias is not None:
+                y += self.bias
+            return y.view(*lead, self.out_features)
         x2 = x.reshape(-1, self.in_features).to(ACT_DTYPE)
         y = torch._weight_int8pack_mm(x2, self.q, self.scale).float()
         if self.bias is not None:
@@ -87,6 +138,8 @@ class Int8Linear(torch.nn.Module):
         return y.view(*lead, self.out_features)
 
     def dequantized(self) -> torch.Tensor:
+        """Float32 weights of the batch path (bfloat16-rounded scales; one token uses the
+        float32 scales)."""
         return self.q.float() * self.scale.float()[:, None]
 
 

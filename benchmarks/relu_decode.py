@@ -1,0 +1,145 @@
+"""End-to-end decode on a ReLU-family model shaped like TinyLlama-1.1B: sparse runtime vs our
+dense engine, in one run.
+
+    python benchmarks/relu_decode.py [-t 2] [--density 0.1] [-n 64]
+
+No trained ReLU-family weights exist here (ReluLLaMA, ProSparse, TurboSparse are not on this
+machine), so the model has random weights (ReGLU FFN, 22 layers, d_model 2048, d_ff 5632, GQA
+32/4, vocab 32000, fp32: 4.4 GB) and random low-rank predictors whose per-neuron biases are set so
+that each neuron fires on a skewed share of tokens averaging ``--density`` (hot neurons on most
+tokens, most neurons rarely, as PowerInfer measured on real ReLU models). This measures speed
+only: the output text is meaningless and no perplexity is claimed. The measured density (share
+of neurons the predictors selected per token) is printed beside the speed.
+
+Both engines use everything the CLI uses for an fp32 CPU model: numba GEMVs for attention and the
+LM head, the fused single-token norm/rope/attention kernels; dense runs the all-neuron FFN
+kernel, sparse the predictor + sparse FFN kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sparseinfer.bench import measure_read_bandwidth
+from sparseinfer.config import ModelConfig
+from sparseinfer.fused.decode import use_fused_decode
+from sparseinfer.models.loading import LoadedModel
+from sparseinfer.models.model import Transformer
+from sparseinfer.sparse import kernels
+from sparseinfer.sparse.runtime import sparsify, use_kernels
+
+CFG = ModelConfig(arch="llama", vocab_size=32000, d_model=2048, n_layers=22, n_heads=32,
+                  n_kv_heads=4, d_ff=5632, max_seq_len=2048, ffn_kind="reglu",
+                  name="random ReGLU, TinyLlama-1.1B shape")
+RANK = 128
+
+
+def build(seed: int = 0) -> Transformer:
+    g = torch.Generator().manual_seed(seed)
+    c = CFG
+    D, F, hd = c.d_model, c.d_ff, c.d_model // c.n_heads
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) / math.sqrt(shape[-1])
+
+    state = {"tok_emb.weight": w(c.vocab_size, D), "norm.weight": torch.ones(D),
+             "lm_head.weight": w(c.vocab_size, D)}
+    for i in range(c.n_layers):
+        p = f"layers.{i}."
+        state |= {p + "attn_norm.weight": torch.ones(D), p + "ffn_norm.weight": torch.ones(D),
+                  p + "attn.wq.weight": w(c.n_heads * hd, D),
+                  p + "attn.wk.weight": w(c.n_kv_heads * hd, D),
+                  p + "attn.wv.weight": w(c.n_kv_heads * hd, D),
+                  p + "attn.wo.weight": w(D, c.n_heads * hd),
+                  p + "ffn.gate.weight": w(F, D), p + "ffn.up.weight": w(F, D),
+                  p + "ffn.down.weight": w(D, F)}
+    with torch.device("meta"):
+        model = Transformer(c)
+    model.load_state(state)
+    return model
+
+
+def predictors(density: float, seed: int = 1) -> dict[str, np.ndarray]:
+    """Random predictors with per-neuron biases giving skewed firing rates around ``density``."""
+    rng = np.random.default_rng(seed)
+    c = CFG
+    freq = (np.arange(c.d_ff) + 1.0) ** -0.6
+    freq = np.clip(freq * density * c.d_ff / freq.sum(), 1e-4, 1.0)
+    x = rng.standard_normal((512, c.d_model)).astype(np.float32)
+    extras = {}
+    for i in range(c.n_layers):
+        fc1 = (rng.standard_normal((RANK, c.d_model)) / math.sqrt(c.d_model)).astype(np.float32)
+        fc2 = (rng.standard_normal((c.d_ff, RANK)) / math.sqrt(RANK)).astype(np.float32)
+        z = np.maximum(x @ fc1.T, 0) @ fc2.T  # (512, d_ff) logits on unit-scale inputs
+        k = np.minimum(((1 - freq) * len(x)).astype(int), len(x) - 1)
+        bias = -np.sort(z, axis=0)[k, np.arange(c.d_ff)].astype(np.float32)
+        extras |= {f"blk.{i}.fc1.weight": fc1, f"blk.{i}.fc2.weight": fc2,
+                   f"blk.{i}.fc2.bias": bias}
+    return extras
+
+
+def decode(model, n: int) -> float:
+    cache = model.new_cache(1, 256)
+    prompt = torch.arange(1, 17).view(1, -1)
+    with torch.inference_mode():
+        logits = model(prompt, 0, cache, last_only=True)
+        tok = logits.argmax(-1)
+        for i in range(4):  # warm-up
+            tok = model(tok, 16 + i, cache, last_only=True).argmax(-1)
+        t0 = time.perf_counter()
+        for i in range(n):
+            tok = model(tok, 20 + i, cache, last_only=True).argmax(-1)
+        return n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    global CFG
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-n", "--tokens", type=int, default=64)
+    ap.add_argument("--density", type=float, default=0.10)
+    ap.add_argument("--layers", type=int, default=CFG.n_layers, help="fewer for a smoke run")
+    a = ap.parse_args()
+    CFG = replace(CFG, n_layers=a.layers)
+    torch.set_num_threads(a.threads)
+    kernels.set_threads(a.threads)
+    bw = measure_read_bandwidth(a.threads)
+    print(f"# {CFG.name}; {a.threads} threads; read bandwidth {bw:.1f} GB/s")
+    c = CFG
+    attn_head = (c.n_layers * (2 * c.d_model * c.d_model + 2 * c.d_model * c.d_model // 8)
+                 + c.vocab_size * c.d_model) * 4
+    ffn = c.n_layers * 3 * c.d_model * c.d_ff * 4
+    rows = []
+    for label in ("dense fp32", "sparse fp32"):
+        model = build()
+        lm = LoadedModel(model, None, Path("synthetic"), "synthetic", {}, [])
+        info = None
+        if label.startswith("sparse"):
+            lm.extras = predictors(a.density)
+            info = sparsify(lm)
+        use_kernels(lm, ffn=info is None)
+        use_fused_decode(model)
+        if info is not None:
+            info.reset_stats()
+        tok_s = decode(model, a.tokens)
+        dens = info.density() if info is not None else 1.0
+        nbytes = attn_head + ffn * dens
+        if info is not None:
+            nbytes += c.n_layers * RANK * (c.d_model + c.d_ff) * 4
+        rows.append((label, tok_s, dens, nbytes))
+        print(f"{label:12s} {tok_s:6.2f} tok/s  density {dens:6.1%}  "
+              f"{nbytes / 1e9:5.2f} GB/token  floor {bw * 1e9 / nbytes:6.2f} tok/s  "
+              f"({tok_s * nbytes / 1e9 / bw:.0%} of bandwidth)", flush=True)
+        del model, lm, info
+    print(f"sparse / dense: {rows[1][1] / rows[0][1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
