@@ -138,7 +138,8 @@ def _llama_cpp(model, threads: int, n_tokens: int, ppl_chunks: int) -> dict:
     from sparseinfer.data import default_model_path
 
     path = model or default_model_path()
-    llm = Llama(str(path), n_threads=threads, n_ctx=1024, verbose=False)
+    llm = Llama(str(path), n_threads=threads, n_ctx=1024, verbose=False,
+                logits_all=bool(ppl_chunks))
     ids = llm.tokenize(PROMPT.encode())
     llm.create_completion(PROMPT[:40], max_tokens=8, temperature=0.0)
     llm.reset()
@@ -150,13 +151,34 @@ def _llama_cpp(model, threads: int, n_tokens: int, ppl_chunks: int) -> dict:
         tok = llm.sample(temp=0.0)
         llm.eval([tok])
     t_dec = time.perf_counter() - t0
-    return {
+    out = {
         "prefill_tok_s": len(ids) / t_prefill,
         "decode_tok_s": (n_tokens - 1) / t_dec,
         "bytes_per_token": path.stat().st_size,  # quantized weights, read once per token
         "density": 1.0,
-        "peak_rss_mb": _peak_rss_mb(),
     }
+    if ppl_chunks:  # the same token ids and scoring as sparseinfer.perplexity (second halves)
+        import numpy as np
+
+        from sparseinfer.data import HELDOUT_TEXT
+        from sparseinfer.models.loading import open_gguf
+        from sparseinfer.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_gguf(open_gguf(path), path)
+        toks = tok.encode(HELDOUT_TEXT.read_text(), add_bos=False)
+        nll, n = 0.0, 0
+        for c in range(ppl_chunks):
+            chunk = toks[c * 512:(c + 1) * 512]
+            llm.reset()
+            llm.eval(chunk)
+            logits = np.asarray(llm.scores[:512], dtype=np.float64)[256:-1]
+            logits -= logits.max(-1, keepdims=True)
+            logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+            nll -= float(logp[np.arange(255), chunk[257:]].sum())
+            n += 255
+        out["ppl"] = float(np.exp(nll / n))
+    out["peak_rss_mb"] = _peak_rss_mb()
+    return out
 
 
 def _child(fn_name, kwargs, conn):

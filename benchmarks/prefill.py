@@ -64,7 +64,7 @@ def real_model(path: str, threads: int, repeats: int) -> None:
                 dens = info.density()
         print(f"{T:>5} {times['dense'] * 1e3:>8.1f}ms {times['union'] * 1e3:>8.1f}ms "
               f"{dens:>14.1%} {times['dense'] / times['union']:>11.2f}x")
-    info.set_batch_mode("dense")
+    info.set_batch_mode("auto")
 
 
 def synthetic(threads: int, repeats: int, mean_density: float = 0.10) -> None:

@@ -83,7 +83,7 @@ def test_prefill_path_equals_dense(tiny_model_dir, kind):
     path = tiny_model_dir(kind)
     dense = _prefill_logits(load_model(path), IDS)
     lm = _with_random_predictors(load_model(path))
-    sparsify(lm)
+    sparsify(lm).set_batch_mode("dense")  # every neuron (the default "auto" is union here)
     assert _close(_prefill_logits(lm, IDS), dense)
 
 
@@ -130,6 +130,11 @@ def test_masked_batch_equals_token_by_token(tiny_model_dir, kind):
     assert abs(info.density() - d_step) < 1e-9 and 0.0 < d_step < 1.0
     info.set_batch_mode("dense")
     assert not _close(_prefill_logits(lm, IDS), step, 1e-5)  # random predictors drop neurons
+    dense = _prefill_logits(lm, IDS)
+    info.set_batch_mode("auto")  # the default: 12 tokens <= UNION_MAX_TOKENS -> union
+    union = _prefill_logits(lm, IDS)
+    info.set_batch_mode("union")
+    assert torch.equal(_prefill_logits(lm, IDS), union) and not _close(union, dense, 1e-5)
 
 
 @pytest.mark.parametrize("kind", RELU_KINDS)

@@ -40,9 +40,10 @@ class SparseInfo:
         return sum(m.stats.active for m in self.modules) / tok if tok else float("nan")
 
     def set_batch_mode(self, mode: str) -> None:
-        """"dense" (prefill over every neuron, the default: see benchmarks/prefill.py),
-        "union" (prefill over the union of the tokens' predicted sets, batched-sparse kernel) or
-        "masked" (each token its own active set: perplexity of the sparse model)."""
+        """"auto" (the default: "union" up to ``ffn.UNION_MAX_TOKENS`` tokens, "dense" above,
+        as measured by benchmarks/prefill.py), "dense" (every neuron), "union" (the union of
+        the tokens' predicted sets, batched-sparse kernel) or "masked" (each token its own
+        active set: perplexity of the sparse model)."""
         if mode not in BATCH_MODES:
             raise ValueError(f"batch mode: expected one of {list(BATCH_MODES)}, got {mode!r}")
         for m in self.modules:
