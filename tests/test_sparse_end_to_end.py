@@ -50,3 +50,20 @@ def test_sparse_file_run_and_threshold_override(sparse_file, capsys):
     assert "mode predictor" in err
     assert main([*argv, "--sparse-threshold=-1e30"]) == 0  # every neuron predicted active
     assert "100.0% of neurons computed" in capsys.readouterr().err
+
+
+def test_sparse_file_with_q4_dense_parts(sparse_file, tiny_model_dir, capsys):
+    """--dtype q4 on a converted file: the sparse FFNs stay as they are, attention and the LM
+    head become 4-bit / int8, and the CLI runs it."""
+    from sparseinfer.engine import Engine
+    from sparseinfer.quant.linear import Int4Linear, Int8Linear
+    from sparseinfer.sparse.ffn import SparseFFN
+
+    e = Engine.load(sparse_file, dtype="q4", mode="oracle")
+    blk = e.model.layers[0]
+    assert isinstance(blk.ffn, SparseFFN) and isinstance(blk.attn.wqkv, Int4Linear)
+    assert isinstance(e.model.lm_head, Int8Linear) and e.sparse_info is not None
+    argv = ["run", "-m", str(sparse_file), "-p", "Emma", "-n", "6", "--temp", "0",
+            "--ignore-eos", "--dtype", "q4"]
+    assert main(argv) == 0
+    assert "mode predictor" in capsys.readouterr().err
