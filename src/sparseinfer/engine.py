@@ -103,19 +103,18 @@ class Engine:
         """
         from .data import default_model_path
         from .models.loading import load_model
-
         from .quant.apply import DTYPE_CHOICES, QUANTIZED_DTYPES, auto_dtype, quantize_model
 
         if dtype not in DTYPE_CHOICES:
             raise SparseInferError(f"dtype: expected one of {list(DTYPE_CHOICES)}, got {dtype!r}")
         held = "fp32" if dtype in QUANTIZED_DTYPES or dtype == "auto" else dtype
         loaded = load_model(path or default_model_path(), dtype=held)
-        if dtype == "auto":
+        engine = cls(loaded, n_ctx=n_ctx, threads=threads)
+        engine.sparse_info = _maybe_sparsify(loaded, **sparse_options)
+        if dtype == "auto":  # after the sparse runtime, which may move the model to a GPU
             dtype = auto_dtype(loaded)
         quantized = dtype in QUANTIZED_DTYPES
-        engine = cls(loaded, n_ctx=n_ctx, threads=threads)
         engine.dtype = dtype
-        engine.sparse_info = _maybe_sparsify(loaded, **sparse_options)
         if quantized:  # 4-bit attention / dense FFN, int8 LM head (quant/)
             quantize_model(loaded, dtype)
         if kernels:  # fused numba GEMVs for what stays dense (CPU, fp32 only)

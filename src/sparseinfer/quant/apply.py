@@ -33,7 +33,13 @@ def auto_dtype(loaded) -> str:
     "fp32"."""
     mats = [t.kind for t in loaded.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
     n4 = sum(k in qb.BLOCK_BYTES for k in mats)
-    return "q4" if mats and 2 * n4 > len(mats) else "fp32"
+    if not (mats and 2 * n4 > len(mats)):
+        return "fp32"
+    if not hasattr(torch, "_weight_int4pack_mm_for_cpu") or loaded.model.device.type != "cpu":
+        log.warning("%s holds 4-bit weights but this torch (%s) or device cannot run them: "
+                    "using fp32", loaded.path, torch.__version__)
+        return "fp32"
+    return "q4"
 
 
 def gguf_q4_blocks(loaded) -> dict[str, qb.Q4Blocks]:
