@@ -298,10 +298,12 @@ def predictor(d: int, r: int, f: int, seed: int, integer: bool = False):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("shape", [(13, 5, 37), (64, 16, 100), (576, 64, 1536)])
 @pytest.mark.parametrize("quantile", [0.0, 0.5, 0.95])
-def test_predict_active_matches_reference(shape, quantile, seed, threads):
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_predict_active_matches_reference(shape, quantile, seed, wdtype, threads):
     d, r, f = shape
     x, fc1, fc2 = predictor(d, r, f, seed)
-    logits = fc2 @ torch.relu(fc1 @ x)
+    fc1, fc2 = fc1.to(wdtype), fc2.to(wdtype)
+    logits = fc2.float() @ torch.relu(fc1.float() @ x)
     threshold = float(torch.quantile(logits, quantile)) - 1e-3  # away from any logit
     a = torch.full((f,), -7, dtype=torch.int32)
     b = torch.full((f,), -7, dtype=torch.int32)
@@ -313,10 +315,12 @@ def test_predict_active_matches_reference(shape, quantile, seed, threads):
 
 
 @pytest.mark.parametrize("shape", [(13, 5, 37), (64, 16, 100)])
-def test_predict_active_threshold_edges(shape, threads):
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_predict_active_threshold_edges(shape, wdtype, threads):
     d, r, f = shape
-    x, fc1, fc2 = predictor(d, r, f, 3, integer=True)
+    x, fc1, fc2 = predictor(d, r, f, 3, integer=True)  # small integers: exact in bf16 too
     logits = fc2 @ torch.relu(fc1 @ x)
+    fc1, fc2 = fc1.to(wdtype), fc2.to(wdtype)
     out = torch.empty(f, dtype=torch.int32)
     ref = torch.empty(f, dtype=torch.int32)
     for threshold in [float(logits[5]), float(logits.max()), float("inf"), -float("inf"), 0.0]:
@@ -338,6 +342,10 @@ def test_predict_errors():
     with pytest.raises(ValueError, match="fc1/fc2: expected"):
         fc2_t = fc2.t().contiguous()
         kernels.predict_active(x, fc1, fc2_t, 0.0, torch.empty(37, dtype=torch.int32))
+    with pytest.raises(ValueError, match="expected one dtype"):
+        kernels.predict_active(x, fc1, fc2.bfloat16(), 0.0, torch.empty(37, dtype=torch.int32))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernels.predict_active(x, fc1.half(), fc2.half(), 0.0, torch.empty(37, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("kind", ["reglu", "relu"])

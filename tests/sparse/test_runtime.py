@@ -193,3 +193,21 @@ def test_gemv_matches_torch_mv():
     for n, d in [(1, 5), (7, 13), (49152 // 64, 576), (130, 64)]:
         w, x = torch.randn(n, d, generator=g), torch.randn(d, generator=g)
         assert torch.allclose(gemv(w, x, torch.empty(n)), torch.mv(w, x), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_rows_take_bf16_predictors(tiny_model_dir):
+    """--ffn-dtype bf16/int8 also halves the predictors (bf16); their kernel selects what the
+    torch reference selects, and the model still decodes with it."""
+    from sparseinfer.sparse.reference import predict_active_ref
+
+    lm = _with_random_predictors(load_model(tiny_model_dir("reglu")), seed=7)
+    info = sparsify(lm, ffn_dtype="int8")
+    ffn = info.modules[0]
+    assert ffn.predictor.fc1.dtype == torch.bfloat16 == ffn.predictor.fc2.dtype
+    x = torch.randn(lm.config.d_model)
+    want = torch.empty(lm.config.d_ff, dtype=torch.int32)
+    k = predict_active_ref(x, ffn.predictor.fc1, ffn.predictor.fc2, ffn.predictor.threshold, want,
+                           neuron_thresholds=ffn._neuron_thr)
+    assert torch.equal(ffn.active(x), want[:k])
+    logits = _decode_logits(lm, IDS)
+    assert torch.isfinite(logits).all() and 0.0 < info.density() < 1.0

@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 class Predictor:
     """``logits = fc2 @ relu(fc1 @ x) (+ bias)``; neuron i is predicted active iff logit >= threshold."""
 
-    fc1: Tensor  # [r, d_model] fp32
-    fc2: Tensor  # [d_ff, r] fp32
+    fc1: Tensor  # [r, d_model] fp32 or bf16
+    fc2: Tensor  # [d_ff, r] fp32 or bf16
     threshold: float = 0.0
     bias: Tensor | None = None  # [d_ff]
 
@@ -37,7 +37,7 @@ class Predictor:
         return self.fc1.numel() + self.fc2.numel() + (0 if self.bias is None else self.bias.numel())
 
     def logits(self, x: Tensor) -> Tensor:
-        z = self.fc2 @ torch.relu(self.fc1 @ x)
+        z = self.fc2.float() @ torch.relu(self.fc1.float() @ x)
         return z if self.bias is None else z + self.bias
 
 
@@ -182,7 +182,7 @@ class SparseFFN(nn.Module):
         if self.mode == "oracle":
             return self._oracle_mask(h)
         p = self.predictor
-        z = torch.relu(x @ p.fc1.t()) @ p.fc2.t()
+        z = torch.relu(x @ p.fc1.float().t()) @ p.fc2.float().t()
         if p.bias is not None:
             z = z + p.bias
         return z >= p.threshold

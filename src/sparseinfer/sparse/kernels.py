@@ -297,7 +297,7 @@ def _sum_first_axis(scratch, out):
 
 @_jit()
 def _gemv_rows(w, x, start, end, y):
-    """y[r] = w[r] · x for r in [start, end), four rows at a time."""
+    """y[r] = w[r] · x for r in [start, end), four rows at a time (w float32 or bf16 bits)."""
     d = x.shape[0]
     r = start
     while r + 4 <= end:  # inner loops start at 0, so numba's negative-index wraparound folds away
@@ -308,10 +308,10 @@ def _gemv_rows(w, x, start, end, y):
         s0 = s1 = s2 = s3 = np.float32(0.0)
         for j in range(d):
             xj = x[j]
-            s0 += w0[j] * xj
-            s1 += w1[j] * xj
-            s2 += w2[j] * xj
-            s3 += w3[j] * xj
+            s0 += _f32(w0[j]) * xj
+            s1 += _f32(w1[j]) * xj
+            s2 += _f32(w2[j]) * xj
+            s3 += _f32(w3[j]) * xj
         y[r] = s0
         y[r + 1] = s1
         y[r + 2] = s2
@@ -321,7 +321,7 @@ def _gemv_rows(w, x, start, end, y):
         w0 = w[r]
         s0 = np.float32(0.0)
         for j in range(d):
-            s0 += w0[j] * x[j]
+            s0 += _f32(w0[j]) * x[j]
         y[r] = s0
         r += 1
 
@@ -512,12 +512,18 @@ def sparse_ffn_batch(
     return out
 
 
+def _np_weights(t: torch.Tensor) -> np.ndarray:
+    """float32 as is; bfloat16 as its uint16 bits (the kernels widen them with ``_f32``)."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
 def predict_active(
     x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: float, out_idx: torch.Tensor,
     *, neuron_thresholds: torch.Tensor | None = None,
 ) -> int:
     """Neurons with predictor logit ``fc2 @ relu(fc1 @ x) >= threshold``, ascending, into
-    ``out_idx[:k]``; returns k (see ``reference.predict_active_ref``). ``neuron_thresholds``
+    ``out_idx[:k]``; returns k (see ``reference.predict_active_ref``). ``fc1``/``fc2`` are
+    float32 or bfloat16 (half the bytes; products accumulate in float32). ``neuron_thresholds``
     (float32 [d_ff]) replaces the scalar threshold per neuron: a predictor bias b folds in as
     ``threshold - b``."""
     check_predict_args(x, fc1, fc2, out_idx)
@@ -530,13 +536,13 @@ def predict_active(
                              f"{neuron_thresholds.dtype} {list(neuron_thresholds.shape)}")
         thr = neuron_thresholds.numpy()
     nt = _threads
-    if (fc1.numel() + fc2.numel()) * 4 < SERIAL_BYTES:
+    if (fc1.numel() + fc2.numel()) * fc1.element_size() < SERIAL_BYTES:
         nt = 1
     hidden = _buffer("hidden", (fc1.shape[0],), np.float32)
     logits = _buffer("logits", (fc2.shape[0],), np.float32)
     counts = _buffer("counts", (nt,), np.int64)
     xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
-    args = (xn, fc1.numpy(), fc2.numpy(), thr, hidden, logits, counts)
+    args = (xn, _np_weights(fc1), _np_weights(fc2), thr, hidden, logits, counts)
     with _one_thread(_threads if nt == 1 else 1):
         k = _predict_kernel(*args, out_idx.numpy())
     return int(k)

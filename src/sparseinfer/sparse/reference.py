@@ -105,7 +105,7 @@ def predict_active_ref(
     Writes them into ``out_idx[:k]`` (int32, length >= d_ff) and returns k.
     """
     check_predict_args(x, fc1, fc2, out_idx)
-    logits = fc2 @ torch.relu(fc1 @ x)
+    logits = fc2.float() @ torch.relu(fc1.float() @ x)
     thr = threshold if neuron_thresholds is None else neuron_thresholds
     sel = torch.nonzero(logits >= thr).reshape(-1)
     k = int(sel.numel())
@@ -121,8 +121,10 @@ def check_predict_args(
             f"fc1/fc2: expected [r, d_model] and [d_ff, r], got {list(fc1.shape)} {list(fc2.shape)}"
         )
     for name, t in (("fc1", fc1), ("fc2", fc2)):
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"{name}: expected contiguous float32, got {t.dtype}")
+        if t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous():
+            raise ValueError(f"{name}: expected contiguous float32 or bfloat16, got {t.dtype}")
+    if fc1.dtype != fc2.dtype:
+        raise ValueError(f"fc1/fc2: expected one dtype, got {fc1.dtype} and {fc2.dtype}")
     if x.dtype != torch.float32 or x.shape != (fc1.shape[1],):
         raise ValueError(f"x: expected float32 [{fc1.shape[1]}], got {x.dtype} {list(x.shape)}")
     if out_idx.dtype != torch.int32 or out_idx.dim() != 1 or out_idx.shape[0] < fc2.shape[0]:

@@ -115,7 +115,8 @@ def sparsify(loaded, *, dense: bool = False, threshold: float | None = None, dev
     """Replace every dense FFN of ``loaded.model`` by a ``SparseFFN`` (in place).
 
     ``device`` is the fast tier (cpu or cuda); ``ffn_dtype`` the storage of the bundled FFN rows
-    (fp32, bf16 or int8). Returns None when ``dense`` is set.
+    (fp32, bf16 or int8; with bf16 or int8 the predictors are held in bf16 too). Returns None
+    when ``dense`` is set.
     """
     if dense:
         return None
@@ -137,8 +138,11 @@ def sparsify(loaded, *, dense: bool = False, threshold: float | None = None, dev
                                       up_bias=up_bias, dtype=ffn_dtype)
         predictor = None
         if mode == "predictor":
-            predictor = Predictor(_extra(loaded, "fc1.weight", i), _extra(loaded, "fc2.weight", i),
-                                  thresholds[i], _extra(loaded, "fc2.bias", i, required=False))
+            fc1, fc2 = _extra(loaded, "fc1.weight", i), _extra(loaded, "fc2.weight", i)
+            if ffn_dtype != "fp32":  # smaller rows, smaller predictors: bf16 halves their bytes
+                fc1, fc2 = fc1.bfloat16(), fc2.bfloat16()
+            predictor = Predictor(fc1, fc2, thresholds[i],
+                                  _extra(loaded, "fc2.bias", i, required=False))
         sparse = SparseFFN(packed, down_bias, predictor, mode=mode, n_hot=counts[i],
                            fast_device=dev,
                            oracle_threshold=float(oracle[i]) if isinstance(oracle, list) else 0.0,
