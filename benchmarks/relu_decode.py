@@ -142,8 +142,8 @@ def main() -> None:
             attn, head = attn * q4 / 4, head / 4
         ffn_bytes = ffn * (q4 / 4 if label == "dense q4" else 0.25 if "int8" in label else 1.0)
         nbytes = attn + head + ffn_bytes * dens
-        if info is not None:
-            nbytes += c.n_layers * RANK * (c.d_model + c.d_ff) * 4
+        if info is not None:  # predictors: fp32, bf16 beside int8 rows
+            nbytes += c.n_layers * RANK * (c.d_model + c.d_ff) * (2 if "int8" in label else 4)
         rows.append((label, tok_s, dens, nbytes))
         bw = max(bw, measure_read_bandwidth(a.threads))  # the VM's bandwidth drifts: the higher
         print(f"{label:17s} {tok_s:6.2f} tok/s  density {dens:6.1%}  "
