@@ -3,13 +3,14 @@ the offline pipeline on it and report the predictor targets (recall >= 0.99 at p
 <= 1.5x true).
 
     python benchmarks/relu_predictors.py [--steps 800] [--out out/tiny-reglu]
+        [--d-model 256 --d-ff 1024]
 
 No trained ReLU-family LLM (ReluLLaMA, ProSparse, TurboSparse) can be downloaded here, and random
 weights have no learned activation structure to predict. A model trained for a few minutes on
 the default corpus does: its ReLU gates learn which neurons matter for which inputs. Steps:
 
 1. a byte-level BPE tokenizer (vocab 2048) and a LlamaForCausalLM with ``hidden_act="relu"``
-   (ReGLU: d_model 256, d_ff 1024, 4 layers, 4 heads) trained with AdamW on the Emma excerpt
+   (ReGLU: d_model 256, d_ff 1024 by default, 4 layers, 4 heads) trained with AdamW on the Emma excerpt
    (``sparseinfer.data.DEFAULT_CORPUS``), saved as safetensors;
 2. ``sparseinfer convert`` on it (profile = exact ReLU zeros, predictors, export), whose summary
    table gives per layer the true density, the predictor rank, recall, precision and predicted
@@ -50,14 +51,15 @@ def train_tokenizer(out: Path) -> None:
         "unk_token": "<unk>", "add_bos_token": False}))
 
 
-def train_model(out: Path, steps: int, seq: int = 128, batch: int = 8) -> None:
+def train_model(out: Path, steps: int, d_model: int, d_ff: int, seq: int = 128,
+                batch: int = 8) -> None:
     import transformers as tf
     from tokenizers import Tokenizer
 
     ids = Tokenizer.from_file(str(out / "tokenizer.json")).encode(
         DEFAULT_CORPUS.read_text(encoding="utf-8")).ids
     data = torch.tensor(ids)
-    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024,
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=d_model, intermediate_size=d_ff,
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=512, hidden_act="relu", rms_norm_eps=1e-5,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
@@ -86,12 +88,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--out", type=Path, default=Path("out/tiny-reglu"))
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--d-ff", type=int, default=1024)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     a.out.mkdir(parents=True, exist_ok=True)
     if not (a.out / "model.safetensors").exists():
         train_tokenizer(a.out)
-        train_model(a.out, a.steps)
+        train_model(a.out, a.steps, a.d_model, a.d_ff)
     sparse = a.out.with_suffix(".sparse.gguf")
     cli = [sys.executable, "-m", "sparseinfer"]
     subprocess.run([*cli, "convert", "-m", str(a.out), "-o", str(sparse), "-t", str(a.threads),

@@ -85,8 +85,8 @@ class Engine:
         self._cached_ids: list[int] = []  # tokens whose keys/values are in the cache
         self._torch = torch
         self.sparse_info = None  # set by load() when the sparse runtime takes the FFNs
-        self.dtype = str(self.model.dtype).replace("torch.float32", "fp32").replace(
-            "torch.bfloat16", "bf16")  # load() records "q4" when it quantizes
+        names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+        self.dtype = names.get(self.model.dtype, str(self.model.dtype))  # load() may say "q4"
 
     @classmethod
     def load(cls, path=None, *, n_ctx: int | None = None, threads: int | None = None,
