@@ -2,6 +2,7 @@
 tokens' predicted active sets), measured to pick the default.
 
     python benchmarks/prefill.py --sparse out/smollm2.sparse.gguf [-t 2]
+    python benchmarks/prefill.py --sparse out/smollm2.sparse.gguf --ffn-dtype int8 --repeats 3
     python benchmarks/prefill.py --synthetic-only
 
 1. The real model (a sparse GGUF from ``sparseinfer convert``): for prompts of T tokens of
@@ -36,17 +37,17 @@ def best(fn, repeats: int) -> float:
     return min(ts)
 
 
-def real_model(path: str, threads: int, repeats: int) -> None:
+def real_model(path: str, threads: int, repeats: int, ffn_dtype: str = "fp32") -> None:
     from sparseinfer.data import HELDOUT_TEXT
     from sparseinfer.engine import Engine
 
-    engine = Engine.load(path, n_ctx=1024, threads=threads, dtype="fp32")
+    engine = Engine.load(path, n_ctx=1024, threads=threads, dtype="fp32", ffn_dtype=ffn_dtype)
     info = engine.sparse_info
     if info is None:
         raise SystemExit(f"{path}: no predictors (expected a file from `sparseinfer convert`)")
     ids = engine.tokenizer.encode(HELDOUT_TEXT.read_text(encoding="utf-8")[:20000])
     m = engine.model
-    print(f"# {path}: prefill, {threads} threads, best of {repeats}")
+    print(f"# {path}: prefill, FFN rows {ffn_dtype}, {threads} threads, best of {repeats}")
     print(f"{'T':>5} {'dense':>10} {'union':>10} {'union density':>14} {'dense/union':>12}")
     for T in LENGTHS:
         tokens = torch.tensor([ids[:T]])
@@ -105,6 +106,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sparse", default=None, help="sparse GGUF from `sparseinfer convert`")
     ap.add_argument("--synthetic-only", action="store_true")
+    ap.add_argument("--ffn-dtype", default="fp32", choices=["fp32", "bf16", "int8"])
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
@@ -113,7 +115,7 @@ def main() -> None:
 
     kernels.set_threads(a.threads)
     if a.sparse and not a.synthetic_only:
-        real_model(a.sparse, a.threads, a.repeats)
+        real_model(a.sparse, a.threads, a.repeats, a.ffn_dtype)
     synthetic(a.threads, a.repeats)
 
 

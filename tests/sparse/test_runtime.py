@@ -211,3 +211,17 @@ def test_int8_rows_take_bf16_predictors(tiny_model_dir):
     assert torch.equal(ffn.active(x), want[:k])
     logits = _decode_logits(lm, IDS)
     assert torch.isfinite(logits).all() and 0.0 < info.density() < 1.0
+
+
+@pytest.mark.parametrize("ffn_dtype,want", [("fp32", "dense"), ("int8", "union")])
+def test_auto_prefill_of_long_prompts(tiny_model_dir, ffn_dtype, want):
+    """Past UNION_MAX_TOKENS, "auto" prefills densely over fp32 rows but keeps the union
+    kernel over int8 rows (the dense path would dequantize every row first; measured)."""
+    from sparseinfer.sparse.ffn import UNION_MAX_TOKENS
+
+    lm = _with_random_predictors(load_model(tiny_model_dir("reglu")), seed=9)
+    info = sparsify(lm, ffn_dtype=ffn_dtype)
+    ids = (IDS * 4)[: UNION_MAX_TOKENS + 8]
+    auto = _prefill_logits(lm, ids)
+    info.set_batch_mode(want)
+    assert torch.equal(_prefill_logits(lm, ids), auto)

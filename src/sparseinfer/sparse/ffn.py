@@ -54,7 +54,10 @@ BATCH_MODES = ("auto", "dense", "union", "masked")
 # "auto" prefill: the union kernel up to this many tokens, dense above. Measured with
 # benchmarks/prefill.py (benchmarks/RESULTS.md): on a 7B-shaped ReLU-like FFN the union kernel
 # beats torch's dense FFN 38x at 1 token, 5.7x at 8, 2.6x at 16 and 1.07x at 64 (union density
-# 97%); on SmolLM2 (union density 100%) 1.2-1.6x up to 64 tokens, 0.96x at 256.
+# 97%); on SmolLM2 (union density 100%) 1.2-1.6x up to 64 tokens, 0.96x at 256 with fp32 rows.
+# With bf16/int8 rows the dense path must dequantize every row first: there the union kernel
+# wins at every length measured (int8 SmolLM2: 3-5x up to 64 tokens, 1.21x at 256), so "auto"
+# takes it whatever the length.
 UNION_MAX_TOKENS = 32
 
 
@@ -145,8 +148,8 @@ class SparseFFN(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         B, T, D = x.shape
         if B * T > 1:
-            union = self.batch_mode == "union" or (self.batch_mode == "auto"
-                                                    and B * T <= UNION_MAX_TOKENS)
+            union = self.batch_mode == "union" or (self.batch_mode == "auto" and (
+                B * T <= UNION_MAX_TOKENS or self.cold.dtype != "fp32"))
             if union and not self.split and x.device.type == "cpu":
                 return self._union(x)
             return self._dense(x)

@@ -40,8 +40,8 @@ class SparseInfo:
         return sum(m.stats.active for m in self.modules) / tok if tok else float("nan")
 
     def set_batch_mode(self, mode: str) -> None:
-        """"auto" (the default: "union" up to ``ffn.UNION_MAX_TOKENS`` tokens, "dense" above,
-        as measured by benchmarks/prefill.py), "dense" (every neuron), "union" (the union of
+        """"auto" (the default: "union" up to ``ffn.UNION_MAX_TOKENS`` tokens, and at any length
+        for bf16/int8 rows; "dense" above; as measured by benchmarks/prefill.py), "dense" (every neuron), "union" (the union of
         the tokens' predicted sets, batched-sparse kernel) or "masked" (each token its own
         active set: perplexity of the sparse model)."""
         if mode not in BATCH_MODES:
