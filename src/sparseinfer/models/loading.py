@@ -151,6 +151,7 @@ class LoadedModel:
     metadata: dict[str, Any]
     tensors: list[TensorInfo]
     extras: dict[str, np.ndarray] = field(default_factory=dict)  # non-model tensors (predictors…)
+    reader: Any = None  # the GGUF file's gguf.GGUFReader (its tensors are memory-mapped)
 
     @property
     def config(self) -> ModelConfig:
@@ -377,7 +378,22 @@ def _load_gguf(path: Path, dtype: torch.dtype, max_seq_len: int | None,
         raise ModelFileError(f"{path}: cannot build the tokenizer from its metadata: {e}") from None
     log.info("loaded %s: %s, %d layers, d_model %d, ffn %s", path, arch, cfg.n_layers,
              cfg.d_model, cfg.ffn_kind)
-    return LoadedModel(model, tokenizer, path, "gguf", meta, infos, extras)
+    return LoadedModel(model, tokenizer, path, "gguf", meta, infos, extras, reader)
+
+
+def gguf_model_tensors(loaded: LoadedModel) -> dict[str, Any]:
+    """Canonical name -> ``gguf`` ReaderTensor (raw blocks, quantization as stored) for every
+    model tensor of a loaded GGUF, from the reader ``load_model`` already opened (parsing a GGUF
+    again costs seconds); empty for other formats. Non-model tensors are left out."""
+    if loaded.reader is None:
+        return {}
+    compiled = _compile(GGUF_ARCHS[str(loaded.metadata.get("general.architecture"))])
+    out = {}
+    for t in loaded.reader.tensors:
+        canon = map_name(t.name, compiled)
+        if canon is not None:
+            out[canon] = t
+    return out
 
 
 # ---- Hugging Face directory --------------------------------------------------------------------

@@ -151,21 +151,16 @@ class _Source:
         self.loaded = loaded
         self.cfg: ModelConfig = loaded.config
         self.outtype = outtype
-        self.reader = None
-        self.raw: dict[str, object] = {}  # canonical name -> ReaderTensor
-        if loaded.format == "gguf":
-            from ..models.loading import GGUF_ARCHS, _compile, map_name, open_gguf
+        from ..models.loading import gguf_model_tensors
 
-            self.reader = open_gguf(loaded.path)
-            arch = str(loaded.metadata.get("general.architecture"))
-            compiled = _compile(GGUF_ARCHS[arch])
+        self.reader = loaded.reader
+        self.raw: dict[str, object] = gguf_model_tensors(loaded)  # canonical -> ReaderTensor
+        if self.reader is not None:
+            kept = {t.name for t in self.raw.values()}
             for t in self.reader.tensors:
-                canon = map_name(t.name, compiled)
-                if canon is None:
+                if t.name not in kept:
                     log.info("%s: dropping tensor %s (replaced by this export)", loaded.path,
                              t.name)
-                    continue
-                self.raw[canon] = t
         self._state: dict[str, torch.Tensor] | None = None
 
     def canonical_state(self) -> dict[str, torch.Tensor]:

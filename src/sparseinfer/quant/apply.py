@@ -16,7 +16,7 @@ import logging
 import torch
 
 from ..errors import SparseInferError
-from ..models.loading import GGUF_ARCHS, _compile, map_name, open_gguf, unpermute_qk
+from ..models.loading import gguf_model_tensors, unpermute_qk
 from ..models.model import FFN
 from . import blocks as qb
 from .linear import Int4Linear, Int8Linear
@@ -44,19 +44,11 @@ def auto_dtype(loaded) -> str:
 
 def gguf_q4_blocks(loaded) -> dict[str, qb.Q4Blocks]:
     """Canonical name -> the file's own 4-bit blocks, for every Q4_0/Q4_1 model tensor."""
-    if loaded.format != "gguf":
-        return {}
-    kinds = {t.name: t.kind for t in loaded.tensors}
-    if not any(k in qb.BLOCK_BYTES for k in kinds.values()):
-        return {}
-    arch = loaded.metadata.get("general.architecture")
-    compiled = _compile(GGUF_ARCHS[arch])
     cfg = loaded.config
     out = {}
-    for t in open_gguf(loaded.path).tensors:
+    for canon, t in gguf_model_tensors(loaded).items():
         kind = t.tensor_type.name
-        canon = map_name(t.name, compiled)
-        if kind not in qb.BLOCK_BYTES or canon is None or not canon.endswith(".weight"):
+        if kind not in qb.BLOCK_BYTES or not canon.endswith(".weight"):
             continue
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         b = qb.from_gguf(t.data, kind, shape)
