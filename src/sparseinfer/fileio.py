@@ -1,9 +1,12 @@
-"""Reading the small files the offline steps hand each other, with one kind of error message."""
+"""Reading the small files the loaders and offline steps hand each other, with one kind of error
+message."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -22,3 +25,11 @@ def read_npz(path: str | os.PathLike, what: str) -> dict[str, np.ndarray]:
         raise SparseInferError(f"{path}: expected {kind} file, found no such file") from None
     except (OSError, ValueError) as e:
         raise SparseInferError(f"{path}: expected {what}, found: {e}") from None
+
+
+def read_json(path: Path, error: type[SparseInferError] = SparseInferError) -> Any:
+    """The parsed JSON of ``path``; invalid JSON or text raises ``error`` naming the file."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON: {e}") from None

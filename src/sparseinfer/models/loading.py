@@ -19,6 +19,7 @@ import torch
 
 from ..config import FFN_KINDS, ModelConfig
 from ..errors import ModelFileError, SparseInferError
+from ..fileio import read_json
 from .model import Transformer
 
 log = logging.getLogger(__name__)
@@ -473,10 +474,7 @@ def _load_hf(path: Path, dtype: torch.dtype, max_seq_len: int | None,
     if not cfg_file.is_file():
         raise ModelFileError(f"{path}: expected a Hugging Face model directory with config.json, "
                              f"found none")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelFileError(f"{cfg_file}: not valid JSON: {e}") from None
+    raw = read_json(cfg_file, ModelFileError)
     cfg, names = hf_config(path, raw, max_seq_len, ffn_kind)
     files = sorted(path.glob("*.safetensors"))
     if not files:

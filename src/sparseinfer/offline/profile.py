@@ -38,6 +38,7 @@ import torch
 
 from ..config import FFN_KINDS
 from ..errors import SparseInferError
+from ..fileio import read_json
 from ..models.model import Transformer
 from .calibrate import (DEFAULT_SCORE, DEFAULT_TARGET_DENSITY, ScoreHistogram, check_density,
                         check_score, down_norms, hooked_ffns, neuron_scores)
@@ -326,10 +327,7 @@ def load_profile(path: str | Path) -> Profile:
     if not meta_file.is_file():
         raise SparseInferError(f"{path}: expected profile.json (written when profiling "
                                f"finishes), found none: an unfinished or foreign directory")
-    try:
-        d = json.loads(meta_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SparseInferError(f"{meta_file}: not valid JSON: {e}") from None
+    d = read_json(meta_file)
     if d.get("format") != PROFILE_FORMAT or d.get("version") != PROFILE_VERSION:
         raise SparseInferError(f"{meta_file}: expected format {PROFILE_FORMAT!r} version "
                                f"{PROFILE_VERSION}, found {d.get('format')!r} version "
