@@ -5,6 +5,7 @@ reference), and the embedded SmolLM2 model, loaded once per session."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,22 @@ def tiny_model_dir(tmp_path_factory):
                 (out / f.name).write_bytes(f.read_bytes())
             made[kind] = out
         return made[kind]
+
+    return make
+
+
+@pytest.fixture
+def foreign_arch_dir(tiny_model_dir, tmp_path):
+    """Factory: (kind, architecture) -> a copy of that tiny model whose config.json names another
+    architecture (the unsupported-architecture cases)."""
+
+    def make(kind: str, arch: str) -> Path:
+        out = tmp_path / arch
+        shutil.copytree(tiny_model_dir(kind), out)
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["architectures"] = [arch]
+        (out / "config.json").write_text(json.dumps(cfg))
+        return out
 
     return make
 

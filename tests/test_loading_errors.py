@@ -75,12 +75,8 @@ def test_unknown_gguf_architecture(tmp_path):
         load_model(path)
 
 
-def test_unknown_hf_architecture(tmp_path, tiny_model_dir):
-    d = tmp_path / "m"
-    shutil.copytree(tiny_model_dir("swiglu"), d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["architectures"] = ["MambaForCausalLM"]
-    (d / "config.json").write_text(json.dumps(cfg))
+def test_unknown_hf_architecture(foreign_arch_dir):
+    d = foreign_arch_dir("swiglu", "MambaForCausalLM")
     with pytest.raises(ModelFileError, match=r"unsupported architecture 'MambaForCausalLM'"):
         load_model(d)
 

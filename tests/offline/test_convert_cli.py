@@ -3,7 +3,6 @@ cases: exit status 1, one message, no output file."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -74,7 +73,7 @@ def _tiny_corpus(tmp_path):
 @pytest.mark.parametrize("case", ["small corpus", "missing corpus", "unknown arch",
                                   "small budget", "missing model", "missing out dir",
                                   "bad budget"])
-def test_convert_errors(tiny_model_dir, tmp_path, capsys, case):
+def test_convert_errors(tiny_model_dir, foreign_arch_dir, tmp_path, capsys, case):
     src = tiny_model_dir("reglu")
     work = tmp_path / "work"
     work.mkdir()
@@ -94,14 +93,7 @@ def test_convert_errors(tiny_model_dir, tmp_path, capsys, case):
     elif case == "missing corpus":
         args += ["--corpus", str(tmp_path / "nope.txt")]
     elif case == "unknown arch":
-        bad = tmp_path / "gpt2"
-        bad.mkdir()
-        for f in src.iterdir():
-            (bad / f.name).write_bytes(f.read_bytes())
-        cfg = json.loads((bad / "config.json").read_text())
-        cfg["architectures"] = ["GPT2LMHeadModel"]
-        (bad / "config.json").write_text(json.dumps(cfg))
-        args[2] = str(bad)
+        args[2] = str(foreign_arch_dir("reglu", "GPT2LMHeadModel"))
     elif case == "small budget":
         args += ["--budget", "1000"]
     elif case == "missing model":

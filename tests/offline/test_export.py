@@ -203,15 +203,8 @@ def test_smollm2_round_trip(smollm2, smollm2_path, tmp_path):
 # ---- errors ------------------------------------------------------------------------------------
 
 
-def test_unknown_architecture(tiny_model_dir, tmp_path):
-    src = tiny_model_dir("reglu")
-    bad = tmp_path / "gpt2"
-    bad.mkdir()
-    for f in src.iterdir():
-        (bad / f.name).write_bytes(f.read_bytes())
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
-    (bad / "config.json").write_text(json.dumps(cfg))
+def test_unknown_architecture(foreign_arch_dir, tmp_path):
+    bad = foreign_arch_dir("reglu", "GPT2LMHeadModel")
     with pytest.raises(ModelFileError, match="unsupported architecture 'GPT2LMHeadModel'"):
         convert(bad, tmp_path / "out.gguf")
     assert not (tmp_path / "out.gguf").exists()
