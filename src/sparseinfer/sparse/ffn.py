@@ -4,7 +4,8 @@ Per decoded token: the predictor (or, in oracle mode, the true activations) give
 only those neurons' bundled rows are read. Neurons are stored hot-first, so the fast tier holds
 neurons ``[0, n_hot)`` and the slow tier (always the CPU) ``[n_hot, d_ff)``; each tier computes its
 own active neurons and the results merge on the fast device. Prefill (several tokens at once)
-runs the dense product on the same bundled rows.
+runs the batched sparse kernel over the union of the tokens' active sets, or the dense product
+on the same bundled rows (``batch_mode``, ``UNION_MAX_TOKENS``).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ class SparseFFN(nn.Module):
         B, T, D = x.shape
         if B * T > 1:
             union = self.batch_mode == "union" or (self.batch_mode == "auto" and (
-                B * T <= UNION_MAX_TOKENS or self.cold.dtype != "fp32"))
+                B * T <= UNION_MAX_TOKENS or self.cold.dtype != "fp32"))  # (cold: the CPU rows)
             if union and not self.split and x.device.type == "cpu":
                 return self._union(x)
             return self._dense(x)

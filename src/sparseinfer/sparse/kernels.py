@@ -504,7 +504,8 @@ def sparse_ffn_batch(
     """Batched ``sparse_ffn``: x, out ``[T, d_model]``, one (union) active set for all T tokens.
 
     Each group of 4 neurons is read from memory once and reused from cache for every token, so
-    this pays off for small T (a few tokens); for long prompts the dense FFN is faster.
+    it pays off while the union stays small; over fp32 rows torch's dense FFN catches up at a
+    few hundred tokens, over int8 rows it did not by 256 (benchmarks/prefill.py).
     """
     check_batch_args(x, ffn, idx, out)
     xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()

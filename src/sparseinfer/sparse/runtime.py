@@ -35,15 +35,16 @@ class SparseInfo:
     modules: list[SparseFFN] = field(default_factory=list, repr=False)
 
     def density(self) -> float:
-        """Mean share of FFN neurons computed per decoded token so far."""
+        """Mean share of FFN neurons computed per token so far: decoded tokens, and prompt
+        tokens of "union" / "masked" batches ("dense" batches are not counted)."""
         tok = sum(m.stats.tokens * m.d_ff for m in self.modules)
         return sum(m.stats.active for m in self.modules) / tok if tok else float("nan")
 
     def set_batch_mode(self, mode: str) -> None:
-        """"auto" (the default: "union" up to ``ffn.UNION_MAX_TOKENS`` tokens, and at any length
-        for bf16/int8 rows; "dense" above; as measured by benchmarks/prefill.py), "dense" (every neuron), "union" (the union of
-        the tokens' predicted sets, batched-sparse kernel) or "masked" (each token its own
-        active set: perplexity of the sparse model)."""
+        """"auto" (the default, as measured by benchmarks/prefill.py: "union" up to
+        ``ffn.UNION_MAX_TOKENS`` tokens and at any length for bf16/int8 rows, else "dense"),
+        "dense" (every neuron), "union" (the union of the tokens' predicted sets, batched-sparse
+        kernel) or "masked" (each token its own active set: perplexity of the sparse model)."""
         if mode not in BATCH_MODES:
             raise ValueError(f"batch mode: expected one of {list(BATCH_MODES)}, got {mode!r}")
         for m in self.modules:
