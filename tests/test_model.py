@@ -110,5 +110,6 @@ def test_smollm2_greedy_through_engine_load_with_kernels(smollm2_hf):
     from sparseinfer.engine import Engine
 
     engine = Engine.load(None, n_ctx=256, threads=2, dtype="fp32")
-    assert type(engine.model.lm_head).__name__ == "KernelLinear"
+    assert type(engine.model.lm_head).__name__ == "FloatLinear"
+    assert engine.model.layers[0].fused is not None
     _assert_greedy_matches(engine, smollm2_hf, "Pride and Prejudice was written by")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import math
 import sys
 import time
 from pathlib import Path
@@ -29,9 +30,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="CPU threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "q4"],
-                   help="dense weights: q4 = 4-bit blocks (a Q4_0/Q4_1 GGUF's own) for "
-                        "attention and dense FFNs with an int8 LM head (CPU); auto (default) = "
-                        "q4 for a Q4_0/Q4_1 file, else fp32")
+                   help="weights: auto (default) keeps each tensor's own precision (Q4_0/Q4_1/"
+                        "Q4_K blocks as they are, other quantized types as int8, float as fp32); "
+                        "q4 = every projection 4-bit with an int8 LM head (CPU); fp32 / bf16")
     sp = p.add_argument_group("sparse runtime (models converted with `sparseinfer convert`)")
     sp.add_argument("--dense", action="store_true", help="ignore predictors: dense FFNs")
     sp.add_argument("--sparse-threshold", type=float, default=None,
@@ -216,22 +217,30 @@ def cmd_perplexity(args) -> int:
 
 def cmd_info(args) -> int:
     from .data import default_model_path
-    from .models.loading import load_model
+    from .fileio import available_memory
+    from .models.loading import open_source
+    from .models.plan import make_plan
 
-    lm = load_model(args.model or default_model_path(), dtype=args.dtype)
-    cfg = lm.config
-    print(f"file:   {lm.path}  ({lm.file_bytes / 2**20:.1f} MiB, {lm.format})")
+    src = open_source(args.model or default_model_path())  # metadata and tensor index only
+    cfg = src.config
+    print(f"file:   {src.path}  ({src.file_bytes / 2**20:.1f} MiB, {src.format})")
     print(f"name:   {cfg.name}")
     for k, v in vars(cfg).items():
         print(f"  {k:16s} {v}")
-    n_params = sum(p.numel() for p in {id(p): p for p in lm.model.parameters()}.values())
+    n_params = sum(math.prod(t.shape) for t in src.tensors.values())
     print(f"parameters: {n_params / 1e6:.1f} M")
-    sparse = {k for k in lm.metadata if k.startswith(("powerinfer.", "sparseinfer."))}
+    sparse = {k for k in src.metadata if k.startswith(("powerinfer.", "sparseinfer."))}
     for k in sorted(sparse):
-        print(f"  {k} = {lm.metadata[k]}")
-    print(f"tensors: {len(lm.tensors)}")
+        print(f"  {k} = {src.metadata[k]}")
+    plan = make_plan(src, args.dtype, dense=args.dense, ffn_dtype=args.ffn_dtype,
+                     mode=args.sparse_mode, device=args.device)
+    print(plan.summary())
+    n_ctx = min(args.ctx_size, cfg.max_seq_len)
+    print(f"memory: needs {plan.needed_bytes(n_ctx) / 2**30:.2f} GiB with a {n_ctx}-token "
+          f"context; {available_memory() / 2**30:.2f} GiB available")
+    print(f"tensors: {len(src.all_tensors)}")
     print(f"  {'name':40s} {'type':8s} {'shape':>20s} {'bytes':>12s}")
-    for t in lm.tensors:
+    for t in src.infos:
         print(f"  {t.name:40s} {t.kind:8s} {str(list(t.shape)):>20s} {t.nbytes:12d}")
     return 0
 
@@ -275,10 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--chunks", type=int, default=None, help="score at most this many chunks")
     pp.set_defaults(func=cmd_perplexity, ctx_size=512)
 
-    i = sub.add_parser("info", help="model config, tensor table and file size")
-    i.add_argument("-m", "--model", type=Path, default=None)
-    i.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    i.add_argument("-v", "--verbose", action="store_true")
+    i = sub.add_parser("info", help="model config, load plan, memory needed, tensor table "
+                                    "(reads no weights)")
+    _add_model(i)
     i.set_defaults(func=cmd_info)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

@@ -84,48 +84,34 @@ class Engine:
         self._cache = self.model.new_cache(1, self.n_ctx)
         self._cached_ids: list[int] = []  # tokens whose keys/values are in the cache
         self._torch = torch
-        self.sparse_info = None  # set by load() when the sparse runtime takes the FFNs
-        names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-        self.dtype = names.get(self.model.dtype, str(self.model.dtype))  # load() may say "q4"
+        self.sparse_info = None  # set by load() when the model has sparse FFN layers
+        plan = getattr(loaded, "plan", None)
+        self.dtype = plan.label if plan is not None else str(self.model.dtype)
 
     @classmethod
     def load(cls, path=None, *, n_ctx: int | None = None, threads: int | None = None,
              dtype: str = "auto", kernels: bool = True, **sparse_options) -> Engine:
         """Load a model file (default: the embedded SmolLM2) and wrap it.
 
-        ``dtype``: fp32 / bf16 weights, "q4" (4-bit blocks for attention and dense FFNs,
-        the file's own Q4_0/Q4_1 blocks where it has them, and an int8 LM head; CPU only), or
-        "auto" (default): q4 for a file whose projections are Q4_0/Q4_1, else fp32.
-        ``sparse_options`` (dense, threshold, device, vram_budget...) reach the sparse runtime
-        when the file carries predictors. ``kernels`` routes single-token decode of the dense
-        parts through the fused numba kernels (``sparse.runtime.use_kernels``, and
-        ``fused.decode`` for norms, rope and attention).
+        The load plan (``models/plan.py``) decides every weight's storage before anything is
+        read: ``dtype`` "auto" (default) keeps each tensor's own precision (a Q4_0/Q4_1/Q4_K
+        file's 4-bit blocks on torch's int4 kernel, other quantized types as int8, float as
+        fp32), "q4" makes every projection 4-bit with an int8 LM head, "fp32"/"bf16" float.
+        ``sparse_options`` (dense, threshold, device, vram_budget, ffn_dtype, mode...) shape the
+        sparse FFN layers of a file that carries predictors. ``kernels`` picks the fused numba
+        single-token decode (norms, rope, attention) where the model allows it.
         """
         from .data import default_model_path
-        from .models.loading import load_model
-        from .quant.apply import DTYPE_CHOICES, QUANTIZED_DTYPES, auto_dtype, quantize_model
+        from .models.build import load
+        from .sparse.runtime import sparse_info
 
-        if dtype not in DTYPE_CHOICES:
-            raise SparseInferError(f"dtype: expected one of {list(DTYPE_CHOICES)}, got {dtype!r}")
-        held = "fp32" if dtype in QUANTIZED_DTYPES or dtype == "auto" else dtype
-        loaded = load_model(path or default_model_path(), dtype=held)
-        engine = cls(loaded, n_ctx=n_ctx, threads=threads)
-        engine.sparse_info = _maybe_sparsify(loaded, **sparse_options)
-        if dtype == "auto":  # after the sparse runtime, which may move the model to a GPU
-            dtype = auto_dtype(loaded)
-        quantized = dtype in QUANTIZED_DTYPES
-        engine.dtype = dtype
-        if quantized:  # 4-bit attention / dense FFN, int8 LM head (quant/)
-            quantize_model(loaded, dtype)
-        if kernels:  # fused numba GEMVs for what stays dense (CPU, fp32 only)
-            from .sparse.runtime import use_kernels
-
-            use_kernels(loaded, ffn=engine.sparse_info is None and not quantized)
-            from .fused.decode import use_fused_decode
-
-            use_fused_decode(engine.model)  # norm/rope/attention of one token: two numba calls
-        if engine._cache.k.device != engine.model.device:  # the sparse runtime moved the model
-            engine._cache = engine.model.new_cache(1, engine.n_ctx)
+        if threads:
+            set_threads(threads)
+        loaded = load(path or default_model_path(), dtype, n_ctx=n_ctx, fused=kernels,
+                      **sparse_options)
+        engine = cls(loaded, n_ctx=n_ctx)
+        engine.sparse_info = sparse_info(loaded.model, loaded.plan)
+        engine.dtype = loaded.plan.label
         return engine
 
     # ---- text ----------------------------------------------------------------------------------
@@ -258,14 +244,3 @@ def set_threads(n: int) -> None:
     except ImportError:
         return
     set_kernel_threads(n)
-
-
-def _maybe_sparsify(loaded, **options):
-    """Hand the model to the sparse runtime when the file carries predictors (see sparse/)."""
-    if not any(k.endswith(".fc1.weight") for k in loaded.extras):
-        if options.get("threshold") is not None or options.get("vram_budget") is not None:
-            log.warning("%s has no predictors: sparse options ignored, running dense", loaded.path)
-        return None
-    from .sparse.runtime import sparsify
-
-    return sparsify(loaded, **options)

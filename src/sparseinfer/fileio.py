@@ -33,3 +33,90 @@ def read_json(path: Path, error: type[SparseInferError] = SparseInferError) -> A
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error(f"{path}: not valid JSON: {e}") from None
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        except OSError:  # not Linux/glibc: nothing to drop
+            _LIBC = False
+    return _LIBC
+
+
+_LIBC = None
+_MADV_DONTNEED = 4
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def drop_pages(arr: np.ndarray) -> None:
+    """Tell the kernel this process no longer needs the mapped pages under ``arr`` (a view of a
+    read-only file map): they leave the resident set (and stay in the page cache). Best effort;
+    whole pages inside the array only."""
+    import ctypes
+
+    libc = _libc()
+    if not libc or arr.size == 0:
+        return
+    start = arr.__array_interface__["data"][0]
+    end = start + arr.nbytes
+    lo = -(-start // _PAGE) * _PAGE
+    hi = end // _PAGE * _PAGE
+    if hi > lo:
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+
+
+def available_memory() -> int:
+    """Bytes this process can still allocate: MemAvailable, or less under a cgroup limit."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    limit = _cgroup_room()
+    if limit is not None:
+        avail = limit if avail is None else min(avail, limit)
+    return avail if avail is not None else 1 << 62
+
+
+def _cgroup_room() -> int | None:
+    """Bytes left under this process's cgroup memory limit (v1 or v2), counting reclaimable
+    file cache as free; None without a limit."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        if controllers == "":  # v2
+            base = Path("/sys/fs/cgroup") / rel.lstrip("/")
+            files = ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            base = Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        try:
+            limit = (base / files[0]).read_text().strip()
+            usage = int((base / files[1]).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if not limit.isdigit() or int(limit) >= 1 << 60:
+            return None
+        cache = 0
+        try:
+            for stat in (base / "memory.stat").read_text().splitlines():
+                k, v = stat.split()
+                if k == files[2]:
+                    cache = int(v)
+        except (OSError, ValueError):
+            pass
+        return int(limit) - usage + cache
+    return None

@@ -3,13 +3,10 @@ without them (the unfused path is itself compared with transformers in tests/tes
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from sparseinfer.fused.decode import (attend, attend_ref, rms_norm, rms_norm_ref,
-                                      use_fused_decode)
+from sparseinfer.fused.decode import FusedDecode, attend, attend_ref, rms_norm, rms_norm_ref
 from sparseinfer.models.model import rope_tables
 
 
@@ -55,18 +52,32 @@ def _decode(model, prompt, n):
 
 @pytest.mark.parametrize("kind", ["swiglu", "reglu", "drelu"])
 def test_fused_model_equals_torch_path(tiny_model_dir, kind):
-    from sparseinfer.models.loading import load_model
+    from sparseinfer.models.build import load
 
-    lm = load_model(tiny_model_dir(kind))
-    plain = copy.deepcopy(lm.model)
-    assert use_fused_decode(lm.model) == lm.config.n_layers
+    fused = load(tiny_model_dir(kind), "fp32", fused=True).model
+    plain = load(tiny_model_dir(kind), "fp32", fused=False).model
+    assert all(isinstance(b.fused, FusedDecode) for b in fused.layers)
+    assert all(b.fused is None for b in plain.layers)
     prompt = torch.tensor([[1, 7, 3, 9, 4]])
-    torch.testing.assert_close(_decode(lm.model, prompt, 12), _decode(plain, prompt, 12),
+    torch.testing.assert_close(_decode(fused, prompt, 12), _decode(plain, prompt, 12),
                                rtol=1e-4, atol=1e-4)
 
 
-def test_fused_decode_declines_other_models(tiny_model_dir):
-    from sparseinfer.models.loading import load_model
+def test_fused_decode_follows_a_new_cache(tiny_model_dir):
+    """The fused block reads the KV cache it is given: a second cache (which may reuse a freed
+    one's id) gives the same results as the first."""
+    from sparseinfer.models.build import load
 
-    assert use_fused_decode(load_model(tiny_model_dir("opt")).model) == 0  # LayerNorm, learned pos
-    assert use_fused_decode(load_model(tiny_model_dir("swiglu"), dtype="bf16").model) == 0
+    model = load(tiny_model_dir("swiglu"), "fp32", fused=True).model
+    prompt = torch.tensor([[1, 7, 3, 9, 4]])
+    first = _decode(model, prompt, 6)
+    for _ in range(3):  # freed caches: new ones may land at the same address
+        again = _decode(model, prompt, 6)
+        torch.testing.assert_close(again, first)
+
+
+def test_fused_decode_declines_other_models(tiny_model_dir):
+    from sparseinfer.models.build import load
+
+    assert load(tiny_model_dir("opt"), "fp32", fused=True).plan.fused_decode is False
+    assert load(tiny_model_dir("swiglu"), "bf16", fused=True).plan.fused_decode is False

@@ -4,7 +4,7 @@ For one token the projections are a few dozen microseconds each, and the dozens 
 ops around them (norm, rope, cache writes, grouped-query attention, residual adds, each ≈2–3 µs
 of dispatch) cost as much again. ``FusedDecode`` keeps the block's own projection modules (fp32
 ``KernelLinear``, 4-bit ``Int4Linear``, or whatever the FFN is, sparse included) and replaces
-the rest for B = T = 1 (``Block.fast_decode``) by:
+the rest for B = T = 1 (``Block.fused``, chosen by the load plan) by:
 
 - ``rms_norm`` — ``out = x · rsqrt(mean(x²) + eps) · w`` (optionally ``x += add`` first, the
   residual), and
@@ -137,12 +137,21 @@ def attend(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, cos: Tensor,
 
 
 class FusedDecode:
-    """Installed as ``block.fast_decode``: the block's single-token decode with ``rms_norm`` and
-    ``attend`` around its own projection modules. Install it last (``use_fused_decode``), after
-    any module swap (sparse FFN, quantized projections): the modules are looked up once, here,
-    and their ``forward`` called directly (no hook dispatch: ≈1 µs each)."""
+    """A block's single-token decode with ``rms_norm`` and ``attend`` around its own projection
+    modules. Chosen when the model is built (``Block.fused``, for CPU fp32 RMSNorm/RoPE models);
+    on the first call it looks up the block's (by then filled) modules once and calls their
+    ``forward`` directly (no hook dispatch: ≈1 µs each). KV-cache views come from the cache
+    object itself (``KVCache.k_np``), so a new cache is never confused with a freed one."""
 
     def __init__(self, block: Block):
+        self._block = [block]  # a list: not registered as a submodule (no recursion in repr)
+        self._ready = False
+
+    def __repr__(self) -> str:
+        return "FusedDecode(rms_norm + attend kernels)"
+
+    def _prepare(self) -> None:
+        block = self._block[0]
         cfg = block.attn.cfg
         self.nh, self.nkv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.eps = float(block.attn_norm.eps)
@@ -156,16 +165,15 @@ class FusedDecode:
         self._o = torch.empty(self.nh * self.hd)
         self._on = self._o.numpy()
         self._scores = np.empty(cfg.max_seq_len, dtype=np.float32)
-        self._cache_key = None  # (id of the cache tensors, layer) -> numpy views
         self._rope_key = None
+        self._ready = True
 
-    def __call__(self, blk: Block, x: Tensor, layer: int, pos: int, cache: KVCache,
-                 rope) -> Tensor:
-        if self._cache_key != (id(cache.k), layer):
-            self._kc, self._vc = cache.k[layer, 0].numpy(), cache.v[layer, 0].numpy()
-            self._cache_key = (id(cache.k), layer)
-            if self._scores.shape[0] < cache.max_seq:
-                self._scores = np.empty(cache.max_seq, dtype=np.float32)
+    def __call__(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
+        if not self._ready:
+            self._prepare()
+        kc, vc = cache.k_np[layer, 0], cache.v_np[layer, 0]
+        if self._scores.shape[0] < cache.max_seq:
+            self._scores = np.empty(cache.max_seq, dtype=np.float32)
         if self._rope_key is not rope[0]:
             self._cos, self._sin = rope[0].numpy(), rope[1].numpy()
             self._rope_key = rope[0]
@@ -175,26 +183,10 @@ class FusedDecode:
         qkv = self.wqkv(self._h).reshape(-1)
         if not qkv.is_contiguous():
             qkv = qkv.contiguous()
-        _attend(qkv.numpy(), self._kc, self._vc, pos, self._cos[pos], self._sin[pos], self.nh,
+        _attend(qkv.numpy(), kc, vc, pos, self._cos[pos], self._sin[pos], self.nh,
                 self.nkv, self.scale, self._scores, self._on)
         a = self.wo(self._o).reshape(-1)
         _rms_norm(xn, a.numpy(), self.w_ffn, self.eps, self._hn)
         y = self.ffn(self._h.view(1, 1, -1))
         x1 += y.reshape(-1)
         return x1.view(1, 1, -1)
-
-
-def supports(model) -> bool:
-    cfg = model.cfg
-    return (model.device.type == "cpu" and model.dtype == torch.float32 and cfg.norm == "rms"
-            and cfg.pos == "rope")
-
-
-def use_fused_decode(model) -> int:
-    """Give every block of ``model`` a ``FusedDecode`` (in place); returns how many (0 when the
-    model is not a CPU fp32 RMSNorm/RoPE model)."""
-    if not supports(model):
-        return 0
-    for blk in model.layers:
-        blk.fast_decode = FusedDecode(blk)
-    return len(model.layers)

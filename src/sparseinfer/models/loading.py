@@ -1,7 +1,9 @@
-"""Read a model file (GGUF, or a Hugging Face directory with safetensors) into a ``Transformer``.
+"""Open a model file (GGUF, or a Hugging Face directory with safetensors) without reading its
+weights: the ``ModelConfig``, the metadata and an index of ``FileTensor`` handles that read one
+tensor at a time from the memory-mapped file (gguf-py's memmap for GGUF, safetensors' own mmap).
 
-Checkpoint names are data: each format has a map from its tensor names to our canonical names
-(``layers.{i}.attn.wq.weight`` ...); the model fuses them. Every failure becomes one
+``load_model`` (plan -> build on the meta device -> fill each tensor once) lives in
+``models/build.py``; checkpoint names are data in ``models/names.py``. Every failure becomes one
 ``ModelFileError`` that names the file and what was expected and found.
 """
 
@@ -9,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,120 +20,17 @@ import torch
 
 from ..config import FFN_KINDS, ModelConfig
 from ..errors import ModelFileError, SparseInferError
-from ..fileio import read_json
-from .model import Transformer
+from ..fileio import drop_pages, read_json
+from .names import (GATED_ACT_TO_KIND, GGUF_ARCHS, HF_ARCHS, UNGATED_ACT_TO_KIND,
+                    compile_names, map_name, source_name)
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-
-# ---- name maps (source prefix -> canonical prefix; ".weight"/".bias" carried over) -------------
-
-GGUF_LLAMA_NAMES = {
-    "token_embd": "tok_emb",
-    "output_norm": "norm",
-    "output": "lm_head",
-    "blk.{i}.attn_norm": "layers.{i}.attn_norm",
-    "blk.{i}.attn_q": "layers.{i}.attn.wq",
-    "blk.{i}.attn_k": "layers.{i}.attn.wk",
-    "blk.{i}.attn_v": "layers.{i}.attn.wv",
-    "blk.{i}.attn_output": "layers.{i}.attn.wo",
-    "blk.{i}.ffn_norm": "layers.{i}.ffn_norm",
-    "blk.{i}.ffn_gate": "layers.{i}.ffn.gate",
-    "blk.{i}.ffn_up": "layers.{i}.ffn.up",
-    "blk.{i}.ffn_down": "layers.{i}.ffn.down",
-    "blk.{i}.ffn_down_t": "layers.{i}.ffn.down_t",  # sparse GGUFs store down transposed
-}
-
-GGUF_OPT_NAMES = {  # sparseinfer's own GGUF layout for OPT-style models (llama.cpp has none)
-    "token_embd": "tok_emb",
-    "position_embd": "pos_emb",
-    "output_norm": "norm",
-    "output": "lm_head",
-    "blk.{i}.attn_norm": "layers.{i}.attn_norm",
-    "blk.{i}.attn_q": "layers.{i}.attn.wq",
-    "blk.{i}.attn_k": "layers.{i}.attn.wk",
-    "blk.{i}.attn_v": "layers.{i}.attn.wv",
-    "blk.{i}.attn_output": "layers.{i}.attn.wo",
-    "blk.{i}.ffn_norm": "layers.{i}.ffn_norm",
-    "blk.{i}.ffn_up": "layers.{i}.ffn.up",
-    "blk.{i}.ffn_down": "layers.{i}.ffn.down",
-    "blk.{i}.ffn_down_t": "layers.{i}.ffn.down_t",
-}
-
-HF_LLAMA_NAMES = {
-    "model.embed_tokens": "tok_emb",
-    "model.norm": "norm",
-    "lm_head": "lm_head",
-    "model.layers.{i}.input_layernorm": "layers.{i}.attn_norm",
-    "model.layers.{i}.self_attn.q_proj": "layers.{i}.attn.wq",
-    "model.layers.{i}.self_attn.k_proj": "layers.{i}.attn.wk",
-    "model.layers.{i}.self_attn.v_proj": "layers.{i}.attn.wv",
-    "model.layers.{i}.self_attn.o_proj": "layers.{i}.attn.wo",
-    "model.layers.{i}.post_attention_layernorm": "layers.{i}.ffn_norm",
-    "model.layers.{i}.mlp.gate_proj": "layers.{i}.ffn.gate",
-    "model.layers.{i}.mlp.up_proj": "layers.{i}.ffn.up",
-    "model.layers.{i}.mlp.down_proj": "layers.{i}.ffn.down",
-}
-
-HF_OPT_NAMES = {
-    "model.decoder.embed_tokens": "tok_emb",
-    "model.decoder.embed_positions": "pos_emb",
-    "model.decoder.final_layer_norm": "norm",
-    "lm_head": "lm_head",
-    "model.decoder.layers.{i}.self_attn_layer_norm": "layers.{i}.attn_norm",
-    "model.decoder.layers.{i}.self_attn.q_proj": "layers.{i}.attn.wq",
-    "model.decoder.layers.{i}.self_attn.k_proj": "layers.{i}.attn.wk",
-    "model.decoder.layers.{i}.self_attn.v_proj": "layers.{i}.attn.wv",
-    "model.decoder.layers.{i}.self_attn.out_proj": "layers.{i}.attn.wo",
-    "model.decoder.layers.{i}.final_layer_norm": "layers.{i}.ffn_norm",
-    "model.decoder.layers.{i}.fc1": "layers.{i}.ffn.up",
-    "model.decoder.layers.{i}.fc2": "layers.{i}.ffn.down",
-}
-
-# HF config "hidden_act" -> our FFN kind for gated (llama-style) MLPs
-GATED_ACT_TO_KIND = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu",
-                     "gelu_pytorch_tanh": "geglu", "relu": "reglu", "drelu": "drelu"}
-UNGATED_ACT_TO_KIND = {"relu": "relu", "gelu": "gelu"}
-
-HF_ARCHS = {  # config.json "architectures"[0] -> (family, name map)
-    "LlamaForCausalLM": ("llama", HF_LLAMA_NAMES),
-    "MistralForCausalLM": ("llama", HF_LLAMA_NAMES),
-    "OPTForCausalLM": ("opt", HF_OPT_NAMES),
-}
-GGUF_ARCHS = {"llama": GGUF_LLAMA_NAMES, "opt": GGUF_OPT_NAMES}
+__all__ = ["FileTensor", "ModelSource", "TensorInfo", "open_source", "load_model", "source_name",
+           "unpermute_qk", "permute_qk"]
 
 
-def _compile(names: dict[str, str]) -> list[tuple[re.Pattern, str]]:
-    out = []
-    for src, dst in names.items():
-        pat = re.escape(src).replace(re.escape("{i}"), r"(?P<i>\d+)")
-        out.append((re.compile(pat + r"\.(?P<suffix>weight|bias)$"), dst))
-    return out
-
-
-def source_name(canon: str, names: dict[str, str]) -> str | None:
-    """The checkpoint's name for a canonical tensor name under the map ``names`` (None: none)."""
-    m = re.match(r"^(?:layers\.(\d+)\.)?(.*)\.(weight|bias)$", canon)
-    if m:
-        i, rest, suffix = m.groups()
-        for src, dst in names.items():
-            if dst == (f"layers.{{i}}.{rest}" if i is not None else rest):
-                return src.replace("{i}", i or "") + "." + suffix
-    return None
-
-
-def map_name(name: str, compiled: list[tuple[re.Pattern, str]]) -> str | None:
-    for pat, dst in compiled:
-        m = pat.match(name)
-        if m:
-            d = m.groupdict()
-            return dst.replace("{i}", d.get("i") or "") + "." + d["suffix"]
-    return None
-
-
-# ---- result ------------------------------------------------------------------------------------
+# ---- one tensor of the file ----------------------------------------------------------------------
 
 
 @dataclass
@@ -143,20 +41,77 @@ class TensorInfo:
     nbytes: int
 
 
-@dataclass
-class LoadedModel:
-    model: Transformer
-    tokenizer: Any  # sparseinfer.tokenizer.Tokenizer
-    path: Path
-    format: str  # "gguf" | "hf"
-    metadata: dict[str, Any]
-    tensors: list[TensorInfo]
-    extras: dict[str, np.ndarray] = field(default_factory=dict)  # non-model tensors (predictors…)
-    reader: Any = None  # the GGUF file's gguf.GGUFReader (its tensors are memory-mapped)
+@dataclass(eq=False)
+class FileTensor:
+    """A handle on one tensor of the file: its type, shape and bytes, read on demand."""
+
+    name: str  # as the file names it
+    kind: str  # ggml type name ("Q4_0", "F32", ...) or torch dtype name ("float32", ...)
+    shape: tuple[int, ...]  # PyTorch orientation (rows first)
+    nbytes: int
+    canon: str | None = None  # our canonical name (None: not a model tensor)
+    gguf: Any = None  # gguf ReaderTensor (memory-mapped)
+    st: Any = None  # (safetensors handle, name)
 
     @property
-    def config(self) -> ModelConfig:
-        return self.model.cfg
+    def info(self) -> TensorInfo:
+        return TensorInfo(self.name, self.kind, self.shape, self.nbytes)
+
+    @property
+    def quantized(self) -> bool:
+        return self.gguf is not None and self.kind not in ("F32", "F16", "BF16")
+
+    def raw(self) -> np.ndarray:
+        """GGUF: the bytes as stored (a read-only view of the mapped file; quantized types as
+        uint8 ``[rows, bytes_per_row]``)."""
+        if self.gguf is None:
+            raise ValueError(f"tensor {self.name}: raw blocks exist for GGUF tensors only")
+        return self.gguf.data
+
+    def float(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``[start, stop)`` (all by default) as a new float32 tensor."""
+        stop = self.shape[0] if stop is None else stop
+        if self.st is not None:
+            handle, name = self.st
+            sl = handle.get_slice(name)
+            t = sl[start:stop] if len(self.shape) > 1 else sl[:]
+            return t.float() if t.dtype != torch.float32 else t.clone()
+        data = self.gguf.data
+        rows = data.reshape(self.shape[0], -1)[start:stop] if len(self.shape) > 1 else data
+        if self.kind == "F32":
+            arr = np.array(rows, dtype=np.float32)  # copy: the map is read-only
+        elif self.kind == "F16":
+            arr = np.asarray(rows).astype(np.float32)
+        else:
+            from gguf import quants
+
+            arr = quants.dequantize(np.asarray(rows), self.gguf.tensor_type)
+        return torch.from_numpy(np.ascontiguousarray(arr).reshape(stop - start, *self.shape[1:])
+                                if len(self.shape) > 1 else np.ascontiguousarray(arr))
+
+    def release(self) -> None:
+        """Drop this tensor's mapped pages from the process (they stay in the page cache)."""
+        if self.gguf is not None:
+            drop_pages(self.gguf.data)
+
+
+# ---- the opened file -----------------------------------------------------------------------------
+
+
+@dataclass
+class ModelSource:
+    """A model file opened for loading: config, metadata and tensor handles, no weights read."""
+
+    path: Path
+    format: str  # "gguf" | "hf"
+    config: ModelConfig
+    metadata: dict[str, Any]
+    tensors: dict[str, FileTensor]  # canonical name -> handle (model tensors)
+    extras: dict[str, FileTensor]  # file name -> handle (predictors, statistics, placement)
+    names: dict[str, str]  # the checkpoint name map used (names.py)
+    reader: Any = None  # GGUF: the gguf.GGUFReader
+    all_tensors: list[FileTensor] = field(default_factory=list)  # in file order
+    _handles: list[Any] = field(default_factory=list, repr=False)
 
     @property
     def file_bytes(self) -> int:
@@ -164,48 +119,67 @@ class LoadedModel:
             return sum(f.stat().st_size for f in self.path.glob("*.safetensors"))
         return self.path.stat().st_size
 
+    @property
+    def infos(self) -> list[TensorInfo]:
+        return [t.info for t in self.all_tensors]
 
-def load_model(path: str | Path, dtype: str = "fp32", max_seq_len: int | None = None,
-               ffn_kind: str | None = None) -> LoadedModel:
-    """Load a GGUF file or a Hugging Face directory (config.json + *.safetensors + tokenizer).
+    def extra_array(self, name: str) -> np.ndarray | None:
+        """A non-model tensor (predictor, statistic, placement) as a numpy copy, or None."""
+        t = self.extras.get(name)
+        if t is None:
+            return None
+        if t.gguf is not None:
+            return np.array(t.gguf.data)
+        return t.float().numpy()
 
-    ``ffn_kind`` overrides the FFN kind recorded in (or inferred from) the file.
-    """
+    def tokenizer(self):
+        from ..tokenizer import Tokenizer
+
+        if self.format == "hf":
+            if not (self.path / "tokenizer.json").is_file():
+                raise ModelFileError(f"{self.path}: expected tokenizer.json beside config.json, "
+                                     f"found none")
+            return Tokenizer.from_hf_dir(self.path)
+        try:
+            return Tokenizer.from_gguf(self.reader, self.path)
+        except SparseInferError:
+            raise
+        except Exception as e:
+            raise ModelFileError(f"{self.path}: cannot build the tokenizer from its metadata: "
+                                 f"{e}") from None
+
+    def missing(self, canon: str) -> ModelFileError:
+        cfg = self.config
+        return ModelFileError(f"{self.path}: missing tensor {source_name(canon, self.names) or canon!r} "
+                              f"(expected for a {cfg.arch} model with {cfg.n_layers} layers)")
+
+
+def open_source(path: str | Path, max_seq_len: int | None = None,
+                ffn_kind: str | None = None) -> ModelSource:
+    """Open a GGUF file or a Hugging Face directory (config.json + *.safetensors + tokenizer);
+    reads metadata and the tensor index only. ``ffn_kind`` overrides the file's FFN kind."""
     path = Path(path)
-    if dtype not in DTYPES:
-        raise SparseInferError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
     if not path.exists():
         raise SparseInferError(f"model not found: {path}")
     if path.is_dir():
-        return _load_hf(path, DTYPES[dtype], max_seq_len, ffn_kind)
+        return _open_hf(path, max_seq_len, ffn_kind)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF":
-        return _load_gguf(path, DTYPES[dtype], max_seq_len, ffn_kind)
+        return _open_gguf(path, max_seq_len, ffn_kind)
     raise ModelFileError(
         f"{path}: not a model file: expected a GGUF file (magic b'GGUF') or a Hugging Face "
         f"directory, found magic {magic!r}"
     )
 
 
-def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, path: Path,
-           canon_to_src: dict[str, str], names: dict[str, str]) -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    try:
-        model.load_state(state, dtype)
-    except KeyError as e:
-        name = e.args[0]
-        raise ModelFileError(
-            f"{path}: missing tensor {source_name(name, names) or name!r} "
-            f"(expected for a {cfg.arch} model with {cfg.n_layers} layers)"
-        ) from None
-    except ValueError as e:
-        msg = str(e)
-        for canon, src in canon_to_src.items():
-            msg = msg.replace(f"tensor {canon}:", f"tensor {src!r}:")
-        raise ModelFileError(f"{path}: {msg}") from None
-    return model
+def load_model(path: str | Path, dtype: str = "fp32", max_seq_len: int | None = None,
+               ffn_kind: str | None = None):
+    """A dense model with every weight in ``dtype`` (fp32 / bf16 / "auto": the file's own
+    storage), its tokenizer and the opened source (see ``build.load`` for every option)."""
+    from .build import load
+
+    return load(path, dtype=dtype, max_seq_len=max_seq_len, ffn_kind=ffn_kind)
 
 
 # ---- GGUF --------------------------------------------------------------------------------------
@@ -264,18 +238,21 @@ def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
             .reshape(w.shape))
 
 
+def gguf_file_tensor(t, canon: str | None = None) -> FileTensor:
+    """A ``FileTensor`` for a gguf ReaderTensor."""
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+    return FileTensor(t.name, t.tensor_type.name, shape, int(t.n_bytes), canon, gguf=t)
+
+
+def gguf_model_tensors(loaded) -> dict[str, Any]:
+    """Canonical name -> ``gguf`` ReaderTensor (raw blocks, quantization as stored) for every
+    model tensor of a loaded GGUF; empty for other formats."""
+    return {c: t.gguf for c, t in loaded.source.tensors.items() if t.gguf is not None}
+
+
 def gguf_tensor_to_torch(t) -> torch.Tensor:
     """Dequantize one ReaderTensor to a float32 torch tensor in row-major (PyTorch) shape."""
-    from gguf import GGMLQuantizationType, quants
-
-    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-    if t.tensor_type == GGMLQuantizationType.F32:
-        arr = np.array(t.data, dtype=np.float32)  # copy: the reader's memmap is read-only
-    elif t.tensor_type == GGMLQuantizationType.F16:
-        arr = np.asarray(t.data).astype(np.float32)
-    else:
-        arr = quants.dequantize(t.data, t.tensor_type)
-    return torch.from_numpy(np.ascontiguousarray(arr).reshape(shape))
+    return gguf_file_tensor(t).float()
 
 
 def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) -> ModelConfig:
@@ -306,10 +283,9 @@ def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) 
     )
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, max_seq_len: int | None,
-               ffn_kind: str | None) -> LoadedModel:
-    from ..tokenizer import Tokenizer
 
+
+def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> ModelSource:
     reader = open_gguf(path)
     meta = read_gguf_metadata(reader)
     arch = meta.get("general.architecture")
@@ -343,58 +319,22 @@ def _load_gguf(path: Path, dtype: torch.dtype, max_seq_len: int | None,
     if "rope_freqs.weight" in names:
         raise ModelFileError(f"{path}: rope frequency factors (Llama-3.1 rope scaling) are not "
                              f"supported yet")
-
-    compiled = _compile(GGUF_ARCHS[arch])
-    state: dict[str, torch.Tensor] = {}
-    canon_to_src: dict[str, str] = {}
-    extras: dict[str, np.ndarray] = {}
-    infos = []
+    size = path.stat().st_size
+    compiled = compile_names(GGUF_ARCHS[arch])
+    tensors, extras, every = {}, {}, []
     for t in reader.tensors:
-        infos.append(TensorInfo(t.name, t.tensor_type.name,
-                                tuple(int(n) for n in reversed(t.shape.tolist())),
-                                int(t.n_bytes)))
+        if int(t.data_offset) + int(t.n_bytes) > size:
+            raise ModelFileError(f"{path}: tensor {t.name!r} ends at byte "
+                                 f"{int(t.data_offset) + int(t.n_bytes)} but the file has {size} "
+                                 f"(truncated or corrupt file?)")
         canon = map_name(t.name, compiled)
-        try:
-            if canon is None:
-                extras[t.name] = np.array(t.data)  # predictors, placement, statistics
-                continue
-            w = gguf_tensor_to_torch(t)
-        except Exception as e:
-            raise ModelFileError(f"{path}: cannot read tensor {t.name!r} "
-                                 f"(truncated or corrupt file?): {e}") from None
-        if cfg.pos == "rope" and canon.endswith(("attn.wq.weight", "attn.wq.bias")):
-            w = unpermute_qk(w, cfg.n_heads)
-        elif cfg.pos == "rope" and canon.endswith(("attn.wk.weight", "attn.wk.bias")):
-            w = unpermute_qk(w, cfg.n_kv_heads)
-        elif canon.endswith("ffn.down_t.weight"):
-            w, canon = w.t(), canon.replace("down_t", "down")
-        state[canon] = w.to(dtype)
-        canon_to_src[canon] = t.name
-    model = _build(cfg, state, dtype, path, canon_to_src, GGUF_ARCHS[arch])
-    try:
-        tokenizer = Tokenizer.from_gguf(reader, path)
-    except SparseInferError:
-        raise
-    except Exception as e:
-        raise ModelFileError(f"{path}: cannot build the tokenizer from its metadata: {e}") from None
-    log.info("loaded %s: %s, %d layers, d_model %d, ffn %s", path, arch, cfg.n_layers,
-             cfg.d_model, cfg.ffn_kind)
-    return LoadedModel(model, tokenizer, path, "gguf", meta, infos, extras, reader)
-
-
-def gguf_model_tensors(loaded: LoadedModel) -> dict[str, Any]:
-    """Canonical name -> ``gguf`` ReaderTensor (raw blocks, quantization as stored) for every
-    model tensor of a loaded GGUF, from the reader ``load_model`` already opened (parsing a GGUF
-    again costs seconds); empty for other formats. Non-model tensors are left out."""
-    if loaded.reader is None:
-        return {}
-    compiled = _compile(GGUF_ARCHS[str(loaded.metadata.get("general.architecture"))])
-    out = {}
-    for t in loaded.reader.tensors:
-        canon = map_name(t.name, compiled)
-        if canon is not None:
-            out[canon] = t
-    return out
+        ft = gguf_file_tensor(t, canon)
+        every.append(ft)
+        if canon is None:
+            extras[t.name] = ft
+        else:
+            tensors[canon] = ft
+    return ModelSource(path, "gguf", cfg, meta, tensors, extras, GGUF_ARCHS[arch], reader, every)
 
 
 # ---- Hugging Face directory --------------------------------------------------------------------
@@ -464,11 +404,10 @@ def _need(raw: dict[str, Any], k: str, path: Path) -> Any:
     return raw[k]
 
 
-def _load_hf(path: Path, dtype: torch.dtype, max_seq_len: int | None,
-             ffn_kind: str | None) -> LoadedModel:
-    from safetensors import safe_open
 
-    from ..tokenizer import Tokenizer
+
+def _open_hf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> ModelSource:
+    from safetensors import safe_open
 
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -479,34 +418,29 @@ def _load_hf(path: Path, dtype: torch.dtype, max_seq_len: int | None,
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelFileError(f"{path}: expected *.safetensors weight files, found none")
-    compiled = _compile(names)
-    state: dict[str, torch.Tensor] = {}
-    canon_to_src: dict[str, str] = {}
-    infos = []
+    compiled = compile_names(names)
+    tensors, extras, every, handles = {}, {}, [], []
     for f in files:
         try:
-            with safe_open(f, framework="pt") as st:
-                for name in st.keys():
-                    canon = map_name(name, compiled)
-                    t = st.get_tensor(name)
-                    infos.append(TensorInfo(name, str(t.dtype).replace("torch.", ""),
-                                            tuple(t.shape), t.numel() * t.element_size()))
-                    if canon is None:
-                        log.warning("%s: ignoring unknown tensor %s", f, name)
-                        continue
-                    if canon == "pos_emb.weight" and max_seq_len:
-                        t = t[: cfg.max_seq_len + cfg.pos_offset]
-                    state[canon] = t.to(dtype)
-                    canon_to_src[canon] = name
+            st = safe_open(f, framework="pt")
+            handles.append(st)
+            for name in st.keys():
+                sl = st.get_slice(name)
+                shape = tuple(int(n) for n in sl.get_shape())
+                dtype = sl.get_dtype()
+                elt = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1}.get(dtype, 4)
+                canon = map_name(name, compiled)
+                ft = FileTensor(name, dtype, shape, int(np.prod(shape)) * elt, canon,
+                                st=(st, name))
+                every.append(ft)
+                if canon is None:
+                    log.warning("%s: ignoring unknown tensor %s", f, name)
+                    extras[name] = ft
+                else:
+                    tensors[canon] = ft
         except SparseInferError:
             raise
         except Exception as e:
             raise ModelFileError(f"{f}: cannot read safetensors file (truncated or corrupt?): "
                                  f"{e}") from None
-    model = _build(cfg, state, dtype, path, canon_to_src, names)
-    if not (path / "tokenizer.json").is_file():
-        raise ModelFileError(f"{path}: expected tokenizer.json beside config.json, found none")
-    tokenizer = Tokenizer.from_hf_dir(path)
-    log.info("loaded %s: %s, %d layers, d_model %d, ffn %s", path, cfg.arch, cfg.n_layers,
-             cfg.d_model, cfg.ffn_kind)
-    return LoadedModel(model, tokenizer, path, "hf", raw, infos)
+    return ModelSource(path, "hf", cfg, raw, tensors, extras, names, None, every, handles)

@@ -2,8 +2,11 @@
 RMSNorm, RoPE, GQA) and OPT-style models (LayerNorm, learned positions, biased ReLU MLP).
 
 Everything that differs between architectures is a field of ``ModelConfig``; this file has no
-loading, sampling or CLI in it. Weights arrive through ``Transformer.load_state`` with canonical
-names (see ``CANONICAL`` in loading.py); q/k/v and gate/up are fused here for fewer calls per token.
+loading, sampling or CLI in it. Which module holds each weight (fp32, bf16, 4-bit or int8
+projections, a sparse FFN, a mapped embedding) is decided before the model is built
+(``models/plan.py``) and handed in as ``modules``: the model is built once, on the meta device,
+and filled from the file (``models/build.py``); ``print(model)`` shows what runs. q/k/v and
+gate/up are fused for fewer calls per token.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import FFN_KINDS, ModelConfig
+from ..quant.linear import FloatLinear
 
 ACTIVATIONS = {
     None: lambda t: t,
@@ -32,6 +36,10 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_seq = max_seq
+        # numpy views for the fused CPU kernels, owned by this cache (never keyed on an id)
+        cpu32 = self.k.device.type == "cpu" and dtype == torch.float32
+        self.k_np = self.k.numpy() if cpu32 else None
+        self.v_np = self.v.numpy() if cpu32 else None
 
     @property
     def nbytes(self) -> int:
@@ -73,13 +81,33 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+class DenseModules:
+    """The default ``modules``: float projections and embeddings, dense FFNs, no fused decode.
+    ``models/build.py`` passes one that follows a load plan."""
+
+    fused = False
+
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        self.dtype = dtype
+
+    def linear(self, path: str, n_in: int, n_out: int, bias: bool) -> nn.Module:
+        return FloatLinear(n_in, n_out, bias, self.dtype)
+
+    def embedding(self, path: str, n: int, d: int) -> nn.Module:
+        return nn.Embedding(n, d, dtype=self.dtype)
+
+    def ffn(self, layer: int, cfg: ModelConfig) -> nn.Module | None:
+        return None  # the dense FFN below
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, modules, prefix: str):
         super().__init__()
         self.cfg = cfg
         hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-        self.wqkv = nn.Linear(cfg.d_model, (nh + 2 * nkv) * hd, bias=cfg.attn_bias)
-        self.wo = nn.Linear(nh * hd, cfg.d_model, bias=cfg.attn_bias)
+        self.wqkv = modules.linear(prefix + "wqkv", cfg.d_model, (nh + 2 * nkv) * hd,
+                                   cfg.attn_bias)
+        self.wo = modules.linear(prefix + "wo", nh * hd, cfg.d_model, cfg.attn_bias)
         self.scale = 1.0 / math.sqrt(hd)
 
     def forward(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
@@ -114,14 +142,14 @@ class Attention(nn.Module):
 class FFN(nn.Module):
     """Dense FFN. Gated: down(act_g(gate x) * act_u(up x)); ungated: down(act_u(up x + b) ) + b."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, modules, prefix: str):
         super().__init__()
         kind = FFN_KINDS[cfg.ffn_kind]
         self.gated, self.d_ff = kind.gated, cfg.d_ff
         self.act_gate, self.act_up = ACTIVATIONS[kind.gate_act], ACTIVATIONS[kind.up_act]
         n_in = 2 * cfg.d_ff if kind.gated else cfg.d_ff  # gated: rows [0, d_ff) gate, then up
-        self.w_in = nn.Linear(cfg.d_model, n_in, bias=cfg.ffn_bias)
-        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.ffn_bias)
+        self.w_in = modules.linear(prefix + "w_in", cfg.d_model, n_in, cfg.ffn_bias)
+        self.down = modules.linear(prefix + "down", cfg.d_ff, cfg.d_model, cfg.ffn_bias)
 
     def activations(self, x: Tensor) -> Tensor:
         """Per-neuron coefficients h (..., d_ff): the FFN output is down(h)."""
@@ -135,42 +163,51 @@ class FFN(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, modules, layer: int):
         super().__init__()
-        self.attn_norm, self.attn = Norm(cfg), Attention(cfg)
-        self.ffn_norm, self.ffn = Norm(cfg), FFN(cfg)
-        self.fast_decode = None  # optional fused single-token path (fused/decode.py)
+        p = f"layers.{layer}."
+        self.attn_norm, self.attn = Norm(cfg), Attention(cfg, modules, p + "attn.")
+        self.ffn_norm = Norm(cfg)
+        self.ffn = modules.ffn(layer, cfg) or FFN(cfg, modules, p + "ffn.")
+        # single-token decode through the fused kernels (fused/decode.py), chosen at build time
+        self.fused = None
+        if modules.fused:
+            from ..fused.decode import FusedDecode
+
+            self.fused = FusedDecode(self)
 
     def forward(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
-        if self.fast_decode is not None and x.shape[0] == 1 and x.shape[1] == 1:
-            return self.fast_decode(self, x, layer, pos, cache, rope)
+        if self.fused is not None and x.shape[0] == 1 and x.shape[1] == 1:
+            return self.fused(x, layer, pos, cache, rope)
         x = x + self.attn(self.attn_norm(x), layer, pos, cache, rope)
         return x + self.ffn(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, modules=None, dtype: torch.dtype = torch.float32):
         super().__init__()
+        modules = modules or DenseModules(dtype)
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tok_emb = modules.embedding("tok_emb", cfg.vocab_size, cfg.d_model)
         self.pos_emb = (
             nn.Embedding(cfg.max_seq_len + cfg.pos_offset, cfg.d_model)
             if cfg.pos == "learned"
             else None
         )
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, modules, i) for i in range(cfg.n_layers))
         self.norm = Norm(cfg)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = modules.linear("lm_head", cfg.d_model, cfg.vocab_size, False)
         self.rope: tuple[Tensor, Tensor] | None = None
+        self._dtype = dtype  # activations, norms, KV cache
         self.requires_grad_(False)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tok_emb.weight.dtype
+        return self._dtype
 
     @property
     def device(self) -> torch.device:
-        return self.tok_emb.weight.device
+        return self.norm.weight.device
 
     def new_cache(self, batch: int = 1, max_seq: int | None = None) -> KVCache:
         max_seq = max_seq or self.cfg.max_seq_len
@@ -199,65 +236,3 @@ class Transformer(nn.Module):
         if last_only:
             h = h[:, -1:]
         return self.lm_head(h).float()
-
-    # ---- weights -------------------------------------------------------------------------------
-
-    def load_state(self, state: dict[str, Tensor], dtype: torch.dtype = torch.float32) -> None:
-        """Take canonical per-projection weights (see loading.CANONICAL), fuse and assign them.
-
-        ``state`` is consumed (entries are popped) so no second copy of the weights lingers.
-        Raises KeyError / ValueError naming the tensor on a missing name or a wrong shape.
-        """
-        cfg = self.cfg
-
-        def take(name: str, shape: tuple[int, ...]) -> Tensor:
-            if name not in state:
-                raise KeyError(name)
-            t = state.pop(name)
-            if tuple(t.shape) != shape:
-                raise ValueError(f"tensor {name}: expected shape {shape}, found {tuple(t.shape)}")
-            return t
-
-        def put(param_owner: nn.Module, attr: str, value: Tensor) -> None:
-            value = value.to(dtype)
-            setattr(param_owner, attr, nn.Parameter(value.contiguous(), requires_grad=False))
-
-        D, F_, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
-        put(self.tok_emb, "weight", take("tok_emb.weight", (cfg.vocab_size, D)))
-        if self.pos_emb is not None:
-            n_pos = cfg.max_seq_len + cfg.pos_offset
-            put(self.pos_emb, "weight", take("pos_emb.weight", (n_pos, D)))
-        for i, blk in enumerate(self.layers):
-            p = f"layers.{i}."
-            for norm_name, norm in (("attn_norm", blk.attn_norm), ("ffn_norm", blk.ffn_norm)):
-                put(norm, "weight", take(p + norm_name + ".weight", (D,)))
-                if norm.bias is not None:
-                    put(norm, "bias", take(p + norm_name + ".bias", (D,)))
-            q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
-            parts = [take(p + f"attn.{n}.weight", (o, D)) for n, o in
-                     (("wq", q_out), ("wk", kv_out), ("wv", kv_out))]
-            put(blk.attn.wqkv, "weight", torch.cat(parts))
-            put(blk.attn.wo, "weight", take(p + "attn.wo.weight", (D, q_out)))
-            if cfg.attn_bias:
-                parts = [take(p + f"attn.{n}.bias", (o,)) for n, o in
-                         (("wq", q_out), ("wk", kv_out), ("wv", kv_out))]
-                put(blk.attn.wqkv, "bias", torch.cat(parts))
-                put(blk.attn.wo, "bias", take(p + "attn.wo.bias", (D,)))
-            ins = [take(p + "ffn.up.weight", (F_, D))]
-            if blk.ffn.gated:
-                ins.insert(0, take(p + "ffn.gate.weight", (F_, D)))
-            put(blk.ffn.w_in, "weight", torch.cat(ins))
-            put(blk.ffn.down, "weight", take(p + "ffn.down.weight", (D, F_)))
-            if cfg.ffn_bias:
-                put(blk.ffn.w_in, "bias", take(p + "ffn.up.bias", (F_,)))
-                put(blk.ffn.down, "bias", take(p + "ffn.down.bias", (D,)))
-        put(self.norm, "weight", take("norm.weight", (D,)))
-        if self.norm.bias is not None:
-            put(self.norm, "bias", take("norm.bias", (D,)))
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
-            state.pop("lm_head.weight", None)
-        else:
-            put(self.lm_head, "weight", take("lm_head.weight", (cfg.vocab_size, D)))
-        if state:
-            raise ValueError(f"unexpected tensors: {sorted(state)[:8]}")

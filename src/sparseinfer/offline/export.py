@@ -103,7 +103,7 @@ def check_output_path(path: str | Path) -> Path:
 
 def gguf_names(arch: str) -> dict[str, str]:
     """The loader's GGUF name map for ``arch`` (GGUF prefix -> canonical prefix)."""
-    from ..models.loading import GGUF_ARCHS
+    from ..models.names import GGUF_ARCHS
 
     if arch not in GGUF_ARCHS:
         raise SparseInferError(f"unsupported architecture {arch!r} for a sparse GGUF: expected "
@@ -113,7 +113,7 @@ def gguf_names(arch: str) -> dict[str, str]:
 
 def _to_gguf_name(canon: str, names: dict[str, str]) -> str:
     """The GGUF name of a canonical tensor: the loader's map read backwards."""
-    from ..models.loading import source_name
+    from ..models.names import source_name
 
     name = source_name(canon, names)
     if name is None:

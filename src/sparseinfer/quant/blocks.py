@@ -19,6 +19,9 @@ import torch
 
 GROUP = 32  # weights per block
 BLOCK_BYTES = {"Q4_0": 2 + GROUP // 2, "Q4_1": 4 + GROUP // 2}
+# K-quant super-blocks of 256 weights whose 32-weight sub-blocks map exactly onto these blocks
+SUPER_BLOCK_BYTES = {"Q4_K": 144}
+FILE_KINDS = (*BLOCK_BYTES, *SUPER_BLOCK_BYTES)  # GGUF types read as 4-bit blocks as they are
 
 
 @dataclass(frozen=True)
@@ -55,9 +58,11 @@ def check_shape(shape: tuple[int, ...], what: str) -> None:
 
 
 def from_gguf(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Q4Blocks:
-    """Blocks of a Q4_0 / Q4_1 GGUF tensor; ``raw`` its bytes, ``shape`` (rows, cols)."""
+    """Blocks of a Q4_0 / Q4_1 / Q4_K GGUF tensor; ``raw`` its bytes, ``shape`` (rows, cols)."""
+    if kind in SUPER_BLOCK_BYTES:
+        return _from_q4_k(raw, shape)
     if kind not in BLOCK_BYTES:
-        raise ValueError(f"expected a Q4_0 or Q4_1 tensor, found {kind}")
+        raise ValueError(f"expected a Q4_0, Q4_1 or Q4_K tensor, found {kind}")
     check_shape(shape, kind)
     n, k = shape
     nb, size = k // GROUP, BLOCK_BYTES[kind]
@@ -75,6 +80,38 @@ def from_gguf(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Q4Blocks:
         qs = blocks[..., 2:]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)  # low nibbles: 0..15
     return Q4Blocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+
+
+def _from_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Q4Blocks:
+    """Q4_K super-blocks (256 weights: fp16 ``d``, fp16 ``dmin``, 12 bytes of 6-bit sub-block
+    scales and mins, 128 bytes of nibbles) as 32-weight blocks: sub-block j of a super-block is
+    ``w = d·sc_j · q − dmin·m_j``, i.e. scale ``d·sc_j`` and offset ``−dmin·m_j``; exact."""
+    n, k = shape
+    if len(shape) != 2 or k % 256:
+        raise ValueError(f"Q4_K: expected a 2-D weight whose rows are a multiple of 256 long, "
+                         f"found shape {list(shape)}")
+    nsb = k // 256
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+    if b.size != n * nsb * 144:
+        raise ValueError(f"Q4_K tensor of shape {list(shape)}: expected {n * nsb * 144} bytes, "
+                         f"found {b.size}")
+    b = b.reshape(n, nsb, 144)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    sc = b[..., 4:16].astype(np.uint8)
+    qs = b[..., 16:]  # (n, nsb, 128)
+    scales = np.empty((n, nsb, 8), dtype=np.uint8)
+    mins = np.empty((n, nsb, 8), dtype=np.uint8)
+    scales[..., :4] = sc[..., 0:4] & 63
+    mins[..., :4] = sc[..., 4:8] & 63
+    scales[..., 4:] = (sc[..., 8:12] & 0x0F) | ((sc[..., 0:4] >> 6) << 4)
+    mins[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
+    chunks = qs.reshape(n, nsb, 4, 32)  # 4 chunks of 64 weights: low nibbles, then high
+    q = np.stack([chunks & 0x0F, chunks >> 4], axis=3).reshape(n, k)
+    scale = (d[..., None] * scales).reshape(n, nsb * 8)
+    offset = (-dmin[..., None] * mins).reshape(n, nsb * 8)
+    return Q4Blocks(torch.from_numpy(q), torch.from_numpy(scale.astype(np.float32)),
+                    torch.from_numpy(offset.astype(np.float32)))
 
 
 def quantize(w: torch.Tensor) -> Q4Blocks:

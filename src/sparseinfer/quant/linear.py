@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from numba import prange
 
 from ..errors import SparseInferError
-from ..sparse.kernels import _jit, get_threads
+from ..sparse.kernels import _jit, gemv, get_threads
 from .blocks import GROUP, Q4Blocks
 
 ACT_DTYPE = torch.bfloat16
@@ -32,19 +32,38 @@ def _need_cpu_op(name: str) -> None:
 
 
 class Int4Linear(torch.nn.Module):
-    """``y = x @ W.T (+ b)`` with ``W`` held as 4-bit blocks (CPU)."""
+    """``y = x @ W.T (+ b)`` with ``W`` held as 4-bit blocks (CPU). Built empty (on the meta
+    device); ``fill`` takes the blocks once."""
 
-    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         _need_cpu_op("_weight_int4pack_mm_for_cpu")
+        self.in_features, self.out_features = in_features, out_features
+        self.packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
+        # (k / 32, n, 2): per group and output row, (scale, zero)
+        self.scales_zeros = torch.empty(in_features // GROUP, out_features, 2, dtype=ACT_DTYPE)
+        self.bias = torch.empty(out_features) if bias else None
+
+    @classmethod
+    def from_blocks(cls, blocks: Q4Blocks, bias: torch.Tensor | None = None) -> Int4Linear:
         n, k = blocks.shape
-        self.in_features, self.out_features = k, n
+        with torch.device("cpu"):
+            m = cls(k, n, bias is not None)
+        m.fill(blocks, bias)
+        return m
+
+    def fill(self, blocks: Q4Blocks, bias: torch.Tensor | None = None) -> None:
+        if blocks.shape != (self.out_features, self.in_features):
+            raise ValueError(f"expected blocks of shape {(self.out_features, self.in_features)}, "
+                             f"got {blocks.shape}")
         self.packed = torch._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 1)
         zero = blocks.offset + 8.0 * blocks.scale
-        # (k / 32, n, 2): per group and output row, (scale, zero)
         self.scales_zeros = torch.stack([blocks.scale.t(), zero.t()], dim=-1).to(ACT_DTYPE)
         self.scales_zeros = self.scales_zeros.contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, 4-bit groups of {GROUP}"
 
     @property
     def nbytes(self) -> int:
@@ -108,17 +127,40 @@ class Int8Linear(torch.nn.Module):
     """``y = x @ W.T (+ b)`` with ``W`` quantized per row, symmetric absmax int8 (CPU). One token
     goes through ``gemv_int8`` (fp32 activations), batches through torch's int8 kernel."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         _need_cpu_op("_weight_int8pack_mm")
-        w = weight.detach().float()
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
-        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
-        self.scale32 = scale.contiguous()
-        self.scale = scale.to(ACT_DTYPE)
+        self.in_features, self.out_features = in_features, out_features
+        self.q = torch.empty(out_features, in_features, dtype=torch.int8)
+        self.scale32 = torch.empty(out_features)
+        self.scale = torch.empty(out_features, dtype=ACT_DTYPE)
+        self.bias = torch.empty(out_features) if bias else None
+        self._out = torch.empty(out_features)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        with torch.device("cpu"):
+            m = cls(weight.shape[1], weight.shape[0], bias is not None)
+        m.fill(lambda a, b: weight[a:b], bias)
+        return m
+
+    def fill(self, rows, bias: torch.Tensor | None = None, chunk: int = 4096) -> None:
+        """Quantize from ``rows(start, stop)`` (float rows of W), ``chunk`` rows at a time so
+        no whole float copy of a large matrix (an LM head) exists."""
+        n, k = self.out_features, self.in_features
+        self.q = torch.empty(n, k, dtype=torch.int8)
+        self.scale32 = torch.empty(n)
+        for a in range(0, n, chunk):
+            w = rows(a, min(a + chunk, n)).detach().float()
+            scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+            self.q[a:a + w.shape[0]] = (w / scale[:, None]).round().clamp(-127, 127)
+            self.scale32[a:a + w.shape[0]] = scale
+        self.scale = self.scale32.to(ACT_DTYPE)
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self._out = torch.empty(self.out_features)
+        self._out = torch.empty(n)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int8 per row"
 
     @property
     def nbytes(self) -> int:
@@ -141,6 +183,45 @@ class Int8Linear(torch.nn.Module):
         """Float32 weights of the batch path (bfloat16-rounded scales; one token uses the
         float32 scales)."""
         return self.q.float() * self.scale.float()[:, None]
+
+
+class FloatLinear(torch.nn.Module):
+    """``y = x @ W.T (+ b)`` with float ``W`` (fp32 or bf16). One fp32 token on the CPU goes
+    through ``sparse.kernels.gemv`` (numba, four rows at a time, kernel threads); everything else
+    through ``F.linear``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                         requires_grad=False)
+        self.bias = (torch.nn.Parameter(torch.empty(out_features, dtype=dtype),
+                                        requires_grad=False) if bias else None)
+        self._out = None
+
+    def fill(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        dtype = self.weight.dtype
+        if not (isinstance(weight, torch.nn.Parameter) and weight.dtype == dtype):
+            weight = torch.nn.Parameter(weight.to(dtype).contiguous(), requires_grad=False)
+        self.weight = weight
+        if bias is not None:
+            self.bias = torch.nn.Parameter(bias.to(dtype).contiguous(), requires_grad=False)
+        self._out = torch.empty(self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (self._out is not None and x.numel() == self.in_features and x.dtype == torch.float32
+                and w.dtype == torch.float32 and w.device.type == "cpu"):
+            y = gemv(w, x.reshape(-1), self._out).clone()
+            if self.bias is not None:
+                y += self.bias
+            return y.view(*x.shape[:-1], -1)
+        return F.linear(x, w, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, "
+                f"{str(self.weight.dtype).replace('torch.', '')}, bias={self.bias is not None}")
 
 
 def reference(module: Int4Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor:

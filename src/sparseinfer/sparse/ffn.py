@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from ..config import FFN_KINDS
 from . import kernels
 from .packed import PackedFFN
-from .reference import neuron_coefs, sparse_ffn_ref
+from .reference import ACTS, neuron_coefs, sparse_ffn_ref
 
 log = logging.getLogger(__name__)
 
@@ -62,46 +62,115 @@ BATCH_MODES = ("auto", "dense", "union", "masked")
 UNION_MAX_TOKENS = 32
 
 
-class SparseFFN(nn.Module):
-    """Drop-in replacement for ``models.model.FFN`` (same forward signature)."""
+class Selector:
+    """Which neurons a token computes: a small strategy object chosen when the model is built
+    (``AllNeurons``, ``Oracle``, ``Predicted``)."""
 
-    def __init__(self, packed: PackedFFN, down_bias: Tensor | None, predictor: Predictor | None,
-                 mode: str = "predictor", n_hot: int = 0, fast_device: str | torch.device = "cpu",
-                 oracle_threshold: float = 0.0, split_tiers: bool | None = None,
-                 oracle_score: str = "output"):
+    name = "?"
+
+    def active(self, ffn: SparseFFN, x: Tensor) -> Tensor:
+        """Ascending int32 indices for one token's 1-D input ``x``."""
+        raise NotImplementedError
+
+    def mask(self, ffn: SparseFFN, x: Tensor) -> Tensor:
+        """Boolean (..., d_ff): each token's active neurons, for inputs ``x`` (..., d_model)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class AllNeurons(Selector):
+    """Every neuron: the dense FFN computed by the sparse kernels."""
+
+    name = "all"
+
+    def active(self, ffn, x):
+        return ffn._all
+
+    def mask(self, ffn, x):
+        return torch.ones(*x.shape[:-1], ffn.d_ff, dtype=torch.bool, device=x.device)
+
+
+class Oracle(Selector):
+    """The true active set: non-zero coefficients (ReLU family), or a magnitude score above the
+    calibrated threshold: |h_i| ("output"), |h_i|·||down_i|| ("output_norm"), or the gate's
+    activation |act(gate_i · x)| ("gate")."""
+
+    name = "oracle"
+
+    def __init__(self, threshold: float = 0.0, score: str = "output"):
+        if score not in ("output", "output_norm", "gate"):
+            raise ValueError(f"oracle score: expected 'output', 'output_norm' or 'gate', got "
+                             f"{score!r}")
+        self.threshold, self.score = float(threshold), score
+
+    def __repr__(self) -> str:
+        return f"Oracle(threshold={self.threshold:g}, score={self.score!r})"
+
+    def mask(self, ffn, x):
+        h = ffn._coefs_dense(x)
+        if ffn.kind.relu_sparse:
+            return h != 0
+        if self.score == "output_norm":
+            return h.abs() * ffn._down_norms() > self.threshold
+        if self.score == "gate" and ffn.kind.gated:
+            return ffn._gate_acts(x).abs() > self.threshold
+        return h.abs() > self.threshold
+
+    def active(self, ffn, x):
+        return torch.nonzero(self.mask(ffn, x)).reshape(-1).to(torch.int32)
+
+
+class Predicted(Selector):
+    """The predictor's guess: neuron i is computed iff its logit passes the threshold (a bias
+    folds into per-neuron thresholds: fc2·h + b >= t  <=>  fc2·h >= t - b)."""
+
+    name = "predictor"
+
+    def __init__(self, predictor: Predictor):
+        self.predictor = predictor
+        self._neuron_thr = (None if predictor.bias is None else
+                            (predictor.threshold - predictor.bias).float().contiguous())
+
+    def __repr__(self) -> str:
+        p = self.predictor
+        return (f"Predicted(rank={p.fc1.shape[0]}, {str(p.fc1.dtype).replace('torch.', '')}, "
+                f"threshold={p.threshold:g})")
+
+    def active(self, ffn, x):
+        p = self.predictor
+        if x.device.type == "cpu":
+            k = kernels.predict_active(x, p.fc1, p.fc2, p.threshold, ffn._idx,
+                                       neuron_thresholds=self._neuron_thr)
+            return ffn._idx[:k]
+        return torch.nonzero(p.logits(x) >= p.threshold).reshape(-1).to(torch.int32)
+
+    def mask(self, ffn, x):
+        p = self.predictor
+        z = torch.relu(x @ p.fc1.float().t()) @ p.fc2.float().t()
+        if p.bias is not None:
+            z = z + p.bias
+        return z >= p.threshold
+
+
+class SparseFFN(nn.Module):
+    """An FFN layer computed neuron by neuron (same forward signature as ``models.model.FFN``).
+    Built empty with its selector; ``fill`` takes the bundled rows once."""
+
+    def __init__(self, kind: str, d_model: int, d_ff: int, selector: Selector, n_hot: int = 0,
+                 fast_device: str | torch.device = "cpu", split_tiers: bool | None = None):
         super().__init__()
-        if mode not in ("predictor", "oracle", "all"):
-            raise ValueError(f"mode: expected 'predictor', 'oracle' or 'all', got {mode!r}")
-        if mode == "predictor" and predictor is None:
-            raise ValueError("mode 'predictor' needs a predictor")
-        self.kind = FFN_KINDS[packed.kind]
-        self.d_ff, self.d_model = packed.d_ff, packed.d_model
-        self.mode, self.predictor = mode, predictor
-        self.oracle_threshold = oracle_threshold
-        if oracle_score not in ("output", "output_norm"):
-            raise ValueError(f"oracle score: expected 'output' or 'output_norm', got {oracle_score!r}")
-        # magnitude score of neuron i: |h_i| ("output") or |h_i| * ||down_i|| ("output_norm")
-        self._score_scale = (packed.rows_fp32()[:, -1].norm(dim=-1)
-                             if oracle_score == "output_norm" else None)
+        self.kind_name, self.kind = kind, FFN_KINDS[kind]
+        self.d_ff, self.d_model = d_ff, d_model
+        self.selector = selector
         self.fast = torch.device(fast_device)
         self.n_hot = int(n_hot)
         # one tier when everything lives on the CPU (unless a test asks for the split path)
-        self.split = (self.fast.type != "cpu") if split_tiers is None else split_tiers
-        self.split = self.split and 0 < self.n_hot
-        if self.split:
-            self.hot = _to_device(packed.select(torch.arange(self.n_hot)), self.fast)
-            self.cold = packed.select(torch.arange(self.n_hot, self.d_ff))
-        else:
-            self.hot, self.cold = None, packed
-        self.packed = packed if not self.split else None
-        self.down_bias = down_bias
-        self._idx = torch.empty(self.d_ff, dtype=torch.int32)
-        self._all = torch.arange(self.d_ff, dtype=torch.int32)
-        # a predictor bias folds into per-neuron thresholds: fc2·h + b >= t  <=>  fc2·h >= t - b
-        self._neuron_thr = (None if predictor is None or predictor.bias is None else
-                            (predictor.threshold - predictor.bias).float().contiguous())
-        self._out = torch.empty(self.d_model, dtype=torch.float32)
-        self._out_cold = torch.empty(self.d_model, dtype=torch.float32)
+        split = (self.fast.type != "cpu") if split_tiers is None else split_tiers
+        self.split = split and 0 < self.n_hot
+        self.hot = self.cold = self.packed = None
+        self.down_bias = None
         self.stats = FFNStats()
         # several tokens at once: "dense" computes every neuron (prefill); "union" the union of
         # the tokens' active sets with the batched sparse kernel; "auto" union for short batches,
@@ -109,28 +178,59 @@ class SparseFFN(nn.Module):
         # computes), for perplexity of the sparse model
         self.batch_mode = "auto"
 
+    @property
+    def mode(self) -> str:
+        return self.selector.name
+
+    @property
+    def predictor(self) -> Predictor | None:
+        return getattr(self.selector, "predictor", None)
+
+    def extra_repr(self) -> str:
+        dtype = (self.packed or self.cold).dtype if (self.packed or self.cold) else "?"
+        return (f"{self.kind_name}, d_ff={self.d_ff}, rows={dtype}, selector={self.selector!r}, "
+                f"hot={self.n_hot} on {self.fast}")
+
+    def fill(self, packed: PackedFFN, down_bias: Tensor | None = None) -> None:
+        if (packed.d_ff, packed.d_model) != (self.d_ff, self.d_model):
+            raise ValueError(f"expected a packed FFN of d_ff={self.d_ff}, d_model={self.d_model}, "
+                             f"got {packed.d_ff}, {packed.d_model}")
+        if self.split:
+            self.hot = _to_device(packed.select(torch.arange(self.n_hot)), self.fast)
+            self.cold = packed.select(torch.arange(self.n_hot, self.d_ff))
+            self.packed = None
+        else:
+            self.hot, self.cold, self.packed = None, packed, packed
+        self.down_bias = down_bias
+        self._idx = torch.empty(self.d_ff, dtype=torch.int32)
+        self._all = torch.arange(self.d_ff, dtype=torch.int32)
+        self._out = torch.empty(self.d_model, dtype=torch.float32)
+        self._out_cold = torch.empty(self.d_model, dtype=torch.float32)
+        self._norms = None
+
+    @classmethod
+    def from_packed(cls, packed: PackedFFN, down_bias: Tensor | None, selector: Selector,
+                    **kw) -> SparseFFN:
+        m = cls(packed.kind, packed.d_model, packed.d_ff, selector, **kw)
+        m.fill(packed, down_bias)
+        return m
+
     # ---- active set ----------------------------------------------------------------------------
 
     def active(self, x: Tensor) -> Tensor:
         """Ascending int32 indices of the neurons to compute for the 1-D input ``x``."""
-        if self.mode == "all":  # every neuron: the dense FFN through the fused kernel
-            return self._all
-        if self.mode == "oracle":
-            keep = self._oracle_mask(self._coefs_dense(x))
-            return torch.nonzero(keep).reshape(-1).to(torch.int32)
-        p = self.predictor
-        if x.device.type == "cpu":
-            k = kernels.predict_active(x, p.fc1, p.fc2, p.threshold, self._idx,
-                                       neuron_thresholds=self._neuron_thr)
-            return self._idx[:k]
-        return torch.nonzero(p.logits(x) >= p.threshold).reshape(-1).to(torch.int32)
+        return self.selector.active(self, x)
 
-    def _oracle_mask(self, h: Tensor) -> Tensor:
-        """The true active set: non-zero (ReLU family) or magnitude score above the threshold."""
-        if self.kind.relu_sparse:
-            return h != 0
-        score = h.abs() if self._score_scale is None else h.abs() * self._score_scale
-        return score > self.oracle_threshold
+    def _down_norms(self) -> Tensor:
+        if self._norms is None:
+            self._norms = torch.cat([f.rows_fp32()[:, -1].norm(dim=-1) for f, _ in self._rows()
+                                     if f.d_ff])
+        return self._norms
+
+    def _gate_acts(self, x: Tensor) -> Tensor:
+        parts = [ACTS[self.kind.gate_act](x.to(f.rows.device) @ f.rows_fp32()[:, 0].t())
+                 .to(x.device) for f, _ in self._rows() if f.d_ff]
+        return torch.cat(parts, dim=-1)
 
     def _rows(self) -> list[tuple[PackedFFN, int]]:
         return [(self.hot, 0), (self.cold, self.n_hot)] if self.split else [(self.packed, 0)]
@@ -179,28 +279,15 @@ class SparseFFN(nn.Module):
         cold = kernels.sparse_ffn(x_cpu, self.cold, cold_idx.cpu(), self._out_cold)
         return out + cold.to(self.fast, non_blocking=True)
 
-    def _mask(self, x: Tensor, h: Tensor) -> Tensor:
-        """Per-token active mask (..., d_ff) for inputs x and their true coefficients h."""
-        if self.mode == "all":
-            return torch.ones_like(h, dtype=torch.bool)
-        if self.mode == "oracle":
-            return self._oracle_mask(h)
-        p = self.predictor
-        z = torch.relu(x @ p.fc1.float().t()) @ p.fc2.float().t()
-        if p.bias is not None:
-            z = z + p.bias
-        return z >= p.threshold
-
     def _union(self, x: Tensor) -> Tensor:
         """A batch of tokens over the union of their active sets (one read of each active
         neuron's bundle for all tokens: ``kernels.sparse_ffn_batch``)."""
         B, T, D = x.shape
         xf = x.float().reshape(B * T, D).contiguous()
-        if self.mode == "all":
+        if isinstance(self.selector, AllNeurons):
             idx = self._all
         else:
-            h = self._coefs_dense(xf) if self.mode == "oracle" else None
-            mask = self._mask(xf, h).any(dim=0)
+            mask = self.selector.mask(self, xf).any(dim=0)
             idx = torch.nonzero(mask).reshape(-1).to(torch.int32)
         self.stats.tokens += B * T
         self.stats.active += int(idx.numel()) * B * T
@@ -219,7 +306,7 @@ class SparseFFN(nn.Module):
         xf = x.float()
         mask = None
         if self.batch_mode == "masked":
-            mask = self._mask(xf, self._coefs_dense(xf))
+            mask = self.selector.mask(self, xf)
             self.stats.tokens += mask[..., 0].numel()
             self.stats.active += int(mask.sum())
         out = None

@@ -680,21 +680,3 @@ def gemv(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
     _gemv_kernel(w.numpy(), xn, numba.get_num_threads() * 4, out.numpy())
     return out
-
-
-class KernelLinear(torch.nn.Module):
-    """A bias-free ``nn.Linear`` whose single-token (GEMV) calls go through ``gemv``; batches and
-    non-CPU/fp32 weights fall back to ``F.linear``. Shares the weight tensor (no copy)."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.weight = weight
-        self._out = torch.empty(weight.shape[0], dtype=torch.float32)
-        self._fast = (weight.device.type == "cpu" and weight.dtype == torch.float32
-                      and weight.is_contiguous())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fast and x.numel() == x.shape[-1] and x.dtype == torch.float32:
-            y = gemv(self.weight, x.reshape(-1), self._out)
-            return y.clone().view(*x.shape[:-1], -1)
-        return torch.nn.functional.linear(x, self.weight)

@@ -1,0 +1,353 @@
+"""Build a model from its load plan and fill it from the mapped file, once.
+
+    open_source(path)              metadata + tensor index (loading.py; no weight bytes read)
+    -> make_plan(source, ...)      every weight's storage, checked against free memory (plan.py)
+    -> Transformer(cfg, PlannedModules(plan)) on the meta device
+    -> fill(model, source, plan)   each module reads its tensors from the map into its final
+                                   layout (4-bit blocks, int8, float, bundled sparse rows); at most
+                                   one fused weight passes through float32 at a time, and the
+                                   file pages it read are dropped from the process afterwards
+
+Nothing rewrites the model after this: ``print(model)`` is what runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..errors import ModelFileError, SparseInferError
+from ..quant import blocks as qb
+from ..quant.linear import FloatLinear, Int4Linear, Int8Linear
+from ..sparse.ffn import SparseFFN
+from ..sparse.packed import DTYPES as PACKED_DTYPES
+from ..sparse.packed import PackedFFN, empty_hugepages, quantize_int8, n_blocks
+from .loading import FileTensor, ModelSource, open_source, unpermute_qk
+from .model import FFN, Transformer
+from .plan import Plan, make_plan
+
+log = logging.getLogger(__name__)
+
+FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# ---- modules the plan asks for --------------------------------------------------------------------
+
+
+class FileEmbedding(nn.Module):
+    """Token embeddings left in the mapped file in their own (quantized) type; the rows of the
+    tokens looked up are dequantized on the way out (one row per decoded token)."""
+
+    def __init__(self, n: int, d: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = n, d, dtype
+        self.tensor: FileTensor | None = None
+
+    def fill(self, tensor: FileTensor) -> None:
+        self.tensor = tensor
+
+    def extra_repr(self) -> str:
+        kind = self.tensor.kind if self.tensor is not None else "?"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {kind} rows from the mapped file"
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """All rows as float (a full copy: for export and tests, not for decoding)."""
+        return self.tensor.float().to(self.dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from gguf import quants
+
+        ids = tokens.reshape(-1).cpu().numpy()
+        raw = np.asarray(self.tensor.raw())
+        rows = quants.dequantize(raw[ids], self.tensor.gguf.tensor_type)
+        out = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).to(self.dtype)
+        return out.view(*tokens.shape, self.embedding_dim).to(tokens.device)
+
+
+class PlannedModules:
+    """The ``modules`` factory ``Transformer`` builds from: each weight as its plan says."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.fused = plan.fused_decode
+        self.float = FLOAT[plan.float_dtype]
+
+    def linear(self, path: str, n_in: int, n_out: int, bias: bool) -> nn.Module:
+        storage = self.plan.weight(path).storage
+        if storage == "q4":
+            return Int4Linear(n_in, n_out, bias)
+        if storage == "int8":
+            return Int8Linear(n_in, n_out, bias)
+        return FloatLinear(n_in, n_out, bias, FLOAT[storage])
+
+    def embedding(self, path: str, n: int, d: int) -> nn.Module:
+        if self.plan.weight(path).storage == "file":
+            return FileEmbedding(n, d, self.float)
+        return nn.Embedding(n, d, dtype=self.float)
+
+    def ffn(self, layer: int, cfg: ModelConfig) -> nn.Module | None:
+        sp = self.plan.sparse
+        if sp is None:
+            return None
+        from ..sparse.ffn import AllNeurons
+
+        # the selector is filled with its predictor in ``fill``; its kind is decided here
+        return SparseFFN(cfg.ffn_kind, cfg.d_model, cfg.d_ff, AllNeurons(), sp.hot_counts[layer],
+                         sp.device, sp.split_tiers)
+
+
+# ---- reading one planned weight -------------------------------------------------------------------
+
+
+@dataclass
+class WeightSource:
+    """The file tensors of one planned weight, fused in order, as the module wants them."""
+
+    src: ModelSource
+    names: tuple[str, ...]  # canonical tensor names
+
+    def _qk_heads(self, canon: str) -> int | None:
+        cfg = self.src.config
+        if self.src.format != "gguf" or cfg.pos != "rope":
+            return None  # llama.cpp permutes Q/K rows of rope models at convert time
+        if ".attn.wq." in canon:
+            return cfg.n_heads
+        if ".attn.wk." in canon:
+            return cfg.n_kv_heads
+        return None
+
+    def _one(self, canon: str) -> torch.Tensor:
+        t = self.src.tensors[canon]
+        w = t.float()
+        t.release()
+        if canon.endswith("down_t.weight"):
+            w = w.t().contiguous()
+        heads = self._qk_heads(canon)
+        return unpermute_qk(w, heads) if heads else w
+
+    def float(self) -> torch.Tensor:
+        parts = [self._one(n) for n in self.names]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows of a single, unpermuted source (chunked quantization of large heads)."""
+        (canon,) = self.names
+        t = self.src.tensors[canon]
+        w = t.float(start, stop)
+        if stop >= t.shape[0]:
+            t.release()
+        return w
+
+    def blocks(self) -> qb.Q4Blocks:
+        """The file's own 4-bit blocks (Q4_0 / Q4_1 / Q4_K), fused, Q/K rows un-permuted."""
+        parts = []
+        for canon in self.names:
+            t = self.src.tensors[canon]
+            b = qb.from_gguf(np.asarray(t.raw()), t.kind, t.shape)
+            t.release()
+            heads = self._qk_heads(canon)
+            if heads:
+                b = b.rows(unpermute_qk(torch.arange(t.shape[0]), heads))
+            parts.append(b)
+        return parts[0] if len(parts) == 1 else qb.Q4Blocks.cat(parts)
+
+    def bias(self) -> torch.Tensor | None:
+        names = [n[: -len("weight")] + "bias" for n in self.names]
+        if not all(n in self.src.tensors for n in names):
+            return None
+        return WeightSource(self.src, tuple(names)).float()
+
+
+def _fill_linear(module: nn.Module, ws: WeightSource, origin: str, shape) -> None:
+    bias = ws.bias() if getattr(module, "bias", None) is not None else None
+    if isinstance(module, Int4Linear):
+        blocks = ws.blocks() if origin == "file blocks" else qb.quantize(ws.float())
+        module.fill(blocks, bias)
+    elif isinstance(module, Int8Linear):
+        if len(ws.names) == 1 and not ws._qk_heads(ws.names[0]) \
+                and not ws.names[0].endswith("down_t.weight"):
+            module.fill(ws.rows, bias)
+        else:
+            w = ws.float()
+            module.fill(lambda a, b: w[a:b], bias)
+    else:
+        w = ws.float()
+        if tuple(w.shape) != tuple(shape):
+            raise ModelFileError(f"{ws.src.path}: tensor {ws.src.tensors[ws.names[0]].name!r}: "
+                                 f"expected shape {tuple(shape)}, found {tuple(w.shape)}")
+        module.fill(w, bias)
+
+
+def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
+                up_bias: torch.Tensor | None) -> PackedFFN:
+    """Bundle one layer's gate/up/down rows (down from ``down_t`` or transposed from ``down``),
+    one matrix at a time, straight into the rows' storage."""
+    cfg = src.config
+    D, F = cfg.d_model, cfg.d_ff
+    n_mats = len(names)
+    rows = empty_hugepages((F, n_mats, D), PACKED_DTYPES[dtype])
+    scales = torch.empty(F, n_mats, 1) if dtype == "int8" else None
+    for m, canon in enumerate(names):
+        t = src.tensors[canon]
+        w = t.float()
+        t.release()
+        if canon.endswith("ffn.down.weight"):
+            w = w.t()  # [d_ff, d_model]
+        if tuple(w.shape) != (F, D):
+            raise ModelFileError(f"{src.path}: tensor {t.name!r}: expected shape {(F, D)} as "
+                                 f"neuron rows, found {tuple(w.shape)}")
+        if dtype == "int8":
+            rows[:, m], scales[:, m] = quantize_int8(w, D)
+        else:
+            rows[:, m] = w
+        del w
+    return PackedFFN(kind, dtype, D, F, rows, scales, D if dtype == "int8" else 0, up_bias)
+
+
+def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
+    """Read every planned weight once from the mapped file into its module."""
+    cfg = plan.config
+    fdt = FLOAT[plan.float_dtype]
+
+    def extra(name: str) -> torch.Tensor | None:
+        a = src.extra_array(name)
+        return None if a is None else torch.from_numpy(np.asarray(a, dtype=np.float32).copy())
+
+    def float_param(owner: nn.Module, attr: str, canon: str, n: int | None = None) -> None:
+        if canon not in src.tensors:
+            raise src.missing(canon)
+        t = src.tensors[canon]
+        w = t.float(0, n) if n is not None else t.float()
+        t.release()
+        setattr(owner, attr, nn.Parameter(w.to(fdt).contiguous(), requires_grad=False))
+
+    modules = dict(model.named_modules())
+    for wp in plan.weights:
+        if wp.storage == "sparse":
+            continue
+        m = modules[wp.module]
+        if wp.origin == "shared":  # a tied LM head held as the embedding's own float tensor
+            m.weight = model.tok_emb.weight
+            m.fill(m.weight)
+        elif isinstance(m, FileEmbedding):
+            m.fill(src.tensors[wp.sources[0]])
+        elif isinstance(m, nn.Embedding):
+            n = m.num_embeddings
+            float_param(m, "weight", wp.sources[0], n if wp.module == "pos_emb" else None)
+        else:
+            _fill_linear(m, WeightSource(src, wp.sources), wp.origin, wp.shape)
+    for i, blk in enumerate(model.layers):
+        p = f"layers.{i}."
+        for name, norm in (("attn_norm", blk.attn_norm), ("ffn_norm", blk.ffn_norm)):
+            float_param(norm, "weight", p + name + ".weight")
+            if norm.bias is not None:
+                float_param(norm, "bias", p + name + ".bias")
+        if isinstance(blk.ffn, SparseFFN):
+            from ..sparse.runtime import make_selector
+
+            wp = plan.weight(p + "ffn")
+            up_bias = (WeightSource(src, (p + "ffn.up.bias",)).float()
+                       if cfg.ffn_bias and p + "ffn.up.bias" in src.tensors else None)
+            down_bias = (WeightSource(src, (p + "ffn.down.bias",)).float()
+                         if cfg.ffn_bias and p + "ffn.down.bias" in src.tensors else None)
+            packed = _packed_ffn(src, wp.sources, cfg.ffn_kind, plan.sparse.ffn_dtype, up_bias)
+            blk.ffn.selector = make_selector(plan.sparse, i, extra)
+            blk.ffn.fill(packed, down_bias)
+    float_param(model.norm, "weight", "norm.weight")
+    if model.norm.bias is not None:
+        float_param(model.norm, "bias", "norm.bias")
+    dev = torch.device(plan.device)
+    if dev.type != "cpu":  # attention, norms, embeddings, LM head; cold FFN rows stay on the CPU
+        model.to(dev)
+
+
+@dataclass
+class Loaded:
+    """A built, filled model with its tokenizer, plan and source file."""
+
+    model: Transformer
+    tokenizer: Any
+    source: ModelSource
+    plan: Plan
+    load_seconds: float = 0.0
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def path(self) -> Path:
+        return self.source.path
+
+    @property
+    def format(self) -> str:
+        return self.source.format
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.source.metadata
+
+    @property
+    def tensors(self):
+        return self.source.infos
+
+    @property
+    def reader(self):
+        return self.source.reader
+
+    @property
+    def file_bytes(self) -> int:
+        return self.source.file_bytes
+
+    @property
+    def extras(self) -> dict[str, np.ndarray]:
+        """The file's non-model tensors (predictors, statistics, placement) as numpy copies."""
+        return {name: self.source.extra_array(name) for name in self.source.extras}
+
+
+def build(src: ModelSource, plan: Plan) -> Transformer:
+    """The model of ``plan`` on the meta device, then filled from ``src``."""
+    with torch.device("meta"):
+        model = Transformer(plan.config, PlannedModules(plan), FLOAT[plan.float_dtype])
+    try:
+        with torch.device("cpu"):
+            fill(model, src, plan)
+    except MemoryError as e:
+        raise SparseInferError(f"{src.path}: out of memory while loading (the plan needs "
+                               f"{plan.nbytes / 2**30:.2f} GiB of weights): {e}") from None
+    except RuntimeError as e:
+        if "alloc" in str(e).lower() or "memory" in str(e).lower():
+            raise SparseInferError(f"{src.path}: out of memory while loading (the plan needs "
+                                   f"{plan.nbytes / 2**30:.2f} GiB of weights): {e}") from None
+        raise
+    return model
+
+
+def load(path, dtype: str = "fp32", *, max_seq_len: int | None = None,
+         ffn_kind: str | None = None, n_ctx: int | None = None, check_memory: bool = True,
+         **plan_options) -> Loaded:
+    """Open, plan, check memory, build and fill. ``plan_options`` go to ``make_plan`` (device,
+    dense, mode, ffn_dtype, threshold, vram_budget, fused, ...)."""
+    t0 = time.perf_counter()
+    src = open_source(path, max_seq_len=max_seq_len, ffn_kind=ffn_kind)
+    if "fused" not in plan_options:
+        plan_options["fused"] = False  # library callers get the plain torch path by default
+    plan = make_plan(src, dtype, **plan_options)
+    log.info("%s", plan.summary())
+    if check_memory:
+        plan.check_memory(min(n_ctx or 4096, src.config.max_seq_len), src.path)
+    tokenizer = src.tokenizer()
+    model = build(src, plan)
+    dt = time.perf_counter() - t0
+    log.info("loaded %s in %.1f s: %s, %d layers, d_model %d, ffn %s", src.path, dt,
+             src.config.arch, src.config.n_layers, src.config.d_model, src.config.ffn_kind)
+    return Loaded(model, tokenizer, src, plan, dt)

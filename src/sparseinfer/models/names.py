@@ -1,0 +1,114 @@
+"""Checkpoint tensor names as data: one table per format and architecture, file name <-> our
+canonical name (``layers.{i}.attn.wq`` ...; ``.weight`` / ``.bias`` carried over).
+
+The GGUF tables are built on gguf-py's own constants (``gguf.TENSOR_NAMES``), so loading,
+quantization and export all speak llama.cpp's names through this one module.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gguf import MODEL_TENSOR as T
+from gguf import TENSOR_NAMES
+
+
+def _gguf(name: T) -> str:
+    return TENSOR_NAMES[name].replace("{bid}", "{i}")
+
+
+# tensors every GGUF transformer of ours shares: (gguf-py constant, canonical prefix)
+_GGUF_COMMON = (
+    (T.TOKEN_EMBD, "tok_emb"),
+    (T.OUTPUT_NORM, "norm"),
+    (T.OUTPUT, "lm_head"),
+    (T.ATTN_NORM, "layers.{i}.attn_norm"),
+    (T.ATTN_Q, "layers.{i}.attn.wq"),
+    (T.ATTN_K, "layers.{i}.attn.wk"),
+    (T.ATTN_V, "layers.{i}.attn.wv"),
+    (T.ATTN_OUT, "layers.{i}.attn.wo"),
+    (T.FFN_NORM, "layers.{i}.ffn_norm"),
+    (T.FFN_UP, "layers.{i}.ffn.up"),
+    (T.FFN_DOWN, "layers.{i}.ffn.down"),
+)
+# sparse GGUFs (ours and PowerInfer's) store the down projection transposed: [d_ff, d_model]
+_DOWN_T = ("blk.{i}.ffn_down_t", "layers.{i}.ffn.down_t")
+
+GGUF_LLAMA_NAMES = {**{_gguf(t): c for t, c in _GGUF_COMMON},
+                    _gguf(T.FFN_GATE): "layers.{i}.ffn.gate", _DOWN_T[0]: _DOWN_T[1]}
+# sparseinfer's own GGUF layout for OPT-style models (llama.cpp has none): learned positions
+GGUF_OPT_NAMES = {**{_gguf(t): c for t, c in _GGUF_COMMON},
+                  _gguf(T.POS_EMBD): "pos_emb", _DOWN_T[0]: _DOWN_T[1]}
+
+HF_LLAMA_NAMES = {
+    "model.embed_tokens": "tok_emb",
+    "model.norm": "norm",
+    "lm_head": "lm_head",
+    "model.layers.{i}.input_layernorm": "layers.{i}.attn_norm",
+    "model.layers.{i}.self_attn.q_proj": "layers.{i}.attn.wq",
+    "model.layers.{i}.self_attn.k_proj": "layers.{i}.attn.wk",
+    "model.layers.{i}.self_attn.v_proj": "layers.{i}.attn.wv",
+    "model.layers.{i}.self_attn.o_proj": "layers.{i}.attn.wo",
+    "model.layers.{i}.post_attention_layernorm": "layers.{i}.ffn_norm",
+    "model.layers.{i}.mlp.gate_proj": "layers.{i}.ffn.gate",
+    "model.layers.{i}.mlp.up_proj": "layers.{i}.ffn.up",
+    "model.layers.{i}.mlp.down_proj": "layers.{i}.ffn.down",
+}
+
+HF_OPT_NAMES = {
+    "model.decoder.embed_tokens": "tok_emb",
+    "model.decoder.embed_positions": "pos_emb",
+    "model.decoder.final_layer_norm": "norm",
+    "lm_head": "lm_head",
+    "model.decoder.layers.{i}.self_attn_layer_norm": "layers.{i}.attn_norm",
+    "model.decoder.layers.{i}.self_attn.q_proj": "layers.{i}.attn.wq",
+    "model.decoder.layers.{i}.self_attn.k_proj": "layers.{i}.attn.wk",
+    "model.decoder.layers.{i}.self_attn.v_proj": "layers.{i}.attn.wv",
+    "model.decoder.layers.{i}.self_attn.out_proj": "layers.{i}.attn.wo",
+    "model.decoder.layers.{i}.final_layer_norm": "layers.{i}.ffn_norm",
+    "model.decoder.layers.{i}.fc1": "layers.{i}.ffn.up",
+    "model.decoder.layers.{i}.fc2": "layers.{i}.ffn.down",
+}
+
+# HF config "hidden_act" -> our FFN kind for gated (llama-style) MLPs
+GATED_ACT_TO_KIND = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu",
+                     "gelu_pytorch_tanh": "geglu", "relu": "reglu", "drelu": "drelu"}
+UNGATED_ACT_TO_KIND = {"relu": "relu", "gelu": "gelu"}
+
+HF_ARCHS = {  # config.json "architectures"[0] -> (family, name map)
+    "LlamaForCausalLM": ("llama", HF_LLAMA_NAMES),
+    "MistralForCausalLM": ("llama", HF_LLAMA_NAMES),
+    "OPTForCausalLM": ("opt", HF_OPT_NAMES),
+}
+GGUF_ARCHS = {"llama": GGUF_LLAMA_NAMES, "opt": GGUF_OPT_NAMES}
+
+Compiled = list[tuple[re.Pattern, str]]
+
+
+def compile_names(names: dict[str, str]) -> Compiled:
+    out = []
+    for src, dst in names.items():
+        pat = re.escape(src).replace(re.escape("{i}"), r"(?P<i>\d+)")
+        out.append((re.compile(pat + r"\.(?P<suffix>weight|bias)$"), dst))
+    return out
+
+
+def map_name(name: str, compiled: Compiled) -> str | None:
+    """The canonical name of checkpoint tensor ``name`` (None: not a model tensor)."""
+    for pat, dst in compiled:
+        m = pat.match(name)
+        if m:
+            d = m.groupdict()
+            return dst.replace("{i}", d.get("i") or "") + "." + d["suffix"]
+    return None
+
+
+def source_name(canon: str, names: dict[str, str]) -> str | None:
+    """The checkpoint's name for a canonical tensor name under the map ``names`` (None: none)."""
+    m = re.match(r"^(?:layers\.(\d+)\.)?(.*)\.(weight|bias)$", canon)
+    if m:
+        i, rest, suffix = m.groups()
+        for src, dst in names.items():
+            if dst == (f"layers.{{i}}.{rest}" if i is not None else rest):
+                return src.replace("{i}", i or "") + "." + suffix
+    return None

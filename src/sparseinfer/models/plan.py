@@ -1,0 +1,349 @@
+"""Decide every weight's final form before any weight is read: the load plan.
+
+``make_plan`` is one pure function of the opened file (types, shapes, sparse metadata), the
+requested dtype, the sparse options and the device. For each module it names the storage (see
+``STORAGES``), the file tensors it is made of and the bytes it will hold; ``Plan.check_memory``
+compares the total with the memory this machine has before anything is allocated, and
+``Plan.summary()`` prints it. ``models/build.py`` builds the model on the meta device from the plan
+and fills each module once from the mapped file.
+
+Storage, by ``--dtype``:
+- ``auto`` (default): every tensor keeps its file's precision. Q4_0 / Q4_1 / Q4_K projections
+  stay 4-bit (their own blocks on torch's int4 kernel: ``q4``); other quantized types (Q8_0,
+  Q5_x, Q6_K, ...) become per-row ``int8``; float tensors stay ``fp32``. Nothing is requantized
+  to fewer bits than the file has.
+- ``q4``: every projection 4-bit (the file's blocks where it has them, else Q4_1's rule), the LM
+  head int8.
+- ``fp32`` / ``bf16``: every projection in that float type.
+Token embeddings of quantized files stay in the mapped file (``file``: rows dequantized on
+lookup). A file with predictors gets sparse FFN layers (``sparse``) unless ``dense`` is asked.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ModelFileError, SparseInferError
+from ..fileio import available_memory
+from .loading import ModelSource
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+DTYPE_CHOICES = ("auto", "fp32", "bf16", "q4")
+FFN_DTYPES = ("fp32", "bf16", "int8")
+SELECTORS = ("predictor", "oracle", "all")
+FLOAT_KINDS = ("F32", "F16", "BF16", "float32", "float16", "bfloat16", "F64", "float64")
+
+# storage name -> bytes per weight of a [rows, cols] matrix (rows, cols) -> bytes
+STORAGES = {
+    "fp32": lambda n, k: 4 * n * k,
+    "bf16": lambda n, k: 2 * n * k,
+    "q4": lambda n, k: n * k // 2 + 4 * n * (k // 32),  # int4 pack + bf16 scale/zero per 32
+    "int8": lambda n, k: n * k + 6 * n,  # int8 + fp32 and bf16 row scales
+}
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """One module's weight: where it comes from and how it is held."""
+
+    module: str  # module path, e.g. "layers.3.attn.wqkv"
+    storage: str  # key of STORAGES, "file" (rows read from the mapped file) or "sparse"
+    sources: tuple[str, ...]  # canonical tensor names, fused in this order
+    shape: tuple[int, int]  # (out, in) of the fused weight
+    nbytes: int
+    origin: str = ""  # "file blocks" | "requantized" | "dequantized" | "as stored"
+
+
+@dataclass(frozen=True)
+class SparsePlan:
+    """How the sparse FFN layers are built (a file with predictors, not ``--dense``)."""
+
+    selector: str  # "predictor" | "oracle" | "all": which neurons each token computes
+    ffn_dtype: str  # storage of the bundled rows: fp32 | bf16 | int8
+    thresholds: tuple[float, ...]  # predictor logit threshold per layer
+    oracle_thresholds: tuple[float, ...]  # magnitude threshold per layer (oracle, non-ReLU)
+    oracle_score: str  # "output" | "output_norm" | "gate"
+    hot_counts: tuple[int, ...]  # neurons on the fast tier per layer (0 on a CPU-only run)
+    device: str  # the fast tier
+    split_tiers: bool | None = None  # tests: force the two-tier path with the CPU standing in
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: ModelConfig
+    dtype: str  # as asked: auto | fp32 | bf16 | q4
+    float_dtype: str  # fp32 | bf16: activations, norms, float weights
+    weights: tuple[WeightPlan, ...]
+    sparse: SparsePlan | None
+    fused_decode: bool  # single-token decode through fused/ kernels (CPU, fp32, RMSNorm + RoPE)
+    device: str
+    kv_bytes_per_token: int
+    by_module: dict[str, WeightPlan] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.by_module.update({w.module: w for w in self.weights})
+
+    def weight(self, module: str) -> WeightPlan:
+        return self.by_module[module]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.weights)
+
+    @property
+    def label(self) -> str:
+        """What the weights are, in one word (shown by the CLI as "weights: ...")."""
+        kinds = {w.storage for w in self.weights if w.module.startswith("layers.")}
+        if self.dtype != "auto":
+            return self.dtype
+        return "q4" if "q4" in kinds else "int8" if "int8" in kinds else self.float_dtype
+
+    def needed_bytes(self, n_ctx: int) -> int:
+        return self.nbytes + self.kv_bytes_per_token * n_ctx
+
+    def check_memory(self, n_ctx: int, path) -> None:
+        """Raise one clear error when the weights and KV cache will not fit the memory left."""
+        need, have = self.needed_bytes(n_ctx), available_memory()
+        if need > have:
+            raise SparseInferError(
+                f"{path}: needs {need / GIB:.2f} GiB (weights {self.nbytes / GIB:.2f} GiB as "
+                f"planned, KV cache {self.kv_bytes_per_token * n_ctx / GIB:.2f} GiB for "
+                f"{n_ctx} tokens) but {have / GIB:.2f} GiB is available; try a smaller -c, "
+                f"--dtype q4, or a machine with more memory")
+
+    def summary(self) -> str:
+        """A short table: bytes per storage kind, where the weights come from."""
+        rows: dict[tuple[str, str], list[int]] = {}
+        for w in self.weights:
+            r = rows.setdefault((w.storage, w.origin), [0, 0])
+            r[0] += 1
+            r[1] += w.nbytes
+        lines = [f"plan: {self.config.name or self.config.arch}, --dtype {self.dtype}, device "
+                 f"{self.device}, fused decode {'on' if self.fused_decode else 'off'}"
+                 + (f", sparse FFN ({self.sparse.selector}, {self.sparse.ffn_dtype} rows)"
+                    if self.sparse else "")]
+        for (storage, origin), (n, b) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+            lines.append(f"  {storage:6s} {origin:12s} {n:5d} weights {b / 2**20:10.1f} MiB")
+        lines.append(f"  total  {self.nbytes / 2**20:10.1f} MiB + KV cache "
+                     f"{self.kv_bytes_per_token / 1024:.1f} KiB per token")
+        return "\n".join(lines)
+
+
+def has_predictors(src: ModelSource) -> bool:
+    return "blk.0.fc1.weight" in src.extras
+
+
+def _int4_available(device: str) -> bool:
+    return hasattr(torch, "_weight_int4pack_mm_for_cpu") and torch.device(device).type == "cpu"
+
+
+def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
+              dense: bool = False, mode: str = "predictor", ffn_dtype: str = "fp32",
+              threshold: float | None = None, vram_budget: float | None = None,
+              split_tiers: bool | None = None, min_split: int = 256,
+              fused: bool = True) -> Plan:
+    """The plan for ``src`` (see the module docstring). ``dense`` ignores predictors; ``mode``
+    picks the sparse selector; ``fused`` allows the fused single-token decode kernels."""
+    if dtype not in DTYPE_CHOICES:
+        raise SparseInferError(f"dtype: expected one of {list(DTYPE_CHOICES)}, got {dtype!r}")
+    if ffn_dtype not in FFN_DTYPES:
+        raise SparseInferError(f"--ffn-dtype: expected one of {list(FFN_DTYPES)}, got "
+                               f"{ffn_dtype!r}")
+    if mode not in SELECTORS:
+        raise SparseInferError(f"--sparse-mode: expected one of {list(SELECTORS)}, got {mode!r}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SparseInferError("--device cuda: no CUDA device is available on this machine")
+    cfg = src.config
+    sparse = None
+    if has_predictors(src) and not dense:
+        sparse = _sparse_plan(src, mode, ffn_dtype, threshold, device, vram_budget, split_tiers,
+                              min_split)
+    elif threshold is not None or vram_budget is not None:
+        log.warning("%s has no predictors (or --dense): sparse options ignored, running dense",
+                    src.path)
+    float_dtype = "bf16" if dtype == "bf16" else "fp32"
+    cpu = dev.type == "cpu"
+    int4 = _int4_available(device) and (cfg.d_model % 32 == 0)
+    if dtype == "q4" and not int4:
+        raise SparseInferError(f"--dtype q4: 4-bit weights need torch's int4 CPU kernel "
+                               f"(torch >= 2.5) on a CPU device and d_model a multiple of 32; "
+                               f"found torch {torch.__version__}, device {device}, d_model "
+                               f"{cfg.d_model}")
+
+    def kinds(sources):
+        return [src.tensors[s].kind for s in sources if s in src.tensors]
+
+    def storage_for(sources, shape, head=False) -> tuple[str, str]:
+        ks = kinds(sources)
+        # a transposed source (down_t) cannot keep its blocks: its rows become columns
+        file4 = (ks and all(k in ("Q4_0", "Q4_1", "Q4_K") for k in ks)
+                 and not any(s.endswith("down_t.weight") for s in sources))
+        if dtype in ("fp32", "bf16"):
+            return dtype, "dequantized" if any(k not in FLOAT_KINDS for k in ks) else "as stored"
+        if dtype == "q4":
+            if head:
+                return "int8", "requantized"
+            if shape[1] % 32:
+                return "fp32", "dequantized"
+            return "q4", "file blocks" if file4 else "requantized"
+        # auto: keep the file's precision
+        if not ks or all(k in FLOAT_KINDS for k in ks) or not cpu:
+            return float_dtype, "as stored" if not ks or all(k in FLOAT_KINDS for k in ks) \
+                else "dequantized"
+        if file4 and int4 and shape[1] % 32 == 0 and not head:
+            return "q4", "file blocks"
+        return "int8", "requantized"
+
+    weights: list[WeightPlan] = []
+    D, F, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
+    q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
+
+    def expected(canon: str) -> tuple[int, ...] | None:
+        """The shape a canonical tensor must have (None: not checked here)."""
+        leaf = canon.split(".", 2)[-1] if canon.startswith("layers.") else canon
+        return {"attn.wq.weight": (q_out, D), "attn.wk.weight": (kv_out, D),
+                "attn.wv.weight": (kv_out, D), "attn.wo.weight": (D, q_out),
+                "ffn.gate.weight": (F, D), "ffn.up.weight": (F, D), "ffn.down.weight": (D, F),
+                "ffn.down_t.weight": (F, D), "tok_emb.weight": (cfg.vocab_size, D),
+                "lm_head.weight": (cfg.vocab_size, D)}.get(leaf)
+
+    def check(canon: str) -> None:
+        if canon not in src.tensors:
+            raise src.missing(canon)
+        t, want = src.tensors[canon], expected(canon)
+        if want is not None and tuple(t.shape) != want:
+            raise ModelFileError(f"{src.path}: tensor {t.name!r}: expected shape {want}, found "
+                                 f"{tuple(t.shape)}")
+
+    def add(module, sources, shape, head=False):
+        for s in sources:
+            check(s)
+        storage, origin = storage_for(sources, shape, head)
+        weights.append(WeightPlan(module, storage, tuple(sources), shape,
+                                  STORAGES[storage](*shape), origin))
+
+    check("tok_emb.weight")
+    emb = src.tensors["tok_emb.weight"]
+    if emb.quantized and dtype == "auto":
+        weights.append(WeightPlan("tok_emb", "file", ("tok_emb.weight",), (cfg.vocab_size, D),
+                                  emb.nbytes, "mapped"))
+    else:
+        weights.append(WeightPlan("tok_emb", float_dtype, ("tok_emb.weight",),
+                                  (cfg.vocab_size, D), STORAGES[float_dtype](cfg.vocab_size, D),
+                                  "dequantized" if emb.quantized else "as stored"))
+    if cfg.pos == "learned":
+        n_pos = cfg.max_seq_len + cfg.pos_offset
+        weights.append(WeightPlan("pos_emb", "fp32", ("pos_emb.weight",), (n_pos, D),
+                                  4 * n_pos * D, "as stored"))
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        add(p + "attn.wqkv", [p + f"attn.{n}.weight" for n in ("wq", "wk", "wv")],
+            (q_out + 2 * kv_out, D))
+        add(p + "attn.wo", [p + "attn.wo.weight"], (D, q_out))
+        if sparse is not None:
+            down = p + "ffn.down_t.weight" if p + "ffn.down_t.weight" in src.tensors \
+                else p + "ffn.down.weight"
+            ins = ([p + "ffn.gate.weight"] if cfg.ffn.gated else []) + [p + "ffn.up.weight"]
+            for s in [*ins, down]:
+                check(s)
+            n_mats = len(ins) + 1
+            elt = {"fp32": 4, "bf16": 2, "int8": 1}[sparse.ffn_dtype]
+            nbytes = n_mats * F * D * elt + (n_mats * F * 4 if sparse.ffn_dtype == "int8" else 0)
+            fc1 = src.extras.get(f"blk.{i}.fc1.weight")
+            fc2 = src.extras.get(f"blk.{i}.fc2.weight")
+            if sparse.selector == "predictor" and (fc1 is None or fc2 is None):
+                raise SparseInferError(f"{src.path}: sparse model is missing tensor "
+                                       f"'blk.{i}.fc1.weight' or 'blk.{i}.fc2.weight'")
+            if sparse.selector == "predictor":
+                nbytes += (fc1.nbytes + fc2.nbytes) * (2 if sparse.ffn_dtype == "fp32" else 1)
+            weights.append(WeightPlan(p + "ffn", "sparse", (*ins, down), (F, D), nbytes,
+                                      f"{sparse.ffn_dtype} rows"))
+        else:
+            ins = [p + f"ffn.{n}.weight" for n in (("gate", "up") if cfg.ffn.gated else ("up",))]
+            add(p + "ffn.w_in", ins, (len(ins) * F, D))
+            down = p + "ffn.down.weight"
+            if down not in src.tensors and p + "ffn.down_t.weight" in src.tensors:
+                down = p + "ffn.down_t.weight"
+            add(p + "ffn.down", [down], (D, F))
+    if cfg.tie_embeddings or "lm_head.weight" not in src.tensors:
+        add("lm_head", ["tok_emb.weight"], (cfg.vocab_size, D), head=True)
+        if weights[-1].storage == weights[0].storage:  # float: one tensor serves both
+            weights[-1] = WeightPlan("lm_head", weights[0].storage, ("tok_emb.weight",),
+                                     (cfg.vocab_size, D), 0, "shared")
+    else:
+        add("lm_head", ["lm_head.weight"], (cfg.vocab_size, D), head=True)
+    fused_ok = (fused and cpu and float_dtype == "fp32" and cfg.norm == "rms"
+                and cfg.pos == "rope")
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * hd * (2 if float_dtype == "bf16" else 4)
+    return Plan(cfg, dtype, float_dtype, tuple(weights), sparse, fused_ok, str(dev), kv)
+
+
+def _sparse_plan(src: ModelSource, mode, ffn_dtype, threshold, device, vram_budget,
+                 split_tiers, min_split) -> SparsePlan:
+    cfg, meta = src.config, src.metadata
+    n = cfg.n_layers
+    if threshold is not None:
+        thresholds = [float(threshold)] * n
+    else:
+        per_layer = meta.get("sparseinfer.predictor.thresholds")
+        if isinstance(per_layer, list) and len(per_layer) == n:
+            thresholds = [float(t) for t in per_layer]
+        else:
+            thresholds = [float(meta.get("powerinfer.sparse_threshold", 0.0))] * n
+    oracle = meta.get("sparseinfer.sparsity.layer_thresholds")
+    oracle_t = ([float(t) for t in oracle] if isinstance(oracle, list) and len(oracle) == n
+                else [0.0] * n)
+    score = str(meta.get("sparseinfer.sparsity.score", "output"))
+    from ..offline.calibrate import SCORES
+
+    if score not in SCORES:
+        raise SparseInferError(f"{src.path}: sparseinfer.sparsity.score: expected one of "
+                               f"{list(SCORES)}, found {score!r}")
+    hot = _hot_counts(src, device, vram_budget, ffn_dtype, min_split)
+    return SparsePlan(mode, ffn_dtype, tuple(thresholds), tuple(oracle_t), score, tuple(hot),
+                      str(torch.device(device)), split_tiers)
+
+
+def _hot_counts(src: ModelSource, device: str, vram_budget: float | None, ffn_dtype: str,
+                min_split: int) -> list[int]:
+    """Fast-tier neurons per layer: none on a CPU-only run, else the stored placement, or a fresh
+    ILP solve when ``vram_budget`` (GiB) is given."""
+    import numpy as np
+
+    cfg = src.config
+    if vram_budget is None:
+        if torch.device(device).type == "cpu":
+            return [0] * cfg.n_layers
+        out = []
+        for i in range(cfg.n_layers):
+            mask = src.extra_array(f"blk.{i}.gpu_idx")
+            out.append(int(np.asarray(mask).sum()) if mask is not None else 0)
+        return out
+    from ..offline.solve import PlacementProblem, solve_placement
+
+    if vram_budget < 0:
+        raise SparseInferError(f"--vram-budget: expected GiB >= 0, got {vram_budget}")
+    freqs = []
+    for i in range(cfg.n_layers):
+        f = src.extra_array(f"blk.{i}.act_freq")
+        if f is None:
+            raise SparseInferError(f"{src.path}: sparse model is missing tensor "
+                                   f"'blk.{i}.act_freq'")
+        freqs.append(np.asarray(f, dtype=np.float32))
+    elt = {"fp32": 4, "bf16": 2, "int8": 1}[ffn_dtype]
+    per_neuron = (3 if cfg.ffn.gated else 2) * cfg.d_model * elt
+    attn = sum(src.tensors[f"layers.{i}.attn.{n}.weight"].nbytes
+               for i in range(cfg.n_layers) for n in ("wq", "wk", "wv", "wo"))
+    dense = [("embeddings", src.tensors["tok_emb.weight"].nbytes), ("attention", attn)]
+    problem = PlacementProblem(tuple(freqs), tuple([per_neuron] * cfg.n_layers),
+                               int(vram_budget * GIB), tuple(dense), min_split_neurons=min_split)
+    sol = solve_placement(problem)
+    log.info("placement for %.2f GiB: %s hot neurons", vram_budget, sum(sol.hot_counts))
+    return list(sol.hot_counts)
