@@ -3,15 +3,12 @@ quantization code and plain float matmuls."""
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
 from sparseinfer.quant import blocks as qb
-from sparseinfer.quant.apply import auto_dtype, quantize_model
 from sparseinfer.quant.linear import (Int4Linear, Int8Linear, gemv_int8, gemv_int8_ref,
                                       reference)
 
@@ -41,8 +38,21 @@ def test_from_gguf_rejects_wrong_sizes():
         qb.from_gguf(raw, "Q4_1", (3, 32))
     with pytest.raises(ValueError, match="multiple of 32"):
         qb.from_gguf(raw, "Q4_1", (4, 40))
-    with pytest.raises(ValueError, match="Q4_0 or Q4_1"):
+    with pytest.raises(ValueError, match="Q4_0, Q4_1 or Q4_K"):
         qb.from_gguf(raw, "Q8_0", (4, 64))
+
+
+@pytest.mark.parametrize("shape", [(4, 256), (3, 768)])
+def test_q4_k_blocks_equal_gguf_py_dequantize(shape):
+    """Q4_K super-blocks map exactly onto 32-weight blocks (scale d·sc, offset -dmin·m)."""
+    rng = np.random.default_rng(shape[1])
+    n, k = shape
+    raw = rng.integers(0, 256, (n, k // 256 * 144), dtype=np.uint8)
+    sb = raw.reshape(n, -1, 144)
+    sb[..., 0:2] = np.array([0.013], np.float16).view(np.uint8)  # sane fp16 d and dmin
+    sb[..., 2:4] = np.array([0.021], np.float16).view(np.uint8)
+    want = quants.dequantize(raw, GGMLQuantizationType.Q4_K).reshape(shape)
+    np.testing.assert_array_equal(qb.from_gguf(raw, "Q4_K", shape).dequantize().numpy(), want)
 
 
 def test_quantize_follows_q4_1_rule():
@@ -65,7 +75,7 @@ def test_int4_linear_matches_float_reference(n, k, m):
     torch.manual_seed(n + k + m)
     b = qb.quantize(torch.randn(n, k) * 0.05)
     bias = torch.randn(n)
-    lin = Int4Linear(b, bias)
+    lin = Int4Linear.from_blocks(b, bias)
     # the weights it multiplies by are the blocks' up to bfloat16 scales
     deq = lin.dequantized()
     assert torch.allclose(deq, b.dequantize(), rtol=0,
@@ -95,7 +105,7 @@ def test_gemv_int8_matches_reference(n, k):
 def test_int8_linear_matches_float_reference():
     torch.manual_seed(1)
     w = torch.randn(1000, 64)
-    lin = Int8Linear(w)
+    lin = Int8Linear.from_float(w)
     assert float((lin.dequantized() - w).abs().max()) <= float(w.abs().max()) / 127
     x = torch.randn(3, 64)
     y, ref = lin(x), reference(lin, x)
@@ -107,48 +117,49 @@ def test_int8_linear_matches_float_reference():
     assert float((one - x[1] @ w.T).abs().max()) <= 0.02 * float(one.abs().max())
 
 
-def test_smollm2_q4_uses_the_files_blocks(smollm2):
-    """Every projection of the Q4_1 file keeps its own blocks: the fused, un-permuted modules
-    multiply by the fp32 model's weights (gguf-py dequantization) up to bfloat16 scales."""
-    lm = copy.copy(smollm2)
-    lm.model = copy.deepcopy(smollm2.model)
-    assert auto_dtype(lm) == "q4"
-    counts = quantize_model(lm)
-    assert counts == {"from_file": 4 * lm.config.n_layers, "requantized": 0, "head": 1}
-    for i in (0, lm.config.n_layers - 1):
-        ref_blk, q_blk = smollm2.model.layers[i], lm.model.layers[i]
+def test_smollm2_auto_keeps_the_files_blocks(smollm2):
+    """--dtype auto on the Q4_1 file: every projection is the file's own 4-bit blocks (fused,
+    un-permuted), multiplying by the fp32 model's weights (gguf-py dequantization) up to
+    bfloat16 scales; perplexity within 1% of fp32 on real text."""
+    from sparseinfer.models.build import load
+
+    q4 = load(smollm2.path, "auto", max_seq_len=2048)
+    storages = {(w.storage, w.origin) for w in q4.plan.weights if w.module.startswith("layers.")}
+    assert storages == {("q4", "file blocks")}
+    assert q4.plan.weight("lm_head").storage == "int8"
+    assert q4.plan.weight("tok_emb").storage == "file"  # rows stay in the mapped file
+    for i in (0, smollm2.config.n_layers - 1):
+        ref_blk, q_blk = smollm2.model.layers[i], q4.model.layers[i]
         for ref_lin, q_lin in ((ref_blk.attn.wqkv, q_blk.attn.wqkv), (ref_blk.attn.wo, q_blk.attn.wo),
                                (ref_blk.ffn.w_in, q_blk.ffn.w_in), (ref_blk.ffn.down, q_blk.ffn.down)):
             assert isinstance(q_lin, Int4Linear)
             w = ref_lin.weight
             err = (q_lin.dequantized() - w).abs().max()
             assert float(err) <= 4 * BF16_REL * float(w.abs().max()), (i, float(err))
-    # quality: greedy next tokens agree and perplexity stays within 1% on real text
     from sparseinfer.data import HELDOUT_TEXT
     from sparseinfer.perplexity import perplexity
 
     ids = smollm2.tokenizer.encode(HELDOUT_TEXT.read_text(encoding="utf-8")[:6000])
     p32 = perplexity(smollm2.model, ids, 256, None, 3).ppl
-    p4 = perplexity(lm.model, ids, 256, None, 3).ppl
+    p4 = perplexity(q4.model, ids, 256, None, 3).ppl
     assert abs(p4 / p32 - 1) < 0.01, (p32, p4)
 
 
 def test_requantized_tiny_model_equals_its_dequantized_weights(tiny_model_dir):
-    """A float model (HF safetensors) is quantized here; its logits equal those of the same
-    model whose weights are replaced by the dequantized blocks (activations in bfloat16)."""
-    from sparseinfer.models.loading import load_model
+    """A float model (HF safetensors) under --dtype q4 is quantized here; its logits equal those
+    of the fp32 model whose weights are replaced by the dequantized blocks."""
+    from sparseinfer.models.build import load
 
-    lm = load_model(tiny_model_dir("swiglu"))
-    assert auto_dtype(lm) == "fp32"
-    ref = copy.deepcopy(lm.model)
-    counts = quantize_model(lm)
-    assert counts["from_file"] == 0 and counts["requantized"] == 4 * lm.config.n_layers
+    path = tiny_model_dir("swiglu")
+    assert load(path, "auto").plan.label == "fp32"  # auto never quantizes a float file
+    lm = load(path, "q4")
+    assert {w.origin for w in lm.plan.weights if w.storage == "q4"} == {"requantized"}
+    ref = load(path, "fp32").model
     for blk_ref, blk in zip(ref.layers, lm.model.layers):
         for name in ("attn.wqkv", "attn.wo", "ffn.w_in", "ffn.down"):
             owner, attr = name.split(".")
             q_lin = getattr(getattr(blk, owner), attr)
             getattr(getattr(blk_ref, owner), attr).weight.copy_(q_lin.dequantized())
-    ref.lm_head = torch.nn.Linear(lm.config.d_model, lm.config.vocab_size, bias=False)
     ref.lm_head.weight = torch.nn.Parameter(lm.model.lm_head.dequantized(), requires_grad=False)
     tokens = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
     want = ref(tokens, 0, ref.new_cache(1, 16))

@@ -7,27 +7,57 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
-from sparseinfer.models.loading import load_model
-from sparseinfer.sparse.runtime import sparsify
+from sparseinfer.models.build import load
+from sparseinfer.sparse.runtime import sparse_info
 
 RELU_KINDS = ("reglu", "drelu", "opt")
 
 
-def _with_random_predictors(lm, rank: int = 8, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    cfg = lm.config
-    for i in range(cfg.n_layers):
-        lm.extras[f"blk.{i}.fc1.weight"] = rng.standard_normal((rank, cfg.d_model)).astype(np.float32)
-        lm.extras[f"blk.{i}.fc2.weight"] = rng.standard_normal((cfg.d_ff, rank)).astype(np.float32)
-        lm.extras[f"blk.{i}.fc2.bias"] = rng.standard_normal(cfg.d_ff).astype(np.float32)
-        freq = np.sort(rng.random(cfg.d_ff))[::-1].astype(np.float32)
-        lm.extras[f"blk.{i}.act_freq"] = freq
-        lm.extras[f"blk.{i}.gpu_idx"] = (np.arange(cfg.d_ff) < cfg.d_ff // 3).astype(np.int32)
-    return lm
+def load_model(path, **options):
+    """The model as the load plan builds it (fp32, torch path unless ``fused``)."""
+    return load(path, "fp32", **options)
+
+
+def sparsify(path, **options):
+    """(loaded sparse model, its SparseInfo) for a directory with predictors."""
+    lm = load(path, "fp32", **options)
+    return lm, sparse_info(lm.model, lm.plan)
+
+
+@pytest.fixture
+def with_predictors(tmp_path):
+    """Factory: (tiny model dir, seed, drop) -> a copy with random predictors, statistics and a
+    placement in ``predictors.safetensors`` (read as the file's non-model tensors)."""
+    from safetensors.torch import save_file
+
+    def make(path, seed: int = 0, rank: int = 8, drop: str | None = None):
+        import json
+
+        out = tmp_path / f"{path.name}-pred{seed}"
+        shutil.copytree(path, out)
+        cfg = json.loads((path / "config.json").read_text())
+        d_model = cfg["hidden_size"]
+        d_ff = cfg.get("intermediate_size") or cfg["ffn_dim"]
+        rng = np.random.default_rng(seed)
+        t = {}
+        for i in range(cfg["num_hidden_layers"]):
+            t[f"blk.{i}.fc1.weight"] = rng.standard_normal((rank, d_model))
+            t[f"blk.{i}.fc2.weight"] = rng.standard_normal((d_ff, rank))
+            t[f"blk.{i}.fc2.bias"] = rng.standard_normal(d_ff)
+            t[f"blk.{i}.act_freq"] = np.sort(rng.random(d_ff))[::-1]
+            t[f"blk.{i}.gpu_idx"] = (np.arange(d_ff) < d_ff // 3).astype(np.float32)
+        t.pop(drop, None)
+        save_file({k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
+                   for k, v in t.items()}, out / "predictors.safetensors")
+        return out
+
+    return make
 
 
 def _decode_logits(lm, ids: list[int]) -> torch.Tensor:
@@ -54,11 +84,10 @@ def _close(a, b, tol=1e-4):
 
 
 @pytest.mark.parametrize("kind", RELU_KINDS)
-def test_oracle_relu_equals_dense(tiny_model_dir, kind):
+def test_oracle_relu_equals_dense(tiny_model_dir, with_predictors, kind):
     path = tiny_model_dir(kind)
     dense = _decode_logits(load_model(path), IDS)
-    lm = load_model(path)
-    info = sparsify(lm, mode="oracle")
+    lm, info = sparsify(with_predictors(path), mode="oracle")
     got = _decode_logits(lm, IDS)
     assert _close(got, dense)
     # the oracle really skipped neurons: ReLU zeros about half of them on random weights
@@ -67,11 +96,10 @@ def test_oracle_relu_equals_dense(tiny_model_dir, kind):
 
 @pytest.mark.parametrize("kind", ["swiglu", "geglu", "reglu", "drelu", "opt"])
 @pytest.mark.parametrize("ffn_dtype", ["fp32", "bf16", "int8"])
-def test_all_active_equals_dense(tiny_model_dir, kind, ffn_dtype):
+def test_all_active_equals_dense(tiny_model_dir, with_predictors, kind, ffn_dtype):
     path = tiny_model_dir(kind)
     dense = _decode_logits(load_model(path), IDS)
-    lm = _with_random_predictors(load_model(path))
-    info = sparsify(lm, threshold=-float("inf"), ffn_dtype=ffn_dtype)
+    lm, info = sparsify(with_predictors(path), threshold=-float("inf"), ffn_dtype=ffn_dtype)
     got = _decode_logits(lm, IDS)
     assert info.density() == 1.0
     tol = {"fp32": 1e-4, "bf16": 3e-2, "int8": 3e-2}[ffn_dtype]
@@ -79,48 +107,43 @@ def test_all_active_equals_dense(tiny_model_dir, kind, ffn_dtype):
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "opt"])
-def test_prefill_path_equals_dense(tiny_model_dir, kind):
+def test_prefill_path_equals_dense(tiny_model_dir, with_predictors, kind):
     path = tiny_model_dir(kind)
     dense = _prefill_logits(load_model(path), IDS)
-    lm = _with_random_predictors(load_model(path))
-    sparsify(lm).set_batch_mode("dense")  # every neuron (the default "auto" is union here)
+    lm, info = sparsify(with_predictors(path))
+    info.set_batch_mode("dense")  # every neuron (the default "auto" is union here)
     assert _close(_prefill_logits(lm, IDS), dense)
 
 
 @pytest.mark.parametrize("kind", ["reglu", "swiglu"])
-def test_two_tiers_equal_one_tier(tiny_model_dir, kind):
+def test_two_tiers_equal_one_tier(tiny_model_dir, with_predictors, kind):
     """CPU stands in for the fast device: hot neurons through the device-generic torch path,
     cold ones through the CPU kernel, merged — same logits as one tier."""
-    path = tiny_model_dir(kind)
-    one = _with_random_predictors(load_model(path))
-    sparsify(one, split_tiers=False)
-    two = _with_random_predictors(load_model(path))
-    info = sparsify(two, split_tiers=True, device="cpu", vram_budget=None)
+    path = with_predictors(tiny_model_dir(kind))
+    one, _ = sparsify(path, split_tiers=False)
+    two, info = sparsify(path, split_tiers=True, device="cpu", vram_budget=None)
     # stored placement is ignored on a CPU-only run unless tiers are forced with a budget
     assert info.hot_counts == [0, 0]
-    two = _with_random_predictors(load_model(path))
-    info = sparsify(two, split_tiers=True, device="cpu", vram_budget=0.0003, min_split=32)
+    two, info = sparsify(path, split_tiers=True, device="cpu", vram_budget=0.0003, min_split=32)
     assert any(0 < k < two.config.d_ff for k in info.hot_counts), info.hot_counts
     assert all(m.split for m, k in zip(info.modules, info.hot_counts) if k)
     assert _close(_decode_logits(two, IDS), _decode_logits(one, IDS), 1e-5)
 
 
-def test_missing_predictor_is_a_clear_error(tiny_model_dir):
+def test_missing_predictor_is_a_clear_error(tiny_model_dir, with_predictors):
     from sparseinfer.errors import SparseInferError
 
-    lm = _with_random_predictors(load_model(tiny_model_dir("reglu")))
-    del lm.extras["blk.1.fc2.weight"]
-    with pytest.raises(SparseInferError, match=r"missing tensor 'blk\.1\.fc2\.weight'"):
-        sparsify(lm)
+    path = with_predictors(tiny_model_dir("reglu"), drop="blk.1.fc2.weight")
+    with pytest.raises(SparseInferError, match=r"missing tensor .*'blk\.1\.fc2\.weight'"):
+        sparsify(path)
 
 
 @pytest.mark.parametrize("kind", ["reglu", "swiglu"])
-def test_masked_batch_equals_token_by_token(tiny_model_dir, kind):
+def test_masked_batch_equals_token_by_token(tiny_model_dir, with_predictors, kind):
     """Perplexity scores the sparse model in batches: each token must keep its own active set,
     exactly what token-by-token decoding computes."""
     path = tiny_model_dir(kind)
-    lm = _with_random_predictors(load_model(path), seed=3)
-    info = sparsify(lm)
+    lm, info = sparsify(with_predictors(path, seed=3))
     step = _decode_logits(lm, IDS)
     d_step = info.density()
     info.reset_stats()
@@ -138,30 +161,28 @@ def test_masked_batch_equals_token_by_token(tiny_model_dir, kind):
 
 
 @pytest.mark.parametrize("kind", RELU_KINDS)
-def test_union_prefill_oracle_relu_equals_dense(tiny_model_dir, kind):
+def test_union_prefill_oracle_relu_equals_dense(tiny_model_dir, with_predictors, kind):
     """Batched-sparse prefill over the union of the tokens' true active sets is exact on
     ReLU-family models (every neuron outside the union is zero for every token)."""
     path = tiny_model_dir(kind)
     dense = _prefill_logits(load_model(path), IDS)
-    lm = load_model(path)
-    info = sparsify(lm, mode="oracle")
+    lm, info = sparsify(with_predictors(path), mode="oracle")
     info.set_batch_mode("union")
     assert _close(_prefill_logits(lm, IDS), dense)
     assert 0.0 < info.density() <= 1.0
 
 
-def test_union_prefill_computes_the_union_of_predicted_sets(tiny_model_dir):
+def test_union_prefill_computes_the_union_of_predicted_sets(tiny_model_dir, with_predictors):
     """With predictors, each token gets exactly the union's neurons: the same as a masked batch
     whose every mask is the union (the torch reference path)."""
     from sparseinfer.sparse.reference import sparse_ffn_ref
 
-    lm = _with_random_predictors(load_model(tiny_model_dir("swiglu")), seed=5)
-    info = sparsify(lm)
+    lm, info = sparsify(with_predictors(tiny_model_dir("swiglu"), seed=5))
     ffn = info.modules[0]
     x = torch.randn(1, 6, lm.config.d_model)
     ffn.batch_mode = "union"
     got = ffn(x)[0]
-    union = ffn._mask(x[0], None).any(0)
+    union = ffn.selector.mask(ffn, x[0]).any(0)
     idx = torch.nonzero(union).reshape(-1)
     assert 0 < idx.numel() < lm.config.d_ff
     for t in range(6):
@@ -172,16 +193,12 @@ def test_union_prefill_computes_the_union_of_predicted_sets(tiny_model_dir):
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "geglu", "opt"])
-def test_kernel_decode_equals_torch_decode(tiny_model_dir, kind):
-    """use_kernels (fused GEMVs for attention / LM head, all-neuron FFN kernel) changes no output."""
-    from sparseinfer.sparse.kernels import KernelLinear
-    from sparseinfer.sparse.runtime import use_kernels
-
+def test_fused_decode_equals_torch_decode(tiny_model_dir, kind):
+    """The numba GEMV of FloatLinear (one token) and the fused block decode (RMSNorm/RoPE
+    models) change no output."""
     path = tiny_model_dir(kind)
     ref = _decode_logits(load_model(path), IDS)
-    lm = load_model(path)
-    assert use_kernels(lm) > 0
-    assert isinstance(lm.model.lm_head, KernelLinear)
+    lm = load_model(path, fused=True)
     assert _close(_decode_logits(lm, IDS), ref, 1e-5)
     assert _close(_prefill_logits(lm, IDS), _prefill_logits(load_model(path), IDS), 1e-5)
 
@@ -195,32 +212,30 @@ def test_gemv_matches_torch_mv():
         assert torch.allclose(gemv(w, x, torch.empty(n)), torch.mv(w, x), rtol=1e-5, atol=1e-5)
 
 
-def test_int8_rows_take_bf16_predictors(tiny_model_dir):
+def test_int8_rows_take_bf16_predictors(tiny_model_dir, with_predictors):
     """--ffn-dtype bf16/int8 also halves the predictors (bf16); their kernel selects what the
     torch reference selects, and the model still decodes with it."""
     from sparseinfer.sparse.reference import predict_active_ref
 
-    lm = _with_random_predictors(load_model(tiny_model_dir("reglu")), seed=7)
-    info = sparsify(lm, ffn_dtype="int8")
+    lm, info = sparsify(with_predictors(tiny_model_dir("reglu"), seed=7), ffn_dtype="int8")
     ffn = info.modules[0]
     assert ffn.predictor.fc1.dtype == torch.bfloat16 == ffn.predictor.fc2.dtype
     x = torch.randn(lm.config.d_model)
     want = torch.empty(lm.config.d_ff, dtype=torch.int32)
     k = predict_active_ref(x, ffn.predictor.fc1, ffn.predictor.fc2, ffn.predictor.threshold, want,
-                           neuron_thresholds=ffn._neuron_thr)
+                           neuron_thresholds=ffn.selector._neuron_thr)
     assert torch.equal(ffn.active(x), want[:k])
     logits = _decode_logits(lm, IDS)
     assert torch.isfinite(logits).all() and 0.0 < info.density() < 1.0
 
 
 @pytest.mark.parametrize("ffn_dtype,want", [("fp32", "dense"), ("int8", "union")])
-def test_auto_prefill_of_long_prompts(tiny_model_dir, ffn_dtype, want):
+def test_auto_prefill_of_long_prompts(tiny_model_dir, with_predictors, ffn_dtype, want):
     """Past UNION_MAX_TOKENS, "auto" prefills densely over fp32 rows but keeps the union
     kernel over int8 rows (the dense path would dequantize every row first; measured)."""
     from sparseinfer.sparse.ffn import UNION_MAX_TOKENS
 
-    lm = _with_random_predictors(load_model(tiny_model_dir("reglu")), seed=9)
-    info = sparsify(lm, ffn_dtype=ffn_dtype)
+    lm, info = sparsify(with_predictors(tiny_model_dir("reglu"), seed=9), ffn_dtype=ffn_dtype)
     ids = (IDS * 4)[: UNION_MAX_TOKENS + 8]
     auto = _prefill_logits(lm, ids)
     info.set_batch_mode(want)

@@ -434,7 +434,8 @@ def _open_hf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> Model
                                 st=(st, name))
                 every.append(ft)
                 if canon is None:
-                    log.warning("%s: ignoring unknown tensor %s", f, name)
+                    if not name.startswith("blk."):  # predictors/statistics are expected extras
+                        log.warning("%s: ignoring unknown tensor %s", f, name)
                     extras[name] = ft
                 else:
                     tensors[canon] = ft
