@@ -161,9 +161,10 @@ class WeightSource:
         return parts[0] if len(parts) == 1 else qb.Q4Blocks.cat(parts)
 
     def bias(self) -> torch.Tensor | None:
-        names = [n[: -len("weight")] + "bias" for n in self.names]
-        if not all(n in self.src.tensors for n in names):
-            return None
+        names = [n[: -len("weight")].replace("down_t.", "down.") + "bias" for n in self.names]
+        for n in names:
+            if n not in self.src.tensors:
+                raise self.src.missing(n)
         return WeightSource(self.src, tuple(names)).float()
 
 

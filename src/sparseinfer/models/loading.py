@@ -175,11 +175,12 @@ def open_source(path: str | Path, max_seq_len: int | None = None,
 
 def load_model(path: str | Path, dtype: str = "fp32", max_seq_len: int | None = None,
                ffn_kind: str | None = None):
-    """A dense model with every weight in ``dtype`` (fp32 / bf16 / "auto": the file's own
-    storage), its tokenizer and the opened source (see ``build.load`` for every option)."""
+    """A dense model (predictors ignored) with every weight in ``dtype`` (fp32 / bf16 / "auto":
+    the file's own storage), its tokenizer and the opened source (``build.load`` takes every
+    option: sparse layers, fused decode, device)."""
     from .build import load
 
-    return load(path, dtype=dtype, max_seq_len=max_seq_len, ffn_kind=ffn_kind)
+    return load(path, dtype=dtype, max_seq_len=max_seq_len, ffn_kind=ffn_kind, dense=True)
 
 
 # ---- GGUF --------------------------------------------------------------------------------------
