@@ -1,0 +1,262 @@
+"""Models of PowerInfer's size: load time, peak memory, prefill and decode of a Llama-2-7B (or
+13B) shaped Q4_0 GGUF, sparseinfer against llama.cpp on the same file, in one run.
+
+    python benchmarks/big.py --shape 7b --out /tmp/big          # writes /tmp/big/llama-7b.q4_0.gguf
+    python benchmarks/big.py --shape 13b --out /tmp/big --tokens 8
+
+The file holds random weights (a few random matrices reused across layers: bytes are what
+matter for speed and memory, not values) and SmolLM2's tokenizer. Each engine runs in its own
+subprocess, one after the other: load seconds, peak RSS, RSS after load, prefill and decode
+tokens/s, and the GB/s of weights read per decoded token against the measured read bandwidth
+(the physical floor). Machines are noisy: compare the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {  # d_model, d_ff, layers, heads, kv heads
+    "7b": (4096, 11008, 32, 32, 32),
+    "13b": (5120, 13824, 40, 40, 40),
+    "tiny": (256, 768, 2, 4, 4),  # a smoke test of this script
+}
+PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good "
+          "fortune, must be in want of a wife.")
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                flags = open("/proc/cpuinfo").read()
+                isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "?"
+                return f"{name} ({isa})"
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _tiled_q4_0(rows: int, cols: int, rng, base_rows: int = 512):
+    """Q4_0 bytes of a [rows, cols] matrix: ``base_rows`` random rows quantized once, tiled."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    base = (rng.standard_normal((min(base_rows, rows), cols)) * 0.02).astype(np.float32)
+    q = quants.quantize(base, GGMLQuantizationType.Q4_0)
+    reps = -(-rows // q.shape[0])
+    return np.ascontiguousarray(np.tile(q, (reps, 1))[:rows])
+
+
+def write_model(path: Path, shape: str) -> Path:
+    """A random-weight Q4_0 GGUF of ``shape`` with SmolLM2's tokenizer (llama.cpp loads it)."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    from sparseinfer.data import default_model_path
+    from sparseinfer.offline.export import _copy_fields
+
+    D, F, L, H, KV = SHAPES[shape]
+    src = gguf.GGUFReader(default_model_path())
+    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"random llama-{shape}")
+    w.add_context_length(4096)
+    w.add_embedding_length(D)
+    w.add_block_count(L)
+    w.add_feed_forward_length(F)
+    w.add_rope_dimension_count(D // H)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(2)  # MOSTLY_Q4_0
+    _copy_fields(w, src, lambda k: k.startswith("tokenizer."))
+    sq, ff_in, ff_out = _tiled_q4_0(D, D, rng), _tiled_q4_0(F, D, rng), _tiled_q4_0(D, F, rng)
+    kv = _tiled_q4_0(KV * (D // H), D, rng)
+    norm = np.ones(D, dtype=np.float32)
+    emb = _tiled_q4_0(vocab, D, rng)
+
+    def add(name, arr, rows_cols, qtype):
+        w.add_tensor(name, arr, raw_dtype=qtype)  # quantized: uint8 [rows, bytes per row]
+
+    add("token_embd.weight", emb, (vocab, D), Q.Q4_0)
+    for i in range(L):
+        add(f"blk.{i}.attn_norm.weight", norm, None, Q.F32)
+        add(f"blk.{i}.attn_q.weight", sq, (D, D), Q.Q4_0)
+        add(f"blk.{i}.attn_k.weight", kv, (KV * (D // H), D), Q.Q4_0)
+        add(f"blk.{i}.attn_v.weight", kv, (KV * (D // H), D), Q.Q4_0)
+        add(f"blk.{i}.attn_output.weight", sq, (D, D), Q.Q4_0)
+        add(f"blk.{i}.ffn_norm.weight", norm, None, Q.F32)
+        add(f"blk.{i}.ffn_gate.weight", ff_in, (F, D), Q.Q4_0)
+        add(f"blk.{i}.ffn_up.weight", ff_in, (F, D), Q.Q4_0)
+        add(f"blk.{i}.ffn_down.weight", ff_out, (D, F), Q.Q4_0)
+    add("output_norm.weight", norm, None, Q.F32)
+    add("output.weight", emb, (vocab, D), Q.Q4_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=True)
+    w.close()
+    return path
+
+
+def _rss_mb() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _peak_mb() -> float:
+    """VmHWM: this process's peak resident set (ru_maxrss would carry the parent's over exec)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _ours(path: str, threads: int, n_tokens: int, n_ctx: int) -> dict:
+    t0 = time.perf_counter()
+    from sparseinfer.config import SamplingParams
+    from sparseinfer.engine import Engine, FinishEvent
+
+    t_import = time.perf_counter() - t0
+    rss0 = _rss_mb()
+    t0 = time.perf_counter()
+    engine = Engine.load(path, n_ctx=n_ctx, threads=threads)
+    t_load = time.perf_counter() - t0
+    rss_loaded = _rss_mb()
+    ids = engine.encode(PROMPT)
+    params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
+    list(engine.stream(ids[:4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
+    engine._cached_ids = []
+    fin = [e for e in engine.stream(ids, params) if isinstance(e, FinishEvent)][0]
+    plan = engine.loaded.plan
+    per_tok = sum(w.nbytes for w in plan.weights if w.module != "tok_emb")
+    return {"import_s": t_import, "load_s": t_load, "rss_runtime_mb": rss0,
+            "rss_loaded_mb": rss_loaded, "peak_rss_mb": _peak_mb(),
+            "prefill_tok_s": fin.prompt_tokens / fin.prefill_seconds,
+            "decode_tok_s": (fin.completion_tokens - 1) / fin.decode_seconds,
+            "bytes_per_token": per_tok, "plan": plan.summary(), "dtype": engine.dtype}
+
+
+def _llama_cpp(path: str, threads: int, n_tokens: int, n_ctx: int) -> dict:
+    t0 = time.perf_counter()
+    from llama_cpp import Llama
+
+    t_import = time.perf_counter() - t0
+    rss0 = _rss_mb()
+    t0 = time.perf_counter()
+    llm = Llama(path, n_threads=threads, n_ctx=n_ctx, verbose=False)
+    t_load = time.perf_counter() - t0
+    rss_loaded = _rss_mb()
+    ids = llm.tokenize(PROMPT.encode())
+    llm.eval(ids[:4])
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    t_prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(n_tokens - 1):
+        tok = llm.sample(temp=0.0)
+        llm.eval([tok])
+    t_dec = time.perf_counter() - t0
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    per_tok = sum(int(t.n_bytes) for t in r.tensors if t.name != "token_embd.weight")
+    return {"import_s": t_import, "load_s": t_load, "rss_runtime_mb": rss0,
+            "rss_loaded_mb": rss_loaded, "peak_rss_mb": _peak_mb(),
+            "prefill_tok_s": len(ids) / t_prefill, "decode_tok_s": (n_tokens - 1) / t_dec,
+            "bytes_per_token": per_tok}
+
+
+def _child(fn_name, kwargs, conn):
+    try:
+        conn.send(globals()[fn_name](**kwargs))
+    except Exception as e:  # report, don't hang the parent
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+
+
+def run_isolated(fn_name: str, **kwargs) -> dict:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_child, args=(fn_name, kwargs, child))
+    p.start()
+    out = parent.recv() if parent.poll(3600) else {"error": "no answer in an hour"}
+    p.join()
+    if p.exitcode and "error" not in out:
+        out = {"error": f"exit code {p.exitcode}"}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="7b", choices=sorted(SHAPES))
+    ap.add_argument("--out", type=Path, required=True, help="directory for the GGUF")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-n", "--tokens", type=int, default=16)
+    ap.add_argument("-c", "--ctx", type=int, default=512)
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    from sparseinfer.bench import measure_read_bandwidth
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"llama-{args.shape}.q4_0.gguf"
+    if not path.exists():
+        t0 = time.perf_counter()
+        write_model(path, args.shape)
+        print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in "
+              f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    size = path.stat().st_size
+    print(f"CPU: {cpu_model()}; {args.threads} threads; file {size / 2**30:.2f} GiB",
+          file=sys.stderr)
+    rows = {}
+    common = dict(path=str(path), threads=args.threads, n_tokens=args.tokens, n_ctx=args.ctx)
+    bw = measure_read_bandwidth(args.threads)
+    rows["sparseinfer"] = run_isolated("_ours", **common)
+    if not args.no_llama_cpp:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            print("llama-cpp-python not installed: llama.cpp not measured", file=sys.stderr)
+        else:
+            rows["llama.cpp"] = run_isolated("_llama_cpp", **common)
+    bw = (bw + measure_read_bandwidth(args.threads)) / 2  # before and after: it drifts
+    print(f"read bandwidth ({args.threads} threads, mean of before/after): {bw:.1f} GB/s")
+    print(f"\n{'engine':12s} {'load s':>7s} {'peak RSS':>9s} {'RSS load':>9s} {'runtime':>8s} "
+          f"{'prefill':>8s} {'decode':>7s} {'GB/s':>6s} {'of BW':>6s} {'floor':>6s}")
+    for name, r in rows.items():
+        if "error" in r:
+            print(f"{name:12s} error: {r['error']}")
+            continue
+        gbs = r["bytes_per_token"] * r["decode_tok_s"] / 1e9
+        floor = bw * 1e9 / r["bytes_per_token"]
+        print(f"{name:12s} {r['load_s']:7.1f} {r['peak_rss_mb']:8.0f}M {r['rss_loaded_mb']:8.0f}M "
+              f"{r['rss_runtime_mb']:7.0f}M {r['prefill_tok_s']:8.2f} {r['decode_tok_s']:7.2f} "
+              f"{gbs:6.1f} {gbs / bw:6.0%} {floor:6.2f}")
+    ours, cpp = rows.get("sparseinfer", {}), rows.get("llama.cpp", {})
+    if "decode_tok_s" in ours and "decode_tok_s" in cpp:
+        print(f"\nsparseinfer / llama.cpp: decode {ours['decode_tok_s'] / cpp['decode_tok_s']:.2f}x, "
+              f"prefill {ours['prefill_tok_s'] / cpp['prefill_tok_s']:.2f}x, peak RSS "
+              f"{ours['peak_rss_mb'] / cpp['peak_rss_mb']:.2f}x, load "
+              f"{ours['load_s'] / max(cpp['load_s'], 1e-9):.1f}x; file {size / 2**20:.0f} MiB, "
+              f"our peak RSS / file = {ours['peak_rss_mb'] * 2**20 / size:.2f}")
+    if "plan" in ours:
+        print(ours["plan"])
+    if args.json:
+        print(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""The load plan and the build-once loader (models/plan.py, models/build.py) on quantized GGUFs
+written here with gguf-py (an independent writer): storage decisions, memory checks and their
+errors, what runs (``print(model)``), and converted files against their source."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sparseinfer.errors import SparseInferError
+from sparseinfer.models.build import FileEmbedding, load
+from sparseinfer.models.loading import open_source
+from sparseinfer.models.plan import make_plan
+from sparseinfer.quant.linear import FloatLinear, Int4Linear, Int8Linear
+
+D, F, LAYERS, HEADS, KV = 64, 128, 2, 4, 2
+
+
+@pytest.fixture(scope="module")
+def quant_gguf(tmp_path_factory, smollm2_path):
+    """Factory: ggml type name -> a tiny random llama GGUF whose projections, embedding and
+    head are of that type (SmolLM2's tokenizer, so transformers and we read the same ids)."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    from sparseinfer.offline.export import _copy_fields
+
+    made = {}
+
+    def make(kind: str = "Q4_0"):
+        if kind in made:
+            return made[kind]
+        path = tmp_path_factory.mktemp("gguf") / f"tiny-{kind}.gguf"
+        src = gguf.GGUFReader(smollm2_path)
+        vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+        rng = np.random.default_rng(1)
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_context_length(256)
+        w.add_embedding_length(D)
+        w.add_block_count(LAYERS)
+        w.add_feed_forward_length(F)
+        w.add_rope_dimension_count(D // HEADS)
+        w.add_head_count(HEADS)
+        w.add_head_count_kv(KV)
+        w.add_layer_norm_rms_eps(1e-5)
+        _copy_fields(w, src, lambda k: k.startswith("tokenizer."))
+
+        def mat(rows, cols, scale=0.08):
+            a = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+            return gguf.quants.quantize(a, Q[kind]), Q[kind]
+
+        def add(name, arr_type):
+            arr, t = arr_type
+            w.add_tensor(name, arr, raw_dtype=t)
+
+        add("token_embd.weight", mat(vocab, D, 1.0))
+        hd = D // HEADS
+        for i in range(LAYERS):
+            add(f"blk.{i}.attn_norm.weight", (np.ones(D, np.float32), Q.F32))
+            add(f"blk.{i}.attn_q.weight", mat(D, D))
+            add(f"blk.{i}.attn_k.weight", mat(KV * hd, D))
+            add(f"blk.{i}.attn_v.weight", mat(KV * hd, D))
+            add(f"blk.{i}.attn_output.weight", mat(D, D))
+            add(f"blk.{i}.ffn_norm.weight", (np.ones(D, np.float32), Q.F32))
+            add(f"blk.{i}.ffn_gate.weight", mat(F, D))
+            add(f"blk.{i}.ffn_up.weight", mat(F, D))
+            add(f"blk.{i}.ffn_down.weight", mat(D, F))
+        add("output_norm.weight", (np.ones(D, np.float32), Q.F32))
+        add("output.weight", mat(vocab, D))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        made[kind] = path
+        return path
+
+    return make
+
+
+IDS = [1, 504, 2113, 314, 253, 6121, 30, 975, 12, 44]
+
+
+def _logits(model, ids=IDS):
+    with torch.inference_mode():
+        return model(torch.tensor([ids]), 0, model.new_cache(1, len(ids)))[0]
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_q4_0_file_stays_4_bit(quant_gguf):
+    """--dtype auto: every projection keeps the file's Q4_0 blocks, the embedding stays in the
+    map, the head becomes int8; the plan's bytes stay within the file size + 15%; print(model)
+    shows exactly those modules."""
+    path = quant_gguf("Q4_0")
+    src = open_source(path)
+    plan = make_plan(src, "auto")
+    layer_storage = {(w.storage, w.origin) for w in plan.weights if w.module.startswith("layers.")}
+    assert layer_storage == {("q4", "file blocks")}
+    assert plan.weight("tok_emb").storage == "file" and plan.weight("lm_head").storage == "int8"
+    assert plan.nbytes <= 1.15 * path.stat().st_size
+    lm = load(path, "auto", fused=True)
+    text = str(lm.model)
+    assert "Int4Linear" in text and "FileEmbedding" in text and "Int8Linear" in text
+    assert isinstance(lm.model.tok_emb, FileEmbedding)
+    assert isinstance(lm.model.layers[0].attn.wqkv, Int4Linear)
+    assert isinstance(lm.model.lm_head, Int8Linear)
+    assert "FloatLinear" not in text and "meta" not in repr(list(lm.model.buffers()))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_quantized_file_logits_against_transformers(quant_gguf, kind):
+    """Our fp32 load equals transformers' dequantizing GGUF load; the default (file's own
+    storage: 4-bit blocks or int8, bfloat16 activations) stays close to it."""
+    import transformers as tf
+
+    path = quant_gguf(kind)
+    hf = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([IDS])).logits[0]
+    fp32 = load(path, "fp32")
+    assert _rel(_logits(fp32.model), want) < 1e-4
+    auto = load(path, "auto")
+    want_storage = "int8" if kind == "Q8_0" else "q4"
+    assert auto.plan.weight("layers.0.attn.wqkv").storage == want_storage
+    assert _rel(_logits(auto.model), want) < 0.05
+    assert (_logits(auto.model).argmax(-1) == want.argmax(-1)).float().mean() > 0.8
+
+
+def test_memory_check_before_anything_is_allocated(quant_gguf, monkeypatch):
+    import sparseinfer.models.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "available_memory", lambda: 1000)
+    with pytest.raises(SparseInferError, match=r"needs 0\.\d+ GiB .*KV cache.* but 0\.00 GiB is "
+                                                r"available"):
+        load(quant_gguf("Q4_0"), "auto")
+
+
+def test_out_of_memory_while_filling_is_not_called_corrupt(quant_gguf, monkeypatch, capsys):
+    from sparseinfer.cli import main
+    from sparseinfer.models.loading import FileTensor
+
+    def boom(self, *a, **k):
+        raise MemoryError("Unable to allocate 688. KiB")
+
+    monkeypatch.setattr(FileTensor, "float", boom)
+    assert main(["run", "-m", str(quant_gguf("Q4_0")), "-p", "Hello", "-n", "2",
+                 "--dtype", "fp32"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error:") and "out of memory" in err
+    assert "corrupt" not in err and "truncated" not in err
+
+
+def test_bf16_plan_and_float_storage(quant_gguf):
+    lm = load(quant_gguf("Q4_0"), "bf16")
+    assert lm.model.dtype == torch.bfloat16 and not lm.plan.fused_decode
+    lin = lm.model.layers[0].attn.wqkv
+    assert isinstance(lin, FloatLinear) and lin.weight.dtype == torch.bfloat16
+
+
+FAST = ["--max-tokens", "512", "--chunk-len", "64", "--ranks", "4", "--epochs", "2", "-t", "1"]
+
+
+@pytest.fixture(scope="module")
+def converted(quant_gguf, tmp_path_factory):
+    """The Q4_0 tiny model converted (profile, predictors, export) with default options, and
+    with the gate score."""
+    from sparseinfer.cli import main
+
+    out = {}
+    for score in ("output", "gate"):
+        path = tmp_path_factory.mktemp("conv") / f"tiny.{score}.sparse.gguf"
+        assert main(["convert", "-m", str(quant_gguf("Q4_0")), "-o", str(path), "--score", score,
+                     *FAST]) == 0
+        out[score] = path
+    return out
+
+
+def test_converted_file_gives_the_sources_default_logits(quant_gguf, converted):
+    """A converted file under default flags with every neuron active (and with --dense) gives
+    the source's default logits: nothing the source kept exact is re-quantized (its 4-bit
+    blocks are copied, rows permuted; the transposed down projection is stored as F32)."""
+    from sparseinfer.engine import Engine
+
+    source = Engine.load(quant_gguf("Q4_0"), n_ctx=64)
+    want = _logits(source.model)
+    sparse = Engine.load(converted["output"], n_ctx=64, threshold=-float("inf"))
+    assert sparse.sparse_info is not None
+    got = _logits(sparse.model)
+    assert sparse.sparse_info.density() == 1.0
+    assert _rel(got, want) < 1e-2
+    dense = Engine.load(converted["output"], n_ctx=64, dense=True)
+    assert {w.origin for w in dense.loaded.plan.weights if "ffn.down" in w.module} == {"as stored"}
+    assert _rel(_logits(dense.model), want) < 1e-2
+
+
+def test_gate_score_file_loads_and_runs(converted, capsys):
+    """A file converted with --score gate loads in every mode (it used to fail with a
+    traceback: the runtime accepted only output/output_norm)."""
+    from sparseinfer.cli import main
+
+    assert main(["run", "-m", str(converted["gate"]), "-p", "Hello", "-n", "4", "--temp", "0",
+                 "--sparse-mode", "oracle"]) == 0
+    assert "mode oracle" in capsys.readouterr().err
+    assert main(["run", "-m", str(converted["gate"]), "-p", "Hello", "-n", "4",
+                 "--temp", "0"]) == 0
+
+
+def test_info_prints_the_plan_without_loading(quant_gguf, capsys, monkeypatch):
+    from sparseinfer.cli import main
+    from sparseinfer.models import build
+
+    monkeypatch.setattr(build, "fill", lambda *a, **k: pytest.fail("info must not read weights"))
+    assert main(["info", "-m", str(quant_gguf("Q4_0"))]) == 0
+    out = capsys.readouterr().out
+    assert "plan:" in out and "file blocks" in out and "memory: needs" in out
