@@ -65,6 +65,13 @@ INLINE __m256i bit5(const uint8_t *p) {
     return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
 }
 
+/* Prefetch `n` bytes (a compile-time constant after inlining) starting at p. The rows of a chunk
+ * are contiguous, so while a group of 4 rows is walked, the next group's bytes are fetched at the
+ * same pace: a short row (a few KB) is otherwise over before the hardware prefetcher ramps up. */
+INLINE void prefetch(const uint8_t *p, const int n) {
+    for (int o = 0; o < n; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
+}
+
 INLINE __m256i loadx(const si_xq *x, int b) {
     return _mm256_loadu_si256((const __m256i *)(x->q + 32 * (size_t)b));
 }
@@ -73,7 +80,7 @@ INLINE __m256i loadx(const si_xq *x, int b) {
 
 /* type: SI_Q4_0, SI_Q4_1, SI_Q5_0, SI_Q5_1 or SI_Q8_0 (a constant after inlining). */
 INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t rb, const int R,
-                     const si_xq *x, int nb, float *y) {
+                     const si_xq *x, int nb, float *y, const uint8_t *pf) {
     __m256 acc[4];
     float cs[4];
     for (int r = 0; r < R; r++) {
@@ -83,6 +90,7 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
     for (int b = 0; b < nb; b++) {
         const __m256i xv = loadx(x, b);
         const float xd = x->d[b], xs = x->s[b];
+        if (pf) prefetch(pf + (size_t)b * R * bsize, R * bsize);
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)b * bsize;
             const float dw = f16(p);
@@ -127,7 +135,7 @@ INLINE void scales_k(const uint8_t *s, uint8_t *sc, uint8_t *m) {
  * qh[32], qs[128]). Sub-block j (32 weights) of a super-block: nibbles of qs[32*(j/2) ..] (low
  * for even j, high for odd j), fifth bit = bit j of qh[0..31]. w = d*sc[j]*q - dmin*m[j]. */
 INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, const si_xq *x,
-                     int nsb, float *y) {
+                     int nsb, float *y, const uint8_t *pf) {
     const int bsize = five ? 176 : 144;
     __m256 acc[4];
     float cs[4];
@@ -138,6 +146,7 @@ INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, c
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     for (int sb = 0; sb < nsb; sb++) {
         const float *xd = x->d + 8 * (size_t)sb, *xs = x->s + 8 * (size_t)sb;
+        if (pf) prefetch(pf + (size_t)sb * R * bsize, R * bsize);
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)sb * bsize;
             const float d = f16(p), dmin = f16(p + 2);
@@ -177,12 +186,14 @@ INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, c
 /* Q6_K (210 bytes: ql[128], qh[64], int8 scales[16], d). Half h (128 weights) uses ql[64h ..
  * 64h+63] and qh[32h .. 32h+31]; its group s (32 weights, s = 0..3) takes nibble s/2 of
  * ql[64h + 32(s%2) + i] and bits 2s, 2s+1 of qh[32h + i] as bits 4, 5; w = d*scale[16th]*(q-32). */
-INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, int nsb, float *y) {
+INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, int nsb, float *y,
+                     const uint8_t *pf) {
     __m256 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const __m256i lo4 = _mm256_set1_epi8(0x0F), lo2 = _mm256_set1_epi8(0x03);
     const __m256i k32 = _mm256_set1_epi8(32);
     for (int sb = 0; sb < nsb; sb++) {
+        if (pf) prefetch(pf + (size_t)sb * R * 210, R * 210);
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)sb * 210;
             const int8_t *sc = (const int8_t *)(p + 192);
@@ -215,11 +226,13 @@ INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
 
 /* ------------------------------------------------------------------ F16 rows, fp32 x */
 
-INLINE void rows_f16(const uint8_t *w, size_t rb, const int R, const si_xq *x, int cols, float *y) {
+INLINE void rows_f16(const uint8_t *w, size_t rb, const int R, const si_xq *x, int cols, float *y,
+                     const uint8_t *pf) {
     __m256 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int c = 0; c < cols; c += 8) {
         const __m256 xv = _mm256_loadu_ps(x->f + c);
+        if (pf) prefetch(pf + (size_t)c * 2 * R, 16 * R);
         for (int r = 0; r < R; r++) {
             const __m128i h = _mm_loadu_si128((const __m128i *)(w + (size_t)r * rb + 2 * (size_t)c));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(h), xv, acc[r]);
@@ -240,8 +253,10 @@ INLINE void rows_f16(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
 void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *x, int cols,
                  float *y) {
     const int nb = cols / 32, nsb = cols / 256;
+#define NEXT (w + (r + 4) * rb)
 #define B32(T, S)                                                                              \
-    WALK(rows_b32(T, S, w + r * rb, rb, 4, x, nb, y + r), rows_b32(T, S, w + r * rb, rb, 1, x, nb, y + r))
+    WALK(rows_b32(T, S, w + r * rb, rb, 4, x, nb, y + r, NEXT),                                \
+         rows_b32(T, S, w + r * rb, rb, 1, x, nb, y + r, NULL))
     switch (type) {
     case SI_Q4_0: B32(SI_Q4_0, 18); break;
     case SI_Q4_1: B32(SI_Q4_1, 20); break;
@@ -249,20 +264,25 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
     case SI_Q5_1: B32(SI_Q5_1, 24); break;
     case SI_Q8_0: B32(SI_Q8_0, 34); break;
     case SI_Q4_K:
-        WALK(rows_k45(0, w + r * rb, rb, 4, x, nsb, y + r), rows_k45(0, w + r * rb, rb, 1, x, nsb, y + r));
+        WALK(rows_k45(0, w + r * rb, rb, 4, x, nsb, y + r, NEXT),
+             rows_k45(0, w + r * rb, rb, 1, x, nsb, y + r, NULL));
         break;
     case SI_Q5_K:
-        WALK(rows_k45(1, w + r * rb, rb, 4, x, nsb, y + r), rows_k45(1, w + r * rb, rb, 1, x, nsb, y + r));
+        WALK(rows_k45(1, w + r * rb, rb, 4, x, nsb, y + r, NEXT),
+             rows_k45(1, w + r * rb, rb, 1, x, nsb, y + r, NULL));
         break;
     case SI_Q6_K:
-        WALK(rows_q6k(w + r * rb, rb, 4, x, nsb, y + r), rows_q6k(w + r * rb, rb, 1, x, nsb, y + r));
+        WALK(rows_q6k(w + r * rb, rb, 4, x, nsb, y + r, NEXT),
+             rows_q6k(w + r * rb, rb, 1, x, nsb, y + r, NULL));
         break;
     case SI_F16:
-        WALK(rows_f16(w + r * rb, rb, 4, x, cols, y + r), rows_f16(w + r * rb, rb, 1, x, cols, y + r));
+        WALK(rows_f16(w + r * rb, rb, 4, x, cols, y + r, NEXT),
+             rows_f16(w + r * rb, rb, 1, x, cols, y + r, NULL));
         break;
     default: break;
     }
 #undef B32
+#undef NEXT
 }
 
 /* x (cols, a multiple of 32) -> blocks of 32: d = max|x|/127, q = round-to-even(x/d) as

@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import torch
 
-from . import QuantMatrix
+from .ops import QuantMatrix
 
 
 def dequantize_ref(mat: QuantMatrix) -> torch.Tensor:
