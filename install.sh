@@ -24,3 +24,5 @@ if [[ "${1:-}" == "--test" ]]; then
 else
     "${PIP[@]}" -e .
 fi
+# The C kernels (sparseinfer/cpu): compiled for this machine; needs a C compiler (cc/gcc/clang).
+"$PY" -m sparseinfer.cpu.build

@@ -1,0 +1,149 @@
+"""Quantized GEMV over native GGUF blocks (``sparseinfer.cpu``) vs torch's int4 kernel and vs the
+memory-bandwidth floor.
+
+    python benchmarks/qgemv.py [--threads 1 2] [--isa avx2 avx512] [--types Q4_0 Q4_K ...]
+                               [--shape 4096x4096 ...] [--calls N]
+
+For Llama-7B shapes (4096x4096, 11008x4096, 4096x11008) and SmolLM2-135M shapes (576x576,
+1536x576, 576x1536): time of one GEMV (one input vector), the bytes of weights it must read per
+microsecond (GB/s), and that as a share of the read bandwidth measured in the same run with the
+same thread count (``sparseinfer.bench.measure_read_bandwidth``).
+
+Honest-timing rules (as benchmarks/kernels.py): every call reads a different matrix, a window
+into one buffer larger than the last-level cache, so no call is served from cache; the headline
+is the best call, the median is beside it; the CPU model, its ISA flags and the load average are
+printed so a reader can judge. Weight bytes are random (speed does not depend on the values).
+torch's int4 kernel (``torch._weight_int4pack_mm_for_cpu``, bf16 activations, as
+``sparseinfer.quant.linear.Int4Linear`` uses it) reads 4.5 bits per weight like Q4_0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from sparseinfer import cpu
+from sparseinfer.bench import measure_read_bandwidth
+
+SHAPES = {  # rows x cols
+    "llama-7b": [(4096, 4096), (11008, 4096), (4096, 11008)],
+    "smollm2-135m": [(576, 576), (1536, 576), (576, 1536)],
+}
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+POOL_BYTES = 768 * 2**20  # larger than the (reported) last-level cache of these machines
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+             "amx_int8")
+
+
+def cpu_info() -> tuple[str, str]:
+    model, flags = platform.processor() or "?", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("?", "x86_64", ""):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return model, " ".join(f for f in ISA_FLAGS if f in flags)
+
+
+def times(fn, n: int) -> list[float]:
+    fn(0)
+    out = []
+    for i in range(1, n + 1):
+        t0 = time.perf_counter()
+        fn(i)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def torch_int4(rows: int, cols: int, pool: int, n: int) -> list[float]:
+    """Per-call seconds of torch's int4 GEMV over ``pool`` copies of a random matrix."""
+    q = torch.randint(0, 16, (rows, cols), dtype=torch.int32)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    sz = torch.randn(cols // 32, rows, 2).to(torch.bfloat16)
+    copies = [(packed.clone(), sz.clone()) for _ in range(pool)]
+    x = torch.randn(1, cols).to(torch.bfloat16)
+
+    def call(i: int) -> None:
+        p, s = copies[i % pool]
+        torch._weight_int4pack_mm_for_cpu(x, p, 32, s)
+
+    return times(call, n)
+
+
+def ours(buf: np.ndarray, type_name: str, rows: int, cols: int, n: int) -> tuple[list[float], int]:
+    _, elems, size = cpu.TYPES[type_name]
+    nbytes = rows * cols // elems * size
+    k = buf.size // nbytes
+    mats = [cpu.QuantMatrix(type_name, buf[i * nbytes : (i + 1) * nbytes], rows, cols)
+            for i in range(k)]
+    out = torch.empty(rows)
+    x = torch.randn(cols)
+    plans = [cpu.GemvPlan([m], [out]) for m in mats]
+    return times(lambda i: plans[i % k](x), max(n, 2 * k) if k < 64 else n), nbytes
+
+
+def fmt(t: float) -> str:
+    return f"{t * 1e6:7.0f} us" if t >= 1e-4 else f"{t * 1e6:7.1f} us"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--isa", nargs="+", default=cpu.available_isas(), choices=["avx2", "avx512"])
+    p.add_argument("--types", nargs="+", default=TYPES, choices=list(cpu.TYPES))
+    p.add_argument("--model", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--no-torch", action="store_true", help="skip torch's int4 kernel")
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    model, flags = cpu_info()
+    print(f"# CPU: {model}; {os.cpu_count()} CPUs; flags: {flags}")
+    print(f"# kernels available here: {cpu.available_isas()}; torch {torch.__version__}")
+    buf = np.random.default_rng(0).integers(0, 256, POOL_BYTES, dtype=np.uint8)
+    print(f"# times: best call (p50) over windows of a {POOL_BYTES >> 20} MiB buffer; "
+          "GB/s = weight bytes / best time; %bw = share of the read bandwidth measured now")
+    hdr = (f"{'thr':>3} {'shape':>11} {'kernel':<14} {'MB':>6} {'best':>10} {'p50':>10} "
+           f"{'GB/s':>6} {'%bw':>5}")
+    for t in a.threads:
+        torch.set_num_threads(t)
+        cpu.set_threads(t)
+        bw = measure_read_bandwidth(t)
+        print(f"\n# {t} thread(s): read bandwidth {bw:.1f} GB/s; load average "
+              f"{os.getloadavg()[0]:.2f}")
+        print(hdr)
+        print("-" * len(hdr))
+        for name in a.model:
+            for rows, cols in SHAPES[name]:
+                shape = f"{rows}x{cols}"
+                rowsout = []
+                if not a.no_torch:
+                    nbytes = rows * cols // 32 * 18
+                    ts = torch_int4(rows, cols, max(2, POOL_BYTES // 2 // nbytes), a.calls)
+                    rowsout.append(("torch int4", nbytes, ts))
+                for isa in a.isa:
+                    cpu.set_isa(isa)
+                    for ty in a.types:
+                        ts, nbytes = ours(buf, ty, rows, cols, a.calls)
+                        rowsout.append((f"{ty} {isa}", nbytes, ts))
+                for label, nbytes, ts in rowsout:
+                    best = min(ts)
+                    gbs = nbytes / best / 1e9
+                    print(f"{t:>3} {shape:>11} {label:<14} {nbytes / 1e6:>6.2f} {fmt(best):>10} "
+                          f"{fmt(statistics.median(ts)):>10} {gbs:>6.1f} {gbs / bw:>5.0%}")
+        print(f"# load average at the end: {os.getloadavg()[0]:.2f}")
+    cpu.set_isa("auto")
+
+
+if __name__ == "__main__":
+    main()

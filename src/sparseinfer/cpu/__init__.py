@@ -1,0 +1,55 @@
+"""Quantized GEMV/GEMM over GGUF's own blocks, in a small C library (``libsicpu.so``).
+
+The weights are the tensor's bytes exactly as the GGUF file stores them (row-major rows of
+blocks; e.g. ``gguf.GGUFReader`` tensor ``t.data`` viewed as uint8, a read-only memmap: nothing
+is copied or repacked). Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and F16. The input
+vector is quantized once per call to int8 blocks of 32 (scale ``max|x|/127``, as llama.cpp's
+q8_0) and each block of weights is an integer dot product with it (F16 uses fp32 ``x`` as is).
+
+    from sparseinfer import cpu
+    wq = cpu.QuantMatrix("Q4_K", raw, rows, cols)         # raw: uint8 bytes, not copied
+    cpu.gemv([wq, wk, wv], x, [q, k, v])                 # x quantized once, one pool dispatch
+    plan = cpu.GemvPlan([wg, wu], [g, u]); plan(x)        # the same with per-call work hoisted
+    y = cpu.gemm(wq, X)                                  # X [T, cols] -> [T, rows]
+
+Variants: AVX2+FMA, and AVX-512 (F/BW/VL) with VNNI; the best the CPU has is chosen at import,
+``set_isa("avx2")`` forces the other. Threads: a persistent pool inside the library
+(``set_threads``); idle workers spin briefly (``set_spin_us``) and then sleep.
+
+The library is built by ``python3 -m sparseinfer.cpu.build`` (``./install.sh`` does it); importing
+``sparseinfer.cpu.ops`` (first use of any name below) without it, or with one built from other sources, raises ``CpuLibraryError``.
+References with the same signatures are in ``reference.py``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__all__ = [
+    "TYPES",
+    "CpuLibraryError",
+    "GemvPlan",
+    "QuantMatrix",
+    "available_isas",
+    "gemm",
+    "gemv",
+    "get_isa",
+    "get_threads",
+    "quantize_x",
+    "set_isa",
+    "set_spin_us",
+    "set_threads",
+]
+
+if TYPE_CHECKING:
+    from .ops import *  # noqa: F403
+
+
+def __getattr__(name: str):
+    # Loaded on first use, not at package import: `python3 -m sparseinfer.cpu.build` must run
+    # while the library is missing or stale.
+    if name in __all__:
+        from . import ops
+
+        return getattr(ops, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

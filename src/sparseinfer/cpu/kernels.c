@@ -1,0 +1,320 @@
+/* Row kernels over native GGUF blocks, compiled once per instruction set (SI_ISA = avx2 or
+ * avx512; the build passes the matching -m flags). Everything here is 256-bit wide: the AVX-512
+ * build differs in its integer dot product (VNNI vpdpbusd on 256-bit registers, AVX512-VL),
+ * which replaces the two-instruction AVX2 sequence (vpmaddubsw + vpmaddwd) and cannot saturate.
+ *
+ * A row kernel walks R rows (4, or 1 for the tail) side by side, block by block, so R weight
+ * streams are in flight and each activation block is loaded once for all of them. Per block of
+ * 32 weights: unpack to 32 unsigned bytes, integer dot with the int8 activation block (8 int32
+ * partial sums), convert and fused-multiply-add with the block's scale product into a float
+ * accumulator; zero points and minima go through the activation block sums (x->s) in a scalar
+ * accumulator. One horizontal sum per row at the end.
+ */
+#include <immintrin.h>
+#include <string.h>
+
+#include "qgemv.h"
+
+#ifndef SI_ISA
+#error "compile with -DSI_ISA=avx2 or -DSI_ISA=avx512"
+#endif
+#define SI_CAT2(a, b) a##_##b
+#define SI_CAT(a, b) SI_CAT2(a, b)
+#define FN(name) SI_CAT(name, SI_ISA)
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* 8 int32 sums of 4 products each: unsigned bytes a times signed bytes b. */
+INLINE __m256i dot_us(__m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+}
+
+INLINE float hsum(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+/* 16 bytes of nibbles -> 32 bytes 0..15: low nibbles are elements 0..15, high ones 16..31. */
+INLINE __m256i nib32(const uint8_t *p) {
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    __m256i r = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+    return _mm256_and_si256(r, _mm256_set1_epi8(0x0F));
+}
+
+/* Bit i of `bits` -> byte i = 0x10 if set, else 0 (the fifth bit of Q5_0/Q5_1). */
+INLINE __m256i bit5(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                          2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i mask = _mm256_set1_epi64x(0x8040201008040201LL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, mask), mask);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+}
+
+/* Prefetch `n` bytes (a compile-time constant after inlining) starting at p. The rows of a chunk
+ * are contiguous, so while a group of 4 rows is walked, the next group's bytes are fetched at the
+ * same pace: a short row (a few KB) is otherwise over before the hardware prefetcher ramps up. */
+INLINE void prefetch(const uint8_t *p, const int n) {
+    for (int o = 0; o < n; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
+}
+
+INLINE __m256i loadx(const si_xq *x, int b) {
+    return _mm256_loadu_si256((const __m256i *)(x->q + 32 * (size_t)b));
+}
+
+/* ------------------------------------------------------------------ blocks of 32 weights */
+
+/* type: SI_Q4_0, SI_Q4_1, SI_Q5_0, SI_Q5_1 or SI_Q8_0 (a constant after inlining). */
+INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t rb, const int R,
+                     const si_xq *x, int nb, float *y, const uint8_t *pf) {
+    __m256 acc[4];
+    float cs[4];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        cs[r] = 0.0f;
+    }
+    for (int b = 0; b < nb; b++) {
+        const __m256i xv = loadx(x, b);
+        const float xd = x->d[b], xs = x->s[b];
+        if (pf) prefetch(pf + (size_t)b * R * bsize, R * bsize);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (size_t)r * rb + (size_t)b * bsize;
+            const float dw = f16(p);
+            __m256i dot;
+            if (type == SI_Q4_0) {
+                dot = dot_us(nib32(p + 2), xv);
+                cs[r] -= 8.0f * dw * xs;
+            } else if (type == SI_Q4_1) {
+                dot = dot_us(nib32(p + 4), xv);
+                cs[r] += f16(p + 2) * xs;
+            } else if (type == SI_Q5_0) {
+                dot = dot_us(_mm256_or_si256(nib32(p + 6), bit5(p + 2)), xv);
+                cs[r] -= 16.0f * dw * xs;
+            } else if (type == SI_Q5_1) {
+                dot = dot_us(_mm256_or_si256(nib32(p + 8), bit5(p + 4)), xv);
+                cs[r] += f16(p + 2) * xs;
+            } else { /* SI_Q8_0: signed x signed as |w| times x with w's sign */
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(p + 2));
+                dot = dot_us(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * xd), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = hsum(acc[r]) + cs[r];
+}
+
+/* ------------------------------------------------------------------ K-quants (256 weights) */
+
+/* Q4_K/Q5_K: 8 six-bit scales and minima packed into 12 bytes. */
+INLINE void scales_k(const uint8_t *s, uint8_t *sc, uint8_t *m) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        m[j] = s[j + 4] & 63;
+    }
+    for (int j = 4; j < 8; j++) {
+        sc[j] = (uint8_t)((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
+        m[j] = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+/* Q4_K (144 bytes: d, dmin, scales[12], qs[128]) and Q5_K (176 bytes: d, dmin, scales[12],
+ * qh[32], qs[128]). Sub-block j (32 weights) of a super-block: nibbles of qs[32*(j/2) ..] (low
+ * for even j, high for odd j), fifth bit = bit j of qh[0..31]. w = d*sc[j]*q - dmin*m[j]. */
+INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, const si_xq *x,
+                     int nsb, float *y, const uint8_t *pf) {
+    const int bsize = five ? 176 : 144;
+    __m256 acc[4];
+    float cs[4];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        cs[r] = 0.0f;
+    }
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    for (int sb = 0; sb < nsb; sb++) {
+        const float *xd = x->d + 8 * (size_t)sb, *xs = x->s + 8 * (size_t)sb;
+        if (pf) prefetch(pf + (size_t)sb * R * bsize, R * bsize);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (size_t)r * rb + (size_t)sb * bsize;
+            const float d = f16(p), dmin = f16(p + 2);
+            uint8_t sc[8], m[8];
+            scales_k(p + 4, sc, m);
+            const uint8_t *qs = p + (five ? 48 : 16);
+            __m256i qh = _mm256_setzero_si256();
+            if (five) qh = _mm256_loadu_si256((const __m256i *)(p + 16));
+            float mins = 0.0f;
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i lo = _mm256_and_si256(v, lo4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+                const int j0 = 2 * c, j1 = 2 * c + 1;
+                if (five) {
+                    const __m256i b0 = _mm256_set1_epi8((char)(1 << j0));
+                    const __m256i b1 = _mm256_set1_epi8((char)(1 << j1));
+                    const __m256i h0 = _mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0);
+                    const __m256i h1 = _mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1);
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(h0, _mm256_set1_epi8(0x10)));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(h1, _mm256_set1_epi8(0x10)));
+                }
+                const __m256i p0 = dot_us(lo, loadx(x, 8 * sb + j0));
+                const __m256i p1 = dot_us(hi, loadx(x, 8 * sb + j1));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d * sc[j0] * xd[j0]),
+                                         acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d * sc[j1] * xd[j1]),
+                                         acc[r]);
+                mins += (float)m[j0] * xs[j0] + (float)m[j1] * xs[j1];
+            }
+            cs[r] -= dmin * mins;
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = hsum(acc[r]) + cs[r];
+}
+
+/* Q6_K (210 bytes: ql[128], qh[64], int8 scales[16], d). Half h (128 weights) uses ql[64h ..
+ * 64h+63] and qh[32h .. 32h+31]; its group s (32 weights, s = 0..3) takes nibble s/2 of
+ * ql[64h + 32(s%2) + i] and bits 2s, 2s+1 of qh[32h + i] as bits 4, 5; w = d*scale[16th]*(q-32). */
+INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, int nsb, float *y,
+                     const uint8_t *pf) {
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), lo2 = _mm256_set1_epi8(0x03);
+    const __m256i k32 = _mm256_set1_epi8(32);
+    for (int sb = 0; sb < nsb; sb++) {
+        if (pf) prefetch(pf + (size_t)sb * R * 210, R * 210);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (size_t)r * rb + (size_t)sb * 210;
+            const int8_t *sc = (const int8_t *)(p + 192);
+            const float d = f16(p + 208);
+            for (int h = 0; h < 2; h++) {
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+                for (int s = 0; s < 4; s++) {
+                    const int g = 4 * h + s;
+                    __m256i l = (s & 1) ? l1 : l0;
+                    l = (s >> 1) ? _mm256_srli_epi16(l, 4) : l;
+                    l = _mm256_and_si256(l, lo4);
+                    __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), lo2);
+                    const __m256i q = _mm256_or_si256(l, _mm256_slli_epi16(hb, 4));
+                    const __m256i xv = loadx(x, 8 * sb + g);
+                    const __m256i p16 =
+                        _mm256_sub_epi16(_mm256_maddubs_epi16(q, xv), _mm256_maddubs_epi16(k32, xv));
+                    const __m256i scv =
+                        _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
+                    const __m256i p32 = _mm256_madd_epi16(p16, scv);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32),
+                                             _mm256_set1_ps(d * x->d[8 * sb + g]), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = hsum(acc[r]);
+}
+
+/* ------------------------------------------------------------------ F16 rows, fp32 x */
+
+INLINE void rows_f16(const uint8_t *w, size_t rb, const int R, const si_xq *x, int cols, float *y,
+                     const uint8_t *pf) {
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int c = 0; c < cols; c += 8) {
+        const __m256 xv = _mm256_loadu_ps(x->f + c);
+        if (pf) prefetch(pf + (size_t)c * 2 * R, 16 * R);
+        for (int r = 0; r < R; r++) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)(w + (size_t)r * rb + 2 * (size_t)c));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(h), xv, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = hsum(acc[r]);
+}
+
+/* ------------------------------------------------------------------ entry points */
+
+#define WALK(call4, call1)                                                                     \
+    do {                                                                                       \
+        int r = 0;                                                                             \
+        for (; r + 4 <= nrows; r += 4) call4;                                                  \
+        for (; r < nrows; r++) call1;                                                          \
+    } while (0)
+
+void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *x, int cols,
+                 float *y) {
+    const int nb = cols / 32, nsb = cols / 256;
+#define NEXT (w + (r + 4) * rb)
+#define B32(T, S)                                                                              \
+    WALK(rows_b32(T, S, w + r * rb, rb, 4, x, nb, y + r, NEXT),                                \
+         rows_b32(T, S, w + r * rb, rb, 1, x, nb, y + r, NULL))
+    switch (type) {
+    case SI_Q4_0: B32(SI_Q4_0, 18); break;
+    case SI_Q4_1: B32(SI_Q4_1, 20); break;
+    case SI_Q5_0: B32(SI_Q5_0, 22); break;
+    case SI_Q5_1: B32(SI_Q5_1, 24); break;
+    case SI_Q8_0: B32(SI_Q8_0, 34); break;
+    case SI_Q4_K:
+        WALK(rows_k45(0, w + r * rb, rb, 4, x, nsb, y + r, NEXT),
+             rows_k45(0, w + r * rb, rb, 1, x, nsb, y + r, NULL));
+        break;
+    case SI_Q5_K:
+        WALK(rows_k45(1, w + r * rb, rb, 4, x, nsb, y + r, NEXT),
+             rows_k45(1, w + r * rb, rb, 1, x, nsb, y + r, NULL));
+        break;
+    case SI_Q6_K:
+        WALK(rows_q6k(w + r * rb, rb, 4, x, nsb, y + r, NEXT),
+             rows_q6k(w + r * rb, rb, 1, x, nsb, y + r, NULL));
+        break;
+    case SI_F16:
+        WALK(rows_f16(w + r * rb, rb, 4, x, cols, y + r, NEXT),
+             rows_f16(w + r * rb, rb, 1, x, cols, y + r, NULL));
+        break;
+    default: break;
+    }
+#undef B32
+#undef NEXT
+}
+
+/* x (cols, a multiple of 32) -> blocks of 32: d = max|x|/127, q = round-to-even(x/d) as
+ * x * (1/d), s = d * sum(q). */
+void FN(si_quantize_x)(const float *x, int cols, int8_t *q, float *d, float *s) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int b = 0; b < cols / 32; b++) {
+        const float *xb = x + 32 * (size_t)b;
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            m = _mm256_max_ps(m, _mm256_and_ps(v[i], absmask));
+        }
+        __m128 a = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+        a = _mm_max_ss(a, _mm_movehdup_ps(a));
+        const float amax = _mm_cvtss_f32(a);
+        const float db = amax / 127.0f;
+        const float id = db != 0.0f ? 1.0f / db : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i iv[4];
+        for (int i = 0; i < 4; i++) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
+        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        const int isum = _mm_cvtsi128_si32(s4);
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+        p = _mm256_permutevar8x32_epi32(p, perm);
+        _mm256_storeu_si256((__m256i *)(q + 32 * (size_t)b), p);
+        d[b] = db;
+        s[b] = db * (float)isum;
+    }
+}

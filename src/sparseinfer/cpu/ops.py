@@ -1,0 +1,243 @@
+"""The ctypes wrapper of the C kernel library (``libsicpu.so``); its public names are re-exported
+by ``sparseinfer.cpu`` (see the package docstring). Importing this module loads the library and
+raises ``CpuLibraryError`` if it is missing or was built from other sources.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..errors import SparseInferError
+from . import build as _build
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "TYPES",
+    "CpuLibraryError",
+    "GemvPlan",
+    "QuantMatrix",
+    "available_isas",
+    "gemm",
+    "gemv",
+    "get_isa",
+    "get_threads",
+    "quantize_x",
+    "set_isa",
+    "set_spin_us",
+    "set_threads",
+]
+
+# GGUF type name -> library type code (enum si_type in qgemv.h), block elements, block bytes.
+TYPES: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (0, 32, 18),
+    "Q4_1": (1, 32, 20),
+    "Q5_0": (2, 32, 22),
+    "Q5_1": (3, 32, 24),
+    "Q8_0": (4, 32, 34),
+    "Q4_K": (5, 256, 144),
+    "Q5_K": (6, 256, 176),
+    "Q6_K": (7, 256, 210),
+    "F16": (8, 1, 2),
+}
+ISAS = {"avx2": 0, "avx512": 1}
+ABI_VERSION = 3
+
+
+class CpuLibraryError(SparseInferError):
+    """The C kernel library is missing, stale or unusable on this machine."""
+
+
+def _load() -> ctypes.CDLL:
+    fix = f"run ./install.sh (or `{_build.BUILD_COMMAND}`) to build it"
+    if not _build.LIB.exists():
+        raise CpuLibraryError(f"the C kernel library {_build.LIB} is not built: {fix}")
+    try:
+        lib = ctypes.CDLL(str(_build.LIB))
+    except OSError as e:
+        raise CpuLibraryError(f"cannot load {_build.LIB} ({e}): {fix}") from e
+    lib.si_source_hash.restype = ctypes.c_char_p
+    built, want = lib.si_source_hash().decode(), _build.source_hash()
+    if built != want or lib.si_abi_version() != ABI_VERSION:
+        raise CpuLibraryError(f"{_build.LIB} is stale: built from sources {built}, expected {want}"
+                              f": {fix}")
+    vp, i64, ci = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.si_gemv.argtypes = [ci, vp, vp, vp, ci, vp, vp]
+    lib.si_gemm.argtypes = [ci, vp, i64, ci, vp, i64, vp]
+    lib.si_quantize_x.argtypes = [vp, ci, vp, vp, vp]
+    if lib.si_get_isa() < 0:
+        raise CpuLibraryError("this CPU has neither AVX2+FMA nor AVX-512: the C kernels need one")
+    return lib
+
+
+_lib = _load()
+_gemv = _lib.si_gemv
+_ERRORS = {22: "invalid argument", 12: "out of memory", 19: "no instruction set selected"}
+
+
+def _check(rc: int, what: str) -> None:
+    if rc:
+        raise RuntimeError(f"{what} failed in the C library: {_ERRORS.get(rc, f'error {rc}')}")
+
+
+def available_isas() -> list[str]:
+    """The kernel variants this CPU can run, e.g. ``["avx2", "avx512"]``."""
+    return [name for name, code in ISAS.items() if _lib.si_isa_supported(code)]
+
+
+def set_isa(name: str = "auto") -> None:
+    """Use the ``"avx2"`` or ``"avx512"`` kernels, or ``"auto"`` (the best this CPU has)."""
+    if name == "auto":
+        name = available_isas()[-1]
+    if name not in ISAS:
+        raise ValueError(f"isa: expected one of {['auto', *ISAS]}, got {name!r}")
+    if _lib.si_set_isa(ISAS[name]) != 0:
+        raise ValueError(f"isa: this CPU supports {available_isas()}, got {name!r}")
+
+
+def get_isa() -> str:
+    code = _lib.si_get_isa()
+    return next(name for name, c in ISAS.items() if c == code)
+
+
+def set_threads(n: int) -> None:
+    """Threads for every call (the calling thread included); the pool is started here, once."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"threads: expected an int >= 1, got {n!r}")
+    _check(_lib.si_set_threads(n), f"set_threads({n})")
+
+
+def get_threads() -> int:
+    return _lib.si_get_threads()
+
+
+def set_spin_us(us: int) -> None:
+    """How long an idle worker (or the waiting caller) spins before it sleeps, in µs."""
+    _lib.si_set_spin_us(int(us))
+
+
+def _ptr(a: torch.Tensor | np.ndarray) -> int:
+    if isinstance(a, torch.Tensor):
+        return a.data_ptr()
+    return a.__array_interface__["data"][0]
+
+
+def _check_f32(a: torch.Tensor | np.ndarray, shape: tuple[int, ...], what: str) -> None:
+    if isinstance(a, torch.Tensor):
+        ok = a.dtype == torch.float32 and a.is_contiguous() and a.device.type == "cpu"
+    elif isinstance(a, np.ndarray):
+        ok = a.dtype == np.float32 and a.flags.c_contiguous
+    else:
+        raise ValueError(f"{what}: expected a float32 torch tensor or numpy array, got "
+                         f"{type(a).__name__}")
+    if not ok or tuple(a.shape) != shape:
+        raise ValueError(f"{what}: expected contiguous float32 {list(shape)}, got {a.dtype} "
+                         f"{list(a.shape)}")
+
+
+class QuantMatrix:
+    """A ``rows × cols`` weight matrix held as GGUF blocks of type ``type_name``.
+
+    ``raw``: the tensor's bytes (uint8 numpy array, e.g. a read-only memmap, or a uint8 torch
+    tensor), ``rows · cols / block_elems · block_bytes`` of them, C-contiguous. It is referenced,
+    not copied: keep it alive and unchanged while this object is used (this object holds it).
+    """
+
+    __slots__ = ("type_name", "raw", "rows", "cols", "code", "ptr", "nbytes")
+
+    def __init__(self, type_name: str, raw: np.ndarray | torch.Tensor, rows: int, cols: int):
+        if type_name not in TYPES:
+            raise ValueError(f"type: expected one of {list(TYPES)}, got {type_name!r}")
+        code, elems, size = TYPES[type_name]
+        step = max(elems, 32)
+        if rows < 1 or cols < step or cols % step:
+            raise ValueError(f"{type_name} matrix: expected rows >= 1 and cols a multiple of "
+                             f"{step}, got rows={rows} cols={cols}")
+        if isinstance(raw, torch.Tensor):
+            ok = raw.dtype == torch.uint8 and raw.is_contiguous() and raw.device.type == "cpu"
+        elif isinstance(raw, np.ndarray):
+            ok = raw.dtype == np.uint8 and raw.flags.c_contiguous
+        else:
+            raise ValueError(f"raw: expected a uint8 numpy array or torch tensor, got "
+                             f"{type(raw).__name__}")
+        if not ok:
+            raise ValueError(f"raw: expected C-contiguous uint8 bytes, got {raw.dtype}")
+        nbytes = rows * (cols // elems) * size
+        if raw.size != nbytes if isinstance(raw, np.ndarray) else raw.numel() != nbytes:
+            n = raw.size if isinstance(raw, np.ndarray) else raw.numel()
+            raise ValueError(f"{type_name} [{rows}, {cols}]: expected {nbytes} bytes, got {n}")
+        self.type_name, self.raw, self.rows, self.cols = type_name, raw, rows, cols
+        self.code, self.ptr, self.nbytes = code, _ptr(raw), nbytes
+
+    def __repr__(self) -> str:
+        return f"QuantMatrix({self.type_name}, rows={self.rows}, cols={self.cols})"
+
+
+class GemvPlan:
+    """``gemv(mats, x, outs)`` with its argument arrays built once: ``plan(x)`` for the hot path
+    (``outs`` are fixed; ``x`` must be a contiguous float32 CPU tensor/array of ``cols``)."""
+
+    __slots__ = ("mats", "outs", "cols", "_n", "_types", "_ptrs", "_rows", "_outp")
+
+    def __init__(self, mats: Sequence[QuantMatrix], outs: Sequence[torch.Tensor | np.ndarray]):
+        if not mats or len(mats) != len(outs):
+            raise ValueError(f"expected as many outputs as matrices (>= 1), got {len(mats)} "
+                             f"matrices and {len(outs)} outputs")
+        if len(mats) > 16:
+            raise ValueError(f"expected at most 16 matrices per call, got {len(mats)}")
+        cols = {m.cols for m in mats}
+        if len(cols) != 1:
+            raise ValueError(f"expected matrices sharing one input width, got cols {sorted(cols)}")
+        for i, (m, o) in enumerate(zip(mats, outs)):
+            _check_f32(o, (m.rows,), f"outs[{i}]")
+        n = len(mats)
+        self.mats, self.outs, self.cols, self._n = list(mats), list(outs), cols.pop(), n
+        self._types = (ctypes.c_int * n)(*[m.code for m in mats])
+        self._ptrs = (ctypes.c_void_p * n)(*[m.ptr for m in mats])
+        self._rows = (ctypes.c_int64 * n)(*[m.rows for m in mats])
+        self._outp = (ctypes.c_void_p * n)(*[_ptr(o) for o in outs])
+
+    def __call__(self, x: torch.Tensor | np.ndarray) -> None:
+        if x.shape != (self.cols,) or x.dtype not in (torch.float32, np.float32):
+            _check_f32(x, (self.cols,), "x")
+        rc = _gemv(self._n, self._types, self._ptrs, self._rows, self.cols, _ptr(x), self._outp)
+        if rc:
+            _check(rc, "gemv")
+
+
+def gemv(mats: Sequence[QuantMatrix], x: torch.Tensor | np.ndarray,
+         outs: Sequence[torch.Tensor | np.ndarray]) -> None:
+    """``outs[i] = mats[i] @ x`` for matrices sharing one input ``x`` (float32 [cols]); each
+    ``outs[i]`` a preallocated contiguous float32 [rows_i]. ``x`` is quantized once and all the
+    rows go to the thread pool in one dispatch."""
+    _check_f32(x, (mats[0].cols if mats else 0,), "x")
+    GemvPlan(mats, outs)(x)
+
+
+def gemm(mat: QuantMatrix, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ mat.T`` for ``x`` float32 [T, cols] (e.g. a prompt): [T, rows] (into ``out`` if
+    given). Each weight tile is read once and multiplied with every row of ``x``."""
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [T, {mat.cols}], got {list(x.shape)}")
+    T = x.shape[0]
+    _check_f32(x, (T, mat.cols), "x")
+    if out is None:
+        out = torch.empty(T, mat.rows)
+    _check_f32(out, (T, mat.rows), "out")
+    _check(_lib.si_gemm(mat.code, mat.ptr, mat.rows, mat.cols, _ptr(x), T, _ptr(out)), "gemm")
+    return out
+
+
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 blocks the kernels make of ``x`` (float32 [cols]): ``(q [cols] int8, d [cols/32],
+    s [cols/32])`` with ``x ≈ q · d`` per block and ``s = d · sum(q)``."""
+    cols = x.shape[-1]
+    _check_f32(x, (cols,), "x")
+    q, d, s = torch.empty(cols, dtype=torch.int8), torch.empty(cols // 32), torch.empty(cols // 32)
+    _check(_lib.si_quantize_x(_ptr(x), cols, _ptr(q), _ptr(d), _ptr(s)), "quantize_x")
+    return q, d, s

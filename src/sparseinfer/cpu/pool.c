@@ -1,0 +1,354 @@
+/* sparseinfer CPU library: ISA selection, a persistent thread pool, and the exported calls.
+ *
+ * This file is compiled for baseline x86-64; the kernels (kernels.c) are compiled once per ISA
+ * and chosen at run time with __builtin_cpu_supports (never AMX).
+ *
+ * Pool: n-1 worker threads plus the calling thread. A call publishes a job (chunks of rows),
+ * bumps a generation word and wakes sleepers; everyone claims chunks with a compare-and-swap on
+ * a counter tagged with the generation (a late worker can never run a chunk of a newer job
+ * with an older job's arguments); the caller waits until all chunks are done. Idle workers
+ * spin for a short, settable time (si_set_spin_us), then sleep on a futex: on a busy machine a
+ * pool that spins forever steals the CPU from the thread it waits for.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#include <immintrin.h>
+
+#include "qgemv.h"
+
+#define SI_ABI_VERSION 3
+#define MAX_THREADS 256
+#define MAX_MATS 16
+
+/* ------------------------------------------------------------------ types */
+
+static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1};
+static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2};
+
+int si_abi_version(void) { return SI_ABI_VERSION; }
+int si_block_elems(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_ELEMS[type] : 0; }
+int si_block_bytes(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_BYTES[type] : 0; }
+
+/* ------------------------------------------------------------------ ISA */
+
+typedef void (*rows_fn)(int, const uint8_t *, size_t, int, const si_xq *, int, float *);
+typedef void (*quant_fn)(const float *, int, int8_t *, float *, float *);
+
+enum { ISA_AVX2 = 0, ISA_AVX512 = 1 };
+static int g_isa = -1;
+static rows_fn g_rows;
+static quant_fn g_quant;
+
+int si_isa_supported(int isa) {
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (isa == ISA_AVX2) return avx2;
+    if (isa == ISA_AVX512)
+        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    return 0;
+}
+
+int si_set_isa(int isa) {
+    if (!si_isa_supported(isa)) return -1;
+    g_isa = isa;
+    g_rows = isa == ISA_AVX512 ? si_rows_avx512 : si_rows_avx2;
+    g_quant = isa == ISA_AVX512 ? si_quantize_x_avx512 : si_quantize_x_avx2;
+    return 0;
+}
+
+int si_get_isa(void) { return g_isa; }
+
+/* ------------------------------------------------------------------ futex helpers */
+
+static void futex_wait(atomic_int *addr, int val) {
+    syscall(SYS_futex, (int *)addr, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
+}
+static void futex_wake(atomic_int *addr, int n) {
+    syscall(SYS_futex, (int *)addr, FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
+}
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Spin (with pause) until *addr != val or the spin budget is used; 1 if it changed. */
+static atomic_int g_spin_us = 50;
+static int spin_while_eq(atomic_int *addr, int val) {
+    const int64_t budget = (int64_t)atomic_load_explicit(&g_spin_us, memory_order_relaxed) * 1000;
+    if (budget <= 0) return atomic_load(addr) != val;
+    const int64_t t0 = now_ns();
+    for (unsigned i = 1;; i++) {
+        if (atomic_load_explicit(addr, memory_order_acquire) != val) return 1;
+        _mm_pause();
+        if ((i & 255) == 0 && now_ns() - t0 > budget) return 0;
+    }
+}
+
+/* ------------------------------------------------------------------ pool */
+
+typedef void (*chunk_fn)(const void *job, int64_t chunk);
+
+static struct {
+    atomic_int gen;          /* futex word: bumped once per job */
+    atomic_int sleepers;     /* workers inside futex_wait on gen */
+    atomic_llong next;       /* (gen << 32) | next chunk index */
+    atomic_int done;         /* chunks finished in the current job (futex word for the caller) */
+    atomic_int caller_sleeps;
+    chunk_fn fn;
+    const void *job;
+    int64_t n_chunks;
+    int stop;
+    int n_workers;
+    pthread_t th[MAX_THREADS];
+} P;
+
+static pthread_mutex_t g_call_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Claim and run chunks of job generation `gen` until none are left. */
+static void run_chunks(int gen) {
+    for (;;) {
+        long long v = atomic_load(&P.next);
+        if ((int)(v >> 32) != gen) return;
+        const int64_t c = v & 0xffffffffLL;
+        if (c >= P.n_chunks) return;
+        if (!atomic_compare_exchange_weak(&P.next, &v, v + 1)) continue;
+        P.fn(P.job, c); /* the job's fields are stable until all its chunks are done */
+        const int d = atomic_fetch_add(&P.done, 1) + 1;
+        if (d == P.n_chunks && atomic_load(&P.caller_sleeps)) futex_wake(&P.done, 1);
+    }
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    int seen = atomic_load(&P.gen);
+    for (;;) {
+        if (!spin_while_eq(&P.gen, seen)) {
+            atomic_fetch_add(&P.sleepers, 1);
+            while (atomic_load(&P.gen) == seen) futex_wait(&P.gen, seen);
+            atomic_fetch_sub(&P.sleepers, 1);
+        }
+        seen = atomic_load(&P.gen);
+        if (P.stop) return NULL;
+        run_chunks(seen);
+    }
+}
+
+static void pool_stop(void) {
+    if (P.n_workers == 0) return;
+    P.stop = 1;
+    atomic_fetch_add(&P.gen, 1);
+    futex_wake(&P.gen, INT_MAX);
+    for (int i = 0; i < P.n_workers; i++) pthread_join(P.th[i], NULL);
+    P.n_workers = 0;
+    P.stop = 0;
+}
+
+/* n threads in all (the caller is one of them). 0 on success, else an errno value. */
+int si_set_threads(int n) {
+    if (n < 1 || n > MAX_THREADS) return EINVAL;
+    pthread_mutex_lock(&g_call_lock);
+    pool_stop();
+    int err = 0;
+    for (int i = 0; i < n - 1; i++) {
+        err = pthread_create(&P.th[i], NULL, worker, NULL);
+        if (err) break;
+        P.n_workers++;
+    }
+    pthread_mutex_unlock(&g_call_lock);
+    return err;
+}
+
+int si_get_threads(void) { return P.n_workers + 1; }
+void si_set_spin_us(int us) { atomic_store(&g_spin_us, us < 0 ? 0 : us); }
+
+/* Run fn(job, c) for c in [0, n_chunks) on the pool; returns when all are done. */
+static void pool_run(chunk_fn fn, const void *job, int64_t n_chunks) {
+    if (n_chunks <= 0) return;
+    if (P.n_workers == 0 || n_chunks == 1) {
+        for (int64_t c = 0; c < n_chunks; c++) fn(job, c);
+        return;
+    }
+    P.fn = fn;
+    P.job = job;
+    P.n_chunks = n_chunks;
+    atomic_store(&P.done, 0);
+    atomic_store(&P.caller_sleeps, 0);
+    const int gen = atomic_load(&P.gen) + 1;
+    atomic_store(&P.next, (long long)gen << 32);
+    atomic_store(&P.gen, gen);
+    if (atomic_load(&P.sleepers) > 0) futex_wake(&P.gen, INT_MAX);
+    run_chunks(gen);
+    const int n = (int)n_chunks;
+    if (atomic_load(&P.done) != n) {
+        for (;;) {
+            int d = atomic_load(&P.done);
+            if (d == n) break;
+            if (spin_while_eq(&P.done, d)) continue;
+            atomic_store(&P.caller_sleeps, 1);
+            while ((d = atomic_load(&P.done)) != n) futex_wait(&P.done, d);
+            break;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ activation scratch */
+
+static struct {
+    int8_t *q;
+    float *d, *s;
+    si_xq *xq;
+    size_t cap_q, cap_b, cap_t;
+} S;
+
+static int scratch(size_t nq, size_t nb, size_t nt) {
+    if (nq > S.cap_q) {
+        free(S.q);
+        S.q = aligned_alloc(64, (nq + 63) / 64 * 64);
+        S.cap_q = S.q ? nq : 0;
+        if (!S.q) return ENOMEM;
+    }
+    if (nb > S.cap_b) {
+        free(S.d);
+        free(S.s);
+        S.d = malloc(nb * sizeof(float));
+        S.s = malloc(nb * sizeof(float));
+        S.cap_b = S.d && S.s ? nb : 0;
+        if (!S.cap_b) return ENOMEM;
+    }
+    if (nt > S.cap_t) {
+        free(S.xq);
+        S.xq = malloc(nt * sizeof(si_xq));
+        S.cap_t = S.xq ? nt : 0;
+        if (!S.xq) return ENOMEM;
+    }
+    return 0;
+}
+
+/* Quantize T rows of x [T, cols] into the scratch; S.xq[t] describes row t. */
+static int quantize_rows(const float *x, int64_t T, int cols, int need_q) {
+    const size_t nb = (size_t)cols / 32;
+    int err = scratch(need_q ? (size_t)T * cols : 1, need_q ? (size_t)T * nb : 1, (size_t)T);
+    if (err) return err;
+    for (int64_t t = 0; t < T; t++) {
+        si_xq *xq = &S.xq[t];
+        xq->f = x + t * (size_t)cols;
+        xq->q = S.q + t * (size_t)cols;
+        xq->d = S.d + t * nb;
+        xq->s = S.s + t * nb;
+        if (need_q) g_quant(xq->f, cols, S.q + t * (size_t)cols, S.d + t * nb, S.s + t * nb);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ GEMV / GEMM jobs */
+
+typedef struct {
+    int nmat, cols, ch;
+    int64_t T;
+    int type[MAX_MATS];
+    const uint8_t *w[MAX_MATS];
+    int64_t rows[MAX_MATS];
+    size_t rb[MAX_MATS];
+    float *out[MAX_MATS];
+    int64_t first[MAX_MATS + 1]; /* first chunk of each matrix */
+    rows_fn rows_kernel;
+    const si_xq *xq;
+} job_t;
+
+static void gemv_chunk(const void *jp, int64_t c) {
+    const job_t *j = jp;
+    int i = 0;
+    while (c >= j->first[i + 1]) i++;
+    const int64_t r0 = (c - j->first[i]) * j->ch;
+    const int64_t r1 = r0 + j->ch < j->rows[i] ? r0 + j->ch : j->rows[i];
+    for (int64_t t = 0; t < j->T; t++)
+        j->rows_kernel(j->type[i], j->w[i] + r0 * j->rb[i], j->rb[i], (int)(r1 - r0), &j->xq[t],
+                       j->cols, j->out[i] + t * j->rows[i] + r0);
+}
+
+static int check_mat(int type, int64_t rows, int cols) {
+    if (type < 0 || type >= SI_N_TYPES || rows < 0 || cols <= 0 || cols % 32 ||
+        cols % BLOCK_ELEMS[type])
+        return EINVAL;
+    return 0;
+}
+
+/* outs[i][t * rows[i] + r] = sum_c W_i[r, c] * x[t, c] for T rows of x, all matrices sharing
+ * cols. Returns 0, EINVAL (bad type/shape), ENOMEM or ENODEV (no ISA selected). */
+static int run(int nmat, const int *types, const void *const *w, const int64_t *rows, int cols,
+               const float *x, int64_t T, float *const *outs) {
+    if (nmat < 1 || nmat > MAX_MATS || T < 1) return EINVAL;
+    if (g_isa < 0) return ENODEV;
+    job_t j;
+    j.nmat = nmat;
+    j.cols = cols;
+    j.T = T;
+    j.rows_kernel = g_rows;
+    int need_q = 0;
+    int64_t total_rows = 0;
+    for (int i = 0; i < nmat; i++) {
+        int err = check_mat(types[i], rows[i], cols);
+        if (err) return err;
+        j.type[i] = types[i];
+        j.w[i] = w[i];
+        j.rows[i] = rows[i];
+        j.rb[i] = (size_t)cols / BLOCK_ELEMS[types[i]] * BLOCK_BYTES[types[i]];
+        j.out[i] = outs[i];
+        need_q |= types[i] != SI_F16;
+        total_rows += rows[i];
+    }
+    /* chunk rows: a multiple of 4, at least 16, about 8 chunks per thread */
+    const int nt = P.n_workers + 1;
+    int64_t ch = total_rows / (8 * nt);
+    ch = ch < 16 ? 16 : ch > 64 ? 64 : ch;
+    if (T > 1) ch = 16;
+    j.ch = (int)(ch & ~3LL);
+    j.first[0] = 0;
+    for (int i = 0; i < nmat; i++) j.first[i + 1] = j.first[i] + (rows[i] + j.ch - 1) / j.ch;
+    pthread_mutex_lock(&g_call_lock);
+    int err = quantize_rows(x, T, cols, need_q);
+    if (!err) {
+        j.xq = S.xq;
+        pool_run(gemv_chunk, &j, j.first[nmat]);
+    }
+    pthread_mutex_unlock(&g_call_lock);
+    return err;
+}
+
+int si_gemv(int nmat, const int *types, const void *const *w, const int64_t *rows, int cols,
+            const float *x, float *const *outs) {
+    return run(nmat, types, w, rows, cols, x, 1, outs);
+}
+
+int si_gemm(int type, const void *w, int64_t rows, int cols, const float *x, int64_t T, float *out) {
+    return run(1, &type, &w, &rows, cols, x, T, &out);
+}
+
+/* The activation quantization alone (for tests: x -> q, d, s as the kernels see it). */
+int si_quantize_x(const float *x, int cols, int8_t *q, float *d, float *s) {
+    if (g_isa < 0) return ENODEV;
+    if (cols <= 0 || cols % 32) return EINVAL;
+    g_quant(x, cols, q, d, s);
+    return 0;
+}
+
+__attribute__((constructor)) static void si_init(void) {
+    if (si_set_isa(ISA_AVX512) != 0) si_set_isa(ISA_AVX2);
+}
+
+#ifndef SI_SOURCE_HASH
+#define SI_SOURCE_HASH "unknown"
+#endif
+const char *si_source_hash(void) { return SI_SOURCE_HASH; }
