@@ -53,6 +53,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     pos: str = "rope"  # "rope" | "learned"
     rope_theta: float = 10000.0
+    # rope over adjacent pairs (2i, 2i+1) instead of halves (i, i + hd/2): how llama.cpp's GGUF
+    # files order Q/K rows, so their weights are used as stored (no row permutation)
+    rope_interleaved: bool = False
     pos_offset: int = 0  # learned positions: OPT stores 2 extra rows in front
     attn_bias: bool = False  # q/k/v/o biases
     ffn_bias: bool = False  # up/down biases (ungated MLPs)

@@ -233,14 +233,17 @@ class StopStrings:
 
 
 def set_threads(n: int) -> None:
-    """Use ``n`` threads for torch and for the sparse kernels."""
+    """Use ``n`` threads for torch, the numba kernels and the C kernels (``sparseinfer.cpu``)."""
     import torch
+
+    from .quant.linear import ggml_kernels_available
+    from .sparse.kernels import set_threads as set_kernel_threads
 
     if n < 1:
         raise SparseInferError(f"threads: expected a positive number, got {n}")
     torch.set_num_threads(n)
-    try:
-        from .sparse.kernels import set_threads as set_kernel_threads
-    except ImportError:
-        return
     set_kernel_threads(n)
+    if ggml_kernels_available():
+        from . import cpu
+
+        cpu.set_threads(n)

@@ -25,16 +25,18 @@ def test_rms_norm_matches_reference(d, with_add):
 
 @pytest.mark.parametrize("nh,nkv,hd", [(4, 4, 16), (9, 3, 64), (8, 2, 32), (6, 1, 8)])
 @pytest.mark.parametrize("pos", [0, 1, 37, 200])
-def test_attend_matches_reference(nh, nkv, hd, pos):
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_attend_matches_reference(nh, nkv, hd, pos, interleaved):
     torch.manual_seed(nh * 1000 + pos)
     S = 256
     cos_t, sin_t = rope_tables(type("C", (), {"head_dim": hd, "rope_theta": 10000.0})(), S)
     qkv = torch.randn((nh + 2 * nkv) * hd)
     kc, vc = torch.randn(nkv, S, hd), torch.randn(nkv, S, hd)
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    want = attend_ref(qkv.clone(), kc_ref, vc_ref, pos, cos_t[pos], sin_t[pos], nh, nkv)
+    want = attend_ref(qkv.clone(), kc_ref, vc_ref, pos, cos_t[pos], sin_t[pos], nh, nkv,
+                      interleaved)
     got = attend(qkv.clone(), kc, vc, pos, cos_t[pos], sin_t[pos], nh, nkv, torch.empty(S),
-                 torch.empty(nh * hd))
+                 torch.empty(nh * hd), interleaved)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(kc, kc_ref, rtol=1e-5, atol=1e-6)  # the new key, rotated
     torch.testing.assert_close(vc, vc_ref)
@@ -81,3 +83,22 @@ def test_fused_decode_declines_other_models(tiny_model_dir):
 
     assert load(tiny_model_dir("opt"), "fp32", fused=True).plan.fused_decode is False
     assert load(tiny_model_dir("swiglu"), "bf16", fused=True).plan.fused_decode is False
+
+
+def test_interleaved_rope_equals_rotate_half_on_permuted_rows():
+    """Rope over adjacent pairs on llama.cpp-permuted rows equals rotate-half rope on the
+    original rows, up to the same permutation of the head dimension (which attention scores
+    do not see)."""
+    from sparseinfer.models.loading import permute_qk
+    from sparseinfer.models.model import apply_rope
+
+    torch.manual_seed(0)
+    nh, hd, T = 3, 16, 5
+    cos, sin = rope_tables(type("C", (), {"head_dim": hd, "rope_theta": 10000.0})(), T)
+    x = torch.randn(1, nh, T, hd)
+    perm = permute_qk(torch.arange(nh * hd), nh).view(nh, hd) % hd  # per-head dim order
+    xp = torch.stack([x[:, h, :, perm[h]] for h in range(nh)], dim=1)
+    want = apply_rope(x, cos, sin)
+    got = apply_rope(xp, cos, sin, interleaved=True)
+    wantp = torch.stack([want[:, h, :, perm[h]] for h in range(nh)], dim=1)
+    torch.testing.assert_close(got, wantp)

@@ -117,17 +117,16 @@ def test_int8_linear_matches_float_reference():
     assert float((one - x[1] @ w.T).abs().max()) <= 0.02 * float(one.abs().max())
 
 
-def test_smollm2_auto_keeps_the_files_blocks(smollm2):
-    """--dtype auto on the Q4_1 file: every projection is the file's own 4-bit blocks (fused,
-    un-permuted), multiplying by the fp32 model's weights (gguf-py dequantization) up to
-    bfloat16 scales; perplexity within 1% of fp32 on real text."""
+def test_smollm2_q4_keeps_the_files_blocks(smollm2):
+    """--dtype q4 on the Q4_1 file: every projection is the file's own 4-bit blocks in torch's
+    int4 layout (fused, un-permuted), multiplying by the fp32 model's weights (gguf-py
+    dequantization) up to bfloat16 scales; perplexity within 1% of fp32 on real text."""
     from sparseinfer.models.build import load
 
-    q4 = load(smollm2.path, "auto", max_seq_len=2048)
+    q4 = load(smollm2.path, "q4", max_seq_len=2048)
     storages = {(w.storage, w.origin) for w in q4.plan.weights if w.module.startswith("layers.")}
     assert storages == {("q4", "file blocks")}
     assert q4.plan.weight("lm_head").storage == "int8"
-    assert q4.plan.weight("tok_emb").storage == "file"  # rows stay in the mapped file
     for i in (0, smollm2.config.n_layers - 1):
         ref_blk, q_blk = smollm2.model.layers[i], q4.model.layers[i]
         for ref_lin, q_lin in ((ref_blk.attn.wqkv, q_blk.attn.wqkv), (ref_blk.attn.wo, q_blk.attn.wo),
@@ -143,6 +142,31 @@ def test_smollm2_auto_keeps_the_files_blocks(smollm2):
     p32 = perplexity(smollm2.model, ids, 256, None, 3).ppl
     p4 = perplexity(q4.model, ids, 256, None, 3).ppl
     assert abs(p4 / p32 - 1) < 0.01, (p32, p4)
+
+
+def test_smollm2_auto_runs_the_files_blocks_in_place(smollm2):
+    """--dtype auto: the C kernels read the file's own Q4_1 / Q8_0 blocks (views of the map);
+    each fused module multiplies by exactly the fp32 model's weights, and perplexity stays
+    within 1% of fp32 (the input rounded to int8 blocks is the only approximation)."""
+    from sparseinfer.models.build import load
+    from sparseinfer.quant.linear import GGMLLinear
+
+    lm = load(smollm2.path, "auto", max_seq_len=2048)
+    assert {w.storage for w in lm.plan.weights if w.module != "tok_emb"} == {"ggml"}
+    for i in (0, smollm2.config.n_layers - 1):
+        for name in ("attn.wqkv", "attn.wo", "ffn.w_in", "ffn.down"):
+            owner, attr = name.split(".")
+            ours = getattr(getattr(lm.model.layers[i], owner), attr)
+            ref = getattr(getattr(smollm2.model.layers[i], owner), attr)
+            assert isinstance(ours, GGMLLinear)
+            torch.testing.assert_close(ours.dequantized(), ref.weight, rtol=0, atol=0)
+    from sparseinfer.data import HELDOUT_TEXT
+    from sparseinfer.perplexity import perplexity
+
+    ids = smollm2.tokenizer.encode(HELDOUT_TEXT.read_text(encoding="utf-8")[:6000])
+    p32 = perplexity(smollm2.model, ids, 256, None, 3).ppl
+    pq = perplexity(lm.model, ids, 256, None, 3).ppl
+    assert abs(pq / p32 - 1) < 0.01, (p32, pq)
 
 
 def test_requantized_tiny_model_equals_its_dequantized_weights(tiny_model_dir):

@@ -44,19 +44,25 @@ def _rms_norm(x, add, w, eps, out):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=True, nogil=True)
-def _attend(qkv, kc, vc, pos, cos, sin, nh, nkv, scale, scores, out):  # pragma: no cover
+def _attend(qkv, kc, vc, pos, cos, sin, nh, nkv, scale, scores, out,
+            interleaved=False):  # pragma: no cover
     hd = kc.shape[2]
     half = hd // 2
     group = nh // nkv
     ko = nh * hd
     vo = ko + nkv * hd
-    # rope on every q and k head (rotate-half layout), in place in qkv; k/v into the cache
+    # rope on every q and k head (rotate-half or interleaved pairs), in place in qkv; k/v into
+    # the cache
     for h in range(nh + nkv):
         base = h * hd
         for j in range(half):
-            a, b = qkv[base + j], qkv[base + half + j]
-            qkv[base + j] = a * cos[j] - b * sin[j]
-            qkv[base + half + j] = b * cos[half + j] + a * sin[half + j]
+            if interleaved:
+                i0, i1 = base + 2 * j, base + 2 * j + 1
+            else:
+                i0, i1 = base + j, base + half + j
+            a, b = qkv[i0], qkv[i1]
+            qkv[i0] = a * cos[j] - b * sin[j]
+            qkv[i1] = b * cos[half + j] + a * sin[half + j]
     for g in range(nkv):
         for j in range(hd):
             kc[g, pos, j] = qkv[ko + g * hd + j]
@@ -98,12 +104,12 @@ def rms_norm_ref(x: Tensor, add: Tensor | None, w: Tensor, eps: float) -> tuple[
 
 
 def attend_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, cos: Tensor, sin: Tensor,
-               nh: int, nkv: int) -> Tensor:
+               nh: int, nkv: int, interleaved: bool = False) -> Tensor:
     """One token's attention output (nh · hd,); writes its k/v into the (nkv, S, hd) caches."""
     hd = k_cache.shape[-1]
     q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd])
-    q = apply_rope(q.view(nh, 1, hd), cos, sin)
-    k = apply_rope(k.view(nkv, 1, hd), cos, sin)
+    q = apply_rope(q.view(nh, 1, hd), cos, sin, interleaved)
+    k = apply_rope(k.view(nkv, 1, hd), cos, sin, interleaved)
     k_cache[:, pos] = k[:, 0]
     v_cache[:, pos] = v.view(nkv, hd)
     keys, values = k_cache[:, :pos + 1], v_cache[:, :pos + 1]
@@ -125,11 +131,12 @@ def rms_norm(x: Tensor, add: Tensor | None, w: Tensor, eps: float, out: Tensor) 
 
 
 def attend(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, cos: Tensor, sin: Tensor,
-           nh: int, nkv: int, scores: Tensor, out: Tensor) -> Tensor:
+           nh: int, nkv: int, scores: Tensor, out: Tensor, interleaved: bool = False) -> Tensor:
     """``attend_ref`` as one kernel call (``qkv`` is rotated in place; ``scores`` is scratch of at
     least pos + 1 floats)."""
     _attend(qkv.numpy(), k_cache.numpy(), v_cache.numpy(), pos, cos.numpy(), sin.numpy(), nh, nkv,
-            np.float32(1.0 / math.sqrt(k_cache.shape[-1])), scores.numpy(), out.numpy())
+            np.float32(1.0 / math.sqrt(k_cache.shape[-1])), scores.numpy(), out.numpy(),
+            interleaved)
     return out
 
 
@@ -154,6 +161,7 @@ class FusedDecode:
         block = self._block[0]
         cfg = block.attn.cfg
         self.nh, self.nkv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.interleaved = bool(cfg.rope_interleaved)
         self.eps = float(block.attn_norm.eps)
         self.scale = np.float32(1.0 / math.sqrt(self.hd))
         self.wqkv, self.wo = block.attn.wqkv.forward, block.attn.wo.forward
@@ -184,7 +192,7 @@ class FusedDecode:
         if not qkv.is_contiguous():
             qkv = qkv.contiguous()
         _attend(qkv.numpy(), kc, vc, pos, self._cos[pos], self._sin[pos], self.nh,
-                self.nkv, self.scale, self._scores, self._on)
+                self.nkv, self.scale, self._scores, self._on, self.interleaved)
         a = self.wo(self._o).reshape(-1)
         _rms_norm(xn, a.numpy(), self.w_ffn, self.eps, self._hn)
         y = self.ffn(self._h.view(1, 1, -1))

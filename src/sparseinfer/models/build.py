@@ -26,7 +26,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import ModelFileError, SparseInferError
 from ..quant import blocks as qb
-from ..quant.linear import FloatLinear, Int4Linear, Int8Linear
+from ..quant.linear import FloatLinear, GGMLLinear, Int4Linear, Int8Linear
 from ..sparse.ffn import SparseFFN
 from ..sparse.packed import DTYPES as PACKED_DTYPES
 from ..sparse.packed import PackedFFN, empty_hugepages, quantize_int8, n_blocks
@@ -83,6 +83,8 @@ class PlannedModules:
 
     def linear(self, path: str, n_in: int, n_out: int, bias: bool) -> nn.Module:
         storage = self.plan.weight(path).storage
+        if storage == "ggml":
+            return GGMLLinear(n_in, n_out, bias)
         if storage == "q4":
             return Int4Linear(n_in, n_out, bias)
         if storage == "int8":
@@ -117,8 +119,8 @@ class WeightSource:
 
     def _qk_heads(self, canon: str) -> int | None:
         cfg = self.src.config
-        if self.src.format != "gguf" or cfg.pos != "rope":
-            return None  # llama.cpp permutes Q/K rows of rope models at convert time
+        if self.src.format != "gguf" or cfg.pos != "rope" or cfg.rope_interleaved:
+            return None  # llama.cpp's Q/K row order, un-permuted unless rope is interleaved
         if ".attn.wq." in canon:
             return cfg.n_heads
         if ".attn.wk." in canon:
@@ -160,6 +162,22 @@ class WeightSource:
             parts.append(b)
         return parts[0] if len(parts) == 1 else qb.Q4Blocks.cat(parts)
 
+    def ggml_parts(self) -> list[tuple[str, np.ndarray, int]]:
+        """(type, bytes, rows) of each source as stored: views of the mapped file, except Q/K
+        rows that llama.cpp permuted, which are copied back into rotate-half order."""
+        parts = []
+        for canon in self.names:
+            t = self.src.tensors[canon]
+            raw = np.asarray(t.raw())
+            raw = raw.reshape(t.shape[0], -1)
+            heads = self._qk_heads(canon)
+            if heads:
+                raw = np.ascontiguousarray(raw[unpermute_qk(torch.arange(t.shape[0]),
+                                                            heads).numpy()])
+                t.release()
+            parts.append((t.kind, raw, t.shape[0]))
+        return parts
+
     def bias(self) -> torch.Tensor | None:
         names = [n[: -len("weight")].replace("down_t.", "down.") + "bias" for n in self.names]
         for n in names:
@@ -170,7 +188,9 @@ class WeightSource:
 
 def _fill_linear(module: nn.Module, ws: WeightSource, origin: str, shape) -> None:
     bias = ws.bias() if getattr(module, "bias", None) is not None else None
-    if isinstance(module, Int4Linear):
+    if isinstance(module, GGMLLinear):
+        module.fill(ws.ggml_parts(), bias)
+    elif isinstance(module, Int4Linear):
         blocks = ws.blocks() if origin == "file blocks" else qb.quantize(ws.float())
         module.fill(blocks, bias)
     elif isinstance(module, Int8Linear):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -317,6 +317,8 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> Mod
             cfg = _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader)
     except (ValueError, TypeError) as e:
         raise ModelFileError(f"{path}: inconsistent hyper-parameters: {e}") from None
+    # llama.cpp's converter permutes Q/K rows for rope over adjacent pairs: use them as stored
+    cfg = replace(cfg, rope_interleaved=cfg.pos == "rope")
     if "rope_freqs.weight" in names:
         raise ModelFileError(f"{path}: rope frequency factors (Llama-3.1 rope scaling) are not "
                              f"supported yet")

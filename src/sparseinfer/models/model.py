@@ -74,9 +74,13 @@ def rope_tables(cfg: ModelConfig, max_seq: int) -> tuple[Tensor, Tensor]:
     return angles.cos().float(), angles.sin().float()
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: (B, H, T, hd); cos/sin: (T, hd)
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
+    # x: (B, H, T, hd); cos/sin: (T, hd), the first half of each row holding the pair angles
     half = x.shape[-1] // 2
+    if interleaved:  # pairs (2i, 2i+1) rotated by angle i
+        a, b = x[..., 0::2], x[..., 1::2]
+        c, s = cos[..., :half], sin[..., :half]
+        return torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
@@ -120,7 +124,8 @@ class Attention(nn.Module):
         v = v.view(B, T, nkv, hd).transpose(1, 2)
         if rope is not None:
             cos, sin = rope[0][pos : pos + T], rope[1][pos : pos + T]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            il = cfg.rope_interleaved
+            q, k = apply_rope(q, cos, sin, il), apply_rope(k, cos, sin, il)
         cache.k[layer, :B, :, pos : pos + T] = k
         cache.v[layer, :B, :, pos : pos + T] = v
         S = pos + T

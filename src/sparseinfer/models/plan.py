@@ -8,10 +8,12 @@ compares the total with the memory this machine has before anything is allocated
 and fills each module once from the mapped file.
 
 Storage, by ``--dtype``:
-- ``auto`` (default): every tensor keeps its file's precision. Q4_0 / Q4_1 / Q4_K projections
-  stay 4-bit (their own blocks on torch's int4 kernel: ``q4``); other quantized types (Q8_0,
-  Q5_x, Q6_K, ...) become per-row ``int8``; float tensors stay ``fp32``. Nothing is requantized
-  to fewer bits than the file has.
+- ``auto`` (default): every tensor keeps its file's precision. Quantized projections and the
+  LM head stay in the mapped file as they are (``ggml``: Q4_0 ... Q6_K blocks, computed by the
+  C kernels of ``sparseinfer.cpu``: nothing copied or repacked except the Q/K rows llama.cpp
+  permuted). Without that library: Q4_0 / Q4_1 / Q4_K become torch's int4 layout (``q4``, the
+  same blocks), other types per-row ``int8``. Float tensors stay ``fp32``. Nothing is
+  requantized to fewer bits than the file has.
 - ``q4``: every projection 4-bit (the file's blocks where it has them, else Q4_1's rule), the LM
   head int8.
 - ``fp32`` / ``bf16``: every projection in that float type.
@@ -29,6 +31,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import ModelFileError, SparseInferError
 from ..fileio import available_memory
+from ..quant.linear import ggml_kernels_available
 from .loading import ModelSource
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,7 @@ STORAGES = {
     "q4": lambda n, k: n * k // 2 + 4 * n * (k // 32),  # int4 pack + bf16 scale/zero per 32
     "int8": lambda n, k: n * k + 6 * n,  # int8 + fp32 and bf16 row scales
 }
+GGML_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # sparseinfer.cpu
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,10 @@ class Plan:
         kinds = {w.storage for w in self.weights if w.module.startswith("layers.")}
         if self.dtype != "auto":
             return self.dtype
-        return "q4" if "q4" in kinds else "int8" if "int8" in kinds else self.float_dtype
+        for k in ("ggml", "q4", "int8"):
+            if k in kinds:
+                return k
+        return self.float_dtype
 
     def needed_bytes(self, n_ctx: int) -> int:
         return self.nbytes + self.kv_bytes_per_token * n_ctx
@@ -194,6 +201,12 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                 return "fp32", "dequantized"
             return "q4", "file blocks" if file4 else "requantized"
         # auto: keep the file's precision
+        transposed = any(s.endswith("down_t.weight") for s in sources)
+        if (ks and cpu and not transposed and all(k in GGML_TYPES for k in ks)
+                and shape[1] % 256 == 0 or (ks and cpu and not transposed and shape[1] % 32 == 0
+                                            and all(k in GGML_TYPES[:5] for k in ks))):
+            if ggml_kernels_available():
+                return "ggml", "file blocks"
         if not ks or all(k in FLOAT_KINDS for k in ks) or not cpu:
             return float_dtype, "as stored" if not ks or all(k in FLOAT_KINDS for k in ks) \
                 else "dequantized"
@@ -226,8 +239,11 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
         for s in sources:
             check(s)
         storage, origin = storage_for(sources, shape, head)
-        weights.append(WeightPlan(module, storage, tuple(sources), shape,
-                                  STORAGES[storage](*shape), origin))
+        nbytes = (sum(src.tensors[s].nbytes for s in sources) if storage == "ggml"
+                  else STORAGES[storage](*shape))
+        if storage == "ggml" and sources == ["tok_emb.weight"] and weights[0].storage == "file":
+            nbytes = 0  # a tied head reads the embedding's own mapped blocks
+        weights.append(WeightPlan(module, storage, tuple(sources), shape, nbytes, origin))
 
     check("tok_emb.weight")
     emb = src.tensors["tok_emb.weight"]

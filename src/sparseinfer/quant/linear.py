@@ -224,6 +224,88 @@ class FloatLinear(torch.nn.Module):
                 f"{str(self.weight.dtype).replace('torch.', '')}, bias={self.bias is not None}")
 
 
+class GGMLLinear(torch.nn.Module):
+    """``y = x @ W.T (+ b)`` with ``W`` held as GGUF blocks (Q4_0 ... Q6_K, F16) exactly as the
+    file stores them, usually a read-only view of the mapped file: nothing is copied or
+    repacked. A fused weight (q/k/v, gate/up) is several such matrices sharing one input: one
+    token is one ``sparseinfer.cpu`` GEMV call (the input quantized once, one pool dispatch);
+    batches go through its blocked GEMM. ``dequantized`` (gguf-py) is the reference."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.mats: list = []
+        self.bias = torch.empty(out_features) if bias else None
+        self._plan = None
+
+    def fill(self, parts: list[tuple[str, object, int]], bias: torch.Tensor | None = None) -> None:
+        """``parts``: (GGUF type name, raw uint8 bytes [rows, bytes per row], rows) stacked."""
+        from .. import cpu
+
+        rows = sum(r for _, _, r in parts)
+        if rows != self.out_features:
+            raise ValueError(f"expected {self.out_features} rows in all, got {rows}")
+        self.mats = [cpu.QuantMatrix(t, raw.reshape(-1) if hasattr(raw, "reshape") else raw, r,
+                                     self.in_features) for t, raw, r in parts]
+        self._out = torch.empty(self.out_features)
+        outs = list(self._out.split([m.rows for m in self.mats]))
+        self._plan = cpu.GemvPlan(self.mats, outs)
+        self._gemm = cpu.gemm
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.mats)
+
+    def extra_repr(self) -> str:
+        kinds = "+".join(m.type_name for m in self.mats) or "?"
+        return f"in={self.in_features}, out={self.out_features}, {kinds} blocks as stored"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        if x.numel() == self.in_features:
+            xv = x.reshape(-1)
+            if xv.dtype != torch.float32 or not xv.is_contiguous():
+                xv = xv.float().contiguous()
+            self._plan(xv)
+            y = self._out.clone()
+        else:
+            x2 = x.reshape(-1, self.in_features).float().contiguous()
+            parts = [self._gemm(m, x2) for m in self.mats]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*lead, self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weights (gguf-py's dequantization of the same bytes)."""
+        from gguf import GGMLQuantizationType, quants
+
+        parts = [quants.dequantize(np.asarray(m.raw).reshape(m.rows, -1),
+                                   GGMLQuantizationType[m.type_name]).reshape(m.rows, m.cols)
+                 for m in self.mats]
+        return torch.from_numpy(np.concatenate(parts).astype(np.float32))
+
+
+def ggml_kernels_available() -> bool:
+    """Whether the C kernel library (``sparseinfer.cpu``) is built and loads on this CPU."""
+    global _GGML_OK
+    if _GGML_OK is None:
+        try:
+            from ..cpu import ops  # noqa: F401
+            _GGML_OK = True
+        except SparseInferError as e:
+            import logging
+
+            logging.getLogger(__name__).warning("%s; quantized weights fall back to torch's "
+                                                "int4/int8 kernels", e)
+            _GGML_OK = False
+    return _GGML_OK
+
+
+_GGML_OK: bool | None = None
+
+
 def reference(module: Int4Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor:
     """What ``module(x)`` computes, in plain torch: bfloat16-rounded input times the
     dequantized weights in float32."""
