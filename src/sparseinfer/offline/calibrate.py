@@ -54,9 +54,16 @@ def check_density(density: float, what: str = "target density") -> float:
     return float(density)
 
 
+def dense_weight(linear) -> Tensor:
+    """The float32 weight of a projection module, whatever its storage (float, 4-bit, int8 or
+    the file's own blocks)."""
+    w = getattr(linear, "weight", None)
+    return w.float() if isinstance(w, Tensor) else linear.dequantized()
+
+
 def down_norms(ffn: FFN) -> Tensor:
     """||down_i|| for every neuron: the norms of the down projection's columns, (d_ff,) fp32."""
-    return ffn.down.weight.float().norm(dim=0)
+    return dense_weight(ffn.down).norm(dim=0)
 
 
 def neuron_scores(ffn: FFN, x: Tensor, h: Tensor, score: str,
@@ -70,7 +77,7 @@ def neuron_scores(ffn: FFN, x: Tensor, h: Tensor, score: str,
         if not ffn.gated:
             return h.abs()
         bias = None if ffn.w_in.bias is None else ffn.w_in.bias[: ffn.d_ff]
-        gate = torch.nn.functional.linear(x, ffn.w_in.weight[: ffn.d_ff], bias)
+        gate = torch.nn.functional.linear(x.float(), dense_weight(ffn.w_in)[: ffn.d_ff], bias)
         return ffn.act_gate(gate).abs()
     raise SparseInferError(f"score: expected one of {list(SCORES)}, got {score!r}")
 

@@ -28,7 +28,7 @@ import os
 import re
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -494,7 +494,9 @@ def _sparse_metadata(writer, cfg: ModelConfig, profile: Profile, predictors: Pre
     writer.add_float32("powerinfer.sparse_threshold", 0.0)
     writer.add_uint32("sparseinfer.format_version", FORMAT_VERSION)
     writer.add_string("sparseinfer.ffn_kind", cfg.ffn_kind)
-    writer.add_string("sparseinfer.config", json.dumps(asdict(cfg)))
+    # Q/K rows are written in llama.cpp's order: read back with rope over adjacent pairs
+    stored = replace(cfg, rope_interleaved=cfg.pos == "rope")
+    writer.add_string("sparseinfer.config", json.dumps(asdict(stored)))
     writer.add_string("sparseinfer.neuron_order", "act_freq_desc")
     writer.add_string("sparseinfer.sparsity.mode", profile.mode)
     writer.add_string("sparseinfer.sparsity.score", profile.score or "output")

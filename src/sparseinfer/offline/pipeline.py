@@ -73,11 +73,13 @@ class Bars:
 
 
 def load(model_path: str | Path | None):
-    """The model to convert, in float32 (exact weights for the export)."""
+    """The model to profile, dense, each weight kept as the file stores it (a quantized GGUF
+    stays quantized: a 7B Q4_0 file profiles in about its own size; a float file is float32).
+    The export reads the source's tensors itself."""
     from ..data import default_model_path
     from ..models.loading import load_model
 
-    return load_model(model_path or default_model_path(), dtype="fp32")
+    return load_model(model_path or default_model_path(), dtype="auto")
 
 
 def run_profile(loaded, corpus: Sequence[Path], out_dir: str | Path,
