@@ -43,6 +43,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--sparse-mode", default="predictor", choices=["predictor", "oracle"],
                     help="predictor: computed set from the predictors (default); oracle: the "
                          "true active set from dense activations (exactness/quality checks)")
+    sp.add_argument("--gpu-index", default=None,
+                    help="PowerInfer GPU index file (blk.N.gpu_idx masks) used as the placement "
+                         "of a run with a fast device (ignored with a warning on CPU only)")
     sp.add_argument("--ffn-dtype", default="fp32", choices=["fp32", "bf16", "int8"],
                     help="storage of the sparse FFN rows (int8: per-row scales)")
     p.add_argument("-v", "--verbose", action="store_true", help="INFO logs and tracebacks")
@@ -88,7 +91,8 @@ def _engine(args):
     engine = Engine.load(args.model, n_ctx=args.ctx_size, threads=args.threads,
                          dtype=args.dtype, dense=args.dense, threshold=args.sparse_threshold,
                          device=args.device, vram_budget=args.vram_budget,
-                         ffn_dtype=args.ffn_dtype, mode=args.sparse_mode)
+                         ffn_dtype=args.ffn_dtype, mode=args.sparse_mode,
+                         gpu_index=args.gpu_index)
     if args.dtype == "auto":
         print(f"weights: {engine.dtype} (--dtype auto)", file=sys.stderr)
     return engine
@@ -223,7 +227,8 @@ def cmd_info(args) -> int:
 
     src = open_source(args.model or default_model_path())  # metadata and tensor index only
     cfg = src.config
-    print(f"file:   {src.path}  ({src.file_bytes / 2**20:.1f} MiB, {src.format})")
+    kind = "GGUF from PowerInfer's converter (magic PWRI)" if src.powerinfer else src.format
+    print(f"file:   {src.path}  ({src.file_bytes / 2**20:.1f} MiB, {kind})")
     print(f"name:   {cfg.name}")
     for k, v in vars(cfg).items():
         print(f"  {k:16s} {v}")

@@ -195,6 +195,6 @@ class FusedDecode:
                 self.nkv, self.scale, self._scores, self._on, self.interleaved)
         a = self.wo(self._o).reshape(-1)
         _rms_norm(xn, a.numpy(), self.w_ffn, self.eps, self._hn)
-        y = self.ffn(self._h.view(1, 1, -1))
+        y = self.ffn(self._h.view(1, 1, -1), x1.view(1, 1, -1))
         x1 += y.reshape(-1)
         return x1.view(1, 1, -1)

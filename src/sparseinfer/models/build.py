@@ -119,7 +119,8 @@ class WeightSource:
 
     def _qk_heads(self, canon: str) -> int | None:
         cfg = self.src.config
-        if self.src.format != "gguf" or cfg.pos != "rope" or cfg.rope_interleaved:
+        if (self.src.format != "gguf" or cfg.pos != "rope" or cfg.rope_interleaved
+                or self.src.powerinfer):
             return None  # llama.cpp's Q/K row order, un-permuted unless rope is interleaved
         if ".attn.wq." in canon:
             return cfg.n_heads
@@ -179,11 +180,22 @@ class WeightSource:
         return parts
 
     def bias(self) -> torch.Tensor | None:
-        names = [n[: -len("weight")].replace("down_t.", "down.") + "bias" for n in self.names]
+        names = [_bias_name(self.src, n) for n in self.names]
         for n in names:
             if n not in self.src.tensors:
                 raise self.src.missing(n)
         return WeightSource(self.src, tuple(names)).float()
+
+
+def _bias_name(src: ModelSource, weight: str) -> str:
+    """The bias of a canonical weight name; a transposed down projection's bias may be stored
+    under either name (PowerInfer writes ``ffn_down_t.bias``)."""
+    base = weight[: -len("weight")]
+    for name in (base + "bias", base.replace("down_t.", "down.") + "bias",
+                 base.replace("down.", "down_t.") + "bias"):
+        if name in src.tensors:
+            return name
+    return base.replace("down_t.", "down.") + "bias"
 
 
 def _fill_linear(module: nn.Module, ws: WeightSource, origin: str, shape) -> None:
@@ -278,10 +290,20 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
             wp = plan.weight(p + "ffn")
             up_bias = (WeightSource(src, (p + "ffn.up.bias",)).float()
                        if cfg.ffn_bias and p + "ffn.up.bias" in src.tensors else None)
-            down_bias = (WeightSource(src, (p + "ffn.down.bias",)).float()
-                         if cfg.ffn_bias and p + "ffn.down.bias" in src.tensors else None)
+            down_b = _bias_name(src, p + "ffn.down.weight")
+            down_bias = (WeightSource(src, (down_b,)).float()
+                         if cfg.ffn_bias and down_b in src.tensors else None)
             packed = _packed_ffn(src, wp.sources, cfg.ffn_kind, plan.sparse.ffn_dtype, up_bias)
-            blk.ffn.selector = make_selector(plan.sparse, i, extra)
+            selector = make_selector(plan.sparse, i, extra)
+            if plan.sparse.gpu_index is not None:  # a mask placement: its neurons first
+                order = torch.from_numpy(np.argsort(~plan.sparse.gpu_index[i], kind="stable"))
+                packed = packed.select(order)
+                p_ = getattr(selector, "predictor", None)
+                if p_ is not None:
+                    p_.fc2 = p_.fc2[order].contiguous()
+                    p_.bias = None if p_.bias is None else p_.bias[order].contiguous()
+                    selector = type(selector)(p_, selector.on_residual)
+            blk.ffn.selector = selector
             blk.ffn.fill(packed, down_bias)
     float_param(model.norm, "weight", "norm.weight")
     if model.norm.bias is not None:

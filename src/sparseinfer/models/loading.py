@@ -21,8 +21,8 @@ import torch
 from ..config import FFN_KINDS, ModelConfig
 from ..errors import ModelFileError, SparseInferError
 from ..fileio import drop_pages, read_json
-from .names import (GATED_ACT_TO_KIND, GGUF_ARCHS, HF_ARCHS, UNGATED_ACT_TO_KIND,
-                    compile_names, map_name, source_name)
+from .names import (GATED_ACT_TO_KIND, GGUF_ARCHS, GGUF_FFN_KINDS, GGUF_SPARSE_FFN_KINDS,
+                    HF_ARCHS, UNGATED_ACT_TO_KIND, compile_names, map_name, source_name)
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ class ModelSource:
     reader: Any = None  # GGUF: the gguf.GGUFReader
     all_tensors: list[FileTensor] = field(default_factory=list)  # in file order
     _handles: list[Any] = field(default_factory=list, repr=False)
+    powerinfer: bool = False  # a file from PowerInfer's converter (magic b"PWRI")
 
     @property
     def file_bytes(self) -> int:
@@ -165,11 +166,11 @@ def open_source(path: str | Path, max_seq_len: int | None = None,
         return _open_hf(path, max_seq_len, ffn_kind)
     with open(path, "rb") as f:
         magic = f.read(4)
-    if magic == b"GGUF":
-        return _open_gguf(path, max_seq_len, ffn_kind)
+    if magic in (b"GGUF", POWERINFER_MAGIC):
+        return _open_gguf(path, max_seq_len, ffn_kind, powerinfer=magic == POWERINFER_MAGIC)
     raise ModelFileError(
-        f"{path}: not a model file: expected a GGUF file (magic b'GGUF') or a Hugging Face "
-        f"directory, found magic {magic!r}"
+        f"{path}: not a model file: expected a GGUF file (magic b'GGUF' or PowerInfer's "
+        f"b'PWRI') or a Hugging Face directory, found magic {magic!r}"
     )
 
 
@@ -216,11 +217,25 @@ def read_gguf_metadata(reader, skip_arrays_longer_than: int = 64) -> dict[str, A
     return meta
 
 
-def open_gguf(path: Path):
+POWERINFER_MAGIC = b"PWRI"  # PowerInfer's converter overwrites GGUF's magic; the rest is GGUF v3
+
+
+def open_gguf(path: Path, powerinfer: bool = False):
     from gguf import GGUFReader
 
+    reader_cls = GGUFReader
+    if powerinfer:
+        from gguf.constants import GGUF_MAGIC
+
+        class _PowerInferReader(GGUFReader):  # reads the four magic bytes as GGUF's
+            def _get(self, offset, dtype, count=1, override_order=None):
+                if offset == 0 and count == 1 and np.dtype(dtype) == np.uint32:
+                    return np.array([GGUF_MAGIC], dtype=np.uint32)
+                return super()._get(offset, dtype, count, override_order)
+
+        reader_cls = _PowerInferReader
     try:
-        return GGUFReader(path, "r")
+        return reader_cls(path, "r")
     except Exception as e:  # gguf raises ValueError/IndexError/struct errors on bad bytes
         raise ModelFileError(f"{path}: not a valid GGUF file (truncated or corrupt?): {e}") from None
 
@@ -286,8 +301,30 @@ def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) 
 
 
 
-def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> ModelSource:
-    reader = open_gguf(path)
+def _gguf_opt_config(path, arch, meta, names, kind, max_seq_len, key, reader) -> ModelConfig:
+    """ModelConfig of an OPT GGUF from its ``opt.*`` keys (PowerInfer's converter writes them):
+    LayerNorm, learned positions with OPT's two extra rows, biased attention and ReLU MLP."""
+    n_heads = int(key("attention.head_count"))
+    pos = next((t for t in reader.tensors if t.name == "position_embd.weight"), None)
+    if pos is None:
+        raise ModelFileError(f"{path}: missing tensor 'position_embd.weight' (expected for an "
+                             f"opt model)")
+    ctx = int(pos.shape[-1]) - 2  # OPT's position table has 2 rows in front
+    vocab = meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    return ModelConfig(
+        arch="opt", vocab_size=int(vocab), d_model=int(key("embedding_length")),
+        n_layers=int(key("block_count")), n_heads=n_heads, n_kv_heads=n_heads,
+        d_ff=int(key("feed_forward_length")),
+        max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx, ffn_kind=kind, norm="layer",
+        norm_eps=float(key("attention.layer_norm_epsilon", 1e-5)), pos="learned", pos_offset=2,
+        attn_bias="blk.0.attn_q.bias" in names, ffn_bias="blk.0.ffn_up.bias" in names,
+        tie_embeddings="output.weight" not in names, name=str(meta.get("general.name", path.stem)),
+    )
+
+
+def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None,
+               powerinfer: bool = False) -> ModelSource:
+    reader = open_gguf(path, powerinfer)
     meta = read_gguf_metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHS:
@@ -304,8 +341,9 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> Mod
 
     kind = ffn_kind or meta.get("sparseinfer.ffn_kind")
     if kind is None:
-        # PowerInfer's sparse GGUFs (predictors present) are ReLU-family llama models
-        kind = "reglu" if "blk.0.fc1.weight" in names else "swiglu"
+        # PowerInfer's sparse GGUFs (predictors present) are ReLU-family models
+        kind = (GGUF_SPARSE_FFN_KINDS.get(arch, "reglu") if "blk.0.fc1.weight" in names
+                else GGUF_FFN_KINDS.get(arch, "swiglu"))
     try:
         if "sparseinfer.config" in meta:  # written by our exporter: the whole ModelConfig
             fields = json.loads(meta["sparseinfer.config"])
@@ -314,11 +352,14 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> Mod
                 fields["max_seq_len"] = min(fields["max_seq_len"], max_seq_len)
             cfg = ModelConfig(**fields)
         else:
-            cfg = _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader)
+            build_cfg = _gguf_opt_config if arch == "opt" else _gguf_llama_config
+            cfg = build_cfg(path, arch, meta, names, kind, max_seq_len, key, reader)
     except (ValueError, TypeError) as e:
         raise ModelFileError(f"{path}: inconsistent hyper-parameters: {e}") from None
-    # llama.cpp's converter permutes Q/K rows for rope over adjacent pairs: use them as stored
-    cfg = replace(cfg, rope_interleaved=cfg.pos == "rope")
+    # llama.cpp's converter permutes Q/K rows for rope over adjacent pairs: use them as stored.
+    # PowerInfer's converter writes them in the checkpoint's order: rotate-half, as the source
+    # model (PowerInfer's own runtime applies adjacent-pair rope to them; README).
+    cfg = replace(cfg, rope_interleaved=cfg.pos == "rope" and not powerinfer)
     if "rope_freqs.weight" in names:
         raise ModelFileError(f"{path}: rope frequency factors (Llama-3.1 rope scaling) are not "
                              f"supported yet")
@@ -337,7 +378,8 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> Mod
             extras[t.name] = ft
         else:
             tensors[canon] = ft
-    return ModelSource(path, "gguf", cfg, meta, tensors, extras, GGUF_ARCHS[arch], reader, every)
+    return ModelSource(path, "gguf", cfg, meta, tensors, extras, GGUF_ARCHS[arch], reader, every,
+                       powerinfer=powerinfer)
 
 
 # ---- Hugging Face directory --------------------------------------------------------------------

@@ -163,7 +163,7 @@ class FFN(nn.Module):
             return self.act_gate(gate) * self.act_up(up)
         return self.act_up(self.w_in(x))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         return self.down(self.activations(x))
 
 
@@ -185,7 +185,7 @@ class Block(nn.Module):
         if self.fused is not None and x.shape[0] == 1 and x.shape[1] == 1:
             return self.fused(x, layer, pos, cache, rope)
         x = x + self.attn(self.attn_norm(x), layer, pos, cache, rope)
-        return x + self.ffn(self.ffn_norm(x))
+        return x + self.ffn(self.ffn_norm(x), x)  # the residual: for predictors that read it
 
 
 class Transformer(nn.Module):

@@ -80,7 +80,12 @@ HF_ARCHS = {  # config.json "architectures"[0] -> (family, name map)
     "MistralForCausalLM": ("llama", HF_LLAMA_NAMES),
     "OPTForCausalLM": ("opt", HF_OPT_NAMES),
 }
-GGUF_ARCHS = {"llama": GGUF_LLAMA_NAMES, "opt": GGUF_OPT_NAMES}
+# "bamboo": PowerInfer's dReLU llama variant (same tensors)
+GGUF_ARCHS = {"llama": GGUF_LLAMA_NAMES, "bamboo": GGUF_LLAMA_NAMES, "opt": GGUF_OPT_NAMES}
+# FFN kind of a GGUF architecture, dense and in files with predictors (PowerInfer's models are
+# ReLU-family: ReluLLaMA/ProSparse are ReGLU, Bamboo dReLU, OPT a ReLU MLP)
+GGUF_FFN_KINDS = {"llama": "swiglu", "bamboo": "drelu", "opt": "relu"}
+GGUF_SPARSE_FFN_KINDS = {"llama": "reglu", "bamboo": "drelu", "opt": "relu"}
 
 Compiled = list[tuple[re.Pattern, str]]
 

@@ -76,6 +76,10 @@ class SparsePlan:
     hot_counts: tuple[int, ...]  # neurons on the fast tier per layer (0 on a CPU-only run)
     device: str  # the fast tier
     split_tiers: bool | None = None  # tests: force the two-tier path with the CPU standing in
+    # what the predictors read: the FFN's input, or the residual stream before its norm
+    # (PowerInfer's files, as its runtime computes them)
+    predictor_input: str = "ffn_input"
+    gpu_index: tuple | None = None  # per layer: boolean mask of fast-tier neurons (PowerInfer)
 
 
 @dataclass(frozen=True)
@@ -154,9 +158,10 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
               dense: bool = False, mode: str = "predictor", ffn_dtype: str = "fp32",
               threshold: float | None = None, vram_budget: float | None = None,
               split_tiers: bool | None = None, min_split: int = 256,
-              fused: bool = True) -> Plan:
+              fused: bool = True, gpu_index: str | None = None) -> Plan:
     """The plan for ``src`` (see the module docstring). ``dense`` ignores predictors; ``mode``
-    picks the sparse selector; ``fused`` allows the fused single-token decode kernels."""
+    picks the sparse selector; ``fused`` allows the fused single-token decode kernels;
+    ``gpu_index``: a PowerInfer GPU index file (``blk.N.gpu_idx`` masks) used as the placement."""
     if dtype not in DTYPE_CHOICES:
         raise SparseInferError(f"dtype: expected one of {list(DTYPE_CHOICES)}, got {dtype!r}")
     if ffn_dtype not in FFN_DTYPES:
@@ -171,7 +176,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     sparse = None
     if has_predictors(src) and not dense:
         sparse = _sparse_plan(src, mode, ffn_dtype, threshold, device, vram_budget, split_tiers,
-                              min_split)
+                              min_split, gpu_index)
     elif threshold is not None or vram_budget is not None:
         log.warning("%s has no predictors (or --dense): sparse options ignored, running dense",
                     src.path)
@@ -302,7 +307,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
 
 
 def _sparse_plan(src: ModelSource, mode, ffn_dtype, threshold, device, vram_budget,
-                 split_tiers, min_split) -> SparsePlan:
+                 split_tiers, min_split, gpu_index=None) -> SparsePlan:
     cfg, meta = src.config, src.metadata
     n = cfg.n_layers
     if threshold is not None:
@@ -323,8 +328,53 @@ def _sparse_plan(src: ModelSource, mode, ffn_dtype, threshold, device, vram_budg
         raise SparseInferError(f"{src.path}: sparseinfer.sparsity.score: expected one of "
                                f"{list(SCORES)}, found {score!r}")
     hot = _hot_counts(src, device, vram_budget, ffn_dtype, min_split)
+    masks = None
+    if gpu_index is not None:
+        masks = read_gpu_index(gpu_index, cfg.n_layers, cfg.d_ff)
+        if torch.device(device).type == "cpu" and not split_tiers:
+            log.warning("%s: a GPU index is a placement for a fast device; this run is CPU-only, "
+                        "so it is ignored", gpu_index)
+            masks = None
+        else:
+            hot = [int(m.sum()) for m in masks]
     return SparsePlan(mode, ffn_dtype, tuple(thresholds), tuple(oracle_t), score, tuple(hot),
-                      str(torch.device(device)), split_tiers)
+                      str(torch.device(device)), split_tiers,
+                      "residual" if src.powerinfer else "ffn_input",
+                      None if masks is None else tuple(masks))
+
+
+def read_gpu_index(path, n_layers: int, d_ff: int) -> list:
+    """PowerInfer's GPU index file (``--reset-gpu-index`` / powerinfer-py's solver output: a
+    GGUF, magic GGUF or PWRI, with ``blk.N.gpu_idx`` 0/1 masks and ``blk.N.gpu_bucket`` hot
+    indices): the per-layer boolean masks of neurons placed on the fast device."""
+    import numpy as np
+
+    from pathlib import Path
+
+    from .loading import open_gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise SparseInferError(f"--gpu-index: file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic not in (b"GGUF", b"PWRI"):
+        raise SparseInferError(f"{path}: expected a PowerInfer GPU index (a GGUF file), found "
+                               f"magic {magic!r}")
+    reader = open_gguf(path, powerinfer=magic == b"PWRI")
+    found = {t.name: np.asarray(t.data) for t in reader.tensors}
+    masks = []
+    for i in range(n_layers):
+        m = found.get(f"blk.{i}.gpu_idx")
+        if m is None:
+            raise SparseInferError(f"{path}: expected tensor 'blk.{i}.gpu_idx' for layer {i} of "
+                                   f"{n_layers}, found none")
+        m = m.reshape(-1)
+        if m.shape[0] != d_ff:
+            raise SparseInferError(f"{path}: blk.{i}.gpu_idx: expected {d_ff} neurons, found "
+                                   f"{m.shape[0]}")
+        masks.append(m != 0)
+    return masks
 
 
 def _hot_counts(src: ModelSource, device: str, vram_budget: float | None, ffn_dtype: str,

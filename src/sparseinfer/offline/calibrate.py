@@ -133,7 +133,7 @@ def hooked_ffns(model: Transformer,
         for i, block in enumerate(model.layers):
             ffn = block.ffn
 
-            def forward(x: Tensor, _i=i, _ffn=ffn) -> Tensor:
+            def forward(x: Tensor, residual: Tensor | None = None, *, _i=i, _ffn=ffn) -> Tensor:
                 h = _ffn.activations(x)
                 new = fn(_i, _ffn, x, h)
                 return _ffn.down(h if new is None else new)

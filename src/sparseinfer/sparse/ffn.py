@@ -68,11 +68,12 @@ class Selector:
 
     name = "?"
 
-    def active(self, ffn: SparseFFN, x: Tensor) -> Tensor:
-        """Ascending int32 indices for one token's 1-D input ``x``."""
+    def active(self, ffn: SparseFFN, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """Ascending int32 indices for one token's 1-D FFN input ``x`` (``residual``: the
+        residual stream before the FFN's norm, for selectors that predict from it)."""
         raise NotImplementedError
 
-    def mask(self, ffn: SparseFFN, x: Tensor) -> Tensor:
+    def mask(self, ffn: SparseFFN, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """Boolean (..., d_ff): each token's active neurons, for inputs ``x`` (..., d_model)."""
         raise NotImplementedError
 
@@ -85,10 +86,10 @@ class AllNeurons(Selector):
 
     name = "all"
 
-    def active(self, ffn, x):
+    def active(self, ffn, x, residual=None):
         return ffn._all
 
-    def mask(self, ffn, x):
+    def mask(self, ffn, x, residual=None):
         return torch.ones(*x.shape[:-1], ffn.d_ff, dtype=torch.bool, device=x.device)
 
 
@@ -108,7 +109,7 @@ class Oracle(Selector):
     def __repr__(self) -> str:
         return f"Oracle(threshold={self.threshold:g}, score={self.score!r})"
 
-    def mask(self, ffn, x):
+    def mask(self, ffn, x, residual=None):
         h = ffn._coefs_dense(x)
         if ffn.kind.relu_sparse:
             return h != 0
@@ -118,36 +119,43 @@ class Oracle(Selector):
             return ffn._gate_acts(x).abs() > self.threshold
         return h.abs() > self.threshold
 
-    def active(self, ffn, x):
+    def active(self, ffn, x, residual=None):
         return torch.nonzero(self.mask(ffn, x)).reshape(-1).to(torch.int32)
 
 
 class Predicted(Selector):
     """The predictor's guess: neuron i is computed iff its logit passes the threshold (a bias
-    folds into per-neuron thresholds: fc2·h + b >= t  <=>  fc2·h >= t - b)."""
+    folds into per-neuron thresholds: fc2·h + b >= t  <=>  fc2·h >= t - b). ``on_residual``:
+    the predictor reads the residual stream before the FFN's norm (PowerInfer's files: its
+    runtime feeds the predictor ``ffn_inp``), else the FFN's own input."""
 
     name = "predictor"
 
-    def __init__(self, predictor: Predictor):
+    def __init__(self, predictor: Predictor, on_residual: bool = False):
         self.predictor = predictor
+        self.on_residual = on_residual
         self._neuron_thr = (None if predictor.bias is None else
                             (predictor.threshold - predictor.bias).float().contiguous())
 
     def __repr__(self) -> str:
         p = self.predictor
         return (f"Predicted(rank={p.fc1.shape[0]}, {str(p.fc1.dtype).replace('torch.', '')}, "
-                f"threshold={p.threshold:g})")
+                f"threshold={p.threshold:g}{', on the residual' if self.on_residual else ''})")
 
-    def active(self, ffn, x):
+    def active(self, ffn, x, residual=None):
         p = self.predictor
+        if self.on_residual:
+            x = residual.reshape(-1).float().contiguous()
         if x.device.type == "cpu":
             k = kernels.predict_active(x, p.fc1, p.fc2, p.threshold, ffn._idx,
                                        neuron_thresholds=self._neuron_thr)
             return ffn._idx[:k]
         return torch.nonzero(p.logits(x) >= p.threshold).reshape(-1).to(torch.int32)
 
-    def mask(self, ffn, x):
+    def mask(self, ffn, x, residual=None):
         p = self.predictor
+        if self.on_residual:
+            x = residual.reshape(x.shape).float()
         z = torch.relu(x @ p.fc1.float().t()) @ p.fc2.float().t()
         if p.bias is not None:
             z = z + p.bias
@@ -217,9 +225,9 @@ class SparseFFN(nn.Module):
 
     # ---- active set ----------------------------------------------------------------------------
 
-    def active(self, x: Tensor) -> Tensor:
+    def active(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """Ascending int32 indices of the neurons to compute for the 1-D input ``x``."""
-        return self.selector.active(self, x)
+        return self.selector.active(self, x, residual)
 
     def _down_norms(self) -> Tensor:
         if self._norms is None:
@@ -246,16 +254,16 @@ class SparseFFN(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------------
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         B, T, D = x.shape
         if B * T > 1:
             union = self.batch_mode == "union" or (self.batch_mode == "auto" and (
                 B * T <= UNION_MAX_TOKENS or self.cold.dtype != "fp32"))  # (cold: the CPU rows)
             if union and not self.split and x.device.type == "cpu":
-                return self._union(x)
-            return self._dense(x)
+                return self._union(x, residual)
+            return self._dense(x, residual)
         xv = x.reshape(D).float()
-        idx = self.active(xv)
+        idx = self.active(xv, residual)
         self.stats.tokens += 1
         self.stats.active += int(idx.numel())
         out = self._sparse(xv, idx)
@@ -279,7 +287,7 @@ class SparseFFN(nn.Module):
         cold = kernels.sparse_ffn(x_cpu, self.cold, cold_idx.cpu(), self._out_cold)
         return out + cold.to(self.fast, non_blocking=True)
 
-    def _union(self, x: Tensor) -> Tensor:
+    def _union(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """A batch of tokens over the union of their active sets (one read of each active
         neuron's bundle for all tokens: ``kernels.sparse_ffn_batch``)."""
         B, T, D = x.shape
@@ -287,7 +295,8 @@ class SparseFFN(nn.Module):
         if isinstance(self.selector, AllNeurons):
             idx = self._all
         else:
-            mask = self.selector.mask(self, xf).any(dim=0)
+            r = None if residual is None else residual.float().reshape(B * T, D)
+            mask = self.selector.mask(self, xf, r).any(dim=0)
             idx = torch.nonzero(mask).reshape(-1).to(torch.int32)
         self.stats.tokens += B * T
         self.stats.active += int(idx.numel()) * B * T
@@ -300,13 +309,13 @@ class SparseFFN(nn.Module):
             out += self.down_bias
         return out.to(x.dtype).reshape(B, T, D)
 
-    def _dense(self, x: Tensor) -> Tensor:
+    def _dense(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """A batch of tokens (prefill) from the bundled rows: all neurons, or with
         ``batch_mode == "masked"`` only each token's own active set."""
         xf = x.float()
         mask = None
         if self.batch_mode == "masked":
-            mask = self.selector.mask(self, xf)
+            mask = self.selector.mask(self, xf, None if residual is None else residual.float())
             self.stats.tokens += mask[..., 0].numel()
             self.stats.active += int(mask.sum())
         out = None

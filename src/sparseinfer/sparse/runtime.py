@@ -70,4 +70,5 @@ def make_selector(sp, layer: int, extra) -> Selector:
     fc1, fc2 = extra(f"blk.{layer}.fc1.weight"), extra(f"blk.{layer}.fc2.weight")
     if sp.ffn_dtype != "fp32":  # smaller rows, smaller predictors: bf16 halves their bytes
         fc1, fc2 = fc1.bfloat16(), fc2.bfloat16()
-    return Predicted(Predictor(fc1, fc2, sp.thresholds[layer], extra(f"blk.{layer}.fc2.bias")))
+    return Predicted(Predictor(fc1, fc2, sp.thresholds[layer], extra(f"blk.{layer}.fc2.bias")),
+                     on_residual=sp.predictor_input == "residual")
