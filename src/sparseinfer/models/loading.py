@@ -220,20 +220,36 @@ def read_gguf_metadata(reader, skip_arrays_longer_than: int = 64) -> dict[str, A
 POWERINFER_MAGIC = b"PWRI"  # PowerInfer's converter overwrites GGUF's magic; the rest is GGUF v3
 
 
-def open_gguf(path: Path, powerinfer: bool = False):
+def _reader_class():
+    """gguf-py's reader, reading through a plain ndarray view of its memory map: the same
+    bytes and results, without numpy's per-slice memmap bookkeeping, which made reading a
+    tokenizer's 100,000 metadata strings take seconds. Files from PowerInfer's converter
+    (magic b"PWRI") read their four magic bytes as GGUF's."""
     from gguf import GGUFReader
+    from gguf.constants import GGUF_MAGIC
 
-    reader_cls = GGUFReader
+    class Reader(GGUFReader):
+        powerinfer = False
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            dt = np.dtype(dtype)
+            if offset == 0 and self.powerinfer and count == 1 and dt == np.uint32:
+                return np.array([GGUF_MAGIC], dtype=np.uint32)
+            arr = plain[offset:offset + dt.itemsize * count].view(dtype=dt)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return arr.view(arr.dtype.newbyteorder(order))
+
+    return Reader
+
+
+def open_gguf(path: Path, powerinfer: bool = False):
+    reader_cls = _reader_class()
     if powerinfer:
-        from gguf.constants import GGUF_MAGIC
-
-        class _PowerInferReader(GGUFReader):  # reads the four magic bytes as GGUF's
-            def _get(self, offset, dtype, count=1, override_order=None):
-                if offset == 0 and count == 1 and np.dtype(dtype) == np.uint32:
-                    return np.array([GGUF_MAGIC], dtype=np.uint32)
-                return super()._get(offset, dtype, count, override_order)
-
-        reader_cls = _PowerInferReader
+        reader_cls = type("PowerInferReader", (reader_cls,), {"powerinfer": True})
     try:
         return reader_cls(path, "r")
     except Exception as e:  # gguf raises ValueError/IndexError/struct errors on bad bytes
