@@ -26,6 +26,20 @@ PROMPT = ("It is a truth universally acknowledged, that a single man in possessi
           "in the minds of the surrounding families, that he is considered")
 
 
+def cpu_model() -> str:
+    """The CPU's name and the vector instruction sets that matter here."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return "unknown CPU"
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                 if ln.startswith("model name")), "unknown CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
+                  if ln.startswith("flags")), [])
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni") if f in flags]
+    return f"{name} [{' '.join(isa)}]"
+
+
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -38,8 +52,6 @@ def _ours(model, dense: bool, threads: int, n_tokens: int, ppl_chunks: int,
     from sparseinfer.data import HELDOUT_TEXT
     from sparseinfer.engine import Engine, FinishEvent
     from sparseinfer.perplexity import perplexity
-
-    from sparseinfer.quant.linear import Int4Linear, Int8Linear
 
     engine = Engine.load(model, n_ctx=1024, threads=threads, dense=dense, ffn_dtype=ffn_dtype,
                          kernels=kernels, dtype=dtype)
@@ -54,37 +66,29 @@ def _ours(model, dense: bool, threads: int, n_tokens: int, ppl_chunks: int,
     fin = [e for e in engine.stream(ids, params) if isinstance(e, FinishEvent)][0]
     density = info.density() if info is not None else 1.0
 
-    # bytes of weights one decoded token reads: every matrix once, the FFN scaled by density,
-    # the embedding table once as the LM head (one embedding row for the input is negligible)
-    def nbytes(t):
-        if isinstance(t, (Int4Linear, Int8Linear)):
-            return t.nbytes
-        return t.numel() * t.element_size()
-
-    def weights(module):  # parameters and quantized projections
-        return [sub for sub in module.modules() if isinstance(sub, (Int4Linear, Int8Linear))] + \
-            list(module.parameters())
-
-    attn = sum(nbytes(p) for b in m.layers for p in weights(b.attn))
-    norms = sum(nbytes(p) for b in m.layers for n in (b.attn_norm, b.ffn_norm)
-                for p in n.parameters())
-    if info is None:
-        ffn = sum(nbytes(p) for b in m.layers for p in weights(b.ffn))
-        if ffn == 0:  # FFNs run by the all-neuron kernel: bundled rows, not parameters
-            ffn = sum(nbytes(b.ffn.packed.rows) for b in m.layers)
-        pred = 0
-    else:
-        ffn = sum(mod.d_ff and (nbytes(mod.cold.rows) + (nbytes(mod.cold.scales)
-                  if mod.cold.scales is not None else 0)) for mod in info.modules)
-        ffn += sum(nbytes(mod.hot.rows) for mod in info.modules if mod.hot is not None)
-        ffn = int(ffn * density)
-        pred = sum(nbytes(mod.predictor.fc1) + nbytes(mod.predictor.fc2)
-                   for mod in info.modules if mod.predictor is not None)
-    head = nbytes(m.lm_head if isinstance(m.lm_head, Int8Linear) else m.lm_head.weight)
+    # bytes of weights one decoded token reads: every planned weight once (the embedding row
+    # is negligible; a tied head reads the embedding's blocks), sparse FFN rows scaled by the
+    # density, predictors counted in full
+    plan = engine.loaded.plan
+    nbytes = 0
+    for w in plan.weights:
+        if w.module == "tok_emb":
+            continue
+        if w.storage == "sparse":
+            ffn = dict(m.named_modules())[w.module]
+            rows = sum(t.nbytes for t in (ffn.cold, ffn.hot) if t is not None)
+            pred = ffn.predictor
+            pbytes = 0 if pred is None else sum(t.numel() * t.element_size()
+                                                for t in (pred.fc1, pred.fc2))
+            nbytes += int(rows * density) + pbytes
+        else:
+            nbytes += w.nbytes
+    if plan.weight("lm_head").nbytes == 0:  # tied head: the embedding's mapped blocks
+        nbytes += plan.weight("tok_emb").nbytes
     out = {
         "prefill_tok_s": fin.prompt_tokens / fin.prefill_seconds,
         "decode_tok_s": (fin.completion_tokens - 1) / fin.decode_seconds,
-        "bytes_per_token": attn + norms + ffn + pred + head,
+        "bytes_per_token": nbytes,
         "density": density,
         "prompt_tokens": fin.prompt_tokens,
     }
@@ -218,11 +222,13 @@ def main() -> int:
 
     model = Path(args.model) if args.model else None
     bw = measure_read_bandwidth(args.threads)
-    print(f"read bandwidth ({args.threads} threads): {bw:.1f} GB/s", file=sys.stderr)
+    print(f"CPU: {cpu_model()}; read bandwidth ({args.threads} threads): {bw:.1f} GB/s")
     rows = {}
     common = dict(threads=args.threads, n_tokens=args.tokens, ppl_chunks=args.ppl_chunks)
-    rows["sparseinfer dense, torch ops"] = run_isolated("_ours", model=model, dense=True,
-                                                       ffn_dtype="fp32", kernels=False, **common)
+    rows["sparseinfer default (auto)"] = run_isolated("_ours", model=model, dense=True,
+                                                      ffn_dtype="fp32", dtype="auto", **common)
+    rows["sparseinfer fp32, unfused"] = run_isolated("_ours", model=model, dense=True,
+                                                     ffn_dtype="fp32", kernels=False, **common)
     rows["sparseinfer dense fp32"] = run_isolated("_ours", model=model, dense=True,
                                                   ffn_dtype="fp32", **common)
     rows["sparseinfer dense q4"] = run_isolated("_ours", model=model, dense=True,

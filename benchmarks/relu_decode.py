@@ -5,7 +5,7 @@ dense engine, in one run.
 
 No trained ReLU-family weights exist here (ReluLLaMA, ProSparse, TurboSparse are not on this
 machine), so the model has random weights (ReGLU FFN, 22 layers, d_model 2048, d_ff 5632, GQA
-32/4, vocab 32000, fp32: 4.4 GB) and random low-rank predictors whose per-neuron biases are set so
+32/4, vocab 49152 (SmolLM2's tokenizer), fp32: 4.6 GB, written once as a GGUF) and random low-rank predictors whose per-neuron biases are set so
 that each neuron fires on a skewed share of tokens averaging ``--density`` (hot neurons on most
 tokens, most neurons rarely, as PowerInfer measured on real ReLU models). This measures speed
 only: the output text is meaningless and no perplexity is claimed. The measured density (share
@@ -30,42 +30,59 @@ import torch
 
 from sparseinfer.bench import measure_read_bandwidth
 from sparseinfer.config import ModelConfig
-from sparseinfer.fused.decode import use_fused_decode
-from sparseinfer.models.loading import LoadedModel
-from sparseinfer.models.model import Transformer
-from sparseinfer.quant.apply import quantize_model
-from sparseinfer.sparse import kernels
-from sparseinfer.sparse.runtime import sparsify, use_kernels
+from sparseinfer.engine import set_threads
+from sparseinfer.models.build import load
+from sparseinfer.sparse.runtime import sparse_info
 
-CFG = ModelConfig(arch="llama", vocab_size=32000, d_model=2048, n_layers=22, n_heads=32,
+CFG = ModelConfig(arch="llama", vocab_size=49152, d_model=2048, n_layers=22, n_heads=32,
                   n_kv_heads=4, d_ff=5632, max_seq_len=2048, ffn_kind="reglu",
                   name="random ReGLU, TinyLlama-1.1B shape")
 RANK = 128
 
 
-def build(seed: int = 0) -> Transformer:
+def write(path: Path, density: float, seed: int = 0) -> Path:
+    """The random ReGLU model and its predictors as one F32 GGUF (loaded like any sparse file)."""
+    import gguf
+
+    from sparseinfer.data import default_model_path
+    from sparseinfer.offline.export import _copy_fields
+
     g = torch.Generator().manual_seed(seed)
     c = CFG
     D, F, hd = c.d_model, c.d_ff, c.d_model // c.n_heads
 
     def w(*shape):
-        return torch.randn(*shape, generator=g) / math.sqrt(shape[-1])
+        return (torch.randn(*shape, generator=g) / math.sqrt(shape[-1])).numpy()
 
-    state = {"tok_emb.weight": w(c.vocab_size, D), "norm.weight": torch.ones(D),
-             "lm_head.weight": w(c.vocab_size, D)}
+    wr = gguf.GGUFWriter(str(path), "llama")
+    wr.add_context_length(c.max_seq_len)
+    wr.add_embedding_length(D)
+    wr.add_block_count(c.n_layers)
+    wr.add_feed_forward_length(F)
+    wr.add_rope_dimension_count(hd)
+    wr.add_head_count(c.n_heads)
+    wr.add_head_count_kv(c.n_kv_heads)
+    wr.add_layer_norm_rms_eps(1e-5)
+    wr.add_string("sparseinfer.ffn_kind", "reglu")
+    _copy_fields(wr, gguf.GGUFReader(default_model_path()), lambda k: k.startswith("tokenizer."))
+    ones = np.ones(D, dtype=np.float32)
+    wr.add_tensor("token_embd.weight", w(c.vocab_size, D))
+    wr.add_tensor("output_norm.weight", ones)
+    wr.add_tensor("output.weight", w(c.vocab_size, D))
+    for name, arr in predictors(density).items():
+        wr.add_tensor(name, arr)
     for i in range(c.n_layers):
-        p = f"layers.{i}."
-        state |= {p + "attn_norm.weight": torch.ones(D), p + "ffn_norm.weight": torch.ones(D),
-                  p + "attn.wq.weight": w(c.n_heads * hd, D),
-                  p + "attn.wk.weight": w(c.n_kv_heads * hd, D),
-                  p + "attn.wv.weight": w(c.n_kv_heads * hd, D),
-                  p + "attn.wo.weight": w(D, c.n_heads * hd),
-                  p + "ffn.gate.weight": w(F, D), p + "ffn.up.weight": w(F, D),
-                  p + "ffn.down.weight": w(D, F)}
-    with torch.device("meta"):
-        model = Transformer(c)
-    model.load_state(state)
-    return model
+        p = f"blk.{i}."
+        for name, arr in (("attn_norm", ones), ("ffn_norm", ones),
+                          ("attn_q", w(c.n_heads * hd, D)), ("attn_k", w(c.n_kv_heads * hd, D)),
+                          ("attn_v", w(c.n_kv_heads * hd, D)), ("attn_output", w(D, c.n_heads * hd)),
+                          ("ffn_gate", w(F, D)), ("ffn_up", w(F, D)), ("ffn_down", w(D, F))):
+            wr.add_tensor(p + name + ".weight", arr)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return path
 
 
 def predictors(density: float, seed: int = 1) -> dict[str, np.ndarray]:
@@ -108,10 +125,13 @@ def main() -> None:
     ap.add_argument("-n", "--tokens", type=int, default=64)
     ap.add_argument("--density", type=float, default=0.10)
     ap.add_argument("--layers", type=int, default=CFG.n_layers, help="fewer for a smoke run")
+    ap.add_argument("--out", type=Path, default=Path("/tmp"), help="where the GGUF is written")
     a = ap.parse_args()
     CFG = replace(CFG, n_layers=a.layers)
-    torch.set_num_threads(a.threads)
-    kernels.set_threads(a.threads)
+    set_threads(a.threads)
+    path = a.out / f"relu-tinyllama-{a.layers}l-d{a.density:g}.gguf"
+    if not path.exists():
+        write(path, a.density)
     bw = measure_read_bandwidth(a.threads)
     print(f"# {CFG.name}; {a.threads} threads; read bandwidth {bw:.1f} GB/s at the start; each "
           f"row's floor uses the highest reading so far (start and after each engine)")
@@ -122,16 +142,10 @@ def main() -> None:
     q4 = 0.5 + 4 / 32  # bytes per weight of 4-bit blocks with bf16 scale and zero per 32
     rows = []
     for label in ("dense fp32", "sparse fp32", "dense q4", "sparse int8 + q4"):
-        model = build()
-        lm = LoadedModel(model, None, Path("synthetic"), "synthetic", {}, [])
-        info = None
-        if label.startswith("sparse"):
-            lm.extras = predictors(a.density)
-            info = sparsify(lm, ffn_dtype="int8" if "int8" in label else "fp32")
-        if "q4" in label:
-            quantize_model(lm)
-        use_kernels(lm, ffn=info is None and "q4" not in label)
-        use_fused_decode(model)
+        lm = load(path, "q4" if "q4" in label else "fp32", dense=label.startswith("dense"),
+                  ffn_dtype="int8" if "int8" in label else "fp32", fused=True)
+        model = lm.model
+        info = sparse_info(model, lm.plan)
         if info is not None:
             info.reset_stats()
         tok_s = decode(model, a.tokens)
