@@ -109,7 +109,7 @@ static struct {
     chunk_fn fn;
     const void *job;
     int64_t n_chunks;
-    int stop;
+    atomic_int stop;
     int n_workers;
     pthread_t th[MAX_THREADS];
 } P;
@@ -131,8 +131,9 @@ static void run_chunks(int gen) {
 }
 
 static void *worker(void *arg) {
-    (void)arg;
-    int seen = atomic_load(&P.gen);
+    /* the generation when this thread was created: a stop or job issued before the thread first
+     * runs is still seen as new */
+    int seen = (int)(intptr_t)arg;
     for (;;) {
         if (!spin_while_eq(&P.gen, seen)) {
             atomic_fetch_add(&P.sleepers, 1);
@@ -140,19 +141,19 @@ static void *worker(void *arg) {
             atomic_fetch_sub(&P.sleepers, 1);
         }
         seen = atomic_load(&P.gen);
-        if (P.stop) return NULL;
+        if (atomic_load(&P.stop)) return NULL;
         run_chunks(seen);
     }
 }
 
 static void pool_stop(void) {
     if (P.n_workers == 0) return;
-    P.stop = 1;
+    atomic_store(&P.stop, 1);
     atomic_fetch_add(&P.gen, 1);
     futex_wake(&P.gen, INT_MAX);
     for (int i = 0; i < P.n_workers; i++) pthread_join(P.th[i], NULL);
     P.n_workers = 0;
-    P.stop = 0;
+    atomic_store(&P.stop, 0);
 }
 
 /* n threads in all (the caller is one of them). 0 on success, else an errno value. */
@@ -162,7 +163,7 @@ int si_set_threads(int n) {
     pool_stop();
     int err = 0;
     for (int i = 0; i < n - 1; i++) {
-        err = pthread_create(&P.th[i], NULL, worker, NULL);
+        err = pthread_create(&P.th[i], NULL, worker, (void *)(intptr_t)atomic_load(&P.gen));
         if (err) break;
         P.n_workers++;
     }
