@@ -42,8 +42,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--sparse-mode", default="predictor", choices=["predictor", "oracle"],
                     help="predictor: computed set from the predictors (default); oracle: the "
                          "true active set from dense activations (exactness/quality checks)")
-    sp.add_argument("--ffn-dtype", default="fp32", choices=["fp32", "bf16", "int8"],
-                    help="storage of the sparse FFN rows (int8: per-row scales)")
+    sp.add_argument("--ffn-dtype", default="fp32", choices=["fp32", "bf16", "int8", "q4"],
+                    help="storage of the sparse FFN rows (int8: per-row scales; q4: Q4_0 "
+                         "blocks of 32, C kernels)")
     p.add_argument("-v", "--verbose", action="store_true", help="INFO logs and tracebacks")
 
 

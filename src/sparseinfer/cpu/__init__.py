@@ -39,6 +39,7 @@ __all__ = [
     "set_isa",
     "set_spin_us",
     "set_threads",
+    "sparse_ffn_q4",
 ]
 
 if TYPE_CHECKING:

@@ -11,6 +11,7 @@
  * accumulator. One horizontal sum per row at the end.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 
 #include "qgemv.h"
@@ -316,5 +317,106 @@ void FN(si_quantize_x)(const float *x, int cols, int8_t *q, float *d, float *s) 
         _mm256_storeu_si256((__m256i *)(q + 32 * (size_t)b), p);
         d[b] = db;
         s[b] = db * (float)isum;
+    }
+}
+
+/* ------------------------------------------------------------------ sparse FFN, Q4_0 bundles */
+
+/* Dot products of R Q4_0 rows (pointers) with x: y[r] = row_r · x. */
+INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int nb, float *y) {
+    __m256 acc[8];
+    float cs[8];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        cs[r] = 0.0f;
+    }
+    for (int b = 0; b < nb; b++) {
+        const __m256i xv = loadx(x, b);
+        const float xd = x->d[b], xs = x->s[b];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = rp[r] + (size_t)b * 18;
+            const float dw = f16(p);
+            const __m256i dot = dot_us(nib32(p + 2), xv);
+            cs[r] -= 8.0f * dw * xs;
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * xd), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = hsum(acc[r]) + cs[r];
+}
+
+/* out += sum_r h[r] * row_r for R Q4_0 rows of nb blocks. */
+INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int nb, float *out) {
+    const __m256i k8 = _mm256_set1_epi8(8);
+    for (int b = 0; b < nb; b++) {
+        float *o = out + 32 * (size_t)b;
+        __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8);
+        __m256 o2 = _mm256_loadu_ps(o + 16), o3 = _mm256_loadu_ps(o + 24);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = rp[r] + (size_t)b * 18;
+            const __m256 s = _mm256_set1_ps(h[r] * f16(p));
+            const __m256i q = _mm256_sub_epi8(nib32(p + 2), k8);
+            const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+            o0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), s, o0);
+            o1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), s, o1);
+            o2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), s, o2);
+            o3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), s, o3);
+        }
+        _mm256_storeu_ps(o, o0);
+        _mm256_storeu_ps(o + 8, o1);
+        _mm256_storeu_ps(o + 16, o2);
+        _mm256_storeu_ps(o + 24, o3);
+    }
+}
+
+/* Activation codes as sparse/kernels.py ACT_CODES: 0 identity, 1 relu, 2 silu, 3 gelu (erf). */
+static inline float act(int code, float z) {
+    if (code == 1) return z > 0.0f ? z : 0.0f;
+    if (code == 2) return z / (1.0f + expf(-z));
+    if (code == 3) return 0.5f * z * (1.0f + erff(z * 0.70710678118654752f));
+    return z;
+}
+
+/* Neurons idx[0..k) of bundles (bundle_bytes apart; each: [gate row,] up row, down column, all
+ * Q4_0 rows of d_model), for T tokens: out[t] += sum_i h_i(x_t) * down_i. Neurons are walked 4 at
+ * a time (gate and up of 4 neurons: 8 streams; then their 4 down rows in one pass over out), each
+ * group reused from cache for every token. */
+void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, const int32_t *idx,
+                      int k, const si_xq *x, int T, int d_model, int ga, int ua, const float *bias,
+                      float *out) {
+    const size_t rb = (size_t)d_model / 32 * 18;
+    const int nb = d_model / 32;
+    for (int i = 0; i < k; i += 4) {
+        const int R = k - i < 4 ? k - i : 4;
+        const uint8_t *in[8], *down[4];
+        for (int n = 0; n < R; n++) {
+            const uint8_t *base = bundles + (size_t)idx[i + n] * bundle_bytes;
+            if (gated) {
+                in[n] = base;          /* gate */
+                in[4 + n] = base + rb; /* up */
+                down[n] = base + 2 * rb;
+            } else {
+                in[n] = base; /* up */
+                down[n] = base + rb;
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            float z[8], h[4];
+            if (R == 4) {
+                if (gated) q4_dots(in, 8, &x[t], nb, z);
+                else q4_dots(in, 4, &x[t], nb, z);
+            } else {
+                for (int n = 0; n < R; n++) {
+                    q4_dots(&in[n], 1, &x[t], nb, &z[n]);
+                    if (gated) q4_dots(&in[4 + n], 1, &x[t], nb, &z[4 + n]);
+                }
+            }
+            for (int n = 0; n < R; n++)
+                h[n] = gated ? act(ga, z[n]) * act(ua, z[4 + n])
+                             : act(ua, z[n] + (bias ? bias[idx[i + n]] : 0.0f));
+            float *o = out + (size_t)t * d_model;
+            if (R == 4) q4_axpy(down, h, 4, nb, o);
+            else
+                for (int n = 0; n < R; n++) q4_axpy(&down[n], &h[n], 1, nb, o);
+        }
     }
 }

@@ -31,6 +31,7 @@ __all__ = [
     "set_isa",
     "set_spin_us",
     "set_threads",
+    "sparse_ffn_q4",
 ]
 
 # GGUF type name -> library type code (enum si_type in qgemv.h), block elements, block bytes.
@@ -70,6 +71,7 @@ def _load() -> ctypes.CDLL:
     lib.si_gemv.argtypes = [ci, vp, vp, vp, ci, vp, vp]
     lib.si_gemm.argtypes = [ci, vp, i64, ci, vp, i64, vp]
     lib.si_quantize_x.argtypes = [vp, ci, vp, vp, vp]
+    lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, ci, vp, ci, ci, ci, ci, vp, vp]
     if lib.si_get_isa() < 0:
         raise CpuLibraryError("this CPU has neither AVX2+FMA nor AVX-512: the C kernels need one")
     return lib
@@ -77,7 +79,8 @@ def _load() -> ctypes.CDLL:
 
 _lib = _load()
 _gemv = _lib.si_gemv
-_ERRORS = {22: "invalid argument", 12: "out of memory", 19: "no instruction set selected"}
+_ERRORS = {22: "invalid argument", 12: "out of memory", 19: "no instruction set selected",
+           34: "a neuron index out of range"}
 
 
 def _check(rc: int, what: str) -> None:
@@ -241,3 +244,30 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     q, d, s = torch.empty(cols, dtype=torch.int8), torch.empty(cols // 32), torch.empty(cols // 32)
     _check(_lib.si_quantize_x(_ptr(x), cols, _ptr(q), _ptr(d), _ptr(s)), "quantize_x")
     return q, d, s
+
+
+def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.Tensor,
+                  out: torch.Tensor, gate_act: int, up_act: int,
+                  up_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Sparse FFN over neuron bundles of Q4_0 rows: ``out[t] = sum_{i in idx} h_i(x[t]) ·
+    down_i`` with ``h_i = act_g(gate_i · x) · act_u(up_i · x)`` (gated) or ``act_u(up_i · x +
+    b_i)``. ``rows``: uint8 ``[d_ff, n_mats, d_model / 32 · 18]`` (per neuron: [gate,] up, down
+    column, each Q4_0 blocks); ``idx`` int32 [k]; ``x``, ``out`` float32 [T, d_model]; activation
+    codes as ``sparse.kernels.ACT_CODES`` (0 identity, 1 relu, 2 silu, 3 gelu). Only the active
+    neurons' bytes are read, 4 neurons at a time; ``x`` is rounded to int8 blocks as in ``gemv``.
+    (Reference: ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN`` of dtype "q4".)"""
+    d_ff, n_mats, width = rows.shape
+    T, d_model = x.shape
+    if rows.dtype != torch.uint8 or not rows.is_contiguous() or width != d_model // 32 * 18:
+        raise ValueError(f"rows: expected contiguous uint8 [d_ff, n_mats, {d_model // 32 * 18}], "
+                         f"got {rows.dtype} {list(rows.shape)}")
+    if idx.dtype != torch.int32 or not idx.is_contiguous():
+        raise ValueError(f"idx: expected contiguous int32, got {idx.dtype}")
+    bias = 0
+    if up_bias is not None:
+        _check_f32(up_bias, (d_ff,), "up_bias")
+        bias = up_bias.data_ptr()
+    _check(_lib.si_sparse_q4(rows.data_ptr(), n_mats * width, int(gated), idx.data_ptr(),
+                             idx.shape[0], d_ff, x.data_ptr(), T, d_model, gate_act, up_act,
+                             bias or None, out.data_ptr()), "sparse_ffn_q4")
+    return out

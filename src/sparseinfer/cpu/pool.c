@@ -43,11 +43,14 @@ int si_block_bytes(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_BYT
 
 typedef void (*rows_fn)(int, const uint8_t *, size_t, int, const si_xq *, int, float *);
 typedef void (*quant_fn)(const float *, int, int8_t *, float *, float *);
+typedef void (*sparse_fn)(const uint8_t *, size_t, int, const int32_t *, int, const si_xq *, int,
+                          int, int, int, const float *, float *);
 
 enum { ISA_AVX2 = 0, ISA_AVX512 = 1 };
 static int g_isa = -1;
 static rows_fn g_rows;
 static quant_fn g_quant;
+static sparse_fn g_sparse;
 
 int si_isa_supported(int isa) {
     __builtin_cpu_init();
@@ -64,6 +67,7 @@ int si_set_isa(int isa) {
     g_isa = isa;
     g_rows = isa == ISA_AVX512 ? si_rows_avx512 : si_rows_avx2;
     g_quant = isa == ISA_AVX512 ? si_quantize_x_avx512 : si_quantize_x_avx2;
+    g_sparse = isa == ISA_AVX512 ? si_sparse_q4_avx512 : si_sparse_q4_avx2;
     return 0;
 }
 
@@ -335,6 +339,84 @@ int si_gemv(int nmat, const int *types, const void *const *w, const int64_t *row
 
 int si_gemm(int type, const void *w, int64_t rows, int cols, const float *x, int64_t T, float *out) {
     return run(1, &type, &w, &rows, cols, x, T, &out);
+}
+
+/* ------------------------------------------------------------------ sparse FFN (Q4_0 bundles) */
+
+typedef struct {
+    const uint8_t *bundles;
+    size_t bundle_bytes;
+    int gated, k, T, d_model, ga, ua, n_chunks;
+    const int32_t *idx;
+    const float *bias;
+    float *out;  /* [T, d_model] */
+    float *part; /* one token: [n_chunks, d_model] partial sums, one per neuron range */
+} sparse_job_t;
+
+static struct {
+    float *p;
+    size_t cap;
+} SP;
+
+static void sparse_chunk(const void *jp, int64_t c) {
+    const sparse_job_t *j = jp;
+    if (j->T == 1) { /* neuron range c of one token, into its own partial sum */
+        const int i0 = (int)(c * j->k / j->n_chunks), i1 = (int)((c + 1) * j->k / j->n_chunks);
+        float *o = j->n_chunks == 1 ? j->out : j->part + c * (size_t)j->d_model;
+        memset(o, 0, sizeof(float) * j->d_model);
+        g_sparse(j->bundles, j->bundle_bytes, j->gated, j->idx + i0, i1 - i0, S.xq, 1, j->d_model,
+                 j->ga, j->ua, j->bias, o);
+    } else { /* token range c, every neuron */
+        const int t0 = (int)(c * j->T / j->n_chunks), t1 = (int)((c + 1) * j->T / j->n_chunks);
+        float *o = j->out + (size_t)t0 * j->d_model;
+        memset(o, 0, sizeof(float) * j->d_model * (size_t)(t1 - t0));
+        g_sparse(j->bundles, j->bundle_bytes, j->gated, j->idx, j->k, S.xq + t0, t1 - t0,
+                 j->d_model, j->ga, j->ua, j->bias, o);
+    }
+}
+
+/* out[t] = sum_{i in idx} h_i(x[t]) * down_i for T tokens x [T, d_model] (see kernels.c). */
+int si_sparse_q4(const void *bundles, size_t bundle_bytes, int gated, const int32_t *idx, int k,
+                 int d_ff, const float *x, int T, int d_model, int ga, int ua, const float *bias,
+                 float *out) {
+    if (g_isa < 0) return ENODEV;
+    if (d_model <= 0 || d_model % 32 || T < 1 || k < 0 || ga < 0 || ga > 3 || ua < 0 || ua > 3)
+        return EINVAL;
+    for (int i = 0; i < k; i++)
+        if (idx[i] < 0 || idx[i] >= d_ff) return ERANGE;
+    sparse_job_t j = {bundles, bundle_bytes, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx, bias,
+                      out, NULL};
+    const int nt = P.n_workers + 1;
+    if (T == 1) {
+        int n = (k + 31) / 32;
+        j.n_chunks = n < 1 ? 1 : n > 4 * nt ? 4 * nt : n;
+    } else {
+        j.n_chunks = T < 4 * nt ? T : 4 * nt;
+    }
+    pthread_mutex_lock(&g_call_lock);
+    int err = quantize_rows(x, T, d_model, 1);
+    if (!err && T == 1 && j.n_chunks > 1) {
+        const size_t need = (size_t)j.n_chunks * d_model;
+        if (need > SP.cap) {
+            free(SP.p);
+            SP.p = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
+            SP.cap = SP.p ? need : 0;
+            if (!SP.p) err = ENOMEM;
+        }
+        j.part = SP.p;
+    }
+    if (!err) {
+        pool_run(sparse_chunk, &j, j.n_chunks);
+        if (T == 1 && j.n_chunks > 1) {
+            for (int d = 0; d < d_model; d++) {
+                float acc = 0.0f;
+                for (int c = 0; c < j.n_chunks; c++) acc += j.part[(size_t)c * d_model + d];
+                out[d] = acc;
+            }
+        }
+    }
+    pthread_mutex_unlock(&g_call_lock);
+    return err;
 }
 
 /* The activation quantization alone (for tests: x -> q, d, s as the kernels see it). */
