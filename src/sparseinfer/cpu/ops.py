@@ -213,13 +213,27 @@ class GemvPlan:
             _check(rc, "gemv")
 
 
+_plans: dict[tuple, GemvPlan] = {}
+MAX_CACHED_PLANS = 1024
+
+
 def gemv(mats: Sequence[QuantMatrix], x: torch.Tensor | np.ndarray,
          outs: Sequence[torch.Tensor | np.ndarray]) -> None:
     """``outs[i] = mats[i] @ x`` for matrices sharing one input ``x`` (float32 [cols]); each
     ``outs[i]`` a preallocated contiguous float32 [rows_i]. ``x`` is quantized once and all the
-    rows go to the thread pool in one dispatch."""
-    _check_f32(x, (mats[0].cols if mats else 0,), "x")
-    GemvPlan(mats, outs)(x)
+    rows go to the thread pool in one dispatch. The argument arrays are cached per (matrices,
+    output buffers), so a decode loop that reuses its buffers pays for them once (a
+    ``GemvPlan`` skips even the cache lookup)."""
+    key = (*mats, *[(_ptr(o), o.shape, o.dtype) for o in outs])
+    plan = _plans.get(key)
+    if plan is None:
+        if mats:
+            _check_f32(x, (mats[0].cols,), "x")
+        plan = GemvPlan(mats, outs)
+        if len(_plans) >= MAX_CACHED_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    plan(x)
 
 
 def gemm(mat: QuantMatrix, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
