@@ -194,10 +194,14 @@ def test_pool_sleeping_workers_and_thread_changes():
             for n in (2, 3, 1, 2):
                 cpu.set_threads(n)
                 assert cpu.get_threads() == n
+                cpu.pool_stats(reset=True)
                 for _ in range(20):
                     out = torch.full((200,), float("nan"))
                     cpu.gemv([mat], x, [out])
                     assert torch.equal(out, first)
+                caller, workers = cpu.pool_stats()
+                if n > 1:  # every chunk ran exactly once, on one thread or the other
+                    assert (caller + workers) % 20 == 0 and caller + workers >= 20 * n
     finally:
         cpu.set_spin_us(50)
         cpu.set_threads(before)

@@ -40,6 +40,7 @@ __all__ = [
     "set_spin_us",
     "set_threads",
     "sparse_ffn_q4",
+    "pool_stats",
 ]
 
 if TYPE_CHECKING:

@@ -32,6 +32,7 @@ __all__ = [
     "set_spin_us",
     "set_threads",
     "sparse_ffn_q4",
+    "pool_stats",
 ]
 
 # GGUF type name -> library type code (enum si_type in qgemv.h), block elements, block bytes.
@@ -122,6 +123,14 @@ def get_threads() -> int:
 def set_spin_us(us: int) -> None:
     """How long an idle worker (or the waiting caller) spins before it sleeps, in µs."""
     _lib.si_set_spin_us(int(us))
+
+
+def pool_stats(reset: bool = False) -> tuple[int, int]:
+    """(chunks run by the calling thread, chunks run by the pool's workers) since the last
+    reset: shows whether the other threads take part."""
+    caller, workers = ctypes.c_longlong(), ctypes.c_longlong()
+    _lib.si_pool_stats(ctypes.byref(caller), ctypes.byref(workers), int(reset))
+    return caller.value, workers.value
 
 
 def _ptr(a: torch.Tensor | np.ndarray) -> int:

@@ -120,8 +120,20 @@ static struct {
 
 static pthread_mutex_t g_call_lock = PTHREAD_MUTEX_INITIALIZER;
 
+/* Chunks run by the calling thread and by the workers since the last si_pool_stats reset. */
+static atomic_llong g_chunks_caller, g_chunks_workers;
+
+void si_pool_stats(long long *caller, long long *workers, int reset) {
+    *caller = atomic_load(&g_chunks_caller);
+    *workers = atomic_load(&g_chunks_workers);
+    if (reset) {
+        atomic_store(&g_chunks_caller, 0);
+        atomic_store(&g_chunks_workers, 0);
+    }
+}
+
 /* Claim and run chunks of job generation `gen` until none are left. */
-static void run_chunks(int gen) {
+static void run_chunks(int gen, int is_worker) {
     for (;;) {
         long long v = atomic_load(&P.next);
         if ((int)(v >> 32) != gen) return;
@@ -129,6 +141,8 @@ static void run_chunks(int gen) {
         if (c >= P.n_chunks) return;
         if (!atomic_compare_exchange_weak(&P.next, &v, v + 1)) continue;
         P.fn(P.job, c); /* the job's fields are stable until all its chunks are done */
+        atomic_fetch_add_explicit(is_worker ? &g_chunks_workers : &g_chunks_caller, 1,
+                                  memory_order_relaxed);
         const int d = atomic_fetch_add(&P.done, 1) + 1;
         if (d == P.n_chunks && atomic_load(&P.caller_sleeps)) futex_wake(&P.done, 1);
     }
@@ -146,7 +160,7 @@ static void *worker(void *arg) {
         }
         seen = atomic_load(&P.gen);
         if (atomic_load(&P.stop)) return NULL;
-        run_chunks(seen);
+        run_chunks(seen, 1);
     }
 }
 
@@ -194,7 +208,7 @@ static void pool_run(chunk_fn fn, const void *job, int64_t n_chunks) {
     atomic_store(&P.next, (long long)gen << 32);
     atomic_store(&P.gen, gen);
     if (atomic_load(&P.sleepers) > 0) futex_wake(&P.gen, INT_MAX);
-    run_chunks(gen);
+    run_chunks(gen, 0);
     const int n = (int)n_chunks;
     if (atomic_load(&P.done) != n) {
         for (;;) {
