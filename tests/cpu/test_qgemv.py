@@ -103,6 +103,17 @@ def test_gemv_matches_reference(type_name, rows, cols, isa, threads):
     assert torch.all((out.double() - want_q8.double()).abs() <= summation_bound(mat, x))
 
 
+def test_numpy_arguments():
+    rng = np.random.default_rng(5)
+    mat = cpu.QuantMatrix("Q8_0", random_raw("Q8_0", 9, 64, rng), 9, 64)
+    x = rng.standard_normal(64).astype(np.float32)
+    out, want = np.empty(9, np.float32), torch.empty(9)
+    cpu.gemv([mat], x, [out])
+    ref.gemv_q8_ref([mat], torch.from_numpy(x), [want])
+    assert torch.all((torch.from_numpy(out).double() - want.double()).abs()
+                     <= summation_bound(mat, torch.from_numpy(x)))
+
+
 def test_multi_matrix_call_shares_input(isa, threads):
     """q, k, v of different types and heights in one call: each as if computed alone."""
     rng = np.random.default_rng(1)
@@ -218,6 +229,10 @@ def test_errors_name_expected_and_found():
     mat = cpu.QuantMatrix("Q4_0", raw, 4, 32)
     with pytest.raises(ValueError, match=r"x: expected contiguous float32 \[32\]"):
         cpu.gemv([mat], torch.zeros(33), [torch.empty(4)])
+    with pytest.raises(ValueError, match=r"x: expected contiguous float32 \[32\]"):
+        cpu.gemv([mat], torch.zeros(64)[::2], [torch.empty(4)])  # strided
+    with pytest.raises(ValueError, match=r"x: expected contiguous float32 \[32\]"):
+        cpu.gemv([mat], torch.zeros(32, dtype=torch.float64), [torch.empty(4)])
     with pytest.raises(ValueError, match=r"outs\[0\]: expected contiguous float32 \[4\]"):
         cpu.gemv([mat], torch.zeros(32), [torch.empty(5)])
     with pytest.raises(ValueError, match="isa: expected one of"):

@@ -215,8 +215,9 @@ class GemvPlan:
         self._outp = (ctypes.c_void_p * n)(*[_ptr(o) for o in outs])
 
     def __call__(self, x: torch.Tensor | np.ndarray) -> None:
-        if x.shape != (self.cols,) or x.dtype not in (torch.float32, np.float32):
-            _check_f32(x, (self.cols,), "x")
+        if not (type(x) is torch.Tensor and x.dtype is torch.float32 and x.shape == (self.cols,)
+                and x.is_contiguous() and not x.is_cuda):
+            _check_f32(x, (self.cols,), "x")  # numpy arrays, or the error
         rc = _gemv(self._n, self._types, self._ptrs, self._rows, self.cols, _ptr(x), self._outp)
         if rc:
             _check(rc, "gemv")
@@ -280,7 +281,11 @@ def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.T
     neurons' bytes are read, 4 neurons at a time; ``x`` is rounded to int8 blocks as in ``gemv``.
     (Reference: ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN`` of dtype "q4".)"""
     d_ff, n_mats, width = rows.shape
+    if x.dim() != 2:
+        raise ValueError(f"x: expected float32 [T, d_model], got {list(x.shape)}")
     T, d_model = x.shape
+    _check_f32(x, (T, d_model), "x")
+    _check_f32(out, (T, d_model), "out")
     if rows.dtype != torch.uint8 or not rows.is_contiguous() or width != d_model // 32 * 18:
         raise ValueError(f"rows: expected contiguous uint8 [d_ff, n_mats, {d_model // 32 * 18}], "
                          f"got {rows.dtype} {list(rows.shape)}")
