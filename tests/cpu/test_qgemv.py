@@ -60,6 +60,7 @@ def isa(request):
     if request.param not in cpu.available_isas():
         pytest.skip(f"this CPU has no {request.param}")
     cpu.set_isa(request.param)
+    assert cpu.get_isa() == request.param
     yield request.param
     cpu.set_isa("auto")
 
