@@ -27,6 +27,7 @@ from dataclasses import replace
 
 import torch
 
+from sparseinfer import cpu
 from sparseinfer.bench import measure_read_bandwidth
 from sparseinfer.sparse import kernels
 from sparseinfer.sparse.packed import PackedFFN, empty_hugepages
@@ -35,7 +36,7 @@ log = logging.getLogger("benchmarks.kernels")
 
 SHAPES = {"llama-7b": (4096, 11008), "smollm2-135m": (576, 1536)}
 DENSITIES = (0.05, 0.10, 0.20, 0.50)
-DTYPES = (("fp32", 0), ("bf16", 0), ("int8", 0), ("int8", 32))
+DTYPES = (("fp32", 0), ("bf16", 0), ("int8", 0), ("int8", 32), ("q4", 0))
 POOL_BYTES = 512 * 2**20  # >= 16x the 32 MiB L3 of these machines
 MAX_LAYERS = 128
 BW_BYTES = 128 * 2**20  # per-row bandwidth probe: 4x L3
@@ -83,6 +84,7 @@ def time_dense(base: PackedFFN, x: torch.Tensor, weights: str, n_calls: int) -> 
 def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: int) -> None:
     torch.set_num_threads(threads)
     kernels.set_threads(threads)
+    cpu.set_threads(threads)  # q4 rows run in the C library's own pool
     kernels.warmup()
     bws = [measure_read_bandwidth(threads)]
     print(f"# {threads} threads; measured read bandwidth {bws[0]:.1f} GB/s; "

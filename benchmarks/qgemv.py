@@ -2,7 +2,7 @@
 memory-bandwidth floor.
 
     python benchmarks/qgemv.py [--threads 1 2] [--isa avx2 avx512] [--types Q4_0 Q4_K ...]
-                               [--shape 4096x4096 ...] [--calls N]
+                               [--model llama-7b smollm2-135m] [--calls N] [--in-cache]
 
 For Llama-7B shapes (4096x4096, 11008x4096, 4096x11008) and SmolLM2-135M shapes (576x576,
 1536x576, 576x1536): time of one GEMV (one input vector), the bytes of weights it must read per
@@ -15,6 +15,10 @@ is the best call, the median is beside it; the CPU model, its ISA flags and the 
 printed so a reader can judge. Weight bytes are random (speed does not depend on the values).
 torch's int4 kernel (``torch._weight_int4pack_mm_for_cpu``, bf16 activations, as
 ``sparseinfer.quant.linear.Int4Linear`` uses it) reads 4.5 bits per weight like Q4_0.
+
+``--in-cache`` measures the arithmetic instead: one 256x4096 matrix (about 0.6-1 MB, inside
+the per-core L2 cache) called again and again, so GB/s is the rate the kernel could consume
+weights if memory were free; compare it with the read bandwidth to see the headroom.
 """
 
 from __future__ import annotations
@@ -66,6 +70,9 @@ def times(fn, n: int) -> list[float]:
     return out
 
 
+IN_CACHE_SHAPE = (256, 4096)
+
+
 def torch_int4(rows: int, cols: int, pool: int, n: int) -> list[float]:
     """Per-call seconds of torch's int4 GEMV over ``pool`` copies of a random matrix."""
     q = torch.randint(0, 16, (rows, cols), dtype=torch.int32)
@@ -81,10 +88,11 @@ def torch_int4(rows: int, cols: int, pool: int, n: int) -> list[float]:
     return times(call, n)
 
 
-def ours(buf: np.ndarray, type_name: str, rows: int, cols: int, n: int) -> tuple[list[float], int]:
+def ours(buf: np.ndarray, type_name: str, rows: int, cols: int, n: int,
+         in_cache: bool = False) -> tuple[list[float], int]:
     _, elems, size = cpu.TYPES[type_name]
     nbytes = rows * cols // elems * size
-    k = buf.size // nbytes
+    k = 1 if in_cache else buf.size // nbytes
     mats = [cpu.QuantMatrix(type_name, buf[i * nbytes : (i + 1) * nbytes], rows, cols)
             for i in range(k)]
     out = torch.empty(rows)
@@ -105,13 +113,17 @@ def main() -> None:
     p.add_argument("--model", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--no-torch", action="store_true", help="skip torch's int4 kernel")
+    p.add_argument("--in-cache", action="store_true",
+                   help=f"one {IN_CACHE_SHAPE[0]}x{IN_CACHE_SHAPE[1]} matrix reused (arithmetic rate)")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model, flags = cpu_info()
     print(f"# CPU: {model}; {os.cpu_count()} CPUs; flags: {flags}")
     print(f"# kernels available here: {cpu.available_isas()}; torch {torch.__version__}")
     buf = np.random.default_rng(0).integers(0, 256, POOL_BYTES, dtype=np.uint8)
-    print(f"# times: best call (p50) over windows of a {POOL_BYTES >> 20} MiB buffer; "
+    where = "one matrix reused (in cache)" if a.in_cache else \
+        f"windows of a {POOL_BYTES >> 20} MiB buffer"
+    print(f"# times: best call (p50) over {where}; "
           "GB/s = weight bytes / best time; %bw = share of the read bandwidth measured now")
     hdr = (f"{'thr':>3} {'shape':>11} {'kernel':<14} {'MB':>6} {'best':>10} {'p50':>10} "
            f"{'GB/s':>6} {'%bw':>5}")
@@ -123,24 +135,27 @@ def main() -> None:
               f"{os.getloadavg()[0]:.2f}")
         print(hdr)
         print("-" * len(hdr))
-        for name in a.model:
-            for rows, cols in SHAPES[name]:
-                shape = f"{rows}x{cols}"
-                rowsout = []
-                if not a.no_torch:
-                    nbytes = rows * cols // 32 * 18
-                    ts = torch_int4(rows, cols, max(2, POOL_BYTES // 2 // nbytes), a.calls)
-                    rowsout.append(("torch int4", nbytes, ts))
-                for isa in a.isa:
-                    cpu.set_isa(isa)
-                    for ty in a.types:
-                        ts, nbytes = ours(buf, ty, rows, cols, a.calls)
-                        rowsout.append((f"{ty} {isa}", nbytes, ts))
-                for label, nbytes, ts in rowsout:
-                    best = min(ts)
-                    gbs = nbytes / best / 1e9
-                    print(f"{t:>3} {shape:>11} {label:<14} {nbytes / 1e6:>6.2f} {fmt(best):>10} "
-                          f"{fmt(statistics.median(ts)):>10} {gbs:>6.1f} {gbs / bw:>5.0%}")
+        shapes = [IN_CACHE_SHAPE] if a.in_cache else [sh for m in a.model for sh in SHAPES[m]]
+        for rows, cols in shapes:
+            shape = f"{rows}x{cols}"
+            rowsout = []
+            if not a.no_torch:
+                nbytes = rows * cols // 32 * 18
+                pool = 1 if a.in_cache else max(2, POOL_BYTES // 2 // nbytes)
+                ts = torch_int4(rows, cols, pool, a.calls)
+                rowsout.append(("torch int4", nbytes, ts))
+            for isa in a.isa:
+                cpu.set_isa(isa)
+                for ty in a.types:
+                    if cols % max(32, cpu.TYPES[ty][1]):
+                        continue  # no such tensor (llama.cpp falls back to a 32-block type)
+                    ts, nbytes = ours(buf, ty, rows, cols, a.calls, a.in_cache)
+                    rowsout.append((f"{ty} {isa}", nbytes, ts))
+            for label, nbytes, ts in rowsout:
+                best = min(ts)
+                gbs = nbytes / best / 1e9
+                print(f"{t:>3} {shape:>11} {label:<14} {nbytes / 1e6:>6.2f} {fmt(best):>10} "
+                      f"{fmt(statistics.median(ts)):>10} {gbs:>6.1f} {gbs / bw:>5.0%}")
         print(f"# load average at the end: {os.getloadavg()[0]:.2f}")
     cpu.set_isa("auto")
 

@@ -11,13 +11,17 @@ q8_0) and each block of weights is an integer dot product with it (F16 uses fp32
     cpu.gemv([wq, wk, wv], x, [q, k, v])                 # x quantized once, one pool dispatch
     plan = cpu.GemvPlan([wg, wu], [g, u]); plan(x)        # the same with per-call work hoisted
     y = cpu.gemm(wq, X)                                  # X [T, cols] -> [T, rows]
+    cpu.sparse_ffn_q4(rows, gated, idx, X, out, ga, ua)   # sparse FFN over Q4_0 neuron bundles
 
 Variants: AVX2+FMA, and AVX-512 (F/BW/VL) with VNNI; the best the CPU has is chosen at import,
 ``set_isa("avx2")`` forces the other. Threads: a persistent pool inside the library
-(``set_threads``); idle workers spin briefly (``set_spin_us``) and then sleep.
+(``set_threads``, 1 until set); idle workers spin briefly (``set_spin_us``) and then sleep;
+``pool_stats`` counts the chunks the caller and the workers ran.
 
-The library is built by ``python3 -m sparseinfer.cpu.build`` (``./install.sh`` does it); importing
-``sparseinfer.cpu.ops`` (first use of any name below) without it, or with one built from other sources, raises ``CpuLibraryError``.
+The library is built by ``python3 -m sparseinfer.cpu.build`` (``./install.sh`` does it). The
+first use of any name below imports ``sparseinfer.cpu.ops``, which loads it: missing, or built
+from other sources, it raises ``CpuLibraryError`` saying to run ``./install.sh`` (importing this
+package itself never fails, so the build command can run).
 References with the same signatures are in ``reference.py``.
 """
 
@@ -39,6 +43,8 @@ __all__ = [
     "set_isa",
     "set_spin_us",
     "set_threads",
+    "sparse_ffn_q4",
+    "pool_stats",
 ]
 
 if TYPE_CHECKING:

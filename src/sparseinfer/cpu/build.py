@@ -85,7 +85,7 @@ def build(out: Path = LIB) -> Path:
         _run([cc, *COMMON, f'-DSI_SOURCE_HASH="{digest}"', "-c", str(HERE / "pool.c"),
               "-o", pool_obj])
         tmp_lib = os.path.join(tmp, out.name)
-        _run([cc, "-shared", "-pthread", "-o", tmp_lib, pool_obj, *objs])
+        _run([cc, "-shared", "-pthread", "-o", tmp_lib, pool_obj, *objs, "-lm"])
         shutil.copyfile(tmp_lib, str(out) + ".tmp")
         os.replace(str(out) + ".tmp", out)
     log.info("built %s (sources %s)", out, digest)

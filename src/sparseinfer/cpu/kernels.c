@@ -11,6 +11,7 @@
  * accumulator. One horizontal sum per row at the end.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 
 #include "qgemv.h"
@@ -78,84 +79,124 @@ INLINE __m256i loadx(const si_xq *x, int b) {
 
 /* ------------------------------------------------------------------ blocks of 32 weights */
 
-/* type: SI_Q4_0, SI_Q4_1, SI_Q5_0, SI_Q5_1 or SI_Q8_0 (a constant after inlining). */
+/* The integer dot product of one block of type `type` at p with the activation block xv. */
+INLINE __m256i dot_b32(const int type, const uint8_t *p, __m256i xv) {
+    if (type == SI_Q4_0) return dot_us(nib32(p + 2), xv);
+    if (type == SI_Q4_1) return dot_us(nib32(p + 4), xv);
+    if (type == SI_Q5_0) return dot_us(_mm256_or_si256(nib32(p + 6), bit5(p + 2)), xv);
+    if (type == SI_Q5_1) return dot_us(_mm256_or_si256(nib32(p + 8), bit5(p + 4)), xv);
+    /* SI_Q8_0: signed x signed as |w| times x with w's sign */
+    const __m256i wv = _mm256_loadu_si256((const __m256i *)(p + 2));
+    return dot_us(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
+}
+
+/* The fp16 fields at byte `off` of 8 consecutive blocks (bsize apart) as 8 floats. */
+INLINE __m256 f16x8(const uint8_t *p, const int bsize, const int off) {
+    uint16_t h[8];
+    for (int k = 0; k < 8; k++) memcpy(&h[k], p + k * bsize + off, 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
+/* type: SI_Q4_0, SI_Q4_1, SI_Q5_0, SI_Q5_1 or SI_Q8_0 (a constant after inlining).
+ * Blocks go 8 at a time: the 8 scale products d_w*d_x are made in one vector and broadcast per
+ * block with a permute; the zero-point/minimum terms accumulate as a vector (per row: accm). */
 INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t rb, const int R,
                      const si_xq *x, int nb, float *y, const uint8_t *pf) {
-    __m256 acc[4];
-    float cs[4];
+    __m256 acc[4], accm[4];
     for (int r = 0; r < R; r++) {
         acc[r] = _mm256_setzero_ps();
-        cs[r] = 0.0f;
+        accm[r] = _mm256_setzero_ps();
     }
-    for (int b = 0; b < nb; b++) {
+    const int has_min = type == SI_Q4_1 || type == SI_Q5_1;
+    int b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        const __m256 xd = _mm256_loadu_ps(x->d + b), xs = _mm256_loadu_ps(x->s + b);
+        if (pf) prefetch(pf + (size_t)b * R * bsize, 8 * R * bsize);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (size_t)r * rb + (size_t)b * bsize;
+            const __m256 dw = f16x8(p, bsize, 0);
+            const __m256 scale = _mm256_mul_ps(dw, xd);
+            if (has_min) accm[r] = _mm256_fmadd_ps(f16x8(p, bsize, 2), xs, accm[r]);
+            else if (type != SI_Q8_0) accm[r] = _mm256_fmadd_ps(dw, xs, accm[r]);
+            for (int k = 0; k < 8; k++) {
+                const __m256i dot = dot_b32(type, p + k * bsize, loadx(x, b + k));
+                const __m256 sk = _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(k));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sk, acc[r]);
+            }
+        }
+    }
+    float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (; b < nb; b++) { /* the last nb % 8 blocks, one at a time */
         const __m256i xv = loadx(x, b);
         const float xd = x->d[b], xs = x->s[b];
-        if (pf) prefetch(pf + (size_t)b * R * bsize, R * bsize);
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)b * bsize;
             const float dw = f16(p);
-            __m256i dot;
-            if (type == SI_Q4_0) {
-                dot = dot_us(nib32(p + 2), xv);
-                cs[r] -= 8.0f * dw * xs;
-            } else if (type == SI_Q4_1) {
-                dot = dot_us(nib32(p + 4), xv);
-                cs[r] += f16(p + 2) * xs;
-            } else if (type == SI_Q5_0) {
-                dot = dot_us(_mm256_or_si256(nib32(p + 6), bit5(p + 2)), xv);
-                cs[r] -= 16.0f * dw * xs;
-            } else if (type == SI_Q5_1) {
-                dot = dot_us(_mm256_or_si256(nib32(p + 8), bit5(p + 4)), xv);
-                cs[r] += f16(p + 2) * xs;
-            } else { /* SI_Q8_0: signed x signed as |w| times x with w's sign */
-                const __m256i wv = _mm256_loadu_si256((const __m256i *)(p + 2));
-                dot = dot_us(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
-            }
+            if (has_min) cs[r] += f16(p + 2) * xs;
+            else if (type != SI_Q8_0) cs[r] += dw * xs;
+            const __m256i dot = dot_b32(type, p, xv);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * xd), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) y[r] = hsum(acc[r]) + cs[r];
+    /* offset per unit of the zero-point terms: w = d*(q - z) for Q4_0 (z = 8), Q5_0 (z = 16);
+     * w = d*q + m for Q4_1/Q5_1 */
+    const float zk = type == SI_Q4_0 ? -8.0f : type == SI_Q5_0 ? -16.0f : 1.0f;
+    for (int r = 0; r < R; r++) {
+        float z = hsum(accm[r]) + cs[r];
+        y[r] = hsum(acc[r]) + (type == SI_Q8_0 ? 0.0f : zk * z);
+    }
 }
 
 /* ------------------------------------------------------------------ K-quants (256 weights) */
 
-/* Q4_K/Q5_K: 8 six-bit scales and minima packed into 12 bytes. */
-INLINE void scales_k(const uint8_t *s, uint8_t *sc, uint8_t *m) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        m[j] = s[j + 4] & 63;
-    }
-    for (int j = 4; j < 8; j++) {
-        sc[j] = (uint8_t)((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
-        m[j] = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-    }
+/* Q4_K/Q5_K: 8 six-bit scales and minima packed into 12 bytes (a = bytes 0..3, b = 4..7,
+ * c = 8..11): sc[0..3] = low 6 bits of a, m[0..3] = low 6 bits of b; sc[4..7] = low nibbles of c
+ * with the top 2 bits of a above them, m[4..7] = high nibbles of c with the top 2 bits of b.
+ * Returns the 8 scales and the 8 minima as bytes of two 64-bit words. */
+INLINE void scales_k(const uint8_t *s, uint64_t *sc, uint64_t *m) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, lo2 = 0x03030303u;
+    const uint32_t sc_hi = (c & lo4) | (((a >> 6) & lo2) << 4);
+    const uint32_t m_hi = ((c >> 4) & lo4) | (((b >> 6) & lo2) << 4);
+    *sc = (uint64_t)(a & lo6) | ((uint64_t)sc_hi << 32);
+    *m = (uint64_t)(b & lo6) | ((uint64_t)m_hi << 32);
+}
+
+INLINE __m256 bytes8_ps(uint64_t v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v)));
 }
 
 /* Q4_K (144 bytes: d, dmin, scales[12], qs[128]) and Q5_K (176 bytes: d, dmin, scales[12],
  * qh[32], qs[128]). Sub-block j (32 weights) of a super-block: nibbles of qs[32*(j/2) ..] (low
- * for even j, high for odd j), fifth bit = bit j of qh[0..31]. w = d*sc[j]*q - dmin*m[j]. */
+ * for even j, high for odd j), fifth bit = bit j of qh[0..31]. w = d*sc[j]*q - dmin*m[j].
+ * The 8 scale products d*sc[j]*xd[j] are made in one vector and broadcast per sub-block; the
+ * minima terms dmin*m[j]*xs[j] accumulate as a vector too. */
 INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, const si_xq *x,
                      int nsb, float *y, const uint8_t *pf) {
     const int bsize = five ? 176 : 144;
-    __m256 acc[4];
-    float cs[4];
+    __m256 acc[4], accm[4];
     for (int r = 0; r < R; r++) {
         acc[r] = _mm256_setzero_ps();
-        cs[r] = 0.0f;
+        accm[r] = _mm256_setzero_ps();
     }
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     for (int sb = 0; sb < nsb; sb++) {
-        const float *xd = x->d + 8 * (size_t)sb, *xs = x->s + 8 * (size_t)sb;
+        const __m256 xd = _mm256_loadu_ps(x->d + 8 * (size_t)sb);
+        const __m256 xs = _mm256_loadu_ps(x->s + 8 * (size_t)sb);
         if (pf) prefetch(pf + (size_t)sb * R * bsize, R * bsize);
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)sb * bsize;
-            const float d = f16(p), dmin = f16(p + 2);
-            uint8_t sc[8], m[8];
-            scales_k(p + 4, sc, m);
+            uint64_t sc8, m8;
+            scales_k(p + 4, &sc8, &m8);
+            const __m256 scale = _mm256_mul_ps(_mm256_mul_ps(bytes8_ps(sc8), xd), _mm256_set1_ps(f16(p)));
+            accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(p + 2))), xs,
+                                      accm[r]);
             const uint8_t *qs = p + (five ? 48 : 16);
             __m256i qh = _mm256_setzero_si256();
             if (five) qh = _mm256_loadu_si256((const __m256i *)(p + 16));
-            float mins = 0.0f;
             for (int c = 0; c < 4; c++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
                 __m256i lo = _mm256_and_si256(v, lo4);
@@ -171,16 +212,14 @@ INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, c
                 }
                 const __m256i p0 = dot_us(lo, loadx(x, 8 * sb + j0));
                 const __m256i p1 = dot_us(hi, loadx(x, 8 * sb + j1));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d * sc[j0] * xd[j0]),
-                                         acc[r]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d * sc[j1] * xd[j1]),
-                                         acc[r]);
-                mins += (float)m[j0] * xs[j0] + (float)m[j1] * xs[j1];
+                const __m256 s0 = _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(j0));
+                const __m256 s1 = _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(j1));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), s0, acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), s1, acc[r]);
             }
-            cs[r] -= dmin * mins;
         }
     }
-    for (int r = 0; r < R; r++) y[r] = hsum(acc[r]) + cs[r];
+    for (int r = 0; r < R; r++) y[r] = hsum(_mm256_sub_ps(acc[r], accm[r]));
 }
 
 /* Q6_K (210 bytes: ql[128], qh[64], int8 scales[16], d). Half h (128 weights) uses ql[64h ..
@@ -316,5 +355,106 @@ void FN(si_quantize_x)(const float *x, int cols, int8_t *q, float *d, float *s) 
         _mm256_storeu_si256((__m256i *)(q + 32 * (size_t)b), p);
         d[b] = db;
         s[b] = db * (float)isum;
+    }
+}
+
+/* ------------------------------------------------------------------ sparse FFN, Q4_0 bundles */
+
+/* Dot products of R Q4_0 rows (pointers) with x: y[r] = row_r · x. */
+INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int nb, float *y) {
+    __m256 acc[8];
+    float cs[8];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        cs[r] = 0.0f;
+    }
+    for (int b = 0; b < nb; b++) {
+        const __m256i xv = loadx(x, b);
+        const float xd = x->d[b], xs = x->s[b];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = rp[r] + (size_t)b * 18;
+            const float dw = f16(p);
+            const __m256i dot = dot_us(nib32(p + 2), xv);
+            cs[r] -= 8.0f * dw * xs;
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * xd), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = hsum(acc[r]) + cs[r];
+}
+
+/* out += sum_r h[r] * row_r for R Q4_0 rows of nb blocks. */
+INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int nb, float *out) {
+    const __m256i k8 = _mm256_set1_epi8(8);
+    for (int b = 0; b < nb; b++) {
+        float *o = out + 32 * (size_t)b;
+        __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8);
+        __m256 o2 = _mm256_loadu_ps(o + 16), o3 = _mm256_loadu_ps(o + 24);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = rp[r] + (size_t)b * 18;
+            const __m256 s = _mm256_set1_ps(h[r] * f16(p));
+            const __m256i q = _mm256_sub_epi8(nib32(p + 2), k8);
+            const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+            o0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), s, o0);
+            o1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), s, o1);
+            o2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), s, o2);
+            o3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), s, o3);
+        }
+        _mm256_storeu_ps(o, o0);
+        _mm256_storeu_ps(o + 8, o1);
+        _mm256_storeu_ps(o + 16, o2);
+        _mm256_storeu_ps(o + 24, o3);
+    }
+}
+
+/* Activation codes as sparse/kernels.py ACT_CODES: 0 identity, 1 relu, 2 silu, 3 gelu (erf). */
+static inline float act(int code, float z) {
+    if (code == 1) return z > 0.0f ? z : 0.0f;
+    if (code == 2) return z / (1.0f + expf(-z));
+    if (code == 3) return 0.5f * z * (1.0f + erff(z * 0.70710678118654752f));
+    return z;
+}
+
+/* Neurons idx[0..k) of bundles (bundle_bytes apart; each: [gate row,] up row, down column, all
+ * Q4_0 rows of d_model), for T tokens: out[t] += sum_i h_i(x_t) * down_i. Neurons are walked 4 at
+ * a time (gate and up of 4 neurons: 8 streams; then their 4 down rows in one pass over out), each
+ * group reused from cache for every token. */
+void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, const int32_t *idx,
+                      int k, const si_xq *x, int T, int d_model, int ga, int ua, const float *bias,
+                      float *out) {
+    const size_t rb = (size_t)d_model / 32 * 18;
+    const int nb = d_model / 32;
+    for (int i = 0; i < k; i += 4) {
+        const int R = k - i < 4 ? k - i : 4;
+        const uint8_t *in[8], *down[4];
+        for (int n = 0; n < R; n++) {
+            const uint8_t *base = bundles + (size_t)idx[i + n] * bundle_bytes;
+            if (gated) {
+                in[n] = base;          /* gate */
+                in[4 + n] = base + rb; /* up */
+                down[n] = base + 2 * rb;
+            } else {
+                in[n] = base; /* up */
+                down[n] = base + rb;
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            float z[8], h[4];
+            if (R == 4) {
+                if (gated) q4_dots(in, 8, &x[t], nb, z);
+                else q4_dots(in, 4, &x[t], nb, z);
+            } else {
+                for (int n = 0; n < R; n++) {
+                    q4_dots(&in[n], 1, &x[t], nb, &z[n]);
+                    if (gated) q4_dots(&in[4 + n], 1, &x[t], nb, &z[4 + n]);
+                }
+            }
+            for (int n = 0; n < R; n++)
+                h[n] = gated ? act(ga, z[n]) * act(ua, z[4 + n])
+                             : act(ua, z[n] + (bias ? bias[idx[i + n]] : 0.0f));
+            float *o = out + (size_t)t * d_model;
+            if (R == 4) q4_axpy(down, h, 4, nb, o);
+            else
+                for (int n = 0; n < R; n++) q4_axpy(&down[n], &h[n], 1, nb, o);
+        }
     }
 }

@@ -31,6 +31,8 @@ __all__ = [
     "set_isa",
     "set_spin_us",
     "set_threads",
+    "sparse_ffn_q4",
+    "pool_stats",
 ]
 
 # GGUF type name -> library type code (enum si_type in qgemv.h), block elements, block bytes.
@@ -70,6 +72,7 @@ def _load() -> ctypes.CDLL:
     lib.si_gemv.argtypes = [ci, vp, vp, vp, ci, vp, vp]
     lib.si_gemm.argtypes = [ci, vp, i64, ci, vp, i64, vp]
     lib.si_quantize_x.argtypes = [vp, ci, vp, vp, vp]
+    lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, ci, vp, ci, ci, ci, ci, vp, vp]
     if lib.si_get_isa() < 0:
         raise CpuLibraryError("this CPU has neither AVX2+FMA nor AVX-512: the C kernels need one")
     return lib
@@ -77,7 +80,8 @@ def _load() -> ctypes.CDLL:
 
 _lib = _load()
 _gemv = _lib.si_gemv
-_ERRORS = {22: "invalid argument", 12: "out of memory", 19: "no instruction set selected"}
+_ERRORS = {22: "invalid argument", 12: "out of memory", 19: "no instruction set selected",
+           34: "a neuron index out of range"}
 
 
 def _check(rc: int, what: str) -> None:
@@ -119,6 +123,14 @@ def get_threads() -> int:
 def set_spin_us(us: int) -> None:
     """How long an idle worker (or the waiting caller) spins before it sleeps, in µs."""
     _lib.si_set_spin_us(int(us))
+
+
+def pool_stats(reset: bool = False) -> tuple[int, int]:
+    """(chunks run by the calling thread, chunks run by the pool's workers) since the last
+    reset: shows whether the other threads take part."""
+    caller, workers = ctypes.c_longlong(), ctypes.c_longlong()
+    _lib.si_pool_stats(ctypes.byref(caller), ctypes.byref(workers), int(reset))
+    return caller.value, workers.value
 
 
 def _ptr(a: torch.Tensor | np.ndarray) -> int:
@@ -203,20 +215,35 @@ class GemvPlan:
         self._outp = (ctypes.c_void_p * n)(*[_ptr(o) for o in outs])
 
     def __call__(self, x: torch.Tensor | np.ndarray) -> None:
-        if x.shape != (self.cols,) or x.dtype not in (torch.float32, np.float32):
-            _check_f32(x, (self.cols,), "x")
+        if not (type(x) is torch.Tensor and x.dtype is torch.float32 and x.shape == (self.cols,)
+                and x.is_contiguous() and not x.is_cuda):
+            _check_f32(x, (self.cols,), "x")  # numpy arrays, or the error
         rc = _gemv(self._n, self._types, self._ptrs, self._rows, self.cols, _ptr(x), self._outp)
         if rc:
             _check(rc, "gemv")
+
+
+_plans: dict[tuple, GemvPlan] = {}
+MAX_CACHED_PLANS = 1024
 
 
 def gemv(mats: Sequence[QuantMatrix], x: torch.Tensor | np.ndarray,
          outs: Sequence[torch.Tensor | np.ndarray]) -> None:
     """``outs[i] = mats[i] @ x`` for matrices sharing one input ``x`` (float32 [cols]); each
     ``outs[i]`` a preallocated contiguous float32 [rows_i]. ``x`` is quantized once and all the
-    rows go to the thread pool in one dispatch."""
-    _check_f32(x, (mats[0].cols if mats else 0,), "x")
-    GemvPlan(mats, outs)(x)
+    rows go to the thread pool in one dispatch. The argument arrays are cached per (matrices,
+    output buffers), so a decode loop that reuses its buffers pays for them once (a
+    ``GemvPlan`` skips even the cache lookup)."""
+    key = (*mats, *[(_ptr(o), o.shape, o.dtype) for o in outs])
+    plan = _plans.get(key)
+    if plan is None:
+        if mats:
+            _check_f32(x, (mats[0].cols,), "x")
+        plan = GemvPlan(mats, outs)
+        if len(_plans) >= MAX_CACHED_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    plan(x)
 
 
 def gemm(mat: QuantMatrix, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -241,3 +268,34 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     q, d, s = torch.empty(cols, dtype=torch.int8), torch.empty(cols // 32), torch.empty(cols // 32)
     _check(_lib.si_quantize_x(_ptr(x), cols, _ptr(q), _ptr(d), _ptr(s)), "quantize_x")
     return q, d, s
+
+
+def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.Tensor,
+                  out: torch.Tensor, gate_act: int, up_act: int,
+                  up_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Sparse FFN over neuron bundles of Q4_0 rows: ``out[t] = sum_{i in idx} h_i(x[t]) ·
+    down_i`` with ``h_i = act_g(gate_i · x) · act_u(up_i · x)`` (gated) or ``act_u(up_i · x +
+    b_i)``. ``rows``: uint8 ``[d_ff, n_mats, d_model / 32 · 18]`` (per neuron: [gate,] up, down
+    column, each Q4_0 blocks); ``idx`` int32 [k]; ``x``, ``out`` float32 [T, d_model]; activation
+    codes as ``sparse.kernels.ACT_CODES`` (0 identity, 1 relu, 2 silu, 3 gelu). Only the active
+    neurons' bytes are read, 4 neurons at a time; ``x`` is rounded to int8 blocks as in ``gemv``.
+    (Reference: ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN`` of dtype "q4".)"""
+    d_ff, n_mats, width = rows.shape
+    if x.dim() != 2:
+        raise ValueError(f"x: expected float32 [T, d_model], got {list(x.shape)}")
+    T, d_model = x.shape
+    _check_f32(x, (T, d_model), "x")
+    _check_f32(out, (T, d_model), "out")
+    if rows.dtype != torch.uint8 or not rows.is_contiguous() or width != d_model // 32 * 18:
+        raise ValueError(f"rows: expected contiguous uint8 [d_ff, n_mats, {d_model // 32 * 18}], "
+                         f"got {rows.dtype} {list(rows.shape)}")
+    if idx.dtype != torch.int32 or not idx.is_contiguous():
+        raise ValueError(f"idx: expected contiguous int32, got {idx.dtype}")
+    bias = 0
+    if up_bias is not None:
+        _check_f32(up_bias, (d_ff,), "up_bias")
+        bias = up_bias.data_ptr()
+    _check(_lib.si_sparse_q4(rows.data_ptr(), n_mats * width, int(gated), idx.data_ptr(),
+                             idx.shape[0], d_ff, x.data_ptr(), T, d_model, gate_act, up_act,
+                             bias or None, out.data_ptr()), "sparse_ffn_q4")
+    return out

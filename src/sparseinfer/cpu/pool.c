@@ -43,11 +43,14 @@ int si_block_bytes(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_BYT
 
 typedef void (*rows_fn)(int, const uint8_t *, size_t, int, const si_xq *, int, float *);
 typedef void (*quant_fn)(const float *, int, int8_t *, float *, float *);
+typedef void (*sparse_fn)(const uint8_t *, size_t, int, const int32_t *, int, const si_xq *, int,
+                          int, int, int, const float *, float *);
 
 enum { ISA_AVX2 = 0, ISA_AVX512 = 1 };
 static int g_isa = -1;
 static rows_fn g_rows;
 static quant_fn g_quant;
+static sparse_fn g_sparse;
 
 int si_isa_supported(int isa) {
     __builtin_cpu_init();
@@ -64,6 +67,7 @@ int si_set_isa(int isa) {
     g_isa = isa;
     g_rows = isa == ISA_AVX512 ? si_rows_avx512 : si_rows_avx2;
     g_quant = isa == ISA_AVX512 ? si_quantize_x_avx512 : si_quantize_x_avx2;
+    g_sparse = isa == ISA_AVX512 ? si_sparse_q4_avx512 : si_sparse_q4_avx2;
     return 0;
 }
 
@@ -109,15 +113,27 @@ static struct {
     chunk_fn fn;
     const void *job;
     int64_t n_chunks;
-    int stop;
+    atomic_int stop;
     int n_workers;
     pthread_t th[MAX_THREADS];
 } P;
 
 static pthread_mutex_t g_call_lock = PTHREAD_MUTEX_INITIALIZER;
 
+/* Chunks run by the calling thread and by the workers since the last si_pool_stats reset. */
+static atomic_llong g_chunks_caller, g_chunks_workers;
+
+void si_pool_stats(long long *caller, long long *workers, int reset) {
+    *caller = atomic_load(&g_chunks_caller);
+    *workers = atomic_load(&g_chunks_workers);
+    if (reset) {
+        atomic_store(&g_chunks_caller, 0);
+        atomic_store(&g_chunks_workers, 0);
+    }
+}
+
 /* Claim and run chunks of job generation `gen` until none are left. */
-static void run_chunks(int gen) {
+static void run_chunks(int gen, int is_worker) {
     for (;;) {
         long long v = atomic_load(&P.next);
         if ((int)(v >> 32) != gen) return;
@@ -125,14 +141,17 @@ static void run_chunks(int gen) {
         if (c >= P.n_chunks) return;
         if (!atomic_compare_exchange_weak(&P.next, &v, v + 1)) continue;
         P.fn(P.job, c); /* the job's fields are stable until all its chunks are done */
+        atomic_fetch_add_explicit(is_worker ? &g_chunks_workers : &g_chunks_caller, 1,
+                                  memory_order_relaxed);
         const int d = atomic_fetch_add(&P.done, 1) + 1;
         if (d == P.n_chunks && atomic_load(&P.caller_sleeps)) futex_wake(&P.done, 1);
     }
 }
 
 static void *worker(void *arg) {
-    (void)arg;
-    int seen = atomic_load(&P.gen);
+    /* the generation when this thread was created: a stop or job issued before the thread first
+     * runs is still seen as new */
+    int seen = (int)(intptr_t)arg;
     for (;;) {
         if (!spin_while_eq(&P.gen, seen)) {
             atomic_fetch_add(&P.sleepers, 1);
@@ -140,19 +159,19 @@ static void *worker(void *arg) {
             atomic_fetch_sub(&P.sleepers, 1);
         }
         seen = atomic_load(&P.gen);
-        if (P.stop) return NULL;
-        run_chunks(seen);
+        if (atomic_load(&P.stop)) return NULL;
+        run_chunks(seen, 1);
     }
 }
 
 static void pool_stop(void) {
     if (P.n_workers == 0) return;
-    P.stop = 1;
+    atomic_store(&P.stop, 1);
     atomic_fetch_add(&P.gen, 1);
     futex_wake(&P.gen, INT_MAX);
     for (int i = 0; i < P.n_workers; i++) pthread_join(P.th[i], NULL);
     P.n_workers = 0;
-    P.stop = 0;
+    atomic_store(&P.stop, 0);
 }
 
 /* n threads in all (the caller is one of them). 0 on success, else an errno value. */
@@ -162,7 +181,7 @@ int si_set_threads(int n) {
     pool_stop();
     int err = 0;
     for (int i = 0; i < n - 1; i++) {
-        err = pthread_create(&P.th[i], NULL, worker, NULL);
+        err = pthread_create(&P.th[i], NULL, worker, (void *)(intptr_t)atomic_load(&P.gen));
         if (err) break;
         P.n_workers++;
     }
@@ -189,7 +208,7 @@ static void pool_run(chunk_fn fn, const void *job, int64_t n_chunks) {
     atomic_store(&P.next, (long long)gen << 32);
     atomic_store(&P.gen, gen);
     if (atomic_load(&P.sleepers) > 0) futex_wake(&P.gen, INT_MAX);
-    run_chunks(gen);
+    run_chunks(gen, 0);
     const int n = (int)n_chunks;
     if (atomic_load(&P.done) != n) {
         for (;;) {
@@ -334,6 +353,84 @@ int si_gemv(int nmat, const int *types, const void *const *w, const int64_t *row
 
 int si_gemm(int type, const void *w, int64_t rows, int cols, const float *x, int64_t T, float *out) {
     return run(1, &type, &w, &rows, cols, x, T, &out);
+}
+
+/* ------------------------------------------------------------------ sparse FFN (Q4_0 bundles) */
+
+typedef struct {
+    const uint8_t *bundles;
+    size_t bundle_bytes;
+    int gated, k, T, d_model, ga, ua, n_chunks;
+    const int32_t *idx;
+    const float *bias;
+    float *out;  /* [T, d_model] */
+    float *part; /* one token: [n_chunks, d_model] partial sums, one per neuron range */
+} sparse_job_t;
+
+static struct {
+    float *p;
+    size_t cap;
+} SP;
+
+static void sparse_chunk(const void *jp, int64_t c) {
+    const sparse_job_t *j = jp;
+    if (j->T == 1) { /* neuron range c of one token, into its own partial sum */
+        const int i0 = (int)(c * j->k / j->n_chunks), i1 = (int)((c + 1) * j->k / j->n_chunks);
+        float *o = j->n_chunks == 1 ? j->out : j->part + c * (size_t)j->d_model;
+        memset(o, 0, sizeof(float) * j->d_model);
+        g_sparse(j->bundles, j->bundle_bytes, j->gated, j->idx + i0, i1 - i0, S.xq, 1, j->d_model,
+                 j->ga, j->ua, j->bias, o);
+    } else { /* token range c, every neuron */
+        const int t0 = (int)(c * j->T / j->n_chunks), t1 = (int)((c + 1) * j->T / j->n_chunks);
+        float *o = j->out + (size_t)t0 * j->d_model;
+        memset(o, 0, sizeof(float) * j->d_model * (size_t)(t1 - t0));
+        g_sparse(j->bundles, j->bundle_bytes, j->gated, j->idx, j->k, S.xq + t0, t1 - t0,
+                 j->d_model, j->ga, j->ua, j->bias, o);
+    }
+}
+
+/* out[t] = sum_{i in idx} h_i(x[t]) * down_i for T tokens x [T, d_model] (see kernels.c). */
+int si_sparse_q4(const void *bundles, size_t bundle_bytes, int gated, const int32_t *idx, int k,
+                 int d_ff, const float *x, int T, int d_model, int ga, int ua, const float *bias,
+                 float *out) {
+    if (g_isa < 0) return ENODEV;
+    if (d_model <= 0 || d_model % 32 || T < 1 || k < 0 || ga < 0 || ga > 3 || ua < 0 || ua > 3)
+        return EINVAL;
+    for (int i = 0; i < k; i++)
+        if (idx[i] < 0 || idx[i] >= d_ff) return ERANGE;
+    sparse_job_t j = {bundles, bundle_bytes, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx, bias,
+                      out, NULL};
+    const int nt = P.n_workers + 1;
+    if (T == 1) {
+        int n = (k + 31) / 32;
+        j.n_chunks = n < 1 ? 1 : n > 4 * nt ? 4 * nt : n;
+    } else {
+        j.n_chunks = T < 4 * nt ? T : 4 * nt;
+    }
+    pthread_mutex_lock(&g_call_lock);
+    int err = quantize_rows(x, T, d_model, 1);
+    if (!err && T == 1 && j.n_chunks > 1) {
+        const size_t need = (size_t)j.n_chunks * d_model;
+        if (need > SP.cap) {
+            free(SP.p);
+            SP.p = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
+            SP.cap = SP.p ? need : 0;
+            if (!SP.p) err = ENOMEM;
+        }
+        j.part = SP.p;
+    }
+    if (!err) {
+        pool_run(sparse_chunk, &j, j.n_chunks);
+        if (T == 1 && j.n_chunks > 1) {
+            for (int d = 0; d < d_model; d++) {
+                float acc = 0.0f;
+                for (int c = 0; c < j.n_chunks; c++) acc += j.part[(size_t)c * d_model + d];
+                out[d] = acc;
+            }
+        }
+    }
+    pthread_mutex_unlock(&g_call_lock);
+    return err;
 }
 
 /* The activation quantization alone (for tests: x -> q, d, s as the kernels see it). */

@@ -37,7 +37,10 @@ typedef struct {
 #define SI_DECLARE(isa)                                                                        \
     void si_rows_##isa(int type, const uint8_t *w, size_t row_bytes, int nrows, const si_xq *x, \
                        int cols, float *y);                                                    \
-    void si_quantize_x_##isa(const float *x, int cols, int8_t *q, float *d, float *s);
+    void si_quantize_x_##isa(const float *x, int cols, int8_t *q, float *d, float *s);         \
+    void si_sparse_q4_##isa(const uint8_t *bundles, size_t bundle_bytes, int gated,            \
+                            const int32_t *idx, int k, const si_xq *x, int T, int d_model,     \
+                            int ga, int ua, const float *bias, float *out);
 
 SI_DECLARE(avx2)
 SI_DECLARE(avx512)

@@ -29,7 +29,8 @@ from ..quant import blocks as qb
 from ..quant.linear import FloatLinear, GGMLLinear, Int4Linear, Int8Linear
 from ..sparse.ffn import SparseFFN
 from ..sparse.packed import DTYPES as PACKED_DTYPES
-from ..sparse.packed import PackedFFN, empty_hugepages, quantize_int8, n_blocks
+from ..sparse.packed import (Q4_BYTES, Q4_GROUP, PackedFFN, empty_hugepages, quantize_int8,
+                             quantize_q4_0)
 from .loading import FileTensor, ModelSource, open_source, unpermute_qk
 from .model import FFN, Transformer
 from .plan import Plan, make_plan
@@ -227,10 +228,16 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
     cfg = src.config
     D, F = cfg.d_model, cfg.d_ff
     n_mats = len(names)
-    rows = empty_hugepages((F, n_mats, D), PACKED_DTYPES[dtype])
+    width = D // Q4_GROUP * Q4_BYTES if dtype == "q4" else D
+    rows = empty_hugepages((F, n_mats, width), PACKED_DTYPES[dtype])
     scales = torch.empty(F, n_mats, 1) if dtype == "int8" else None
     for m, canon in enumerate(names):
         t = src.tensors[canon]
+        if dtype == "q4" and t.kind == "Q4_0" and not canon.endswith("ffn.down.weight"):
+            # the file's own Q4_0 blocks are the rows' layout: copied, never rounded twice
+            rows[:, m] = torch.from_numpy(np.asarray(t.raw()).reshape(F, width))
+            t.release()
+            continue
         w = t.float()
         t.release()
         if canon.endswith("ffn.down.weight"):
@@ -240,6 +247,8 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
                                  f"neuron rows, found {tuple(w.shape)}")
         if dtype == "int8":
             rows[:, m], scales[:, m] = quantize_int8(w, D)
+        elif dtype == "q4":
+            rows[:, m] = quantize_q4_0(w)
         else:
             rows[:, m] = w
         del w

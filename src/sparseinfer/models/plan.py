@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DTYPE_CHOICES = ("auto", "fp32", "bf16", "q4")
-FFN_DTYPES = ("fp32", "bf16", "int8")
+FFN_DTYPES = ("fp32", "bf16", "int8", "q4")
+ROW_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "q4": 18 / 32}  # per weight of a sparse row
 SELECTORS = ("predictor", "oracle", "all")
 FLOAT_KINDS = ("F32", "F16", "BF16", "float32", "float16", "bfloat16", "F64", "float64")
 
@@ -275,8 +276,9 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
             for s in [*ins, down]:
                 check(s)
             n_mats = len(ins) + 1
-            elt = {"fp32": 4, "bf16": 2, "int8": 1}[sparse.ffn_dtype]
-            nbytes = n_mats * F * D * elt + (n_mats * F * 4 if sparse.ffn_dtype == "int8" else 0)
+            elt = ROW_BYTES[sparse.ffn_dtype]
+            nbytes = int(n_mats * F * D * elt) + (n_mats * F * 4 if sparse.ffn_dtype == "int8"
+                                                  else 0)
             fc1 = src.extras.get(f"blk.{i}.fc1.weight")
             fc2 = src.extras.get(f"blk.{i}.fc2.weight")
             if sparse.selector == "predictor" and (fc1 is None or fc2 is None):
@@ -403,8 +405,7 @@ def _hot_counts(src: ModelSource, device: str, vram_budget: float | None, ffn_dt
             raise SparseInferError(f"{src.path}: sparse model is missing tensor "
                                    f"'blk.{i}.act_freq'")
         freqs.append(np.asarray(f, dtype=np.float32))
-    elt = {"fp32": 4, "bf16": 2, "int8": 1}[ffn_dtype]
-    per_neuron = (3 if cfg.ffn.gated else 2) * cfg.d_model * elt
+    per_neuron = int((3 if cfg.ffn.gated else 2) * cfg.d_model * ROW_BYTES[ffn_dtype])
     attn = sum(src.tensors[f"layers.{i}.attn.{n}.weight"].nbytes
                for i in range(cfg.n_layers) for n in ("wq", "wk", "wv", "wo"))
     dense = [("embeddings", src.tensors["tok_emb.weight"].nbytes), ("attention", attn)]

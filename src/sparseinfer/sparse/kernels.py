@@ -456,6 +456,26 @@ class _one_thread:
             numba.set_num_threads(self.nt)
 
 
+def _run_q4(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """q4 rows: the C kernel (``sparseinfer.cpu.sparse_ffn_q4``) on [T, d] x and out."""
+    from .. import cpu  # the C library: loaded (or reported missing) on first use of q4
+
+    if ffn.rows.device.type != "cpu":
+        raise ValueError(f"ffn.rows: expected a CPU tensor, got one on {ffn.rows.device}")
+    kind = FFN_KINDS[ffn.kind]
+    ga = ACT_CODES[kind.gate_act] if kind.gated else 0
+    if idx.dtype != torch.int32 or not idx.is_contiguous():
+        idx = idx.to(torch.int32).contiguous()
+    try:
+        cpu.sparse_ffn_q4(ffn.rows, kind.gated, idx, x.contiguous(), out, ga,
+                          ACT_CODES[kind.up_act], ffn.up_bias)
+    except RuntimeError as e:
+        if "out of range" in str(e):
+            raise IndexError(f"idx: expected neuron indices in [0, {ffn.d_ff})") from e
+        raise
+    return out
+
+
 def _idx_numpy(idx: torch.Tensor) -> np.ndarray:
     """int32 numpy view of idx (int64 is converted: one kernel specialisation, not two)."""
     if idx.dtype == torch.int32 and idx.is_contiguous():
@@ -493,6 +513,9 @@ def sparse_ffn(
     check_ffn_args(x, ffn, idx, out)
     if idx.shape[0] == 0:
         return out.zero_()
+    if ffn.dtype == "q4":
+        _run_q4(x.reshape(1, -1), ffn, idx, out.view(1, -1))
+        return out
     xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
     _run_ffn(xn.reshape(1, -1), ffn, _idx_numpy(idx), out.numpy().reshape(1, -1))
     return out
@@ -508,6 +531,8 @@ def sparse_ffn_batch(
     few hundred tokens, over int8 rows it did not by 256 (benchmarks/prefill.py).
     """
     check_batch_args(x, ffn, idx, out)
+    if ffn.dtype == "q4":
+        return _run_q4(x, ffn, idx, out)
     xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
     _run_ffn(xn, ffn, _idx_numpy(idx), out.numpy())
     return out

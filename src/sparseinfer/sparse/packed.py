@@ -2,9 +2,12 @@
 
 ``PackedFFN.rows`` is ``[d_ff, n_mats, d_model]``: for neuron i, ``rows[i]`` holds its gate row
 (gated kinds only), its up row and its down column (the down projection stored transposed), back
-to back (LLM-in-a-Flash "row-column bundling"). Storage is fp32, bf16 or int8; int8 rows carry
+to back (LLM-in-a-Flash "row-column bundling"). Storage is fp32, bf16, int8 or q4; int8 rows carry
 float32 symmetric absmax scales per block of ``block`` consecutive weights of one row
 (``block == d_model`` means one scale per row; a last block shorter than ``block`` is allowed).
+q4 rows are GGUF Q4_0 blocks (per 32 weights: an fp16 scale ``d`` and 16 bytes of nibbles,
+``w = d · (q − 8)``), so ``rows`` is uint8 ``[d_ff, n_mats, d_model / 32 · 18]``; they run in the
+C kernel ``sparseinfer.cpu.sparse_ffn_q4``.
 
 The kernels (``kernels.py``) and the torch references (``reference.py``) read only this layout.
 """
@@ -25,8 +28,37 @@ from ..config import FFN_KINDS
 
 log = logging.getLogger(__name__)
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8,
+                                   "q4": torch.uint8}
 INT8_MAX = 127.0
+Q4_GROUP, Q4_BYTES = 32, 18  # Q4_0: weights and bytes per block
+
+
+def quantize_q4_0(w: torch.Tensor) -> torch.Tensor:
+    """Q4_0 blocks of the rows of ``w`` ``[..., d]`` (d a multiple of 32), as ggml's
+    ``quantize_row_q4_0``: ``d = x[argmax |x|] / -8``, ``q = min(15, trunc(x / d + 8.5))``;
+    returns uint8 ``[..., d / 32 · 18]`` (fp16 ``d``, then byte j = q[j] | q[j + 16] << 4)."""
+    *lead, d = w.shape
+    if d % Q4_GROUP:
+        raise ValueError(f"q4: expected rows a multiple of {Q4_GROUP} long, got {d}")
+    blk = w.detach().float().reshape(*lead, d // Q4_GROUP, Q4_GROUP)
+    imax = blk.abs().argmax(dim=-1, keepdim=True)
+    scale = torch.gather(blk, -1, imax) / -8.0
+    inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.trunc(blk * inv + 8.5).clamp(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    d16 = scale.to(torch.float16).view(torch.uint8)  # [..., nb, 2]
+    return torch.cat([d16, packed], dim=-1).reshape(*lead, d // Q4_GROUP * Q4_BYTES)
+
+
+def dequantize_q4_0(raw: torch.Tensor) -> torch.Tensor:
+    """float32 ``[..., d]`` of Q4_0 rows ``raw`` uint8 ``[..., d / 32 · 18]`` (the reference)."""
+    *lead, width = raw.shape
+    blk = raw.reshape(*lead, width // Q4_BYTES, Q4_BYTES)
+    scale = blk[..., :2].contiguous().view(torch.float16).float()  # [..., nb, 1]
+    qs = blk[..., 2:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float() - 8.0
+    return (q * scale).reshape(*lead, width // Q4_BYTES * Q4_GROUP)
 
 
 HUGE_PAGE = 2 * 2**20
@@ -106,7 +138,10 @@ class PackedFFN:
             raise ValueError(f"kind: expected one of {sorted(FFN_KINDS)}, got {self.kind!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
-        want = (self.d_ff, self.n_mats, self.d_model)
+        if self.dtype == "q4" and self.d_model % Q4_GROUP:
+            raise ValueError(f"d_model: expected a multiple of {Q4_GROUP} for q4, got "
+                             f"{self.d_model}")
+        want = (self.d_ff, self.n_mats, self.row_width)
         if tuple(self.rows.shape) != want:
             raise ValueError(f"rows: expected shape {want}, got {tuple(self.rows.shape)}")
         if self.rows.dtype != DTYPES[self.dtype]:
@@ -147,9 +182,14 @@ class PackedFFN:
         return 3 if self.gated else 2
 
     @property
+    def row_width(self) -> int:
+        """Elements of ``rows`` per row: d_model, or bytes of Q4_0 blocks for q4."""
+        return self.d_model // Q4_GROUP * Q4_BYTES if self.dtype == "q4" else self.d_model
+
+    @property
     def bytes_per_neuron(self) -> int:
         """Bytes one active neuron reads: its bundled rows, scales and bias."""
-        n = self.n_mats * self.d_model * self.rows.element_size()
+        n = self.n_mats * self.row_width * self.rows.element_size()
         if self.scales is not None:
             n += self.scales[0].numel() * 4
         if self.up_bias is not None:
@@ -178,7 +218,8 @@ class PackedFFN:
         """Bundle nn.Linear-layout weights: gate/up ``[d_ff, d_model]``, down ``[d_model, d_ff]``.
 
         int8 quantizes each row symmetrically (absmax) per block of ``block`` weights
-        (``block=0`` → one scale per row).
+        (``block=0`` → one scale per row); q4 quantizes each row (and down column) to Q4_0
+        blocks of 32 (``quantize_q4_0``; d_model a multiple of 32).
         """
         if kind not in FFN_KINDS:
             raise ValueError(f"kind: expected one of {sorted(FFN_KINDS)}, got {kind!r}")
@@ -198,9 +239,15 @@ class PackedFFN:
         if dtype != "int8" and block:
             raise ValueError(f"block: expected 0 for dtype {dtype!r}, got {block}")
         mats = ([gate] if gated else []) + [up, down.t()]
-        rows = empty_hugepages((d_ff, len(mats), d_model), DTYPES[dtype])
+        if dtype == "q4" and d_model % Q4_GROUP:
+            raise ValueError(f"q4: expected d_model a multiple of {Q4_GROUP}, got {d_model}")
+        width = d_model // Q4_GROUP * Q4_BYTES if dtype == "q4" else d_model
+        rows = empty_hugepages((d_ff, len(mats), width), DTYPES[dtype])
         scales = None
-        if dtype == "int8":
+        if dtype == "q4":
+            for m, w in enumerate(mats):
+                rows[:, m] = quantize_q4_0(w)
+        elif dtype == "int8":
             block = block or d_model
             if not 0 < block <= d_model:
                 raise ValueError(f"block: expected 0..{d_model}, got {block}")
@@ -218,6 +265,8 @@ class PackedFFN:
     def rows_fp32(self, neurons: torch.Tensor | None = None) -> torch.Tensor:
         """Dequantized bundled rows ``[k, n_mats, d_model]`` fp32 (all neurons if None)."""
         rows = self.rows if neurons is None else self.rows.index_select(0, neurons)
+        if self.dtype == "q4":
+            return dequantize_q4_0(rows)
         w = rows.to(torch.float32)
         if self.scales is not None:
             s = self.scales if neurons is None else self.scales.index_select(0, neurons)

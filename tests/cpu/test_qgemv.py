@@ -1,0 +1,251 @@
+"""sparseinfer.cpu: GEMV/GEMM over GGUF blocks vs pure-torch references (gguf-py dequantizes).
+
+Every type x both ISAs (where the CPU has them) x 1 and 2 threads, over shapes whose rows are
+not a multiple of the 4-row unroll or of the 16-row chunk. Two comparisons: against the float32
+input (tolerance: half a quantization step of each int8 activation block, the rounding the
+kernels make on purpose) and against the input rounded exactly as the kernels round it (float32
+summation order only).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sparseinfer import cpu
+from sparseinfer.cpu import build as cpu_build
+from sparseinfer.cpu import ops
+from sparseinfer.cpu import reference as ref
+
+gguf = pytest.importorskip("gguf")
+
+EPS = torch.finfo(torch.float32).eps
+ISAS = ["avx2", "avx512"]
+# fp16 fields (byte offsets) of the K-quant blocks, set to small positive scales
+K_FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+GGUF_QUANTIZES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
+SHAPES_32 = [(1, 32), (3, 96), (7, 288), (37, 160), (130, 64)]
+SHAPES_256 = [(1, 256), (5, 512), (37, 256), (66, 768)]
+
+
+def random_raw(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid random blocks: quantized by gguf-py where it can, else random bytes with sane fp16
+    scale fields (K-quants: gguf-py only dequantizes them)."""
+    if type_name == "F16":
+        return rng.standard_normal((rows, cols)).astype(np.float16).view(np.uint8).reshape(-1)
+    if type_name in GGUF_QUANTIZES:
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        return gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name]).reshape(-1)
+    _, elems, size = cpu.TYPES[type_name]
+    blocks = rng.integers(0, 256, (rows * cols // elems, size), dtype=np.uint8)
+    for off in K_FP16_FIELDS[type_name]:
+        scale = rng.uniform(0.0, 0.02, (blocks.shape[0], 1)).astype(np.float16)
+        blocks[:, off : off + 2] = scale.view(np.uint8)
+    return blocks.reshape(-1)
+
+
+def shapes_for(type_name: str) -> list[tuple[int, int]]:
+    return SHAPES_256 if cpu.TYPES[type_name][1] == 256 else SHAPES_32
+
+
+def cases():
+    for t in cpu.TYPES:
+        for rows, cols in shapes_for(t):
+            yield pytest.param(t, rows, cols, id=f"{t}-{rows}x{cols}")
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    if request.param not in cpu.available_isas():
+        pytest.skip(f"this CPU has no {request.param}")
+    cpu.set_isa(request.param)
+    assert cpu.get_isa() == request.param
+    yield request.param
+    cpu.set_isa("auto")
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thr")
+def threads(request):
+    before = cpu.get_threads()
+    cpu.set_threads(request.param)
+    yield request.param
+    cpu.set_threads(before)
+
+
+def x_rounding_bound(mat: cpu.QuantMatrix, x: torch.Tensor) -> torch.Tensor:
+    """Per output row: the most the int8 rounding of x can move it (|x - q·d| <= d/2 per element)
+    plus float32 summation slack."""
+    w = ref.dequantize_ref(mat).double().abs()
+    if mat.type_name == "F16":
+        step = torch.zeros(mat.cols, dtype=torch.float64)
+    else:
+        _, d, _ = ref.quantize_x_ref(x)
+        step = d.double().repeat_interleave(32) / 2
+    nb = mat.cols // 32
+    return w @ step * (1 + 1e-3) + (nb + 16) * EPS * (w @ x.double().abs()) + EPS
+
+
+def summation_bound(mat: cpu.QuantMatrix, x: torch.Tensor) -> torch.Tensor:
+    w = ref.dequantize_ref(mat).double().abs()
+    return (mat.cols // 32 + 16) * EPS * (w @ x.double().abs()) + EPS
+
+
+@pytest.mark.parametrize("type_name,rows,cols", list(cases()))
+def test_gemv_matches_reference(type_name, rows, cols, isa, threads):
+    rng = np.random.default_rng(rows * 1000 + cols)
+    mat = cpu.QuantMatrix(type_name, random_raw(type_name, rows, cols, rng), rows, cols)
+    x = torch.from_numpy(rng.standard_normal(cols).astype(np.float32))
+    out, want, want_q8 = torch.empty(rows), torch.empty(rows), torch.empty(rows)
+    cpu.gemv([mat], x, [out])
+    ref.gemv_ref([mat], x, [want])
+    ref.gemv_q8_ref([mat], x, [want_q8])
+    assert torch.all((out.double() - want.double()).abs() <= x_rounding_bound(mat, x))
+    assert torch.all((out.double() - want_q8.double()).abs() <= summation_bound(mat, x))
+
+
+def test_numpy_arguments():
+    rng = np.random.default_rng(5)
+    mat = cpu.QuantMatrix("Q8_0", random_raw("Q8_0", 9, 64, rng), 9, 64)
+    x = rng.standard_normal(64).astype(np.float32)
+    out, want = np.empty(9, np.float32), torch.empty(9)
+    cpu.gemv([mat], x, [out])
+    ref.gemv_q8_ref([mat], torch.from_numpy(x), [want])
+    assert torch.all((torch.from_numpy(out).double() - want.double()).abs()
+                     <= summation_bound(mat, torch.from_numpy(x)))
+
+
+def test_multi_matrix_call_shares_input(isa, threads):
+    """q, k, v of different types and heights in one call: each as if computed alone."""
+    rng = np.random.default_rng(1)
+    cols = 512
+    specs = [("Q4_K", 64), ("Q6_K", 21), ("Q8_0", 21), ("Q4_0", 130), ("F16", 5)]
+    mats = [cpu.QuantMatrix(t, random_raw(t, r, cols, rng), r, cols) for t, r in specs]
+    x = torch.from_numpy(rng.standard_normal(cols).astype(np.float32))
+    outs = [torch.empty(m.rows) for m in mats]
+    cpu.gemv(mats, x, outs)
+    plan_outs = [torch.empty(m.rows) for m in mats]
+    plan = cpu.GemvPlan(mats, plan_outs)
+    plan(x)
+    for m, o, po in zip(mats, outs, plan_outs):
+        alone, want = torch.empty(m.rows), torch.empty(m.rows)
+        cpu.gemv([m], x, [alone])
+        ref.gemv_q8_ref([m], x, [want])
+        assert torch.equal(o, alone) and torch.equal(po, alone)
+        assert torch.all((o.double() - want.double()).abs() <= summation_bound(m, x))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q4_K", "Q6_K", "F16"])
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_gemm_matches_reference(type_name, T, isa, threads):
+    rng = np.random.default_rng(T)
+    rows, cols = 37, 512
+    mat = cpu.QuantMatrix(type_name, random_raw(type_name, rows, cols, rng), rows, cols)
+    X = torch.from_numpy(rng.standard_normal((T, cols)).astype(np.float32))
+    got = cpu.gemm(mat, X)
+    assert got.shape == (T, rows)
+    for t in range(T):  # each row of the batch is exactly the GEMV of that token
+        one = torch.empty(rows)
+        cpu.gemv([mat], X[t].contiguous(), [one])
+        assert torch.equal(got[t], one)
+    want = ref.gemm_ref(mat, X)
+    bound = torch.stack([x_rounding_bound(mat, X[t]) for t in range(T)])
+    assert torch.all((got.double() - want.double()).abs() <= bound)
+
+
+def test_quantize_x_matches_reference(isa):
+    rng = np.random.default_rng(2)
+    x = torch.from_numpy(rng.standard_normal(256).astype(np.float32))
+    x[32:64] = 0.0  # an all-zero block: d = 0, q = 0
+    q, d, s = cpu.quantize_x(x)
+    rq, rd, rs = ref.quantize_x_ref(x)
+    assert torch.equal(q, rq) and torch.equal(d, rd)
+    torch.testing.assert_close(s, rs)
+
+
+def test_gguf_file_tensors_are_used_in_place(tmp_path, threads):
+    """Tensors read back from a GGUF file (read-only memmaps) go to the kernels uncopied."""
+    rng = np.random.default_rng(3)
+    path = tmp_path / "w.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    specs = {"a": ("Q4_0", 40, 256), "b": ("Q6_K", 9, 512)}
+    for name, (t, rows, cols) in specs.items():
+        raw = random_raw(t, rows, cols, rng).reshape(rows, -1)
+        writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[t])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(str(path))
+    for tensor in reader.tensors:
+        t, rows, cols = specs[tensor.name]
+        raw = tensor.data.reshape(-1).view(np.uint8)
+        assert np.shares_memory(raw, tensor.data) and not raw.flags.writeable
+        mat = cpu.QuantMatrix(t, raw, rows, cols)
+        assert mat.ptr == raw.__array_interface__["data"][0]
+        x = torch.from_numpy(rng.standard_normal(cols).astype(np.float32))
+        out, want = torch.empty(rows), torch.empty(rows)
+        cpu.gemv([mat], x, [out])
+        ref.gemv_q8_ref([mat], x, [want])
+        assert torch.all((out.double() - want.double()).abs() <= summation_bound(mat, x))
+
+
+def test_pool_sleeping_workers_and_thread_changes():
+    """With no spinning, workers sleep between every call; results stay exact across thread
+    counts."""
+    rng = np.random.default_rng(4)
+    mat = cpu.QuantMatrix("Q4_0", random_raw("Q4_0", 200, 256, rng), 200, 256)
+    x = torch.from_numpy(rng.standard_normal(256).astype(np.float32))
+    before = cpu.get_threads()
+    first = torch.empty(200)
+    cpu.set_threads(1)
+    cpu.gemv([mat], x, [first])
+    try:
+        for spin in (0, 50):
+            cpu.set_spin_us(spin)
+            for n in (2, 3, 1, 2):
+                cpu.set_threads(n)
+                assert cpu.get_threads() == n
+                cpu.pool_stats(reset=True)
+                for _ in range(20):
+                    out = torch.full((200,), float("nan"))
+                    cpu.gemv([mat], x, [out])
+                    assert torch.equal(out, first)
+                caller, workers = cpu.pool_stats()
+                if n > 1:  # every chunk ran exactly once, on one thread or the other
+                    assert (caller + workers) % 20 == 0 and caller + workers >= 20 * n
+    finally:
+        cpu.set_spin_us(50)
+        cpu.set_threads(before)
+
+
+def test_errors_name_expected_and_found():
+    raw = np.zeros(4 * 18, np.uint8)
+    with pytest.raises(ValueError, match="expected 72 bytes, got 71"):
+        cpu.QuantMatrix("Q4_0", raw[:71], 4, 32)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        cpu.QuantMatrix("Q4_K", np.zeros(144, np.uint8), 1, 128)
+    with pytest.raises(ValueError, match="expected one of"):
+        cpu.QuantMatrix("Q3_K", raw, 4, 32)
+    mat = cpu.QuantMatrix("Q4_0", raw, 4, 32)
+    with pytest.raises(ValueError, match=r"x: expected contiguous float32 \[32\]"):
+        cpu.gemv([mat], torch.zeros(33), [torch.empty(4)])
+    with pytest.raises(ValueError, match=r"x: expected contiguous float32 \[32\]"):
+        cpu.gemv([mat], torch.zeros(64)[::2], [torch.empty(4)])  # strided
+    with pytest.raises(ValueError, match=r"x: expected contiguous float32 \[32\]"):
+        cpu.gemv([mat], torch.zeros(32, dtype=torch.float64), [torch.empty(4)])
+    with pytest.raises(ValueError, match=r"outs\[0\]: expected contiguous float32 \[4\]"):
+        cpu.gemv([mat], torch.zeros(32), [torch.empty(5)])
+    with pytest.raises(ValueError, match="isa: expected one of"):
+        cpu.set_isa("sse2")
+    with pytest.raises(ValueError, match="threads: expected"):
+        cpu.set_threads(0)
+
+
+def test_missing_compiler_and_missing_library_say_what_to_do(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(cpu_build.BuildError, match="no C compiler found"):
+        cpu_build.find_compiler()
+    monkeypatch.setattr(cpu_build, "LIB", tmp_path / "libsicpu.so")
+    with pytest.raises(cpu.CpuLibraryError, match="install.sh"):
+        ops._load()
