@@ -237,3 +237,19 @@ def test_info_prints_the_plan_without_loading(quant_gguf, capsys, monkeypatch):
     assert main(["info", "-m", str(quant_gguf("Q4_0"))]) == 0
     out = capsys.readouterr().out
     assert "plan:" in out and "file blocks" in out and "memory: needs" in out
+
+
+def test_q4_rows_keep_a_q4_0_files_blocks(converted):
+    """--ffn-dtype q4 on a file whose gate/up are Q4_0: the bundled rows are the file's own
+    blocks byte for byte (no second rounding); the transposed down projection (F32 in the
+    sparse file) is quantized once."""
+    lm = load(converted["output"], "auto", ffn_dtype="q4", threshold=-float("inf"))
+    ffn = lm.model.layers[1].ffn
+    assert ffn.packed.dtype == "q4"
+    for m, name in enumerate(("blk.1.ffn_gate.weight", "blk.1.ffn_up.weight")):
+        raw = np.asarray(lm.source.tensors[lm.source.tensors and
+                                           f"layers.1.ffn.{('gate', 'up')[m]}.weight"].raw())
+        assert lm.source.tensors[f"layers.1.ffn.{('gate', 'up')[m]}.weight"].name == name
+        np.testing.assert_array_equal(ffn.packed.rows[:, m].numpy(), raw.reshape(F, -1))
+    want = _logits(load(converted["output"], "auto", threshold=-float("inf")).model)
+    assert _rel(_logits(lm.model), want) < 0.1  # the down projection rounded to 4 bits
