@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from ..errors import SparseInferError
-from .calibrate import DEFAULT_SCORE, DEFAULT_TARGET_DENSITY, SCORES
-from .profile import DEFAULT_CHUNK_LEN, DEFAULT_MAX_TOKENS
+from .defaults import (DEFAULT_CHUNK_LEN, DEFAULT_MAX_TOKENS, DEFAULT_SCORE,
+                       DEFAULT_TARGET_DENSITY, SCORES)
 
 
 def _threads(args) -> None:
