@@ -13,7 +13,10 @@ Only these handlers print (results on stdout, progress on stderr); bad input rai
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from ..errors import SparseInferError
@@ -65,6 +68,31 @@ def _check_ctx(args) -> None:
         raise SparseInferError(f"-c/--ctx-size: expected a positive number, got {args.ctx_size}")
 
 
+def _show_progress_logs() -> None:
+    """Progress goes to the log when stderr is not a terminal (``pipeline.Bars``): show it."""
+    import logging
+
+    logging.getLogger("sparseinfer.offline.progress").setLevel(logging.INFO)
+
+
+@contextlib.contextmanager
+def _termination_interrupts():
+    """Within the block, SIGTERM and SIGHUP raise KeyboardInterrupt (as SIGINT does), so the
+    pipeline's ``finally`` clauses remove its temporary profile and partial output."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 # ---- handlers ----------------------------------------------------------------------------------
 
 
@@ -80,7 +108,9 @@ def cmd_convert(args) -> int:
         ctx=args.ctx_size, work_dir=args.work_dir, keep_work=args.keep_work,
     )
     print(f"converting {args.model or 'the default model'} -> {args.output}", file=sys.stderr)
-    report = convert(args.model, args.output, options, Bars())
+    _show_progress_logs()
+    with _termination_interrupts():  # SIGTERM/SIGHUP unwind like Ctrl-C: temp files removed
+        report = convert(args.model, args.output, options, Bars())
     print(format_summary(report.profile, report.predictors, report.placement))
     steps = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
     print(f"wrote {report.output.path} ({report.output.n_bytes / 2**20:.1f} MiB, "
@@ -100,8 +130,10 @@ def cmd_profile(args) -> int:
     for p in corpus:
         if not Path(p).is_file():
             raise SparseInferError(f"corpus file not found: {p}")
+    _show_progress_logs()
     loaded = load(args.model)
-    prof = run_profile(loaded, corpus, args.output, options, Bars())
+    with _termination_interrupts():
+        prof = run_profile(loaded, corpus, args.output, options, Bars())
     print(format_summary(prof, placement_line=False))
     print(f"wrote profile {args.output} ({prof.n_tokens} tokens, {prof.seconds:.1f} s)")
     return 0
@@ -116,7 +148,9 @@ def cmd_train(args) -> int:
     options = _train_options(args)
     prof = load_profile(args.profile)
     _check_writable(args.output)
-    preds = run_train(prof, options, Bars())
+    _show_progress_logs()
+    with _termination_interrupts():
+        preds = run_train(prof, options, Bars())
     save_predictors(args.output, preds)
     print(format_summary(prof, preds, placement_line=False))
     print(f"wrote predictors {args.output}")
