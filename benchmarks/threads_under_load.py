@@ -2,12 +2,17 @@
 
     python benchmarks/threads_under_load.py                 # 3 rounds, -n 48, greedy
     python benchmarks/threads_under_load.py --rounds 2 --no-busy
+    python benchmarks/threads_under_load.py --idle-cpu        # the mechanism, without a model
 
 Each configuration runs `python -m sparseinfer run -n N --temp 0` in a fresh process (the wait
 policy of an OpenMP pool is read once, when the pool starts) while a `while True: pass` process
 spins; configurations alternate within each round so the machine's other load hits them alike.
 Printed: the decode tokens/s of every run and each configuration's median, and its ratio to
 `-t 1`. Compare the ratios of one run, not absolute figures across runs.
+
+`--idle-cpu` measures what a waiting pool costs: 2-thread torch matmuls separated by 2 ms
+sleeps, CPU seconds per wall second of the process, with the policy set in the environment at
+start or by `sparseinfer.threads.passive_wait()` at run time (as the CLI does).
 """
 
 from __future__ import annotations
@@ -50,12 +55,49 @@ def decode_rate(threads: int, env_extra: dict, n: int) -> float:
     return float(m.group(1))
 
 
+IDLE_PROBE = """
+import os, sys, time, resource
+if sys.argv[1] == "runtime":
+    from sparseinfer.threads import passive_wait
+    passive_wait()
+import torch
+torch.set_num_threads(2)
+a = torch.randn(512, 512)
+t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+for _ in range(200):
+    a @ a
+    time.sleep(0.002)
+c1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+print((c1.ru_utime - c0.ru_utime + c1.ru_stime - c0.ru_stime) / (t1 - t0))
+"""
+
+
+def idle_cpu() -> None:
+    rows = [("OMP_WAIT_POLICY unset (libgomp default)", "env", ""),
+            ("OMP_WAIT_POLICY=ACTIVE", "env", "ACTIVE"),
+            ("OMP_WAIT_POLICY=PASSIVE", "env", "PASSIVE"),
+            ("passive_wait() at run time (the CLI)", "runtime", "")]
+    for label, how, policy in rows:
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if policy:
+            env["OMP_WAIT_POLICY"] = policy
+        vals = [float(subprocess.run([sys.executable, "-c", IDLE_PROBE, how], env=env,
+                                     capture_output=True, text=True, check=True).stdout)
+                for _ in range(3)]
+        print(f"{label:42s} CPU s per wall s: {statistics.median(vals):.2f} "
+              f"(runs {', '.join(f'{v:.2f}' for v in vals)})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-n", type=int, default=48)
     ap.add_argument("--no-busy", action="store_true", help="no competing busy process")
+    ap.add_argument("--idle-cpu", action="store_true", help="only the idle-pool CPU probe")
     args = ap.parse_args()
+    if args.idle_cpu:
+        idle_cpu()
+        return
     busy = None if args.no_busy else subprocess.Popen(
         [sys.executable, "-c", "while True: pass"])
     rates: dict[str, list[float]] = {label: [] for label, _, _ in CONFIGS}

@@ -136,7 +136,7 @@ def no_load(monkeypatch):
     (["run", "-p", "hi", "-n", "-2"], "-n/--n-predict: expected -1"),
     (["run", "-p", "hi", "-t", "0"], "-t/--threads: expected a positive number"),
     (["run", "-p", "hi", "-c", "4"], "-c/--ctx-size: expected at least 8"),
-    (["run", "-p", "hi", "-m", "/no/such/model.gguf"], "-m/--model: expected a GGUF file"),
+    (["run", "-p", "hi", "-m", "/no/such/model.gguf"], "model not found: /no/such/model.gguf"),
     (["serve", "--port", "70000"], "--port: expected 0-65535"),
 ])
 def test_bad_arguments_rejected_before_loading(no_load, capsys, argv, message):

@@ -92,8 +92,8 @@ def _check_model_args(args) -> None:
         raise SparseInferError(f"-n/--n-predict: expected -1 (until EOS) or a count >= 0, got "
                                f"{args.n_predict}")
     if args.model is not None and not Path(args.model).exists():
-        raise SparseInferError(f"-m/--model: expected a GGUF file or a model directory, got "
-                               f"{args.model} (not found)")
+        raise SparseInferError(f"model not found: {args.model} (-m: expected a GGUF file or "
+                               f"a Hugging Face model directory)")
 
 
 def _engine(args):
