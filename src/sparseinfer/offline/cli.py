@@ -106,7 +106,10 @@ def cmd_convert(args) -> int:
         corpus=_corpus(args), profile=_profile_options(args), train=_train_options(args),
         export=ExportOptions(outtype=args.outtype), budget_bytes=_budget(args),
         ctx=args.ctx_size, work_dir=args.work_dir, keep_work=args.keep_work,
+        report=not args.no_report, eval_chunks=args.eval_chunks,
     )
+    if args.eval_chunks < 0:
+        raise SparseInferError(f"--eval-chunks: expected a count >= 0, got {args.eval_chunks}")
     print(f"converting {args.model or 'the default model'} -> {args.output}", file=sys.stderr)
     _show_progress_logs()
     with _termination_interrupts():  # SIGTERM/SIGHUP unwind like Ctrl-C: temp files removed
@@ -116,6 +119,12 @@ def cmd_convert(args) -> int:
     print(f"wrote {report.output.path} ({report.output.n_bytes / 2**20:.1f} MiB, "
           f"{report.output.n_tensors} tensors) in {sum(report.seconds.values()):.1f} s "
           f"({steps})")
+    if report.evaluation is not None:
+        from .report import ppl_line
+
+        print(ppl_line(report.evaluation))
+    if report.report_path is not None:
+        print(f"report: {report.report_path}")
     if report.work_dir is not None:
         print(f"profile kept in {report.work_dir}")
     return 0
@@ -267,6 +276,11 @@ def add_offline_commands(sub, add_model_flags) -> None:
     c.add_argument("--work-dir", type=Path, default=None,
                    help="keep the profile here (default: a temporary directory)")
     c.add_argument("--keep-work", action="store_true", help="do not delete the profile")
+    c.add_argument("--eval-chunks", type=int, default=4, metavar="N",
+                   help="measure held-out perplexity dense vs sparse and the density computed, "
+                        "on N chunks of 512 tokens (default 4; 0 = skip)")
+    c.add_argument("--no-report", action="store_true",
+                   help="do not write the HTML report (OUT without .gguf + .report.html)")
     c.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("profile", help="record activation frequencies and predictor data")

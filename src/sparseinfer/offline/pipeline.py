@@ -211,6 +211,9 @@ class ConvertOptions:
     work_dir: Path | None = None  # where the profile goes (default: a temporary directory)
     keep_work: bool = False
     solve_time_limit: float = 30.0
+    report: bool = True  # write the HTML report beside the output (report.py)
+    eval_chunks: int = 4  # held-out perplexity chunks, dense vs sparse, for the report (0: none)
+    eval_ctx: int = 512
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,8 @@ class ConvertReport:
     placement: object | None  # solve.PlacementSolution
     seconds: dict[str, float]
     work_dir: Path | None  # kept profile directory, if any
+    evaluation: object | None = None  # report.Evaluation, when eval_chunks > 0
+    report_path: Path | None = None
 
 
 def convert(model_path: str | Path | None, out: str | Path,
@@ -266,8 +271,26 @@ def convert(model_path: str | Path | None, out: str | Path,
     finally:
         if made_tmp and not options.keep_work:
             shutil.rmtree(work, ignore_errors=True)
+
+    evaluation = None
+    if options.eval_chunks > 0:
+        from .report import evaluate
+
+        progress_log.info("evaluate: held-out perplexity, dense and sparse, %d chunks",
+                          options.eval_chunks)
+        t0 = time.perf_counter()
+        evaluation = evaluate(loaded, out, options.eval_ctx, options.eval_chunks)
+        seconds["evaluate"] = time.perf_counter() - t0
+        progress_log.info("evaluate: done in %.1f s", seconds["evaluate"])
+    report_file = None
+    if options.report:
+        from .report import write_report
+
+        report_file = write_report(out, profile, predictors, placement, evaluation, seconds,
+                                   format_summary(profile, predictors, placement))
     return ConvertReport(result, profile, predictors, placement, seconds,
-                         work if (options.keep_work or not made_tmp) else None)
+                         work if (options.keep_work or not made_tmp) else None, evaluation,
+                         report_file)
 
 
 # ---- summary -----------------------------------------------------------------------------------
