@@ -267,9 +267,14 @@ def cmd_info(args) -> int:
         print(f"  {k:16s} {v}")
     n_params = sum(p.numel() for p in {id(p): p for p in lm.model.parameters()}.values())
     print(f"parameters: {n_params / 1e6:.1f} M")
-    sparse = {k for k in lm.metadata if k.startswith(("powerinfer.", "sparseinfer."))}
-    for k in sorted(sparse):
-        print(f"  {k} = {lm.metadata[k]}")
+    from .offline.report import file_summary
+
+    summary = file_summary(lm.metadata, lm.path)
+    if summary is not None:
+        print(summary)
+    else:
+        for k in sorted(k for k in lm.metadata if k.startswith(("powerinfer.", "sparseinfer."))):
+            print(f"  {k} = {lm.metadata[k]}")
     print(f"tensors: {len(lm.tensors)}")
     print(f"  {'name':40s} {'type':8s} {'shape':>20s} {'bytes':>12s}")
     for t in lm.tensors:

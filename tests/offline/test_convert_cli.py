@@ -45,6 +45,11 @@ def test_convert_end_to_end(tiny_model_dir, tmp_path, capsys, caplog):
     assert f"wrote {out}" in text
     lines = [ln.split() for ln in text.splitlines() if ln.startswith("    ")]
     assert [int(ln[0]) for ln in lines] == [0, 1] and all(int(ln[2]) == 4 for ln in lines)
+    assert main(["info", "-m", str(out)]) == 0  # the file's own summary of its conversion
+    info = capsys.readouterr().out
+    assert "sparse file (format 1): reglu FFNs" in info and "recall target 0.99" in info
+    assert "placement: optimal; 384 neurons on the fast tier" in info
+    assert f"report: {tmp_path / 'sparse.report.html'}" in info
     lm = load_model(out)
     assert any(k.endswith("gpu_bucket") for k in lm.extras)
     assert lm.metadata["sparseinfer.placement.budget_bytes"] == 1_000_000

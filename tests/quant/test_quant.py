@@ -107,6 +107,7 @@ def test_int8_linear_matches_float_reference():
     assert float((one - x[1] @ w.T).abs().max()) <= 0.02 * float(one.abs().max())
 
 
+@pytest.mark.slow
 def test_smollm2_q4_uses_the_files_blocks(smollm2):
     """Every projection of the Q4_1 file keeps its own blocks: the fused, un-permuted modules
     multiply by the fp32 model's weights (gguf-py dequantization) up to bfloat16 scales."""

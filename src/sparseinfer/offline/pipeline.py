@@ -88,6 +88,13 @@ def _amount(n: float, unit: str) -> str:
     return f"{n / 2**20:.1f} MiB" if unit == "B" else f"{int(n)} {unit}"
 
 
+def _of(done: float, total: float, unit: str) -> str:
+    """'8 of 30 layer' reads badly: '8/30 layer', '1.2/4.0 MiB'."""
+    if unit == "B":
+        return f"{done / 2**20:.1f}/{total / 2**20:.1f} MiB"
+    return f"{int(done)}/{int(total)} {unit}"
+
+
 class _LogLines:
     """Progress of one stage as log lines (see ``Bars``)."""
 
@@ -107,10 +114,9 @@ class _LogLines:
             self.t_last = now
             spent = now - self.t0
             eta = spent * (self.total - self.done) / self.done if self.done else float("nan")
-            progress_log.info("%s: %s of %s (%d%%), %.0f s so far, about %.0f s to go",
-                              self.stage, _amount(self.done, self.unit),
-                              _amount(self.total, self.unit), 100 * self.done // self.total,
-                              spent, eta)
+            progress_log.info("%s: %s (%d%%), %.0f s so far, about %.0f s to go",
+                              self.stage, _of(self.done, self.total, self.unit),
+                              100 * self.done // self.total, spent, eta)
 
     def close(self) -> None:
         progress_log.info("%s: done, %s in %.1f s", self.stage, _amount(self.done, self.unit),

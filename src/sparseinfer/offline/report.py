@@ -272,3 +272,51 @@ def ppl_line(e: Evaluation) -> str:
     return (f"held-out perplexity {e.dense_ppl:.3f} dense -> {e.sparse_ppl:.3f} sparse "
             f"({cost:+.2%}), {e.measured_density:.1%} of FFN neurons computed per token "
             f"({e.n_chunks} x {e.n_ctx} tokens, {e.seconds:.1f} s)")
+
+
+def file_summary(metadata: dict, path: str | Path | None = None) -> str | None:
+    """What a sparse GGUF's metadata says about its conversion, as a per-layer table and totals
+    (``sparseinfer info``); None for a file without sparseinfer metadata."""
+    md = metadata
+    if "sparseinfer.format_version" not in md:
+        return None
+    dens = list(md.get("sparseinfer.sparsity.layer_densities", []))
+    ranks = list(md.get("sparseinfer.predictor.ranks", []))
+    recall = list(md.get("sparseinfer.predictor.recall", []))
+    prec = list(md.get("sparseinfer.predictor.precision", []))
+    pdens = list(md.get("sparseinfer.predictor.density", []))
+    hot = list(md.get("sparseinfer.placement.hot_counts", [])) or [0] * len(dens)
+    lines = [f"sparse file (format {md['sparseinfer.format_version']}): "
+             f"{md.get('sparseinfer.ffn_kind', '?')} FFNs, neurons ordered "
+             f"{md.get('sparseinfer.neuron_order', '?')}"]
+    mode = md.get("sparseinfer.sparsity.mode", "?")
+    lines.append("activity: " + ("ReLU (exact zeros)" if mode == "relu" else
+                                 f"magnitude of {md.get('sparseinfer.sparsity.score')} above a "
+                                 f"per-layer threshold, target density "
+                                 f"{float(md.get('sparseinfer.sparsity.target_density', 0)):.3g}")
+                 + f"; profiled on {int(md.get('sparseinfer.profile.tokens', 0)):,} tokens")
+    if dens and len(ranks) == len(recall) == len(pdens) == len(dens):
+        lines.append(f"  {'layer':>5} {'density':>8} {'rank':>5} {'recall':>7} {'precision':>9} "
+                     f"{'pred.dens':>9} {'hot':>7}")
+        for l, row in enumerate(zip(dens, ranks, recall, prec or [math.nan] * len(dens), pdens,
+                                    hot)):
+            d, r, rc, pr, pd, h = row
+            lines.append(f"  {l:5d} {d:8.3f} {int(r):5d} {rc:7.4f} {pr:9.3f} {pd:9.3f} "
+                         f"{int(h):7d}")
+        lines.append(f"  {'all':>5} {np.mean(dens):8.3f} {'':5} {np.mean(recall):7.4f} "
+                     f"{np.mean(prec) if prec else math.nan:9.3f} {np.mean(pdens):9.3f} "
+                     f"{int(sum(hot)):7d}")
+        target = md.get("sparseinfer.predictor.recall_target")
+        if target is not None:
+            lines.append(f"  recall target {float(target):.3g}; a neuron is computed when its "
+                         f"predictor logit >= {float(md.get('powerinfer.sparse_threshold', 0)):g}")
+    budget = md.get("sparseinfer.placement.budget_bytes")
+    if budget:
+        lines.append(f"placement: {md.get('sparseinfer.placement.status', '?')}; {sum(hot):,} "
+                     f"neurons on the fast tier, {int(md['sparseinfer.placement.fast_bytes']):,} "
+                     f"of {int(budget):,} budget bytes")
+    else:
+        lines.append("placement: none: every neuron on the CPU")
+    if path is not None and report_path(path).is_file():
+        lines.append(f"report: {report_path(path)}")
+    return "\n".join(lines)
