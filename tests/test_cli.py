@@ -64,7 +64,7 @@ def _reference_perplexity(kind: str, ids: list[int], n_ctx: int) -> float:
     return math.exp(nll / n)
 
 
-@pytest.mark.parametrize("kind", ["swiglu", "opt"])
+@pytest.mark.parametrize("kind", ["swiglu", pytest.param("opt", marks=pytest.mark.slow)])
 def test_perplexity_matches_reference(tiny_model_dir, tmp_path, capsys, kind):
     from sparseinfer.data import HELDOUT_TEXT
     from sparseinfer.tokenizer import Tokenizer

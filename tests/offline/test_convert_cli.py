@@ -55,6 +55,7 @@ def test_convert_end_to_end(tiny_model_dir, tmp_path, capsys, caplog):
     assert lm.metadata["sparseinfer.placement.budget_bytes"] == 1_000_000
 
 
+@pytest.mark.slow
 def test_steps_equal_convert(tiny_model_dir, tmp_path, capsys):
     src = str(tiny_model_dir("swiglu"))
     corpus = tmp_path / "corpus.txt"
@@ -149,7 +150,7 @@ def test_step_errors(tiny_model_dir, tmp_path, capsys):
     assert not (tmp_path / "p.npz").exists() and not (tmp_path / "s.npz").exists()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_stopped_convert_leaves_no_temporary_files(tiny_model_dir, tmp_path, sig):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
