@@ -118,7 +118,7 @@ def _frequency_figure(profile, placement):
         ax2.legend(loc="lower right", fontsize=8)
         title += " (| = fast-tier neurons end)"
     else:
-        half = [int(np.searchsorted(-np.cumsum(f) / max(f.sum(), 1e-12), -0.5)) for f in freqs]
+        half = [int(np.searchsorted(np.cumsum(f) / max(f.sum(), 1e-12), 0.5)) for f in freqs]
         ax2.plot(half, range(L), "c|", ms=9, mew=2, label="half the activations")
         ax2.legend(loc="lower right", fontsize=8)
     ax2.set_title(title)
@@ -226,8 +226,9 @@ def write_report(out_gguf: str | Path, profile, predictors, placement=None,
 
     matplotlib.use("Agg")
     figs = [("Which neurons fire", _frequency_figure(profile, placement),
-             "Sorted per layer, a few neurons fire on most tokens and most fire rarely: the "
-             "hot ones are worth keeping in fast memory."),
+             "Each layer's neurons sorted by how often they fire. A steep curve (a few neurons "
+             "fire on most tokens, most rarely: ReLU-family models) makes the hot ones worth "
+             "fast memory; a flat one (activity spread evenly) leaves little to place."),
             ("Predictors", _predictor_figure(profile, predictors),
              "Recall: share of truly active neurons the predictor selects. Density: share of "
              "neurons computed; the closer the bars to the black line, the more sparsity pays.")]
