@@ -3,6 +3,7 @@
     python benchmarks/threads_under_load.py                 # 3 rounds, -n 48, greedy
     python benchmarks/threads_under_load.py --rounds 2 --no-busy
     python benchmarks/threads_under_load.py --idle-cpu        # the mechanism, without a model
+    python benchmarks/threads_under_load.py --train PROFILE   # predictor training (convert)
 
 Each configuration runs `python -m sparseinfer run -n N --temp 0` in a fresh process (the wait
 policy of an OpenMP pool is read once, when the pool starts) while a `while True: pass` process
@@ -88,15 +89,54 @@ def idle_cpu() -> None:
               f"(runs {', '.join(f'{v:.2f}' for v in vals)})")
 
 
+TRAIN_PROBE = """
+import sys, time
+import torch
+from sparseinfer.offline.profile import load_profile
+from sparseinfer.offline.train import TrainOptions, train_predictors
+torch.set_num_threads(int(sys.argv[2]))
+prof = load_profile(sys.argv[1])
+t0 = time.perf_counter()
+p = train_predictors(prof, TrainOptions(ranks=(16,), min_steps=400), layers=[5]).layers[0]
+print(time.perf_counter() - t0, p.recall, p.pred_density)
+"""
+
+
+def train_times(profile: str, rounds: int) -> None:
+    """One layer's predictor (rank 16, 400 steps) per wait policy and thread count."""
+    rows = [("2 threads, OMP_WAIT_POLICY unset (before)", "", 2),
+            ("2 threads, OMP_WAIT_POLICY=ACTIVE", "ACTIVE", 2),
+            ("2 threads, OMP_WAIT_POLICY=PASSIVE (now)", "PASSIVE", 2),
+            ("1 thread", "PASSIVE", 1)]
+    times: dict[str, list[float]] = {r[0]: [] for r in rows}
+    for r in range(rounds):
+        for label, policy, t in rows:
+            env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+            if policy:
+                env["OMP_WAIT_POLICY"] = policy
+            out = subprocess.run([sys.executable, "-c", TRAIN_PROBE, profile, str(t)], env=env,
+                                 capture_output=True, text=True, check=True).stdout.split()
+            times[label].append(float(out[0]))
+            print(f"round {r + 1} {label:44s} {float(out[0]):6.1f} s  recall {float(out[1]):.4f}"
+                  f"  density {float(out[2]):.3f}", flush=True)
+    for label, _, _ in rows:
+        print(f"{label:44s} median {statistics.median(times[label]):6.1f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-n", type=int, default=48)
     ap.add_argument("--no-busy", action="store_true", help="no competing busy process")
     ap.add_argument("--idle-cpu", action="store_true", help="only the idle-pool CPU probe")
+    ap.add_argument("--train", metavar="PROFILE", help="only predictor training on a profile "
+                                                       "directory (`sparseinfer profile -o DIR`)")
     args = ap.parse_args()
     if args.idle_cpu:
         idle_cpu()
+        return
+    if args.train:
+        train_times(args.train, args.rounds)
         return
     busy = None if args.no_busy else subprocess.Popen(
         [sys.executable, "-c", "while True: pass"])

@@ -85,14 +85,16 @@ progress_log = logging.getLogger("sparseinfer.offline.progress")
 
 
 def _amount(n: float, unit: str) -> str:
-    return f"{n / 2**20:.1f} MiB" if unit == "B" else f"{int(n)} {unit}"
+    if unit == "B":
+        return f"{n / 2**20:.1f} MiB"
+    return f"{int(n)} {unit}{'s' if unit == 'layer' and n != 1 else ''}"
 
 
 def _of(done: float, total: float, unit: str) -> str:
     """'8 of 30 layer' reads badly: '8/30 layer', '1.2/4.0 MiB'."""
     if unit == "B":
         return f"{done / 2**20:.1f}/{total / 2**20:.1f} MiB"
-    return f"{int(done)}/{int(total)} {unit}"
+    return f"{int(done)}/{int(total)} {unit}{'s' if unit == 'layer' and total != 1 else ''}"
 
 
 class _LogLines:
