@@ -7,9 +7,38 @@
 # Torch first, pinned: an unpinned `torch` on a machine without one resolves to a multi-GB CUDA
 # build. 2.13.0 is the CPU wheel this project is developed and tested with; set TORCH_SPEC to
 # choose another (e.g. TORCH_SPEC="torch==2.13.0+cu128" on a CUDA machine with that wheel).
+#
+# A system Python that refuses pip installs (PEP 668: Debian 12+, Ubuntu 23.04+) gets a virtual
+# environment, .venv, here; activate it with `. .venv/bin/activate` to use the `sparseinfer`
+# command. An active virtual environment (or PYTHON=...) is used as it is.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
+VENV_MADE=""
+
+externally_managed() {  # true when pip would refuse to install into "$1"'s environment
+    "$1" - <<'PYEOF'
+import os, sys, sysconfig
+in_venv = sys.prefix != sys.base_prefix
+marker = os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")
+sys.exit(0 if os.path.exists(marker) and not in_venv else 1)
+PYEOF
+}
+
+if externally_managed "$PY"; then
+    if [[ ! -x .venv/bin/python ]]; then
+        echo "install.sh: $PY is managed by the system (PEP 668); creating .venv" >&2
+        if ! "$PY" -m venv .venv; then
+            rm -rf .venv
+            echo "error: expected a Python that can make a virtual environment, got $PY without" \
+                 "the venv module; install it (Debian/Ubuntu: apt-get install python3-venv)" \
+                 "and run ./install.sh again" >&2
+            exit 1
+        fi
+    fi
+    PY=.venv/bin/python
+    VENV_MADE=1
+fi
 PIP=("$PY" -m pip install --disable-pip-version-check -q)
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
@@ -26,3 +55,6 @@ else
 fi
 # The C kernels (sparseinfer/cpu): compiled for this machine; needs a C compiler (cc/gcc/clang).
 "$PY" -m sparseinfer.cpu.build
+if [[ -n "$VENV_MADE" ]]; then
+    echo "install.sh: installed into .venv; run '. .venv/bin/activate' to use sparseinfer" >&2
+fi

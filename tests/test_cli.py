@@ -64,7 +64,7 @@ def _reference_perplexity(kind: str, ids: list[int], n_ctx: int) -> float:
     return math.exp(nll / n)
 
 
-@pytest.mark.parametrize("kind", ["swiglu", "opt"])
+@pytest.mark.parametrize("kind", ["swiglu", pytest.param("opt", marks=pytest.mark.slow)])
 def test_perplexity_matches_reference(tiny_model_dir, tmp_path, capsys, kind):
     from sparseinfer.data import HELDOUT_TEXT
     from sparseinfer.tokenizer import Tokenizer
@@ -104,3 +104,78 @@ def test_python_m_default_model_greedy():
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("The capital of France is")
     assert "Paris" in r.stdout
+
+
+# ---- the first ten minutes: fast help, checks before the load, honest messages -------------
+
+
+def test_help_and_version_do_not_import_torch():
+    code = ("import sys\nfrom sparseinfer.cli import main\n"
+            "for argv in (['--help'], ['--version'], ['convert', '--help'], ['run', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('torch' in sys.modules, 'numba' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "sparseinfer 0.1.0" in r.stdout
+    assert r.stdout.strip().splitlines()[-1] == "False False"
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Engine.load fails the test: the command must reject its arguments first."""
+    from sparseinfer.engine import Engine
+
+    def load(*a, **kw):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(Engine, "load", load)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "-p", ""], "the prompt is empty"),
+    (["run", "-p", "hi", "-n", "-2"], "-n/--n-predict: expected -1"),
+    (["run", "-p", "hi", "-t", "0"], "-t/--threads: expected a positive number"),
+    (["run", "-p", "hi", "-c", "4"], "-c/--ctx-size: expected at least 8"),
+    (["run", "-p", "hi", "-m", "/no/such/model.gguf"], "model not found: /no/such/model.gguf"),
+    (["serve", "--port", "70000"], "--port: expected 0-65535"),
+])
+def test_bad_arguments_rejected_before_loading(no_load, capsys, argv, message):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_serve_on_a_taken_port_is_one_error_line(no_load, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"error: --port: expected a free port on 127.0.0.1, got {port} "
+                   f"(Address already in use); choose another with --port\n")
+
+
+def test_run_n_zero_prints_no_rate(tiny_model_dir, capsys):
+    assert main(["run", "-m", str(tiny_model_dir("swiglu")), "-p", "Emma said", "-n", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "Emma said\n"
+    assert "not evaluated" in err and "tokens/s" not in err
+
+
+def test_run_too_long_prompt_is_not_echoed(tiny_model_dir, capsys):
+    prompt = "Emma Woodhouse, handsome, clever, and rich " * 20
+    assert main(["run", "-m", str(tiny_model_dir("swiglu")), "-p", prompt, "-c", "16"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines()[-1].startswith("error: the prompt has 4")
+
+
+def test_run_until_context_full_says_so(tiny_model_dir, capsys):
+    assert main(["run", "-m", str(tiny_model_dir("swiglu")), "-p", "Emma said", "-n", "-1",
+                 "-c", "24", "--ignore-eos", "--temp", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "stopped: the context is full (24 tokens)" in err
+    assert "first generation in this process" in err  # timings include warm-up, and say so

@@ -11,6 +11,8 @@ import torch
 
 from sparseinfer.models.loading import load_model, permute_qk
 
+pytestmark = pytest.mark.slow  # every GGUF type against transformers: ~45 s
+
 D, FF, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
 
 # byte offsets of the fp16 scale fields in K-quant blocks (filled with sane values so random

@@ -37,6 +37,7 @@ def test_not_a_model_file(tmp_path):
         load_model(bad)
 
 
+@pytest.mark.slow
 def test_truncated_gguf(tmp_path, smollm2_path, capsys):
     cut = tmp_path / "cut.gguf"
     with open(smollm2_path, "rb") as f:

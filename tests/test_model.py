@@ -56,6 +56,7 @@ def test_bf16_weights_close_to_fp32(tiny_model_dir):
     assert _rel_err(_ours(bf16, ids), _ours(fp32, ids)) < 0.05
 
 
+@pytest.mark.slow
 def test_weights_held_once(smollm2):
     """Tied embeddings share one tensor, and no parameter is left on the meta device."""
     m = smollm2.model

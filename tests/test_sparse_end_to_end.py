@@ -25,6 +25,7 @@ def _ppl(capsys, argv) -> tuple[float, str]:
     return float(cap.out.strip().splitlines()[-1].split("=")[1]), cap.err
 
 
+@pytest.mark.slow
 def test_sparse_file_perplexity_modes(sparse_file, tiny_model_dir, tmp_path, capsys):
     from sparseinfer.data import HELDOUT_TEXT
 

@@ -77,11 +77,13 @@ def smol_ref():
     return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_smollm2_ids_match_transformers(smol, smol_ref, text):
     assert smol.encode(text) == smol_ref.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.slow
 def test_smollm2_special_text_as_plain_text(smol, smol_ref):
     text = "<|im_start|>user\nhi<|im_end|>"
     ours = smol.encode(text, special=False)
@@ -90,6 +92,7 @@ def test_smollm2_special_text_as_plain_text(smol, smol_ref):
     assert smol.encode(text)[0] == smol_ref.convert_tokens_to_ids("<|im_start|>")
 
 
+@pytest.mark.slow
 def test_smollm2_special_ids(smol, smol_ref):
     assert smol.vocab_size == len(smol_ref) == 49152
     assert smol.bos_id == smol_ref.bos_token_id
@@ -102,6 +105,7 @@ def test_smollm2_special_ids(smol, smol_ref):
     assert smol.encode("<|im_start|>hi", add_bos=True).count(smol.bos_id) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_smollm2_decode(smol, smol_ref, text):
     ids = smol.encode(text)
@@ -142,6 +146,7 @@ def test_decode_rejects_out_of_range_ids(smol):
         smol.decode([5, smol.vocab_size])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
 def test_smollm2_chat_template_matches_transformers(smol, smol_ref, name):
     messages = CONVERSATIONS[name]

@@ -14,8 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+from . import __version__
 from .config import SamplingParams
 from .errors import SparseInferError
+from .threads import default_threads, passive_wait
 
 log = logging.getLogger("sparseinfer.cli")
 
@@ -26,8 +28,9 @@ log = logging.getLogger("sparseinfer.cli")
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", type=Path, default=None,
                    help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M)")
-    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1,
-                   help="CPU threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=int, default=default_threads(),
+                   help="CPU threads (default: the cores this process may use; idle threads "
+                        "sleep, so a busy machine costs little)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "q4"],
                    help="weights: auto (default) keeps each tensor's own precision (Q4_0/Q4_1/"
@@ -84,11 +87,24 @@ def _sampling(args) -> SamplingParams:
     )
 
 
+def _check_model_args(args) -> None:
+    """Flags checked before the model loads (a load takes seconds)."""
+    if args.ctx_size < 8:
+        raise SparseInferError(f"-c/--ctx-size: expected at least 8, got {args.ctx_size}")
+    if args.threads < 1:
+        raise SparseInferError(f"-t/--threads: expected a positive number, got {args.threads}")
+    if getattr(args, "n_predict", -1) < -1:
+        raise SparseInferError(f"-n/--n-predict: expected -1 (until EOS) or a count >= 0, got "
+                               f"{args.n_predict}")
+    if args.model is not None and not Path(args.model).exists():
+        raise SparseInferError(f"model not found: {args.model} (-m: expected a GGUF file or "
+                               f"a Hugging Face model directory)")
+
+
 def _engine(args):
     from .engine import Engine
 
-    if args.ctx_size < 8:
-        raise SparseInferError(f"-c/--ctx-size: expected at least 8, got {args.ctx_size}")
+    _check_model_args(args)
     engine = Engine.load(args.model, n_ctx=args.ctx_size, threads=args.threads,
                          dtype=args.dtype, dense=args.dense, threshold=args.sparse_threshold,
                          device=args.device, vram_budget=args.vram_budget,
@@ -118,15 +134,32 @@ def _print_sparse(engine) -> None:
               f"{sum(info.hot_counts)} hot neurons)", file=sys.stderr)
 
 
-def _print_timings(fin) -> None:
+def _print_timings(fin, first: bool = False) -> None:
+    """Prompt and generation rates; ``first``: the first generation in this process, whose
+    times include one-time warm-up (kernels loaded from numba's cache, buffers allocated)."""
     def rate(n, s):
-        return f"{n / s:8.2f} tokens/s" if s > 0 else "       - tokens/s"
+        return f"{n / s:8.2f} tokens/s" if n > 0 and s > 0 else "       - tokens/s"
 
+    if fin.completion_tokens == 0:  # -n 0: the prompt was never run through the model
+        print(f"\nprompt eval: {fin.prompt_tokens:5d} tokens, not evaluated (nothing to "
+              f"generate)", file=sys.stderr)
+        return
     print(f"\nprompt eval: {fin.prompt_tokens:5d} tokens in {fin.prefill_seconds * 1e3:9.1f} ms "
           f"({rate(fin.prompt_tokens, fin.prefill_seconds)})", file=sys.stderr)
     n_dec = max(fin.completion_tokens - 1, 0)  # the first token comes from the prefill
     print(f"generation:  {n_dec:5d} tokens in {fin.decode_seconds * 1e3:9.1f} ms "
           f"({rate(n_dec, fin.decode_seconds)})", file=sys.stderr)
+    if first:
+        print("(first generation in this process: the times include one-time warm-up)",
+              file=sys.stderr)
+
+
+def _print_finish(fin, engine, params) -> None:
+    """Say why generation stopped when it was not EOS, a stop string or -n."""
+    if fin.reason == "length" and fin.prompt_tokens + fin.completion_tokens >= engine.n_ctx \
+            and (params.max_tokens < 0 or fin.completion_tokens < params.max_tokens):
+        print(f"stopped: the context is full ({engine.n_ctx} tokens); a larger -c/--ctx-size "
+              f"lets it go on (no context shifting yet)", file=sys.stderr)
 
 
 # ---- subcommands -------------------------------------------------------------------------------
@@ -141,14 +174,19 @@ def cmd_run(args) -> int:
         prompt = args.prompt
     else:
         raise SparseInferError("no prompt: give one with -p TEXT or -f FILE")
+    if not prompt:
+        raise SparseInferError(f"the prompt is empty: expected some text in "
+                               f"{'-f ' + str(args.file) if args.file else '-p'}")
     params = _sampling(args)
     engine = _engine(args)
     ids = engine.encode(prompt)
+    engine.check_fits(len(ids))  # before echoing the prompt
     print(prompt, end="", flush=True)
     for ev in engine.stream(ids, params):
         if isinstance(ev, FinishEvent):
             print()
-            _print_timings(ev)
+            _print_timings(ev, first=True)
+            _print_finish(ev, engine, params)
             _print_sparse(engine)
         else:
             print(ev.text, end="", flush=True)
@@ -160,6 +198,7 @@ def cmd_chat(args) -> int:
 
     params = _sampling(args)
     engine = _engine(args)
+    first = True
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     if interactive:
@@ -177,7 +216,9 @@ def cmd_chat(args) -> int:
             if isinstance(ev, FinishEvent):
                 print()
                 if args.timings:
-                    _print_timings(ev)
+                    _print_timings(ev, first)
+                _print_finish(ev, engine, params)
+                first = False
             else:
                 reply.append(ev.text)
                 print(ev.text, end="", flush=True)
@@ -235,9 +276,14 @@ def cmd_info(args) -> int:
         print(f"  {k:16s} {v}")
     n_params = sum(math.prod(t.shape) for t in src.tensors.values())
     print(f"parameters: {n_params / 1e6:.1f} M")
-    sparse = {k for k in src.metadata if k.startswith(("powerinfer.", "sparseinfer."))}
-    for k in sorted(sparse):
-        print(f"  {k} = {src.metadata[k]}")
+    from .offline.report import file_summary
+
+    summary = file_summary(src.metadata, src.path)
+    if summary is not None:
+        print(summary)
+    else:
+        for k in sorted(k for k in src.metadata if k.startswith(("powerinfer.", "sparseinfer."))):
+            print(f"  {k} = {src.metadata[k]}")
     plan = make_plan(src, args.dtype, dense=args.dense, ffn_dtype=args.ffn_dtype,
                      mode=args.sparse_mode, device=args.device)
     print(plan.summary())
@@ -252,6 +298,8 @@ def cmd_info(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    _check_port(args.host, args.port)  # before the load: a taken port fails in a second
+    _check_model_args(args)
     from .server.app import serve
 
     engine = _engine(args)
@@ -262,11 +310,32 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _check_port(host: str, port: int) -> None:
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise SparseInferError(f"--port: expected 0-65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise SparseInferError(f"--host: expected an address or host name, got {host!r} "
+                               f"({e.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise SparseInferError(f"--port: expected a free port on {host}, got {port} "
+                                   f"({e.strerror}); choose another with --port") from None
+
+
 # ---- parser ------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparseinfer", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"sparseinfer {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="continue a prompt")
@@ -310,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    passive_wait()  # before torch or numba start their thread pools (threads.py)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

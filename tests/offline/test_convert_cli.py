@@ -4,8 +4,14 @@ cases: exit status 1, one message, no output file."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+import sparseinfer
 
 from sparseinfer.cli import main
 from sparseinfer.models.loading import load_model
@@ -17,24 +23,39 @@ def _files(d):
     return sorted(os.listdir(d))
 
 
-def test_convert_end_to_end(tiny_model_dir, tmp_path, capsys):
+def test_convert_end_to_end(tiny_model_dir, tmp_path, capsys, caplog):
     src = tiny_model_dir("reglu")
     out = tmp_path / "sparse.gguf"
     rc = main(["convert", "-m", str(src), "-o", str(out), *FAST, "--budget", "1MB", "-c", "64"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
-    assert out.is_file() and _files(tmp_path) == ["sparse.gguf"]  # no profile left behind
+    # no profile left behind; the report beside the output
+    assert out.is_file() and _files(tmp_path) == ["sparse.gguf", "sparse.report.html"]
     text = captured.out
+    assert "held-out perplexity" in text and f"report: {tmp_path / 'sparse.report.html'}" in text
+    page = (tmp_path / "sparse.report.html").read_text()
+    assert page.count("<img") == 3 and "Which neurons fire" in page and "Placement" in page
+    assert "measured density" in page and "perplexity" in page
+    # not a terminal: progress comes as log lines, one per stage start and end at least
+    for stage in ("load", "profile", "train", "export", "evaluate"):
+        assert f"{stage}: done" in caplog.text
+    assert "to go" in caplog.text  # an estimate of the rest
     assert "layer  density  rank  recall precision pred.dens     hot" in text
     assert "predictors:" in text and "placement: optimal" in text
     assert f"wrote {out}" in text
     lines = [ln.split() for ln in text.splitlines() if ln.startswith("    ")]
     assert [int(ln[0]) for ln in lines] == [0, 1] and all(int(ln[2]) == 4 for ln in lines)
+    assert main(["info", "-m", str(out)]) == 0  # the file's own summary of its conversion
+    info = capsys.readouterr().out
+    assert "sparse file (format 1): reglu FFNs" in info and "recall target 0.99" in info
+    assert "placement: optimal; 384 neurons on the fast tier" in info
+    assert f"report: {tmp_path / 'sparse.report.html'}" in info
     lm = load_model(out)
     assert any(k.endswith("gpu_bucket") for k in lm.extras)
     assert lm.metadata["sparseinfer.placement.budget_bytes"] == 1_000_000
 
 
+@pytest.mark.slow
 def test_steps_equal_convert(tiny_model_dir, tmp_path, capsys):
     src = str(tiny_model_dir("swiglu"))
     corpus = tmp_path / "corpus.txt"
@@ -127,3 +148,26 @@ def test_step_errors(tiny_model_dir, tmp_path, capsys):
         assert main(argv) == 1
         assert msg in capsys.readouterr().err
     assert not (tmp_path / "p.npz").exists() and not (tmp_path / "s.npz").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_stopped_convert_leaves_no_temporary_files(tiny_model_dir, tmp_path, sig):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = tmp_path / "sparse.gguf"
+    env = dict(os.environ, TMPDIR=str(tmp))
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(sparseinfer.__file__).parents[1]),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen([sys.executable, "-m", "sparseinfer", "convert", "-m",
+                             str(tiny_model_dir("reglu")), "-o", str(out), *FAST,
+                             "--epochs", "500"], env=env, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:  # progress log lines: stderr is a pipe, not a terminal
+        lines.append(line)
+        if "train: started" in line:
+            assert os.listdir(tmp), "the profile should be in a temporary directory"
+            proc.send_signal(sig)
+            break
+    rest = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, "".join(lines) + rest
+    assert os.listdir(tmp) == [] and not out.exists()

@@ -75,7 +75,8 @@ def _corpus():
     return DEFAULT_CORPUS
 
 
-@pytest.mark.parametrize("kind", TINY_KINDS)
+@pytest.mark.parametrize("kind", [k if k == "reglu" else pytest.param(k, marks=pytest.mark.slow)
+                                  for k in TINY_KINDS])
 def test_dense_logits_equal_the_source(tiny_exports, kind):
     import transformers as tf
 

@@ -95,6 +95,7 @@ def test_streamed_files(tiny_model_dir, tmp_path):
     assert 0.0 < prof.densities.mean() < 1.0
 
 
+@pytest.mark.slow
 def test_memory_bounded_by_chunk_not_corpus(tiny_model_dir, tmp_path):
     lm = load_model(tiny_model_dir("reglu"))
     cfg = lm.config
@@ -111,7 +112,8 @@ def test_memory_bounded_by_chunk_not_corpus(tiny_model_dir, tmp_path):
     assert peaks[8192] < peaks[1024] + 0.1 * on_disk
 
 
-@pytest.mark.parametrize("kind,score", [("swiglu", "output"), ("geglu", "output_norm")])
+@pytest.mark.parametrize("kind,score", [("swiglu", "output"),
+                                        pytest.param("geglu", "output_norm", marks=pytest.mark.slow)])
 def test_calibrated_density(tiny_model_dir, tmp_path, kind, score):
     lm = load_model(tiny_model_dir(kind))
     chunks = _chunks(lm.tokenizer, 2048)

@@ -33,6 +33,7 @@ def reglu_profiles(tiny_model_dir, tmp_path_factory):
             profile_model(lm.model, held, out / "sense", opts))
 
 
+@pytest.mark.slow
 def test_recall_on_held_out_tokens(reglu_profiles):
     prof, held = reglu_profiles
     preds = train_predictors(prof, TrainOptions(ranks=(4, 8, 16), **FAST))
@@ -77,6 +78,7 @@ def _synthetic_profile(tmp_path, n_tokens, d, f, hidden_rank, seed=0) -> Profile
                    counts=y.sum(0)[None].astype(np.int64))
 
 
+@pytest.mark.slow
 def test_smallest_rank_meeting_the_targets(tmp_path):
     # masks are thresholds of 2 linear features: rank 4 (±2 through the relu) reaches them,
     # with the default training budget
@@ -101,6 +103,7 @@ def test_density_policy_caps_predicted_density(reglu_profiles):
             assert p.recall < 0.99
 
 
+@pytest.mark.slow
 def test_save_load_round_trip(reglu_profiles, tmp_path):
     prof, _ = reglu_profiles
     preds = train_predictors(prof, TrainOptions(ranks=(4,), **FAST))

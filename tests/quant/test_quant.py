@@ -117,6 +117,7 @@ def test_int8_linear_matches_float_reference():
     assert float((one - x[1] @ w.T).abs().max()) <= 0.02 * float(one.abs().max())
 
 
+@pytest.mark.slow
 def test_smollm2_q4_keeps_the_files_blocks(smollm2):
     """--dtype q4 on the Q4_1 file: every projection is the file's own 4-bit blocks in torch's
     int4 layout (fused, un-permuted), multiplying by the fp32 model's weights (gguf-py

@@ -14,12 +14,14 @@ from sparseinfer.sparse import kernels, reference
 from sparseinfer.sparse.packed import PackedFFN, empty_hugepages, expand_scales, quantize_int8
 
 KINDS = sorted(FFN_KINDS)
-SHAPES = [(13, 37), (64, 100), (576, 1536)]  # (d_model, d_ff); odd sizes, SmolLM2's FFN
+SLOW = pytest.mark.slow  # the quick loop keeps small shapes, one seed, two densities
+SHAPES = [(13, 37), (64, 100), pytest.param((576, 1536), marks=SLOW)]  # (d_model, d_ff): odd
+# sizes, SmolLM2's FFN
 # (dtype, block): block 0 = per row for int8; "blk" = a per-block size that fits the shape
 DTYPES = [("fp32", 0), ("bf16", 0), ("int8", 0), ("int8", "blk")]
 BLOCK_FOR = {13: 4, 64: 16, 576: 32}  # 13 = 3*4 + 1: a short last block
-DENSITIES = [0.0, 0.05, 0.5, 1.0]
-SEEDS = [0, 1]
+DENSITIES = [pytest.param(0.0, marks=SLOW), 0.05, pytest.param(0.5, marks=SLOW), 1.0]
+SEEDS = [0, pytest.param(1, marks=SLOW)]
 
 # Independent definition of each kind (not via FFN_KINDS / reference.ACTS).
 DENSE_H = {

@@ -95,7 +95,8 @@ def test_oracle_relu_equals_dense(tiny_model_dir, with_predictors, kind):
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "geglu", "reglu", "drelu", "opt"])
-@pytest.mark.parametrize("ffn_dtype", ["fp32", "bf16", "int8", "q4"])
+@pytest.mark.parametrize("ffn_dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.slow),
+                                       pytest.param("int8", marks=pytest.mark.slow), "q4"])
 def test_all_active_equals_dense(tiny_model_dir, with_predictors, kind, ffn_dtype):
     path = tiny_model_dir(kind)
     dense = _decode_logits(load_model(path), IDS)

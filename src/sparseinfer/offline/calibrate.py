@@ -29,15 +29,10 @@ from torch import Tensor
 
 from ..errors import SparseInferError
 from ..models.model import FFN, Transformer
+from .defaults import DEFAULT_SCORE, DEFAULT_TARGET_DENSITY, SCORES  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
-SCORES = ("gate", "output", "output_norm")
-# benchmarks/quality.py (SmolLM2): "output" and "output_norm" cost the same perplexity within
-# 0.1 point on the whole held-out text, both far below "gate"; "output" is the simpler rule
-DEFAULT_SCORE = "output"
-# lowest density whose held-out perplexity cost stays within 3% (benchmarks/quality.py, SmolLM2)
-DEFAULT_TARGET_DENSITY = 0.5
 
 _LOG2_LO, _LOG2_HI, _BINS_PER_OCTAVE = -64.0, 32.0, 128
 

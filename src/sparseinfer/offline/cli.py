@@ -13,12 +13,15 @@ Only these handlers print (results on stdout, progress on stderr); bad input rai
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from ..errors import SparseInferError
-from .calibrate import DEFAULT_SCORE, DEFAULT_TARGET_DENSITY, SCORES
-from .profile import DEFAULT_CHUNK_LEN, DEFAULT_MAX_TOKENS
+from .defaults import (DEFAULT_CHUNK_LEN, DEFAULT_MAX_TOKENS, DEFAULT_SCORE,
+                       DEFAULT_TARGET_DENSITY, SCORES)
 
 
 def _threads(args) -> None:
@@ -65,6 +68,31 @@ def _check_ctx(args) -> None:
         raise SparseInferError(f"-c/--ctx-size: expected a positive number, got {args.ctx_size}")
 
 
+def _show_progress_logs() -> None:
+    """Progress goes to the log when stderr is not a terminal (``pipeline.Bars``): show it."""
+    import logging
+
+    logging.getLogger("sparseinfer.offline.progress").setLevel(logging.INFO)
+
+
+@contextlib.contextmanager
+def _termination_interrupts():
+    """Within the block, SIGTERM and SIGHUP raise KeyboardInterrupt (as SIGINT does), so the
+    pipeline's ``finally`` clauses remove its temporary profile and partial output."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 # ---- handlers ----------------------------------------------------------------------------------
 
 
@@ -78,14 +106,25 @@ def cmd_convert(args) -> int:
         corpus=_corpus(args), profile=_profile_options(args), train=_train_options(args),
         export=ExportOptions(outtype=args.outtype), budget_bytes=_budget(args),
         ctx=args.ctx_size, work_dir=args.work_dir, keep_work=args.keep_work,
+        report=not args.no_report, eval_chunks=args.eval_chunks,
     )
+    if args.eval_chunks < 0:
+        raise SparseInferError(f"--eval-chunks: expected a count >= 0, got {args.eval_chunks}")
     print(f"converting {args.model or 'the default model'} -> {args.output}", file=sys.stderr)
-    report = convert(args.model, args.output, options, Bars())
+    _show_progress_logs()
+    with _termination_interrupts():  # SIGTERM/SIGHUP unwind like Ctrl-C: temp files removed
+        report = convert(args.model, args.output, options, Bars())
     print(format_summary(report.profile, report.predictors, report.placement))
     steps = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
     print(f"wrote {report.output.path} ({report.output.n_bytes / 2**20:.1f} MiB, "
           f"{report.output.n_tensors} tensors) in {sum(report.seconds.values()):.1f} s "
           f"({steps})")
+    if report.evaluation is not None:
+        from .report import ppl_line
+
+        print(ppl_line(report.evaluation))
+    if report.report_path is not None:
+        print(f"report: {report.report_path}")
     if report.work_dir is not None:
         print(f"profile kept in {report.work_dir}")
     return 0
@@ -100,8 +139,10 @@ def cmd_profile(args) -> int:
     for p in corpus:
         if not Path(p).is_file():
             raise SparseInferError(f"corpus file not found: {p}")
+    _show_progress_logs()
     loaded = load(args.model)
-    prof = run_profile(loaded, corpus, args.output, options, Bars())
+    with _termination_interrupts():
+        prof = run_profile(loaded, corpus, args.output, options, Bars())
     print(format_summary(prof, placement_line=False))
     print(f"wrote profile {args.output} ({prof.n_tokens} tokens, {prof.seconds:.1f} s)")
     return 0
@@ -116,7 +157,9 @@ def cmd_train(args) -> int:
     options = _train_options(args)
     prof = load_profile(args.profile)
     _check_writable(args.output)
-    preds = run_train(prof, options, Bars())
+    _show_progress_logs()
+    with _termination_interrupts():
+        preds = run_train(prof, options, Bars())
     save_predictors(args.output, preds)
     print(format_summary(prof, preds, placement_line=False))
     print(f"wrote predictors {args.output}")
@@ -233,6 +276,11 @@ def add_offline_commands(sub, add_model_flags) -> None:
     c.add_argument("--work-dir", type=Path, default=None,
                    help="keep the profile here (default: a temporary directory)")
     c.add_argument("--keep-work", action="store_true", help="do not delete the profile")
+    c.add_argument("--eval-chunks", type=int, default=4, metavar="N",
+                   help="measure held-out perplexity dense vs sparse and the density computed, "
+                        "on N chunks of 512 tokens (default 4; 0 = skip)")
+    c.add_argument("--no-report", action="store_true",
+                   help="do not write the HTML report (OUT without .gguf + .report.html)")
     c.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("profile", help="record activation frequencies and predictor data")

@@ -2,8 +2,8 @@
 
 Each step is a function over explicit inputs and outputs (a profile directory, a predictors
 .npz, a placement .npz, the GGUF), so the CLI can run them one at a time or all together
-(``convert``). Progress bars (tqdm, on stderr, hidden when stderr is not a terminal) show each
-long step; ``summary_rows`` / ``format_summary`` give the per-layer table printed at the end.
+(``convert``). Progress bars (tqdm, on stderr) show each long step on a terminal, log lines
+otherwise (``Bars``); ``summary_rows`` / ``format_summary`` give the per-layer table printed at the end.
 """
 
 from __future__ import annotations
@@ -47,19 +47,28 @@ def parse_bytes(text: str) -> int:
 
 
 class Bars:
-    """A factory of tqdm bars, one per stage; a new stage closes the previous bar."""
+    """A factory of progress reporters, one per stage; a new stage closes the previous one.
 
-    def __init__(self, enabled: bool | None = None):
-        self.enabled = enabled
+    On a terminal (or ``enabled=True``) each stage is a tqdm bar on stderr. Otherwise (a log
+    file, CI, ``nohup``) each stage logs INFO lines on ``sparseinfer.offline.progress``: one when
+    it starts, one per tenth of the work (or at least every ``every`` seconds) with the elapsed
+    time and an estimate of the rest, and one when it ends. The CLI shows that logger."""
+
+    def __init__(self, enabled: bool | None = None, every: float = 30.0):
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.every = every
         self.bar = None
+        self.lines: _LogLines | None = None
 
     def __call__(self, stage: str, total: int, unit: str):
+        self.close()
+        if not self.enabled:
+            self.lines = _LogLines(stage, total, unit, self.every)
+            return self.lines.update
         from tqdm import tqdm
 
-        self.close()
         scale = unit == "B"
         self.bar = tqdm(total=total, desc=stage, unit=unit, unit_scale=scale, file=sys.stderr,
-                        disable=None if self.enabled is None else not self.enabled,
                         leave=True, dynamic_ncols=True)
         return self.bar.update
 
@@ -67,6 +76,53 @@ class Bars:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        if self.lines is not None:
+            self.lines.close()
+            self.lines = None
+
+
+progress_log = logging.getLogger("sparseinfer.offline.progress")
+
+
+def _amount(n: float, unit: str) -> str:
+    if unit == "B":
+        return f"{n / 2**20:.1f} MiB"
+    return f"{int(n)} {unit}{'s' if unit == 'layer' and n != 1 else ''}"
+
+
+def _of(done: float, total: float, unit: str) -> str:
+    """'8 of 30 layer' reads badly: '8/30 layer', '1.2/4.0 MiB'."""
+    if unit == "B":
+        return f"{done / 2**20:.1f}/{total / 2**20:.1f} MiB"
+    return f"{int(done)}/{int(total)} {unit}{'s' if unit == 'layer' and total != 1 else ''}"
+
+
+class _LogLines:
+    """Progress of one stage as log lines (see ``Bars``)."""
+
+    def __init__(self, stage: str, total: int, unit: str, every: float):
+        self.stage, self.total, self.unit, self.every = stage, max(int(total), 0), unit, every
+        self.done = 0
+        self.t0 = self.t_last = time.monotonic()
+        self.next_tenth = 1
+        progress_log.info("%s: started, %s to do", stage, _amount(self.total, unit))
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        tenth = 10 * self.done // self.total if self.total else 10
+        if (tenth >= self.next_tenth or now - self.t_last >= self.every) and self.done < self.total:
+            self.next_tenth = tenth + 1
+            self.t_last = now
+            spent = now - self.t0
+            eta = spent * (self.total - self.done) / self.done if self.done else float("nan")
+            progress_log.info("%s: %s (%d%%), %.0f s so far, about %.0f s to go",
+                              self.stage, _of(self.done, self.total, self.unit),
+                              100 * self.done // self.total, spent, eta)
+
+    def close(self) -> None:
+        progress_log.info("%s: done, %s in %.1f s", self.stage, _amount(self.done, self.unit),
+                          time.monotonic() - self.t0)
 
 
 # ---- steps -------------------------------------------------------------------------------------
@@ -165,6 +221,9 @@ class ConvertOptions:
     work_dir: Path | None = None  # where the profile goes (default: a temporary directory)
     keep_work: bool = False
     solve_time_limit: float = 30.0
+    report: bool = True  # write the HTML report beside the output (report.py)
+    eval_chunks: int = 4  # held-out perplexity chunks, dense vs sparse, for the report (0: none)
+    eval_ctx: int = 512
 
 
 @dataclass(frozen=True)
@@ -175,6 +234,8 @@ class ConvertReport:
     placement: object | None  # solve.PlacementSolution
     seconds: dict[str, float]
     work_dir: Path | None  # kept profile directory, if any
+    evaluation: object | None = None  # report.Evaluation, when eval_chunks > 0
+    report_path: Path | None = None
 
 
 def convert(model_path: str | Path | None, out: str | Path,
@@ -187,8 +248,11 @@ def convert(model_path: str | Path | None, out: str | Path,
         if not Path(p).is_file():
             raise SparseInferError(f"corpus file not found: {p}")
     t0 = time.perf_counter()
-    loaded = loaded or load(model_path)
+    if loaded is None:
+        progress_log.info("load: reading %s", model_path or "the default model")
+        loaded = load(model_path)
     seconds["load"] = time.perf_counter() - t0
+    progress_log.info("load: done in %.1f s", seconds["load"])
     check_budget_early(loaded, options.budget_bytes, options.ctx, options.export.outtype)
 
     made_tmp = options.work_dir is None
@@ -206,6 +270,7 @@ def convert(model_path: str | Path | None, out: str | Path,
         t0 = time.perf_counter()
         placement = None
         if options.budget_bytes is not None:
+            progress_log.info("solve: placing neurons within %d bytes", options.budget_bytes)
             placement = run_solve(loaded, profile, predictors, options.budget_bytes, options.ctx,
                                   options.export.outtype, options.solve_time_limit)
         seconds["solve"] = time.perf_counter() - t0
@@ -216,8 +281,26 @@ def convert(model_path: str | Path | None, out: str | Path,
     finally:
         if made_tmp and not options.keep_work:
             shutil.rmtree(work, ignore_errors=True)
+
+    evaluation = None
+    if options.eval_chunks > 0:
+        from .report import evaluate
+
+        progress_log.info("evaluate: held-out perplexity, dense and sparse, %d chunks",
+                          options.eval_chunks)
+        t0 = time.perf_counter()
+        evaluation = evaluate(loaded, out, options.eval_ctx, options.eval_chunks)
+        seconds["evaluate"] = time.perf_counter() - t0
+        progress_log.info("evaluate: done in %.1f s", seconds["evaluate"])
+    report_file = None
+    if options.report:
+        from .report import write_report
+
+        report_file = write_report(out, profile, predictors, placement, evaluation, seconds,
+                                   format_summary(profile, predictors, placement))
     return ConvertReport(result, profile, predictors, placement, seconds,
-                         work if (options.keep_work or not made_tmp) else None)
+                         work if (options.keep_work or not made_tmp) else None, evaluation,
+                         report_file)
 
 
 # ---- summary -----------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from ..config import FFN_KINDS
 from ..errors import SparseInferError
 from ..fileio import read_json
 from ..models.model import Transformer
+from .defaults import DEFAULT_CHUNK_LEN, DEFAULT_MAX_TOKENS  # noqa: F401 (re-exported)
 from .calibrate import (DEFAULT_SCORE, DEFAULT_TARGET_DENSITY, ScoreHistogram, check_density,
                         check_score, down_norms, hooked_ffns, neuron_scores)
 
@@ -47,8 +48,6 @@ log = logging.getLogger(__name__)
 
 PROFILE_FORMAT = "sparseinfer-profile"
 PROFILE_VERSION = 1
-DEFAULT_CHUNK_LEN = 512
-DEFAULT_MAX_TOKENS = 16384
 MIN_TOKENS = 256  # fewer leave too few held-out tokens to measure a 99% recall
 MASK_BLOCK = 4096  # rows per block when computing masks from the stored inputs
 FP16_MAX = 65504.0

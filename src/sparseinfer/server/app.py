@@ -41,7 +41,7 @@ from typing import Any
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -67,6 +67,7 @@ from .protocol import (
     validation_error,
 )
 from .queue import END, Job, JobFailed, QueueFullError, Scheduler
+from .webui import index_html
 
 logger = logging.getLogger(__name__)
 
@@ -589,6 +590,10 @@ def create_app(
             500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error"
         )
         return _error_response(err)
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page() -> HTMLResponse:  # the chat page (server/webui/index.html)
+        return HTMLResponse(index_html())
 
     @app.get("/health")
     async def health() -> Health:

@@ -1,0 +1,39 @@
+"""Thread pools that give way when the machine is busy.
+
+torch (GNU OpenMP, with MKL on top) and numba (its ``omp`` threading layer: a second OpenMP
+pool) each keep worker threads that, by default, spin on a barrier while they wait for work.
+When another process holds a core, a spinning waiter burns the time slice that the thread it
+waits for needs, and decode collapses (`benchmarks/threads_under_load.py`, RESULTS.md). A
+passive wait policy makes waiting threads sleep instead. OpenMP reads the policy once, when a
+pool starts, so ``passive_wait()`` must run before torch or numba is imported: the CLI calls it
+first thing; a library user sets ``OMP_WAIT_POLICY=PASSIVE`` in the environment instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+WAIT_POLICY_VARS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def passive_wait() -> None:
+    """Make OpenMP pools that start from now on sleep when idle (a setting already in the
+    environment wins)."""
+    for name, value in WAIT_POLICY_VARS.items():
+        os.environ.setdefault(name, value)
+    late = [m for m in ("torch", "numba") if m in sys.modules]
+    if late:
+        log.info("wait policy set after %s was imported: its pool may still spin",
+                 ", ".join(late))
+
+
+def default_threads() -> int:
+    """Threads by default: the cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
