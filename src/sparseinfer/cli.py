@@ -243,7 +243,9 @@ def cmd_serve(args) -> int:
     logging.getLogger("sparseinfer.server").setLevel(logging.INFO)  # the bound address, requests
     print(f"serving {engine.name} (Ctrl-C to stop)", file=sys.stderr)
     serve(engine, host=args.host, port=args.port, api_key=args.api_key,
-          max_queue=args.max_queue)
+          max_queue=args.max_queue, default_max_tokens=args.default_max_tokens or None,
+          max_tokens_limit=args.max_tokens_limit or None,
+          max_generation_seconds=args.max_generation_seconds or None)
     return 0
 
 
@@ -287,6 +289,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--api-key", default=None, help="require this bearer token")
     s.add_argument("--max-queue", type=int, default=16, help="requests waiting at most")
+    s.add_argument("--default-max-tokens", type=int, default=1024, metavar="N",
+                   help="tokens generated for a request that sets no max_tokens (0: until end "
+                        "of text or the context is full; default 1024)")
+    s.add_argument("--max-tokens-limit", type=int, default=0, metavar="N",
+                   help="a request asking for more tokens is refused with a 400 (0: no limit "
+                        "beyond the context)")
+    s.add_argument("--max-generation-seconds", type=float, default=300.0, metavar="S",
+                   help="a generation running longer ends with finish_reason 'length' "
+                        "(0: no limit; default 300)")
     s.set_defaults(func=cmd_serve)
 
     from .offline.cli import add_offline_commands

@@ -147,6 +147,18 @@ class Engine:
 
     # ---- text ----------------------------------------------------------------------------------
 
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self.tokenizer.eos_ids
+
+    def tokenizer_json(self) -> str:
+        """The tokenizer in the ``tokenizers`` JSON form (for grammar compilers)."""
+        return self.tokenizer.backend_json()
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_bos=None if add_bos else False)
 

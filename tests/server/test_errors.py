@@ -63,10 +63,27 @@ def test_unknown_model_with_client(client):
         (chat_body(stop=["a", 1]), "stop[1]"),
         (chat_body(stream="yes"), "stream"),
         (chat_body(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
-        (chat_body(n=2), "n"),
+        (chat_body(n=0), "n"),
+        (chat_body(n=17), "n"),
         (chat_body(n="1"), "n"),
         (chat_body(model=123), "model"),
-        (chat_body(logprobs=True), "logprobs"),
+        (chat_body(logprobs="yes"), "logprobs"),
+        (chat_body(top_logprobs=3), "top_logprobs"),  # without logprobs: true
+        (chat_body(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (chat_body(logit_bias={"x": 1}), "logit_bias"),
+        (chat_body(logit_bias={"5": 101}), "logit_bias"),
+        (chat_body(logit_bias={"999999": 1}), "logit_bias"),
+        (chat_body(tool_choice="required"), "tool_choice"),  # without tools
+        (chat_body(response_format={"type": "xml"}), "response_format"),
+        (chat_body(functions=[{"name": "f"}]), "functions"),  # unknown: a 400, not ignored
+        (chat_body(audio={"voice": "x"}), "audio"),
+        (
+            chat_body(
+                tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice={"type": "function", "function": {"name": "g"}},
+            ),
+            "tool_choice",
+        ),
     ],
 )
 def test_chat_bad_fields(http, body, param):
@@ -77,14 +94,18 @@ def test_chat_bad_fields(http, body, param):
     "body, param",
     [
         ({"model": "fake-model"}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a"] * 9, "n": 2}, "prompt"),  # 18 choices > 16
         ({"prompt": []}, "prompt"),
         ({"prompt": [1, 2, 10**6]}, "prompt"),
         ({"prompt": {"text": "x"}}, "prompt"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "echo": "yes"}, "echo"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
-        ({"prompt": "x", "logprobs": 2}, "logprobs"),
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs"),
+        ({"prompt": "x", "max_tokens": 0, "stream": True}, "max_tokens"),
         ({"prompt": "x", "max_tokens": None, "n": 0}, "n"),
+        ({"prompt": "x", "cache_prompt": True}, "cache_prompt"),
     ],
 )
 def test_completions_bad_fields(http, body, param):
@@ -93,7 +114,7 @@ def test_completions_bad_fields(http, body, param):
 
 def test_bad_values_with_client(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="fake-model", messages=MSGS, n=3)
+        client.chat.completions.create(model="fake-model", messages=MSGS, n=30)
     assert e.value.param == "n"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="fake-model", messages=[])

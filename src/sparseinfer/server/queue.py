@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,7 @@ class Job:
 
     def __init__(self, work: Callable[[Job], None], loop: asyncio.AbstractEventLoop) -> None:
         self.id = next(self._ids)
+        self.submitted = time.monotonic()  # for time-to-first-token
         self.work = work
         self.cancel = threading.Event()
         self._loop = loop
