@@ -5,7 +5,7 @@ per message and ends with ``<|assistant|>``. Generation yields whole words from 
 cycle, one word per token, unless the prompt contains ``[[say:...]]``: then it yields those words
 and stops (reason "stop", like an end-of-text token). ``[[fail]]`` raises after two tokens.
 
-With ``logprobs=k`` each token reports logprob ``-0.1 * n`` (n-th token) and ``k`` alternatives;
+With ``logprobs=k`` each token reports logprob ``-n / 10`` (n-th token) and ``k`` alternatives;
 ``score`` gives prompt token i the logprob ``-(i % 5) / 10 - 0.5``. ``processors`` are recorded,
 not applied (the words are scripted).
 
@@ -154,7 +154,7 @@ class FakeEngine:
     def _token(self, tok: int, text: str, n: int) -> TokenEvent:
         if self._logprobs is None:
             return TokenEvent(tok, text)
-        lp = -0.1 * n
+        lp = -n / 10
         return TokenEvent(tok, text, lp, self._top(tok, lp, self._logprobs))
 
 

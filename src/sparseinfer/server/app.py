@@ -933,6 +933,14 @@ def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
                 op.get("responses", {}).pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
+        for model in (ChatCompletionChunk, Completion, ErrorResponse):  # named by the SSE events
+            if model.__name__ not in components:
+                js = model.model_json_schema(
+                    ref_template="#/components/schemas/{model}", mode="serialization"
+                )
+                components.update({k: v for k, v in js.pop("$defs", {}).items()
+                                   if k not in components})
+                components[model.__name__] = js
         app.openapi_schema = schema
         return schema
 
@@ -1052,7 +1060,24 @@ def create_app(
         return server.model_card()
 
     def generation(answer: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, Any]:
-        stream = {"schema": {"type": "string", "description": f"SSE: data: {chunk.__name__}"}}
+        # each SSE event (OpenAPI < 3.2: ``schema`` describes one event): data is a chunk, an
+        # error object, or the final "[DONE]"
+        json_data = {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "contentSchema": {
+                "anyOf": [
+                    {"$ref": f"#/components/schemas/{chunk.__name__}"},
+                    {"$ref": "#/components/schemas/ErrorResponse"},
+                ]
+            },
+        }
+        event = {
+            "type": "object",
+            "required": ["data"],
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}},
+        }
+        stream = {"schema": event}
         return {
             200: {
                 "model": answer,
