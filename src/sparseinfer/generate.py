@@ -36,9 +36,10 @@ def apply_penalties(logits: Tensor, history: Sequence[int], p: SamplingParams) -
 
 
 def sample(logits: Tensor, p: SamplingParams, rng: torch.Generator | None) -> int:
-    """Pick the next token from 1-D float logits: greedy when temperature <= 0, else
-    top-k -> top-p -> min-p -> temperature -> draw (llama.cpp's order)."""
-    if p.temperature <= 0:
+    """Pick the next token from 1-D float logits: greedy when temperature <= 0 (or too small for
+    float32 to divide by), else top-k -> top-p -> min-p -> temperature -> draw (llama.cpp's
+    order)."""
+    if p.temperature < torch.finfo(torch.float32).tiny:
         return int(torch.argmax(logits))
     if 0 < p.top_k < logits.numel():
         vals, ids = torch.topk(logits, p.top_k)
