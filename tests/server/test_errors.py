@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -169,6 +170,24 @@ def test_huge_body(fake_server, http):
             yield b"x" * (64 << 10)
 
     assert_error(http.post(COMP, content=chunked()), 413, code="request_too_large")
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_huge_body_readable_413(fake_server, declared):
+    """Past the drain limit (64 MiB) the server stops reading and closes: the client still
+    reads the 413 and its message, with or without a Content-Length."""
+    size = 100 << 20
+
+    def chunked():
+        for _ in range(size >> 20):
+            yield b"x" * (1 << 20)
+
+    content = b"x" * size if declared else chunked()
+    with httpx.Client(base_url=fake_server[0].url, timeout=30.0) as c:
+        err = assert_error(c.post(COMP, content=content), 413, code="request_too_large")
+    assert "larger than the limit of 1048576 bytes" in err["message"]
+    assert ("104857600 bytes" if declared else "more than") in err["message"]
+    assert httpx.get(fake_server[0].url + "/health", timeout=5).json()["status"] == "ok"
 
 
 def test_body_just_under_limit_is_fine(http):

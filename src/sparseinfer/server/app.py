@@ -339,18 +339,19 @@ class OpenAIServer:
             if not too_big:
                 chunks.append(body)
                 too_big = total > limit
-            if total > _DRAIN_LIMIT:
-                raise self._too_large(total, close=True)
+            if total > _DRAIN_LIMIT:  # stop reading; the rest is never looked at
+                raise self._too_large(total, close=True, partial=True)
             if not message.get("more_body", False):
                 break
         if too_big:
             raise self._too_large(total)
         return b"".join(chunks)
 
-    def _too_large(self, size: int, close: bool = False) -> APIError:
+    def _too_large(self, size: int, close: bool = False, partial: bool = False) -> APIError:
+        found = f"more than {size} bytes" if partial else f"{size} bytes"
         return APIError(
             413,
-            f"request body: {size} bytes is larger than the limit of {self.max_body_bytes} bytes",
+            f"request body: {found} is larger than the limit of {self.max_body_bytes} bytes",
             code="request_too_large",
             headers={"Connection": "close"} if close else None,
         )
