@@ -14,14 +14,29 @@ How requests are served
   still gets a proper 400 instead of an error inside a 200 stream.
 
 Choices
-- ``max_tokens`` (``max_completion_tokens`` for chat) must be >= 1; a value larger than the room
-  the prompt leaves in the context window is clamped to that room (the answer then ends with
-  ``finish_reason="length"``); unset means "until end of text or the context is full".
+- ``max_tokens`` (``max_completion_tokens`` for chat): unset takes the server's
+  ``default_max_tokens`` (``serve --default-max-tokens``; None: until end of text or the context
+  is full); above ``max_tokens_limit`` is a 400; larger than the room the prompt leaves in the
+  context window is clamped to that room (``finish_reason="length"``). Completions accept 0
+  (with ``echo``: score the prompt only). ``max_generation_seconds`` ends a longer generation
+  with ``finish_reason="length"``.
 - A prompt that leaves no room for one generated token is a 400 ``context_length_exceeded``.
 - Unset sampling fields take ``SamplingParams`` defaults (llama.cpp's: temperature 0.8, top_k 40,
   top_p 0.95, min_p 0.05), not OpenAI's; ``top_k``, ``min_p`` and ``repeat_penalty`` are accepted
-  as extensions. ``n``, ``best_of`` must be 1; ``logprobs``, ``echo``, ``suffix`` are rejected.
-- Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
+  as extensions. A temperature too small for float32 is greedy.
+- ``seed``: the same request with the same seed gives the same text whatever ran before (a seeded
+  request never reuses another request's KV prefix). With ``n > 1`` choice i uses seed + i.
+- ``n`` (and completions' lists of prompts: choice index = prompt * n + k) run one after another
+  in the request's job; at most 16 choices per request.
+- ``logprobs``: log-softmax of the logits each token was drawn from, after penalties,
+  ``logit_bias`` and grammar masks, before temperature / top-k / top-p. Completions ``echo`` +
+  ``logprobs`` scores the prompt tokens too (the first has none), as lm-eval needs.
+- ``response_format`` (``json_object``, ``json_schema``) and ``tools`` (``tool_choice`` auto,
+  required, named) are enforced by constrained decoding (xgrammar, ``structured.py``); a tool
+  call is prompted as a system message and answered as ``tool_calls`` (one call).
+- Every other field a client sends that this server does not implement is a 400 naming it.
+- Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status;
+  ``/openapi.json`` declares the request bodies and these error shapes.
 """
 
 from __future__ import annotations
