@@ -240,6 +240,10 @@ def cmd_serve(args) -> int:
     from .server.app import serve
 
     engine = _engine(args)
+    if args.parallel > 1:
+        from .server.batching import BatchEngine
+
+        engine = BatchEngine(engine, args.parallel)
     logging.getLogger("sparseinfer.server").setLevel(logging.INFO)  # the bound address, requests
     print(f"serving {engine.name} (Ctrl-C to stop)", file=sys.stderr)
     serve(engine, host=args.host, port=args.port, api_key=args.api_key,
@@ -289,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--api-key", default=None, help="require this bearer token")
     s.add_argument("--max-queue", type=int, default=16, help="requests waiting at most")
+    s.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
+                   help="serve up to N requests at once by continuous batching (default 1: one "
+                        "at a time, on the fused single-token path)")
     s.add_argument("--default-max-tokens", type=int, default=1024, metavar="N",
                    help="tokens generated for a request that sets no max_tokens (0: until end "
                         "of text or the context is full; default 1024)")

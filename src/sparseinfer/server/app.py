@@ -313,7 +313,8 @@ class OpenAIServer:
         self.model_name = model_name or engine.name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
-        self.scheduler = Scheduler(max_queue)
+        # one worker per stream the engine can serve at once (BatchEngine.parallel)
+        self.scheduler = Scheduler(max_queue, workers=getattr(engine, "parallel", 1))
         self.created = int(time.time())
         self.limits = limits or _Limits()
         self.metrics = metrics or Metrics()
