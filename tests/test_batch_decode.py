@@ -40,3 +40,26 @@ def test_slot_cache_checks_the_slot(tiny_model_dir):
     cache = lm.model.new_cache(2, 8)
     with pytest.raises(ValueError, match="slot"):
         slot_cache(cache, 2)
+
+
+@pytest.mark.parametrize("slots", [[0, 1, 2], [3, 0, 2]])
+def test_fused_attend_rows_matches_reference(tiny_model_dir, slots):
+    from sparseinfer.fused.decode import attend_rows, supports
+    from sparseinfer.models.batch import attend
+
+    lm = load_model(tiny_model_dir("swiglu"))
+    assert supports(lm.model)
+    cfg = lm.config
+    gen = torch.Generator().manual_seed(7)
+    width = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+    caches = [lm.model.new_cache(4, 32) for _ in range(2)]
+    for c in caches[1:]:
+        c.k.copy_(caches[0].k.normal_(generator=gen))
+        c.v.copy_(caches[0].v.normal_(generator=gen))
+    qkv = torch.randn(len(slots), width, generator=gen)
+    positions = torch.tensor([4, 11, 0][: len(slots)])
+    want = attend(lm.model, 1, qkv.clone(), positions, caches[0], torch.tensor(slots))
+    got = attend_rows(lm.model, 1, qkv.clone(), positions, caches[1], torch.tensor(slots))
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(caches[1].k, caches[0].k, atol=1e-6)  # the same keys written
+    assert torch.allclose(caches[1].v, caches[0].v, atol=1e-6)

@@ -59,6 +59,11 @@ StreamEvent = TokenEvent | FinishEvent
 
 
 class EngineProtocol(Protocol):
+    """What the server needs. Optional capabilities, used when present: ``stream(...,
+    processors=, logprobs=)`` keywords (logit_bias, grammars, logprobs), ``score(ids, top)``
+    (prompt logprobs for ``echo``), ``vocab_size`` / ``eos_ids`` / ``tokenizer_json()``
+    (grammars), ``parallel`` (how many streams may run at once; default 1)."""
+
     name: str  # model id shown by /v1/models
     n_ctx: int  # context window in tokens
 

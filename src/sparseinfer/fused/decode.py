@@ -198,3 +198,24 @@ def use_fused_decode(model) -> int:
     for blk in model.layers:
         blk.fast_decode = FusedDecode(blk)
     return len(model.layers)
+
+
+def attend_rows(model, layer: int, qkv: Tensor, positions: Tensor, cache: KVCache,
+                slots: Tensor) -> Tensor:
+    """``models.batch.attend`` with the fused kernel: rope, cache write and attention of each
+    row in one numba call (no torch ops, so a row's numbers do not depend on the batch).
+    Needs ``supports(model)``; the cache is the batch's (slots in dimension 1)."""
+    cfg = model.cfg
+    nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    qkv = qkv.float().contiguous()
+    rows = qkv.numpy()
+    out = torch.empty(qkv.shape[0], nh * hd)
+    out_np = out.numpy()
+    cos, sin = model.rope[0].numpy(), model.rope[1].numpy()
+    kc, vc = cache.k[layer].numpy(), cache.v[layer].numpy()  # (slots, nkv, max_seq, hd)
+    scores = np.empty(cache.max_seq, dtype=np.float32)
+    scale = np.float32(1.0 / math.sqrt(hd))
+    for i, (pos, slot) in enumerate(zip(positions.tolist(), slots.tolist())):
+        _attend(rows[i], kc[slot], vc[slot], pos, cos[pos], sin[pos], nh, nkv, scale, scores,
+                out_np[i])
+    return out

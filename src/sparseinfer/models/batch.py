@@ -34,48 +34,56 @@ def slot_cache(cache: KVCache, slot: int) -> SlotCache:
     return SlotCache(cache, slot)
 
 
-def decode_step(model: Transformer, tokens: Tensor, positions: Tensor, cache: KVCache,
-                slots: Tensor) -> Tensor:
-    """Logits (B, V) in float32 for ``tokens`` (B,) at ``positions`` (B,) of cache ``slots`` (B,);
-    each row's key/value is written into its slot at its position."""
+def attend(model: Transformer, layer: int, qkv: Tensor, positions: Tensor, cache: KVCache,
+           slots: Tensor) -> Tensor:
+    """Rope, the cache write and attention for each row of ``qkv`` (B, (nh + 2 nkv) hd): row i
+    is slot ``slots[i]`` at ``positions[i]`` and attends to that slot's keys 0..positions[i].
+    Returns (B, nh hd). The torch reference (``decode_step``'s default ``attend``)."""
     cfg = model.cfg
-    B = tokens.shape[0]
-    first = int(slots[0])
-    run = slots.tolist() == list(range(first, first + B))  # consecutive slots: slice, no gather
+    B = qkv.shape[0]
     hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     group = nh // nkv
+    S = int(positions.max()) + 1  # keys to look at: the longest sequence's
+    first = int(slots[0])
+    run = slots.tolist() == list(range(first, first + B))  # consecutive slots: slice, no gather
+    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+    q, k, v = q.reshape(B, nh, hd), k.reshape(B, nkv, hd), v.reshape(B, nkv, hd)
+    if model.rope is not None:
+        cos, sin = model.rope[0][positions].unsqueeze(1), model.rope[1][positions].unsqueeze(1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    cache.k[layer, slots, :, positions] = k.to(cache.k.dtype)  # (B, nkv, hd) into the slots
+    cache.v[layer, slots, :, positions] = v.to(cache.v.dtype)
+    if run:
+        keys = cache.k[layer, first : first + B, :, :S]  # (B, nkv, S, hd), a view
+        values = cache.v[layer, first : first + B, :, :S]
+    else:  # gather only the first S positions of each slot
+        keys = cache.k[layer, :, :, :S].index_select(0, slots)
+        values = cache.v[layer, :, :, :S].index_select(0, slots)
+    hidden = (torch.arange(S).view(1, S) > positions.view(B, 1)).view(B, 1, 1, S)
+    qg = q.view(B, nkv, group, hd)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * model.layers[layer].attn.scale
+    scores = scores.masked_fill(hidden, float("-inf"))  # (B, nkv, group, S)
+    probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).reshape(B, nh * hd)
+
+
+def decode_step(model: Transformer, tokens: Tensor, positions: Tensor, cache: KVCache,
+                slots: Tensor, attend_rows=attend) -> Tensor:
+    """Logits (B, V) in float32 for ``tokens`` (B,) at ``positions`` (B,) of cache ``slots`` (B,);
+    each row's key/value is written into its slot at its position. ``attend_rows`` has
+    ``attend``'s signature (``fused.decode.attend_rows`` runs the fused kernel per row)."""
+    cfg = model.cfg
+    B = tokens.shape[0]
     if int(positions.max()) >= cache.max_seq:
         raise ValueError(f"positions up to {int(positions.max())} exceed the cache size "
                          f"{cache.max_seq}")
-    S = int(positions.max()) + 1  # keys to look at: the longest sequence's
     x = model.tok_emb(tokens.to(model.device))  # (B, D)
     if model.pos_emb is not None:
         x = x + model.pos_emb.weight[cfg.pos_offset + positions]
-    if model.rope is not None:
-        cos, sin = model.rope[0][positions].unsqueeze(1), model.rope[1][positions].unsqueeze(1)
-    # row i sees keys 0..positions[i]: (B, 1, 1, S)
-    hidden = (torch.arange(S).view(1, S) > positions.view(B, 1)).view(B, 1, 1, S)
     for layer, block in enumerate(model.layers):
-        attn = block.attn
         h = block.attn_norm(x.view(B, 1, -1))  # (B, 1, D)
-        q, k, v = attn.wqkv(h).view(B, -1).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q, k, v = q.view(B, nh, hd), k.view(B, nkv, hd), v.view(B, nkv, hd)
-        if model.rope is not None:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.k[layer, slots, :, positions] = k.to(cache.k.dtype)  # (B, nkv, hd) into the slots
-        cache.v[layer, slots, :, positions] = v.to(cache.v.dtype)
-        if run:
-            keys = cache.k[layer, first : first + B, :, :S]  # (B, nkv, S, hd), a view
-            values = cache.v[layer, first : first + B, :, :S]
-        else:  # gather only the first S positions of each slot
-            keys = cache.k[layer, :, :, :S].index_select(0, slots)
-            values = cache.v[layer, :, :, :S].index_select(0, slots)
-        qg = q.view(B, nkv, group, hd)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * attn.scale  # (B, nkv, group, S)
-        scores = scores.masked_fill(hidden, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values).reshape(B, 1, nh * hd)  # (B, 1, nh*hd)
-        x = x + attn.wo(out).view(B, -1)
+        out = attend_rows(model, layer, block.attn.wqkv(h).view(B, -1), positions, cache, slots)
+        x = x + block.attn.wo(out.view(B, 1, -1)).view(B, -1)
         x = x + block.ffn(block.ffn_norm(x.view(B, 1, -1))).view(B, -1)
     h = model.norm(x)
     if B == 1:  # a module may take another kernel for a lone row (Int8Linear's fp32 GEMV):

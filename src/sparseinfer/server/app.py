@@ -901,6 +901,39 @@ class OpenAIServer:
         )
 
 
+class _CountRequests:
+    """ASGI middleware counting answered requests by route and status for /metrics (plain ASGI:
+    streamed bodies and disconnects pass through untouched)."""
+
+    _ROUTES = frozenset(
+        {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
+    )
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 499  # no response started: the client went away
+
+        async def send_status(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope["path"]
+            route = path if path in self._ROUTES else (
+                "/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+            self.metrics.request(route, status)
+
+
 def _error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body().model_dump(), status_code=exc.status, headers=exc.headers)
 
@@ -1002,16 +1035,7 @@ def create_app(
     app = FastAPI(title="sparseinfer", lifespan=lifespan)
     app.state.server = server
     app.openapi = _openapi(app)  # type: ignore[method-assign]
-    routes = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
-
-    @app.middleware("http")
-    async def _count(request: Request, call_next: Callable[[Request], Any]) -> Response:
-        response = await call_next(request)
-        path = request.url.path
-        route = path if path in routes else ("/v1/models/{id}" if path.startswith("/v1/models/")
-                                             else "other")
-        server.metrics.request(route, response.status_code)
-        return response
+    app.add_middleware(_CountRequests, metrics=server.metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
