@@ -246,10 +246,15 @@ def cmd_serve(args) -> int:
         engine = BatchEngine(engine, args.parallel)
     logging.getLogger("sparseinfer.server").setLevel(logging.INFO)  # the bound address, requests
     print(f"serving {engine.name} (Ctrl-C to stop)", file=sys.stderr)
-    serve(engine, host=args.host, port=args.port, api_key=args.api_key,
-          max_queue=args.max_queue, default_max_tokens=args.default_max_tokens or None,
-          max_tokens_limit=args.max_tokens_limit or None,
-          max_generation_seconds=args.max_generation_seconds or None)
+    try:
+        serve(engine, host=args.host, port=args.port, api_key=args.api_key,
+              max_queue=args.max_queue, default_max_tokens=args.default_max_tokens or None,
+              max_tokens_limit=args.max_tokens_limit or None,
+              max_generation_seconds=args.max_generation_seconds or None)
+    finally:
+        close = getattr(engine, "close", None)  # the batch loop of --parallel
+        if close is not None:
+            close()
     return 0
 
 

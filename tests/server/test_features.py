@@ -211,3 +211,16 @@ def test_openapi_declares_bodies_and_real_errors(http):
 
 def test_validation_errors_are_400_not_422(http):
     assert_error(http.post("/v1/completions", json={"prompt": "x", "n": "two"}), 400, param="n")
+
+
+def test_serve_flags_parse():
+    from sparseinfer.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "-np", "4", "--default-max-tokens", "8", "--max-tokens-limit", "16",
+         "--max-generation-seconds", "2.5"])
+    assert (args.parallel, args.default_max_tokens, args.max_tokens_limit,
+            args.max_generation_seconds) == (4, 8, 16, 2.5)
+    args = build_parser().parse_args(["serve"])
+    assert (args.parallel, args.default_max_tokens, args.max_tokens_limit,
+            args.max_generation_seconds) == (1, 1024, 0, 300.0)
