@@ -86,7 +86,7 @@ class SyntheticEngine:
 
 
 def _server_process(conn, engine_kind: str, n_ctx: int, threads: int, max_queue: int,
-                    parallel: int) -> None:
+                    parallel: int, prefill_chunk: int) -> None:
     from sparseinfer.server.app import ServerThread, create_app
 
     if engine_kind == "real":
@@ -96,7 +96,7 @@ def _server_process(conn, engine_kind: str, n_ctx: int, threads: int, max_queue:
         if parallel > 1:
             from sparseinfer.server.batching import BatchEngine
 
-            engine = BatchEngine(engine, parallel)
+            engine = BatchEngine(engine, parallel, prefill_chunk=prefill_chunk)
     else:
         engine = SyntheticEngine(n_ctx=n_ctx)
     with ServerThread(create_app(engine, max_queue=max_queue)) as srv:
@@ -236,7 +236,8 @@ def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list
     proc = ctx.Process(
         target=_server_process,
         daemon=True,
-        args=(child, kind, args.ctx_size, args.threads, args.max_queue, parallel),
+        args=(child, kind, args.ctx_size, args.threads, args.max_queue, parallel,
+              args.prefill_chunk),
     )
     proc.start()
     if not parent.poll(600):
@@ -247,7 +248,8 @@ def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list
     print(
         f"\nparallel={parallel} engine={kind} model={model} server={base_url} "
         f"(ready in {ready:.1f} s) max_tokens={args.max_tokens} max_queue={args.max_queue} "
-        f"requests/level={args.requests_per_client} x clients"
+        f"requests/level={args.requests_per_client} x clients threads={args.threads}"
+        + (f" prefill_chunk={args.prefill_chunk}" if parallel > 1 else "")
     )
     results: list[Level] = []
     try:
@@ -299,6 +301,8 @@ def main() -> int:
     p.add_argument("--parallel", default="1,8",
                    help="comma-separated --parallel values, each its own server")
     p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--prefill-chunk", type=int, default=64,
+                   help="--parallel N > 1: prompt tokens prefilled between two decode steps")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-queue", type=int, default=16)
     p.add_argument("--ctx-size", type=int, default=512)

@@ -243,7 +243,7 @@ def cmd_serve(args) -> int:
     if args.parallel > 1:
         from .server.batching import BatchEngine
 
-        engine = BatchEngine(engine, args.parallel)
+        engine = BatchEngine(engine, args.parallel, prefill_chunk=args.batch_prefill_chunk)
     logging.getLogger("sparseinfer.server").setLevel(logging.INFO)  # the bound address, requests
     print(f"serving {engine.name} (Ctrl-C to stop)", file=sys.stderr)
     try:
@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
                    help="serve up to N requests at once by continuous batching (default 1: one "
                         "at a time, on the fused single-token path)")
+    s.add_argument("--batch-prefill-chunk", type=int, default=64, metavar="N",
+                   help="with --parallel: prompt tokens prefilled between two decode steps "
+                        "(smaller: steadier inter-token latency, slower first tokens)")
     s.add_argument("--default-max-tokens", type=int, default=1024, metavar="N",
                    help="tokens generated for a request that sets no max_tokens (0: until end "
                         "of text or the context is full; default 1024)")
