@@ -86,6 +86,9 @@ def decode_step(model: Transformer, tokens: Tensor, positions: Tensor, cache: KV
         x = x + block.attn.wo(out.view(B, 1, -1)).view(B, -1)
         x = x + block.ffn(block.ffn_norm(x.view(B, 1, -1))).view(B, -1)
     h = model.norm(x)
+    rows = getattr(model.lm_head, "forward_rows", None)  # a kernel made for a few rows
+    if rows is not None:
+        return rows(h).float()  # (B, V)
     if B == 1:  # a module may take another kernel for a lone row (Int8Linear's fp32 GEMV):
         h = h.expand(2, -1)  # two rows keep a sequence's numbers independent of the batch
     return model.lm_head(h).float()[:B]  # (B, V)
