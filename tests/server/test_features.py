@@ -224,3 +224,12 @@ def test_serve_flags_parse():
     args = build_parser().parse_args(["serve"])
     assert (args.parallel, args.default_max_tokens, args.max_tokens_limit,
             args.max_generation_seconds) == (1, 1024, 0, 300.0)
+
+
+def test_stream_options_obfuscation(http):
+    body = {"prompt": "x", "max_tokens": 1, "stream": True,
+            "stream_options": {"include_usage": True, "include_obfuscation": False}}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    body["stream_options"]["include_obfuscation"] = True
+    assert_error(http.post("/v1/completions", json=body), 400,
+                 param="stream_options.include_obfuscation")

@@ -111,6 +111,9 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # OpenAI pads chunks against length side channels by default; this server adds no padding
+    # and accepts only the setting that says so
+    include_obfuscation: Literal[False] | None = None
 
 
 class _SamplingRequest(_Request):
