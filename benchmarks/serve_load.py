@@ -1,15 +1,20 @@
 """Load benchmark of the OpenAI-compatible server: concurrent streaming clients over loopback.
 
-    python benchmarks/serve_load.py [--engine real|synthetic] [--clients 1,4,16] [--requests 16]
-                                    [--max-tokens 16] [--max-queue 16] [--budget 120]
+    python benchmarks/serve_load.py [--engine real|synthetic] [--clients 1,4,8,16]
+                                    [--parallel 1,8] [--requests-per-client 2]
+                                    [--max-tokens 32] [--max-queue 16] [--budget 120]
 
 The server runs in a child process (its own GIL) on 127.0.0.1, port 0, over the real Engine on
 the embedded default model (SmolLM2-135M) unless ``--engine synthetic`` (a fixed-rate fake that
 measures the server alone). For each concurrency level C, C clients (official ``openai`` async
-client, streaming chat) share at most ``--requests`` requests; no new request starts after
+client, streaming chat) share ``--requests-per-client`` x C requests; no new request starts after
 ``--budget`` seconds, and every started one is awaited. Reported per level: completed / failed /
 rejected (429) / lost (must be 0: every request ends in a full answer or an explicit error),
-p50 / p99 time to first token (includes queueing), and aggregate completion tokens/s.
+truncated (a stream that ended without finish_reason and usage; must be 0), p50 / p95 time to
+first token (includes queueing), p50 / p95 inter-token latency (gaps between content chunks of
+one answer), and aggregate completion tokens/s. Every ``--parallel`` value gets its own server
+process (1: the one-at-a-time worker on the fused single-token path; N > 1: continuous batching,
+``serve --parallel N``), measured in the same run.
 """
 
 from __future__ import annotations
@@ -80,13 +85,18 @@ class SyntheticEngine:
         yield FinishEvent("length", len(prompt_ids), n)
 
 
-def _server_process(conn, engine_kind: str, n_ctx: int, threads: int, max_queue: int) -> None:
+def _server_process(conn, engine_kind: str, n_ctx: int, threads: int, max_queue: int,
+                    parallel: int, prefill_chunk: int) -> None:
     from sparseinfer.server.app import ServerThread, create_app
 
     if engine_kind == "real":
         from sparseinfer.engine import Engine
 
         engine = Engine.load(n_ctx=n_ctx, threads=threads)
+        if parallel > 1:
+            from sparseinfer.server.batching import BatchEngine
+
+            engine = BatchEngine(engine, parallel, prefill_chunk=prefill_chunk)
     else:
         engine = SyntheticEngine(n_ctx=n_ctx)
     with ServerThread(create_app(engine, max_queue=max_queue)) as srv:
@@ -115,14 +125,16 @@ class Level:
     completed: int = 0
     failed: int = 0
     rejected: int = 0
+    truncated: int = 0
     tokens: int = 0
     ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     wall: float = 0.0
 
     @property
     def lost(self) -> int:
-        return self.issued - self.completed - self.failed - self.rejected
+        return self.issued - self.completed - self.failed - self.rejected - self.truncated
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -139,6 +151,8 @@ async def one_request(client, model: str, i: int, max_tokens: int, level: Level)
     first = None
     usage = None
     finish = None
+    last = None
+    gaps: list[float] = []
     try:
         stream = await client.chat.completions.create(
             model=model,
@@ -148,21 +162,28 @@ async def one_request(client, model: str, i: int, max_tokens: int, level: Level)
             stream=True,
             stream_options={"include_usage": True},
             messages=[
-                {"role": "user", "content": f"Write one sentence about {TOPICS[i % len(TOPICS)]}."}
+                {"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}
             ],
         )
         async for chunk in stream:
             if chunk.choices:
-                if first is None and chunk.choices[0].delta.content:
-                    first = time.perf_counter() - t0
+                if chunk.choices[0].delta.content:
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now - t0
+                    else:
+                        gaps.append(now - last)
+                    last = now
                 finish = chunk.choices[0].finish_reason or finish
             if chunk.usage is not None:
                 usage = chunk.usage
         if usage is None or finish is None:
-            raise RuntimeError("stream ended without finish_reason and usage")
+            level.truncated += 1
+            return
         level.completed += 1
         level.tokens += usage.completion_tokens
         level.ttft.append(first if first is not None else time.perf_counter() - t0)
+        level.itl.extend(gaps)
     except openai.RateLimitError:
         level.rejected += 1
     except Exception as exc:  # noqa: BLE001 - every failure is counted, by kind
@@ -208,12 +229,81 @@ async def run_level(
     return level
 
 
+def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list[Level]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    t_load = time.perf_counter()
+    proc = ctx.Process(
+        target=_server_process,
+        daemon=True,
+        args=(child, kind, args.ctx_size, args.threads, args.max_queue, parallel,
+              args.prefill_chunk),
+    )
+    proc.start()
+    if not parent.poll(600):
+        proc.kill()
+        raise SystemExit("server did not start within 600 s")
+    base_url, model = parent.recv()
+    ready = time.perf_counter() - t_load
+    print(
+        f"\nparallel={parallel} engine={kind} model={model} server={base_url} "
+        f"(ready in {ready:.1f} s) max_tokens={args.max_tokens} max_queue={args.max_queue} "
+        f"requests/level={args.requests_per_client} x clients threads={args.threads}"
+        + (f" prefill_chunk={args.prefill_chunk}" if parallel > 1 else "")
+    )
+    results: list[Level] = []
+    try:
+        # warm-up requests (first-call compilation and allocation) outside the measurements
+        asyncio.run(run_level(base_url, model, min(2, parallel) if parallel > 1 else 1,
+                              2, 4, args.budget, args.timeout))
+        print(
+            f"{'clients':>7} {'issued':>6} {'done':>5} {'failed':>6} {'429':>4} {'lost':>4} "
+            f"{'trunc':>5} {'ttft p50':>9} {'ttft p95':>9} {'itl p50':>8} {'itl p95':>8} "
+            f"{'tok/s':>7} {'wall s':>7}"
+        )
+        for c in levels:
+            lv = asyncio.run(
+                run_level(base_url, model, c, c * args.requests_per_client, args.max_tokens,
+                          args.budget, args.timeout)
+            )
+            results.append(lv)
+            print(
+                f"{c:>7} {lv.issued:>6} {lv.completed:>5} {lv.failed:>6} {lv.rejected:>4} "
+                f"{lv.lost:>4} {lv.truncated:>5} {pct(lv.ttft, 0.5):>8.3f}s "
+                f"{pct(lv.ttft, 0.95):>8.3f}s {pct(lv.itl, 0.5) * 1e3:>6.1f}ms "
+                f"{pct(lv.itl, 0.95) * 1e3:>6.1f}ms "
+                f"{lv.tokens / lv.wall if lv.wall else 0:>7.1f} {lv.wall:>7.1f}"
+            )
+            for err, n in lv.errors.items():
+                print(f"        {n} x {err}")
+            if args.json:
+                print(json.dumps({
+                    "engine": kind, "parallel": parallel, "clients": c, "issued": lv.issued,
+                    "completed": lv.completed, "failed": lv.failed, "rejected": lv.rejected,
+                    "lost": lv.lost, "truncated": lv.truncated,
+                    "ttft_p50": pct(lv.ttft, 0.5), "ttft_p95": pct(lv.ttft, 0.95),
+                    "itl_p50": pct(lv.itl, 0.5), "itl_p95": pct(lv.itl, 0.95),
+                    "ttft_mean": statistics.fmean(lv.ttft) if lv.ttft else None,
+                    "tokens": lv.tokens, "wall": lv.wall,
+                }))
+    finally:
+        parent.send("stop")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return results
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=["auto", "real", "synthetic"], default="auto")
-    p.add_argument("--clients", default="1,4,16", help="comma-separated concurrency levels")
-    p.add_argument("--requests", type=int, default=16, help="requests per level (upper bound)")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--clients", default="1,4,8,16", help="comma-separated concurrency levels")
+    p.add_argument("--parallel", default="1,8",
+                   help="comma-separated --parallel values, each its own server")
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--prefill-chunk", type=int, default=64,
+                   help="--parallel N > 1: prompt tokens prefilled between two decode steps")
+    p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-queue", type=int, default=16)
     p.add_argument("--ctx-size", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
@@ -231,72 +321,30 @@ def main() -> int:
     if kind == "auto":
         kind = "real" if real_engine_available() else "synthetic"
     levels = [int(c) for c in args.clients.split(",")]
-
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    t_load = time.perf_counter()
-    proc = ctx.Process(
-        target=_server_process,
-        daemon=True,
-        args=(child, kind, args.ctx_size, args.threads, args.max_queue),
-    )
-    proc.start()
-    if not parent.poll(600):
-        proc.kill()
-        raise SystemExit("server did not start within 600 s")
-    base_url, model = parent.recv()
-    ready = time.perf_counter() - t_load
-    print(
-        f"engine={kind} model={model} server={base_url} (ready in {ready:.1f} s)"
-        f" max_tokens={args.max_tokens} max_queue={args.max_queue} requests/level<={args.requests}"
-    )
-    results: list[Level] = []
-    try:
-        # one warm-up request (first-call compilation and allocation) outside the measurements
-        asyncio.run(run_level(base_url, model, 1, 1, args.max_tokens, args.budget, args.timeout))
-        print(
-            f"{'clients':>7} {'issued':>6} {'done':>5} {'failed':>6} {'429':>4} {'lost':>4} "
-            f"{'ttft p50':>9} {'ttft p99':>9} {'tok/s':>7} {'wall s':>7}"
-        )
-        for c in levels:
-            lv = asyncio.run(
-                run_level(
-                    base_url, model, c, args.requests, args.max_tokens, args.budget, args.timeout
-                )
-            )
-            results.append(lv)
-            print(
-                f"{c:>7} {lv.issued:>6} {lv.completed:>5} {lv.failed:>6} {lv.rejected:>4} "
-                f"{lv.lost:>4} {pct(lv.ttft, 0.5):>8.3f}s {pct(lv.ttft, 0.99):>8.3f}s "
-                f"{lv.tokens / lv.wall if lv.wall else 0:>7.1f} {lv.wall:>7.1f}"
-            )
-            for err, n in lv.errors.items():
-                print(f"        {n} x {err}")
-            if args.json:
-                print(
-                    json.dumps(
-                        {
-                            "engine": kind,
-                            "clients": c,
-                            "issued": lv.issued,
-                            "completed": lv.completed,
-                            "failed": lv.failed,
-                            "rejected": lv.rejected,
-                            "lost": lv.lost,
-                            "ttft_p50": pct(lv.ttft, 0.5),
-                            "ttft_p99": pct(lv.ttft, 0.99),
-                            "ttft_mean": statistics.fmean(lv.ttft) if lv.ttft else None,
-                            "tokens": lv.tokens,
-                            "wall": lv.wall,
-                        }
-                    )
-                )
-    finally:
-        parent.send("stop")
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-    return 1 if any(lv.lost for lv in results) else 0
+    bad = False
+    summary = {}
+    for parallel in (int(x) for x in args.parallel.split(",")):
+        results = serve_and_measure(args, kind, parallel, levels)
+        bad |= any(lv.lost or lv.truncated for lv in results)
+        summary[parallel] = {lv.clients: lv for lv in results}
+    print("\nratios (same run); 'one stream' = 1 client on the same server / on --parallel 1:")
+    serial = summary.get(1, {}).get(1)
+    for parallel, by_c in summary.items():
+        one = by_c.get(1)
+        if one is None or not one.wall or not one.tokens:
+            continue
+        for c, lv in by_c.items():
+            if c == 1 or not lv.wall:
+                continue
+            line = (f"  parallel={parallel} clients={c}: aggregate tok/s "
+                    f"{lv.tokens / lv.wall / (one.tokens / one.wall):.2f}x")
+            if serial is not None and serial.tokens:
+                line += f" / {lv.tokens / lv.wall / (serial.tokens / serial.wall):.2f}x"
+            line += f"; p95 inter-token {pct(lv.itl, 0.95) / pct(one.itl, 0.95):.2f}x"
+            if serial is not None and serial.itl:
+                line += f" / {pct(lv.itl, 0.95) / pct(serial.itl, 0.95):.2f}x"
+            print(line)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

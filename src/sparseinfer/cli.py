@@ -303,10 +303,21 @@ def cmd_serve(args) -> int:
     from .server.app import serve
 
     engine = _engine(args)
+    if args.parallel > 1:
+        from .server.batching import BatchEngine
+
+        engine = BatchEngine(engine, args.parallel, prefill_chunk=args.batch_prefill_chunk)
     logging.getLogger("sparseinfer.server").setLevel(logging.INFO)  # the bound address, requests
     print(f"serving {engine.name} (Ctrl-C to stop)", file=sys.stderr)
-    serve(engine, host=args.host, port=args.port, api_key=args.api_key,
-          max_queue=args.max_queue)
+    try:
+        serve(engine, host=args.host, port=args.port, api_key=args.api_key,
+              max_queue=args.max_queue, default_max_tokens=args.default_max_tokens or None,
+              max_tokens_limit=args.max_tokens_limit or None,
+              max_generation_seconds=args.max_generation_seconds or None)
+    finally:
+        close = getattr(engine, "close", None)  # the batch loop of --parallel
+        if close is not None:
+            close()
     return 0
 
 
@@ -370,6 +381,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--api-key", default=None, help="require this bearer token")
     s.add_argument("--max-queue", type=int, default=16, help="requests waiting at most")
+    s.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
+                   help="serve up to N requests at once by continuous batching (default 1: one "
+                        "at a time, on the fused single-token path)")
+    s.add_argument("--batch-prefill-chunk", type=int, default=64, metavar="N",
+                   help="with --parallel: prompt tokens prefilled between two decode steps "
+                        "(smaller: steadier inter-token latency, slower first tokens)")
+    s.add_argument("--default-max-tokens", type=int, default=1024, metavar="N",
+                   help="tokens generated for a request that sets no max_tokens (0: until end "
+                        "of text or the context is full; default 1024)")
+    s.add_argument("--max-tokens-limit", type=int, default=0, metavar="N",
+                   help="a request asking for more tokens is refused with a 400 (0: no limit "
+                        "beyond the context)")
+    s.add_argument("--max-generation-seconds", type=float, default=300.0, metavar="S",
+                   help="a generation running longer ends with finish_reason 'length' "
+                        "(0: no limit; default 300)")
     s.set_defaults(func=cmd_serve)
 
     from .offline.cli import add_offline_commands

@@ -21,10 +21,27 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One generated token. ``text`` is the text that became final with it (may be "")."""
+    """One generated token. ``text`` is the text that became final with it (may be "").
+
+    With ``stream(..., logprobs=k)``: ``logprob`` of the token and its ``k`` best alternatives
+    ``top`` as (id, logprob), from the logits it was sampled from (after penalties and logits
+    processors, before temperature / top-k / top-p). ``token_id`` -1 carries held-back text only.
+    """
 
     token_id: int
     text: str
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenScore:
+    """One prompt token scored by ``Engine.score``: its logprob given the tokens before it
+    (None for the first token) and the best ``top`` alternatives at its position."""
+
+    token_id: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -42,6 +59,11 @@ StreamEvent = TokenEvent | FinishEvent
 
 
 class EngineProtocol(Protocol):
+    """What the server needs. Optional capabilities, used when present: ``stream(...,
+    processors=, logprobs=)`` keywords (logit_bias, grammars, logprobs), ``score(ids, top)``
+    (prompt logprobs for ``echo``), ``vocab_size`` / ``eos_ids`` / ``tokenizer_json()``
+    (grammars), ``parallel`` (how many streams may run at once; default 1)."""
+
     name: str  # model id shown by /v1/models
     n_ctx: int  # context window in tokens
 
@@ -116,6 +138,18 @@ class Engine:
 
     # ---- text ----------------------------------------------------------------------------------
 
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self.tokenizer.eos_ids
+
+    def tokenizer_json(self) -> str:
+        """The tokenizer in the ``tokenizers`` JSON form (for grammar compilers)."""
+        return self.tokenizer.backend_json()
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_bos=None if add_bos else False)
 
@@ -138,10 +172,31 @@ class Engine:
                 f"shorten the prompt or raise the context size (-c)"
             )
 
-    def stream(self, prompt_ids, params: SamplingParams, cancel=None) -> Iterator[StreamEvent]:
+    def score(self, ids, top: int = 0) -> list[TokenScore]:
+        """Teacher-forced logprobs of every token of ``ids`` given the ones before it (the first
+        has none), with ``top`` alternatives per position; runs from position 0 (no reuse)."""
+        from .generate import score
+
+        ids = list(ids)
+        self.check_fits(len(ids))
+        self._cached_ids = []  # the cache is overwritten from position 0
+        with self._torch.inference_mode():
+            lp, top_lp, top_ids = score(self.model, ids, self._cache, top)
+        out = [TokenScore(ids[0], None, ())]
+        for i, tok in enumerate(ids[1:]):
+            alts = () if top_ids is None else tuple(
+                zip(top_ids[i].tolist(), top_lp[i].tolist()))
+            out.append(TokenScore(tok, float(lp[i]), alts))
+        return out
+
+    def stream(self, prompt_ids, params: SamplingParams, cancel=None, *,
+               processors=(), logprobs: int | None = None) -> Iterator[StreamEvent]:
+        """See ``EngineProtocol.stream``. ``processors``: logits processors (generate.py) applied
+        after the penalties; ``logprobs``: attach each token's logprob and that many
+        alternatives to its TokenEvent."""
         import time
 
-        from .generate import generate
+        from .generate import generate, token_logprobs
 
         prompt_ids = list(prompt_ids)
         self.check_fits(len(prompt_ids))
@@ -149,9 +204,11 @@ class Engine:
         rng = torch.Generator()
         rng.manual_seed(params.seed if params.seed is not None
                         else int.from_bytes(os.urandom(6), "little"))
-        # reuse the keys/values of the longest common prefix with the previous call
+        # reuse the keys/values of the longest common prefix with the previous call, unless the
+        # caller asked for a seed: prefilling a shorter suffix changes the logits in the last
+        # bits, and the same request + seed must give the same text whatever ran before
         cached = 0
-        for a, b in zip(self._cached_ids, prompt_ids[:-1]):
+        for a, b in zip(self._cached_ids if params.seed is None else (), prompt_ids[:-1]):
             if a != b:
                 break
             cached += 1
@@ -165,7 +222,16 @@ class Engine:
         n_out, reason = 0, "length"
         t0 = time.perf_counter()
         t_first = None
-        gen = generate(self.model, prompt_ids, params, self._cache, rng, cached, stop_ids)
+        seen: list[tuple[float, tuple[tuple[int, float], ...]]] = []
+
+        def observe(logits, tok: int) -> None:
+            lp, top_lp, top_ids = token_logprobs(
+                logits.view(1, -1), torch.tensor([tok]), logprobs or 0)
+            alts = () if top_ids is None else tuple(zip(top_ids[0].tolist(), top_lp[0].tolist()))
+            seen.append((float(lp[0]), alts))
+
+        gen = generate(self.model, prompt_ids, params, self._cache, rng, cached, stop_ids,
+                       processors, observe if logprobs is not None else None)
         try:
             with torch.inference_mode():
                 while n_out < limit:
@@ -182,7 +248,11 @@ class Engine:
                         break
                     self._cached_ids.append(tok)
                     text, hit = stopper.push(decoder.push(tok))
-                    yield TokenEvent(tok, text)
+                    if seen:
+                        lp, alts = seen.pop()
+                        yield TokenEvent(tok, text, lp, alts)
+                    else:
+                        yield TokenEvent(tok, text)
                     if hit:
                         reason = "stop_string"
                         break

@@ -362,6 +362,10 @@ class Tokenizer:
         """A decoder for a stream of generated ids (text is released only once it is complete)."""
         return IncrementalDecoder(self, skip_special=skip_special)
 
+    def backend_json(self) -> str:
+        """This tokenizer as ``tokenizers`` JSON (what grammar libraries build their vocab from)."""
+        return self._backend.to_str()
+
     def token_text(self, token_id: int) -> str | None:
         """The vocabulary spelling of one id (``Ġthe``, ``▁the``, ``<0x0A>``), for debugging."""
         return self._backend.id_to_token(int(token_id))

@@ -32,6 +32,34 @@ def start_server() -> Iterator[StartServer]:
         srv.stop()
 
 
+REAL_MSGS = [{"role": "user", "content": "What is the capital of France?"}]
+REAL_N = 3  # tokens per reference generation: keep the real-model tests fast on 2 cores
+
+
+@pytest.fixture(scope="session")
+def real_engine_server():
+    """The real Engine on the embedded default model (SmolLM2-135M) behind a server, loaded once:
+    (server, engine, chat prompt ids, greedy reference text, its FinishEvent)."""
+    from sparseinfer.config import SamplingParams
+    from sparseinfer.data import default_model_path
+    from sparseinfer.engine import Engine, FinishEvent, TokenEvent
+    from sparseinfer.errors import SparseInferError
+
+    try:
+        path = default_model_path()
+    except SparseInferError as exc:
+        pytest.skip(str(exc))
+    engine = Engine.load(path, n_ctx=256, threads=2)
+    # the reference answer, straight from the engine (before the server's worker owns it)
+    ids = engine.chat_prompt(REAL_MSGS)
+    events = list(engine.stream(ids, SamplingParams(max_tokens=REAL_N, temperature=0.0)))
+    text = "".join(e.text for e in events if isinstance(e, TokenEvent))
+    finish = events[-1]
+    assert isinstance(finish, FinishEvent)
+    with ServerThread(create_app(engine)) as srv:
+        yield srv, engine, ids, text, finish
+
+
 @pytest.fixture(scope="module")
 def fake_server() -> Iterator[tuple[ServerThread, FakeEngine]]:
     """One fast server (no delays, n_ctx 256) shared by a module."""

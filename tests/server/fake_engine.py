@@ -5,6 +5,10 @@ per message and ends with ``<|assistant|>``. Generation yields whole words from 
 cycle, one word per token, unless the prompt contains ``[[say:...]]``: then it yields those words
 and stops (reason "stop", like an end-of-text token). ``[[fail]]`` raises after two tokens.
 
+With ``logprobs=k`` each token reports logprob ``-n / 10`` (n-th token) and ``k`` alternatives;
+``score`` gives prompt token i the logprob ``-(i % 5) / 10 - 0.5``. ``processors`` are recorded,
+not applied (the words are scripted).
+
 ``token_delay`` / ``prefill_delay`` make timing deterministic for queue tests; the engine records
 every prompt it starts (``started``), the params it got, and whether it was ever entered from two
 threads at once (``overlap``) or from more than one thread (``threads``).
@@ -17,7 +21,7 @@ import threading
 from collections.abc import Iterator
 
 from sparseinfer.config import SamplingParams
-from sparseinfer.engine import FinishEvent, StreamEvent, TokenEvent
+from sparseinfer.engine import FinishEvent, StreamEvent, TokenEvent, TokenScore
 from sparseinfer.errors import ContextOverflowError
 
 SCRIPT = "one two three four five six seven eight nine ten".split()
@@ -41,6 +45,7 @@ class FakeEngine:
         self.prefill_delay = prefill_delay
         self.started: list[str] = []  # decoded prompts, in the order generation began
         self.params: list[SamplingParams] = []
+        self.processors: list[list] = []
         self.cancelled = 0
         self.threads: set[int] = set()
         self.overlap = False
@@ -62,13 +67,28 @@ class FakeEngine:
         text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>"
         return self.encode(text)
 
+    def score(self, ids: list[int], top: int = 0) -> list[TokenScore]:
+        return [TokenScore(ids[0], None)] + [
+            TokenScore(t, -(i % 5) / 10 - 0.5, self._top(t, -(i % 5) / 10 - 0.5, top))
+            for i, t in enumerate(ids[1:], 1)
+        ]
+
+    @staticmethod
+    def _top(tok: int, lp: float, k: int) -> tuple[tuple[int, float], ...]:
+        return tuple((tok + j, lp - j) for j in range(k))
+
     def stream(
         self,
         prompt_ids: list[int],
         params: SamplingParams,
         cancel: threading.Event | None = None,
+        *,
+        processors=(),
+        logprobs: int | None = None,
     ) -> Iterator[StreamEvent]:
         cancel = cancel or threading.Event()
+        self.processors.append(list(processors))
+        self._logprobs = logprobs
         room = self.n_ctx - len(prompt_ids)
         if room <= 0 or params.max_tokens > room:
             raise ContextOverflowError(
@@ -120,7 +140,7 @@ class FakeEngine:
                 pending += word if n == 1 else " " + word
                 hit = [pending.index(s) for s in params.stop if s in pending]
                 if hit:
-                    yield TokenEvent(100 + n, pending[: min(hit)])
+                    yield self._token(100 + n, pending[: min(hit)], n)
                     yield FinishEvent("stop", len(prompt_ids), n)
                     return
                 keep = max(
@@ -128,7 +148,14 @@ class FakeEngine:
                     default=0,
                 )
                 out, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
-                yield TokenEvent(100 + n, out)
+                yield self._token(100 + n, out, n)
+
+
+    def _token(self, tok: int, text: str, n: int) -> TokenEvent:
+        if self._logprobs is None:
+            return TokenEvent(tok, text)
+        lp = -n / 10
+        return TokenEvent(tok, text, lp, self._top(tok, lp, self._logprobs))
 
 
 class _Entered:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -63,10 +64,27 @@ def test_unknown_model_with_client(client):
         (chat_body(stop=["a", 1]), "stop[1]"),
         (chat_body(stream="yes"), "stream"),
         (chat_body(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
-        (chat_body(n=2), "n"),
+        (chat_body(n=0), "n"),
+        (chat_body(n=17), "n"),
         (chat_body(n="1"), "n"),
         (chat_body(model=123), "model"),
-        (chat_body(logprobs=True), "logprobs"),
+        (chat_body(logprobs="yes"), "logprobs"),
+        (chat_body(top_logprobs=3), "top_logprobs"),  # without logprobs: true
+        (chat_body(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (chat_body(logit_bias={"x": 1}), "logit_bias"),
+        (chat_body(logit_bias={"5": 101}), "logit_bias"),
+        (chat_body(logit_bias={"999999": 1}), "logit_bias"),
+        (chat_body(tool_choice="required"), "tool_choice"),  # without tools
+        (chat_body(response_format={"type": "xml"}), "response_format"),
+        (chat_body(functions=[{"name": "f"}]), "functions"),  # unknown: a 400, not ignored
+        (chat_body(audio={"voice": "x"}), "audio"),
+        (
+            chat_body(
+                tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice={"type": "function", "function": {"name": "g"}},
+            ),
+            "tool_choice",
+        ),
     ],
 )
 def test_chat_bad_fields(http, body, param):
@@ -77,14 +95,18 @@ def test_chat_bad_fields(http, body, param):
     "body, param",
     [
         ({"model": "fake-model"}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a"] * 9, "n": 2}, "prompt"),  # 18 choices > 16
         ({"prompt": []}, "prompt"),
         ({"prompt": [1, 2, 10**6]}, "prompt"),
         ({"prompt": {"text": "x"}}, "prompt"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "echo": "yes"}, "echo"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
-        ({"prompt": "x", "logprobs": 2}, "logprobs"),
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs"),
+        ({"prompt": "x", "max_tokens": 0, "stream": True}, "max_tokens"),
         ({"prompt": "x", "max_tokens": None, "n": 0}, "n"),
+        ({"prompt": "x", "cache_prompt": True}, "cache_prompt"),
     ],
 )
 def test_completions_bad_fields(http, body, param):
@@ -93,7 +115,7 @@ def test_completions_bad_fields(http, body, param):
 
 def test_bad_values_with_client(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="fake-model", messages=MSGS, n=3)
+        client.chat.completions.create(model="fake-model", messages=MSGS, n=30)
     assert e.value.param == "n"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="fake-model", messages=[])
@@ -148,6 +170,24 @@ def test_huge_body(fake_server, http):
             yield b"x" * (64 << 10)
 
     assert_error(http.post(COMP, content=chunked()), 413, code="request_too_large")
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_huge_body_readable_413(fake_server, declared):
+    """Past the drain limit (64 MiB) the server stops reading and closes: the client still
+    reads the 413 and its message, with or without a Content-Length."""
+    size = 100 << 20
+
+    def chunked():
+        for _ in range(size >> 20):
+            yield b"x" * (1 << 20)
+
+    content = b"x" * size if declared else chunked()
+    with httpx.Client(base_url=fake_server[0].url, timeout=30.0) as c:
+        err = assert_error(c.post(COMP, content=content), 413, code="request_too_large")
+    assert "larger than the limit of 1048576 bytes" in err["message"]
+    assert ("104857600 bytes" if declared else "more than") in err["message"]
+    assert httpx.get(fake_server[0].url + "/health", timeout=5).json()["status"] == "ok"
 
 
 def test_body_just_under_limit_is_fine(http):

@@ -198,3 +198,31 @@ class FusedDecode:
         y = self.ffn(self._h.view(1, 1, -1), x1.view(1, 1, -1))
         x1 += y.reshape(-1)
         return x1.view(1, 1, -1)
+
+
+def supports(model) -> bool:
+    """Whether the fused kernels can run ``model``'s attention (CPU fp32, RMSNorm, RoPE)."""
+    cfg = model.cfg
+    return (model.device.type == "cpu" and model.dtype == torch.float32 and cfg.norm == "rms"
+            and cfg.pos == "rope")
+
+
+def attend_rows(model, layer: int, qkv: Tensor, positions: Tensor, cache: KVCache,
+                slots: Tensor) -> Tensor:
+    """``models.batch.attend`` with the fused kernel: rope, cache write and attention of each
+    row in one numba call (no torch ops, so a row's numbers do not depend on the batch).
+    Needs ``supports(model)``; the cache is the batch's (slots in dimension 1)."""
+    cfg = model.cfg
+    nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    qkv = qkv.float().contiguous()
+    rows = qkv.numpy()
+    out = torch.empty(qkv.shape[0], nh * hd)
+    out_np = out.numpy()
+    cos, sin = model.rope[0].numpy(), model.rope[1].numpy()
+    kc, vc = cache.k[layer].numpy(), cache.v[layer].numpy()  # (slots, nkv, max_seq, hd)
+    scores = np.empty(cache.max_seq, dtype=np.float32)
+    scale = np.float32(1.0 / math.sqrt(hd))
+    for i, (pos, slot) in enumerate(zip(positions.tolist(), slots.tolist())):
+        _attend(rows[i], kc[slot], vc[slot], pos, cos[pos], sin[pos], nh, nkv, scale, scores,
+                out_np[i], cfg.rope_interleaved)
+    return out

@@ -119,6 +119,42 @@ def gemv_int8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
     return out
 
 
+@_jit()
+def _int8_rows_batch(q, scale, x, start, end, y):  # pragma: no cover - compiled
+    k = x.shape[1]
+    w = np.empty(k, dtype=np.float32)
+    for r in range(start, end):
+        qr = q[r]  # read once from memory, widened once, reused for every input row
+        for j in range(k):
+            w[j] = np.float32(qr[j])
+        for b in range(x.shape[0]):
+            xb = x[b]
+            acc = np.float32(0.0)
+            for j in range(k):
+                acc += w[j] * xb[j]
+            y[b, r] = acc * scale[r]
+
+
+@_jit(parallel=True)
+def _int8_gemm_kernel(q, scale, x, n_chunks, y):  # pragma: no cover - compiled
+    n = q.shape[0]
+    per = (n + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        _int8_rows_batch(q, scale, x, min(c * per, n), min((c + 1) * per, n), y)
+
+
+def gemm_int8_rows(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``(q · scale[:, None]) @ x.T`` -> [B, n] for a few fp32 rows ``x`` [B, k]: ``gemv_int8``'s
+    arithmetic for every row (each output computed the same way whatever B is), with each weight
+    row streamed from memory once for all B rows (reference: ``gemv_int8_ref`` per row)."""
+    if x.dim() != 2 or x.shape[1] != q.shape[1]:
+        raise ValueError(f"x: expected [B, {q.shape[1]}], got {list(x.shape)}")
+    x = x.float().contiguous()
+    out = torch.empty(x.shape[0], q.shape[0])
+    _int8_gemm_kernel(q.numpy(), scale.numpy(), x.numpy(), get_threads() * 4, out.numpy())
+    return out
+
+
 def gemv_int8_ref(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale[:, None]) @ x
 
@@ -165,6 +201,14 @@ class Int8Linear(torch.nn.Module):
     @property
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.numel() * self.scale.element_size()
+
+    def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, in] -> [B, out] through ``gemm_int8_rows`` (fp32 activations, weights read once;
+        a row's result does not depend on B). For decoding a few sequences at once."""
+        y = gemm_int8_rows(self.q, self.scale32, x)
+        if self.bias is not None:
+            y += self.bias
+        return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -14,20 +14,37 @@ How requests are served
   still gets a proper 400 instead of an error inside a 200 stream.
 
 Choices
-- ``max_tokens`` (``max_completion_tokens`` for chat) must be >= 1; a value larger than the room
-  the prompt leaves in the context window is clamped to that room (the answer then ends with
-  ``finish_reason="length"``); unset means "until end of text or the context is full".
+- ``max_tokens`` (``max_completion_tokens`` for chat): unset takes the server's
+  ``default_max_tokens`` (``serve --default-max-tokens``; None: until end of text or the context
+  is full); above ``max_tokens_limit`` is a 400; larger than the room the prompt leaves in the
+  context window is clamped to that room (``finish_reason="length"``). Completions accept 0
+  (with ``echo``: score the prompt only). ``max_generation_seconds`` ends a longer generation
+  with ``finish_reason="length"``.
 - A prompt that leaves no room for one generated token is a 400 ``context_length_exceeded``.
 - Unset sampling fields take ``SamplingParams`` defaults (llama.cpp's: temperature 0.8, top_k 40,
   top_p 0.95, min_p 0.05), not OpenAI's; ``top_k``, ``min_p`` and ``repeat_penalty`` are accepted
-  as extensions. ``n``, ``best_of`` must be 1; ``logprobs``, ``echo``, ``suffix`` are rejected.
-- Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
+  as extensions. A temperature too small for float32 is greedy.
+- ``seed``: the same request with the same seed gives the same text whatever ran before (a seeded
+  request never reuses another request's KV prefix). With ``n > 1`` choice i uses seed + i.
+- ``n`` (and completions' lists of prompts: choice index = prompt * n + k) run one after another
+  in the request's job; at most 16 choices per request.
+- ``logprobs``: log-softmax of the logits each token was drawn from, after penalties,
+  ``logit_bias`` and grammar masks, before temperature / top-k / top-p. Completions ``echo`` +
+  ``logprobs`` scores the prompt tokens too (the first has none), as lm-eval needs.
+- ``response_format`` (``json_object``, ``json_schema``) and ``tools`` (``tool_choice`` auto,
+  required, named) are enforced by constrained decoding (xgrammar, ``structured.py``); a tool
+  call is prompted as a system message and answered as ``tool_calls`` (one call).
+- Every other field a client sends that this server does not implement is a 400 naming it.
+- Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status;
+  ``/openapi.json`` declares the request bodies and these error shapes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
+import json
 import logging
 import socket
 import threading
@@ -48,6 +65,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import SamplingParams
 from ..engine import EngineProtocol, FinishEvent, TokenEvent
 from ..errors import ContextOverflowError, SparseInferError
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import Metrics
 from .protocol import (
     APIError,
     AssistantMessage,
@@ -57,15 +76,27 @@ from .protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
+    ErrorResponse,
+    FunctionCallDelta,
+    FunctionCallOut,
     Health,
     ModelCard,
     ModelList,
+    NamedToolChoice,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    TopLogprob,
     Usage,
     validation_error,
 )
+from .structured import GrammarError, GrammarProcessor, Grammars, LogitBias
 from .queue import END, Job, JobFailed, QueueFullError, Scheduler
 from .webui import index_html
 
@@ -85,16 +116,74 @@ class _Call:
     """What one generation request asks for, resolved on the event loop."""
 
     kind: str  # "chat" | "text"
-    build_prompt: Callable[[], list[int]]  # runs on the worker thread
+    prompts: list[Callable[[], list[int]]]  # builders, run on the worker thread; one per prompt
     prompt_param: str  # the request field a prompt problem is blamed on
     params: SamplingParams
     stream: bool
     include_usage: bool
+    n: int = 1  # choices per prompt
+    echo: bool = False  # completions: the prompt's text (and logprobs) lead each choice
+    echo_texts: tuple[str | None, ...] = ()  # the prompt strings as sent (None: decode the ids)
+    logprobs: int | None = None  # alternatives per token; None: no logprobs at all
+    processors: Callable[[], list[Any]] | None = None  # fresh logits processors per choice
+    tools: tuple[str, ...] = ()  # names of the tools the answer may call
+
+    @property
+    def n_choices(self) -> int:
+        return len(self.prompts) * self.n
 
 
-def _sampling(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+@dataclass(frozen=True)
+class _Logprob:
+    """One token's logprob entry, spelled out on the worker thread."""
+
+    token: str
+    logprob: float | None
+    top: tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True)
+class _Echo:
+    """The prompt that leads a choice (``echo``), with its tokens' logprobs if asked."""
+
+    text: str
+    logprobs: tuple[_Logprob, ...]
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """Server-side bounds on generation (``serve --max-tokens / --max-tokens-limit /
+    --max-generation-seconds``); None = unbounded (the context window still is a bound)."""
+
+    default_max_tokens: int | None = None
+    max_tokens_limit: int | None = None
+    max_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("default_max_tokens", "max_tokens_limit", "max_seconds"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name}: expected > 0 or None, got {value}")
+
+    def max_tokens(self, asked: int | None, param: str) -> int:
+        """The token budget of a request (-1: until end of text or the context is full)."""
+        if asked is None:
+            asked = self.default_max_tokens
+            if asked is None:
+                return -1 if self.max_tokens_limit is None else self.max_tokens_limit
+        if self.max_tokens_limit is not None and asked > self.max_tokens_limit:
+            raise APIError(
+                400,
+                f"{param}: this server generates at most {self.max_tokens_limit} tokens per "
+                f"request, got {asked}",
+                param=param,
+            )
+        return asked
+
+
+def _sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> SamplingParams:
     """Map the OpenAI request fields onto SamplingParams (unset fields keep its defaults)."""
-    kw: dict[str, Any] = {"max_tokens": req.token_limit if req.token_limit is not None else -1}
+    kw: dict[str, Any] = {"max_tokens": max_tokens}
     for field in (
         "temperature",
         "top_p",
@@ -113,6 +202,98 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
     return SamplingParams(**kw)
 
 
+def _tool_prompt(tools: list[Tool], choice: Any) -> str:
+    """The system text that tells the model which tools exist and how to call one."""
+    specs = [
+        {
+            "name": t.function.name,
+            "description": t.function.description or "",
+            "parameters": t.function.parameters or {"type": "object"},
+        }
+        for t in tools
+    ]
+    how = (
+        "If a tool helps, answer with only a JSON object "
+        '{"name": <tool name>, "arguments": <arguments object>}; otherwise answer normally.'
+        if choice in (None, "auto")
+        else 'Answer with only a JSON object {"name": <tool name>, "arguments": <arguments>}.'
+    )
+    return "You can call these tools:\n" + json.dumps(specs) + "\n" + how
+
+
+def _parse_tool_call(text: str, names: tuple[str, ...]) -> ToolCall | None:
+    """The tool call a (grammar-constrained) answer spells, or None if it is plain text."""
+    if not text.lstrip().startswith("{"):
+        return None
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in names or "arguments" not in obj:
+        return None
+    return ToolCall(
+        id="call_" + uuid.uuid4().hex[:24],
+        function=FunctionCallOut(name=obj["name"], arguments=json.dumps(obj["arguments"])),
+    )
+
+
+class _Choices:
+    """What the events of a job say, per choice index (the non-streamed answer's material)."""
+
+    def __init__(self, n: int) -> None:
+        self.text = [""] * n
+        self.echo: list[_Echo | None] = [None] * n
+        self.logprobs: list[list[_Logprob]] = [[] for _ in range(n)]
+        self.finish: list[FinishEvent | None] = [None] * n
+
+    def add(self, index: int, event: Any, lp: _Logprob | None) -> None:
+        if isinstance(event, _Echo):
+            self.echo[index] = event
+        elif isinstance(event, TokenEvent):
+            self.text[index] += event.text
+            if lp is not None:
+                self.logprobs[index].append(lp)
+        elif isinstance(event, FinishEvent):
+            self.finish[index] = event
+
+
+def _usage(finishes: list[FinishEvent | None], n: int) -> Usage:
+    """Prompt tokens count once per prompt (not per choice), completion tokens per choice."""
+    done = [f for f in finishes if f is not None]
+    prompt = sum(f.prompt_tokens for i, f in enumerate(finishes) if f is not None and i % n == 0)
+    completion = sum(f.completion_tokens for f in done)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _completion_logprobs(entries: list[_Logprob], start: int = 0) -> CompletionLogprobs:
+    offsets, pos = [], start
+    for e in entries:
+        offsets.append(pos)
+        pos += len(e.token)
+    return CompletionLogprobs(
+        tokens=[e.token for e in entries],
+        token_logprobs=[e.logprob for e in entries],
+        top_logprobs=[dict(e.top) if e.logprob is not None else None for e in entries],
+        text_offset=offsets,
+    )
+
+
+def _chat_logprobs(entries: list[_Logprob]) -> ChatLogprobs:
+    return ChatLogprobs(
+        content=[
+            TokenLogprob(
+                token=e.token,
+                logprob=e.logprob if e.logprob is not None else 0.0,
+                bytes=list(e.token.encode()),
+                top_logprobs=[
+                    TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in e.top
+                ],
+            )
+            for e in entries
+        ]
+    )
+
+
 class OpenAIServer:
     """The routes' logic: request parsing, the job queue, response shaping."""
 
@@ -124,6 +305,8 @@ class OpenAIServer:
         api_key: str | None,
         max_queue: int,
         max_body_bytes: int,
+        limits: _Limits | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes: expected >= 1, got {max_body_bytes}")
@@ -131,8 +314,12 @@ class OpenAIServer:
         self.model_name = model_name or engine.name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
-        self.scheduler = Scheduler(max_queue)
+        # one worker per stream the engine can serve at once (BatchEngine.parallel)
+        self.scheduler = Scheduler(max_queue, workers=getattr(engine, "parallel", 1))
         self.created = int(time.time())
+        self.limits = limits or _Limits()
+        self.metrics = metrics or Metrics()
+        self._grammar_cache: Grammars | None = None
 
     # -- request parsing --------------------------------------------------------------------
 
@@ -169,18 +356,19 @@ class OpenAIServer:
             if not too_big:
                 chunks.append(body)
                 too_big = total > limit
-            if total > _DRAIN_LIMIT:
-                raise self._too_large(total, close=True)
+            if total > _DRAIN_LIMIT:  # stop reading; the rest is never looked at
+                raise self._too_large(total, close=True, partial=True)
             if not message.get("more_body", False):
                 break
         if too_big:
             raise self._too_large(total)
         return b"".join(chunks)
 
-    def _too_large(self, size: int, close: bool = False) -> APIError:
+    def _too_large(self, size: int, close: bool = False, partial: bool = False) -> APIError:
+        found = f"more than {size} bytes" if partial else f"{size} bytes"
         return APIError(
             413,
-            f"request body: {size} bytes is larger than the limit of {self.max_body_bytes} bytes",
+            f"request body: {found} is larger than the limit of {self.max_body_bytes} bytes",
             code="request_too_large",
             headers={"Connection": "close"} if close else None,
         )
@@ -213,11 +401,50 @@ class OpenAIServer:
                 param="model",
                 code="model_not_found",
             )
-        if req.n != 1:
-            raise APIError(400, f"n: only n=1 is supported, got {req.n}", param="n")
         problem = req.unsupported()
         if problem is not None:
             raise problem
+
+    def _processors(self, req: ChatCompletionRequest | CompletionRequest,
+                    grammar: Any = None) -> Callable[[], list[Any]] | None:
+        """A factory of fresh logits processors per choice: logit_bias, then a grammar."""
+        bias = req.bias(getattr(self.engine, "vocab_size", None))
+        if not bias and grammar is None:
+            return None
+        if not self._supports("processors"):
+            raise APIError(
+                400,
+                "logit_bias / response_format / tools: this engine has no logits processors",
+                param="logit_bias" if bias else "response_format",
+            )
+        vocab = getattr(self.engine, "vocab_size", None) or 0
+        bias_proc = LogitBias(bias) if bias else None
+
+        def make() -> list[Any]:
+            procs: list[Any] = [bias_proc] if bias_proc is not None else []
+            if grammar is not None:
+                procs.append(GrammarProcessor(grammar, vocab))
+            return procs
+
+        return make
+
+    def _supports(self, keyword: str) -> bool:
+        """Whether the engine's ``stream`` takes ``keyword`` (processors / logprobs)."""
+        try:
+            return keyword in inspect.signature(self.engine.stream).parameters
+        except (TypeError, ValueError):
+            return False
+
+    def _grammars(self) -> Grammars:
+        if self._grammar_cache is None:
+            self._grammar_cache = Grammars(self.engine)
+        return self._grammar_cache
+
+    def _compile(self, what: Callable[[Grammars], Any], param: str) -> Any:
+        try:
+            return what(self._grammars())
+        except GrammarError as exc:
+            raise APIError(400, f"{param}: {exc}", param=param) from None
 
     # -- prompt building (worker thread) ---------------------------------------------------
 
@@ -263,46 +490,110 @@ class OpenAIServer:
 
     def _work(self, call: _Call) -> Callable[[Job], None]:
         engine = self.engine
+        limits = self.limits
+        kwargs: dict[str, Any] = {}
+        if call.logprobs is not None:
+            kwargs["logprobs"] = call.logprobs
+
+        def spell(tok: int) -> str:
+            return engine.decode([tok])
+
+        def entry(tok: int, lp: float | None, top: Any) -> _Logprob:
+            return _Logprob(spell(tok), lp, tuple((spell(t), p) for t, p in top))
 
         def work(job: Job) -> None:
-            ids = call.build_prompt()
+            started = time.monotonic()
+            deadline = None if limits.max_seconds is None else started + limits.max_seconds
             n_ctx = engine.n_ctx
-            if not ids:
-                raise APIError(
-                    400, f"{call.prompt_param}: the prompt is empty", param=call.prompt_param
-                )
-            if len(ids) >= n_ctx:
-                raise APIError(
-                    400,
-                    f"{call.prompt_param}: this model's maximum context length is {n_ctx} tokens "
-                    f"but the prompt has {len(ids)} tokens, leaving no room for the completion",
-                    param=call.prompt_param,
-                    code="context_length_exceeded",
-                )
-            room = n_ctx - len(ids)
-            wanted = call.params.max_tokens
-            params = call.params
-            if wanted < 0 or wanted > room:
-                params = replace(params, max_tokens=room)
-            events = engine.stream(ids, params, job.cancel)
-            try:
-                for event in events:
-                    job.emit(event)
-                    if job.cancel.is_set() and not isinstance(event, FinishEvent):
-                        break
-            except ContextOverflowError as exc:
-                raise APIError(
-                    400,
-                    f"{call.prompt_param}: {exc}",
-                    param=call.prompt_param,
-                    code="context_length_exceeded",
-                ) from None
-            finally:
-                close = getattr(events, "close", None)
-                if close is not None:
-                    close()
+            prompts = [build() for build in call.prompts]  # every prompt checked before any runs
+            for ids in prompts:
+                if not ids:
+                    raise APIError(
+                        400, f"{call.prompt_param}: the prompt is empty", param=call.prompt_param
+                    )
+                if len(ids) >= n_ctx:
+                    raise APIError(
+                        400,
+                        f"{call.prompt_param}: this model's maximum context length is {n_ctx} "
+                        f"tokens but the prompt has {len(ids)} tokens, leaving no room for the "
+                        "completion",
+                        param=call.prompt_param,
+                        code="context_length_exceeded",
+                    )
+            for p, ids in enumerate(prompts):
+                echo = None
+                if call.echo:
+                    scores = ()
+                    if call.logprobs is not None:
+                        scores = tuple(
+                            entry(s.token_id, s.logprob, s.top)
+                            for s in engine.score(ids, call.logprobs)
+                        )
+                    text = call.echo_texts[p] if p < len(call.echo_texts) else None
+                    echo = _Echo(engine.decode(ids) if text is None else text, scores)
+                room = n_ctx - len(ids)
+                params = call.params
+                if params.max_tokens < 0 or params.max_tokens > room:
+                    params = replace(params, max_tokens=room)
+                for k in range(call.n):
+                    index = p * call.n + k
+                    if echo is not None:
+                        job.emit((index, echo, None))
+                    choice = params
+                    if params.seed is not None and k:
+                        choice = replace(params, seed=(params.seed + k) % (1 << 63))
+                    if params.max_tokens == 0 or (deadline and time.monotonic() > deadline):
+                        job.emit((index, FinishEvent("length", len(ids), 0), None))
+                        continue
+                    if call.processors is not None:
+                        kwargs["processors"] = call.processors()
+                    if not self._generate(job, index, engine.stream(ids, choice, job.cancel,
+                                                                    **kwargs),
+                                          len(ids), deadline, entry, call):
+                        return
 
         return work
+
+    def _generate(self, job: Job, index: int, events: Any, n_prompt: int,
+                  deadline: float | None, entry: Callable[..., _Logprob], call: _Call) -> bool:
+        """Forward one choice's events to the job; False when the job was cancelled."""
+        n_out = 0
+        last = time.monotonic()
+        try:
+            for event in events:
+                lp = None
+                if isinstance(event, TokenEvent) and event.token_id >= 0:
+                    n_out += 1
+                    now = time.monotonic()
+                    if n_out > 1:
+                        self.metrics.inter_token(now - last)
+                    elif index == 0:
+                        self.metrics.first_token(now - job.submitted)
+                    self.metrics.tokens(1)
+                    last = now
+                    if event.logprob is not None:
+                        lp = entry(event.token_id, event.logprob, event.top)
+                job.emit((index, event, lp))
+                if isinstance(event, FinishEvent):
+                    return event.reason != "cancelled"
+                if job.cancel.is_set():
+                    return False
+                if deadline is not None and time.monotonic() > deadline:
+                    logger.info("job %d: generation time limit reached", job.id)
+                    job.emit((index, FinishEvent("length", n_prompt, n_out), None))
+                    return True
+        except ContextOverflowError as exc:
+            raise APIError(
+                400,
+                f"{call.prompt_param}: {exc}",
+                param=call.prompt_param,
+                code="context_length_exceeded",
+            ) from None
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                close()
+        return True
 
     # -- running a call ---------------------------------------------------------------------
 
@@ -368,114 +659,164 @@ class OpenAIServer:
                 watcher.cancel()
                 self.scheduler.cancel(job)
 
-    async def _collect(self, call: _Call, job: Job, event: Any, rid: str) -> Response:
-        parts: list[str] = []
-        while not isinstance(event, FinishEvent):
-            if isinstance(event, TokenEvent):
-                parts.append(event.text)
-            elif isinstance(event, JobFailed):
-                raise self._failure(event)
-            elif event is _GONE:
+    async def _collect(self, call: _Call, job: Job, item: Any, rid: str) -> Response:
+        got = _Choices(call.n_choices)
+        while item is not END:
+            if isinstance(item, JobFailed):
+                raise self._failure(item)
+            if item is _GONE:
                 return Response(status_code=499)
-            elif event is END:
-                raise APIError(500, "generation ended without a finish event", type="server_error")
-            event = await job.get()
-        if event.reason == "cancelled":
-            raise APIError(
-                503, "generation was cancelled (server shutting down)", type="server_error"
-            )
-        text = "".join(parts)
-        usage = Usage(
-            prompt_tokens=event.prompt_tokens,
-            completion_tokens=event.completion_tokens,
-            total_tokens=event.prompt_tokens + event.completion_tokens,
-        )
+            index, event, lp = item
+            if isinstance(event, FinishEvent) and event.reason == "cancelled":
+                raise APIError(
+                    503, "generation was cancelled (server shutting down)", type="server_error"
+                )
+            got.add(index, event, lp)
+            item = await job.get()
+        if any(f is None for f in got.finish):
+            raise APIError(500, "generation ended without a finish event", type="server_error")
+        usage = _usage(got.finish, call.n)
         created = int(time.time())
         body: BaseModel
         if call.kind == "chat":
+            choices = []
+            for i in range(call.n_choices):
+                reason = got.finish[i].reason  # type: ignore[union-attr]
+                text = got.text[i]
+                tool = _parse_tool_call(text, call.tools) if call.tools else None
+                message = (
+                    AssistantMessage(content=None, tool_calls=[tool])
+                    if tool is not None
+                    else AssistantMessage(content=text)
+                )
+                choices.append(
+                    ChatChoice(
+                        index=i,
+                        message=message,
+                        logprobs=_chat_logprobs(got.logprobs[i])
+                        if call.logprobs is not None
+                        else None,
+                        finish_reason="tool_calls" if tool is not None else reason,
+                    )
+                )
             body = ChatCompletion(
-                id=rid,
-                created=created,
-                model=self.model_name,
-                usage=usage,
-                choices=[
-                    ChatChoice(message=AssistantMessage(content=text), finish_reason=event.reason)
-                ],
+                id=rid, created=created, model=self.model_name, usage=usage, choices=choices
             )
         else:
-            body = Completion(
-                id=rid,
-                created=created,
-                model=self.model_name,
-                usage=usage,
-                choices=[CompletionChoice(text=text, finish_reason=event.reason)],
-            )
-        return Response(body.model_dump_json(), media_type="application/json")
-
-    def _chunk(
-        self,
-        call: _Call,
-        rid: str,
-        created: int,
-        *,
-        text: str | None = None,
-        role: bool = False,
-        finish: str | None = None,
-        usage: Usage | None = None,
-        no_choice: bool = False,
-    ) -> str:
-        chunk: BaseModel
-        if call.kind == "chat":
-            choices = (
-                []
-                if no_choice
-                else [
-                    ChatChunkChoice(
-                        delta=ChatDelta(role="assistant" if role else None, content=text),
-                        finish_reason=finish,
+            choices_t = []
+            for i in range(call.n_choices):
+                echo = got.echo[i]
+                lead = echo.text if echo is not None else ""
+                logprobs = None
+                if call.logprobs is not None:
+                    entries = list(echo.logprobs if echo is not None else ()) + got.logprobs[i]
+                    logprobs = _completion_logprobs(entries)
+                choices_t.append(
+                    CompletionChoice(
+                        index=i,
+                        text=lead + got.text[i],
+                        logprobs=logprobs,
+                        finish_reason=got.finish[i].reason,  # type: ignore[union-attr]
                     )
-                ]
+                )
+            body = Completion(
+                id=rid, created=created, model=self.model_name, usage=usage, choices=choices_t
             )
+        return Response(body.model_dump_json(exclude_none=False), media_type="application/json")
+
+    def _chunk(self, call: _Call, rid: str, created: int, choice: Any = None,
+               usage: Usage | None = None) -> str:
+        """One SSE ``data:`` line holding ``choice`` (or none, for the usage chunk)."""
+        chunk: BaseModel
+        choices = [] if choice is None else [choice]
+        if call.kind == "chat":
             chunk = ChatCompletionChunk(
                 id=rid, created=created, model=self.model_name, choices=choices, usage=usage
             )
         else:
-            choices = [] if no_choice else [CompletionChoice(text=text or "", finish_reason=finish)]
             chunk = Completion(
                 id=rid, created=created, model=self.model_name, choices=choices, usage=usage
             )
         return f"data: {chunk.model_dump_json()}\n\n"
 
     async def _sse(
-        self, call: _Call, job: Job, event: Any, watcher: asyncio.Task[None], rid: str
+        self, call: _Call, job: Job, item: Any, watcher: asyncio.Task[None], rid: str
     ) -> AsyncIterator[str]:
         created = int(time.time())
+        chat = call.kind == "chat"
+        started: set[int] = set()
+        held = [""] * call.n_choices  # tool-call answers are sent whole, once complete
+        finishes: list[FinishEvent | None] = [None] * call.n_choices
         try:
-            if call.kind == "chat":
-                yield self._chunk(call, rid, created, text="", role=True)
             while True:
-                if isinstance(event, TokenEvent):
-                    if event.text:
-                        yield self._chunk(call, rid, created, text=event.text)
+                if isinstance(item, JobFailed):
+                    yield f"data: {self._failure(item).body().model_dump_json()}\n\n"
+                    return
+                if item is _GONE:
+                    return
+                if item is END:
+                    break
+                index, event, lp = item
+                if chat and index not in started:
+                    started.add(index)
+                    delta = ChatDelta(role="assistant", content="")
+                    yield self._chunk(call, rid, created, ChatChunkChoice(index=index, delta=delta))
+                if isinstance(event, _Echo):
+                    logprobs = _completion_logprobs(list(event.logprobs)) if event.logprobs else None
+                    choice = CompletionChoice(index=index, text=event.text, logprobs=logprobs)
+                    yield self._chunk(call, rid, created, choice)
+                elif isinstance(event, TokenEvent):
+                    if call.tools:
+                        held[index] += event.text
+                    elif event.text or lp is not None:
+                        if chat:
+                            choice = ChatChunkChoice(
+                                index=index,
+                                delta=ChatDelta(content=event.text),
+                                logprobs=_chat_logprobs([lp]) if lp is not None else None,
+                            )
+                        else:
+                            logprobs = _completion_logprobs([lp]) if lp is not None else None
+                            choice = CompletionChoice(
+                                index=index, text=event.text, logprobs=logprobs
+                            )
+                        yield self._chunk(call, rid, created, choice)
                 elif isinstance(event, FinishEvent):
                     if event.reason == "cancelled":
                         return
-                    yield self._chunk(call, rid, created, finish=event.reason)
-                    if call.include_usage:
-                        usage = Usage(
-                            prompt_tokens=event.prompt_tokens,
-                            completion_tokens=event.completion_tokens,
-                            total_tokens=event.prompt_tokens + event.completion_tokens,
-                        )
-                        yield self._chunk(call, rid, created, usage=usage, no_choice=True)
-                    yield "data: [DONE]\n\n"
-                    return
-                elif isinstance(event, JobFailed):
-                    yield f"data: {self._failure(event).body().model_dump_json()}\n\n"
-                    return
-                elif event is _GONE or event is END:
-                    return
-                event = await job.get()
+                    finishes[index] = event
+                    reason: str = event.reason
+                    if call.tools:
+                        tool = _parse_tool_call(held[index], call.tools)
+                        if tool is not None:
+                            reason = "tool_calls"
+                            delta = ChatDelta(
+                                tool_calls=[
+                                    ToolCallDelta(
+                                        index=0,
+                                        id=tool.id,
+                                        type="function",
+                                        function=FunctionCallDelta(
+                                            name=tool.function.name,
+                                            arguments=tool.function.arguments,
+                                        ),
+                                    )
+                                ]
+                            )
+                        else:
+                            delta = ChatDelta(content=held[index])
+                        yield self._chunk(call, rid, created, ChatChunkChoice(index=index, delta=delta))
+                    if chat:
+                        choice = ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)
+                    else:
+                        choice = CompletionChoice(index=index, text="", finish_reason=reason)
+                    yield self._chunk(call, rid, created, choice)
+                item = await job.get()
+            if any(f is None for f in finishes):
+                return  # cut short (shutdown): no [DONE], the client sees an incomplete stream
+            if call.include_usage:
+                yield self._chunk(call, rid, created, usage=_usage(finishes, call.n))
+            yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
             self.scheduler.cancel(job)
@@ -489,27 +830,63 @@ class OpenAIServer:
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             for m in req.messages
         ]
+        grammar = None
+        tools: tuple[str, ...] = ()
+        fmt = req.response_format
+        if req.tools and req.tool_choice != "none":
+            tools = tuple(t.function.name for t in req.tools)
+            named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+            chosen = [t for t in req.tools if named is None or t.function.name == named]
+            mode = "auto" if req.tool_choice in (None, "auto") else "required"
+            specs = [(t.function.name, t.function.parameters) for t in chosen]
+            grammar = self._compile(lambda g: g.tool_calls(specs, mode), "tools")
+            hint = {"role": "system", "content": _tool_prompt(chosen, req.tool_choice)}
+            if messages[0]["role"] == "system":
+                messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + hint["content"]}
+            else:
+                messages.insert(0, hint)
+        elif fmt is not None and fmt.type == "json_object":
+            grammar = self._compile(lambda g: g.json_schema(None), "response_format")
+        elif fmt is not None and fmt.type == "json_schema":
+            schema = fmt.json_schema.schema_
+            grammar = self._compile(lambda g: g.json_schema(schema), "response_format.json_schema")
+        want_lp = bool(req.logprobs)
+        if want_lp and not self._supports("logprobs"):
+            raise APIError(400, "logprobs: this engine does not report logprobs", param="logprobs")
         call = _Call(
             kind="chat",
-            build_prompt=lambda: self._chat_ids(messages),
+            prompts=[lambda: self._chat_ids(messages)],
             prompt_param="messages",
-            params=_sampling(req),
+            params=_sampling(req, self.limits.max_tokens(req.token_limit, "max_tokens")),
             stream=req.stream,
             include_usage=req.include_usage,
+            n=req.n,
+            logprobs=(req.top_logprobs or 0) if want_lp else None,
+            processors=self._processors(req, grammar),
+            tools=tools,
         )
         return await self.run(request, call)
 
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = await self.parse(request, CompletionRequest)
         self.check_common(req)
-        prompt = req.single_prompt()
+        prompts = req.prompts()
+        if req.logprobs is not None and not self._supports("logprobs"):
+            raise APIError(400, "logprobs: this engine does not report logprobs", param="logprobs")
+        if req.echo and req.logprobs is not None and not hasattr(self.engine, "score"):
+            raise APIError(400, "echo: this engine cannot score prompts", param="echo")
         call = _Call(
             kind="text",
-            build_prompt=lambda: self._text_ids(prompt),
+            prompts=[(lambda p=p: self._text_ids(p)) for p in prompts],
             prompt_param="prompt",
-            params=_sampling(req),
+            params=_sampling(req, self.limits.max_tokens(req.token_limit, "max_tokens")),
             stream=req.stream,
             include_usage=req.include_usage,
+            n=req.n,
+            echo=req.echo,
+            echo_texts=tuple(p if isinstance(p, str) else None for p in prompts),
+            logprobs=req.logprobs,
+            processors=self._processors(req),
         )
         return await self.run(request, call)
 
@@ -525,8 +902,100 @@ class OpenAIServer:
         )
 
 
+class _CountRequests:
+    """ASGI middleware counting answered requests by route and status for /metrics (plain ASGI:
+    streamed bodies and disconnects pass through untouched)."""
+
+    _ROUTES = frozenset(
+        {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
+    )
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 499  # no response started: the client went away
+
+        async def send_status(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope["path"]
+            route = path if path in self._ROUTES else (
+                "/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+            self.metrics.request(route, status)
+
+
 def _error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body().model_dump(), status_code=exc.status, headers=exc.headers)
+
+
+_ERRORS = {
+    400: "invalid request (the message names the field)",
+    401: "missing or wrong API key",
+    404: "unknown model",
+    413: "request body too large",
+    429: "the queue is full (see Retry-After)",
+    500: "internal error",
+    503: "the server is shutting down",
+}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {c: {"model": ErrorResponse, "description": _ERRORS[c]} for c in codes}
+
+
+def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """The app's schema with the request bodies the routes read themselves (from the pydantic
+    models) and without FastAPI's 422, which this server never sends (it answers 400)."""
+    from fastapi.openapi.utils import get_openapi
+
+    def build() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+
+        def ref(model: type[BaseModel]) -> dict[str, str]:
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(js.pop("$defs", {}))
+            components[model.__name__] = js
+            return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+        for path, model in (
+            ("/v1/chat/completions", ChatCompletionRequest),
+            ("/v1/completions", CompletionRequest),
+        ):
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": ref(model)}},
+            }
+        for item in schema["paths"].values():
+            for op in item.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        for model in (ChatCompletionChunk, Completion, ErrorResponse):  # named by the SSE events
+            if model.__name__ not in components:
+                js = model.model_json_schema(
+                    ref_template="#/components/schemas/{model}", mode="serialization"
+                )
+                components.update({k: v for k, v in js.pop("$defs", {}).items()
+                                   if k not in components})
+                components[model.__name__] = js
+        app.openapi_schema = schema
+        return schema
+
+    return build
 
 
 def create_app(
@@ -536,15 +1005,25 @@ def create_app(
     api_key: str | None = None,
     max_queue: int = 16,
     max_body_bytes: int = 1 << 20,
+    default_max_tokens: int | None = None,
+    max_tokens_limit: int | None = None,
+    max_generation_seconds: float | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving ``engine``. Its worker thread runs while the app's lifespan does."""
+    """The FastAPI app serving ``engine``. Its worker thread runs while the app's lifespan does.
+
+    ``default_max_tokens``: the budget of a request that names none (None: until end of text or
+    the context is full); ``max_tokens_limit``: a request asking for more is a 400;
+    ``max_generation_seconds``: a generation running longer ends with finish_reason "length".
+    """
     server = OpenAIServer(
         engine,
         model_name=model_name,
         api_key=api_key,
         max_queue=max_queue,
         max_body_bytes=max_body_bytes,
+        limits=_Limits(default_max_tokens, max_tokens_limit, max_generation_seconds),
     )
+    server.metrics.watch(lambda: server.scheduler.queued, lambda: server.scheduler.running)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -556,6 +1035,8 @@ def create_app(
 
     app = FastAPI(title="sparseinfer", lifespan=lifespan)
     app.state.server = server
+    app.openapi = _openapi(app)  # type: ignore[method-assign]
+    app.add_middleware(_CountRequests, metrics=server.metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -599,13 +1080,21 @@ def create_app(
     async def health() -> Health:
         return server.health()
 
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
     auth = [Depends(server.check_auth)]
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", dependencies=auth, responses=_errors(401))
     async def list_models() -> ModelList:
         return ModelList(data=[server.model_card()])
 
-    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    @app.get("/v1/models/{model_id:path}", dependencies=auth, responses=_errors(401, 404))
     async def get_model(model_id: str) -> ModelCard:
         if model_id not in (server.model_name, engine.name):
             raise APIError(
@@ -616,11 +1105,49 @@ def create_app(
             )
         return server.model_card()
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    def generation(answer: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, Any]:
+        # each SSE event (OpenAPI < 3.2: ``schema`` describes one event): data is a chunk, an
+        # error object, or the final "[DONE]"
+        json_data = {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "contentSchema": {
+                "anyOf": [
+                    {"$ref": f"#/components/schemas/{chunk.__name__}"},
+                    {"$ref": "#/components/schemas/ErrorResponse"},
+                ]
+            },
+        }
+        event = {
+            "type": "object",
+            "required": ["data"],
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}},
+        }
+        stream = {"schema": event}
+        return {
+            200: {
+                "model": answer,
+                "description": f"{answer.__name__}, or with stream: true SSE events",
+                "content": {"text/event-stream": stream},
+            },
+            **_errors(400, 401, 404, 413, 429, 500, 503),
+        }
+
+    @app.post(
+        "/v1/chat/completions",
+        dependencies=auth,
+        response_class=Response,
+        responses=generation(ChatCompletion, ChatCompletionChunk),
+    )
     async def chat_completions(request: Request) -> Response:
         return await server.chat_completions(request)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post(
+        "/v1/completions",
+        dependencies=auth,
+        response_class=Response,
+        responses=generation(Completion, Completion),
+    )
     async def completions(request: Request) -> Response:
         return await server.completions(request)
 
@@ -672,6 +1199,9 @@ def serve(
     *,
     model_name: str | None = None,
     max_body_bytes: int = 1 << 20,
+    default_max_tokens: int | None = None,
+    max_tokens_limit: int | None = None,
+    max_generation_seconds: float | None = None,
     log_level: str = "info",
     **uvicorn_kw: Any,
 ) -> None:
@@ -687,6 +1217,9 @@ def serve(
         api_key=api_key,
         max_queue=max_queue,
         max_body_bytes=max_body_bytes,
+        default_max_tokens=default_max_tokens,
+        max_tokens_limit=max_tokens_limit,
+        max_generation_seconds=max_generation_seconds,
     )
     sock = _bind(host, port)
     bound = sock.getsockname()[1]

@@ -11,9 +11,9 @@ Responses mirror the shapes of ``openai.types`` (``chat.completion``, ``chat.com
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 # -- errors -------------------------------------------------------------------------------------
 
@@ -86,6 +86,13 @@ def validation_error(exc: ValidationError) -> APIError:
     if err["type"] == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {err['msg']}", code="invalid_json")
     param = _param_path(tuple(err["loc"]))
+    if err["type"] == "extra_forbidden":
+        return APIError(
+            400,
+            f"{param}: unknown or unsupported field; this server does not implement it",
+            param=param,
+            code="unsupported_field",
+        )
     where = param or "request body"
     got = err.get("input")
     shown = "" if isinstance(got, (dict, list)) else f" (got {got!r:.80})"
@@ -94,30 +101,41 @@ def validation_error(exc: ValidationError) -> APIError:
 
 # -- requests -----------------------------------------------------------------------------------
 
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs / completions logprobs
+MAX_CHOICES = 16  # n, and prompts x n of one request: bounded work per request
+
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # OpenAI pads chunks against length side channels by default; this server adds no padding
+    # and accepts only the setting that says so
+    include_obfuscation: Literal[False] | None = None
 
 
 class _SamplingRequest(_Request):
     """Fields shared by chat and text completions."""
 
     model: str | None = None  # optional here (llama.cpp-style); must match the served id if given
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    n: int = 1
+    logit_bias: dict[str, float] | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # accepted, change nothing in the answer
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # llama.cpp server extensions
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -131,36 +149,144 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def bias(self, vocab_size: int | None) -> dict[int, float]:
+        """``logit_bias`` as {token id: bias}; a 400 for a key that is not a token id or a
+        bias outside [-100, 100] (OpenAI's range)."""
+        out: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or (vocab_size is not None and int(key) >= vocab_size):
+                where = f" [0, {vocab_size})" if vocab_size is not None else ""
+                raise APIError(
+                    400,
+                    f"logit_bias: expected token ids{where} as keys, got {key!r:.40}",
+                    param="logit_bias",
+                )
+            if not -100.0 <= value <= 100.0:
+                raise APIError(
+                    400,
+                    f"logit_bias: expected biases in [-100, 100], got {value} for {key}",
+                    param="logit_bias",
+                )
+            out[int(key)] = value
+        return out
+
 
 class TextPart(_Request):
     type: Literal["text"]
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's answer
+    refusal: str | None = None
 
     def text(self) -> str:
         if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+            text = ""
+        elif isinstance(self.content, str):
+            text = self.content
+        else:
+            text = "".join(p.text for p in self.content)
+        for call in self.tool_calls or ():  # shown to the model in the shape it was asked for
+            text += f'{{"name": "{call.function.name}", "arguments": {call.function.arguments}}}'
+        return text
+
+
+class FunctionDef(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatText(_Request):
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(_Request):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJSONSchema(_Request):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = Field(None, discriminator="type")
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted: at most one call is ever made
 
     def unsupported(self) -> APIError | None:
-        if self.logprobs:
-            return APIError(400, "logprobs: not supported by this server", param="logprobs")
-        if self.top_logprobs:
-            return APIError(400, "top_logprobs: not supported by this server", param="top_logprobs")
+        if self.max_tokens == 0:
+            return APIError(400, "max_tokens: expected >= 1 for chat, got 0", param="max_tokens")
+        if self.top_logprobs and not self.logprobs:
+            return APIError(
+                400, "top_logprobs: needs logprobs: true", param="top_logprobs"
+            )
+        if self.tool_choice not in (None, "none") and not self.tools:
+            return APIError(400, "tool_choice: given without tools", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or ()]
+            if self.tool_choice.function.name not in names:
+                return APIError(
+                    400,
+                    f"tool_choice: no tool named {self.tool_choice.function.name!r}; "
+                    f"tools are {names}",
+                    param="tool_choice",
+                )
+        if self.tools and self.tool_choice != "none" and self.response_format is not None and (
+            self.response_format.type != "text"
+        ):
+            return APIError(
+                400,
+                "response_format: cannot be combined with tools (use one or the other)",
+                param="response_format",
+            )
         return None
 
     @property
@@ -173,23 +299,25 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    # a string, one string in a list, or token ids (one prompt); batches are rejected (n=1 only)
+    # a string, token ids, or a list of either (several prompts: one choice per prompt x n)
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
 
     def unsupported(self) -> APIError | None:
-        if self.echo:
-            return APIError(400, "echo: not supported by this server", param="echo")
-        if self.logprobs is not None:
-            return APIError(400, "logprobs: not supported by this server", param="logprobs")
         if self.suffix:
             return APIError(400, "suffix: not supported by this server", param="suffix")
-        if self.best_of not in (None, 1):
+        if self.best_of not in (None, self.n):
             return APIError(
-                400, f"best_of: only 1 is supported, got {self.best_of}", param="best_of"
+                400,
+                f"best_of: only best_of == n ({self.n}) is supported, got {self.best_of}",
+                param="best_of",
+            )
+        if self.max_tokens == 0 and self.stream:
+            return APIError(
+                400, "max_tokens: 0 is only supported without stream", param="max_tokens"
             )
         return None
 
@@ -197,24 +325,25 @@ class CompletionRequest(_SamplingRequest):
     def token_limit(self) -> int | None:
         return self.max_tokens
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of the request; a batch of several prompts is a 400."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (one or several); an empty list is a 400."""
         p = self.prompt
         if isinstance(p, str):
-            return p
+            return [p]
         if not p:
             raise APIError(
                 400, "prompt: expected a string or a list of token ids, got []", param="prompt"
             )
         if isinstance(p[0], int):
-            return list(p)  # type: ignore[arg-type]
-        if len(p) != 1:
+            return [list(p)]  # type: ignore[arg-type]
+        if len(p) * self.n > MAX_CHOICES:
             raise APIError(
                 400,
-                f"prompt: only one prompt per request is supported, got {len(p)}",
+                f"prompt: {len(p)} prompts x n={self.n} is more than {MAX_CHOICES} choices "
+                "per request",
                 param="prompt",
             )
-        return p[0]  # type: ignore[return-value]
+        return list(p)  # type: ignore[arg-type]
 
 
 # -- responses ----------------------------------------------------------------------------------
@@ -230,7 +359,7 @@ class Usage(_Response):
     total_tokens: int
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ModelCard(_Response):
@@ -245,15 +374,45 @@ class ModelList(_Response):
     data: list[ModelCard]
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Response):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -267,15 +426,28 @@ class ChatCompletion(_Response):
     system_fingerprint: str | None = None
 
 
+class FunctionCallDelta(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Response):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -289,10 +461,20 @@ class ChatCompletionChunk(_Response):
     system_fingerprint: str | None = None
 
 
+class CompletionLogprobs(_Response):
+    """The legacy completions shape: one entry per token (echoed prompt tokens first; the first
+    prompt token has no logprob)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(_Response):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 

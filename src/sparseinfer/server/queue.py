@@ -1,4 +1,4 @@
-"""A bounded FIFO of generation jobs served by one worker thread.
+"""A bounded FIFO of generation jobs served by one worker thread (or ``workers`` of them).
 
 The engine is not thread-safe, so every call into it (templating, tokenizing, generating) happens
 on the single worker thread owned by ``Scheduler``. The event loop only enqueues jobs and reads
@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,7 @@ class Job:
 
     def __init__(self, work: Callable[[Job], None], loop: asyncio.AbstractEventLoop) -> None:
         self.id = next(self._ids)
+        self.submitted = time.monotonic()  # for time-to-first-token
         self.work = work
         self.cancel = threading.Event()
         self._loop = loop
@@ -66,29 +68,39 @@ class Job:
 
 
 class Scheduler:
-    """FIFO of at most ``max_queue`` waiting jobs plus the one running on the worker thread."""
+    """FIFO of at most ``max_queue`` waiting jobs plus the ``workers`` running ones, each on its
+    own worker thread (``workers`` > 1 only over an engine that serves several streams at once,
+    such as ``batching.BatchEngine``)."""
 
-    def __init__(self, max_queue: int = 16, name: str = "sparseinfer-worker") -> None:
+    def __init__(self, max_queue: int = 16, name: str = "sparseinfer-worker",
+                 workers: int = 1) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue: expected >= 0, got {max_queue}")
+        if workers < 1:
+            raise ValueError(f"workers: expected >= 1, got {workers}")
         self.max_queue = max_queue
+        self.workers = workers
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._running: set[Job] = set()
         self._closed = False
         self._name = name
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self.served = 0  # jobs the worker started (not those cancelled while waiting)
 
     # -- lifecycle (called from the server's startup / shutdown) --
 
     def start(self) -> None:
         with self._cv:
-            if self._thread is not None:
+            if self._threads:
                 return
             self._closed = False
-            self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-            self._thread.start()
+            self._threads = [
+                threading.Thread(target=self._loop, name=f"{self._name}-{i}", daemon=True)
+                for i in range(self.workers)
+            ]
+            for thread in self._threads:
+                thread.start()
 
     def close(self, timeout: float = 10.0) -> None:
         """Cancel every job and stop the worker (waits up to ``timeout`` for the running one)."""
@@ -98,12 +110,13 @@ class Scheduler:
                 job.cancel.set()
                 job.emit(END)
             self._waiting.clear()
-            if self._running is not None:
-                self._running.cancel.set()
+            for job in self._running:
+                job.cancel.set()
             self._cv.notify_all()
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout)
+            threads, self._threads = self._threads, []
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 logger.warning(
                     "worker thread still busy after %.1f s; leaving it (daemon)", timeout
@@ -116,13 +129,14 @@ class Scheduler:
         with self._cv:
             if self._closed:
                 raise QueueFullError("the server is shutting down")
-            # capacity: one running plus max_queue waiting (a job not yet picked up counts as
-            # waiting, so two simultaneous requests to an idle server with max_queue=0 -> one 429)
-            if len(self._waiting) + (self._running is not None) > self.max_queue:
+            # capacity: the running ones plus max_queue waiting (a job not yet picked up counts
+            # as waiting, so two simultaneous requests to an idle one-worker server with
+            # max_queue=0 -> one 429)
+            if len(self._waiting) + len(self._running) > self.max_queue + self.workers - 1:
                 raise QueueFullError(
                     f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue})"
                 )
-            ahead = len(self._waiting) + (self._running is not None)
+            ahead = len(self._waiting) + len(self._running)
             self._waiting.append(job)
             self._cv.notify()
             return ahead
@@ -145,7 +159,7 @@ class Scheduler:
     @property
     def running(self) -> int:
         with self._cv:
-            return int(self._running is not None)
+            return len(self._running)
 
     # -- the worker thread --
 
@@ -157,7 +171,7 @@ class Scheduler:
                 if self._closed:
                     return
                 job = self._waiting.popleft()
-                self._running = job
+                self._running.add(job)
                 self.served += 1
             try:
                 if not job.cancel.is_set():
@@ -166,5 +180,5 @@ class Scheduler:
                 job.emit(JobFailed(exc))
             finally:
                 with self._cv:
-                    self._running = None
+                    self._running.discard(job)
                 job.emit(END)

@@ -1,0 +1,316 @@
+"""Continuous batching (``serve --parallel N``, llama.cpp's ``-np``): an ``EngineProtocol`` over an
+``Engine`` that serves up to N streams together.
+
+One loop thread owns the model. Each of its iterations, at a token boundary:
+
+1. admits waiting sequences into free slots of one KV cache (N slots, one per sequence);
+2. drops sequences whose consumer stopped (stop string, cancelled, client gone): the slot is
+   free for the next one;
+3. prefills one chunk (``prefill_chunk`` tokens) of the oldest sequence still reading its
+   prompt, so a newcomer's long prompt never stalls the others for more than a chunk;
+4. runs one ``models.batch.decode_step`` over every sequence that is generating: the weights are
+   read once for all of them, each row attends to its own slot;
+5. samples each row with its own RNG, penalties, logits processors and logprobs, and hands the
+   token to that sequence's consumer.
+
+``stream()`` runs on the caller's thread (the server's workers, one per running request): it
+queues the sequence, then turns the loop's token ids into text (incremental decoding, stop
+strings) exactly like ``Engine.stream``. A sequence always decodes through ``decode_step``, alone
+or not, so its numbers do not depend on the fused single-token path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import SamplingParams
+from ..engine import Engine, FinishEvent, StopStrings, StreamEvent, TokenEvent, TokenScore
+from ..generate import apply_penalties, sample, token_logprobs
+from ..models.batch import attend as batch_attend
+from ..models.batch import decode_step, slot_cache
+
+logger = logging.getLogger(__name__)
+
+_POLL = 0.05  # seconds a consumer waits for a token before looking at its cancel event
+
+
+@dataclass(eq=False)
+class _Seq:
+    prompt: list[int]
+    params: SamplingParams
+    rng: torch.Generator
+    processors: tuple[Any, ...]
+    logprobs: int | None
+    limit: int  # tokens to generate at most
+    stop_ids: frozenset[int]
+    out: queue.Queue = field(default_factory=queue.Queue)
+    slot: int | None = None
+    prefilled: int = 0  # prompt tokens already in the cache
+    pending: int | None = None  # sampled, not yet run through the model
+    generated: list[int] = field(default_factory=list)
+    done: bool = False  # set by the consumer: stop at the next token boundary
+    t_start: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+
+    @property
+    def pos(self) -> int:  # the position of ``pending``
+        return len(self.prompt) + len(self.generated) - 1
+
+
+class BatchEngine:
+    """Serves up to ``parallel`` generations at once over ``engine``'s model; see the module
+    docstring. Tokenizing and templating are delegated to ``engine`` (thread-safe)."""
+
+    def __init__(self, engine: Engine, parallel: int, prefill_chunk: int = 64) -> None:
+        if parallel < 1:
+            raise ValueError(f"parallel: expected >= 1, got {parallel}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk: expected >= 1, got {prefill_chunk}")
+        self.engine = engine
+        self.name = engine.name
+        self.n_ctx = engine.n_ctx
+        self.parallel = parallel
+        self.prefill_chunk = prefill_chunk
+        self.model = engine.model
+        self.cache = self.model.new_cache(parallel, self.n_ctx)
+        from ..fused.decode import attend_rows, supports
+
+        # the fused per-row attention kernel where it applies (CPU fp32 rope models): no torch
+        # parallel regions for the small attention ops (costly on a busy 2-core machine)
+        self._attend = attend_rows if supports(self.model) else batch_attend
+        self._views = [slot_cache(self.cache, s) for s in range(parallel)]  # kept: stable ids
+        self._free = list(range(parallel))
+        self._cv = threading.Condition()
+        self._incoming: deque[_Seq] = deque()
+        self._active: list[_Seq] = []
+        self._tasks: deque[tuple[Any, queue.Queue]] = deque()
+        self._closed = False
+        self.steps = 0  # decode steps run (for tests and benchmarks)
+        self.max_batch = 0  # the most rows one decode step has had
+        self._thread = threading.Thread(target=self._loop, name="sparseinfer-batch", daemon=True)
+        self._thread.start()
+
+    # -- EngineProtocol: text (delegated) --
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        return self.engine.encode(text, add_bos)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.engine.decode(ids)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.engine.chat_prompt(messages)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self.engine.eos_ids
+
+    def tokenizer_json(self) -> str:
+        return self.engine.tokenizer_json()
+
+    # -- generation --
+
+    def score(self, ids: list[int], top: int = 0) -> list[TokenScore]:
+        """``Engine.score``, run on the loop thread between steps."""
+        self.engine.check_fits(len(ids))
+        done: queue.Queue = queue.Queue()
+        with self._cv:
+            self._tasks.append((lambda: self._score(list(ids), top), done))
+            self._cv.notify()
+        ok, value = done.get()
+        if not ok:
+            raise value
+        return value
+
+    def stream(self, prompt_ids, params: SamplingParams, cancel=None, *, processors=(),
+               logprobs: int | None = None) -> Iterator[StreamEvent]:
+        prompt = list(prompt_ids)
+        self.engine.check_fits(len(prompt))  # raises before anything is yielded
+        return self._stream(prompt, params, cancel, tuple(processors), logprobs)
+
+    def _stream(self, prompt: list[int], params: SamplingParams, cancel, processors,
+                logprobs) -> Iterator[StreamEvent]:
+        rng = torch.Generator()
+        rng.manual_seed(params.seed if params.seed is not None
+                        else int.from_bytes(os.urandom(6), "little"))
+        limit = self.n_ctx - len(prompt)
+        if params.max_tokens >= 0:
+            limit = min(limit, params.max_tokens)
+        stop_ids = frozenset() if params.ignore_eos else self.engine.eos_ids
+        seq = _Seq(prompt, params, rng, processors, logprobs, limit, stop_ids)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the batch engine is closed")
+            self._incoming.append(seq)
+            self._cv.notify()
+        decoder = self.engine.tokenizer.decoder()
+        stopper = StopStrings(params.stop)
+        n_out, reason = 0, "length"
+        try:
+            while True:
+                try:
+                    item = seq.out.get(timeout=_POLL)
+                except queue.Empty:
+                    if cancel is not None and cancel.is_set():
+                        reason = "cancelled"
+                        break
+                    continue
+                kind = item[0]
+                if kind == "error":
+                    raise item[1]
+                if kind == "end":
+                    reason = item[1]
+                    n_out += item[2]  # an end-of-text token counts, as in Engine.stream
+                    break
+                _, tok, lp, top = item
+                n_out += 1
+                text, hit = stopper.push(decoder.push(tok))
+                yield TokenEvent(tok, text, lp, top) if lp is not None else TokenEvent(tok, text)
+                if hit:
+                    reason = "stop_string"
+                    break
+                if cancel is not None and cancel.is_set():
+                    reason = "cancelled"
+                    break
+            if reason == "stop_string":
+                reason = "stop"
+            elif reason != "cancelled":
+                text, _ = stopper.push(decoder.flush(), final=True)
+                if text:
+                    yield TokenEvent(-1, text)
+        finally:
+            seq.done = True
+            with self._cv:
+                self._cv.notify()
+        t_end = time.perf_counter()
+        t_first = seq.t_first or t_end
+        yield FinishEvent(reason, len(prompt), n_out, t_first - seq.t_start, t_end - t_first)
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    # -- the loop thread --
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while not (self._closed or self._incoming or self._active or self._tasks):
+                    self._cv.wait()
+                if self._closed:
+                    for seq in list(self._incoming) + self._active:
+                        seq.out.put(("end", "cancelled", 0))
+                    return
+                tasks = list(self._tasks)
+                self._tasks.clear()
+                while self._incoming and self._free:  # 1. admit
+                    seq = self._incoming.popleft()
+                    seq.slot = self._free.pop(0)
+                    self._active.append(seq)
+            try:
+                with torch.inference_mode():
+                    for task, done in tasks:
+                        try:
+                            done.put((True, task()))
+                        except Exception as exc:  # delivered to the caller
+                            done.put((False, exc))
+                    self._iterate()
+            except Exception as exc:  # a bug or an engine failure: fail every active stream
+                logger.error("batch step failed", exc_info=exc)
+                for seq in self._active:
+                    seq.out.put(("error", exc))
+                    self._release(seq)
+
+    def _release(self, seq: _Seq) -> None:
+        if seq in self._active:
+            self._active.remove(seq)
+        if seq.slot is not None:
+            self._free.append(seq.slot)
+            self._free.sort()  # lowest slots first: active slots stay consecutive more often
+            seq.slot = None
+
+    def _iterate(self) -> None:
+        for seq in [s for s in self._active if s.done]:  # 2. drop finished consumers
+            self._release(seq)
+        prefilling = [s for s in self._active if s.prefilled < len(s.prompt)]
+        if prefilling:  # 3. one chunk of the oldest prompt
+            seq = prefilling[0]
+            start = seq.prefilled
+            chunk = seq.prompt[start:start + self.prefill_chunk]
+            logits = self.model(torch.tensor([chunk]), start, self._views[seq.slot],
+                                last_only=True)[0, -1]
+            seq.prefilled += len(chunk)
+            if seq.prefilled == len(seq.prompt):
+                self._sampled(seq, logits)
+        decoding = [s for s in self._active if s.pending is not None and s.slot is not None]
+        if not decoding:
+            return
+        decoding.sort(key=lambda s: s.slot)
+        tokens = torch.tensor([s.pending for s in decoding])
+        positions = torch.tensor([s.pos for s in decoding])
+        slots = torch.tensor([s.slot for s in decoding])
+        logits = decode_step(self.model, tokens, positions, self.cache, slots,  # 4. one step
+                             self._attend)
+        self.steps += 1
+        self.max_batch = max(self.max_batch, len(decoding))
+        for row, seq in enumerate(decoding):  # 5. sample each row
+            self._sampled(seq, logits[row])
+
+    def _sampled(self, seq: _Seq, logits: torch.Tensor) -> None:
+        """Sample ``seq``'s next token from ``logits`` and hand it over (or end the sequence)."""
+        if seq.done:
+            self._release(seq)
+            return
+        p = seq.params
+        logits = apply_penalties(logits, seq.prompt + seq.generated, p)
+        for proc in seq.processors:
+            logits = proc(seq.generated, logits)
+        tok = sample(logits, p, seq.rng)
+        if seq.t_first is None:
+            seq.t_first = time.perf_counter()
+        seq.generated.append(tok)
+        if tok in seq.stop_ids:
+            seq.out.put(("end", "stop", 1))
+            self._release(seq)
+            return
+        lp = top = None
+        if seq.logprobs is not None:
+            lp_t, top_lp, top_ids = token_logprobs(logits.view(1, -1), torch.tensor([tok]),
+                                                   seq.logprobs)
+            lp = float(lp_t[0])
+            top = () if top_ids is None else tuple(zip(top_ids[0].tolist(), top_lp[0].tolist()))
+        seq.out.put(("token", tok, lp, top))
+        if len(seq.generated) >= seq.limit or seq.pos + 1 >= self.n_ctx:
+            seq.out.put(("end", "length", 0))
+            self._release(seq)
+            return
+        seq.pending = tok
+
+    def _score(self, ids: list[int], top: int) -> list[TokenScore]:
+        """Prompt logprobs in a free slot (or, with none free, a temporary cache)."""
+        from ..generate import score
+
+        cache = self._views[self._free[0]] if self._free else self.model.new_cache(1, self.n_ctx)
+        lp, top_lp, top_ids = score(self.model, ids, cache, top)
+        out = [TokenScore(ids[0], None, ())]
+        for i, tok in enumerate(ids[1:]):
+            alts = () if top_ids is None else tuple(zip(top_ids[i].tolist(), top_lp[i].tolist()))
+            out.append(TokenScore(tok, float(lp[i]), alts))
+        return out
