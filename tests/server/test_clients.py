@@ -98,6 +98,7 @@ def test_langchain_tools_and_structured_output(real_engine_server):
     for choice in ("GetWeather", "any"):
         msg = llm.bind_tools([GetWeather], tool_choice=choice).invoke(
             "What is the weather in Paris?")
+        assert len(msg.tool_calls) == 1, (msg, msg.response_metadata)
         [call] = msg.tool_calls
         assert call["name"] == "GetWeather" and call["args"]["city"] in ("Paris", "London")
     answer = llm.with_structured_output(Capital).invoke("What is the capital of France?")

@@ -42,6 +42,9 @@ def test_chat_matches_engine(real):
 
 def test_chat_stream_matches_engine(real):
     srv, engine, ids, text, finish = real
+    # no prefix reuse from the request before: the reference text was prefilled whole (a token
+    # decoded instead of prefilled rounds differently, and near-ties flip a tiny model's argmax)
+    engine._cached_ids = []
     chunks = list(
         openai_client(srv, timeout=60).chat.completions.create(
             model=engine.name,

@@ -26,6 +26,8 @@ class SlotCache(KVCache):
         self.k = cache.k[:, slot : slot + 1]
         self.v = cache.v[:, slot : slot + 1]
         self.max_seq = cache.max_seq
+        self.k_np = None if cache.k_np is None else cache.k_np[:, slot : slot + 1]
+        self.v_np = None if cache.v_np is None else cache.v_np[:, slot : slot + 1]
 
 
 def slot_cache(cache: KVCache, slot: int) -> SlotCache:

@@ -118,7 +118,9 @@ class Grammars:
         text = json.dumps(schema, sort_keys=True)
 
         def build(compiler: Any) -> Any:
-            call = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=False)
+            # strict: a call's arguments hold only the tool's declared parameters (as OpenAI's
+            # function calling); a small model otherwise invents keys until max_tokens
+            call = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
             if mode == "auto":
                 call = xgr.Grammar.union(xgr.Grammar.from_ebnf("root ::= [^{ \\t\\n] [^]*"), call)
             return compiler.compile_grammar(call)
