@@ -124,6 +124,9 @@ def _peak_mb() -> float:
 
 def _ours(path: str, threads: int, n_tokens: int, n_ctx: int) -> dict:
     t0 = time.perf_counter()
+    from sparseinfer.threads import passive_wait
+
+    passive_wait()  # as the CLI does, before torch and numba start their pools
     import numba  # noqa: F401  the runtime's fixed cost: torch, numba, the kernel libraries
     import torch  # noqa: F401
 

@@ -46,6 +46,9 @@ def _peak_rss_mb() -> float:
 
 def _ours(model, dense: bool, threads: int, n_tokens: int, ppl_chunks: int,
           ffn_dtype: str, kernels: bool = True, dtype: str = "fp32") -> dict:
+    from sparseinfer.threads import passive_wait
+
+    passive_wait()  # as the CLI does, before torch and numba start their pools
     import torch
 
     from sparseinfer.config import SamplingParams

@@ -33,9 +33,10 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                         "sleep, so a busy machine costs little)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "q4"],
-                   help="weights: auto (default) keeps each tensor's own precision (Q4_0/Q4_1/"
-                        "Q4_K blocks as they are, other quantized types as int8, float as fp32); "
-                        "q4 = every projection 4-bit with an int8 LM head (CPU); fp32 / bf16")
+                   help="weights: auto (default) keeps every tensor as the file stores it "
+                        "(quantized blocks computed in place by the C kernels, float as fp32); "
+                        "q4 = every projection 4-bit (torch's int4 kernel) with an int8 LM head; "
+                        "fp32 / bf16")
     sp = p.add_argument_group("sparse runtime (models converted with `sparseinfer convert`)")
     sp.add_argument("--dense", action="store_true", help="ignore predictors: dense FFNs")
     sp.add_argument("--sparse-threshold", type=float, default=None,
