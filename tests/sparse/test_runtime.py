@@ -24,7 +24,7 @@ def load_model(path, **options):
     return load(path, "fp32", **options)
 
 
-def sparsify(path, **options):
+def load_sparse(path, **options):
     """(loaded sparse model, its SparseInfo) for a directory with predictors."""
     lm = load(path, "fp32", **options)
     return lm, sparse_info(lm.model, lm.plan)
@@ -87,7 +87,7 @@ def _close(a, b, tol=1e-4):
 def test_oracle_relu_equals_dense(tiny_model_dir, with_predictors, kind):
     path = tiny_model_dir(kind)
     dense = _decode_logits(load_model(path), IDS)
-    lm, info = sparsify(with_predictors(path), mode="oracle")
+    lm, info = load_sparse(with_predictors(path), mode="oracle")
     got = _decode_logits(lm, IDS)
     assert _close(got, dense)
     # the oracle really skipped neurons: ReLU zeros about half of them on random weights
@@ -100,7 +100,7 @@ def test_oracle_relu_equals_dense(tiny_model_dir, with_predictors, kind):
 def test_all_active_equals_dense(tiny_model_dir, with_predictors, kind, ffn_dtype):
     path = tiny_model_dir(kind)
     dense = _decode_logits(load_model(path), IDS)
-    lm, info = sparsify(with_predictors(path), threshold=-float("inf"), ffn_dtype=ffn_dtype)
+    lm, info = load_sparse(with_predictors(path), threshold=-float("inf"), ffn_dtype=ffn_dtype)
     got = _decode_logits(lm, IDS)
     assert info.density() == 1.0
     # q4: 4-bit round-to-nearest blocks of a random tiny model's FFN (the kernel itself matches
@@ -113,7 +113,7 @@ def test_all_active_equals_dense(tiny_model_dir, with_predictors, kind, ffn_dtyp
 def test_prefill_path_equals_dense(tiny_model_dir, with_predictors, kind):
     path = tiny_model_dir(kind)
     dense = _prefill_logits(load_model(path), IDS)
-    lm, info = sparsify(with_predictors(path))
+    lm, info = load_sparse(with_predictors(path))
     info.set_batch_mode("dense")  # every neuron (the default "auto" is union here)
     assert _close(_prefill_logits(lm, IDS), dense)
 
@@ -123,11 +123,11 @@ def test_two_tiers_equal_one_tier(tiny_model_dir, with_predictors, kind):
     """CPU stands in for the fast device: hot neurons through the device-generic torch path,
     cold ones through the CPU kernel, merged — same logits as one tier."""
     path = with_predictors(tiny_model_dir(kind))
-    one, _ = sparsify(path, split_tiers=False)
-    two, info = sparsify(path, split_tiers=True, device="cpu", vram_budget=None)
+    one, _ = load_sparse(path, split_tiers=False)
+    two, info = load_sparse(path, split_tiers=True, device="cpu", vram_budget=None)
     # stored placement is ignored on a CPU-only run unless tiers are forced with a budget
     assert info.hot_counts == [0, 0]
-    two, info = sparsify(path, split_tiers=True, device="cpu", vram_budget=0.0003, min_split=32)
+    two, info = load_sparse(path, split_tiers=True, device="cpu", vram_budget=0.0003, min_split=32)
     assert any(0 < k < two.config.d_ff for k in info.hot_counts), info.hot_counts
     assert all(m.split for m, k in zip(info.modules, info.hot_counts) if k)
     assert _close(_decode_logits(two, IDS), _decode_logits(one, IDS), 1e-5)
@@ -138,7 +138,7 @@ def test_missing_predictor_is_a_clear_error(tiny_model_dir, with_predictors):
 
     path = with_predictors(tiny_model_dir("reglu"), drop="blk.1.fc2.weight")
     with pytest.raises(SparseInferError, match=r"missing tensor .*'blk\.1\.fc2\.weight'"):
-        sparsify(path)
+        load_sparse(path)
 
 
 @pytest.mark.parametrize("kind", ["reglu", "swiglu"])
@@ -146,7 +146,7 @@ def test_masked_batch_equals_token_by_token(tiny_model_dir, with_predictors, kin
     """Perplexity scores the sparse model in batches: each token must keep its own active set,
     exactly what token-by-token decoding computes."""
     path = tiny_model_dir(kind)
-    lm, info = sparsify(with_predictors(path, seed=3))
+    lm, info = load_sparse(with_predictors(path, seed=3))
     step = _decode_logits(lm, IDS)
     d_step = info.density()
     info.reset_stats()
@@ -169,7 +169,7 @@ def test_union_prefill_oracle_relu_equals_dense(tiny_model_dir, with_predictors,
     ReLU-family models (every neuron outside the union is zero for every token)."""
     path = tiny_model_dir(kind)
     dense = _prefill_logits(load_model(path), IDS)
-    lm, info = sparsify(with_predictors(path), mode="oracle")
+    lm, info = load_sparse(with_predictors(path), mode="oracle")
     info.set_batch_mode("union")
     assert _close(_prefill_logits(lm, IDS), dense)
     assert 0.0 < info.density() <= 1.0
@@ -180,7 +180,7 @@ def test_union_prefill_computes_the_union_of_predicted_sets(tiny_model_dir, with
     whose every mask is the union (the torch reference path)."""
     from sparseinfer.sparse.reference import sparse_ffn_ref
 
-    lm, info = sparsify(with_predictors(tiny_model_dir("swiglu"), seed=5))
+    lm, info = load_sparse(with_predictors(tiny_model_dir("swiglu"), seed=5))
     ffn = info.modules[0]
     x = torch.randn(1, 6, lm.config.d_model)
     ffn.batch_mode = "union"
@@ -220,7 +220,7 @@ def test_int8_rows_take_bf16_predictors(tiny_model_dir, with_predictors):
     torch reference selects, and the model still decodes with it."""
     from sparseinfer.sparse.reference import predict_active_ref
 
-    lm, info = sparsify(with_predictors(tiny_model_dir("reglu"), seed=7), ffn_dtype="int8")
+    lm, info = load_sparse(with_predictors(tiny_model_dir("reglu"), seed=7), ffn_dtype="int8")
     ffn = info.modules[0]
     assert ffn.predictor.fc1.dtype == torch.bfloat16 == ffn.predictor.fc2.dtype
     x = torch.randn(lm.config.d_model)
@@ -238,7 +238,7 @@ def test_auto_prefill_of_long_prompts(tiny_model_dir, with_predictors, ffn_dtype
     kernel over int8 rows (the dense path would dequantize every row first; measured)."""
     from sparseinfer.sparse.ffn import UNION_MAX_TOKENS
 
-    lm, info = sparsify(with_predictors(tiny_model_dir("reglu"), seed=9), ffn_dtype=ffn_dtype)
+    lm, info = load_sparse(with_predictors(tiny_model_dir("reglu"), seed=9), ffn_dtype=ffn_dtype)
     ids = (IDS * 4)[: UNION_MAX_TOKENS + 8]
     auto = _prefill_logits(lm, ids)
     info.set_batch_mode(want)

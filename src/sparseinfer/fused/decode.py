@@ -2,13 +2,14 @@
 
 For one token the projections are a few dozen microseconds each, and the dozens of small torch
 ops around them (norm, rope, cache writes, grouped-query attention, residual adds, each ≈2–3 µs
-of dispatch) cost as much again. ``FusedDecode`` keeps the block's own projection modules (fp32
-``KernelLinear``, 4-bit ``Int4Linear``, or whatever the FFN is, sparse included) and replaces
-the rest for B = T = 1 (``Block.fused``, chosen by the load plan) by:
+of dispatch) cost as much again. ``FusedDecode`` keeps the block's own projection modules
+(``FloatLinear``, the file's blocks in ``GGMLLinear``, 4-bit ``Int4Linear``, or whatever the FFN
+is, sparse included) and replaces the rest for B = T = 1 (``Block.fused``, chosen by the load
+plan) by:
 
 - ``rms_norm`` — ``out = x · rsqrt(mean(x²) + eps) · w`` (optionally ``x += add`` first, the
   residual), and
-- ``attend`` — rope (rotate-half) on q and k, the new k/v written into the cache at ``pos``,
+- ``attend`` — rope (rotate-half, or adjacent pairs for GGUF's Q/K order) on q and k, the new k/v written into the cache at ``pos``,
   softmax(q·Kᵀ · scale) · V per head with grouped K/V heads.
 
 Everything else (prompts, batches, LayerNorm models, learned positions, non-CPU or non-fp32

@@ -184,7 +184,8 @@ class _Source:
 
 
 def unfuse(model) -> dict[str, torch.Tensor]:
-    """Canonical per-projection tensors of a Transformer (the inverse of ``load_state``)."""
+    """Canonical per-projection float tensors of a Transformer with float projections (the
+    inverse of the fusing that ``models/build.py`` does when it fills q/k/v and gate/up)."""
     cfg = model.cfg
     hd = cfg.head_dim
     q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
