@@ -91,6 +91,10 @@ def write_powerinfer_file(src, out, kind: str, ftype: str = "f32", threshold: fl
     for name, data in tensors.items():
         if ftype == "f16" and data.ndim == 2 and name.endswith(".weight"):
             data = data.astype(np.float16)
+        if ftype == "q4_0" and data.ndim == 2 and ".fc" not in name and "embd" not in name:
+            w.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+            continue
         w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -238,3 +242,18 @@ def test_convert_reprofiles_a_powerinfer_file(pwri, tmp_path, capsys):
     capsys.readouterr()
     assert main(["run", "-m", str(out), "-p", "Emma", "-n", "4", "--temp", "0"]) == 0
     assert "sparse FFN" in capsys.readouterr().err
+
+
+def test_q4_0_powerinfer_file(pwri):
+    """A PowerInfer file with Q4_0 matrices (as its quantizer writes them): the dense parts run
+    on the file's blocks, the FFN rows are its dequantized blocks; all neurons active equals the
+    dense model of the same file (4-bit rounding of a random tiny model is far from its float
+    source, so that is not compared)."""
+    path, _ = pwri("reglu", "q4_0")
+    lm = load(path, "auto", threshold=-float("inf"))
+    assert lm.plan.weight("layers.0.attn.wqkv").storage == "ggml"
+    exact = load(path, "fp32", dense=True)  # every block dequantized: the file's function
+    assert _rel(_logits(load(path, "fp32", threshold=-float("inf")).model),
+                _logits(exact.model)) < 1e-4
+    # the default rounds activations to int8 blocks for the file's 4-bit blocks
+    assert _rel(_logits(lm.model), _logits(exact.model)) < 0.05
