@@ -218,7 +218,7 @@ def test_gemm_int8_rows_matches_reference_and_is_batch_independent(rows):
     from sparseinfer.quant.linear import gemm_int8_rows
 
     gen = torch.Generator().manual_seed(rows)
-    lin = Int8Linear(torch.randn(77, 64, generator=gen))
+    lin = Int8Linear.from_float(torch.randn(77, 64, generator=gen))
     x = torch.randn(rows, 64, generator=gen)
     got = lin.forward_rows(x)
     want = torch.stack([gemv_int8_ref(lin.q, lin.scale32, r) for r in x])
