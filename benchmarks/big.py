@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import platform
 import sys
 import time
 from pathlib import Path
@@ -28,19 +26,6 @@ SHAPES = {  # d_model, d_ff, layers, heads, kv heads
 }
 PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good "
           "fortune, must be in want of a wife.")
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                flags = open("/proc/cpuinfo").read()
-                isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "?"
-                return f"{name} ({isa})"
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _tiled_q4_0(rows: int, cols: int, rng, base_rows: int = 512):
@@ -189,25 +174,6 @@ def _llama_cpp(path: str, threads: int, n_tokens: int, n_ctx: int) -> dict:
             "bytes_per_token": per_tok}
 
 
-def _child(fn_name, kwargs, conn):
-    try:
-        conn.send(globals()[fn_name](**kwargs))
-    except Exception as e:  # report, don't hang the parent
-        conn.send({"error": f"{type(e).__name__}: {e}"})
-
-
-def run_isolated(fn_name: str, **kwargs) -> dict:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    p = ctx.Process(target=_child, args=(fn_name, kwargs, child))
-    p.start()
-    out = parent.recv() if parent.poll(3600) else {"error": "no answer in an hour"}
-    p.join()
-    if p.exitcode and "error" not in out:
-        out = {"error": f"exit code {p.exitcode}"}
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="7b", choices=sorted(SHAPES))
@@ -219,7 +185,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from sparseinfer.bench import measure_read_bandwidth
+    from sparseinfer.bench import cpu_model, measure_read_bandwidth, run_isolated
 
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"llama-{args.shape}.q4_0.gguf"
@@ -234,14 +200,14 @@ def main() -> int:
     rows = {}
     common = dict(path=str(path), threads=args.threads, n_tokens=args.tokens, n_ctx=args.ctx)
     bw = measure_read_bandwidth(args.threads)
-    rows["sparseinfer"] = run_isolated("_ours", **common)
+    rows["sparseinfer"] = run_isolated(_ours, **common)
     if not args.no_llama_cpp:
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
             print("llama-cpp-python not installed: llama.cpp not measured", file=sys.stderr)
         else:
-            rows["llama.cpp"] = run_isolated("_llama_cpp", **common)
+            rows["llama.cpp"] = run_isolated(_llama_cpp, **common)
     bw = (bw + measure_read_bandwidth(args.threads)) / 2  # before and after: it drifts
     print(f"read bandwidth ({args.threads} threads, mean of before/after): {bw:.1f} GB/s")
     print(f"\n{'engine':12s} {'load s':>7s} {'peak RSS':>9s} {'RSS load':>9s} {'runtime':>8s} "

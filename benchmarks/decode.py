@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import resource
 import sys
 import time
@@ -24,20 +23,6 @@ PROMPT = ("It is a truth universally acknowledged, that a single man in possessi
           "fortune, must be in want of a wife. However little known the feelings or views of "
           "such a man may be on his first entering a neighbourhood, this truth is so well fixed "
           "in the minds of the surrounding families, that he is considered")
-
-
-def cpu_model() -> str:
-    """The CPU's name and the vector instruction sets that matter here."""
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return "unknown CPU"
-    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
-                 if ln.startswith("model name")), "unknown CPU")
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
-                  if ln.startswith("flags")), [])
-    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni") if f in flags]
-    return f"{name} [{' '.join(isa)}]"
 
 
 def _peak_rss_mb() -> float:
@@ -188,23 +173,6 @@ def _llama_cpp(model, threads: int, n_tokens: int, ppl_chunks: int) -> dict:
     return out
 
 
-def _child(fn_name, kwargs, conn):
-    try:
-        conn.send(globals()[fn_name](**kwargs))
-    except Exception as e:  # report, don't hang the parent
-        conn.send({"error": f"{type(e).__name__}: {e}"})
-
-
-def run_isolated(fn_name: str, **kwargs) -> dict:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    p = ctx.Process(target=_child, args=(fn_name, kwargs, child))
-    p.start()
-    out = parent.recv()
-    p.join()
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None, help="dense model (default: embedded SmolLM2)")
@@ -221,33 +189,33 @@ def main() -> int:
 
     from pathlib import Path
 
-    from sparseinfer.bench import measure_read_bandwidth
+    from sparseinfer.bench import cpu_model, measure_read_bandwidth, run_isolated
 
     model = Path(args.model) if args.model else None
     bw = measure_read_bandwidth(args.threads)
     print(f"CPU: {cpu_model()}; read bandwidth ({args.threads} threads): {bw:.1f} GB/s")
     rows = {}
     common = dict(threads=args.threads, n_tokens=args.tokens, ppl_chunks=args.ppl_chunks)
-    rows["sparseinfer default (auto)"] = run_isolated("_ours", model=model, dense=True,
+    rows["sparseinfer default (auto)"] = run_isolated(_ours, model=model, dense=True,
                                                       ffn_dtype="fp32", dtype="auto", **common)
-    rows["sparseinfer fp32, unfused"] = run_isolated("_ours", model=model, dense=True,
+    rows["sparseinfer fp32, unfused"] = run_isolated(_ours, model=model, dense=True,
                                                      ffn_dtype="fp32", kernels=False, **common)
-    rows["sparseinfer dense fp32"] = run_isolated("_ours", model=model, dense=True,
+    rows["sparseinfer dense fp32"] = run_isolated(_ours, model=model, dense=True,
                                                   ffn_dtype="fp32", **common)
-    rows["sparseinfer dense q4"] = run_isolated("_ours", model=model, dense=True,
+    rows["sparseinfer dense q4"] = run_isolated(_ours, model=model, dense=True,
                                                 ffn_dtype="fp32", dtype="q4", **common)
     if args.sparse:
         rows[f"sparseinfer sparse {args.ffn_dtype}/{args.sparse_dtype}"] = run_isolated(
             "_ours", model=Path(args.sparse), dense=False, ffn_dtype=args.ffn_dtype,
             dtype=args.sparse_dtype, **common)
     if not args.no_transformers:
-        rows["transformers fp32"] = run_isolated("_transformers", model=model, **common)
+        rows["transformers fp32"] = run_isolated(_transformers, model=model, **common)
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         print("llama-cpp-python not installed: llama.cpp not measured", file=sys.stderr)
     else:
-        rows["llama.cpp (GGUF as is)"] = run_isolated("_llama_cpp", model=model, **common)
+        rows["llama.cpp (GGUF as is)"] = run_isolated(_llama_cpp, model=model, **common)
 
     ref_hf = rows.get("transformers fp32", {}).get("decode_tok_s")
     ref_cpp = rows.get("llama.cpp (GGUF as is)", {}).get("decode_tok_s")

@@ -75,3 +75,42 @@ def timeit(fn: Callable[[], object], repeats: int = 5, number: int = 1) -> list[
             fn()
         out.append((time.perf_counter() - t0) / number)
     return out
+
+
+def cpu_model() -> str:
+    """The CPU's name and the vector instruction sets that matter here (benchmarks print it
+    beside every figure: machines of this project differ)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return "unknown CPU"
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                 if ln.startswith("model name")), "unknown CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
+                  if ln.startswith("flags")), [])
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni") if f in flags]
+    return f"{name} [{' '.join(isa)}]"
+
+
+def _child(fn, kwargs, conn) -> None:
+    try:
+        conn.send(fn(**kwargs))
+    except Exception as e:  # report, don't hang the parent
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+
+
+def run_isolated(fn: Callable[..., dict], timeout: float = 3600, **kwargs) -> dict:
+    """``fn(**kwargs)`` in a fresh process (spawn: clean peak RSS, no shared caches or thread
+    pools); its dict result, or ``{"error": ...}``. ``fn`` must be importable by the child (a
+    top-level function of the benchmark script)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_child, args=(fn, kwargs, child))
+    p.start()
+    out = parent.recv() if parent.poll(timeout) else {"error": f"no answer in {timeout:.0f} s"}
+    p.join()
+    if p.exitcode and "error" not in out:
+        out = {"error": f"exit code {p.exitcode}"}
+    return out
