@@ -58,6 +58,14 @@ class ModelConfig:
     rope_interleaved: bool = False
     pos_offset: int = 0  # learned positions: OPT stores 2 extra rows in front
     attn_bias: bool = False  # q/k/v/o biases
+    qkv_bias: bool = False  # q/k/v biases only (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rope (Qwen3, Gemma 3)
+    # rope frequency divisors, one per rotated pair (Llama 3.1 "llama3" scaling; llama.cpp's
+    # rope_freqs.weight): angle_i = pos * theta^(-2i/hd) / rope_factors[i]; () = all 1
+    rope_factors: tuple[float, ...] = ()
+    # attention window per layer in tokens (query i sees keys j with i - j < w; 0 = the whole
+    # context); () = no layer windowed (Mistral: one window for every layer)
+    attn_windows: tuple[int, ...] = ()
     ffn_bias: bool = False  # up/down biases (ungated MLPs)
     tie_embeddings: bool = False
     name: str = ""
@@ -71,6 +79,14 @@ class ModelConfig:
             raise ValueError(f"norm: expected 'rms' or 'layer', got {self.norm!r}")
         if self.pos not in ("rope", "learned"):
             raise ValueError(f"pos: expected 'rope' or 'learned', got {self.pos!r}")
+        for name in ("rope_factors", "attn_windows"):  # JSON gives lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.attn_windows and len(self.attn_windows) != self.n_layers:
+            raise ValueError(f"attn_windows: expected one window per layer ({self.n_layers}), "
+                             f"got {len(self.attn_windows)}")
+        if self.rope_factors and len(self.rope_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_factors: expected head_dim/2 = {self.head_dim // 2} factors, "
+                             f"got {len(self.rope_factors)}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
@@ -79,6 +95,15 @@ class ModelConfig:
     @property
     def ffn(self) -> FFNKind:
         return FFN_KINDS[self.ffn_kind]
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s attention window in tokens (0: the whole context)."""
+        return self.attn_windows[layer] if self.attn_windows else 0
+
+    @property
+    def plain_attention(self) -> bool:
+        """No per-head q/k norms and no windows: what the fused decode kernels implement."""
+        return not self.qk_norm and not any(self.attn_windows)
 
 
 @dataclass(frozen=True)

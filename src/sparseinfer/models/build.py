@@ -31,7 +31,7 @@ from ..sparse.ffn import SparseFFN
 from ..sparse.packed import DTYPES as PACKED_DTYPES
 from ..sparse.packed import PackedFFN, empty_hugepages, quantize_int8, n_blocks
 from .loading import FileTensor, ModelSource, open_source, unpermute_qk
-from .model import FFN, Transformer
+from .model import FFN, Norm, Transformer
 from .plan import Plan, make_plan
 
 log = logging.getLogger(__name__)
@@ -266,12 +266,13 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
             float_param(m, "weight", wp.sources[0], n if wp.module == "pos_emb" else None)
         else:
             _fill_linear(m, WeightSource(src, wp.sources), wp.origin, wp.shape)
+    for path, norm in modules.items():  # every norm, by its module path
+        if isinstance(norm, Norm):
+            float_param(norm, "weight", path + ".weight")
+            if norm.bias is not None:
+                float_param(norm, "bias", path + ".bias")
     for i, blk in enumerate(model.layers):
         p = f"layers.{i}."
-        for name, norm in (("attn_norm", blk.attn_norm), ("ffn_norm", blk.ffn_norm)):
-            float_param(norm, "weight", p + name + ".weight")
-            if norm.bias is not None:
-                float_param(norm, "bias", p + name + ".bias")
         if isinstance(blk.ffn, SparseFFN):
             from ..sparse.runtime import make_selector
 
@@ -283,9 +284,6 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
             packed = _packed_ffn(src, wp.sources, cfg.ffn_kind, plan.sparse.ffn_dtype, up_bias)
             blk.ffn.selector = make_selector(plan.sparse, i, extra)
             blk.ffn.fill(packed, down_bias)
-    float_param(model.norm, "weight", "norm.weight")
-    if model.norm.bias is not None:
-        float_param(model.norm, "bias", "norm.bias")
     dev = torch.device(plan.device)
     if dev.type != "cpu":  # attention, norms, embeddings, LM head; cold FFN rows stay on the CPU
         model.to(dev)

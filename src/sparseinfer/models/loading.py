@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,8 @@ import torch
 from ..config import FFN_KINDS, ModelConfig
 from ..errors import ModelFileError, SparseInferError
 from ..fileio import drop_pages, read_json
-from .names import (GATED_ACT_TO_KIND, GGUF_ARCHS, HF_ARCHS, UNGATED_ACT_TO_KIND,
-                    compile_names, map_name, source_name)
+from .names import (ARCH_FIELDS, GATED_ACT_TO_KIND, GGUF_ARCHS, GGUF_ROPE_INTERLEAVED, HF_ARCHS,
+                    UNGATED_ACT_TO_KIND, compile_names, map_name, source_name)
 
 log = logging.getLogger(__name__)
 
@@ -266,11 +267,17 @@ def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) 
             raise ModelFileError(f"{path}: missing both '{arch}.vocab_size' and the tokenizer vocab")
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     ctx = int(key("context_length"))
+    n_layers = int(key("block_count"))
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ModelFileError(f"{path}: rope scaling {scaling!r} is not supported; expected none "
+                             f"or Llama 3.1's rope_freqs.weight factors")
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
     return ModelConfig(
         arch=arch,
         vocab_size=int(vocab),
         d_model=d_model,
-        n_layers=int(key("block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(key("attention.head_count_kv", n_heads)),
         d_ff=int(key("feed_forward_length")),
@@ -279,9 +286,20 @@ def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) 
         ffn_kind=kind,
         norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_factors=_gguf_rope_factors(reader),
+        attn_windows=(window,) * n_layers if window and window < ctx else (),
         tie_embeddings="output.weight" not in names,
         name=str(meta.get("general.name", path.stem)),
+        **ARCH_FIELDS[arch],
     )
+
+
+def _gguf_rope_factors(reader) -> tuple[float, ...]:
+    """llama.cpp's ``rope_freqs.weight`` (Llama 3.1 rope scaling): one divisor per pair."""
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            return tuple(float(f) for f in gguf_file_tensor(t).float().tolist())
+    return ()
 
 
 
@@ -317,11 +335,9 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> Mod
             cfg = _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader)
     except (ValueError, TypeError) as e:
         raise ModelFileError(f"{path}: inconsistent hyper-parameters: {e}") from None
-    # llama.cpp's converter permutes Q/K rows for rope over adjacent pairs: use them as stored
-    cfg = replace(cfg, rope_interleaved=cfg.pos == "rope")
-    if "rope_freqs.weight" in names:
-        raise ModelFileError(f"{path}: rope frequency factors (Llama-3.1 rope scaling) are not "
-                             f"supported yet")
+    # llama.cpp's converter permutes Q/K rows of some architectures for rope over adjacent
+    # pairs: use them as stored
+    cfg = replace(cfg, rope_interleaved=cfg.pos == "rope" and GGUF_ROPE_INTERLEAVED[arch])
     size = path.stat().st_size
     compiled = compile_names(GGUF_ARCHS[arch])
     tensors, extras, every = {}, {}, []
@@ -371,21 +387,23 @@ def hf_config(path: Path, raw: dict[str, Any], max_seq_len: int | None,
     else:
         act = raw.get("hidden_act", "silu")
         kind = ffn_kind or raw.get("sparseinfer_ffn_kind") or GATED_ACT_TO_KIND.get(act)
-        rope = raw.get("rope_scaling") or {}
-        if rope and rope.get("rope_type", rope.get("type")) not in (None, "default"):
-            raise ModelFileError(f"{path}: rope_scaling {rope!r} is not supported")
-        params = raw.get("rope_parameters") or {}
+        params = {**(raw.get("rope_parameters") or {}), **(raw.get("rope_scaling") or {})}
         ctx = int(need("max_position_embeddings"))
-        if raw.get("attention_bias") != raw.get("mlp_bias") and raw.get("mlp_bias"):
-            raise ModelFileError(f"{path}: mlp_bias without attention_bias is not supported")
+        if raw.get("mlp_bias"):
+            raise ModelFileError(f"{path}: mlp_bias=true (biased gated MLP) is not supported")
+        head_dim = int(raw.get("head_dim") or 0) or int(need("hidden_size")) // int(
+            need("num_attention_heads"))
         cfg_kw = dict(
             n_kv_heads=int(raw.get("num_key_value_heads") or need("num_attention_heads")),
             d_ff=int(need("intermediate_size")), norm="rms",
             norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
-            head_dim=int(raw.get("head_dim") or 0),
-            attn_bias=bool(raw.get("attention_bias", False)),
+            head_dim=head_dim,
+            rope_factors=_hf_rope_factors(path, params, head_dim),
+            attn_windows=_hf_windows(raw, int(need("num_hidden_layers"))),
+            attn_bias=bool(raw.get("attention_bias") or False),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            **ARCH_FIELDS[family],
         )
     if kind not in FFN_KINDS:
         raise ModelFileError(f"{path}: unsupported activation {act!r} for {arch_name}")
@@ -399,6 +417,47 @@ def hf_config(path: Path, raw: dict[str, Any], max_seq_len: int | None,
     except ValueError as e:
         raise ModelFileError(f"{path}: inconsistent config.json: {e}") from None
     return cfg, names
+
+
+def _hf_rope_factors(path: Path, params: dict[str, Any], head_dim: int) -> tuple[float, ...]:
+    """Per-pair frequency divisors for ``rope_type`` llama3 (Llama 3.1/3.2), computed as
+    transformers' ``_compute_llama3_parameters`` and llama.cpp's converter do; () for default."""
+    kind = params.get("rope_type", params.get("type"))
+    if kind in (None, "default"):
+        return ()
+    if kind != "llama3":
+        raise ModelFileError(f"{path / 'config.json'}: rope scaling {kind!r} is not supported; "
+                             f"expected 'default' or 'llama3'")
+    theta = float(params.get("rope_theta", 10000.0))
+    factor, low, high = (float(params[k]) for k in ("factor", "low_freq_factor",
+                                                    "high_freq_factor"))
+    old_ctx = float(params["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    out = []
+    for i in range(head_dim // 2):
+        wavelen = 2 * math.pi * theta ** (2 * i / head_dim)
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(out)
+
+
+def _hf_windows(raw: dict[str, Any], n_layers: int) -> tuple[int, ...]:
+    """Per-layer attention windows: ``layer_types`` names the sliding layers when present
+    (Qwen2/3, Gemma), else ``sliding_window`` applies to every layer (Mistral)."""
+    window = int(raw.get("sliding_window") or 0)
+    if raw.get("use_sliding_window") is False:  # Qwen2/3 configs carry an unused window
+        return ()
+    if not window or window >= int(raw.get("max_position_embeddings") or 0) > 0:
+        return ()
+    types = raw.get("layer_types")
+    if types:
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    return (window,) * n_layers
 
 
 def _need(raw: dict[str, Any], k: str, path: Path) -> Any:

@@ -47,12 +47,16 @@ class KVCache:
 
 
 class Norm(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """RMSNorm or LayerNorm over the last ``dim`` (default d_model) features; filled by name
+    (``<module path>.weight``) in ``models/build.py``."""
+
+    def __init__(self, cfg: ModelConfig, dim: int | None = None):
         super().__init__()
         self.kind, self.eps = cfg.norm, cfg.norm_eps
-        self.weight = nn.Parameter(torch.ones(cfg.d_model), requires_grad=False)
+        dim = dim or cfg.d_model
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.bias = (
-            nn.Parameter(torch.zeros(cfg.d_model), requires_grad=False)
+            nn.Parameter(torch.zeros(dim), requires_grad=False)
             if cfg.norm == "layer"
             else None
         )
@@ -69,6 +73,8 @@ def rope_tables(cfg: ModelConfig, max_seq: int) -> tuple[Tensor, Tensor]:
     """cos/sin of shape (max_seq, head_dim) for the rotate-half (Hugging Face) layout."""
     half = cfg.head_dim // 2
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
+    if cfg.rope_factors:  # Llama 3.1 scaling: long wavelengths slowed down
+        inv_freq = inv_freq / torch.tensor(cfg.rope_factors, dtype=torch.float64)
     angles = torch.outer(torch.arange(max_seq, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
@@ -110,9 +116,24 @@ class Attention(nn.Module):
         self.cfg = cfg
         hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         self.wqkv = modules.linear(prefix + "wqkv", cfg.d_model, (nh + 2 * nkv) * hd,
-                                   cfg.attn_bias)
+                                   cfg.attn_bias or cfg.qkv_bias)
         self.wo = modules.linear(prefix + "wo", nh * hd, cfg.d_model, cfg.attn_bias)
+        # per-head RMSNorm of q and k before rope (Qwen3, Gemma 3)
+        self.q_norm = Norm(cfg, hd) if cfg.qk_norm else None
+        self.k_norm = Norm(cfg, hd) if cfg.qk_norm else None
         self.scale = 1.0 / math.sqrt(hd)
+
+    def mask(self, layer: int, pos: int, T: int, S: int, device) -> Tensor | None:
+        """(T, S) True where query pos+t may see key s: causal, and within the layer's window."""
+        window = self.cfg.window(layer)
+        if T == 1 and not (window and S > window):
+            return None  # one new token sees the whole cache
+        q = torch.arange(pos, pos + T, device=device)[:, None]
+        k = torch.arange(S, device=device)[None, :]
+        allowed = k <= q
+        if window:
+            allowed &= q - k < window
+        return allowed
 
     def forward(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
         cfg = self.cfg
@@ -122,6 +143,8 @@ class Attention(nn.Module):
         q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, nkv, hd).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             cos, sin = rope[0][pos : pos + T], rope[1][pos : pos + T]
             il = cfg.rope_interleaved
@@ -134,9 +157,9 @@ class Attention(nn.Module):
         group = nh // nkv
         qg = q.reshape(B, nkv, group * T, hd)
         scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # (B, nkv, group*T, S)
-        if T > 1:
-            causal = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=pos)
-            scores = scores.view(B, nkv, group, T, S).masked_fill(~causal, float("-inf"))
+        allowed = self.mask(layer, pos, T, S, x.device)
+        if allowed is not None:
+            scores = scores.view(B, nkv, group, T, S).masked_fill(~allowed, float("-inf"))
             scores = scores.view(B, nkv, group * T, S)
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
         out = torch.matmul(probs, values)  # (B, nkv, group*T, hd)

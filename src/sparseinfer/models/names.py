@@ -36,6 +36,10 @@ _DOWN_T = ("blk.{i}.ffn_down_t", "layers.{i}.ffn.down_t")
 
 GGUF_LLAMA_NAMES = {**{_gguf(t): c for t, c in _GGUF_COMMON},
                     _gguf(T.FFN_GATE): "layers.{i}.ffn.gate", _DOWN_T[0]: _DOWN_T[1]}
+# per-head q/k RMSNorm (Qwen3, Gemma 3)
+_GGUF_QK_NORM = {_gguf(T.ATTN_Q_NORM): "layers.{i}.attn.q_norm",
+                 _gguf(T.ATTN_K_NORM): "layers.{i}.attn.k_norm"}
+GGUF_QWEN3_NAMES = {**GGUF_LLAMA_NAMES, **_GGUF_QK_NORM}
 # sparseinfer's own GGUF layout for OPT-style models (llama.cpp has none): learned positions
 GGUF_OPT_NAMES = {**{_gguf(t): c for t, c in _GGUF_COMMON},
                   _gguf(T.POS_EMBD): "pos_emb", _DOWN_T[0]: _DOWN_T[1]}
@@ -54,6 +58,10 @@ HF_LLAMA_NAMES = {
     "model.layers.{i}.mlp.up_proj": "layers.{i}.ffn.up",
     "model.layers.{i}.mlp.down_proj": "layers.{i}.ffn.down",
 }
+
+HF_QWEN3_NAMES = {**HF_LLAMA_NAMES,
+                  "model.layers.{i}.self_attn.q_norm": "layers.{i}.attn.q_norm",
+                  "model.layers.{i}.self_attn.k_norm": "layers.{i}.attn.k_norm"}
 
 HF_OPT_NAMES = {
     "model.decoder.embed_tokens": "tok_emb",
@@ -77,10 +85,27 @@ UNGATED_ACT_TO_KIND = {"relu": "relu", "gelu": "gelu"}
 
 HF_ARCHS = {  # config.json "architectures"[0] -> (family, name map)
     "LlamaForCausalLM": ("llama", HF_LLAMA_NAMES),
-    "MistralForCausalLM": ("llama", HF_LLAMA_NAMES),
+    "MistralForCausalLM": ("mistral", HF_LLAMA_NAMES),
+    "Qwen2ForCausalLM": ("qwen2", HF_LLAMA_NAMES),
+    "Qwen3ForCausalLM": ("qwen3", HF_QWEN3_NAMES),
     "OPTForCausalLM": ("opt", HF_OPT_NAMES),
 }
-GGUF_ARCHS = {"llama": GGUF_LLAMA_NAMES, "opt": GGUF_OPT_NAMES}
+# general.architecture -> name map (llama.cpp writes Mistral as "llama")
+GGUF_ARCHS = {"llama": GGUF_LLAMA_NAMES, "qwen2": GGUF_LLAMA_NAMES, "qwen3": GGUF_QWEN3_NAMES,
+              "opt": GGUF_OPT_NAMES}
+
+# family -> the ModelConfig fields it fixes, whatever the file says (the rest is read from the
+# file's hyper-parameters). ``rope_interleaved`` applies to GGUF files only: llama.cpp permutes
+# the Q/K rows of "llama" for rope over adjacent pairs (LLAMA_ROPE_TYPE_NORM) and leaves NEOX-rope
+# architectures (Qwen) in rotate-half order.
+ARCH_FIELDS: dict[str, dict] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+    "opt": {},
+}
+GGUF_ROPE_INTERLEAVED = {"llama": True, "opt": True, "qwen2": False, "qwen3": False}
 
 Compiled = list[tuple[re.Pattern, str]]
 
