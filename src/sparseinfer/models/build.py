@@ -119,7 +119,7 @@ class WeightSource:
 
     def _qk_heads(self, canon: str) -> int | None:
         cfg = self.src.config
-        if self.src.format != "gguf" or cfg.pos != "rope" or cfg.rope_interleaved:
+        if not self.src.qk_permuted or cfg.rope_interleaved:
             return None  # llama.cpp's Q/K row order, un-permuted unless rope is interleaved
         if ".attn.wq." in canon:
             return cfg.n_heads

@@ -113,6 +113,8 @@ class ModelSource:
     reader: Any = None  # GGUF: the gguf.GGUFReader
     all_tensors: list[FileTensor] = field(default_factory=list)  # in file order
     _handles: list[Any] = field(default_factory=list, repr=False)
+    # GGUF: Q/K rows in llama.cpp's permuted order (rope over adjacent pairs)
+    qk_permuted: bool = False
 
     @property
     def file_bytes(self) -> int:
@@ -337,7 +339,8 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> Mod
         raise ModelFileError(f"{path}: inconsistent hyper-parameters: {e}") from None
     # llama.cpp's converter permutes Q/K rows of some architectures for rope over adjacent
     # pairs: use them as stored
-    cfg = replace(cfg, rope_interleaved=cfg.pos == "rope" and GGUF_ROPE_INTERLEAVED[arch])
+    permuted = cfg.pos == "rope" and GGUF_ROPE_INTERLEAVED[arch]
+    cfg = replace(cfg, rope_interleaved=permuted)
     size = path.stat().st_size
     compiled = compile_names(GGUF_ARCHS[arch])
     tensors, extras, every = {}, {}, []
@@ -353,7 +356,8 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> Mod
             extras[t.name] = ft
         else:
             tensors[canon] = ft
-    return ModelSource(path, "gguf", cfg, meta, tensors, extras, GGUF_ARCHS[arch], reader, every)
+    return ModelSource(path, "gguf", cfg, meta, tensors, extras, GGUF_ARCHS[arch], reader, every,
+                       qk_permuted=permuted)
 
 
 # ---- Hugging Face directory --------------------------------------------------------------------
