@@ -146,6 +146,16 @@ TINY_ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
     # llama.cpp keeps no window for Mistral: the GGUF test uses one no shorter than the context
     "mistral_nowindow": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4096}),
+    # Gemma: every other layer windowed (2), soft-capped scores and logits, (1 + w) norms
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        vocab_size=TINY_VOCAB, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+        tie_word_embeddings=True, attn_implementation="eager")),
+    # Gemma 3: five windowed layers with rope base 10000, then one global with 1e6; q/k norms
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        vocab_size=TINY_VOCAB, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32,
+        sliding_window=8, final_logit_softcapping=5.0, tie_word_embeddings=True,
+        attn_implementation="eager")),
 }
 
 
@@ -193,6 +203,8 @@ import sys
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+from conversion import gemma  # Gemma 2 reads only sentencepiece vocabularies; ours is BPE
+gemma.Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()
 import convert_hf_to_gguf
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
 convert_hf_to_gguf.main()

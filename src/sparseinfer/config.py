@@ -20,7 +20,7 @@ class FFNKind:
     """
 
     gated: bool
-    gate_act: str | None  # "silu" | "gelu" | "relu" | None
+    gate_act: str | None  # "silu" | "gelu" | "gelu_tanh" | "relu" | None
     up_act: str | None  # activation applied to the up projection (None = identity)
     relu_sparse: bool
 
@@ -28,6 +28,7 @@ class FFNKind:
 FFN_KINDS: dict[str, FFNKind] = {
     "swiglu": FFNKind(gated=True, gate_act="silu", up_act=None, relu_sparse=False),
     "geglu": FFNKind(gated=True, gate_act="gelu", up_act=None, relu_sparse=False),
+    "geglu_tanh": FFNKind(gated=True, gate_act="gelu_tanh", up_act=None, relu_sparse=False),
     "reglu": FFNKind(gated=True, gate_act="relu", up_act=None, relu_sparse=True),
     "drelu": FFNKind(gated=True, gate_act="relu", up_act="relu", relu_sparse=True),
     "relu": FFNKind(gated=False, gate_act=None, up_act="relu", relu_sparse=True),
@@ -66,6 +67,12 @@ class ModelConfig:
     # attention window per layer in tokens (query i sees keys j with i - j < w; 0 = the whole
     # context); () = no layer windowed (Mistral: one window for every layer)
     attn_windows: tuple[int, ...] = ()
+    rope_theta_local: float = 0.0  # rope base of the windowed layers (Gemma 3); 0 = rope_theta
+    attn_scale: float = 0.0  # q·k scale; 0 = 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-1/2)
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0 = off
+    final_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (Gemma 2/3); 0 = off
+    scale_embeddings: bool = False  # token embeddings times sqrt(d_model) (Gemma)
+    post_norms: bool = False  # a norm on the attention and FFN outputs too (Gemma 2/3)
     ffn_bias: bool = False  # up/down biases (ungated MLPs)
     tie_embeddings: bool = False
     name: str = ""
@@ -101,9 +108,11 @@ class ModelConfig:
         return self.attn_windows[layer] if self.attn_windows else 0
 
     @property
-    def plain_attention(self) -> bool:
-        """No per-head q/k norms and no windows: what the fused decode kernels implement."""
-        return not self.qk_norm and not any(self.attn_windows)
+    def plain_block(self) -> bool:
+        """Pre-norm attention and FFN with nothing else (no q/k norms, windows, soft-capping,
+        custom scale or post-norms): what the fused decode kernels implement."""
+        return not (self.qk_norm or any(self.attn_windows) or self.attn_softcap
+                    or self.attn_scale or self.post_norms)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""Qwen2, Qwen3, Llama 3.1 (llama3 rope scaling) and Mistral (sliding window) against transformers
-on tiny random models: read from the Hugging Face safetensors directory and from a GGUF written by
-llama.cpp's own converter (``convert_hf_to_gguf.py``, not our exporter)."""
+"""Qwen2, Qwen3, Llama 3.1 (llama3 rope scaling), Mistral (sliding window), Gemma 2 and Gemma 3
+against transformers on tiny random models: read from the Hugging Face safetensors directory and
+from a GGUF written by llama.cpp's own converter (``convert_hf_to_gguf.py``, not our exporter).
+Logits within 1e-4 relative, and greedy decoding through the KV cache equal to ``generate``."""
 
 from __future__ import annotations
 
@@ -63,10 +64,15 @@ EXPECT = {  # ModelConfig fields each architecture must come out with (from eith
     "llama3": dict(qk_norm=False),
     "mistral": dict(attn_windows=(8, 8)),
     "mistral_nowindow": dict(attn_windows=()),
+    "gemma2": dict(ffn_kind="geglu_tanh", attn_windows=(8, 0, 8, 0), attn_softcap=2.0,
+                   final_softcap=3.0, post_norms=True, scale_embeddings=True, qk_norm=False),
+    "gemma3": dict(ffn_kind="geglu_tanh", attn_windows=(8,) * 5 + (0,), rope_theta=1e6,
+                   rope_theta_local=10000.0, final_softcap=5.0, qk_norm=True, post_norms=True),
 }
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_tied", "llama3", "mistral"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_tied", "llama3", "mistral", "gemma2",
+                                  "gemma3"])
 def test_safetensors_match_transformers(arch_model_dir, name):
     lm = load_model(arch_model_dir(name))
     for k, v in EXPECT[name].items():
@@ -77,7 +83,8 @@ def test_safetensors_match_transformers(arch_model_dir, name):
     _check(lm, name)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_tied", "llama3", "mistral_nowindow"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_tied", "llama3", "mistral_nowindow",
+                                  "gemma2", "gemma3"])
 def test_llamacpp_gguf_matches_transformers(arch_model_dir, llamacpp_convert, name):
     path = llamacpp_convert(arch_model_dir(name))
     lm = load_model(path)

@@ -269,6 +269,8 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
     for path, norm in modules.items():  # every norm, by its module path
         if isinstance(norm, Norm):
             float_param(norm, "weight", path + ".weight")
+            if src.norm_shift:
+                norm.weight.add_(src.norm_shift)
             if norm.bias is not None:
                 float_param(norm, "bias", path + ".bias")
     for i, blk in enumerate(model.layers):

@@ -22,8 +22,9 @@ import torch
 from ..config import FFN_KINDS, ModelConfig
 from ..errors import ModelFileError, SparseInferError
 from ..fileio import drop_pages, read_json
-from .names import (ARCH_FIELDS, GATED_ACT_TO_KIND, GGUF_ARCHS, GGUF_ROPE_INTERLEAVED, HF_ARCHS,
-                    UNGATED_ACT_TO_KIND, compile_names, map_name, source_name)
+from .names import (ARCH_FIELDS, GATED_ACT_TO_KIND, GGUF_ARCHS, GGUF_FFN_KIND,
+                    GGUF_ROPE_INTERLEAVED, GGUF_ROPE_THETA_LOCAL, GGUF_WINDOW_PATTERN, HF_ARCHS,
+                    HF_NORM_SHIFT, UNGATED_ACT_TO_KIND, compile_names, map_name, source_name)
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class ModelSource:
     _handles: list[Any] = field(default_factory=list, repr=False)
     # GGUF: Q/K rows in llama.cpp's permuted order (rope over adjacent pairs)
     qk_permuted: bool = False
+    norm_shift: float = 0.0  # added to every norm weight on load (HF Gemma's x * (1 + w))
 
     @property
     def file_bytes(self) -> int:
@@ -275,6 +277,10 @@ def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) 
         raise ModelFileError(f"{path}: rope scaling {scaling!r} is not supported; expected none "
                              f"or Llama 3.1's rope_freqs.weight factors")
     window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    windows: tuple[int, ...] = ()
+    if window and window < ctx:
+        every = GGUF_WINDOW_PATTERN.get(arch, 0)  # every n-th layer global (0: none)
+        windows = tuple(0 if every and (i + 1) % every == 0 else window for i in range(n_layers))
     return ModelConfig(
         arch=arch,
         vocab_size=int(vocab),
@@ -289,7 +295,10 @@ def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) 
         norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_factors=_gguf_rope_factors(reader),
-        attn_windows=(window,) * n_layers if window and window < ctx else (),
+        attn_windows=windows,
+        rope_theta_local=GGUF_ROPE_THETA_LOCAL.get(arch, 0.0) if windows else 0.0,
+        attn_softcap=float(meta.get(f"{arch}.attn_logit_softcapping") or 0.0),
+        final_softcap=float(meta.get(f"{arch}.final_logit_softcapping") or 0.0),
         tie_embeddings="output.weight" not in names,
         name=str(meta.get("general.name", path.stem)),
         **ARCH_FIELDS[arch],
@@ -325,7 +334,7 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> Mod
     kind = ffn_kind or meta.get("sparseinfer.ffn_kind")
     if kind is None:
         # PowerInfer's sparse GGUFs (predictors present) are ReLU-family llama models
-        kind = "reglu" if "blk.0.fc1.weight" in names else "swiglu"
+        kind = "reglu" if "blk.0.fc1.weight" in names else GGUF_FFN_KIND.get(arch, "swiglu")
     try:
         if "sparseinfer.config" in meta:  # written by our exporter: the whole ModelConfig
             fields = json.loads(meta["sparseinfer.config"])
@@ -389,9 +398,15 @@ def hf_config(path: Path, raw: dict[str, Any], max_seq_len: int | None,
             tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
         )
     else:
-        act = raw.get("hidden_act", "silu")
+        act = raw.get("hidden_activation") or raw.get("hidden_act", "silu")  # Gemma: the former
         kind = ffn_kind or raw.get("sparseinfer_ffn_kind") or GATED_ACT_TO_KIND.get(act)
         params = {**(raw.get("rope_parameters") or {}), **(raw.get("rope_scaling") or {})}
+        # per layer type (Gemma 3): the global layers' parameters, the windowed layers' base
+        local = params.get("sliding_attention") or {}
+        params = params.get("full_attention", params)
+        theta_local = float(local.get("rope_theta", raw.get("rope_local_base_freq") or 0.0))
+        windows = _hf_windows(raw, int(need("num_hidden_layers")))
+        q_scalar = raw.get("query_pre_attn_scalar")
         ctx = int(need("max_position_embeddings"))
         if raw.get("mlp_bias"):
             raise ModelFileError(f"{path}: mlp_bias=true (biased gated MLP) is not supported")
@@ -404,7 +419,11 @@ def hf_config(path: Path, raw: dict[str, Any], max_seq_len: int | None,
             rope_theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
             head_dim=head_dim,
             rope_factors=_hf_rope_factors(path, params, head_dim),
-            attn_windows=_hf_windows(raw, int(need("num_hidden_layers"))),
+            attn_windows=windows,
+            rope_theta_local=theta_local if any(windows) else 0.0,
+            attn_scale=float(q_scalar) ** -0.5 if q_scalar else 0.0,
+            attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
+            final_softcap=float(raw.get("final_logit_softcapping") or 0.0),
             attn_bias=bool(raw.get("attention_bias") or False),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             **ARCH_FIELDS[family],
@@ -429,9 +448,11 @@ def _hf_rope_factors(path: Path, params: dict[str, Any], head_dim: int) -> tuple
     kind = params.get("rope_type", params.get("type"))
     if kind in (None, "default"):
         return ()
+    if kind == "linear":  # positions divided by the factor (Gemma 3 4B+)
+        return (float(params["factor"]),) * (head_dim // 2)
     if kind != "llama3":
         raise ModelFileError(f"{path / 'config.json'}: rope scaling {kind!r} is not supported; "
-                             f"expected 'default' or 'llama3'")
+                             f"expected 'default', 'linear' or 'llama3'")
     theta = float(params.get("rope_theta", 10000.0))
     factor, low, high = (float(params[k]) for k in ("factor", "low_freq_factor",
                                                     "high_freq_factor"))
@@ -510,4 +531,5 @@ def _open_hf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> Model
         except Exception as e:
             raise ModelFileError(f"{f}: cannot read safetensors file (truncated or corrupt?): "
                                  f"{e}") from None
-    return ModelSource(path, "hf", cfg, raw, tensors, extras, names, None, every, handles)
+    return ModelSource(path, "hf", cfg, raw, tensors, extras, names, None, every, handles,
+                       norm_shift=HF_NORM_SHIFT.get(cfg.arch, 0.0))

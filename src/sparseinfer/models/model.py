@@ -25,6 +25,7 @@ ACTIVATIONS = {
     "silu": F.silu,
     "relu": F.relu,
     "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
 }
 
 
@@ -69,11 +70,13 @@ class Norm(nn.Module):
         return xf.to(x.dtype) * self.weight
 
 
-def rope_tables(cfg: ModelConfig, max_seq: int) -> tuple[Tensor, Tensor]:
-    """cos/sin of shape (max_seq, head_dim) for the rotate-half (Hugging Face) layout."""
+def rope_tables(cfg: ModelConfig, max_seq: int, local: bool = False) -> tuple[Tensor, Tensor]:
+    """cos/sin of shape (max_seq, head_dim) for the rotate-half (Hugging Face) layout; ``local``:
+    the windowed layers' own base (Gemma 3), without the global layers' scaling."""
     half = cfg.head_dim // 2
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
-    if cfg.rope_factors:  # Llama 3.1 scaling: long wavelengths slowed down
+    theta = cfg.rope_theta_local if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, half, dtype=torch.float64) / half))
+    if cfg.rope_factors and not local:  # Llama 3.1 / linear scaling
         inv_freq = inv_freq / torch.tensor(cfg.rope_factors, dtype=torch.float64)
     angles = torch.outer(torch.arange(max_seq, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
@@ -121,7 +124,8 @@ class Attention(nn.Module):
         # per-head RMSNorm of q and k before rope (Qwen3, Gemma 3)
         self.q_norm = Norm(cfg, hd) if cfg.qk_norm else None
         self.k_norm = Norm(cfg, hd) if cfg.qk_norm else None
-        self.scale = 1.0 / math.sqrt(hd)
+        self.scale = cfg.attn_scale or 1.0 / math.sqrt(hd)
+        self.softcap = cfg.attn_softcap
 
     def mask(self, layer: int, pos: int, T: int, S: int, device) -> Tensor | None:
         """(T, S) True where query pos+t may see key s: causal, and within the layer's window."""
@@ -157,6 +161,8 @@ class Attention(nn.Module):
         group = nh // nkv
         qg = q.reshape(B, nkv, group * T, hd)
         scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # (B, nkv, group*T, S)
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         allowed = self.mask(layer, pos, T, S, x.device)
         if allowed is not None:
             scores = scores.view(B, nkv, group, T, S).masked_fill(~allowed, float("-inf"))
@@ -197,6 +203,9 @@ class Block(nn.Module):
         self.attn_norm, self.attn = Norm(cfg), Attention(cfg, modules, p + "attn.")
         self.ffn_norm = Norm(cfg)
         self.ffn = modules.ffn(layer, cfg) or FFN(cfg, modules, p + "ffn.")
+        # norms of the attention and FFN outputs before the residual add (Gemma 2/3)
+        self.attn_post_norm = Norm(cfg) if cfg.post_norms else nn.Identity()
+        self.ffn_post_norm = Norm(cfg) if cfg.post_norms else nn.Identity()
         # single-token decode through the fused kernels (fused/decode.py), chosen at build time
         self.fused = None
         if modules.fused:
@@ -207,8 +216,8 @@ class Block(nn.Module):
     def forward(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
         if self.fused is not None and x.shape[0] == 1 and x.shape[1] == 1:
             return self.fused(x, layer, pos, cache, rope)
-        x = x + self.attn(self.attn_norm(x), layer, pos, cache, rope)
-        return x + self.ffn(self.ffn_norm(x))
+        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), layer, pos, cache, rope))
+        return x + self.ffn_post_norm(self.ffn(self.ffn_norm(x)))
 
 
 class Transformer(nn.Module):
@@ -226,6 +235,8 @@ class Transformer(nn.Module):
         self.norm = Norm(cfg)
         self.lm_head = modules.linear("lm_head", cfg.d_model, cfg.vocab_size, False)
         self.rope: tuple[Tensor, Tensor] | None = None
+        self.rope_local: tuple[Tensor, Tensor] | None = None  # windowed layers' own base
+        self.emb_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
         self._dtype = dtype  # activations, norms, KV cache
         self.requires_grad_(False)
 
@@ -242,6 +253,10 @@ class Transformer(nn.Module):
         if self.cfg.pos == "rope" and (self.rope is None or self.rope[0].shape[0] < max_seq):
             cos, sin = rope_tables(self.cfg, max_seq)
             self.rope = (cos.to(self.device, self.dtype), sin.to(self.device, self.dtype))
+            if self.cfg.rope_theta_local:
+                cos, sin = rope_tables(self.cfg, max_seq, local=True)
+                self.rope_local = (cos.to(self.device, self.dtype),
+                                   sin.to(self.device, self.dtype))
         return KVCache(self.cfg, batch, max_seq, self.dtype, self.device)
 
     def hidden(self, tokens: Tensor, pos: int, cache: KVCache) -> Tensor:
@@ -251,11 +266,14 @@ class Transformer(nn.Module):
         if pos + T > cache.max_seq:
             raise ValueError(f"positions {pos}..{pos + T} exceed the cache size {cache.max_seq}")
         x = self.tok_emb(tokens)  # (B, T, D)
+        if self.emb_scale != 1.0:
+            x = x * torch.tensor(self.emb_scale, dtype=x.dtype)
         if self.pos_emb is not None:
             off = self.cfg.pos_offset
             x = x + self.pos_emb.weight[off + pos : off + pos + T]
         for i, block in enumerate(self.layers):
-            x = block(x, i, pos, cache, self.rope)
+            local = self.rope_local is not None and self.cfg.window(i)
+            x = block(x, i, pos, cache, self.rope_local if local else self.rope)
         return self.norm(x)
 
     def forward(self, tokens: Tensor, pos: int, cache: KVCache, last_only: bool = False) -> Tensor:
@@ -263,4 +281,6 @@ class Transformer(nn.Module):
         h = self.hidden(tokens, pos, cache)
         if last_only:
             h = h[:, -1:]
-        return self.lm_head(h).float()
+        logits = self.lm_head(h).float()
+        cap = self.cfg.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits

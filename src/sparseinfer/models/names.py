@@ -40,6 +40,10 @@ GGUF_LLAMA_NAMES = {**{_gguf(t): c for t, c in _GGUF_COMMON},
 _GGUF_QK_NORM = {_gguf(T.ATTN_Q_NORM): "layers.{i}.attn.q_norm",
                  _gguf(T.ATTN_K_NORM): "layers.{i}.attn.k_norm"}
 GGUF_QWEN3_NAMES = {**GGUF_LLAMA_NAMES, **_GGUF_QK_NORM}
+# Gemma 2/3: norms on the attention and FFN outputs too
+GGUF_GEMMA_NAMES = {**GGUF_LLAMA_NAMES, **_GGUF_QK_NORM,
+                    _gguf(T.ATTN_POST_NORM): "layers.{i}.attn_post_norm",
+                    _gguf(T.FFN_POST_NORM): "layers.{i}.ffn_post_norm"}
 # sparseinfer's own GGUF layout for OPT-style models (llama.cpp has none): learned positions
 GGUF_OPT_NAMES = {**{_gguf(t): c for t, c in _GGUF_COMMON},
                   _gguf(T.POS_EMBD): "pos_emb", _DOWN_T[0]: _DOWN_T[1]}
@@ -63,6 +67,12 @@ HF_QWEN3_NAMES = {**HF_LLAMA_NAMES,
                   "model.layers.{i}.self_attn.q_norm": "layers.{i}.attn.q_norm",
                   "model.layers.{i}.self_attn.k_norm": "layers.{i}.attn.k_norm"}
 
+# Gemma 2/3: post_attention_layernorm is the attention *output* norm; the FFN has its own pre-norm
+HF_GEMMA_NAMES = {**HF_QWEN3_NAMES,
+                  "model.layers.{i}.post_attention_layernorm": "layers.{i}.attn_post_norm",
+                  "model.layers.{i}.pre_feedforward_layernorm": "layers.{i}.ffn_norm",
+                  "model.layers.{i}.post_feedforward_layernorm": "layers.{i}.ffn_post_norm"}
+
 HF_OPT_NAMES = {
     "model.decoder.embed_tokens": "tok_emb",
     "model.decoder.embed_positions": "pos_emb",
@@ -80,7 +90,8 @@ HF_OPT_NAMES = {
 
 # HF config "hidden_act" -> our FFN kind for gated (llama-style) MLPs
 GATED_ACT_TO_KIND = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu",
-                     "gelu_pytorch_tanh": "geglu", "relu": "reglu", "drelu": "drelu"}
+                     "gelu_pytorch_tanh": "geglu_tanh", "gelu_tanh": "geglu_tanh",
+                     "relu": "reglu", "drelu": "drelu"}
 UNGATED_ACT_TO_KIND = {"relu": "relu", "gelu": "gelu"}
 
 HF_ARCHS = {  # config.json "architectures"[0] -> (family, name map)
@@ -88,11 +99,13 @@ HF_ARCHS = {  # config.json "architectures"[0] -> (family, name map)
     "MistralForCausalLM": ("mistral", HF_LLAMA_NAMES),
     "Qwen2ForCausalLM": ("qwen2", HF_LLAMA_NAMES),
     "Qwen3ForCausalLM": ("qwen3", HF_QWEN3_NAMES),
+    "Gemma2ForCausalLM": ("gemma2", HF_GEMMA_NAMES),
+    "Gemma3ForCausalLM": ("gemma3", HF_GEMMA_NAMES),
     "OPTForCausalLM": ("opt", HF_OPT_NAMES),
 }
 # general.architecture -> name map (llama.cpp writes Mistral as "llama")
 GGUF_ARCHS = {"llama": GGUF_LLAMA_NAMES, "qwen2": GGUF_LLAMA_NAMES, "qwen3": GGUF_QWEN3_NAMES,
-              "opt": GGUF_OPT_NAMES}
+              "gemma2": GGUF_GEMMA_NAMES, "gemma3": GGUF_GEMMA_NAMES, "opt": GGUF_OPT_NAMES}
 
 # family -> the ModelConfig fields it fixes, whatever the file says (the rest is read from the
 # file's hyper-parameters). ``rope_interleaved`` applies to GGUF files only: llama.cpp permutes
@@ -103,9 +116,20 @@ ARCH_FIELDS: dict[str, dict] = {
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    "gemma2": {"scale_embeddings": True, "post_norms": True},
+    "gemma3": {"scale_embeddings": True, "post_norms": True, "qk_norm": True},
     "opt": {},
 }
-GGUF_ROPE_INTERLEAVED = {"llama": True, "opt": True, "qwen2": False, "qwen3": False}
+GGUF_FFN_KIND = {"gemma2": "geglu_tanh", "gemma3": "geglu_tanh"}  # default: swiglu
+GGUF_ROPE_INTERLEAVED = {"llama": True, "opt": True, "qwen2": False, "qwen3": False,
+                         "gemma2": False, "gemma3": False}
+# Hugging Face Gemma norms compute x * (1 + w); llama.cpp's converter stores 1 + w, as we hold it
+HF_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
+# GGUF files keep no per-layer window list: llama.cpp fixes these per architecture. Every n-th
+# layer attends globally, the others over ``attention.sliding_window``; Gemma 3's windowed
+# layers use their own rope base.
+GGUF_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
+GGUF_ROPE_THETA_LOCAL = {"gemma3": 10000.0}
 
 Compiled = list[tuple[re.Pattern, str]]
 

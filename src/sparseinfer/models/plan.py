@@ -296,7 +296,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     else:
         add("lm_head", ["lm_head.weight"], (cfg.vocab_size, D), head=True)
     fused_ok = (fused and cpu and float_dtype == "fp32" and cfg.norm == "rms"
-                and cfg.pos == "rope" and cfg.plain_attention)
+                and cfg.pos == "rope" and cfg.plain_block)
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * hd * (2 if float_dtype == "bf16" else 4)
     return Plan(cfg, dtype, float_dtype, tuple(weights), sparse, fused_ok, str(dev), kv)
 
