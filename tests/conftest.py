@@ -18,7 +18,7 @@ TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-TINY_KINDS = ("swiglu", "reglu", "drelu", "geglu", "opt")
+TINY_KINDS = ("swiglu", "reglu", "drelu", "geglu", "geglu_tanh", "opt")
 
 
 def _train_tokenizer(out: Path) -> None:
@@ -52,7 +52,8 @@ def tiny_hf_model(kind: str, seed: int = 0):
                            activation_function="relu", enable_bias=True, init_std=0.1,
                            pad_token_id=0, bos_token_id=1, eos_token_id=2)
         return tf.OPTForCausalLM(cfg).eval()
-    act = {"swiglu": "silu", "reglu": "relu", "drelu": "relu", "geglu": "gelu"}[kind]
+    act = {"swiglu": "silu", "reglu": "relu", "drelu": "relu", "geglu": "gelu",
+           "geglu_tanh": "gelu_pytorch_tanh"}[kind]
     cfg = tf.LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=192,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, rms_norm_eps=1e-6, hidden_act=act,

@@ -94,7 +94,7 @@ def test_oracle_relu_equals_dense(tiny_model_dir, with_predictors, kind):
     assert 0.05 < info.density() < 0.95
 
 
-@pytest.mark.parametrize("kind", ["swiglu", "geglu", "reglu", "drelu", "opt"])
+@pytest.mark.parametrize("kind", ["swiglu", "geglu", "geglu_tanh", "reglu", "drelu", "opt"])
 @pytest.mark.parametrize("ffn_dtype", ["fp32", "bf16", "int8"])
 def test_all_active_equals_dense(tiny_model_dir, with_predictors, kind, ffn_dtype):
     path = tiny_model_dir(kind)
@@ -104,6 +104,19 @@ def test_all_active_equals_dense(tiny_model_dir, with_predictors, kind, ffn_dtyp
     assert info.density() == 1.0
     tol = {"fp32": 1e-4, "bf16": 3e-2, "int8": 3e-2}[ffn_dtype]
     assert _close(got, dense, tol)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])  # GeGLU-tanh + post-norms; q/k/v biases
+@pytest.mark.parametrize("ffn_dtype", ["fp32", "int8"])
+def test_all_active_equals_dense_new_archs(arch_model_dir, with_predictors, arch, ffn_dtype):
+    path = arch_model_dir(arch)
+    dense = _decode_logits(load_model(path), IDS)
+    lm, info = sparsify(with_predictors(path), threshold=-float("inf"), ffn_dtype=ffn_dtype)
+    assert lm.config.ffn_kind == {"gemma3": "geglu_tanh", "qwen2": "swiglu"}[arch]
+    got = _decode_logits(lm, IDS)
+    assert info.density() == 1.0
+    # int8 rows: rounding, which Gemma's six layers with post-norms amplify a little
+    assert _close(got, dense, {"fp32": 1e-4, "int8": 1e-1}[ffn_dtype])
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "opt"])
