@@ -253,3 +253,14 @@ def test_auto_prefill_of_long_prompts(tiny_model_dir, with_predictors, ffn_dtype
     auto = _prefill_logits(lm, ids)
     info.set_batch_mode(want)
     assert torch.equal(_prefill_logits(lm, ids), auto)
+
+
+@pytest.mark.parametrize("arch,fused", [("qwen2", True), ("llama3", True), ("gemma3", False)])
+def test_fused_decode_new_archs(arch_model_dir, arch, fused):
+    """The fused block decode takes q/k/v biases and scaled rope tables as they are; blocks it
+    does not implement (q/k norms, windows, post-norms) keep the torch path."""
+    path = arch_model_dir(arch)
+    ref = _decode_logits(load_model(path), IDS)
+    lm = load_model(path, fused=True)
+    assert (lm.model.layers[0].fused is not None) == fused
+    assert _close(_decode_logits(lm, IDS), ref, 1e-5)
