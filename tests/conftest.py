@@ -147,6 +147,10 @@ TINY_ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
     # llama.cpp keeps no window for Mistral: the GGUF test uses one no shorter than the context
     "mistral_nowindow": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4096}),
+    # Phi-3: fused qkv and gate_up tensors, a window over every layer
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "sliding_window": 8}),
+    "phi3_nowindow": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0,
+                                                         "sliding_window": None}),
     # Gemma: every other layer windowed (2), soft-capped scores and logits, (1 + w) norms
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         vocab_size=TINY_VOCAB, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16,
@@ -204,8 +208,9 @@ import sys
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-from conversion import gemma  # Gemma 2 reads only sentencepiece vocabularies; ours is BPE
+from conversion import gemma, phi  # these read only sentencepiece vocabularies; ours is BPE
 gemma.Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()
+phi.Phi3MiniModel.set_vocab = lambda self: self._set_vocab_gpt2()
 import convert_hf_to_gguf
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
 convert_hf_to_gguf.main()

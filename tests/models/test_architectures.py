@@ -64,6 +64,8 @@ EXPECT = {  # ModelConfig fields each architecture must come out with (from eith
     "llama3": dict(qk_norm=False),
     "mistral": dict(attn_windows=(8, 8)),
     "mistral_nowindow": dict(attn_windows=()),
+    "phi3": dict(attn_windows=(8, 8)),
+    "phi3_nowindow": dict(attn_windows=()),
     "gemma2": dict(ffn_kind="geglu_tanh", attn_windows=(8, 0, 8, 0), attn_softcap=2.0,
                    final_softcap=3.0, post_norms=True, scale_embeddings=True, qk_norm=False),
     "gemma3": dict(ffn_kind="geglu_tanh", attn_windows=(8,) * 5 + (0,), rope_theta=1e6,
@@ -72,7 +74,7 @@ EXPECT = {  # ModelConfig fields each architecture must come out with (from eith
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_tied", "llama3", "mistral", "gemma2",
-                                  "gemma3"])
+                                  "gemma3", "phi3"])
 def test_safetensors_match_transformers(arch_model_dir, name):
     lm = load_model(arch_model_dir(name))
     for k, v in EXPECT[name].items():
@@ -84,7 +86,7 @@ def test_safetensors_match_transformers(arch_model_dir, name):
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_tied", "llama3", "mistral_nowindow",
-                                  "gemma2", "gemma3"])
+                                  "gemma2", "gemma3", "phi3", "phi3_nowindow"])
 def test_llamacpp_gguf_matches_transformers(arch_model_dir, llamacpp_convert, name):
     path = llamacpp_convert(arch_model_dir(name))
     lm = load_model(path)

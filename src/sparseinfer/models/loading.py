@@ -276,6 +276,11 @@ def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) 
     if scaling not in (None, "none"):
         raise ModelFileError(f"{path}: rope scaling {scaling!r} is not supported; expected none "
                              f"or Llama 3.1's rope_freqs.weight factors")
+    head_dim = int(key("attention.key_length", d_model // n_heads))
+    rope_dims = int(meta.get(f"{arch}.rope.dimension_count") or head_dim)
+    if rope_dims != head_dim:
+        raise ModelFileError(f"{path}: partial rotary embeddings ({arch}.rope.dimension_count "
+                             f"{rope_dims} of head size {head_dim}) are not supported")
     window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
     windows: tuple[int, ...] = ()
     if window and window < ctx:
@@ -407,6 +412,12 @@ def hf_config(path: Path, raw: dict[str, Any], max_seq_len: int | None,
         theta_local = float(local.get("rope_theta", raw.get("rope_local_base_freq") or 0.0))
         windows = _hf_windows(raw, int(need("num_hidden_layers")))
         q_scalar = raw.get("query_pre_attn_scalar")
+        partial = float(params.get("partial_rotary_factor") or raw.get("partial_rotary_factor")
+                        or 1.0)
+        if partial != 1.0:
+            raise ModelFileError(f"{path / 'config.json'}: partial rotary embeddings "
+                                 f"(partial_rotary_factor {partial}) are not supported; "
+                                 f"expected 1.0")
         ctx = int(need("max_position_embeddings"))
         if raw.get("mlp_bias"):
             raise ModelFileError(f"{path}: mlp_bias=true (biased gated MLP) is not supported")

@@ -40,6 +40,10 @@ GGUF_LLAMA_NAMES = {**{_gguf(t): c for t, c in _GGUF_COMMON},
 _GGUF_QK_NORM = {_gguf(T.ATTN_Q_NORM): "layers.{i}.attn.q_norm",
                  _gguf(T.ATTN_K_NORM): "layers.{i}.attn.k_norm"}
 GGUF_QWEN3_NAMES = {**GGUF_LLAMA_NAMES, **_GGUF_QK_NORM}
+# Phi-3: q/k/v in one tensor, gate and up in one (gate rows first, as our fused w_in)
+GGUF_PHI3_NAMES = {**{_gguf(t): c for t, c in _GGUF_COMMON if t not in
+                      (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.FFN_UP)},
+                   _gguf(T.ATTN_QKV): "layers.{i}.attn.wqkv", _gguf(T.FFN_UP): "layers.{i}.ffn.w_in"}
 # Gemma 2/3: norms on the attention and FFN outputs too
 GGUF_GEMMA_NAMES = {**GGUF_LLAMA_NAMES, **_GGUF_QK_NORM,
                     _gguf(T.ATTN_POST_NORM): "layers.{i}.attn_post_norm",
@@ -66,6 +70,11 @@ HF_LLAMA_NAMES = {
 HF_QWEN3_NAMES = {**HF_LLAMA_NAMES,
                   "model.layers.{i}.self_attn.q_norm": "layers.{i}.attn.q_norm",
                   "model.layers.{i}.self_attn.k_norm": "layers.{i}.attn.k_norm"}
+
+HF_PHI3_NAMES = {**{k: v for k, v in HF_LLAMA_NAMES.items() if not k.endswith(
+                      ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))},
+                 "model.layers.{i}.self_attn.qkv_proj": "layers.{i}.attn.wqkv",
+                 "model.layers.{i}.mlp.gate_up_proj": "layers.{i}.ffn.w_in"}
 
 # Gemma 2/3: post_attention_layernorm is the attention *output* norm; the FFN has its own pre-norm
 HF_GEMMA_NAMES = {**HF_QWEN3_NAMES,
@@ -99,13 +108,14 @@ HF_ARCHS = {  # config.json "architectures"[0] -> (family, name map)
     "MistralForCausalLM": ("mistral", HF_LLAMA_NAMES),
     "Qwen2ForCausalLM": ("qwen2", HF_LLAMA_NAMES),
     "Qwen3ForCausalLM": ("qwen3", HF_QWEN3_NAMES),
+    "Phi3ForCausalLM": ("phi3", HF_PHI3_NAMES),
     "Gemma2ForCausalLM": ("gemma2", HF_GEMMA_NAMES),
     "Gemma3ForCausalLM": ("gemma3", HF_GEMMA_NAMES),
     "OPTForCausalLM": ("opt", HF_OPT_NAMES),
 }
 # general.architecture -> name map (llama.cpp writes Mistral as "llama")
 GGUF_ARCHS = {"llama": GGUF_LLAMA_NAMES, "qwen2": GGUF_LLAMA_NAMES, "qwen3": GGUF_QWEN3_NAMES,
-              "gemma2": GGUF_GEMMA_NAMES, "gemma3": GGUF_GEMMA_NAMES, "opt": GGUF_OPT_NAMES}
+              "phi3": GGUF_PHI3_NAMES, "gemma2": GGUF_GEMMA_NAMES, "gemma3": GGUF_GEMMA_NAMES, "opt": GGUF_OPT_NAMES}
 
 # family -> the ModelConfig fields it fixes, whatever the file says (the rest is read from the
 # file's hyper-parameters). ``rope_interleaved`` applies to GGUF files only: llama.cpp permutes
@@ -116,12 +126,13 @@ ARCH_FIELDS: dict[str, dict] = {
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    "phi3": {},
     "gemma2": {"scale_embeddings": True, "post_norms": True},
     "gemma3": {"scale_embeddings": True, "post_norms": True, "qk_norm": True},
     "opt": {},
 }
 GGUF_FFN_KIND = {"gemma2": "geglu_tanh", "gemma3": "geglu_tanh"}  # default: swiglu
-GGUF_ROPE_INTERLEAVED = {"llama": True, "opt": True, "qwen2": False, "qwen3": False,
+GGUF_ROPE_INTERLEAVED = {"llama": True, "opt": True, "qwen2": False, "qwen3": False, "phi3": False,
                          "gemma2": False, "gemma3": False}
 # Hugging Face Gemma norms compute x * (1 + w); llama.cpp's converter stores 1 + w, as we hold it
 HF_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}

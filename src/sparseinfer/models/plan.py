@@ -221,7 +221,8 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     def expected(canon: str) -> tuple[int, ...] | None:
         """The shape a canonical tensor must have (None: not checked here)."""
         leaf = canon.split(".", 2)[-1] if canon.startswith("layers.") else canon
-        return {"attn.wq.weight": (q_out, D), "attn.wk.weight": (kv_out, D),
+        return {"attn.wqkv.weight": (q_out + 2 * kv_out, D), "ffn.w_in.weight": (2 * F, D),
+                "attn.wq.weight": (q_out, D), "attn.wk.weight": (kv_out, D),
                 "attn.wv.weight": (kv_out, D), "attn.wo.weight": (D, q_out),
                 "ffn.gate.weight": (F, D), "ffn.up.weight": (F, D), "ffn.down.weight": (D, F),
                 "ffn.down_t.weight": (F, D), "tok_emb.weight": (cfg.vocab_size, D),
@@ -260,9 +261,13 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                   4 * n_pos * D, "as stored"))
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
-        add(p + "attn.wqkv", [p + f"attn.{n}.weight" for n in ("wq", "wk", "wv")],
-            (q_out + 2 * kv_out, D))
+        fused_qkv = p + "attn.wqkv.weight" in src.tensors  # Phi-3 stores q/k/v as one tensor
+        add(p + "attn.wqkv", [p + "attn.wqkv.weight"] if fused_qkv
+            else [p + f"attn.{n}.weight" for n in ("wq", "wk", "wv")], (q_out + 2 * kv_out, D))
         add(p + "attn.wo", [p + "attn.wo.weight"], (D, q_out))
+        if sparse is not None and p + "ffn.w_in.weight" in src.tensors:
+            raise SparseInferError(f"{src.path}: sparse FFN layers need separate gate and up "
+                                   f"tensors; this file fuses them ({cfg.arch}): use --dense")
         if sparse is not None:
             down = p + "ffn.down_t.weight" if p + "ffn.down_t.weight" in src.tensors \
                 else p + "ffn.down.weight"
@@ -283,7 +288,9 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                       f"{sparse.ffn_dtype} rows"))
         else:
             ins = [p + f"ffn.{n}.weight" for n in (("gate", "up") if cfg.ffn.gated else ("up",))]
-            add(p + "ffn.w_in", ins, (len(ins) * F, D))
+            if p + "ffn.w_in.weight" in src.tensors:  # Phi-3: gate and up as one tensor
+                ins = [p + "ffn.w_in.weight"]
+            add(p + "ffn.w_in", ins, ((2 if cfg.ffn.gated else 1) * F, D))
             down = p + "ffn.down.weight"
             if down not in src.tensors and p + "ffn.down_t.weight" in src.tensors:
                 down = p + "ffn.down_t.weight"
