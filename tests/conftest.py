@@ -151,6 +151,16 @@ TINY_ARCHS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "sliding_window": 8}),
     "phi3_nowindow": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0,
                                                          "sliding_window": None}),
+    # Falcon-7B style: parallel attention + MLP sharing one LayerNorm, one kv head, fused qkv
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(
+        multi_query=True, num_kv_heads=1, parallel_attn=True, new_decoder_architecture=False,
+        ffn_hidden_size=256, bias=False)),
+    # Falcon-40B style: two LayerNorms, grouped kv heads, qkv rows grouped per kv head; biases
+    "falcon40": ("FalconConfig", "FalconForCausalLM", dict(
+        new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=256, bias=True)),
+    # llama.cpp's Falcon converter cannot regroup a qkv bias: its GGUF test goes without
+    "falcon40_nobias": ("FalconConfig", "FalconForCausalLM", dict(
+        new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=256, bias=False)),
     # Gemma: every other layer windowed (2), soft-capped scores and logits, (1 + w) norms
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         vocab_size=TINY_VOCAB, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16,
@@ -175,7 +185,7 @@ def tiny_arch_model(name: str, seed: int = 0):
     # random norm weights, so a norm read from the wrong place (or not at all) shows
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if "norm" in n:
+            if p.dim() == 1 and n.endswith(".weight"):  # norms (Falcon's ln_attn too)
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
             elif n.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))

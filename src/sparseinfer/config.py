@@ -73,6 +73,8 @@ class ModelConfig:
     final_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (Gemma 2/3); 0 = off
     scale_embeddings: bool = False  # token embeddings times sqrt(d_model) (Gemma)
     post_norms: bool = False  # a norm on the attention and FFN outputs too (Gemma 2/3)
+    parallel: bool = False  # x + attn(norm(x)) + ffn(norm'(x)): one residual add (Falcon)
+    shared_norm: bool = False  # parallel blocks with one input norm for both (Falcon-7B)
     ffn_bias: bool = False  # up/down biases (ungated MLPs)
     tie_embeddings: bool = False
     name: str = ""
@@ -112,7 +114,7 @@ class ModelConfig:
         """Pre-norm attention and FFN with nothing else (no q/k norms, windows, soft-capping,
         custom scale or post-norms): what the fused decode kernels implement."""
         return not (self.qk_norm or any(self.attn_windows) or self.attn_softcap
-                    or self.attn_scale or self.post_norms)
+                    or self.attn_scale or self.post_norms or self.parallel)
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,10 @@ EXPECT = {  # ModelConfig fields each architecture must come out with (from eith
     "mistral_nowindow": dict(attn_windows=()),
     "phi3": dict(attn_windows=(8, 8)),
     "phi3_nowindow": dict(attn_windows=()),
+    "falcon": dict(parallel=True, shared_norm=True, n_kv_heads=1, norm="layer", ffn_kind="gelu"),
+    "falcon40": dict(parallel=True, shared_norm=False, n_kv_heads=2, attn_bias=True,
+                     ffn_bias=True),
+    "falcon40_nobias": dict(parallel=True, shared_norm=False, n_kv_heads=2, attn_bias=False),
     "gemma2": dict(ffn_kind="geglu_tanh", attn_windows=(8, 0, 8, 0), attn_softcap=2.0,
                    final_softcap=3.0, post_norms=True, scale_embeddings=True, qk_norm=False),
     "gemma3": dict(ffn_kind="geglu_tanh", attn_windows=(8,) * 5 + (0,), rope_theta=1e6,
@@ -74,7 +78,7 @@ EXPECT = {  # ModelConfig fields each architecture must come out with (from eith
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_tied", "llama3", "mistral", "gemma2",
-                                  "gemma3", "phi3"])
+                                  "gemma3", "phi3", "falcon", "falcon40"])
 def test_safetensors_match_transformers(arch_model_dir, name):
     lm = load_model(arch_model_dir(name))
     for k, v in EXPECT[name].items():
@@ -86,7 +90,8 @@ def test_safetensors_match_transformers(arch_model_dir, name):
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_tied", "llama3", "mistral_nowindow",
-                                  "gemma2", "gemma3", "phi3", "phi3_nowindow"])
+                                  "gemma2", "gemma3", "phi3", "phi3_nowindow", "falcon",
+                                  "falcon40_nobias"])
 def test_llamacpp_gguf_matches_transformers(arch_model_dir, llamacpp_convert, name):
     path = llamacpp_convert(arch_model_dir(name))
     lm = load_model(path)

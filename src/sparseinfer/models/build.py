@@ -131,6 +131,8 @@ class WeightSource:
         t = self.src.tensors[canon]
         w = t.float()
         t.release()
+        if self.src.qkv_grouped and ".attn.wqkv." in canon:
+            w = _ungroup_qkv(w, self.src.config)
         if canon.endswith("down_t.weight"):
             w = w.t().contiguous()
         heads = self._qk_heads(canon)
@@ -186,6 +188,15 @@ class WeightSource:
         return WeightSource(self.src, tuple(names)).float()
 
 
+def _ungroup_qkv(w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Rows grouped per kv head ([q heads of the group, k, v] per group: HF Falcon) -> all q
+    heads, then k, then v (as llama.cpp's Falcon converter does)."""
+    nkv, hd = cfg.n_kv_heads, cfg.head_dim
+    g = w.reshape(nkv, cfg.n_heads // nkv + 2, hd, *w.shape[1:])
+    return torch.cat([g[:, :-2].reshape(-1, *w.shape[1:]), g[:, -2].reshape(-1, *w.shape[1:]),
+                      g[:, -1].reshape(-1, *w.shape[1:])])
+
+
 def _fill_linear(module: nn.Module, ws: WeightSource, origin: str, shape) -> None:
     bias = ws.bias() if getattr(module, "bias", None) is not None else None
     if isinstance(module, GGMLLinear):
@@ -194,7 +205,7 @@ def _fill_linear(module: nn.Module, ws: WeightSource, origin: str, shape) -> Non
         blocks = ws.blocks() if origin == "file blocks" else qb.quantize(ws.float())
         module.fill(blocks, bias)
     elif isinstance(module, Int8Linear):
-        if len(ws.names) == 1 and not ws._qk_heads(ws.names[0]) \
+        if len(ws.names) == 1 and not ws._qk_heads(ws.names[0]) and not ws.src.qkv_grouped \
                 and not ws.names[0].endswith("down_t.weight"):
             module.fill(ws.rows, bias)
         else:

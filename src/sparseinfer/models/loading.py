@@ -23,8 +23,9 @@ from ..config import FFN_KINDS, ModelConfig
 from ..errors import ModelFileError, SparseInferError
 from ..fileio import drop_pages, read_json
 from .names import (ARCH_FIELDS, GATED_ACT_TO_KIND, GGUF_ARCHS, GGUF_FFN_KIND,
-                    GGUF_ROPE_INTERLEAVED, GGUF_ROPE_THETA_LOCAL, GGUF_WINDOW_PATTERN, HF_ARCHS,
-                    HF_NORM_SHIFT, UNGATED_ACT_TO_KIND, compile_names, map_name, source_name)
+                    GGUF_ARCH_FIELDS, GGUF_ROPE_INTERLEAVED, GGUF_ROPE_THETA_LOCAL,
+                    GGUF_SWAPPED_NORMS,
+                    GGUF_WINDOW_PATTERN, HF_ARCHS, HF_NORM_SHIFT, HF_QKV_GROUPED, UNGATED_ACT_TO_KIND, compile_names, map_name, source_name)
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class ModelSource:
     # GGUF: Q/K rows in llama.cpp's permuted order (rope over adjacent pairs)
     qk_permuted: bool = False
     norm_shift: float = 0.0  # added to every norm weight on load (HF Gemma's x * (1 + w))
+    qkv_grouped: bool = False  # fused q/k/v rows grouped per kv head (HF Falcon): regrouped
 
     @property
     def file_bytes(self) -> int:
@@ -297,7 +299,10 @@ def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) 
         max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
         head_dim=int(key("attention.key_length", d_model // n_heads)),
         ffn_kind=kind,
-        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon",
+                           meta.get(f"{arch}.attention.layer_norm_epsilon", 1e-5))),
+        attn_bias="blk.0.attn_output.bias" in names,
+        ffn_bias="blk.0.ffn_up.bias" in names,
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_factors=_gguf_rope_factors(reader),
         attn_windows=windows,
@@ -306,7 +311,7 @@ def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) 
         final_softcap=float(meta.get(f"{arch}.final_logit_softcapping") or 0.0),
         tie_embeddings="output.weight" not in names,
         name=str(meta.get("general.name", path.stem)),
-        **ARCH_FIELDS[arch],
+        **{**ARCH_FIELDS[arch], **GGUF_ARCH_FIELDS.get(arch, {})},
     )
 
 
@@ -370,6 +375,12 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> Mod
             extras[t.name] = ft
         else:
             tensors[canon] = ft
+    if arch in GGUF_SWAPPED_NORMS and "layers.0.ffn_norm.weight" in tensors:
+        swap = {"attn_norm": "ffn_norm", "ffn_norm": "attn_norm"}
+        tensors = {_swap_norm(c, swap): t for c, t in tensors.items()}
+        for t in tensors.values():
+            t.canon = _swap_norm(t.canon, swap)
+    cfg = _with_shared_norm(cfg, tensors)
     return ModelSource(path, "gguf", cfg, meta, tensors, extras, GGUF_ARCHS[arch], reader, every,
                        qk_permuted=permuted)
 
@@ -401,6 +412,26 @@ def hf_config(path: Path, raw: dict[str, Any], max_seq_len: int | None,
             norm="layer", norm_eps=1e-5, pos="learned", pos_offset=2, attn_bias=True,
             ffn_bias=bool(raw.get("enable_bias", True)),
             tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        )
+    elif family == "falcon":
+        if raw.get("alibi"):
+            raise ModelFileError(f"{path}: Falcon with ALiBi positions (alibi=true) is not "
+                                 f"supported; expected rotary embeddings")
+        act = raw.get("activation", "gelu")
+        kind = ffn_kind or UNGATED_ACT_TO_KIND.get(act)
+        ctx = int(raw.get("max_position_embeddings") or 2048)
+        new_arch = bool(raw.get("new_decoder_architecture"))
+        n_heads = int(need("num_attention_heads"))
+        bias = bool(raw.get("bias", False))
+        params = raw.get("rope_parameters") or {}
+        cfg_kw = dict(
+            n_kv_heads=int(raw.get("num_kv_heads") or n_heads)
+            if new_arch or not raw.get("multi_query", True) else 1,
+            d_ff=int(raw.get("ffn_hidden_size") or 4 * int(need("hidden_size"))),
+            norm="layer", norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+            rope_theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            attn_bias=bias, ffn_bias=bias, parallel=bool(raw.get("parallel_attn", True))
+            or new_arch, tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
         )
     else:
         act = raw.get("hidden_activation") or raw.get("hidden_act", "silu")  # Gemma: the former
@@ -542,5 +573,19 @@ def _open_hf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> Model
         except Exception as e:
             raise ModelFileError(f"{f}: cannot read safetensors file (truncated or corrupt?): "
                                  f"{e}") from None
+    cfg = _with_shared_norm(cfg, tensors)
     return ModelSource(path, "hf", cfg, raw, tensors, extras, names, None, every, handles,
-                       norm_shift=HF_NORM_SHIFT.get(cfg.arch, 0.0))
+                       norm_shift=HF_NORM_SHIFT.get(cfg.arch, 0.0),
+                       qkv_grouped=cfg.arch in HF_QKV_GROUPED)
+
+
+def _swap_norm(canon: str, swap: dict[str, str]) -> str:
+    parts = canon.split(".")
+    if len(parts) == 4 and parts[0] == "layers" and parts[2] in swap:
+        parts[2] = swap[parts[2]]
+    return ".".join(parts)
+
+
+def _with_shared_norm(cfg: ModelConfig, tensors: dict[str, Any]) -> ModelConfig:
+    """Parallel blocks without an FFN norm of their own feed the attention's norm to the FFN."""
+    return replace(cfg, shared_norm=cfg.parallel and "layers.0.ffn_norm.weight" not in tensors)

@@ -201,7 +201,8 @@ class Block(nn.Module):
         super().__init__()
         p = f"layers.{layer}."
         self.attn_norm, self.attn = Norm(cfg), Attention(cfg, modules, p + "attn.")
-        self.ffn_norm = Norm(cfg)
+        self.ffn_norm = None if cfg.shared_norm else Norm(cfg)
+        self.parallel = cfg.parallel
         self.ffn = modules.ffn(layer, cfg) or FFN(cfg, modules, p + "ffn.")
         # norms of the attention and FFN outputs before the residual add (Gemma 2/3)
         self.attn_post_norm = Norm(cfg) if cfg.post_norms else nn.Identity()
@@ -216,7 +217,11 @@ class Block(nn.Module):
     def forward(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
         if self.fused is not None and x.shape[0] == 1 and x.shape[1] == 1:
             return self.fused(x, layer, pos, cache, rope)
-        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), layer, pos, cache, rope))
+        h = self.attn_norm(x)
+        a = self.attn_post_norm(self.attn(h, layer, pos, cache, rope))
+        if self.parallel:  # both read the block input; one residual add
+            return x + a + self.ffn(h if self.ffn_norm is None else self.ffn_norm(x))
+        x = x + a
         return x + self.ffn_post_norm(self.ffn(self.ffn_norm(x)))
 
 

@@ -44,6 +44,11 @@ GGUF_QWEN3_NAMES = {**GGUF_LLAMA_NAMES, **_GGUF_QK_NORM}
 GGUF_PHI3_NAMES = {**{_gguf(t): c for t, c in _GGUF_COMMON if t not in
                       (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.FFN_UP)},
                    _gguf(T.ATTN_QKV): "layers.{i}.attn.wqkv", _gguf(T.FFN_UP): "layers.{i}.ffn.w_in"}
+# Falcon: fused q/k/v, an optional second input norm for the FFN (Falcon-40B), ungated GELU MLP
+GGUF_FALCON_NAMES = {**{_gguf(t): c for t, c in _GGUF_COMMON if t not in
+                        (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.FFN_NORM)},
+                     _gguf(T.ATTN_QKV): "layers.{i}.attn.wqkv",
+                     _gguf(T.ATTN_NORM_2): "layers.{i}.ffn_norm"}
 # Gemma 2/3: norms on the attention and FFN outputs too
 GGUF_GEMMA_NAMES = {**GGUF_LLAMA_NAMES, **_GGUF_QK_NORM,
                     _gguf(T.ATTN_POST_NORM): "layers.{i}.attn_post_norm",
@@ -75,6 +80,21 @@ HF_PHI3_NAMES = {**{k: v for k, v in HF_LLAMA_NAMES.items() if not k.endswith(
                       ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))},
                  "model.layers.{i}.self_attn.qkv_proj": "layers.{i}.attn.wqkv",
                  "model.layers.{i}.mlp.gate_up_proj": "layers.{i}.ffn.w_in"}
+
+# Falcon: query_key_value rows grouped per kv head ([q..., k, v] per group: ModelSource.qkv_grouped)
+HF_FALCON_NAMES = {
+    "transformer.word_embeddings": "tok_emb",
+    "transformer.ln_f": "norm",
+    "lm_head": "lm_head",
+    "transformer.h.{i}.input_layernorm": "layers.{i}.attn_norm",
+    "transformer.h.{i}.ln_attn": "layers.{i}.attn_norm",
+    "transformer.h.{i}.ln_mlp": "layers.{i}.ffn_norm",
+    "transformer.h.{i}.post_attention_layernorm": "layers.{i}.ffn_norm",
+    "transformer.h.{i}.self_attention.query_key_value": "layers.{i}.attn.wqkv",
+    "transformer.h.{i}.self_attention.dense": "layers.{i}.attn.wo",
+    "transformer.h.{i}.mlp.dense_h_to_4h": "layers.{i}.ffn.up",
+    "transformer.h.{i}.mlp.dense_4h_to_h": "layers.{i}.ffn.down",
+}
 
 # Gemma 2/3: post_attention_layernorm is the attention *output* norm; the FFN has its own pre-norm
 HF_GEMMA_NAMES = {**HF_QWEN3_NAMES,
@@ -109,13 +129,14 @@ HF_ARCHS = {  # config.json "architectures"[0] -> (family, name map)
     "Qwen2ForCausalLM": ("qwen2", HF_LLAMA_NAMES),
     "Qwen3ForCausalLM": ("qwen3", HF_QWEN3_NAMES),
     "Phi3ForCausalLM": ("phi3", HF_PHI3_NAMES),
+    "FalconForCausalLM": ("falcon", HF_FALCON_NAMES),
     "Gemma2ForCausalLM": ("gemma2", HF_GEMMA_NAMES),
     "Gemma3ForCausalLM": ("gemma3", HF_GEMMA_NAMES),
     "OPTForCausalLM": ("opt", HF_OPT_NAMES),
 }
 # general.architecture -> name map (llama.cpp writes Mistral as "llama")
 GGUF_ARCHS = {"llama": GGUF_LLAMA_NAMES, "qwen2": GGUF_LLAMA_NAMES, "qwen3": GGUF_QWEN3_NAMES,
-              "phi3": GGUF_PHI3_NAMES, "gemma2": GGUF_GEMMA_NAMES, "gemma3": GGUF_GEMMA_NAMES, "opt": GGUF_OPT_NAMES}
+              "phi3": GGUF_PHI3_NAMES, "falcon": GGUF_FALCON_NAMES, "gemma2": GGUF_GEMMA_NAMES, "gemma3": GGUF_GEMMA_NAMES, "opt": GGUF_OPT_NAMES}
 
 # family -> the ModelConfig fields it fixes, whatever the file says (the rest is read from the
 # file's hyper-parameters). ``rope_interleaved`` applies to GGUF files only: llama.cpp permutes
@@ -127,13 +148,22 @@ ARCH_FIELDS: dict[str, dict] = {
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
     "phi3": {},
+    "falcon": {"norm": "layer"},
     "gemma2": {"scale_embeddings": True, "post_norms": True},
     "gemma3": {"scale_embeddings": True, "post_norms": True, "qk_norm": True},
     "opt": {},
 }
-GGUF_FFN_KIND = {"gemma2": "geglu_tanh", "gemma3": "geglu_tanh"}  # default: swiglu
+GGUF_FFN_KIND = {"gemma2": "geglu_tanh", "gemma3": "geglu_tanh", "falcon": "gelu"}  # default: swiglu
 GGUF_ROPE_INTERLEAVED = {"llama": True, "opt": True, "qwen2": False, "qwen3": False, "phi3": False,
+                         "falcon": False,
                          "gemma2": False, "gemma3": False}
+# fields GGUF files of an architecture imply (llama.cpp's Falcon graph is always parallel)
+GGUF_ARCH_FIELDS: dict[str, dict] = {"falcon": {"parallel": True}}
+# GGUF architectures whose attn_norm feeds the FFN when attn_norm_2 exists (gguf-py maps
+# Falcon-40B's ln_mlp to attn_norm and ln_attn to attn_norm_2): canonical names swapped on load
+GGUF_SWAPPED_NORMS = {"falcon"}
+# Hugging Face checkpoints whose fused query_key_value rows are grouped per kv head
+HF_QKV_GROUPED = {"falcon"}
 # Hugging Face Gemma norms compute x * (1 + w); llama.cpp's converter stores 1 + w, as we hold it
 HF_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
 # GGUF files keep no per-layer window list: llama.cpp fixes these per architecture. Every n-th
