@@ -161,6 +161,11 @@ TINY_ARCHS = {
     # llama.cpp's Falcon converter cannot regroup a qkv bias: its GGUF test goes without
     "falcon40_nobias": ("FalconConfig", "FalconForCausalLM", dict(
         new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=256, bias=False)),
+    # OPT-350m layout: norms after the residual adds, no final norm, 32-wide embeddings
+    # projected in and out of the 64-wide model (llama.cpp has no OPT: safetensors only)
+    "opt350m": ("OPTConfig", "OPTForCausalLM", dict(
+        ffn_dim=192, word_embed_proj_dim=32, do_layer_norm_before=False, enable_bias=True,
+        activation_function="relu", tie_word_embeddings=True, pad_token_id=0)),
     # Gemma: every other layer windowed (2), soft-capped scores and logits, (1 + w) norms
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         vocab_size=TINY_VOCAB, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16,

@@ -75,6 +75,9 @@ class ModelConfig:
     post_norms: bool = False  # a norm on the attention and FFN outputs too (Gemma 2/3)
     parallel: bool = False  # x + attn(norm(x)) + ffn(norm'(x)): one residual add (Falcon)
     shared_norm: bool = False  # parallel blocks with one input norm for both (Falcon-7B)
+    post_norm: bool = False  # norm after each residual add instead of before (OPT-350m)
+    final_norm: bool = True  # a norm before the LM head (OPT-350m has none)
+    emb_dim: int = 0  # embedding / LM-head width with project_in/out to d_model; 0 = d_model
     ffn_bias: bool = False  # up/down biases (ungated MLPs)
     tie_embeddings: bool = False
     name: str = ""
@@ -114,7 +117,7 @@ class ModelConfig:
         """Pre-norm attention and FFN with nothing else (no q/k norms, windows, soft-capping,
         custom scale or post-norms): what the fused decode kernels implement."""
         return not (self.qk_norm or any(self.attn_windows) or self.attn_softcap
-                    or self.attn_scale or self.post_norms or self.parallel)
+                    or self.attn_scale or self.post_norms or self.parallel or self.post_norm)
 
 
 @dataclass(frozen=True)

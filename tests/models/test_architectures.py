@@ -70,6 +70,7 @@ EXPECT = {  # ModelConfig fields each architecture must come out with (from eith
     "falcon40": dict(parallel=True, shared_norm=False, n_kv_heads=2, attn_bias=True,
                      ffn_bias=True),
     "falcon40_nobias": dict(parallel=True, shared_norm=False, n_kv_heads=2, attn_bias=False),
+    "opt350m": dict(post_norm=True, final_norm=False, emb_dim=32, norm="layer", ffn_kind="relu"),
     "gemma2": dict(ffn_kind="geglu_tanh", attn_windows=(8, 0, 8, 0), attn_softcap=2.0,
                    final_softcap=3.0, post_norms=True, scale_embeddings=True, qk_norm=False),
     "gemma3": dict(ffn_kind="geglu_tanh", attn_windows=(8,) * 5 + (0,), rope_theta=1e6,
@@ -78,7 +79,7 @@ EXPECT = {  # ModelConfig fields each architecture must come out with (from eith
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_tied", "llama3", "mistral", "gemma2",
-                                  "gemma3", "phi3", "falcon", "falcon40"])
+                                  "gemma3", "phi3", "falcon", "falcon40", "opt350m"])
 def test_safetensors_match_transformers(arch_model_dir, name):
     lm = load_model(arch_model_dir(name))
     for k, v in EXPECT[name].items():

@@ -398,12 +398,8 @@ def hf_config(path: Path, raw: dict[str, Any], max_seq_len: int | None,
     family, names = HF_ARCHS[arch_name]
     need = lambda k: _need(raw, k, path)  # noqa: E731
     if family == "opt":
-        if not raw.get("do_layer_norm_before", True):
-            raise ModelFileError(f"{path}: OPT with post-layer-norm (do_layer_norm_before=false, "
-                                 f"OPT-350m) is not supported")
-        if raw.get("word_embed_proj_dim", raw["hidden_size"]) != raw["hidden_size"]:
-            raise ModelFileError(f"{path}: OPT with word_embed_proj_dim != hidden_size is not "
-                                 f"supported")
+        pre = bool(raw.get("do_layer_norm_before", True))
+        emb = int(raw.get("word_embed_proj_dim") or need("hidden_size"))
         act = raw.get("activation_function", "relu")
         kind = ffn_kind or UNGATED_ACT_TO_KIND.get(act)
         ctx = int(need("max_position_embeddings"))
@@ -412,6 +408,10 @@ def hf_config(path: Path, raw: dict[str, Any], max_seq_len: int | None,
             norm="layer", norm_eps=1e-5, pos="learned", pos_offset=2, attn_bias=True,
             ffn_bias=bool(raw.get("enable_bias", True)),
             tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            # OPT-350m: norms after the residual adds, none before the head, and embeddings of
+            # word_embed_proj_dim projected in and out
+            post_norm=not pre, final_norm=pre and not raw.get("_remove_final_layer_norm"),
+            emb_dim=emb if emb != int(need("hidden_size")) else 0,
         )
     elif family == "falcon":
         if raw.get("alibi"):

@@ -202,7 +202,7 @@ class Block(nn.Module):
         p = f"layers.{layer}."
         self.attn_norm, self.attn = Norm(cfg), Attention(cfg, modules, p + "attn.")
         self.ffn_norm = None if cfg.shared_norm else Norm(cfg)
-        self.parallel = cfg.parallel
+        self.parallel, self.post_norm = cfg.parallel, cfg.post_norm
         self.ffn = modules.ffn(layer, cfg) or FFN(cfg, modules, p + "ffn.")
         # norms of the attention and FFN outputs before the residual add (Gemma 2/3)
         self.attn_post_norm = Norm(cfg) if cfg.post_norms else nn.Identity()
@@ -217,6 +217,9 @@ class Block(nn.Module):
     def forward(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
         if self.fused is not None and x.shape[0] == 1 and x.shape[1] == 1:
             return self.fused(x, layer, pos, cache, rope)
+        if self.post_norm:  # OPT-350m: norm after each residual add
+            x = self.attn_norm(x + self.attn(x, layer, pos, cache, rope))
+            return self.ffn_norm(x + self.ffn(x))
         h = self.attn_norm(x)
         a = self.attn_post_norm(self.attn(h, layer, pos, cache, rope))
         if self.parallel:  # both read the block input; one residual add
@@ -230,15 +233,20 @@ class Transformer(nn.Module):
         super().__init__()
         modules = modules or DenseModules(dtype)
         self.cfg = cfg
-        self.tok_emb = modules.embedding("tok_emb", cfg.vocab_size, cfg.d_model)
+        E = cfg.emb_dim or cfg.d_model  # embedding width (OPT-350m: projected to d_model)
+        self.tok_emb = modules.embedding("tok_emb", cfg.vocab_size, E)
+        self.project_in = modules.linear("project_in", E, cfg.d_model, False) if cfg.emb_dim \
+            else None
+        self.project_out = modules.linear("project_out", cfg.d_model, E, False) if cfg.emb_dim \
+            else None
         self.pos_emb = (
             nn.Embedding(cfg.max_seq_len + cfg.pos_offset, cfg.d_model)
             if cfg.pos == "learned"
             else None
         )
         self.layers = nn.ModuleList(Block(cfg, modules, i) for i in range(cfg.n_layers))
-        self.norm = Norm(cfg)
-        self.lm_head = modules.linear("lm_head", cfg.d_model, cfg.vocab_size, False)
+        self.norm = Norm(cfg) if cfg.final_norm else nn.Identity()
+        self.lm_head = modules.linear("lm_head", E, cfg.vocab_size, False)
         self.rope: tuple[Tensor, Tensor] | None = None
         self.rope_local: tuple[Tensor, Tensor] | None = None  # windowed layers' own base
         self.emb_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
@@ -251,7 +259,7 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.norm.weight.device
+        return self.layers[0].attn_norm.weight.device
 
     def new_cache(self, batch: int = 1, max_seq: int | None = None) -> KVCache:
         max_seq = max_seq or self.cfg.max_seq_len
@@ -271,6 +279,8 @@ class Transformer(nn.Module):
         if pos + T > cache.max_seq:
             raise ValueError(f"positions {pos}..{pos + T} exceed the cache size {cache.max_seq}")
         x = self.tok_emb(tokens)  # (B, T, D)
+        if self.project_in is not None:
+            x = self.project_in(x)
         if self.emb_scale != 1.0:
             x = x * torch.tensor(self.emb_scale, dtype=x.dtype)
         if self.pos_emb is not None:
@@ -279,7 +289,8 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.layers):
             local = self.rope_local is not None and self.cfg.window(i)
             x = block(x, i, pos, cache, self.rope_local if local else self.rope)
-        return self.norm(x)
+        x = self.norm(x)
+        return self.project_out(x) if self.project_out is not None else x
 
     def forward(self, tokens: Tensor, pos: int, cache: KVCache, last_only: bool = False) -> Tensor:
         """Logits (B, T, V) in float32 (or (B, 1, V) with ``last_only``)."""

@@ -106,6 +106,8 @@ HF_OPT_NAMES = {
     "model.decoder.embed_tokens": "tok_emb",
     "model.decoder.embed_positions": "pos_emb",
     "model.decoder.final_layer_norm": "norm",
+    "model.decoder.project_in": "project_in",
+    "model.decoder.project_out": "project_out",
     "lm_head": "lm_head",
     "model.decoder.layers.{i}.self_attn_layer_norm": "layers.{i}.attn_norm",
     "model.decoder.layers.{i}.self_attn.q_proj": "layers.{i}.attn.wq",

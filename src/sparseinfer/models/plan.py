@@ -216,6 +216,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
 
     weights: list[WeightPlan] = []
     D, F, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
+    E = cfg.emb_dim or D  # embedding and LM-head width
     q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
 
     def expected(canon: str) -> tuple[int, ...] | None:
@@ -225,8 +226,9 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                 "attn.wq.weight": (q_out, D), "attn.wk.weight": (kv_out, D),
                 "attn.wv.weight": (kv_out, D), "attn.wo.weight": (D, q_out),
                 "ffn.gate.weight": (F, D), "ffn.up.weight": (F, D), "ffn.down.weight": (D, F),
-                "ffn.down_t.weight": (F, D), "tok_emb.weight": (cfg.vocab_size, D),
-                "lm_head.weight": (cfg.vocab_size, D)}.get(leaf)
+                "ffn.down_t.weight": (F, D), "tok_emb.weight": (cfg.vocab_size, E),
+                "lm_head.weight": (cfg.vocab_size, E), "project_in.weight": (D, E),
+                "project_out.weight": (E, D)}.get(leaf)
 
     def check(canon: str) -> None:
         if canon not in src.tensors:
@@ -249,11 +251,11 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     check("tok_emb.weight")
     emb = src.tensors["tok_emb.weight"]
     if emb.quantized and dtype == "auto":
-        weights.append(WeightPlan("tok_emb", "file", ("tok_emb.weight",), (cfg.vocab_size, D),
+        weights.append(WeightPlan("tok_emb", "file", ("tok_emb.weight",), (cfg.vocab_size, E),
                                   emb.nbytes, "mapped"))
     else:
         weights.append(WeightPlan("tok_emb", float_dtype, ("tok_emb.weight",),
-                                  (cfg.vocab_size, D), STORAGES[float_dtype](cfg.vocab_size, D),
+                                  (cfg.vocab_size, E), STORAGES[float_dtype](cfg.vocab_size, E),
                                   "dequantized" if emb.quantized else "as stored"))
     if cfg.pos == "learned":
         n_pos = cfg.max_seq_len + cfg.pos_offset
@@ -295,13 +297,16 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
             if down not in src.tensors and p + "ffn.down_t.weight" in src.tensors:
                 down = p + "ffn.down_t.weight"
             add(p + "ffn.down", [down], (D, F))
+    if cfg.emb_dim:  # OPT-350m: embeddings projected in and out of d_model
+        add("project_in", ["project_in.weight"], (D, E))
+        add("project_out", ["project_out.weight"], (E, D))
     if cfg.tie_embeddings or "lm_head.weight" not in src.tensors:
-        add("lm_head", ["tok_emb.weight"], (cfg.vocab_size, D), head=True)
+        add("lm_head", ["tok_emb.weight"], (cfg.vocab_size, E), head=True)
         if weights[-1].storage == weights[0].storage:  # float: one tensor serves both
             weights[-1] = WeightPlan("lm_head", weights[0].storage, ("tok_emb.weight",),
-                                     (cfg.vocab_size, D), 0, "shared")
+                                     (cfg.vocab_size, E), 0, "shared")
     else:
-        add("lm_head", ["lm_head.weight"], (cfg.vocab_size, D), head=True)
+        add("lm_head", ["lm_head.weight"], (cfg.vocab_size, E), head=True)
     fused_ok = (fused and cpu and float_dtype == "fp32" and cfg.norm == "rms"
                 and cfg.pos == "rope" and cfg.plain_block)
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * hd * (2 if float_dtype == "bf16" else 4)
