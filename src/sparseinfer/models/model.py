@@ -1,5 +1,8 @@
 """One readable decoder-only transformer covering the llama family (SwiGLU / GeGLU / ReGLU / dReLU,
-RMSNorm, RoPE, GQA) and OPT-style models (LayerNorm, learned positions, biased ReLU MLP).
+RMSNorm, RoPE, GQA; Llama 3.1 rope factors, Mistral windows), Qwen2/3 (q/k/v biases, q/k norms),
+Gemma 2/3 (GeGLU-tanh, scaled embeddings, post-norms, per-layer windows and rope bases,
+soft-capping), Phi-3, Falcon (parallel blocks) and OPT-style models (LayerNorm, learned positions,
+biased ReLU MLP; OPT-350m's post-norm blocks and projected embeddings).
 
 Everything that differs between architectures is a field of ``ModelConfig``; this file has no
 loading, sampling or CLI in it. Which module holds each weight (fp32, bf16, 4-bit or int8
