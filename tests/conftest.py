@@ -18,7 +18,7 @@ TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-TINY_KINDS = ("swiglu", "reglu", "drelu", "geglu", "opt")
+TINY_KINDS = ("swiglu", "reglu", "drelu", "geglu", "geglu_tanh", "opt")
 
 
 def _train_tokenizer(out: Path) -> None:
@@ -52,7 +52,8 @@ def tiny_hf_model(kind: str, seed: int = 0):
                            activation_function="relu", enable_bias=True, init_std=0.1,
                            pad_token_id=0, bos_token_id=1, eos_token_id=2)
         return tf.OPTForCausalLM(cfg).eval()
-    act = {"swiglu": "silu", "reglu": "relu", "drelu": "relu", "geglu": "gelu"}[kind]
+    act = {"swiglu": "silu", "reglu": "relu", "drelu": "relu", "geglu": "gelu",
+           "geglu_tanh": "gelu_pytorch_tanh"}[kind]
     cfg = tf.LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=192,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, rms_norm_eps=1e-6, hidden_act=act,
@@ -125,3 +126,144 @@ def smollm2_hf(smollm2_path):
     model = tf.AutoModelForCausalLM.from_pretrained(
         smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32)
     return model.eval()
+
+
+# ---- architectures beyond llama / OPT (issue #11) -------------------------------------------------
+
+_ARCH_COMMON = dict(vocab_size=TINY_VOCAB + 16, hidden_size=64, intermediate_size=192,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.1,
+                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+# (vocab padded past the tokenizer, as real models are: Qwen2's tokenizer adds a pad token)
+# name -> (transformers config class, model class, config overrides)
+TINY_ARCHS = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "attention_bias": False}),
+    "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True}),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": LLAMA3_ROPE}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    # llama.cpp keeps no window for Mistral: the GGUF test uses one no shorter than the context
+    "mistral_nowindow": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4096}),
+    # Phi-3: fused qkv and gate_up tensors, a window over every layer
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "sliding_window": 8}),
+    "phi3_nowindow": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0,
+                                                         "sliding_window": None}),
+    # Falcon-7B style: parallel attention + MLP sharing one LayerNorm, one kv head, fused qkv
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(
+        multi_query=True, num_kv_heads=1, parallel_attn=True, new_decoder_architecture=False,
+        ffn_hidden_size=256, bias=False)),
+    # Falcon-40B style: two LayerNorms, grouped kv heads, qkv rows grouped per kv head; biases
+    "falcon40": ("FalconConfig", "FalconForCausalLM", dict(
+        new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=256, bias=True)),
+    # llama.cpp's Falcon converter cannot regroup a qkv bias: its GGUF test goes without
+    "falcon40_nobias": ("FalconConfig", "FalconForCausalLM", dict(
+        new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=256, bias=False)),
+    # OPT-350m layout: norms after the residual adds, no final norm, 32-wide embeddings
+    # projected in and out of the 64-wide model (llama.cpp has no OPT: safetensors only)
+    "opt350m": ("OPTConfig", "OPTForCausalLM", dict(
+        ffn_dim=192, word_embed_proj_dim=32, do_layer_norm_before=False, enable_bias=True,
+        activation_function="relu", tie_word_embeddings=True, pad_token_id=0)),
+    # Gemma: every other layer windowed (2), soft-capped scores and logits, (1 + w) norms
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        vocab_size=TINY_VOCAB, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+        tie_word_embeddings=True, attn_implementation="eager")),
+    # Gemma 3: five windowed layers with rope base 10000, then one global with 1e6; q/k norms
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        vocab_size=TINY_VOCAB, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32,
+        sliding_window=8, final_logit_softcapping=5.0, tie_word_embeddings=True,
+        attn_implementation="eager")),
+}
+
+
+def tiny_arch_model(name: str, seed: int = 0):
+    """A random transformers model of architecture ``name`` (a key of TINY_ARCHS)."""
+    import transformers as tf
+
+    cfg_cls, model_cls, over = TINY_ARCHS[name]
+    torch.manual_seed(seed)
+    cfg = getattr(tf, cfg_cls)(**{**_ARCH_COMMON, **over})
+    model = getattr(tf, model_cls)(cfg).eval()
+    # random norm weights, so a norm read from the wrong place (or not at all) shows
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 1 and n.endswith(".weight"):  # norms (Falcon's ln_attn too)
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif n.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="session")
+def arch_model_dir(tiny_model_dir, tmp_path_factory):
+    """Factory: architecture name -> directory with config.json, safetensors and a tokenizer."""
+    made: dict[str, Path] = {}
+    tok_src = tiny_model_dir("swiglu")
+
+    def make(name: str) -> Path:
+        if name not in made:
+            out = tmp_path_factory.mktemp(f"tiny_{name}")
+            tiny_arch_model(name).save_pretrained(out, safe_serialization=True)
+            for f in ("tokenizer.json", "tokenizer_config.json"):
+                (out / f).write_bytes((tok_src / f).read_bytes())
+            made[name] = out
+        return made[name]
+
+    return make
+
+
+LLAMACPP_SDIST = "llama-cpp-python==0.3.36"
+# llama.cpp's converter hashes the tokenizer's output to name its pre-tokenizer and refuses ones
+# it does not know (ours is a tiny trained BPE): call it "default" and convert
+_CONVERT = """
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+from conversion import gemma, phi  # these read only sentencepiece vocabularies; ours is BPE
+gemma.Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()
+phi.Phi3MiniModel.set_vocab = lambda self: self._set_vocab_gpt2()
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
+convert_hf_to_gguf.main()
+"""
+
+
+@pytest.fixture(scope="session")
+def llamacpp_convert(tmp_path_factory):
+    """llama.cpp's own ``convert_hf_to_gguf.py`` (from the llama-cpp-python source distribution,
+    with its bundled gguf-py): an independent GGUF writer. Returns hf_dir -> GGUF path."""
+    import subprocess
+    import sys
+    import tarfile
+
+    dl = tmp_path_factory.mktemp("lcpp")
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        ":all:", LLAMACPP_SDIST, "-d", str(dl)], capture_output=True, text=True,
+                       timeout=540)
+    tars = list(dl.glob("llama_cpp_python-*.tar.gz"))
+    if r.returncode or not tars:
+        pytest.skip(f"cannot download {LLAMACPP_SDIST} from PyPI (llama.cpp's converter): "
+                    f"{r.stderr.strip().splitlines()[-1:] }")
+    with tarfile.open(tars[0]) as tf_:
+        members = [m for m in tf_.getmembers()
+                   if "/vendor/llama.cpp/" in m.name and ("/gguf-py/" in m.name
+                                                         or "/conversion/" in m.name
+                                                         or m.name.endswith("convert_hf_to_gguf.py"))]
+        tf_.extractall(dl, members=members, filter="data")
+    root = next(dl.glob("llama_cpp_python-*/vendor/llama.cpp"))
+
+    def convert(hf_dir: Path) -> Path:
+        out = hf_dir / "model-f32.gguf"
+        if not out.exists():
+            r = subprocess.run([sys.executable, "-c", _CONVERT, str(root / "gguf-py"), str(root),
+                                str(hf_dir), "--outtype", "f32", "--outfile", str(out)],
+                               capture_output=True, text=True, timeout=300)
+            if r.returncode:
+                raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{r.stderr[-3000:]}")
+        return out
+
+    return convert

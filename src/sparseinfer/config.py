@@ -20,7 +20,7 @@ class FFNKind:
     """
 
     gated: bool
-    gate_act: str | None  # "silu" | "gelu" | "relu" | None
+    gate_act: str | None  # "silu" | "gelu" | "gelu_tanh" | "relu" | None
     up_act: str | None  # activation applied to the up projection (None = identity)
     relu_sparse: bool
 
@@ -28,6 +28,7 @@ class FFNKind:
 FFN_KINDS: dict[str, FFNKind] = {
     "swiglu": FFNKind(gated=True, gate_act="silu", up_act=None, relu_sparse=False),
     "geglu": FFNKind(gated=True, gate_act="gelu", up_act=None, relu_sparse=False),
+    "geglu_tanh": FFNKind(gated=True, gate_act="gelu_tanh", up_act=None, relu_sparse=False),
     "reglu": FFNKind(gated=True, gate_act="relu", up_act=None, relu_sparse=True),
     "drelu": FFNKind(gated=True, gate_act="relu", up_act="relu", relu_sparse=True),
     "relu": FFNKind(gated=False, gate_act=None, up_act="relu", relu_sparse=True),
@@ -58,6 +59,25 @@ class ModelConfig:
     rope_interleaved: bool = False
     pos_offset: int = 0  # learned positions: OPT stores 2 extra rows in front
     attn_bias: bool = False  # q/k/v/o biases
+    qkv_bias: bool = False  # q/k/v biases only (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rope (Qwen3, Gemma 3)
+    # rope frequency divisors, one per rotated pair (Llama 3.1 "llama3" scaling; llama.cpp's
+    # rope_freqs.weight): angle_i = pos * theta^(-2i/hd) / rope_factors[i]; () = all 1
+    rope_factors: tuple[float, ...] = ()
+    # attention window per layer in tokens (query i sees keys j with i - j < w; 0 = the whole
+    # context); () = no layer windowed (Mistral: one window for every layer)
+    attn_windows: tuple[int, ...] = ()
+    rope_theta_local: float = 0.0  # rope base of the windowed layers (Gemma 3); 0 = rope_theta
+    attn_scale: float = 0.0  # q·k scale; 0 = 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-1/2)
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0 = off
+    final_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (Gemma 2/3); 0 = off
+    scale_embeddings: bool = False  # token embeddings times sqrt(d_model) (Gemma)
+    post_norms: bool = False  # a norm on the attention and FFN outputs too (Gemma 2/3)
+    parallel: bool = False  # x + attn(norm(x)) + ffn(norm'(x)): one residual add (Falcon)
+    shared_norm: bool = False  # parallel blocks with one input norm for both (Falcon-7B)
+    post_norm: bool = False  # norm after each residual add instead of before (OPT-350m)
+    final_norm: bool = True  # a norm before the LM head (OPT-350m has none)
+    emb_dim: int = 0  # embedding / LM-head width with project_in/out to d_model; 0 = d_model
     ffn_bias: bool = False  # up/down biases (ungated MLPs)
     tie_embeddings: bool = False
     name: str = ""
@@ -71,6 +91,14 @@ class ModelConfig:
             raise ValueError(f"norm: expected 'rms' or 'layer', got {self.norm!r}")
         if self.pos not in ("rope", "learned"):
             raise ValueError(f"pos: expected 'rope' or 'learned', got {self.pos!r}")
+        for name in ("rope_factors", "attn_windows"):  # JSON gives lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.attn_windows and len(self.attn_windows) != self.n_layers:
+            raise ValueError(f"attn_windows: expected one window per layer ({self.n_layers}), "
+                             f"got {len(self.attn_windows)}")
+        if self.rope_factors and len(self.rope_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_factors: expected head_dim/2 = {self.head_dim // 2} factors, "
+                             f"got {len(self.rope_factors)}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
@@ -79,6 +107,17 @@ class ModelConfig:
     @property
     def ffn(self) -> FFNKind:
         return FFN_KINDS[self.ffn_kind]
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s attention window in tokens (0: the whole context)."""
+        return self.attn_windows[layer] if self.attn_windows else 0
+
+    @property
+    def plain_block(self) -> bool:
+        """Pre-norm attention and FFN with nothing else (no q/k norms, windows, soft-capping,
+        custom scale or post-norms): what the fused decode kernels implement."""
+        return not (self.qk_norm or any(self.attn_windows) or self.attn_softcap
+                    or self.attn_scale or self.post_norms or self.parallel or self.post_norm)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def test_rms_norm_matches_reference(d, with_add):
 def test_attend_matches_reference(nh, nkv, hd, pos, interleaved):
     torch.manual_seed(nh * 1000 + pos)
     S = 256
-    cos_t, sin_t = rope_tables(type("C", (), {"head_dim": hd, "rope_theta": 10000.0})(), S)
+    cos_t, sin_t = rope_tables(type("C", (), {"head_dim": hd, "rope_theta": 10000.0, "rope_factors": ()})(), S)
     qkv = torch.randn((nh + 2 * nkv) * hd)
     kc, vc = torch.randn(nkv, S, hd), torch.randn(nkv, S, hd)
     kc_ref, vc_ref = kc.clone(), vc.clone()
@@ -94,7 +94,7 @@ def test_interleaved_rope_equals_rotate_half_on_permuted_rows():
 
     torch.manual_seed(0)
     nh, hd, T = 3, 16, 5
-    cos, sin = rope_tables(type("C", (), {"head_dim": hd, "rope_theta": 10000.0})(), T)
+    cos, sin = rope_tables(type("C", (), {"head_dim": hd, "rope_theta": 10000.0, "rope_factors": ()})(), T)
     x = torch.randn(1, nh, T, hd)
     perm = permute_qk(torch.arange(nh * hd), nh).view(nh, hd) % hd  # per-head dim order
     xp = torch.stack([x[:, h, :, perm[h]] for h in range(nh)], dim=1)

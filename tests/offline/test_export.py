@@ -9,7 +9,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict
+from sparseinfer.config import ModelConfig
 
 import numpy as np
 import pytest
@@ -112,7 +112,7 @@ def test_layout_hot_first_and_extras(tiny_exports, kind):
                else "model.layers.{}.mlp.up_proj.weight")
     down_name = ("model.decoder.layers.{}.fc2.weight" if kind == "opt"
                  else "model.layers.{}.mlp.down_proj.weight")
-    assert json.loads(_field(r, "sparseinfer.config")) == asdict(cfg)
+    assert ModelConfig(**json.loads(_field(r, "sparseinfer.config"))) == cfg  # JSON: lists
     assert _field(r, "sparseinfer.ffn_kind") == cfg.ffn_kind
     assert _field(r, "powerinfer.sparse_threshold") == 0.0
     assert _field(r, "sparseinfer.sparsity.mode") == ("relu" if kind == "opt" else "magnitude")

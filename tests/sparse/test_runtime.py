@@ -94,7 +94,7 @@ def test_oracle_relu_equals_dense(tiny_model_dir, with_predictors, kind):
     assert 0.05 < info.density() < 0.95
 
 
-@pytest.mark.parametrize("kind", ["swiglu", "geglu", "reglu", "drelu", "opt"])
+@pytest.mark.parametrize("kind", ["swiglu", "geglu", "geglu_tanh", "reglu", "drelu", "opt"])
 @pytest.mark.parametrize("ffn_dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.slow),
                                        pytest.param("int8", marks=pytest.mark.slow), "q4"])
 def test_all_active_equals_dense(tiny_model_dir, with_predictors, kind, ffn_dtype):
@@ -107,6 +107,19 @@ def test_all_active_equals_dense(tiny_model_dir, with_predictors, kind, ffn_dtyp
     # its reference tightly: tests/cpu/test_sparse_q4.py)
     tol = {"fp32": 1e-4, "bf16": 3e-2, "int8": 3e-2, "q4": 3e-1}[ffn_dtype]
     assert _close(got, dense, tol)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])  # GeGLU-tanh + post-norms; q/k/v biases
+@pytest.mark.parametrize("ffn_dtype", ["fp32", "int8"])
+def test_all_active_equals_dense_new_archs(arch_model_dir, with_predictors, arch, ffn_dtype):
+    path = arch_model_dir(arch)
+    dense = _decode_logits(load_model(path), IDS)
+    lm, info = sparsify(with_predictors(path), threshold=-float("inf"), ffn_dtype=ffn_dtype)
+    assert lm.config.ffn_kind == {"gemma3": "geglu_tanh", "qwen2": "swiglu"}[arch]
+    got = _decode_logits(lm, IDS)
+    assert info.density() == 1.0
+    # int8 rows: rounding, which Gemma's six layers with post-norms amplify a little
+    assert _close(got, dense, {"fp32": 1e-4, "int8": 1e-1}[ffn_dtype])
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "opt"])
@@ -243,3 +256,14 @@ def test_auto_prefill_of_long_prompts(tiny_model_dir, with_predictors, ffn_dtype
     auto = _prefill_logits(lm, ids)
     info.set_batch_mode(want)
     assert torch.equal(_prefill_logits(lm, ids), auto)
+
+
+@pytest.mark.parametrize("arch,fused", [("qwen2", True), ("llama3", True), ("gemma3", False)])
+def test_fused_decode_new_archs(arch_model_dir, arch, fused):
+    """The fused block decode takes q/k/v biases and scaled rope tables as they are; blocks it
+    does not implement (q/k norms, windows, post-norms) keep the torch path."""
+    path = arch_model_dir(arch)
+    ref = _decode_logits(load_model(path), IDS)
+    lm = load_model(path, fused=True)
+    assert (lm.model.layers[0].fused is not None) == fused
+    assert _close(_decode_logits(lm, IDS), ref, 1e-5)

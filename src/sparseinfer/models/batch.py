@@ -77,6 +77,10 @@ def decode_step(model: Transformer, tokens: Tensor, positions: Tensor, cache: KV
     ``attend``'s signature (``fused.decode.attend_rows`` runs the fused kernel per row)."""
     cfg = model.cfg
     B = tokens.shape[0]
+    if not cfg.plain_block:
+        raise ValueError(f"continuous batching runs pre-norm attention + FFN blocks only; "
+                         f"{cfg.name or cfg.arch} has q/k norms, windows, soft-capping, "
+                         f"post-norms or parallel blocks: serve it with --parallel 1")
     if int(positions.max()) >= cache.max_seq:
         raise ValueError(f"positions up to {int(positions.max())} exceed the cache size "
                          f"{cache.max_seq}")

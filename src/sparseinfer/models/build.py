@@ -32,7 +32,7 @@ from ..sparse.packed import DTYPES as PACKED_DTYPES
 from ..sparse.packed import (Q4_BYTES, Q4_GROUP, PackedFFN, empty_hugepages, quantize_int8,
                              quantize_q4_0)
 from .loading import FileTensor, ModelSource, open_source, unpermute_qk
-from .model import FFN, Transformer
+from .model import FFN, Norm, Transformer
 from .plan import Plan, make_plan
 
 log = logging.getLogger(__name__)
@@ -120,8 +120,7 @@ class WeightSource:
 
     def _qk_heads(self, canon: str) -> int | None:
         cfg = self.src.config
-        if (self.src.format != "gguf" or cfg.pos != "rope" or cfg.rope_interleaved
-                or self.src.powerinfer):
+        if not self.src.qk_permuted or cfg.rope_interleaved:
             return None  # llama.cpp's Q/K row order, un-permuted unless rope is interleaved
         if ".attn.wq." in canon:
             return cfg.n_heads
@@ -133,6 +132,8 @@ class WeightSource:
         t = self.src.tensors[canon]
         w = t.float()
         t.release()
+        if self.src.qkv_grouped and ".attn.wqkv." in canon:
+            w = _ungroup_qkv(w, self.src.config)
         if canon.endswith("down_t.weight"):
             w = w.t().contiguous()
         heads = self._qk_heads(canon)
@@ -199,6 +200,15 @@ def _bias_name(src: ModelSource, weight: str) -> str:
     return base.replace("down_t.", "down.") + "bias"
 
 
+def _ungroup_qkv(w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Rows grouped per kv head ([q heads of the group, k, v] per group: HF Falcon) -> all q
+    heads, then k, then v (as llama.cpp's Falcon converter does)."""
+    nkv, hd = cfg.n_kv_heads, cfg.head_dim
+    g = w.reshape(nkv, cfg.n_heads // nkv + 2, hd, *w.shape[1:])
+    return torch.cat([g[:, :-2].reshape(-1, *w.shape[1:]), g[:, -2].reshape(-1, *w.shape[1:]),
+                      g[:, -1].reshape(-1, *w.shape[1:])])
+
+
 def _fill_linear(module: nn.Module, ws: WeightSource, origin: str, shape) -> None:
     bias = ws.bias() if getattr(module, "bias", None) is not None else None
     if isinstance(module, GGMLLinear):
@@ -207,7 +217,7 @@ def _fill_linear(module: nn.Module, ws: WeightSource, origin: str, shape) -> Non
         blocks = ws.blocks() if origin == "file blocks" else qb.quantize(ws.float())
         module.fill(blocks, bias)
     elif isinstance(module, Int8Linear):
-        if len(ws.names) == 1 and not ws._qk_heads(ws.names[0]) \
+        if len(ws.names) == 1 and not ws._qk_heads(ws.names[0]) and not ws.src.qkv_grouped \
                 and not ws.names[0].endswith("down_t.weight"):
             module.fill(ws.rows, bias)
         else:
@@ -287,12 +297,15 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
             float_param(m, "weight", wp.sources[0], n if wp.module == "pos_emb" else None)
         else:
             _fill_linear(m, WeightSource(src, wp.sources), wp.origin, wp.shape)
+    for path, norm in modules.items():  # every norm, by its module path
+        if isinstance(norm, Norm):
+            float_param(norm, "weight", path + ".weight")
+            if src.norm_shift:
+                norm.weight.add_(src.norm_shift)
+            if norm.bias is not None:
+                float_param(norm, "bias", path + ".bias")
     for i, blk in enumerate(model.layers):
         p = f"layers.{i}."
-        for name, norm in (("attn_norm", blk.attn_norm), ("ffn_norm", blk.ffn_norm)):
-            float_param(norm, "weight", p + name + ".weight")
-            if norm.bias is not None:
-                float_param(norm, "bias", p + name + ".bias")
         if isinstance(blk.ffn, SparseFFN):
             from ..sparse.runtime import make_selector
 
@@ -314,9 +327,6 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
                     selector = type(selector)(p_, selector.on_residual)
             blk.ffn.selector = selector
             blk.ffn.fill(packed, down_bias)
-    float_param(model.norm, "weight", "norm.weight")
-    if model.norm.bias is not None:
-        float_param(model.norm, "bias", "norm.bias")
     dev = torch.device(plan.device)
     if dev.type != "cpu":  # attention, norms, embeddings, LM head; cold FFN rows stay on the CPU
         model.to(dev)

