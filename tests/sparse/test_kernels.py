@@ -27,6 +27,7 @@ SEEDS = [0, pytest.param(1, marks=SLOW)]
 DENSE_H = {
     "swiglu": lambda g, u: F.silu(g) * u,
     "geglu": lambda g, u: F.gelu(g) * u,
+    "geglu_tanh": lambda g, u: F.gelu(g, approximate="tanh") * u,
     "reglu": lambda g, u: F.relu(g) * u,
     "drelu": lambda g, u: F.relu(g) * F.relu(u),
     "relu": lambda g, u: F.relu(u),

@@ -114,7 +114,7 @@ def test_all_active_equals_dense(tiny_model_dir, with_predictors, kind, ffn_dtyp
 def test_all_active_equals_dense_new_archs(arch_model_dir, with_predictors, arch, ffn_dtype):
     path = arch_model_dir(arch)
     dense = _decode_logits(load_model(path), IDS)
-    lm, info = sparsify(with_predictors(path), threshold=-float("inf"), ffn_dtype=ffn_dtype)
+    lm, info = load_sparse(with_predictors(path), threshold=-float("inf"), ffn_dtype=ffn_dtype)
     assert lm.config.ffn_kind == {"gemma3": "geglu_tanh", "qwen2": "swiglu"}[arch]
     got = _decode_logits(lm, IDS)
     assert info.density() == 1.0

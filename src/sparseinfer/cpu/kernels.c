@@ -406,11 +406,13 @@ INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int n
     }
 }
 
-/* Activation codes as sparse/kernels.py ACT_CODES: 0 identity, 1 relu, 2 silu, 3 gelu (erf). */
+/* Activation codes as sparse/kernels.py ACT_CODES: 0 identity, 1 relu, 2 silu, 3 gelu (erf),
+ * 4 gelu (tanh approximation, Gemma's). */
 static inline float act(int code, float z) {
     if (code == 1) return z > 0.0f ? z : 0.0f;
     if (code == 2) return z / (1.0f + expf(-z));
     if (code == 3) return 0.5f * z * (1.0f + erff(z * 0.70710678118654752f));
+    if (code == 4) return 0.5f * z * (1.0f + tanhf(0.7978845608028654f * (z + 0.044715f * z * z * z)));
     return z;
 }
 

@@ -394,7 +394,7 @@ int si_sparse_q4(const void *bundles, size_t bundle_bytes, int gated, const int3
                  int d_ff, const float *x, int T, int d_model, int ga, int ua, const float *bias,
                  float *out) {
     if (g_isa < 0) return ENODEV;
-    if (d_model <= 0 || d_model % 32 || T < 1 || k < 0 || ga < 0 || ga > 3 || ua < 0 || ua > 3)
+    if (d_model <= 0 || d_model % 32 || T < 1 || k < 0 || ga < 0 || ga > 4 || ua < 0 || ua > 4)
         return EINVAL;
     for (int i = 0; i < k; i++)
         if (idx[i] < 0 || idx[i] >= d_ff) return ERANGE;
