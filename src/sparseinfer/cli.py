@@ -112,7 +112,8 @@ def _engine(args):
                          ffn_dtype=args.ffn_dtype, mode=args.sparse_mode,
                          gpu_index=args.gpu_index)
     if args.dtype == "auto":
-        print(f"weights: {engine.dtype} (--dtype auto)", file=sys.stderr)
+        what = " = the file's quantized blocks, in place" if engine.dtype == "ggml" else ""
+        print(f"weights: {engine.dtype}{what} (--dtype auto)", file=sys.stderr)
     return engine
 
 
