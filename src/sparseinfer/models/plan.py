@@ -206,13 +206,13 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
             if shape[1] % 32:
                 return "fp32", "dequantized"
             return "q4", "file blocks" if file4 else "requantized"
-        # auto: keep the file's precision
+        # auto: keep the file's precision; quantized blocks run in place where the C kernels
+        # take them (rows of whole blocks: 256 weights for K-quants, 32 for the others)
         transposed = any(s.endswith("down_t.weight") for s in sources)
+        block = 256 if any(k.endswith("_K") for k in ks) else 32
         if (ks and cpu and not transposed and all(k in GGML_TYPES for k in ks)
-                and shape[1] % 256 == 0 or (ks and cpu and not transposed and shape[1] % 32 == 0
-                                            and all(k in GGML_TYPES[:5] for k in ks))):
-            if ggml_kernels_available():
-                return "ggml", "file blocks"
+                and shape[1] % block == 0 and ggml_kernels_available()):
+            return "ggml", "file blocks"
         if not ks or all(k in FLOAT_KINDS for k in ks) or not cpu:
             return float_dtype, "as stored" if not ks or all(k in FLOAT_KINDS for k in ks) \
                 else "dequantized"
