@@ -101,11 +101,11 @@ class PlannedModules:
         sp = self.plan.sparse
         if sp is None:
             return None
-        from ..sparse.ffn import AllNeurons
+        from ..sparse.runtime import make_selector
 
-        # the selector is filled with its predictor in ``fill``; its kind is decided here
-        return SparseFFN(cfg.ffn_kind, cfg.d_model, cfg.d_ff, AllNeurons(), sp.hot_counts[layer],
-                         sp.device, sp.split_tiers)
+        # the selector is decided here; a predictor's weights come in ``fill``
+        return SparseFFN(cfg.ffn_kind, cfg.d_model, cfg.d_ff, make_selector(sp, layer),
+                         sp.hot_counts[layer], sp.device, sp.split_tiers)
 
 
 # ---- reading one planned weight -------------------------------------------------------------------
@@ -307,7 +307,8 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
     for i, blk in enumerate(model.layers):
         p = f"layers.{i}."
         if isinstance(blk.ffn, SparseFFN):
-            from ..sparse.runtime import make_selector
+            from ..sparse.ffn import Predicted
+            from ..sparse.runtime import predictor_of
 
             wp = plan.weight(p + "ffn")
             up_bias = (WeightSource(src, (p + "ffn.up.bias",)).float()
@@ -316,16 +317,16 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
             down_bias = (WeightSource(src, (down_b,)).float()
                          if cfg.ffn_bias and down_b in src.tensors else None)
             packed = _packed_ffn(src, wp.sources, cfg.ffn_kind, plan.sparse.ffn_dtype, up_bias)
-            selector = make_selector(plan.sparse, i, extra)
+            pred = (predictor_of(plan.sparse, i, extra)
+                    if isinstance(blk.ffn.selector, Predicted) else None)
             if plan.sparse.gpu_index is not None:  # a mask placement: its neurons first
                 order = torch.from_numpy(np.argsort(~plan.sparse.gpu_index[i], kind="stable"))
                 packed = packed.select(order)
-                p_ = getattr(selector, "predictor", None)
-                if p_ is not None:
-                    p_.fc2 = p_.fc2[order].contiguous()
-                    p_.bias = None if p_.bias is None else p_.bias[order].contiguous()
-                    selector = type(selector)(p_, selector.on_residual)
-            blk.ffn.selector = selector
+                if pred is not None:
+                    pred.fc2 = pred.fc2[order].contiguous()
+                    pred.bias = None if pred.bias is None else pred.bias[order].contiguous()
+            if pred is not None:
+                blk.ffn.selector.fill(pred)
             blk.ffn.fill(packed, down_bias)
     dev = torch.device(plan.device)
     if dev.type != "cpu":  # attention, norms, embeddings, LM head; cold FFN rows stay on the CPU

@@ -131,14 +131,25 @@ class Predicted(Selector):
 
     name = "predictor"
 
-    def __init__(self, predictor: Predictor, on_residual: bool = False):
-        self.predictor = predictor
+    def __init__(self, predictor: Predictor | None = None, on_residual: bool = False,
+                 threshold: float = 0.0):
         self.on_residual = on_residual
+        self.threshold = threshold  # until ``fill`` brings the predictor's weights
+        self.predictor: Predictor | None = None
+        if predictor is not None:
+            self.fill(predictor)
+
+    def fill(self, predictor: Predictor) -> None:
+        """Take the predictor's weights (built empty with the model, filled from the file)."""
+        self.predictor = predictor
+        self.threshold = predictor.threshold
         self._neuron_thr = (None if predictor.bias is None else
                             (predictor.threshold - predictor.bias).float().contiguous())
 
     def __repr__(self) -> str:
         p = self.predictor
+        if p is None:
+            return f"Predicted(empty, threshold={self.threshold:g})"
         return (f"Predicted(rank={p.fc1.shape[0]}, {str(p.fc1.dtype).replace('torch.', '')}, "
                 f"threshold={p.threshold:g}{', on the residual' if self.on_residual else ''})")
 

@@ -61,14 +61,20 @@ def sparse_info(model, plan) -> SparseInfo | None:
                       list(sp.hot_counts), modules)
 
 
-def make_selector(sp, layer: int, extra) -> Selector:
-    """The selector of one layer; ``extra(name)`` reads a non-model tensor of the file."""
+def make_selector(sp, layer: int) -> Selector:
+    """The selector of one layer, as the plan ``sp`` says (a ``Predicted`` is built empty: its
+    weights come with ``predictor_of``)."""
     if sp.selector == "all":
         return AllNeurons()
     if sp.selector == "oracle":
         return Oracle(sp.oracle_thresholds[layer], sp.oracle_score)
+    return Predicted(on_residual=sp.predictor_input == "residual",
+                     threshold=sp.thresholds[layer])
+
+
+def predictor_of(sp, layer: int, extra) -> Predictor:
+    """Layer ``layer``'s predictor from the file; ``extra(name)`` reads a non-model tensor."""
     fc1, fc2 = extra(f"blk.{layer}.fc1.weight"), extra(f"blk.{layer}.fc2.weight")
     if sp.ffn_dtype != "fp32":  # smaller rows, smaller predictors: bf16 halves their bytes
         fc1, fc2 = fc1.bfloat16(), fc2.bfloat16()
-    return Predicted(Predictor(fc1, fc2, sp.thresholds[layer], extra(f"blk.{layer}.fc2.bias")),
-                     on_residual=sp.predictor_input == "residual")
+    return Predictor(fc1, fc2, sp.thresholds[layer], extra(f"blk.{layer}.fc2.bias"))
