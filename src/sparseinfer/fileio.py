@@ -1,10 +1,12 @@
 """Reading the small files the loaders and offline steps hand each other, with one kind of error
-message."""
+message; and the memory-map helpers (``madvise`` through ``libc``, available memory)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,20 +37,20 @@ def read_json(path: Path, error: type[SparseInferError] = SparseInferError) -> A
         raise error(f"{path}: not valid JSON: {e}") from None
 
 
-def _libc():
+@functools.lru_cache(maxsize=None)
+def libc():
+    """The C library (for ``madvise``), or None where it cannot be loaded (not Linux/glibc)."""
     import ctypes
     import ctypes.util
 
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        except OSError:  # not Linux/glibc: nothing to drop
-            _LIBC = False
-    return _LIBC
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
 
 
-_LIBC = None
 _MADV_DONTNEED = 4
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -59,15 +61,15 @@ def drop_pages(arr: np.ndarray) -> None:
     whole pages inside the array only."""
     import ctypes
 
-    libc = _libc()
-    if not libc or arr.size == 0:
+    lib = libc()
+    if lib is None or arr.size == 0:
         return
     start = arr.__array_interface__["data"][0]
     end = start + arr.nbytes
     lo = -(-start // _PAGE) * _PAGE
     hi = end // _PAGE * _PAGE
     if hi > lo:
-        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+        lib.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
 
 
 def available_memory() -> int:

@@ -9,6 +9,7 @@ tensor at a time from the memory-mapped file (gguf-py's memmap for GGUF, safeten
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -227,6 +228,7 @@ def read_gguf_metadata(reader, skip_arrays_longer_than: int = 64) -> dict[str, A
 POWERINFER_MAGIC = b"PWRI"  # PowerInfer's converter overwrites GGUF's magic; the rest is GGUF v3
 
 
+@functools.lru_cache(maxsize=None)
 def _reader_class():
     """gguf-py's reader, reading through a plain ndarray view of its memory map: the same
     bytes and results, without numpy's per-slice memmap bookkeeping, which made reading a
@@ -377,6 +379,10 @@ def _gguf_opt_config(path, arch, meta, names, kind, max_seq_len, key, reader) ->
     )
 
 
+# how a GGUF architecture's hyper-parameters are read (default: llama.cpp's llama-style keys)
+GGUF_CONFIG_READERS = {"opt": _gguf_opt_config}
+
+
 def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None,
                powerinfer: bool = False) -> ModelSource:
     reader = open_gguf(path, powerinfer)
@@ -407,8 +413,8 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None,
                 fields["max_seq_len"] = min(fields["max_seq_len"], max_seq_len)
             cfg = ModelConfig(**fields)
         else:
-            build_cfg = _gguf_opt_config if arch == "opt" else _gguf_llama_config
-            cfg = build_cfg(path, arch, meta, names, kind, max_seq_len, key, reader)
+            read_cfg = GGUF_CONFIG_READERS.get(arch, _gguf_llama_config)
+            cfg = read_cfg(path, arch, meta, names, kind, max_seq_len, key, reader)
     except (ValueError, TypeError) as e:
         raise ModelFileError(f"{path}: inconsistent hyper-parameters: {e}") from None
     # llama.cpp's converter permutes Q/K rows of some architectures for rope over adjacent

@@ -15,16 +15,15 @@ The kernels (``kernels.py``) and the torch references (``reference.py``) read on
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import math
-import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from ..config import FFN_KINDS
+from ..fileio import libc
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +62,6 @@ def dequantize_q4_0(raw: torch.Tensor) -> torch.Tensor:
 
 HUGE_PAGE = 2 * 2**20
 _MADV_HUGEPAGE = 14
-_libc = None
-if sys.platform.startswith("linux"):
-    try:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:  # pragma: no cover
-        _libc = None
 
 
 def empty_hugepages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -79,12 +72,13 @@ def empty_hugepages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     best effort (THP in "madvise" mode, the usual default); elsewhere a plain ``torch.empty``.
     """
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    if _libc is None or nbytes < HUGE_PAGE:
+    lib = libc()
+    if lib is None or nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # large: fresh, untouched pages
     off = (-raw.data_ptr()) % HUGE_PAGE
     buf = raw[off : off + nbytes]
-    if _libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE):
+    if lib.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE):
         log.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
     return buf.view(dtype).view(shape)
 
