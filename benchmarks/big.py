@@ -147,6 +147,8 @@ def _llama_cpp(path: str, threads: int, n_tokens: int, n_ctx: int) -> dict:
     t0 = time.perf_counter()
     from llama_cpp import Llama
 
+    from sparseinfer.bench import time_llama_cpp
+
     t_import = time.perf_counter() - t0
     rss0 = _rss_mb()
     t0 = time.perf_counter()
@@ -154,16 +156,8 @@ def _llama_cpp(path: str, threads: int, n_tokens: int, n_ctx: int) -> dict:
     t_load = time.perf_counter() - t0
     rss_loaded = _rss_mb()
     ids = llm.tokenize(PROMPT.encode())
-    llm.eval(ids[:4])
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(ids)
-    t_prefill = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(n_tokens - 1):
-        tok = llm.sample(temp=0.0)
-        llm.eval([tok])
-    t_dec = time.perf_counter() - t0
+    llm.eval(ids[:4])  # warm-up
+    t_prefill, t_dec = time_llama_cpp(llm, ids, n_tokens)
     import gguf
 
     r = gguf.GGUFReader(path)

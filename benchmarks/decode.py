@@ -127,22 +127,16 @@ def _transformers(model, threads: int, n_tokens: int, ppl_chunks: int) -> dict:
 def _llama_cpp(model, threads: int, n_tokens: int, ppl_chunks: int) -> dict:
     from llama_cpp import Llama
 
+    from sparseinfer.bench import time_llama_cpp
+
     from sparseinfer.data import default_model_path
 
     path = model or default_model_path()
     llm = Llama(str(path), n_threads=threads, n_ctx=1024, verbose=False,
                 logits_all=bool(ppl_chunks))
     ids = llm.tokenize(PROMPT.encode())
-    llm.create_completion(PROMPT[:40], max_tokens=8, temperature=0.0)
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(ids)
-    t_prefill = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(n_tokens - 1):
-        tok = llm.sample(temp=0.0)
-        llm.eval([tok])
-    t_dec = time.perf_counter() - t0
+    llm.create_completion(PROMPT[:40], max_tokens=8, temperature=0.0)  # warm-up
+    t_prefill, t_dec = time_llama_cpp(llm, ids, n_tokens)
     out = {
         "prefill_tok_s": len(ids) / t_prefill,
         "decode_tok_s": (n_tokens - 1) / t_dec,

@@ -114,3 +114,16 @@ def run_isolated(fn: Callable[..., dict], timeout: float = 3600, **kwargs) -> di
     if p.exitcode and "error" not in out:
         out = {"error": f"exit code {p.exitcode}"}
     return out
+
+
+def time_llama_cpp(llm, ids: list[int], n_tokens: int) -> tuple[float, float]:
+    """llama.cpp's side of a decode benchmark: seconds to prefill ``ids`` and to decode
+    ``n_tokens - 1`` greedy tokens after them, from a reset ``llama_cpp.Llama``."""
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    t_prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(n_tokens - 1):
+        llm.eval([llm.sample(temp=0.0)])
+    return t_prefill, time.perf_counter() - t0
