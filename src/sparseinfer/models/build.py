@@ -104,6 +104,11 @@ class PlannedModules:
         from ..sparse.runtime import make_selector
 
         # the selector is decided here; a predictor's weights come in ``fill``
+        if sp.disk is not None:  # cold neurons in the file (sparseinfer.disk)
+            from ..disk.tier import DiskFFN
+
+            return DiskFFN(cfg.ffn_kind, cfg.d_model, cfg.d_ff, make_selector(sp, layer),
+                           sp.disk.ram_counts[layer], sp.disk.options.prefetch)
         return SparseFFN(cfg.ffn_kind, cfg.d_model, cfg.d_ff, make_selector(sp, layer),
                          sp.hot_counts[layer], sp.device, sp.split_tiers)
 
@@ -316,9 +321,22 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
             down_b = _bias_name(src, p + "ffn.down.weight")
             down_bias = (WeightSource(src, (down_b,)).float()
                          if cfg.ffn_bias and down_b in src.tensors else None)
-            packed = _packed_ffn(src, wp.sources, cfg.ffn_kind, plan.sparse.ffn_dtype, up_bias)
             pred = (predictor_of(plan.sparse, i, extra)
                     if isinstance(blk.ffn.selector, Predicted) else None)
+            if plan.sparse.disk is not None:  # hot neurons read now, the rest stay in the file
+                from ..disk.tier import fill_disk_ffn
+
+                if pred is not None:
+                    blk.ffn.selector.fill(pred)
+                fill_disk_ffn(model, i, src, plan, up_bias, down_bias)
+                continue
+            if plan.sparse.bundled is not None:
+                from ..disk.layout import read_packed
+
+                packed = read_packed(src, i, 0, cfg.d_ff, up_bias)
+            else:
+                packed = _packed_ffn(src, wp.sources, cfg.ffn_kind, plan.sparse.ffn_dtype,
+                                     up_bias)
             if plan.sparse.gpu_index is not None:  # a mask placement: its neurons first
                 order = torch.from_numpy(np.argsort(~plan.sparse.gpu_index[i], kind="stable"))
                 packed = packed.select(order)

@@ -1,0 +1,161 @@
+"""``--ram-budget``: what stays in RAM and what is read from the file.
+
+The budget counts every byte the process holds: the Python/torch runtime as it stands when the
+plan is made (its resident set, plus a margin), every planned weight that is not a sparse FFN
+(the mapped ones included: their pages sit in the page cache, which a cgroup limit counts), the
+predictors, the KV cache for the context, the reader's buffers and the neuron caches. What is
+left goes to FFN neurons in RAM, split between
+
+- a static hot prefix per layer, placed by the same ILP as the GPU placement
+  (``offline/solve.py``, with RAM as the fast tier and the file's ``blk.N.act_freq`` as
+  frequencies: it maximises the activation mass in RAM), and
+- per-layer neuron caches (``cache_share`` of the neurons' bytes, equal slots per layer) for the
+  cold neurons read from disk.
+
+The placement is made at load time from the file's statistics (no offline step: the budget is
+a property of the machine, not of the model).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..errors import SparseInferError
+from .cache import EVICTION
+from .layout import layout_of
+from .reader import ALIGN, MAX_RUN
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+MARGIN = 64 << 20  # bytes on top of the measured runtime: temporaries, logits, allocator slack
+
+
+@dataclass(frozen=True)
+class DiskOptions:
+    """How the disk tier runs (``--ram-budget`` and the benchmark's knobs)."""
+
+    cache_share: float = 0.25  # of the neurons' RAM, held by the caches (the rest: hot prefix)
+    eviction: str = "lru"  # key of cache.EVICTION
+    io_threads: int = 8
+    prefetch: bool = True
+    direct: bool = True  # O_DIRECT reads
+    process_bytes: int | None = None  # the runtime's own bytes (None: measured now)
+    ram_counts: tuple[int, ...] | None = None  # tests: neurons in RAM per layer, no budget
+    cache_slots: int | None = None  # tests: slots per layer, no budget
+
+    def __post_init__(self) -> None:
+        if self.eviction not in EVICTION:
+            raise SparseInferError(f"cache eviction: expected one of {sorted(EVICTION)}, got "
+                                   f"{self.eviction!r}")
+        if not 0.0 <= self.cache_share < 1.0:
+            raise SparseInferError(f"cache share: expected a fraction in [0, 1), got "
+                                   f"{self.cache_share}")
+
+
+@dataclass(frozen=True)
+class DiskPlan:
+    budget_bytes: int  # 0 with explicit counts
+    ram_counts: tuple[int, ...]  # per layer: neurons [0, n) in RAM
+    cache_slots: int  # per layer
+    neuron_bytes: int  # one bundle in RAM
+    parts: tuple[tuple[str, int], ...]  # what the budget holds, by part
+    options: DiskOptions
+
+    def summary(self) -> str:
+        lines = [f"  disk tier: {sum(self.ram_counts)} neurons in RAM, {self.cache_slots} cache "
+                 f"slots per layer ({self.options.eviction}), prefetch "
+                 f"{'on' if self.options.prefetch else 'off'}"]
+        if self.budget_bytes:
+            lines.append(f"  --ram-budget {self.budget_bytes / GIB:.2f} GiB = " + ", ".join(
+                f"{n} {b / 2**20:.0f} MiB" for n, b in self.parts))
+        return "\n".join(lines)
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (``/proc/self/statm``), 0 where unknown."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
+              options: DiskOptions) -> tuple[DiskPlan, list]:
+    """The disk plan, and ``weights`` with each sparse FFN's bytes set to what stays in RAM."""
+    from ..offline.solve import PlacementProblem, solve_placement
+
+    cfg = src.config
+    lay = layout_of(src)
+    if sparse.selector == "oracle":
+        raise SparseInferError("--ram-budget: the oracle selector needs every neuron's rows; "
+                               "use --sparse-mode predictor or all")
+    if sparse.ffn_dtype != lay.dtype:
+        raise SparseInferError(f"--ram-budget: the file's bundles are {lay.dtype} rows; "
+                               f"expected --ffn-dtype {lay.dtype}, got {sparse.ffn_dtype}")
+    nb = lay.bundle_bytes
+    ffn_rows = cfg.d_ff * nb
+    # the sparse weight's bytes besides its rows: predictors (and biases)
+    others = sum(w.nbytes for w in weights if w.storage != "sparse")
+    preds = sum(max(0, w.nbytes - ffn_rows) for w in weights if w.storage == "sparse")
+    io = options.io_threads * (MAX_RUN * lay.stride + 2 * ALIGN)
+    if options.ram_counts is not None or options.cache_slots is not None:
+        counts = tuple(options.ram_counts or (0,) * cfg.n_layers)
+        if len(counts) != cfg.n_layers or any(not 0 <= c <= cfg.d_ff for c in counts):
+            raise SparseInferError(f"ram counts: expected {cfg.n_layers} counts in "
+                                   f"[0, {cfg.d_ff}], got {counts}")
+        slots = int(options.cache_slots or max(1, cfg.d_ff // 8))
+        budget, parts = 0, ()
+    else:
+        if budget_gib is None or budget_gib <= 0:
+            raise SparseInferError(f"--ram-budget: expected GiB > 0, got {budget_gib}")
+        budget = int(budget_gib * GIB)
+        runtime = (resident_bytes() if options.process_bytes is None
+                   else options.process_bytes)
+        runtime += MARGIN if options.process_bytes is None else 0
+        fixed = [("runtime", runtime), ("weights", others), ("predictors", preds),
+                 ("kv_cache", kv_bytes), ("io_buffers", io)]
+        room = budget - sum(b for _, b in fixed)
+        if room < cfg.n_layers * nb:  # at least one cache slot per layer
+            raise SparseInferError(
+                f"--ram-budget {budget_gib:g} GiB: the parts every token needs take "
+                + ", ".join(f"{n} {b / 2**20:.0f} MiB" for n, b in fixed)
+                + f" ({sum(b for _, b in fixed) / GIB:.2f} GiB), leaving no room for FFN neurons;"
+                  f" expected at least {(sum(b for _, b in fixed) + cfg.n_layers * nb) / GIB:.2f}"
+                  f" GiB (or a smaller -c)")
+        slots = max(1, int(room * options.cache_share) // (cfg.n_layers * nb))
+        slots = min(slots, cfg.d_ff)
+        freqs = []
+        for i in range(cfg.n_layers):
+            f = src.extra_array(f"blk.{i}.act_freq")
+            if f is None:
+                raise SparseInferError(f"{src.path}: sparse model is missing tensor "
+                                       f"'blk.{i}.act_freq'")
+            freqs.append(np.clip(np.asarray(f, dtype=np.float64), 0.0, 1.0))
+        hot_room = room - slots * cfg.n_layers * nb
+        sol = solve_placement(PlacementProblem(tuple(freqs), (nb,) * cfg.n_layers, hot_room,
+                                               (), min_split_neurons=0))
+        counts = tuple(int(c) for c in sol.hot_counts)
+        # the solver picks each layer's hottest neurons; the file stores them first
+        for i, h in enumerate(sol.hot):
+            if h.size and int(h.max()) != h.size - 1:
+                log.info("layer %d: frequency ties reorder the hot set; the stored prefix of "
+                         "%d neurons is kept", i, h.size)
+        parts = (*fixed, ("hot_neurons", sum(counts) * nb),
+                 ("neuron_caches", slots * cfg.n_layers * nb))
+    dp = DiskPlan(budget, counts, slots, nb, parts, options)
+    new_weights = []
+    for w in weights:
+        if w.storage == "sparse":
+            i = int(w.module.split(".")[1])
+            held = (counts[i] + slots) * nb + max(0, w.nbytes - ffn_rows)
+            w = replace(w, nbytes=held, origin=f"{lay.dtype} rows, disk tier")
+        new_weights.append(w)
+    log.info("disk plan: %s", dp.summary())
+    return dp, new_weights
