@@ -142,6 +142,9 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
         sol = solve_placement(PlacementProblem(tuple(freqs), (nb,) * cfg.n_layers, hot_room,
                                                (), min_split_neurons=0))
         counts = tuple(int(c) for c in sol.hot_counts)
+        # what the solver's groups of neurons left over goes to the caches
+        left = hot_room - sum(counts) * nb
+        slots = min(cfg.d_ff, slots + left // (cfg.n_layers * nb))
         # the solver picks each layer's hottest neurons; the file stores them first
         for i, h in enumerate(sol.hot):
             if h.size and int(h.max()) != h.size - 1:
