@@ -207,3 +207,29 @@ def test_failing_reads_raise_never_wrong_tokens(bundled, mode):
         valid = c.state == 1
         assert (c.slot_of[c.neuron_of[valid]] == np.flatnonzero(valid)).all()
     assert BUNDLE.format(0) in d.source.extras
+
+
+def test_short_budget_lets_mapped_weights_overflow(tmp_path):
+    """A budget below the mapped weights (a Q4_0 file's attention) but above what cannot be
+    dropped plans every neuron on disk and warns; below that, one clear error."""
+    from unittest import mock
+
+    from sparseinfer.disk import plan as dplan
+    from sparseinfer.models.plan import WeightPlan
+
+    class Src:  # just what plan_disk reads
+        config = mock.Mock(n_layers=2, d_ff=192, ffn_kind="reglu")
+        path = "x.gguf"
+        extra_array = staticmethod(lambda name: np.linspace(1.0, 0.0, 192))
+
+    lay = mock.Mock(dtype="q4", bundle_bytes=108, stride=512)
+    sparse = mock.Mock(selector="predictor", ffn_dtype="q4")
+    weights = [WeightPlan("layers.0.attn.wqkv", "ggml", (), (1, 1), 10 << 20),
+               WeightPlan("layers.0.ffn", "sparse", (), (1, 1), 192 * 108 + 1000),
+               WeightPlan("layers.1.ffn", "sparse", (), (1, 1), 192 * 108 + 1000)]
+    opts = DiskOptions(process_bytes=0, io_threads=1)
+    with mock.patch.object(dplan, "layout_of", return_value=lay):
+        dp, w = dplan.plan_disk(Src, sparse, weights, 0, 1.0 / 1024, opts)  # 1 MiB < 10 MiB
+        assert dp.ram_counts == (0, 0) and dp.cache_slots == 192
+        with pytest.raises(SparseInferError, match="no room for FFN neurons"):
+            dplan.plan_disk(Src, sparse, weights, 0, 1e-6, opts)

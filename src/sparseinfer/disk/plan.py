@@ -31,6 +31,8 @@ from .reader import ALIGN, MAX_RUN
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
+MIN_SLOTS = 256  # cache slots per layer at the least, when the budget is short
+MAPPED = ("ggml", "file")  # storages read in place from the mapped file (page cache)
 MARGIN = 64 << 20  # bytes on top of the measured runtime: temporaries, logits, allocator slack
 
 
@@ -119,16 +121,27 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
         runtime = (resident_bytes() if options.process_bytes is None
                    else options.process_bytes)
         runtime += MARGIN if options.process_bytes is None else 0
-        fixed = [("runtime", runtime), ("weights", others), ("predictors", preds),
-                 ("kv_cache", kv_bytes), ("io_buffers", io)]
+        mapped = sum(w.nbytes for w in weights if w.storage in MAPPED)
+        fixed = [("runtime", runtime), ("weights", others - mapped), ("mapped_weights", mapped),
+                 ("predictors", preds), ("kv_cache", kv_bytes), ("io_buffers", io)]
         room = budget - sum(b for _, b in fixed)
-        if room < cfg.n_layers * nb:  # at least one cache slot per layer
-            raise SparseInferError(
-                f"--ram-budget {budget_gib:g} GiB: the parts every token needs take "
-                + ", ".join(f"{n} {b / 2**20:.0f} MiB" for n, b in fixed)
-                + f" ({sum(b for _, b in fixed) / GIB:.2f} GiB), leaving no room for FFN neurons;"
-                  f" expected at least {(sum(b for _, b in fixed) + cfg.n_layers * nb) / GIB:.2f}"
-                  f" GiB (or a smaller -c)")
+        min_cache = min(cfg.d_ff, MIN_SLOTS) * cfg.n_layers * nb
+        if room < cfg.n_layers * nb:  # not one cache slot per layer left
+            anon = sum(b for n, b in fixed if n != "mapped_weights")
+            if budget - anon < min_cache:
+                raise SparseInferError(
+                    f"--ram-budget {budget_gib:g} GiB: the parts every token needs take "
+                    + ", ".join(f"{n} {b / 2**20:.0f} MiB" for n, b in fixed)
+                    + f" ({sum(b for _, b in fixed) / GIB:.2f} GiB), leaving no room for FFN "
+                      f"neurons; expected at least {(anon + min_cache) / GIB:.2f} GiB "
+                      f"(or a smaller -c)")
+            # the mapped weights do not all fit: the kernel re-reads the pages it drops (as
+            # llama.cpp's mmap does); the FFN runs from the disk tier with the smallest caches
+            log.warning("--ram-budget %.2f GiB: the mapped weights (attention, embeddings, LM "
+                        "head: %.2f GiB) do not all fit beside the rest; the kernel will re-read "
+                        "their pages from the file, and every FFN neuron is read from disk",
+                        budget_gib, mapped / GIB)
+            room = min_cache
         slots = max(1, int(room * options.cache_share) // (cfg.n_layers * nb))
         slots = min(slots, cfg.d_ff)
         freqs = []
@@ -152,6 +165,9 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
                          "%d neurons is kept", i, h.size)
         parts = (*fixed, ("hot_neurons", sum(counts) * nb),
                  ("neuron_caches", slots * cfg.n_layers * nb))
+    slots = max(1, min(slots, cfg.d_ff - min(counts)))  # no more slots than cold neurons
+    if budget:
+        parts = (*parts[:-1], ("neuron_caches", slots * cfg.n_layers * nb))
     dp = DiskPlan(budget, counts, slots, nb, parts, options)
     new_weights = []
     for w in weights:

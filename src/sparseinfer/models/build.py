@@ -422,7 +422,7 @@ def load(path, dtype: str = "fp32", *, max_seq_len: int | None = None,
     src = open_source(path, max_seq_len=max_seq_len, ffn_kind=ffn_kind)
     if "fused" not in plan_options:
         plan_options["fused"] = False  # library callers get the plain torch path by default
-    plan = make_plan(src, dtype, **plan_options)
+    plan = make_plan(src, dtype, n_ctx=n_ctx, **plan_options)
     log.info("%s", plan.summary())
     if check_memory:
         plan.check_memory(min(n_ctx or 4096, src.config.max_seq_len), src.path)
