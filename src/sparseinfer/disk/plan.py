@@ -142,7 +142,10 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
                         "their pages from the file, and every FFN neuron is read from disk",
                         budget_gib, mapped / GIB)
             room = min_cache
-        slots = max(1, int(room * options.cache_share) // (cfg.n_layers * nb))
+            share = 1.0  # all of it caches: no neuron stays in RAM for good
+        else:
+            share = options.cache_share
+        slots = max(1, int(room * share) // (cfg.n_layers * nb))
         slots = min(slots, cfg.d_ff)
         freqs = []
         for i in range(cfg.n_layers):
