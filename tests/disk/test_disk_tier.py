@@ -224,12 +224,38 @@ def test_short_budget_lets_mapped_weights_overflow(tmp_path):
 
     lay = mock.Mock(dtype="q4", bundle_bytes=108, stride=512)
     sparse = mock.Mock(selector="predictor", ffn_dtype="q4")
-    weights = [WeightPlan("layers.0.attn.wqkv", "ggml", (), (1, 1), 10 << 20),
+    weights = [WeightPlan("layers.0.attn.wqkv", "ggml", ("layers.0.attn.wq.weight",), (1, 1),
+                          10 << 20),
+               WeightPlan("lm_head", "ggml", ("lm_head.weight",), (1, 1), 4 << 20),
                WeightPlan("layers.0.ffn", "sparse", (), (1, 1), 192 * 108 + 1000),
                WeightPlan("layers.1.ffn", "sparse", (), (1, 1), 192 * 108 + 1000)]
     opts = DiskOptions(process_bytes=0, io_threads=1)
     with mock.patch.object(dplan, "layout_of", return_value=lay):
-        dp, w = dplan.plan_disk(Src, sparse, weights, 0, 1.0 / 1024, opts)  # 1 MiB < 10 MiB
+        dp, w = dplan.plan_disk(Src, sparse, weights, 0, 8.0 / 1024, opts)  # 8 MiB < 14 MiB
         assert dp.ram_counts == (0, 0) and dp.cache_slots == 192
+        # the LM head is locked in memory, the attention left to the kernel's paging
+        assert dp.pinned == ("lm_head.weight",) and dp.paged_bytes == 10 << 20
+        dp, w = dplan.plan_disk(Src, sparse, weights, 0, 1.0, opts)  # all fits: all locked
+        assert set(dp.pinned) == {"lm_head.weight", "layers.0.attn.wq.weight"}
+        assert dp.paged_bytes == 0 and dp.ram_counts == (192, 192)
         with pytest.raises(SparseInferError, match="no room for FFN neurons"):
             dplan.plan_disk(Src, sparse, weights, 0, 1e-6, opts)
+
+
+def test_pin_mapped_locks_the_tensor_pages(smollm2_path):
+    from sparseinfer.disk.tier import pin_mapped
+
+    def locked() -> int:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmLck:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    src = open_source(smollm2_path)
+    name = "layers.0.attn.wq.weight"
+    before = locked()
+    n = pin_mapped(src, [name])
+    if n == 0:
+        pytest.skip("mlock refused here (no CAP_IPC_LOCK / RLIMIT_MEMLOCK)")
+    assert n == src.tensors[name].nbytes
+    assert locked() - before >= n - 2 * 4096  # whole pages inside the tensor, at least

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 GIB = 1 << 30
 MIN_SLOTS = 256  # cache slots per layer at the least, when the budget is short
 MAPPED = ("ggml", "file")  # storages read in place from the mapped file (page cache)
+PAGED_SHARE = 0.1  # of the room for mapped weights, left to the pages the kernel re-reads
 MARGIN = 64 << 20  # bytes on top of the measured runtime: temporaries, logits, allocator slack
 
 
@@ -45,6 +46,7 @@ class DiskOptions:
     io_threads: int = 8
     prefetch: bool = True
     direct: bool = True  # O_DIRECT reads
+    pin: bool = True  # lock the mapped weights read every token (mlock) within the budget
     process_bytes: int | None = None  # the runtime's own bytes (None: measured now)
     ram_counts: tuple[int, ...] | None = None  # tests: neurons in RAM per layer, no budget
     cache_slots: int | None = None  # tests: slots per layer, no budget
@@ -66,6 +68,8 @@ class DiskPlan:
     neuron_bytes: int  # one bundle in RAM
     parts: tuple[tuple[str, int], ...]  # what the budget holds, by part
     options: DiskOptions
+    pinned: tuple[str, ...] = ()  # mapped tensors (canonical names) locked in memory (mlock)
+    paged_bytes: int = 0  # mapped weights left to the kernel: re-read per token when short
 
     def summary(self) -> str:
         lines = [f"  disk tier: {sum(self.ram_counts)} neurons in RAM, {self.cache_slots} cache "
@@ -74,18 +78,25 @@ class DiskPlan:
         if self.budget_bytes:
             lines.append(f"  --ram-budget {self.budget_bytes / GIB:.2f} GiB = " + ", ".join(
                 f"{n} {b / 2**20:.0f} MiB" for n, b in self.parts))
+        if self.pinned or self.paged_bytes:
+            lines.append(f"  mapped weights: {len(self.pinned)} tensors locked in memory, "
+                         f"{self.paged_bytes / 2**20:.0f} MiB paged by the kernel")
         return "\n".join(lines)
 
 
 def resident_bytes() -> int:
-    """This process's resident set now (``/proc/self/statm``), 0 where unknown."""
-    import os
-
+    """This process's own memory now: anonymous and shared resident pages (``/proc/self/status``;
+    mapped library code and the model file's header pages are file pages the kernel may drop and
+    re-read: ``MARGIN`` covers the hot ones); 0 where unknown."""
+    total = 0
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    total += int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return 0
+    return total
 
 
 def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
@@ -121,10 +132,16 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
         runtime = (resident_bytes() if options.process_bytes is None
                    else options.process_bytes)
         runtime += MARGIN if options.process_bytes is None else 0
-        mapped = sum(w.nbytes for w in weights if w.storage in MAPPED)
+        mapped_w = [w for w in weights if w.storage in MAPPED and w.nbytes]
+        mapped = sum(w.nbytes for w in mapped_w)
         fixed = [("runtime", runtime), ("weights", others - mapped), ("mapped_weights", mapped),
                  ("predictors", preds), ("kv_cache", kv_bytes), ("io_buffers", io)]
         room = budget - sum(b for _, b in fixed)
+        # read whole every token: locked in memory, so the kernel never drops them for a page
+        # the FFN or a neighbour wants (embeddings: one row per token, left to the kernel)
+        lockable = [w for w in mapped_w if w.storage == "ggml"]
+        pinned = [s_ for w in lockable for s_ in w.sources]
+        paged = 0
         min_cache = min(cfg.d_ff, MIN_SLOTS) * cfg.n_layers * nb
         if room < cfg.n_layers * nb:  # not one cache slot per layer left
             anon = sum(b for n, b in fixed if n != "mapped_weights")
@@ -135,12 +152,21 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
                     + f" ({sum(b for _, b in fixed) / GIB:.2f} GiB), leaving no room for FFN "
                       f"neurons; expected at least {(anon + min_cache) / GIB:.2f} GiB "
                       f"(or a smaller -c)")
-            # the mapped weights do not all fit: the kernel re-reads the pages it drops (as
-            # llama.cpp's mmap does); the FFN runs from the disk tier with the smallest caches
+            # the mapped weights do not all fit: lock what fits (the LM head first, then the
+            # layers in order) and leave the rest to the kernel, which re-reads those pages every
+            # token; the FFN runs from the disk tier with the smallest caches
+            free = int((budget - anon - min_cache) * (1 - PAGED_SHARE))
+            pinned, held = [], 0
+            for w in sorted(lockable, key=lambda w: w.module != "lm_head"):
+                if held + w.nbytes <= free:
+                    pinned += list(w.sources)
+                    held += w.nbytes
+            paged = mapped - held
             log.warning("--ram-budget %.2f GiB: the mapped weights (attention, embeddings, LM "
-                        "head: %.2f GiB) do not all fit beside the rest; the kernel will re-read "
-                        "their pages from the file, and every FFN neuron is read from disk",
-                        budget_gib, mapped / GIB)
+                        "head: %.2f GiB) do not all fit beside the rest: %.2f GiB locked in "
+                        "memory, %.2f GiB re-read from the file by the kernel every token; "
+                        "every FFN neuron is read from disk", budget_gib, mapped / GIB,
+                        held / GIB, paged / GIB)
             room = min_cache
             share = 1.0  # all of it caches: no neuron stays in RAM for good
         else:
@@ -171,7 +197,10 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
     slots = max(1, min(slots, cfg.d_ff - min(counts)))  # no more slots than cold neurons
     if budget:
         parts = (*parts[:-1], ("neuron_caches", slots * cfg.n_layers * nb))
-    dp = DiskPlan(budget, counts, slots, nb, parts, options)
+    if not budget:
+        pinned, paged = [], 0
+    dp = DiskPlan(budget, counts, slots, nb, parts, options, tuple(pinned) if options.pin else (),
+                  paged)
     new_weights = []
     for w in weights:
         if w.storage == "sparse":

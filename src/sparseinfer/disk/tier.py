@@ -248,3 +248,30 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
         if isinstance(prev.ffn, DiskFFN):
             blk = model.layers[layer]
             prev.ffn.link(ffn, blk.ffn_norm)
+
+
+def pin_mapped(src, names) -> int:
+    """Lock the mapped pages of the file tensors ``names`` (canonical) in memory (``mlock``), so
+    the kernel does not drop them when the memory limit is reached; returns the bytes locked.
+    Best effort: a refused lock (no CAP_IPC_LOCK, RLIMIT_MEMLOCK) is logged, not raised."""
+    import ctypes
+
+    from ..fileio import libc
+
+    lib = libc()
+    if lib is None:
+        return 0
+    done = 0
+    for name in names:
+        t = src.tensors.get(name)
+        if t is None or t.gguf is None:
+            continue
+        arr = np.asarray(t.raw())
+        addr, n = arr.__array_interface__["data"][0], arr.nbytes
+        if lib.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(n)):
+            log.warning("mlock of %s (%d MiB) refused (errno %d): it may be paged out under the "
+                        "memory limit", name, n >> 20, ctypes.get_errno())
+            break
+        done += n
+    log.info("locked %.0f MiB of mapped weights in memory", done / 2**20)
+    return done
