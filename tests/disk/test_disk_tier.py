@@ -3,7 +3,8 @@
 Reference: the all-in-RAM sparse model loaded from the *unbundled* file (its own loader path,
 q4 rows quantized from the file's tensors); the bundled rows are checked against gguf-py's reading
 of the original file. With any RAM split, cache size, eviction policy or prefetch setting the
-logits must equal the reference's (up to float summation order); a read that fails or comes back
+logits must equal the reference's (bit for bit while the active set fits the cache; up to float
+summation order when it is read in chunks); a read that fails or comes back
 short must raise DiskReadError.
 """
 
@@ -107,14 +108,17 @@ def test_bundled_file_all_in_ram_equals_reference(bundled, reference):
 @pytest.mark.parametrize("eviction", ["lru", "freq"])
 @pytest.mark.parametrize("ram,slots,prefetch", [((0, 0), 1, False), ((0, 0), 3, True),
                                                 ((20, 5), 8, True), ((100, 192), 50, True),
-                                                ((192, 0), 192, False)])
+                                                ((30, 0), 192, True), ((192, 0), 192, False)])
 def test_disk_tier_logits_equal_all_in_ram(bundled, reference, eviction, ram, slots, prefetch):
     opts = DiskOptions(ram_counts=ram, cache_slots=slots, eviction=eviction, prefetch=prefetch)
     d = load(bundled["q4"], "auto", disk_options=opts)
     ffn = d.model.layers[0].ffn
     assert isinstance(ffn, DiskFFN) and ffn.n_ram == ram[0] and ffn.cache.capacity == slots
     got = _logits(d)
-    torch.testing.assert_close(got, reference["q4"], atol=1e-5, rtol=1e-5)
+    if slots >= 192 - min(ram):  # every active set fits the cache: one kernel call, same sums
+        assert torch.equal(got, reference["q4"])
+    else:  # larger active sets go in chunks: the float sums in another order
+        torch.testing.assert_close(got, reference["q4"], atol=1e-5, rtol=1e-5)
     rep = disk_report(d.model)
     st = rep.cache
     assert st.requested == st.hits + st.prefetch_hits + st.misses

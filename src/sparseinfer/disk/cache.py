@@ -94,14 +94,19 @@ class NeuronCache:
 
     def __init__(self, layout: BundleLayout, layer: int, reader: NeuronReader, capacity: int,
                  eviction: Eviction, act_freq: np.ndarray | None = None,
-                 up_bias: torch.Tensor | None = None):
+                 up_bias: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None):
+        """``rows`` / ``bias``: the slots' storage when the caller provides it (``DiskFFN`` puts
+        the slots right after the RAM neurons, so one kernel call covers both)."""
         self.layout, self.layer, self.reader = layout, layer, reader
         self.capacity = int(capacity)
         self.eviction = eviction
         C, F = self.capacity, layout.d_ff
-        rows = empty_hugepages((C, layout.n_mats, layout.row_width), DTYPES[layout.dtype])
+        if rows is None:
+            rows = empty_hugepages((C, layout.n_mats, layout.row_width), DTYPES[layout.dtype])
         self._up_bias = up_bias
-        bias = None if up_bias is None else torch.zeros(C, dtype=torch.float32)
+        if bias is None and up_bias is not None:
+            bias = torch.zeros(C, dtype=torch.float32)
         self.packed = PackedFFN(layout.kind, layout.dtype, layout.d_model, C, rows, None, 0, bias)
         self._bytes = rows.view(torch.uint8).reshape(C, -1).numpy()
         self.slot_of = np.full(F, -1, dtype=np.int64)

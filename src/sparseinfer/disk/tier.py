@@ -8,11 +8,13 @@ Per token and layer::
     1. start the reads of the cold misses              (reader threads, O_DIRECT)
     2. prefetch: layer l+1's predictor on this layer's residual stream (through layer l+1's FFN
        norm: Deja Vu's look-ahead) names neurons layer l+1 will likely need; their reads start
-    3. compute the hot part while the reads are in flight (the C kernel releases the GIL)
-    4. wait for the misses, compute the cold part over the cache's slots, add
+       and run on while this layer (and the next attention) computes
+    3. wait for the misses; one kernel call over the RAM rows and the cache's slots, which are
+       one tensor (RAM neurons first, then the slots), in the neurons' order
 
-What is computed is exactly the predictor's active set, whatever was cached or prefetched: the
-output equals the all-in-RAM model's up to the order of the float sums. Several tokens at once
+What is computed is exactly the predictor's active set, whatever was cached or prefetched, summed
+in the same order: the output equals the all-in-RAM model's bit for bit (an active set larger
+than the cache goes in chunks, whose float sums differ in order only). Several tokens at once
 (prefill) run the union of their active sets through the same path in chunks of the cache's size.
 """
 
@@ -62,10 +64,13 @@ class DiskFFN(SparseFFN):
                 f"{c.capacity if c else '?'} slots ({c.eviction if c else '?'}), "
                 f"prefetch {'on' if self.prefetch_on else 'off'}")
 
-    def fill_disk(self, hot: PackedFFN, cache: NeuronCache, down_bias: Tensor | None) -> None:
-        if hot.d_ff != self.n_ram:
-            raise ValueError(f"expected {self.n_ram} neurons in RAM, got {hot.d_ff}")
-        self.hot = self.packed = hot
+    def fill_disk(self, rows: PackedFFN, cache: NeuronCache, down_bias: Tensor | None) -> None:
+        """``rows``: the RAM neurons ``[0, n_ram)`` followed by the cache's slots (whose storage
+        ``cache.packed`` is a view of the tail): row ``n_ram + s`` is the neuron in slot s."""
+        if rows.d_ff != self.n_ram + cache.capacity:
+            raise ValueError(f"expected {self.n_ram} + {cache.capacity} rows, got {rows.d_ff}")
+        self.rows = self.packed = rows
+        self.hot = rows
         self.cold = cache.packed  # (SparseFFN reads .cold.dtype)
         self.cache = cache
         self.down_bias = down_bias
@@ -94,21 +99,27 @@ class DiskFFN(SparseFFN):
             out = out + self.down_bias
         return out.to(x.dtype).reshape(B, T, D)
 
+    def _rows_of(self, idx: Tensor, cut: int, slots: np.ndarray) -> Tensor:
+        """Row numbers in ``self.rows`` of the neurons ``idx[:cut]`` (RAM) and of cold neurons
+        in ``slots``, in the neurons' order: the kernel sums them as the all-in-RAM model does."""
+        return torch.cat([idx[:cut].to(torch.int32),
+                          torch.from_numpy((slots + self.n_ram).astype(np.int32))])
+
     def _compute(self, xv: Tensor, idx: Tensor, residual: Tensor | None) -> Tensor:
         cut = int(torch.searchsorted(idx, torch.tensor(self.n_ram, dtype=idx.dtype)))
         cold = idx[cut:].numpy().astype(np.int64)
         cap = self.cache.capacity
-        first = cold[:cap]
-        ticket = self.cache.request(first)  # 1. the misses' reads start
-        self._prefetch_next(residual)  # 2. the next layer's likely neurons
-        out = kernels.sparse_ffn(xv, self.hot, idx[:cut], self._out)  # 3. hot part meanwhile
-        for k in range(0, cold.size, cap):  # 4. cold part (chunks if more than the cache)
-            if k:
-                ticket = self.cache.request(cold[k:k + cap])
-            slots = self.cache.complete(ticket)
-            part = kernels.sparse_ffn(xv, self.cache.packed,
+        ticket = self.cache.request(cold[:cap])  # 1. the misses' reads start
+        self._prefetch_next(residual)  # 2. the next layer's likely neurons, meanwhile
+        slots = self.cache.complete(ticket)  # 3. wait for this layer's misses
+        if cold.size <= cap:  # 4. one kernel call over RAM rows and cache slots
+            return kernels.sparse_ffn(xv, self.rows, self._rows_of(idx, cut, slots), self._out)
+        # more active cold neurons than slots: the cache's worth at a time
+        out = kernels.sparse_ffn(xv, self.rows, self._rows_of(idx, cut, slots), self._out)
+        for k in range(cap, cold.size, cap):
+            slots = self.cache.complete(self.cache.request(cold[k:k + cap]))
+            out += kernels.sparse_ffn(xv, self.cache.packed,
                                       torch.from_numpy(slots.astype(np.int32)), self._out_cold)
-            out += part
         return out
 
     def _prefetch_next(self, residual: Tensor | None) -> None:
@@ -161,10 +172,11 @@ class DiskFFN(SparseFFN):
             else:
                 out.add_(kernels.sparse_ffn_batch(xf, packed, rows_idx.to(torch.int32), tmp))
 
-        run(self.hot, idx[:cut], idx[:cut])
         cold = idx[cut:].numpy().astype(np.int64)
         cap = self.cache.capacity
-        for k in range(0, cold.size, cap):
+        slots = self.cache.complete(self.cache.request(cold[:cap]))
+        run(self.rows, self._rows_of(idx, cut, slots), idx[:cut + slots.size])
+        for k in range(cap, cold.size, cap):
             chunk = cold[k:k + cap]
             slots = self.cache.complete(self.cache.request(chunk))
             run(self.cache.packed, torch.from_numpy(slots), torch.from_numpy(chunk))
@@ -227,9 +239,11 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
                   down_bias: Tensor | None) -> None:
     """Fill layer ``layer``'s ``DiskFFN``: its RAM neurons read now, a cache over the file for
     the rest (one reader shared by every layer), linked to the layer after it for prefetch."""
+    from ..fileio import drop_pages
+    from ..sparse.packed import DTYPES, empty_hugepages
     from .cache import EVICTION
-    from .layout import layout_of, read_packed
-    from .reader import NeuronReader
+    from .layout import layout_of, rows_view
+    from .reader import NeuronReader, drop_file_cache
 
     dp = plan.sparse.disk
     ffn = model.layers[layer].ffn
@@ -238,11 +252,23 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
     if reader is None:
         reader = NeuronReader(lay, dp.options.io_threads, dp.options.direct)
         model._disk_reader = reader  # one file descriptor and thread pool for every layer
-    hot = read_packed(src, layer, 0, dp.ram_counts[layer], up_bias)
+    n, C = dp.ram_counts[layer], dp.cache_slots
+    # one rows tensor: the RAM neurons, then the cache's slots
+    rows = empty_hugepages((n + C, lay.n_mats, lay.row_width), DTYPES[lay.dtype])
+    view = rows_view(src, layer, 0, n)
+    if n:
+        rows[:n].numpy()[:] = view
+    drop_pages(view)
+    drop_file_cache(lay.path, lay.neuron_offset(layer, 0), n * lay.stride)
+    bias = None
+    if up_bias is not None:
+        bias = torch.zeros(n + C, dtype=torch.float32)
+        bias[:n] = up_bias[:n]
+    packed = PackedFFN(lay.kind, lay.dtype, lay.d_model, n + C, rows, None, 0, bias)
     freq = src.extra_array(f"blk.{layer}.act_freq")
-    cache = NeuronCache(lay, layer, reader, dp.cache_slots, EVICTION[dp.options.eviction](),
-                        freq, up_bias)
-    ffn.fill_disk(hot, cache, down_bias)
+    cache = NeuronCache(lay, layer, reader, C, EVICTION[dp.options.eviction](), freq, up_bias,
+                        rows[n:], None if bias is None else bias[n:])
+    ffn.fill_disk(packed, cache, down_bias)
     if layer > 0:
         prev = model.layers[layer - 1]
         if isinstance(prev.ffn, DiskFFN):
