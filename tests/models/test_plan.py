@@ -201,14 +201,16 @@ def converted(quant_gguf, tmp_path_factory):
 
 
 def test_converted_file_gives_the_sources_default_logits(quant_gguf, converted):
-    """A converted file under default flags with every neuron active (and with --dense) gives
-    the source's default logits: nothing the source kept exact is re-quantized (its 4-bit
-    blocks are copied, rows permuted; the transposed down projection is stored as F32)."""
+    """A converted Q4_0 file with every neuron active (and with --dense) gives the source's
+    default logits with fp32 rows: nothing the source kept exact is re-quantized (its 4-bit
+    blocks are copied, rows permuted; the transposed down projection is stored as F32). Its
+    default rows are 4-bit (``--ffn-dtype auto``): gate/up blocks copied, down rounded again."""
     from sparseinfer.engine import Engine
 
     source = Engine.load(quant_gguf("Q4_0"), n_ctx=64)
     want = _logits(source.model)
-    sparse = Engine.load(converted["output"], n_ctx=64, threshold=-float("inf"))
+    sparse = Engine.load(converted["output"], n_ctx=64, threshold=-float("inf"),
+                         ffn_dtype="fp32")
     assert sparse.sparse_info is not None
     got = _logits(sparse.model)
     assert sparse.sparse_info.density() == 1.0
@@ -216,6 +218,9 @@ def test_converted_file_gives_the_sources_default_logits(quant_gguf, converted):
     dense = Engine.load(converted["output"], n_ctx=64, dense=True)
     assert {w.origin for w in dense.loaded.plan.weights if "ffn.down" in w.module} == {"as stored"}
     assert _rel(_logits(dense.model), want) < 1e-2
+    default = Engine.load(converted["output"], n_ctx=64, threshold=-float("inf"))
+    assert default.sparse_info.ffn_dtype == "q4"
+    assert _rel(_logits(default.model), want) < 5e-2  # the down projection's second rounding
 
 
 def test_gate_score_file_loads_and_runs(converted, capsys):

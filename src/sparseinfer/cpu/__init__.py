@@ -12,6 +12,7 @@ q8_0) and each block of weights is an integer dot product with it (F16 uses fp32
     plan = cpu.GemvPlan([wg, wu], [g, u]); plan(x)        # the same with per-call work hoisted
     y = cpu.gemm(wq, X)                                  # X [T, cols] -> [T, rows]
     cpu.sparse_ffn_q4(rows, gated, idx, X, out, ga, ua)   # sparse FFN over Q4_0 neuron bundles
+    k = cpu.predict_f16(cpu.F16Predictor(fc1, fc2, thr), x, idx)  # a predictor's active set
 
 Variants: AVX2+FMA, and AVX-512 (F/BW/VL) with VNNI; the best the CPU has is chosen at import,
 ``set_isa("avx2")`` forces the other. Threads: a persistent pool inside the library
@@ -44,6 +45,8 @@ __all__ = [
     "set_spin_us",
     "set_threads",
     "sparse_ffn_q4",
+    "F16Predictor",
+    "predict_f16",
     "pool_stats",
 ]
 

@@ -32,6 +32,8 @@ __all__ = [
     "set_spin_us",
     "set_threads",
     "sparse_ffn_q4",
+    "F16Predictor",
+    "predict_f16",
     "pool_stats",
 ]
 
@@ -73,6 +75,7 @@ def _load() -> ctypes.CDLL:
     lib.si_gemm.argtypes = [ci, vp, i64, ci, vp, i64, vp]
     lib.si_quantize_x.argtypes = [vp, ci, vp, vp, vp]
     lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, ci, vp, ci, ci, ci, ci, vp, vp]
+    lib.si_predict_f16.argtypes = [vp, vp, ci, ci, ci, vp, vp, vp, vp, vp, vp]
     if lib.si_get_isa() < 0:
         raise CpuLibraryError("this CPU has neither AVX2+FMA nor AVX-512: the C kernels need one")
     return lib
@@ -299,3 +302,49 @@ def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.T
                              idx.shape[0], d_ff, x.data_ptr(), T, d_model, gate_act, up_act,
                              bias or None, out.data_ptr()), "sparse_ffn_q4")
     return out
+
+
+class F16Predictor:
+    """A predictor ``fc2 · relu(fc1 · x)`` in float16 for ``predict_f16``: the rank padded to a
+    multiple of 32 with zero rows of fc1 and zero columns of fc2 (the logits are unchanged), and
+    its scratch buffers. ``thresholds``: float32 [d_ff], neuron i is selected iff its logit >=
+    ``thresholds[i]``."""
+
+    def __init__(self, fc1: torch.Tensor, fc2: torch.Tensor, thresholds: torch.Tensor):
+        r, d_model = fc1.shape
+        d_ff = fc2.shape[0]
+        if fc2.shape[1] != r or d_model % 32:
+            raise ValueError(f"fc1/fc2: expected [r, d_model] (d_model a multiple of 32) and "
+                             f"[d_ff, r], got {list(fc1.shape)} {list(fc2.shape)}")
+        rp = -(-r // 32) * 32
+        self.fc1 = torch.zeros(rp, d_model, dtype=torch.float16)
+        self.fc1[:r] = fc1
+        self.fc2 = torch.zeros(d_ff, rp, dtype=torch.float16)
+        self.fc2[:, :r] = fc2
+        self.thresholds = thresholds.float().contiguous()
+        if self.thresholds.shape != (d_ff,):
+            raise ValueError(f"thresholds: expected [{d_ff}], got {list(thresholds.shape)}")
+        self.r, self.d_model, self.d_ff = rp, d_model, d_ff
+        self.hidden, self.logits = torch.empty(rp), torch.empty(d_ff)
+        self._k = ctypes.c_int(0)
+        self._args = (self.fc1.data_ptr(), self.fc2.data_ptr(), rp, d_model, d_ff)
+        self._tail = (self.thresholds.data_ptr(), self.hidden.data_ptr(), self.logits.data_ptr())
+
+    @property
+    def nbytes(self) -> int:
+        return self.fc1.nbytes + self.fc2.nbytes
+
+
+def predict_f16(p: F16Predictor, x: torch.Tensor, out_idx: torch.Tensor) -> int:
+    """The neurons ``p`` selects for ``x`` (float32 [d_model]), ascending, into ``out_idx[:k]``
+    (int32, contiguous, length >= d_ff); returns k. (Reference:
+    ``sparse.reference.predict_active_ref``.)"""
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != p.d_model:
+        raise ValueError(f"x: expected contiguous float32 [{p.d_model}], got {x.dtype} "
+                         f"{list(x.shape)}")
+    if out_idx.dtype != torch.int32 or not out_idx.is_contiguous() or out_idx.numel() < p.d_ff:
+        raise ValueError(f"out_idx: expected contiguous int32 of length >= {p.d_ff}, got "
+                         f"{out_idx.dtype} {list(out_idx.shape)}")
+    _check(_lib.si_predict_f16(*p._args, x.data_ptr(), *p._tail, out_idx.data_ptr(),
+                               ctypes.byref(p._k)), "predict_f16")
+    return p._k.value

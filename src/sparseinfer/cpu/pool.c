@@ -433,6 +433,31 @@ int si_sparse_q4(const void *bundles, size_t bundle_bytes, int gated, const int3
     return err;
 }
 
+/* ------------------------------------------------------------------ predictor (F16 weights) */
+
+/* The neurons a predictor selects: idx[0..*k) = ascending i with
+ * (fc2 · relu(fc1 · x))_i >= thr[i]; fc1 F16 [r, d_model], fc2 F16 [d_ff, r] (r and d_model
+ * multiples of 32), x float32 [d_model]; hidden [r] and logits [d_ff] are scratch. Two pool
+ * dispatches (the same pool as the FFN rows: no second thread team to wake). */
+int si_predict_f16(const void *fc1, const void *fc2, int r, int d_model, int d_ff, const float *x,
+                   const float *thr, float *hidden, float *logits, int32_t *idx, int *k) {
+    const int t = SI_F16;
+    int64_t rows = r;
+    int err = run(1, &t, &fc1, &rows, d_model, x, 1, &hidden);
+    if (err) return err;
+    for (int i = 0; i < r; i++) hidden[i] = hidden[i] > 0.0f ? hidden[i] : 0.0f;
+    rows = d_ff;
+    err = run(1, &t, &fc2, &rows, r, hidden, 1, &logits);
+    if (err) return err;
+    int n = 0;
+    for (int i = 0; i < d_ff; i++) {
+        idx[n] = i;
+        n += logits[i] >= thr[i];
+    }
+    *k = n;
+    return 0;
+}
+
 /* The activation quantization alone (for tests: x -> q, d, s as the kernels see it). */
 int si_quantize_x(const float *x, int cols, int8_t *q, float *d, float *s) {
     if (g_isa < 0) return ENODEV;

@@ -24,6 +24,7 @@ lookup). A file with predictors gets sparse FFN layers (``sparse``) unless ``den
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DTYPE_CHOICES = ("auto", "fp32", "bf16", "q4")
-FFN_DTYPES = ("fp32", "bf16", "int8", "q4")
+FFN_DTYPES = ("auto", "fp32", "bf16", "int8", "q4")
 ROW_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "q4": 18 / 32}  # per weight of a sparse row
 SELECTORS = ("predictor", "oracle", "all")
 FLOAT_KINDS = ("F32", "F16", "BF16", "float32", "float16", "bfloat16", "F64", "float64")
@@ -156,7 +157,7 @@ def _int4_available(device: str) -> bool:
 
 
 def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
-              dense: bool = False, mode: str = "predictor", ffn_dtype: str = "fp32",
+              dense: bool = False, mode: str = "predictor", ffn_dtype: str = "auto",
               threshold: float | None = None, vram_budget: float | None = None,
               split_tiers: bool | None = None, min_split: int = 256,
               fused: bool = True, gpu_index: str | None = None) -> Plan:
@@ -176,6 +177,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     cfg = src.config
     sparse = None
     if has_predictors(src) and not dense:
+        ffn_dtype = _auto_ffn_dtype(src, device) if ffn_dtype == "auto" else ffn_dtype
         sparse = _sparse_plan(src, mode, ffn_dtype, threshold, device, vram_budget, split_tiers,
                               min_split, gpu_index)
     elif threshold is not None or vram_budget is not None:
@@ -292,7 +294,8 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                 raise SparseInferError(f"{src.path}: sparse model is missing tensor "
                                        f"'blk.{i}.fc1.weight' or 'blk.{i}.fc2.weight'")
             if sparse.selector == "predictor":
-                nbytes += (fc1.nbytes + fc2.nbytes) * (2 if sparse.ffn_dtype == "fp32" else 1)
+                n = math.prod(fc1.shape) + math.prod(fc2.shape)  # fp32, else 16-bit in memory
+                nbytes += n * (4 if sparse.ffn_dtype == "fp32" else 2)
             weights.append(WeightPlan(p + "ffn", "sparse", (*ins, down), (F, D), nbytes,
                                       f"{sparse.ffn_dtype} rows"))
         else:
@@ -318,6 +321,18 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                 and cfg.pos == "rope" and cfg.plain_block)
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * hd * (2 if float_dtype == "bf16" else 4)
     return Plan(cfg, dtype, float_dtype, tuple(weights), sparse, fused_ok, str(dev), kv)
+
+
+def _auto_ffn_dtype(src: ModelSource, device: str) -> str:
+    """``--ffn-dtype auto``: a Q4_0 file's FFN rows stay 4-bit (Q4_0 bundles, C kernel, its gate
+    and up blocks copied; only the transposed down projection is rounded again); anything else
+    keeps fp32 rows (no second rounding; ``--ffn-dtype q4``/``int8`` shrink them on request)."""
+    cfg = src.config
+    gate = src.tensors.get("layers.0.ffn.gate.weight") or src.tensors.get("layers.0.ffn.up.weight")
+    if (gate is not None and gate.kind == "Q4_0" and torch.device(device).type == "cpu"
+            and cfg.d_model % 32 == 0 and ggml_kernels_available()):
+        return "q4"
+    return "fp32"
 
 
 def _sparse_plan(src: ModelSource, mode, ffn_dtype, threshold, device, vram_budget,
