@@ -3,6 +3,7 @@ sparse against our dense engine and llama.cpp on the same weights, in one run.
 
     python benchmarks/relu_7b.py --out /tmp/r7b                # 7B: write, convert, run
     python benchmarks/relu_7b.py --out /tmp/r7b --skip-convert # rerun the engines only
+    python benchmarks/relu_7b.py --out /tmp/r1b --shape tinyllama  # TinyLlama-1.1B's shape
     python benchmarks/relu_7b.py --out /tmp/rtiny --shape tiny # a smoke run of every step
 
 Leaves in ``--out``: ``dense.gguf`` (Q4_0, loads in llama.cpp and in ``sparseinfer run``) and
@@ -52,6 +53,7 @@ import numpy as np
 SHAPES = {  # d_model, d_ff, layers, heads, kv heads
     "7b": (4096, 11008, 32, 32, 32),
     "13b": (5120, 13824, 40, 40, 40),
+    "tinyllama": (2048, 5632, 22, 32, 4),  # TinyLlama-1.1B (grouped K/V heads)
     "tiny": (256, 1024, 4, 4, 4),
 }
 CONST = 32  # constant dims of the residual stream: one Q4_0 block
@@ -192,7 +194,8 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, sparse: bool) -> d
 
     cpu.set_threads(threads)
     t0 = time.perf_counter()
-    engine = Engine.load(path, n_ctx=n_ctx, threads=threads)
+    opts = {"ffn_dtype": "q4"} if sparse else {}  # 4-bit rows: ``run --ffn-dtype q4``
+    engine = Engine.load(path, n_ctx=n_ctx, threads=threads, **opts)
     t_load = time.perf_counter() - t0
     ids = engine.encode(PROMPT)
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -52,7 +52,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                          "of a run with a fast device (ignored with a warning on CPU only)")
     sp.add_argument("--ffn-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "q4"],
                     help="storage of the sparse FFN rows (int8: per-row scales; q4: Q4_0 "
-                         "blocks of 32, C kernels; auto: q4 for a Q4_0 file, else fp32)")
+                         "blocks of 32, C kernels, the fastest; auto: int8 for a quantized file, else fp32)")
     p.add_argument("-v", "--verbose", action="store_true", help="INFO logs and tracebacks")
 
 

@@ -324,15 +324,13 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
 
 
 def _auto_ffn_dtype(src: ModelSource, device: str) -> str:
-    """``--ffn-dtype auto``: a Q4_0 file's FFN rows stay 4-bit (Q4_0 bundles, C kernel, its gate
-    and up blocks copied; only the transposed down projection is rounded again); anything else
-    keeps fp32 rows (no second rounding; ``--ffn-dtype q4``/``int8`` shrink them on request)."""
-    cfg = src.config
+    """``--ffn-dtype auto``: a quantized file's FFN rows become int8 (a few times smaller than
+    fp32, and rounding its values again to 8 bits keeps the source's logits: the transposed
+    down projection cannot keep its blocks); a float file's stay fp32. ``--ffn-dtype q4`` (4-bit
+    bundles, the fastest) rounds the down projection to 4 bits a second time: asked for, not
+    the default."""
     gate = src.tensors.get("layers.0.ffn.gate.weight") or src.tensors.get("layers.0.ffn.up.weight")
-    if (gate is not None and gate.kind == "Q4_0" and torch.device(device).type == "cpu"
-            and cfg.d_model % 32 == 0 and ggml_kernels_available()):
-        return "q4"
-    return "fp32"
+    return "int8" if gate is not None and gate.quantized else "fp32"
 
 
 def _sparse_plan(src: ModelSource, mode, ffn_dtype, threshold, device, vram_budget,
