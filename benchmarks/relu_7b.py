@@ -28,10 +28,9 @@ input, a few neurons fire on almost every token and most rarely. How:
   OPT) and the mean is ``--density``; neurons are shuffled (``convert`` sorts them hot-first).
 - Embeddings are unit-variance elsewhere and lie near a subspace (``--embed-rank`` 256: 90% of
   their variance), as trained embeddings and hidden states are anisotropic. With isotropic
-  N(0, 1) embeddings (``--embed-rank 0``) a profile of 4,096 tokens is too few samples for the
-  predictors to find the gates' subspace in 2,048–4,096 dimensions: on a 3-layer TinyLlama-shaped
-  model they selected 3.9x the true density at recall 0.99 (0.258 for 0.066), against 1.75x
-  (0.115) with rank-256 embeddings; training longer or at other learning rates changed nothing.
+  N(0, 1) embeddings (``--embed-rank 0``) a profile of a few thousand tokens is too few samples
+  for the predictors to find the gates' subspace in thousands of dimensions, and they select
+  several times the true density (benchmarks/RESULTS.md, "Sparse decode at 7B").
 - Attention and up/down are random, small where they write to the residual (so the layer
   inputs stay close to the embedding distribution and the rates hold at every depth). Matrices without structure (q, k, v, up, the head) repeat a few random
   blocks across layers: bytes decide speed, not values.
