@@ -244,7 +244,8 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, sparse: bool) -> d
 
 def layer_costs(engine, pos: int, n: int = 40) -> dict:
     """Median µs of one decode layer (layer 1, fed a real token's layer input) and of its
-    kernels called alone: the Q/K/V and output projections, the predictor, the sparse (or dense)
+    kernels called alone, each call after reading 1 GiB elsewhere (this VM's L3 would otherwise
+    hold a layer's weights): the Q/K/V and output projections, the predictor, the sparse (or dense)
     FFN. ``other`` = the layer minus its kernels: norms, rope, attention over the cache, Python."""
     import statistics
 
@@ -261,10 +262,13 @@ def layer_costs(engine, pos: int, n: int = 40) -> dict:
     h = blk.ffn_norm(x).reshape(d).contiguous()
     o = torch.randn(model.cfg.n_heads * model.cfg.head_dim)
 
+    flush = np.ones(2**28, dtype=np.float32)  # 1 GiB: each timed call starts from DRAM
+
     def us(fn) -> float:
         fn()
         times = []
         for _ in range(n):
+            flush.sum()
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
