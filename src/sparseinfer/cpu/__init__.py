@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 __all__ = [
     "TYPES",
     "CpuLibraryError",
+    "DecodeBlock",
     "GemvPlan",
     "QuantMatrix",
     "available_isas",
