@@ -143,3 +143,22 @@ def test_smollm2_blocks_equal_the_torch_path(smollm2_path, threads):
         torch.testing.assert_close(cf.k[i, 0, :, pos], cp.k[i, 0, :, pos], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(cf.v[i, 0, :, pos], cp.v[i, 0, :, pos], rtol=1e-4, atol=1e-4)
         x = want
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "geglu", "geglu_tanh", "reglu", "drelu"])
+def test_fp32_models_decode_as_the_torch_path(tiny_model_dir, kind):
+    """fp32 weights (``FloatLinear`` on the F32 GEMV) take the C block too; no int8 rounding
+    here, so the logits match the torch path's (itself compared with transformers elsewhere)."""
+    from sparseinfer.models.build import load
+
+    fused = load(tiny_model_dir(kind), "fp32", fused=True).model
+    plain = load(tiny_model_dir(kind), "fp32", fused=False).model
+    prompt = torch.tensor([[1, 7, 3, 9, 4]])
+    cf, cp = fused.new_cache(1, 64), plain.new_cache(1, 64)
+    tok = plain(prompt, 0, cp, last_only=True).argmax(-1)
+    fused(prompt, 0, cf, last_only=True)
+    for i in range(8):
+        got, want = fused(tok, 5 + i, cf), plain(tok, 5 + i, cp)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        tok = want.argmax(-1)
+    assert all(b.fused._c is not None for b in fused.layers)

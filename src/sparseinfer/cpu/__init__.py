@@ -2,9 +2,9 @@
 
 The weights are the tensor's bytes exactly as the GGUF file stores them (row-major rows of
 blocks; e.g. ``gguf.GGUFReader`` tensor ``t.data`` viewed as uint8, a read-only memmap: nothing
-is copied or repacked). Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and F16. The input
+is copied or repacked). Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16 and F32. The input
 vector is quantized once per call to int8 blocks of 32 (scale ``max|x|/127``, as llama.cpp's
-q8_0) and each block of weights is an integer dot product with it (F16 uses fp32 ``x`` as is).
+q8_0) and each block of weights is an integer dot product with it (F16 and F32 use fp32 ``x`` as is).
 
     from sparseinfer import cpu
     wq = cpu.QuantMatrix("Q4_K", raw, rows, cols)         # raw: uint8 bytes, not copied

@@ -280,6 +280,24 @@ INLINE void rows_f16(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
     for (int r = 0; r < R; r++) y[r] = hsum(acc[r]);
 }
 
+/* ------------------------------------------------------------------ F32 rows, fp32 x */
+
+INLINE void rows_f32(const uint8_t *w, size_t rb, const int R, const si_xq *x, int cols, float *y,
+                     const uint8_t *pf) {
+    __m256 acc[4], acc2[4];
+    for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_ps();
+    for (int c = 0; c < cols; c += 16) { /* cols is a multiple of 32 */
+        const __m256 x0 = _mm256_loadu_ps(x->f + c), x1 = _mm256_loadu_ps(x->f + c + 8);
+        if (pf) prefetch(pf + (size_t)c * 4 * R, 64 * R);
+        for (int r = 0; r < R; r++) {
+            const float *p = (const float *)(w + (size_t)r * rb) + c;
+            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(p), x0, acc[r]);
+            acc2[r] = _mm256_fmadd_ps(_mm256_loadu_ps(p + 8), x1, acc2[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = hsum(_mm256_add_ps(acc[r], acc2[r]));
+}
+
 /* ------------------------------------------------------------------ entry points */
 
 #define WALK(call4, call1)                                                                     \
@@ -317,6 +335,10 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
     case SI_F16:
         WALK(rows_f16(w + r * rb, rb, 4, x, cols, y + r, NEXT),
              rows_f16(w + r * rb, rb, 1, x, cols, y + r, NULL));
+        break;
+    case SI_F32:
+        WALK(rows_f32(w + r * rb, rb, 4, x, cols, y + r, NEXT),
+             rows_f32(w + r * rb, rb, 1, x, cols, y + r, NULL));
         break;
     default: break;
     }

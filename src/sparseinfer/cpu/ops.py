@@ -47,6 +47,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q5_K": (6, 256, 176),
     "Q6_K": (7, 256, 210),
     "F16": (8, 1, 2),
+    "F32": (9, 1, 4),
 }
 ISAS = {"avx2": 0, "avx512": 1}
 ABI_VERSION = 4

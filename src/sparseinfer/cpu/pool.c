@@ -33,8 +33,8 @@
 
 /* ------------------------------------------------------------------ types */
 
-static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1};
-static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2};
+static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1};
+static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4};
 
 int si_abi_version(void) { return SI_ABI_VERSION; }
 int si_block_elems(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_ELEMS[type] : 0; }
@@ -335,7 +335,7 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
         j->rows[i] = rows[i];
         j->rb[i] = (size_t)cols / BLOCK_ELEMS[types[i]] * BLOCK_BYTES[types[i]];
         j->out[i] = outs[i];
-        j->need_q |= types[i] != SI_F16;
+        j->need_q |= types[i] != SI_F16 && types[i] != SI_F32;
         total_rows += rows[i];
     }
     /* chunk rows: a multiple of 4, at least 16, about 8 chunks per thread (enough to even out

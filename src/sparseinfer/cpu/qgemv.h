@@ -21,7 +21,8 @@ enum si_type {
     SI_Q5_K = 6,
     SI_Q6_K = 7,
     SI_F16 = 8,
-    SI_N_TYPES = 9,
+    SI_F32 = 9,
+    SI_N_TYPES = 10,
 };
 
 /* One quantized activation vector: q[cols] int8, d[cols/32], s[cols/32]; f the fp32 source (F16

@@ -49,10 +49,10 @@ def gemv_ref(mats: Sequence[QuantMatrix], x: torch.Tensor, outs: Sequence[torch.
 
 def gemv_q8_ref(mats: Sequence[QuantMatrix], x: torch.Tensor,
                 outs: Sequence[torch.Tensor]) -> None:
-    """As ``gemv_ref`` with ``x`` first rounded to int8 blocks as the kernels round it (F16
+    """As ``gemv_ref`` with ``x`` first rounded to int8 blocks as the kernels round it (F16/F32
     weights use ``x`` as is, as the kernels do)."""
     for m, o in zip(mats, outs):
-        xv = x.double() if m.type_name == "F16" else _xq_float(x)
+        xv = x.double() if m.type_name in ("F16", "F32") else _xq_float(x)
         o.copy_(torch.as_tensor(dequantize_ref(m).double() @ xv))
 
 

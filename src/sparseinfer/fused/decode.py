@@ -12,6 +12,11 @@ plan) by:
 - ``attend`` — rope (rotate-half, or adjacent pairs for GGUF's Q/K order) on q and k, the new k/v written into the cache at ``pos``,
   softmax(q·Kᵀ · scale) · V per head with grouped K/V heads.
 
+When the block's four weights are on the C kernels (``GGMLLinear``, or fp32 ``FloatLinear``)
+and its FFN is dense, the whole block is one call into the C library instead
+(``sparseinfer.cpu.DecodeBlock``: the same steps, the products on its thread pool with no Python
+between them).
+
 Everything else (prompts, batches, LayerNorm models, learned positions, non-CPU or non-fp32
 models) runs the block's torch code unchanged. ``rms_norm_ref`` / ``attend_ref`` are the plain
 torch references the tests compare the kernels with; whole blocks are compared with
@@ -151,12 +156,13 @@ class FusedDecode:
     ``forward`` directly (no hook dispatch: ≈1 µs each). KV-cache views come from the cache
     object itself (``KVCache.k_np``), so a new cache is never confused with a freed one."""
 
-    def __init__(self, block: Block):
+    def __init__(self, block: Block, c_block: bool = True):
         self._block = [block]  # a list: not registered as a submodule (no recursion in repr)
+        self._want_c = c_block  # False: always the numba kernels (benchmarks compare the two)
         self._ready = False
 
     def __repr__(self) -> str:
-        return "FusedDecode(rms_norm + attend kernels)"
+        return "FusedDecode(one C call per block, or rms_norm + attend kernels)"
 
     def _prepare(self) -> None:
         block = self._block[0]
@@ -175,7 +181,7 @@ class FusedDecode:
         self._on = self._o.numpy()
         self._scores = np.empty(cfg.max_seq_len, dtype=np.float32)
         self._rope_key = None
-        self._c = _c_block(block)
+        self._c = _c_block(block) if self._want_c else None
         self._ready = True
 
     def __call__(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
@@ -228,17 +234,18 @@ class FusedDecode:
 
 
 def _c_block(block: Block):
-    """``sparseinfer.cpu.DecodeBlock`` for ``block`` when its four weights are the file's blocks
-    on the C kernels (``GGMLLinear``) and its FFN is the dense one; else None (the numba kernels
-    around the block's own modules)."""
+    """``sparseinfer.cpu.DecodeBlock`` for ``block`` when its four weights are on the C kernels
+    (the file's blocks in ``GGMLLinear``, or fp32 ``FloatLinear``) and its FFN is the dense one;
+    else None (the numba kernels around the block's own modules)."""
     from ..models.model import FFN
-    from ..quant.linear import GGMLLinear
+    from ..quant.linear import FloatLinear, GGMLLinear
 
     attn, ffn = block.attn, block.ffn
     lins = {"qkv": attn.wqkv, "wo": attn.wo}
     if type(ffn) is FFN:
         lins.update(w_in=ffn.w_in, down=ffn.down)
-    if len(lins) < 4 or not all(type(m) is GGMLLinear and m.mats for m in lins.values()):
+    if len(lins) < 4 or not all(type(m) in (GGMLLinear, FloatLinear) and m.mats
+                                for m in lins.values()):
         return None
     from .. import cpu
     from ..config import FFN_KINDS
