@@ -288,7 +288,7 @@ INLINE void rows_f32(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
     for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_ps();
     for (int c = 0; c < cols; c += 16) { /* cols is a multiple of 32 */
         const __m256 x0 = _mm256_loadu_ps(x->f + c), x1 = _mm256_loadu_ps(x->f + c + 8);
-        if (pf) prefetch(pf + (size_t)c * 4 * R, 64 * R);
+        (void)pf; /* no software prefetch: 4 row streams in order suit the hardware one */
         for (int r = 0; r < R; r++) {
             const float *p = (const float *)(w + (size_t)r * rb) + c;
             acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(p), x0, acc[r]);
