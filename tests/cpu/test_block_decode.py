@@ -80,9 +80,12 @@ def check(kw, pos, S=48, seed=0):
 
 
 @pytest.mark.parametrize("pos", [0, 1, 9, 47])
-@pytest.mark.parametrize("nh,nkv,hd", [(4, 2, 16), (4, 4, 8), (8, 2, 20)])
-def test_block_matches_reference(isa, threads, pos, nh, nkv, hd):
-    check(make(np.random.default_rng(pos + nh), nh=nh, nkv=nkv, hd=hd), pos)
+@pytest.mark.parametrize("nh,nkv,hd,d", [(4, 2, 16, 64), (4, 4, 8, 64), (8, 2, 20, 64),
+                                         (8, 2, 64, 1024)])
+def test_block_matches_reference(isa, threads, pos, nh, nkv, hd, d):
+    """The last shape spreads over the pool: products in several chunks, and at pos 47 the
+    heads in parallel (the small ones run on the calling thread alone)."""
+    check(make(np.random.default_rng(pos + nh), d=d, nh=nh, nkv=nkv, hd=hd, d_ff=256), pos)
 
 
 @pytest.mark.parametrize("gated,gate_act,up_act", [(True, "silu", None), (True, "gelu_tanh", None),

@@ -195,10 +195,11 @@ def test_pool_sleeping_workers_and_thread_changes():
     """With no spinning, workers sleep between every call; results stay exact across thread
     counts."""
     rng = np.random.default_rng(4)
-    mat = cpu.QuantMatrix("Q4_0", random_raw("Q4_0", 200, 256, rng), 200, 256)
-    x = torch.from_numpy(rng.standard_normal(256).astype(np.float32))
+    # 1000 rows of 288 bytes: several chunks of >= 32 KiB
+    mat = cpu.QuantMatrix("Q4_0", random_raw("Q4_0", 1000, 512, rng), 1000, 512)
+    x = torch.from_numpy(rng.standard_normal(512).astype(np.float32))
     before = cpu.get_threads()
-    first = torch.empty(200)
+    first = torch.empty(1000)
     cpu.set_threads(1)
     cpu.gemv([mat], x, [first])
     try:
@@ -209,7 +210,7 @@ def test_pool_sleeping_workers_and_thread_changes():
                 assert cpu.get_threads() == n
                 cpu.pool_stats(reset=True)
                 for _ in range(20):
-                    out = torch.full((200,), float("nan"))
+                    out = torch.full((1000,), float("nan"))
                     cpu.gemv([mat], x, [out])
                     assert torch.equal(out, first)
                 caller, workers = cpu.pool_stats()

@@ -208,6 +208,7 @@ static void pool_run(chunk_fn fn, const void *job, int64_t n_chunks) {
     if (n_chunks <= 0) return;
     if (P.n_workers == 0 || n_chunks == 1) {
         for (int64_t c = 0; c < n_chunks; c++) fn(job, c);
+        atomic_fetch_add_explicit(&g_chunks_caller, n_chunks, memory_order_relaxed);
         return;
     }
     P.fn = fn;
@@ -338,11 +339,16 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
         j->need_q |= types[i] != SI_F16 && types[i] != SI_F32;
         total_rows += rows[i];
     }
-    /* chunk rows: a multiple of 4, at least 16, about 8 chunks per thread (enough to even out
-     * a thread that runs slower, few enough that claiming them costs nothing: each claim moves
-     * a cache line between cores); a chunk is contiguous rows, read front to back */
+    /* chunk rows: a multiple of 4, about 8 chunks per thread (enough to even out a thread that
+     * runs slower) but at least 16 rows and 32 KiB of weights (a claim moves a cache line
+     * between cores, ~0.1 us: small matrices get a few chunks, not dozens); a chunk is
+     * contiguous rows, read front to back */
     const int nt = P.n_workers + 1;
+    size_t rb_max = 1;
+    for (int i = 0; i < nmat; i++) rb_max = j->rb[i] > rb_max ? j->rb[i] : rb_max;
     int64_t ch = (total_rows + 8 * nt - 1) / (8 * nt);
+    const int64_t min_rows = (int64_t)((32768 + rb_max - 1) / rb_max);
+    ch = ch < min_rows ? min_rows : ch;
     ch = ch < 16 ? 16 : (ch + 3) & ~3LL;
     if (T > 1) ch = 16;
     j->ch = (int)ch;
@@ -621,7 +627,11 @@ int si_block_decode(void *p, float *x, int pos, float *kc, float *vc, const floa
     b->max_seq = max_seq;
     b->scale = 1.0f / sqrtf((float)hd);
     b->attend = g_isa == ISA_AVX512 ? si_attend_head_avx512 : si_attend_head_avx2;
-    pool_run(attend_chunk, b, nh);
+    if ((size_t)b->n * nh * hd >= 16384) {
+        pool_run(attend_chunk, b, nh); /* one head per chunk */
+    } else { /* a short context: less work than waking the pool */
+        for (int h = 0; h < nh; h++) attend_chunk(b, h);
+    }
     if ((err = exec_job(&b->jobs[1], b->att))) goto out;
     add_bias(b->a, d->wo.bias, d->d_model);
     for (int i = 0; i < d->d_model; i++) x[i] += b->a[i];
