@@ -14,7 +14,7 @@ For each thread count, on the default model (SmolLM2-135M) with the engine's def
 - the rest of a token: embedding, final norm, the head's product, sampling; and sampling
   alone (greedy, and top-k 40 / top-p 0.95 at temperature 0.8).
 Ratios to compare: 2-thread / 1-thread for the token and for the products (a second thread can
-only speed up what runs on it). The CPU model and the load average are printed beside the
+only speed up what runs on it); the thread counts alternate round by round. The CPU model and the load average are printed beside the
 figures; the machine is often shared, so read best times and same-run ratios.
 """
 
@@ -39,17 +39,22 @@ def cpu_model() -> str:
     return platform.processor() or "?"
 
 
-def interleaved(fns: dict, n: int) -> dict[str, list[float]]:
-    """Seconds of n calls of each function, taken in turn (one of each per round), so that a
-    burst of load from other processes hits every measurement alike."""
-    for fn in fns.values():
-        fn()
-    out: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(n):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
+def interleaved(fns: dict, n: int, threads: list[int], set_threads) -> dict:
+    """Seconds of n calls of each function per thread count, taken in turn (each round sets
+    each thread count and calls every function once), so that a burst of load from other
+    processes hits every measurement alike."""
+    for t in threads:
+        set_threads(t)
+        for fn in fns.values():
             fn()
-            out[k].append(time.perf_counter() - t0)
+    out = {t: {k: [] for k in fns} for t in threads}
+    for _ in range(n):
+        for t in threads:
+            set_threads(t)
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                out[t][k].append(time.perf_counter() - t0)
     return out
 
 
@@ -73,7 +78,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None)
     ap.add_argument("-t", "--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("-n", "--tokens", type=int, default=60, help="rounds of measurements")
+    ap.add_argument("-n", "--tokens", type=int, default=40, help="rounds of measurements")
     ap.add_argument("--dtype", default="auto")
     a = ap.parse_args()
 
@@ -112,77 +117,72 @@ def main() -> int:
     kinds = sorted({type(x).__name__ for x in lins})
     print(f"# {len(lins)} products in the layers ({len(layer_lins[0])} per layer, {kinds}); head "
           f"{type(head).__name__}{' (C GEMV)' if getattr(head, '_plan', None) else ''}")
-    print("# µs: best (median) over rounds; each round times every item once, in turn")
-    rows = []
+    print("# µs: best (median) over rounds; each round times every item once per thread count, "
+          "in turn")
+    cache = m.new_cache(1, 512)
+    logits = prefill(m, ids, 0, cache)
+    pos0 = len(ids)
+    tok = [sample(logits, greedy, None)]
+    state = {"pos": pos0}
+
+    def step():
+        pos = state["pos"]
+        state["pos"] = pos0 if pos + 1 >= 400 else pos + 1
+        lg = m(torch.tensor([[tok[0]]]), pos, cache, last_only=True)[0, -1]
+        tok[0] = sample(lg, greedy, None)
+
+    x = m.tok_emb(torch.tensor([[tok[0]]]))
+
+    def run_blocks(blocks_):
+        h = x
+        pos = state["pos"]
+        for i, b in enumerate(blocks_):
+            h = b(h, i, pos, cache, m.rope)
+
+    plans = [(product(lin), xv) for lin, xv in zip(lins, xs)]
+
+    def products():
+        for plan, xv in plans:
+            plan(xv)
+
+    xh = torch.randn(m.cfg.d_model)
+    lg = logits.reshape(-1)
+    fns = {"token": step, "blocks": lambda: run_blocks(m.layers), "products": products,
+           "head": lambda: product(head)(xh),
+           "greedy": lambda: sample(lg, greedy, None),
+           "topp": lambda: sample(lg, topp, rng)}
+    if numba_path is not None:
+        fns["blocks_numba"] = lambda: run_blocks(numba_path)
+    res = interleaved(fns, a.tokens, a.threads, set_threads)
+    med = statistics.median
     for threads in a.threads:
-        set_threads(threads)
-        cache = m.new_cache(1, 512)
-        logits = prefill(m, ids, 0, cache)
-        pos0 = len(ids)
-        tok = [sample(logits, greedy, None)]
-        state = {"pos": pos0}
-
-        def step():
-            pos = state["pos"]
-            state["pos"] = pos0 if pos + 1 >= 400 else pos + 1
-            lg = m(torch.tensor([[tok[0]]]), pos, cache, last_only=True)[0, -1]
-            tok[0] = sample(lg, greedy, None)
-
-        x = m.tok_emb(torch.tensor([[tok[0]]]))
-
-        def blocks():
-            h = x
-            pos = state["pos"]
-            for i, b in enumerate(m.layers):
-                h = b(h, i, pos, cache, m.rope)
-
-        plans = [(product(lin), xv) for lin, xv in zip(lins, xs)]
-
-        def products():
-            for plan, xv in plans:
-                plan(xv)
-
-        if numba_path is not None:
-            def blocks_numba():
-                h = x
-                pos = state["pos"]
-                for i, fd in enumerate(numba_path):
-                    h = fd(h, i, pos, cache, m.rope)
-        xh = torch.randn(m.cfg.d_model)
-        lg = logits.reshape(-1)
-        fns = {"token": step, "blocks": blocks, "products": products,
-               "head": lambda: product(head)(xh),
-               "greedy": lambda: sample(lg, greedy, None),
-               "topp": lambda: sample(lg, topp, rng)}
-        if numba_path is not None:
-            fns["blocks_numba"] = blocks_numba
-        t = interleaved(fns, a.tokens)
-        t_token, t_blocks, t_mm, t_head = t["token"], t["blocks"], t["products"], t["head"]
-        t_greedy, t_topp = t["greedy"], t["topp"]
-        med = statistics.median
+        t = res[threads]
+        t_token, t_blocks, t_mm = t["token"], t["blocks"], t["products"]
         outside = (min(t_blocks) - min(t_mm), med(t_blocks) - med(t_mm))
         rest = (min(t_token) - min(t_blocks), med(t_token) - med(t_blocks))
-        rows.append((threads, t_token, t_mm))
-        print(f"\n## {threads} thread(s), load average {os.getloadavg()[0]:.2f}")
+        print(f"\n## {threads} thread(s)")
         print(f"token (decode step + greedy sample) {us(t_token)} µs  = "
-              f"{1 / min(t_token):.1f} tok/s best, {1 / statistics.median(t_token):.1f} median")
+              f"{1 / min(t_token):.1f} tok/s best, {1 / med(t_token):.1f} median")
         print(f"blocks ({L} layers)                  {us(t_blocks)} µs")
         print(f"  products in the layers            {us(t_mm)} µs")
         print(f"  outside the products, per layer   {pair(*outside, L)} µs")
         if numba_path is not None:
             tb = t["blocks_numba"]
-            print(f"blocks, numba kernels around the modules (the path before the C block):")
+            print("blocks, numba kernels around the modules (the path before the C block):")
             print(f"  blocks                            {us(tb)} µs")
             print(f"  outside the products, per layer   "
                   f"{pair(min(tb) - min(t_mm), med(tb) - med(t_mm), L)} µs")
         print(f"rest of the token (emb, norm, head, sample) {pair(*rest)} µs")
-        print(f"  head product                      {us(t_head)} µs")
-        print(f"  sample: greedy {us(t_greedy)} µs; top-k/top-p {us(t_topp)} µs")
-    if len(rows) > 1:
-        (t1, tok1, mm1), (t2, tok2, mm2) = rows[0], rows[-1]
-        print(f"\n# {t2} vs {t1} threads: token {min(tok1) / min(tok2):.2f}x (medians "
-              f"{statistics.median(tok1) / statistics.median(tok2):.2f}x), layer products "
-              f"{min(mm1) / min(mm2):.2f}x")
+        print(f"  head product                      {us(t['head'])} µs")
+        print(f"  sample: greedy {us(t['greedy'])} µs; top-k/top-p {us(t['topp'])} µs")
+    if len(a.threads) > 1:
+        r1, r2 = res[a.threads[0]], res[a.threads[-1]]
+        ratio = lambda k, f: f(r1[k]) / f(r2[k])  # noqa: E731
+        print(f"\n# {a.threads[-1]} vs {a.threads[0]} threads, same rounds: token "
+              f"{ratio('token', min):.2f}x (medians {ratio('token', med):.2f}x), layer products "
+              f"{ratio('products', min):.2f}x (medians {ratio('products', med):.2f}x), head "
+              f"{ratio('head', min):.2f}x")
+    print(f"# load average at the end: {os.getloadavg()[0]:.2f}")
     return 0
 
 
