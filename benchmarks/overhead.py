@@ -14,8 +14,8 @@ For each thread count, on the default model (SmolLM2-135M) with the engine's def
 - the rest of a token: embedding, final norm, the head's product, sampling; and sampling
   alone (greedy, and top-k 40 / top-p 0.95 at temperature 0.8).
 Ratios to compare: 2-thread / 1-thread for the token and for the products (a second thread can
-only speed up what runs on it); the thread counts alternate round by round. The CPU model and the load average are printed beside the
-figures; the machine is often shared, so read best times and same-run ratios.
+only speed up what runs on it); the thread counts alternate round by round. The CPU model and
+the load average are printed beside the figures; the machine is often shared, so read best times and same-run ratios.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def main() -> int:
         print(f"  sample: greedy {us(t['greedy'])} µs; top-k/top-p {us(t['topp'])} µs")
     if len(a.threads) > 1:
         r1, r2 = res[a.threads[0]], res[a.threads[-1]]
-        ratio = lambda k, f: f(r1[k]) / f(r2[k])  # noqa: E731
+        ratio = lambda k, f: f(r1[k]) / f(r2[k])
         print(f"\n# {a.threads[-1]} vs {a.threads[0]} threads, same rounds: token "
               f"{ratio('token', min):.2f}x (medians {ratio('token', med):.2f}x), layer products "
               f"{ratio('products', min):.2f}x (medians {ratio('products', med):.2f}x), head "

@@ -28,14 +28,17 @@ def make(rng, *, d=64, nh=4, nkv=2, hd=16, d_ff=96, gated=True, gate_act="silu",
     w_in = [qmat(t0, d_ff, d, rng)] + ([qmat(t1, d_ff, d, rng)] if gated else [])
     biases = None
     if bias:
-        biases = {"qkv": torch.from_numpy(rng.standard_normal((nh + 2 * nkv) * hd).astype(np.float32)),
-                  "w_in": torch.from_numpy(rng.standard_normal(len(w_in) * d_ff).astype(np.float32)) * 0.1}
-    return dict(d_model=d, n_heads=nh, n_kv_heads=nkv, head_dim=hd, d_ff=d_ff, gated=gated,
-                gate_act=gate_act, up_act=up_act, interleaved=interleaved, eps=1e-5,
-                attn_norm=torch.from_numpy(rng.uniform(0.5, 1.5, d).astype(np.float32)),
-                ffn_norm=torch.from_numpy(rng.uniform(0.5, 1.5, d).astype(np.float32)),
-                qkv=q, wo=[qmat(t1, d, nh * hd, rng)], w_in=w_in,
-                down=[qmat(t0, d, d_ff, rng)], biases=biases)
+        def vec(n):
+            return torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+
+        biases = {"qkv": vec((nh + 2 * nkv) * hd), "w_in": vec(len(w_in) * d_ff) * 0.1}
+    return {"d_model": d, "n_heads": nh, "n_kv_heads": nkv, "head_dim": hd, "d_ff": d_ff,
+            "gated": gated, "gate_act": gate_act, "up_act": up_act, "interleaved": interleaved,
+            "eps": 1e-5,
+            "attn_norm": torch.from_numpy(rng.uniform(0.5, 1.5, d).astype(np.float32)),
+            "ffn_norm": torch.from_numpy(rng.uniform(0.5, 1.5, d).astype(np.float32)),
+            "qkv": q, "wo": [qmat(t1, d, nh * hd, rng)], "w_in": w_in,
+            "down": [qmat(t0, d, d_ff, rng)], "biases": biases}
 
 
 @pytest.fixture(params=["avx2", "avx512"])
@@ -69,7 +72,8 @@ def check(kw, pos, S=48, seed=0):
     kr, vr = kc.clone(), vc.clone()
     x = torch.randn(kw["d_model"], generator=g)
     cos, sin = rope_row(hd, pos)
-    want = ref.block_decode_ref(**kw, x=x.clone(), pos=pos, k_cache=kr, v_cache=vr, cos=cos, sin=sin)
+    want = ref.block_decode_ref(**kw, x=x.clone(), pos=pos, k_cache=kr, v_cache=vr, cos=cos,
+                                sin=sin)
     block = cpu.DecodeBlock(**kw)
     got = x.clone()
     assert block(got, pos, kc, vc, cos, sin) is got

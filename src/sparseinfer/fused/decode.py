@@ -209,7 +209,6 @@ class FusedDecode:
         x1 += y.reshape(-1)
         return x1.view(1, 1, -1)
 
-
     def _c_call(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
         """The whole block in one C call (``sparseinfer.cpu.DecodeBlock``)."""
         if self._rope_key is not rope[0]:
@@ -225,6 +224,9 @@ class FusedDecode:
         if pos >= n_rope:
             raise ValueError(f"position {pos} is past the rope tables ({n_rope} positions)")
         k, v = cache.k, cache.v
+        if cache.k_np is None:
+            raise ValueError(f"the fused decode needs a float32 CPU KV cache, got {k.dtype} on "
+                             f"{k.device}")
         off = layer * k.stride(0) * 4  # float32 (L, B, nkv, S, hd); batch row 0
         ro = pos * self.hd * 4
         x1 = x.reshape(-1).clone()  # the residual stream, updated in place
