@@ -15,7 +15,8 @@ For each thread count, on the default model (SmolLM2-135M) with the engine's def
   alone (greedy, and top-k 40 / top-p 0.95 at temperature 0.8).
 Ratios to compare: 2-thread / 1-thread for the token and for the products (a second thread can
 only speed up what runs on it); the thread counts alternate round by round. The CPU model and
-the load average are printed beside the figures; the machine is often shared, so read best times and same-run ratios.
+the load average are printed beside the figures; the machine is often shared, so read best
+times and same-run ratios.
 """
 
 from __future__ import annotations
