@@ -12,11 +12,14 @@ q8_0) and each block of weights is an integer dot product with it (F16 and F32 u
     plan = cpu.GemvPlan([wg, wu], [g, u]); plan(x)        # the same with per-call work hoisted
     y = cpu.gemm(wq, X)                                  # X [T, cols] -> [T, rows]
     cpu.sparse_ffn_q4(rows, gated, idx, X, out, ga, ua)   # sparse FFN over Q4_0 neuron bundles
+    blk = cpu.DecodeBlock(d_model=..., qkv=[wq, wk, wv], wo=[wo], w_in=[wg, wu], down=[wd], ...)
+    blk(x, pos, k_cache, v_cache, cos, sin)              # one token through a whole llama block
 
 Variants: AVX2+FMA, and AVX-512 (F/BW/VL) with VNNI; the best the CPU has is chosen at import,
 ``set_isa("avx2")`` forces the other. Threads: a persistent pool inside the library
 (``set_threads``, 1 until set); idle workers spin briefly (``set_spin_us``) and then sleep;
-``pool_stats`` counts the chunks the caller and the workers ran.
+``pool_stats`` counts the chunks the caller and the workers ran. A call's rows are split in
+contiguous chunks (about 8 per thread, at least 32 KiB of weights each), claimed one at a time.
 
 The library is built by ``python3 -m sparseinfer.cpu.build`` (``./install.sh`` does it). The
 first use of any name below imports ``sparseinfer.cpu.ops``, which loads it: missing, or built
