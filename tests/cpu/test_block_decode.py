@@ -169,3 +169,22 @@ def test_fp32_models_decode_as_the_torch_path(tiny_model_dir, kind):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         tok = want.argmax(-1)
     assert all(b.fused._c is not None for b in fused.layers)
+
+
+def test_numba_path_still_equals_the_c_block(tiny_model_dir):
+    """``FusedDecode(block, c_block=False)`` (the numba kernels around the block's modules, the
+    path of blocks the C library cannot take) against the C block on the same inputs."""
+    from sparseinfer.fused.decode import FusedDecode
+    from sparseinfer.models.build import load
+
+    model = load(tiny_model_dir("swiglu"), "fp32", fused=True).model
+    numba_blocks = [FusedDecode(b, c_block=False) for b in model.layers]
+    ca, cb = model.new_cache(1, 32), model.new_cache(1, 32)
+    torch.manual_seed(0)
+    for pos in range(5):
+        x = torch.randn(1, 1, model.cfg.d_model)
+        for i, (b, nb) in enumerate(zip(model.layers, numba_blocks)):
+            got, want = nb(x, i, pos, cb, model.rope), b(x, i, pos, ca, model.rope)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            x = want
+    assert numba_blocks[0]._c is None and model.layers[0].fused._c is not None
