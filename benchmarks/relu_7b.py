@@ -220,12 +220,28 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, sparse: bool) -> d
                if isinstance(e, FinishEvent)][0]
         info.reset_stats()
     fin = [e for e in engine.stream(ids, params) if isinstance(e, FinishEvent)][0]
+    gen_density = info.density() if info is not None else None
+    # the same decode step fed held-out text, token by token (the tokens a reader would send)
+    import torch
+
+    from sparseinfer.data import HELDOUT_TEXT
+
+    text = engine.encode(HELDOUT_TEXT.read_text()[:20000])[: n_tokens + 1]
+    model, cache = engine.model, engine.model.new_cache(1, n_ctx)
+    if info is not None:
+        info.reset_stats()
+    with torch.inference_mode():
+        model(torch.tensor([text[:1]]), 0, cache, last_only=True)
+        t0 = time.perf_counter()
+        for i, tok in enumerate(text[1:]):
+            model(torch.tensor([[tok]]), i + 1, cache, last_only=True).argmax(-1)
+        forced = (len(text) - 1) / (time.perf_counter() - t0)
     plan = engine.loaded.plan
     costs = layer_costs(engine, fin.prompt_tokens + fin.completion_tokens)
     out = {"layer_us": costs, "load_s": t_load, "peak_rss_mb": _peak_mb(),
            "prefill_tok_s": fin.prompt_tokens / fin.prefill_seconds,
            "decode_tok_s": (fin.completion_tokens - 1) / fin.decode_seconds,
-           "plan": plan.summary()}
+           "text_tok_s": forced, "generated_density": gen_density, "plan": plan.summary()}
     dense_bytes = sum(w.nbytes for w in plan.weights
                       if w.module != "tok_emb" and w.storage != "sparse")
     out["bytes_per_token"] = dense_bytes
@@ -244,8 +260,9 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, sparse: bool) -> d
 
 def layer_costs(engine, pos: int, n: int = 40) -> dict:
     """Median µs of one decode layer (layer 1, fed a real token's layer input) and of its
-    kernels called alone, each call after reading 1 GiB elsewhere (this VM's L3 would otherwise
-    hold a layer's weights): the Q/K/V and output projections, the predictor, the sparse (or dense)
+    kernels called alone, repeatedly: warm, so at small shapes the weights sit in this VM's large
+    L3 and ``other`` is the Python and small-kernel cost per layer; at 7B the parts stream from
+    DRAM and overlap differently alone than in the layer (``other`` is then not meaningful): the Q/K/V and output projections, the predictor, the sparse (or dense)
     FFN. ``other`` = the layer minus its kernels: norms, rope, attention over the cache, Python."""
     import statistics
 
@@ -262,13 +279,10 @@ def layer_costs(engine, pos: int, n: int = 40) -> dict:
     h = blk.ffn_norm(x).reshape(d).contiguous()
     o = torch.randn(model.cfg.n_heads * model.cfg.head_dim)
 
-    flush = np.ones(2**28, dtype=np.float32)  # 1 GiB: each timed call starts from DRAM
-
     def us(fn) -> float:
         fn()
         times = []
         for _ in range(n):
-            flush.sum()
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
@@ -299,12 +313,22 @@ def _llama_cpp(path: str, threads: int, n_tokens: int, n_ctx: int) -> dict:
     ids = llm.tokenize(PROMPT.encode())
     llm.eval(ids[:4])  # warm-up
     t_prefill, t_dec = time_llama_cpp(llm, ids, n_tokens)
+    from sparseinfer.data import HELDOUT_TEXT
+
+    text = llm.tokenize(HELDOUT_TEXT.read_text()[:20000].encode(), add_bos=False)[: n_tokens + 1]
+    llm.reset()
+    llm.eval(text[:1])
+    t0 = time.perf_counter()
+    for tok in text[1:]:
+        llm.eval([tok])
+    forced = (len(text) - 1) / (time.perf_counter() - t0)
     import gguf
 
     r = gguf.GGUFReader(path)
     per_tok = sum(int(t.n_bytes) for t in r.tensors if t.name != "token_embd.weight")
     return {"load_s": t_load, "peak_rss_mb": _peak_mb(), "prefill_tok_s": len(ids) / t_prefill,
-            "decode_tok_s": (n_tokens - 1) / t_dec, "bytes_per_token": per_tok}
+            "decode_tok_s": (n_tokens - 1) / t_dec, "text_tok_s": forced,
+            "bytes_per_token": per_tok}
 
 
 def convert(dense: Path, sparse: Path, work: Path, args) -> dict:
@@ -377,22 +401,29 @@ def main() -> int:
     bw = max(bw, measure_read_bandwidth(args.threads))
     print(f"read bandwidth ({args.threads} threads, best of before/after): {bw:.1f} GB/s; load "
           f"average {os.getloadavg()[0]:.1f}")
+    print("\ndecode: tokens/s generating greedily after the prompt; text: the same step fed "
+          "held-out text token by token (density, GB/token and bandwidth are the text run's)")
     print(f"\n{'engine':14s} {'load s':>7s} {'peak RSS':>9s} {'prefill':>8s} {'decode':>7s} "
-          f"{'density':>8s} {'GB/token':>9s} {'GB/s':>6s} {'of BW':>6s} {'floor':>6s}")
+          f"{'text':>7s} {'density':>8s} {'GB/token':>9s} {'GB/s':>6s} {'of BW':>6s} "
+          f"{'floor':>6s}")
     for name, r in rows.items():
         if "error" in r:
             print(f"{name:14s} error: {r['error']}")
             continue
-        gbs = r["bytes_per_token"] * r["decode_tok_s"] / 1e9
+        gbs = r["bytes_per_token"] * r["text_tok_s"] / 1e9
         dens = f"{r['density']:.1%}" if "density" in r else "-"
         print(f"{name:14s} {r['load_s']:7.1f} {r['peak_rss_mb']:8.0f}M {r['prefill_tok_s']:8.2f} "
-              f"{r['decode_tok_s']:7.2f} {dens:>8s} {r['bytes_per_token'] / 1e9:9.2f} {gbs:6.1f} "
+              f"{r['decode_tok_s']:7.2f} {r['text_tok_s']:7.2f} {dens:>8s} {r['bytes_per_token'] / 1e9:9.2f} {gbs:6.1f} "
               f"{gbs / bw:6.0%} {bw * 1e9 / r['bytes_per_token']:6.2f}")
     sp, de, cpp = (rows.get(k, {}) for k in ("sparse (ours)", "dense (ours)", "llama.cpp"))
     if "decode_tok_s" in sp:
-        ratios = [f"sparse / {k}: {sp['decode_tok_s'] / r['decode_tok_s']:.2f}x"
-                  for k, r in (("dense (ours)", de), ("llama.cpp", cpp)) if "decode_tok_s" in r]
-        print("decode " + ", ".join(ratios))
+        for col in ("decode", "text"):
+            ratios = [f"sparse / {k}: {sp[col + '_tok_s'] / r[col + '_tok_s']:.2f}x"
+                      for k, r in (("dense (ours)", de), ("llama.cpp", cpp))
+                      if col + "_tok_s" in r]
+            print(f"{col}: " + ", ".join(ratios))
+        print(f"density generating: {sp['generated_density']:.1%}, on the text: "
+              f"{sp['density']:.1%}")
         for k in ("sparse (ours)", "dense (ours)"):
             if "layer_us" in rows[k]:
                 print(f"{k}: one layer, median µs: " + ", ".join(
