@@ -52,7 +52,15 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                          "of a run with a fast device (ignored with a warning on CPU only)")
     sp.add_argument("--ffn-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "q4"],
                     help="storage of the sparse FFN rows (int8: per-row scales; q4: Q4_0 "
-                         "blocks of 32, C kernels, the fastest; auto: int8 for a quantized file, else fp32)")
+                         "blocks of 32, C kernels, the fastest; auto: int8 for a quantized "
+                         "file, else fp32)")
+    sp.add_argument("--ram-budget", type=float, default=None,
+                    help="GiB this process may hold, page cache of the model file included: "
+                         "the hottest FFN neurons stay in RAM, the rest are read from the file "
+                         "per token (a file bundled by `python -m sparseinfer.disk bundle`)")
+    sp.add_argument("--disk-cache", default="lru", choices=["lru", "freq"],
+                    help="with --ram-budget: eviction of the cold-neuron cache (least recently "
+                         "used, or least frequent by the file's statistics)")
     p.add_argument("-v", "--verbose", action="store_true", help="INFO logs and tracebacks")
 
 
@@ -123,7 +131,7 @@ def _engine(args):
                          dtype=args.dtype, dense=args.dense, threshold=args.sparse_threshold,
                          device=args.device, vram_budget=args.vram_budget,
                          ffn_dtype=args.ffn_dtype, mode=args.sparse_mode,
-                         gpu_index=args.gpu_index)
+                         gpu_index=args.gpu_index, **_disk_options(args))
     if args.dtype == "auto":
         what = " = the file's quantized blocks, in place" if engine.dtype == "ggml" else ""
         print(f"weights: {engine.dtype}{what} (--dtype auto)", file=sys.stderr)
@@ -141,12 +149,27 @@ def _read_text(path: Path) -> str:
         raise SparseInferError(f"{path}: cannot read: {e.strerror}") from None
 
 
+def _disk_options(args) -> dict:
+    if getattr(args, "ram_budget", None) is None:
+        return {}
+    from .disk.plan import DiskOptions
+
+    return {"ram_budget": args.ram_budget, "disk_options": DiskOptions(eviction=args.disk_cache)}
+
+
 def _print_sparse(engine) -> None:
     info = engine.sparse_info
     if info is not None:
         print(f"sparse FFN: {info.density():.1%} of neurons computed per token "
               f"(mode {info.mode}, {info.ffn_dtype}, fast tier {info.device}, "
               f"{sum(info.hot_counts)} hot neurons)", file=sys.stderr)
+        from .disk.tier import disk_report
+
+        rep = disk_report(engine.model)
+        if rep is not None:
+            print(f"disk tier: {rep.bytes_per_token / 2**20:.2f} MiB read per token, cache hit "
+                  f"rate {rep.cache.hit_rate:.1%}, prefetch precision "
+                  f"{rep.prefetch_precision:.1%}", file=sys.stderr)
 
 
 def _print_timings(fin, load_seconds: float | None = None, warmup_seconds: float | None = None
@@ -328,7 +351,8 @@ def cmd_info(args) -> int:
         for k in sorted(k for k in src.metadata if k.startswith(("powerinfer.", "sparseinfer."))):
             print(f"  {k} = {src.metadata[k]}")
     plan = make_plan(src, args.dtype, dense=args.dense, ffn_dtype=args.ffn_dtype,
-                     mode=args.sparse_mode, device=args.device)
+                     mode=args.sparse_mode, device=args.device,
+                     n_ctx=min(args.ctx_size, cfg.max_seq_len), **_disk_options(args))
     print(plan.summary())
     n_ctx = min(args.ctx_size, cfg.max_seq_len)
     print(f"memory: needs {plan.needed_bytes(n_ctx) / 2**30:.2f} GiB with a {n_ctx}-token "

@@ -104,6 +104,11 @@ class PlannedModules:
         from ..sparse.runtime import make_selector
 
         # the selector is decided here; a predictor's weights come in ``fill``
+        if sp.disk is not None:  # cold neurons in the file (sparseinfer.disk)
+            from ..disk.tier import DiskFFN
+
+            return DiskFFN(cfg.ffn_kind, cfg.d_model, cfg.d_ff, make_selector(sp, layer),
+                           sp.disk.ram_counts[layer], sp.disk.options.prefetch)
         return SparseFFN(cfg.ffn_kind, cfg.d_model, cfg.d_ff, make_selector(sp, layer),
                          sp.hot_counts[layer], sp.device, sp.split_tiers)
 
@@ -316,9 +321,22 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
             down_b = _bias_name(src, p + "ffn.down.weight")
             down_bias = (WeightSource(src, (down_b,)).float()
                          if cfg.ffn_bias and down_b in src.tensors else None)
-            packed = _packed_ffn(src, wp.sources, cfg.ffn_kind, plan.sparse.ffn_dtype, up_bias)
             pred = (predictor_of(plan.sparse, i, extra)
                     if isinstance(blk.ffn.selector, Predicted) else None)
+            if plan.sparse.disk is not None:  # hot neurons read now, the rest stay in the file
+                from ..disk.tier import fill_disk_ffn
+
+                if pred is not None:
+                    blk.ffn.selector.fill(pred)
+                fill_disk_ffn(model, i, src, plan, up_bias, down_bias)
+                continue
+            if plan.sparse.bundled is not None:
+                from ..disk.layout import read_packed
+
+                packed = read_packed(src, i, 0, cfg.d_ff, up_bias)
+            else:
+                packed = _packed_ffn(src, wp.sources, cfg.ffn_kind, plan.sparse.ffn_dtype,
+                                     up_bias)
             if plan.sparse.gpu_index is not None:  # a mask placement: its neurons first
                 order = torch.from_numpy(np.argsort(~plan.sparse.gpu_index[i], kind="stable"))
                 packed = packed.select(order)
@@ -328,6 +346,10 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
             if pred is not None:
                 blk.ffn.selector.fill(pred)
             blk.ffn.fill(packed, down_bias)
+    if plan.sparse is not None and plan.sparse.disk is not None and plan.sparse.disk.pinned:
+        from ..disk.tier import pin_mapped
+
+        pin_mapped(src, plan.sparse.disk.pinned)
     dev = torch.device(plan.device)
     if dev.type != "cpu":  # attention, norms, embeddings, LM head; cold FFN rows stay on the CPU
         model.to(dev)
@@ -404,7 +426,7 @@ def load(path, dtype: str = "fp32", *, max_seq_len: int | None = None,
     src = open_source(path, max_seq_len=max_seq_len, ffn_kind=ffn_kind)
     if "fused" not in plan_options:
         plan_options["fused"] = False  # library callers get the plain torch path by default
-    plan = make_plan(src, dtype, **plan_options)
+    plan = make_plan(src, dtype, n_ctx=n_ctx, **plan_options)
     log.info("%s", plan.summary())
     if check_memory:
         plan.check_memory(min(n_ctx or 4096, src.config.max_seq_len), src.path)

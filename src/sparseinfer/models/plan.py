@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -82,6 +82,8 @@ class SparsePlan:
     # (PowerInfer's files, as its runtime computes them)
     predictor_input: str = "ffn_input"
     gpu_index: tuple | None = None  # per layer: boolean mask of fast-tier neurons (PowerInfer)
+    bundled: str | None = None  # row storage of a file with bundled neurons (disk/layout.py)
+    disk: object | None = None  # disk.plan.DiskPlan: cold neurons read from the file
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,8 @@ class Plan:
             lines.append(f"  {storage:6s} {origin:12s} {n:5d} weights {b / 2**20:10.1f} MiB")
         lines.append(f"  total  {self.nbytes / 2**20:10.1f} MiB + KV cache "
                      f"{self.kv_bytes_per_token / 1024:.1f} KiB per token")
+        if self.sparse is not None and self.sparse.disk is not None:
+            lines.append(self.sparse.disk.summary())
         return "\n".join(lines)
 
 
@@ -160,10 +164,14 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
               dense: bool = False, mode: str = "predictor", ffn_dtype: str = "auto",
               threshold: float | None = None, vram_budget: float | None = None,
               split_tiers: bool | None = None, min_split: int = 256,
-              fused: bool = True, gpu_index: str | None = None) -> Plan:
+              fused: bool = True, gpu_index: str | None = None,
+              ram_budget: float | None = None, disk_options=None,
+              n_ctx: int | None = None) -> Plan:
     """The plan for ``src`` (see the module docstring). ``dense`` ignores predictors; ``mode``
     picks the sparse selector; ``fused`` allows the fused single-token decode kernels;
-    ``gpu_index``: a PowerInfer GPU index file (``blk.N.gpu_idx`` masks) used as the placement."""
+    ``gpu_index``: a PowerInfer GPU index file (``blk.N.gpu_idx`` masks) used as the placement;
+    ``ram_budget`` (GiB, or ``disk_options`` with explicit counts): cold FFN neurons stay in the
+    file and are read per token (``sparseinfer.disk``; ``n_ctx`` sizes the KV cache it counts)."""
     if dtype not in DTYPE_CHOICES:
         raise SparseInferError(f"dtype: expected one of {list(DTYPE_CHOICES)}, got {dtype!r}")
     if ffn_dtype not in FFN_DTYPES:
@@ -176,10 +184,25 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
         raise SparseInferError("--device cuda: no CUDA device is available on this machine")
     cfg = src.config
     sparse = None
+    from ..disk.layout import is_bundled, layout_of
+
+    bundled = layout_of(src).dtype if is_bundled(src) else None
+    if bundled is not None and ffn_dtype != bundled:
+        log.info("%s: neuron bundles are stored as %s rows: --ffn-dtype %s not used", src.path,
+                 bundled, ffn_dtype)
+        ffn_dtype = bundled
+    if bundled is not None and (dense or not has_predictors(src)):
+        raise SparseInferError(f"{src.path}: a file with bundled neurons runs sparse only; "
+                               f"expected no --dense")
+    if (ram_budget is not None or disk_options is not None) and bundled is None:
+        raise SparseInferError(f"{src.path}: --ram-budget needs a sparse file with bundled "
+                               f"neurons; write one with `python -m sparseinfer.disk bundle "
+                               f"{src.path} OUT.gguf`")
     if has_predictors(src) and not dense:
         ffn_dtype = _auto_ffn_dtype(src, device) if ffn_dtype == "auto" else ffn_dtype
         sparse = _sparse_plan(src, mode, ffn_dtype, threshold, device, vram_budget, split_tiers,
                               min_split, gpu_index)
+        sparse = replace(sparse, bundled=bundled)
     elif threshold is not None or vram_budget is not None:
         log.warning("%s has no predictors (or --dense): sparse options ignored, running dense",
                     src.path)
@@ -282,9 +305,11 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
             down = p + "ffn.down_t.weight" if p + "ffn.down_t.weight" in src.tensors \
                 else p + "ffn.down.weight"
             ins = ([p + "ffn.gate.weight"] if cfg.ffn.gated else []) + [p + "ffn.up.weight"]
-            for s in [*ins, down]:
+            if bundled is not None:  # one tensor of bundles: blk.N.ffn_bundle
+                ins, down = [], f"blk.{i}.ffn_bundle"
+            for s in [*ins, down] if bundled is None else []:
                 check(s)
-            n_mats = len(ins) + 1
+            n_mats = 3 if cfg.ffn.gated else 2
             elt = ROW_BYTES[sparse.ffn_dtype]
             nbytes = int(n_mats * F * D * elt) + (n_mats * F * 4 if sparse.ffn_dtype == "int8"
                                                   else 0)
@@ -320,6 +345,16 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     fused_ok = (fused and cpu and float_dtype == "fp32" and cfg.norm == "rms"
                 and cfg.pos == "rope" and cfg.plain_block)
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * hd * (2 if float_dtype == "bf16" else 4)
+    if sparse is not None and (ram_budget is not None or disk_options is not None):
+        from ..disk.plan import DiskOptions, plan_disk
+
+        if torch.device(device).type != "cpu":
+            raise SparseInferError("--ram-budget: the disk tier runs on the CPU; expected "
+                                   f"--device cpu, got {device}")
+        ctx = min(n_ctx or 4096, cfg.max_seq_len)
+        disk, weights = plan_disk(src, sparse, weights, kv * ctx, ram_budget,
+                                  disk_options or DiskOptions())
+        sparse = replace(sparse, disk=disk)
     return Plan(cfg, dtype, float_dtype, tuple(weights), sparse, fused_ok, str(dev), kv)
 
 

@@ -1,0 +1,315 @@
+"""Beyond RAM: a sparse model under a real memory limit, against llama.cpp under the same limit.
+
+    python benchmarks/beyond_ram.py --sparse /work/r7b/sparse.gguf --dense /work/r7b/dense.gguf
+    python benchmarks/beyond_ram.py ... --fractions 0.75,0.5,0.3 -n 12 --eviction lru,freq
+
+For each limit (a fraction of the dense Q4_0 file's size) every engine runs in its own process
+inside a cgroup v1 memory group (``/sys/fs/cgroup/memory/NAME``, ``memory.limit_in_bytes``: it
+counts the page cache, so neither engine can hide in cached file pages; needs root). Before each
+run both files are dropped from the page cache (``posix_fadvise(DONTNEED)``), so pages cached
+outside the group cannot serve it either. Reported per run: decode tokens/s, bytes read from the
+disk per token (``/proc/self/io`` read_bytes over the decode: page faults of a mapped file and
+O_DIRECT reads alike), the cgroup's peak usage and, for ours, the neuron cache's hit rate and
+the look-ahead prefetch's precision. Ours runs with ``--ram-budget`` equal to the limit; the
+sparse file is bundled first (``python -m sparseinfer.disk bundle``) if it is not.
+
+Also measured and printed: the disk's O_DIRECT random-read throughput at 4, 16 and 64 KiB, one
+read at a time and 8 in flight, and sequential 1 MiB reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good "
+          "fortune, must be in want of a wife.")
+CGROOT = Path("/sys/fs/cgroup/memory")
+
+
+# ---- the disk -------------------------------------------------------------------------------------
+
+
+def disk_throughput(path: Path, seconds: float = 2.0) -> list[dict]:
+    """O_DIRECT reads of ``path`` at random aligned offsets (and sequential 1 MiB reads)."""
+    import mmap
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    size = path.stat().st_size
+    out = []
+
+    def worker(block: int, sequential: bool, deadline: float) -> int:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        buf = mmap.mmap(-1, block)
+        rng = random.Random(block ^ os.getpid() ^ int(deadline * 1e6))
+        n, off = 0, rng.randrange(0, size - block) // 4096 * 4096
+        try:
+            while time.perf_counter() < deadline:
+                if not sequential:
+                    off = rng.randrange(0, size - block) // 4096 * 4096
+                n += os.preadv(fd, [buf], off)
+                off = (off + block) % (size - block) // 4096 * 4096 if sequential else off
+        finally:
+            os.close(fd)
+        return n
+
+    for block, depth, seq in [(4096, 1, False), (4096, 8, False), (16384, 1, False),
+                              (16384, 8, False), (65536, 1, False), (65536, 8, False),
+                              (1 << 20, 1, True)]:
+        if size < 4 * block:
+            continue
+        deadline = time.perf_counter() + seconds
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(depth) as pool:
+            total = sum(pool.map(lambda _: worker(block, seq, deadline), range(depth)))
+        dt = time.perf_counter() - t0
+        out.append({"block_kib": block // 1024, "in_flight": depth, "sequential": seq,
+                    "MB_s": total / dt / 1e6, "iops": total / block / dt})
+    return out
+
+
+# ---- one engine in a memory group -----------------------------------------------------------------
+
+
+def drop_cache(*paths: Path) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_limited(job: dict, limit: int | None, timeout: float) -> dict:
+    """``job`` in a child process inside a fresh cgroup limited to ``limit`` bytes (None: no
+    limit); the child's JSON result plus the group's peak usage and failures."""
+    name = f"sparseinfer-beyond-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
+    group = CGROOT / name
+    drop_cache(Path(job["path"]), *[Path(p) for p in job.get("drop", [])])
+    if limit is not None:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+
+    def join():
+        if limit is not None:
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+
+    cmd = [sys.executable, __file__, "--child", json.dumps(job)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           preexec_fn=join)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        if p.returncode or not lines:
+            err = (p.stderr.strip().splitlines() or ["?"])[-1]
+            killed = p.returncode in (-9, 137)
+            res = {"error": "killed (out of memory)" if killed else
+                   f"exit {p.returncode}: {err}"}
+        else:
+            res = json.loads(lines[-1])
+    except subprocess.TimeoutExpired:
+        res = {"error": f"no answer in {timeout:.0f} s"}
+    finally:
+        if limit is not None:
+            try:
+                res["peak_MiB"] = int((group / "memory.max_usage_in_bytes").read_text()) / 2**20
+                res["failcnt"] = int((group / "memory.failcnt").read_text())
+            except (OSError, ValueError):
+                pass
+            for _ in range(50):  # the group empties when the child is gone
+                try:
+                    group.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+    return res
+
+
+def _read_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def child_ours(job: dict) -> dict:
+    from sparseinfer.config import SamplingParams
+    from sparseinfer.disk.plan import DiskOptions
+    from sparseinfer.disk.tier import disk_report, reset_disk_stats
+    from sparseinfer.engine import Engine
+
+    t0 = time.perf_counter()
+    opts = {}
+    if job["budget"] is not None:
+        opts = {"ram_budget": job["budget"] / 2**30,
+                "disk_options": DiskOptions(eviction=job["eviction"], prefetch=job["prefetch"])}
+    e = Engine.load(job["path"], n_ctx=job["ctx"], threads=job["threads"], **opts)
+    t_load = time.perf_counter() - t0
+    ids = e.encode(PROMPT)
+    params = SamplingParams(max_tokens=job["tokens"], temperature=0.0, ignore_eos=True)
+    times, io0 = [], 0
+    t_prev = time.perf_counter()
+    for ev in e.stream(ids, params):
+        if getattr(ev, "token_id", -1) < 0:
+            continue
+        now = time.perf_counter()
+        times.append(now - t_prev)
+        t_prev = now
+        if len(times) == 1:  # prefill done: count the decode only
+            reset_disk_stats(e.model)
+            io0 = _read_bytes()
+    io = _read_bytes() - io0
+    n = len(times) - 1
+    out = {"engine": "sparseinfer", "load_s": t_load, "prefill_s": times[0],
+           "decode_tok_s": n / sum(times[1:]), "disk_MB_per_token": io / n / 1e6,
+           "density": e.sparse_info.density() if e.sparse_info else None}
+    rep = disk_report(e.model)
+    if rep is not None:
+        dp = e.loaded.plan.sparse.disk
+        out.update(reader_MB_per_token=rep.bytes_read / n / 1e6,
+                   cache_hit_rate=rep.cache.hit_rate,
+                   prefetch_precision=rep.prefetch_precision,
+                   prefetch_share=((rep.cache.prefetch_hits / rep.cache.requested)
+                                   if rep.cache.requested else None),
+                   ram_neurons=sum(dp.ram_counts) if dp else None,
+                   cache_slots=dp.cache_slots if dp else None,
+                   budget_parts_MiB={k: round(v / 2**20) for k, v in dp.parts} if dp else None)
+    return out
+
+
+def child_llama(job: dict) -> dict:
+    from llama_cpp import Llama
+
+    from sparseinfer.bench import time_llama_cpp
+
+    t0 = time.perf_counter()
+    llm = Llama(job["path"], n_threads=job["threads"], n_ctx=job["ctx"], verbose=False)
+    t_load = time.perf_counter() - t0
+    ids = llm.tokenize(PROMPT.encode())
+    llm.reset()
+    llm.eval(ids)
+    io0 = _read_bytes()
+    t0 = time.perf_counter()
+    n = job["tokens"] - 1
+    for _ in range(n):
+        llm.eval([llm.sample(temp=0.0)])
+    dt = time.perf_counter() - t0
+    io = _read_bytes() - io0
+    return {"engine": "llama.cpp", "load_s": t_load, "decode_tok_s": n / dt,
+            "disk_MB_per_token": io / n / 1e6}
+
+
+# ---- main -----------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sparse", type=Path, help="a sparse GGUF (bundled or not)")
+    ap.add_argument("--dense", type=Path, help="the dense Q4_0 GGUF it was converted from")
+    ap.add_argument("--fractions", default="0.75,0.5,0.3",
+                    help="memory limits as fractions of the dense file's size")
+    ap.add_argument("--eviction", default="lru,freq", help="cache evictions to run")
+    ap.add_argument("--no-prefetch-run", action="store_true",
+                    help="skip the run without prefetch (at the middle limit)")
+    ap.add_argument("-n", "--tokens", type=int, default=12)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-c", "--ctx", type=int, default=128)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--unlimited", action="store_true", help="also run both without a limit")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        job = json.loads(args.child)
+        res = child_ours(job) if job["engine"] == "ours" else child_llama(job)
+        print(json.dumps(res))
+        return 0
+
+    from sparseinfer.bench import cpu_model
+    from sparseinfer.disk.layout import is_bundled
+    from sparseinfer.models.loading import open_source
+
+    if os.geteuid() != 0 or not CGROOT.is_dir():
+        print("needs root and cgroup v1's memory controller at /sys/fs/cgroup/memory",
+              file=sys.stderr)
+        return 1
+    sparse = args.sparse
+    if not is_bundled(open_source(sparse)):
+        bundled = sparse.with_name(sparse.stem + ".bundled.gguf")
+        if not bundled.exists():
+            from sparseinfer.disk.layout import bundle_file
+
+            t0 = time.perf_counter()
+            bundle_file(sparse, bundled, "q4")
+            print(f"bundled {sparse} -> {bundled} in {time.perf_counter() - t0:.0f} s",
+                  file=sys.stderr)
+        sparse = bundled
+    dense_size = args.dense.stat().st_size
+    print(f"CPU: {cpu_model()}; load average {os.getloadavg()[0]:.2f} (a busy machine: other "
+          f"jobs share it); {args.threads} threads, {args.tokens} tokens, ctx {args.ctx}")
+    print(f"dense {args.dense} {dense_size / 2**30:.2f} GiB; sparse {sparse} "
+          f"{sparse.stat().st_size / 2**30:.2f} GiB")
+    print("disk, O_DIRECT reads:")
+    for r in disk_throughput(max(sparse, args.dense, key=lambda p: p.stat().st_size)):
+        kind = "sequential" if r["sequential"] else "random"
+        print(f"  {kind:10s} {r['block_kib']:5d} KiB x{r['in_flight']}: {r['MB_s']:7.1f} MB/s "
+              f"({r['iops']:.0f} reads/s)")
+    rows = []
+    fractions = [float(f) for f in args.fractions.split(",") if f]
+    limits = ([None] if args.unlimited else []) + fractions
+    evictions = [e for e in args.eviction.split(",") if e]
+    middle = fractions[len(fractions) // 2] if fractions else None
+    for frac in limits:
+        limit = None if frac is None else int(frac * dense_size)
+        base = {"ctx": args.ctx, "threads": args.threads, "tokens": args.tokens}
+        runs = []
+        for ev in evictions:
+            runs.append(({**base, "engine": "ours", "path": str(sparse), "drop": [str(args.dense)],
+                          "budget": limit, "eviction": ev, "prefetch": True}, f"ours {ev}"))
+            if limit is None:
+                break
+        if frac == middle and not args.no_prefetch_run:
+            runs.append(({**base, "engine": "ours", "path": str(sparse),
+                          "drop": [str(args.dense)], "budget": limit,
+                          "eviction": evictions[0], "prefetch": False},
+                         f"ours {evictions[0]} no prefetch"))
+        if not args.no_llama_cpp:
+            runs.append(({**base, "engine": "llama", "path": str(args.dense),
+                          "drop": [str(sparse)]}, "llama.cpp"))
+        for job, label in runs:
+            res = run_limited(job, limit, args.timeout)
+            res.update(label=label, limit_GiB=None if limit is None else limit / 2**30,
+                       fraction=frac)
+            rows.append(res)
+            print(json.dumps(res), file=sys.stderr)
+    print(f"\n{'limit':>12s} {'engine':28s} {'tok/s':>8s} {'disk MB/tok':>12s} "
+          f"{'hit rate':>9s} {'prefetch':>9s} {'peak MiB':>9s}")
+    for r in rows:
+        lim = "none" if r["fraction"] is None else f"{r['fraction']:.0%} {r['limit_GiB']:.2f}G"
+        if "error" in r:
+            print(f"{lim:>12s} {r['label']:28s} {r['error']}")
+            continue
+        hr = r.get("cache_hit_rate")
+        pp = r.get("prefetch_precision")
+        print(f"{lim:>12s} {r['label']:28s} {r['decode_tok_s']:8.3f} "
+              f"{r['disk_MB_per_token']:12.1f} {'' if hr is None else f'{hr:.1%}':>9s} "
+              f"{'' if pp is None else f'{pp:.1%}':>9s} {r.get('peak_MiB', float('nan')):9.0f}")
+    for frac in fractions:
+        ours = [r for r in rows if r["fraction"] == frac and r["label"].startswith("ours")
+                and "error" not in r]
+        ll = [r for r in rows if r["fraction"] == frac and r["label"] == "llama.cpp"
+              and "error" not in r]
+        if ours and ll:
+            best = max(ours, key=lambda r: r["decode_tok_s"])
+            print(f"at {frac:.0%}: {best['label']} {best['decode_tok_s'] / ll[0]['decode_tok_s']:.1f}x "
+                  f"llama.cpp's tokens/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""``--ram-budget``: what stays in RAM and what is read from the file.
+
+The budget counts every byte the process holds: the Python/torch runtime as it stands when the
+plan is made (its resident set, plus a margin), every planned weight that is not a sparse FFN
+(the mapped ones included: their pages sit in the page cache, which a cgroup limit counts), the
+predictors, the KV cache for the context, the reader's buffers and the neuron caches. What is
+left goes to FFN neurons in RAM, split between
+
+- a static hot prefix per layer, placed by the same ILP as the GPU placement
+  (``offline/solve.py``, with RAM as the fast tier and the file's ``blk.N.act_freq`` as
+  frequencies: it maximises the activation mass in RAM), and
+- per-layer neuron caches (``cache_share`` of the neurons' bytes, equal slots per layer) for the
+  cold neurons read from disk.
+
+The placement is made at load time from the file's statistics (no offline step: the budget is
+a property of the machine, not of the model).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..errors import SparseInferError
+from .cache import EVICTION
+from .layout import layout_of
+from .reader import ALIGN, MAX_RUN
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+MIN_SLOTS = 256  # cache slots per layer at the least, when the budget is short
+MAPPED = ("ggml", "file")  # storages read in place from the mapped file (page cache)
+PAGED_SHARE = 0.1  # of the room for mapped weights, left to the pages the kernel re-reads
+MARGIN = 64 << 20  # bytes on top of the measured runtime: temporaries, logits, allocator slack
+
+
+@dataclass(frozen=True)
+class DiskOptions:
+    """How the disk tier runs (``--ram-budget`` and the benchmark's knobs)."""
+
+    cache_share: float = 0.25  # of the neurons' RAM, held by the caches (the rest: hot prefix)
+    eviction: str = "lru"  # key of cache.EVICTION
+    io_threads: int = 8
+    prefetch: bool = True
+    direct: bool = True  # O_DIRECT reads
+    pin: bool = True  # lock the mapped weights read every token (mlock) within the budget
+    process_bytes: int | None = None  # the runtime's own bytes (None: measured now)
+    ram_counts: tuple[int, ...] | None = None  # tests: neurons in RAM per layer, no budget
+    cache_slots: int | None = None  # tests: slots per layer, no budget
+
+    def __post_init__(self) -> None:
+        if self.eviction not in EVICTION:
+            raise SparseInferError(f"cache eviction: expected one of {sorted(EVICTION)}, got "
+                                   f"{self.eviction!r}")
+        if not 0.0 <= self.cache_share < 1.0:
+            raise SparseInferError(f"cache share: expected a fraction in [0, 1), got "
+                                   f"{self.cache_share}")
+
+
+@dataclass(frozen=True)
+class DiskPlan:
+    budget_bytes: int  # 0 with explicit counts
+    ram_counts: tuple[int, ...]  # per layer: neurons [0, n) in RAM
+    cache_slots: int  # per layer
+    neuron_bytes: int  # one bundle in RAM
+    parts: tuple[tuple[str, int], ...]  # what the budget holds, by part
+    options: DiskOptions
+    pinned: tuple[str, ...] = ()  # mapped tensors (canonical names) locked in memory (mlock)
+    paged_bytes: int = 0  # mapped weights left to the kernel: re-read per token when short
+
+    def summary(self) -> str:
+        lines = [f"  disk tier: {sum(self.ram_counts)} neurons in RAM, {self.cache_slots} cache "
+                 f"slots per layer ({self.options.eviction}), prefetch "
+                 f"{'on' if self.options.prefetch else 'off'}"]
+        if self.budget_bytes:
+            lines.append(f"  --ram-budget {self.budget_bytes / GIB:.2f} GiB = " + ", ".join(
+                f"{n} {b / 2**20:.0f} MiB" for n, b in self.parts))
+        if self.pinned or self.paged_bytes:
+            lines.append(f"  mapped weights: {len(self.pinned)} tensors locked in memory, "
+                         f"{self.paged_bytes / 2**20:.0f} MiB paged by the kernel")
+        return "\n".join(lines)
+
+
+def resident_bytes() -> int:
+    """This process's own memory now: anonymous and shared resident pages (``/proc/self/status``;
+    mapped library code and the model file's header pages are file pages the kernel may drop and
+    re-read: ``MARGIN`` covers the hot ones); 0 where unknown."""
+    total = 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
+
+
+def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
+              options: DiskOptions) -> tuple[DiskPlan, list]:
+    """The disk plan, and ``weights`` with each sparse FFN's bytes set to what stays in RAM."""
+    from ..offline.solve import PlacementProblem, solve_placement
+
+    cfg = src.config
+    lay = layout_of(src)
+    if sparse.selector == "oracle":
+        raise SparseInferError("--ram-budget: the oracle selector needs every neuron's rows; "
+                               "use --sparse-mode predictor or all")
+    if sparse.ffn_dtype != lay.dtype:
+        raise SparseInferError(f"--ram-budget: the file's bundles are {lay.dtype} rows; "
+                               f"expected --ffn-dtype {lay.dtype}, got {sparse.ffn_dtype}")
+    nb = lay.bundle_bytes
+    ffn_rows = cfg.d_ff * nb
+    # the sparse weight's bytes besides its rows: predictors (and biases)
+    others = sum(w.nbytes for w in weights if w.storage != "sparse")
+    preds = sum(max(0, w.nbytes - ffn_rows) for w in weights if w.storage == "sparse")
+    io = options.io_threads * (MAX_RUN * lay.stride + 2 * ALIGN)
+    if options.ram_counts is not None or options.cache_slots is not None:
+        counts = tuple(options.ram_counts or (0,) * cfg.n_layers)
+        if len(counts) != cfg.n_layers or any(not 0 <= c <= cfg.d_ff for c in counts):
+            raise SparseInferError(f"ram counts: expected {cfg.n_layers} counts in "
+                                   f"[0, {cfg.d_ff}], got {counts}")
+        slots = int(options.cache_slots or max(1, cfg.d_ff // 8))
+        budget, parts = 0, ()
+    else:
+        if budget_gib is None or budget_gib <= 0:
+            raise SparseInferError(f"--ram-budget: expected GiB > 0, got {budget_gib}")
+        budget = int(budget_gib * GIB)
+        runtime = (resident_bytes() if options.process_bytes is None
+                   else options.process_bytes)
+        runtime += MARGIN if options.process_bytes is None else 0
+        mapped_w = [w for w in weights if w.storage in MAPPED and w.nbytes]
+        mapped = sum(w.nbytes for w in mapped_w)
+        fixed = [("runtime", runtime), ("weights", others - mapped), ("mapped_weights", mapped),
+                 ("predictors", preds), ("kv_cache", kv_bytes), ("io_buffers", io)]
+        room = budget - sum(b for _, b in fixed)
+        # read whole every token: locked in memory, so the kernel never drops them for a page
+        # the FFN or a neighbour wants (embeddings: one row per token, left to the kernel)
+        lockable = [w for w in mapped_w if w.storage == "ggml"]
+        pinned = [s_ for w in lockable for s_ in w.sources]
+        paged = 0
+        min_cache = min(cfg.d_ff, MIN_SLOTS) * cfg.n_layers * nb
+        if room < cfg.n_layers * nb:  # not one cache slot per layer left
+            anon = sum(b for n, b in fixed if n != "mapped_weights")
+            if budget - anon < min_cache:
+                raise SparseInferError(
+                    f"--ram-budget {budget_gib:g} GiB: the parts every token needs take "
+                    + ", ".join(f"{n} {b / 2**20:.0f} MiB" for n, b in fixed)
+                    + f" ({sum(b for _, b in fixed) / GIB:.2f} GiB), leaving no room for FFN "
+                      f"neurons; expected at least {(anon + min_cache) / GIB:.2f} GiB "
+                      f"(or a smaller -c)")
+            # the mapped weights do not all fit: lock what fits (the LM head first, then the
+            # layers in order) and leave the rest to the kernel, which re-reads those pages every
+            # token; the FFN runs from the disk tier with the smallest caches
+            free = int((budget - anon - min_cache) * (1 - PAGED_SHARE))
+            pinned, held = [], 0
+            for w in sorted(lockable, key=lambda w: w.module != "lm_head"):
+                if held + w.nbytes <= free:
+                    pinned += list(w.sources)
+                    held += w.nbytes
+            paged = mapped - held
+            log.warning("--ram-budget %.2f GiB: the mapped weights (attention, embeddings, LM "
+                        "head: %.2f GiB) do not all fit beside the rest: %.2f GiB locked in "
+                        "memory, %.2f GiB re-read from the file by the kernel every token; "
+                        "every FFN neuron is read from disk", budget_gib, mapped / GIB,
+                        held / GIB, paged / GIB)
+            room = min_cache
+            share = 1.0  # all of it caches: no neuron stays in RAM for good
+        else:
+            share = options.cache_share
+        slots = max(1, int(room * share) // (cfg.n_layers * nb))
+        slots = min(slots, cfg.d_ff)
+        freqs = []
+        for i in range(cfg.n_layers):
+            f = src.extra_array(f"blk.{i}.act_freq")
+            if f is None:
+                raise SparseInferError(f"{src.path}: sparse model is missing tensor "
+                                       f"'blk.{i}.act_freq'")
+            freqs.append(np.clip(np.asarray(f, dtype=np.float64), 0.0, 1.0))
+        hot_room = room - slots * cfg.n_layers * nb
+        sol = solve_placement(PlacementProblem(tuple(freqs), (nb,) * cfg.n_layers, hot_room,
+                                               (), min_split_neurons=0))
+        counts = tuple(int(c) for c in sol.hot_counts)
+        # what the solver's groups of neurons left over goes to the caches
+        left = hot_room - sum(counts) * nb
+        slots = min(cfg.d_ff, slots + left // (cfg.n_layers * nb))
+        # the solver picks each layer's hottest neurons; the file stores them first
+        for i, h in enumerate(sol.hot):
+            if h.size and int(h.max()) != h.size - 1:
+                log.info("layer %d: frequency ties reorder the hot set; the stored prefix of "
+                         "%d neurons is kept", i, h.size)
+        parts = (*fixed, ("hot_neurons", sum(counts) * nb),
+                 ("neuron_caches", slots * cfg.n_layers * nb))
+    slots = max(1, min(slots, cfg.d_ff - min(counts)))  # no more slots than cold neurons
+    if budget:
+        parts = (*parts[:-1], ("neuron_caches", slots * cfg.n_layers * nb))
+    if not budget:
+        pinned, paged = [], 0
+    dp = DiskPlan(budget, counts, slots, nb, parts, options, tuple(pinned) if options.pin else (),
+                  paged)
+    new_weights = []
+    for w in weights:
+        if w.storage == "sparse":
+            i = int(w.module.split(".")[1])
+            held = (counts[i] + slots) * nb + max(0, w.nbytes - ffn_rows)
+            w = replace(w, nbytes=held, origin=f"{lay.dtype} rows, disk tier")
+        new_weights.append(w)
+    log.info("disk plan: %s", dp.summary())
+    return dp, new_weights

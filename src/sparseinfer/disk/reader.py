@@ -1,0 +1,200 @@
+"""Reading neuron bundles from the file: several reads in flight, past the page cache.
+
+``NeuronReader.submit(layer, neurons)`` groups the (sorted) neurons into runs of neighbours,
+reads each run with one ``os.preadv`` into a page-aligned buffer (``O_DIRECT``: the file's pages
+never enter the page cache, so a memory budget that counts the cache holds), spread over a pool of
+threads (``preadv`` releases the GIL: the reads are in flight together), and returns a
+``ReadBatch`` whose ``wait()`` gives the rows. Any ``OSError`` or a short read becomes one
+``DiskReadError`` naming the file, the offset and the bytes expected and found: rows that were not
+read in full are never handed to the kernels.
+
+Where ``O_DIRECT`` is refused (tmpfs, some overlay file systems) the reader falls back to plain
+reads followed by ``posix_fadvise(DONTNEED)`` over the range read, and says so in the log.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from ..errors import SparseInferError
+from .layout import BundleLayout
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096  # buffer alignment (and the widest offset alignment) for O_DIRECT
+SECTOR = 512  # offset and length alignment tried first (a disk's logical block size)
+MAX_RUN = 64  # neurons per read at most (a run of neighbours is one read up to this)
+
+
+class DiskReadError(SparseInferError):
+    """A neuron bundle could not be read in full from the model file."""
+
+
+def drop_file_cache(path, offset: int, length: int) -> None:
+    """Ask the kernel to drop ``[offset, offset + length)`` of ``path`` from the page cache
+    (best effort)."""
+    if length <= 0 or not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+class AlignedBuffer:
+    """Page-aligned anonymous memory (an ``mmap``) with a numpy view."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        self.map = mmap.mmap(-1, self.nbytes)
+        self.array = np.frombuffer(self.map, dtype=np.uint8)
+
+
+Pread = Callable[[int, list, int], int]  # (fd, buffers, offset) -> bytes read: os.preadv
+
+
+class ReadBatch:
+    """Reads in flight for one layer's neurons; ``wait()`` returns their rows ``[k, bundle]``
+    (uint8, in the order of ``neurons``) or raises ``DiskReadError``."""
+
+    def __init__(self, neurons: np.ndarray, rows: np.ndarray, futures: list[Future]):
+        self.neurons, self._rows, self._futures = neurons, rows, futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self) -> np.ndarray:
+        for f in self._futures:
+            f.result()  # re-raises the worker's DiskReadError
+        return self._rows
+
+
+class NeuronReader:
+    """Reads bundles of ``layout``'s file with ``threads`` reads in flight."""
+
+    def __init__(self, layout: BundleLayout, threads: int = 8, direct: bool = True,
+                 pread: Pread | None = None):
+        self.layout = layout
+        self.path = str(layout.path)
+        self.direct = False
+        flags = os.O_RDONLY
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.fd = os.open(self.path, flags | os.O_DIRECT)
+                self.direct = True
+            except OSError as e:
+                log.warning("%s: O_DIRECT refused (%s): plain reads, page cache dropped after "
+                            "each", self.path, e.strerror or e)
+        if not self.direct:
+            self.fd = os.open(self.path, flags)
+        self._pread = pread or os.preadv
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads),
+                                        thread_name_prefix="sparseinfer-disk")
+        self.threads = max(1, threads)
+        self.sector = SECTOR  # widened to ALIGN if the device refuses SECTOR-aligned reads
+        self._local = threading.local()
+        self.bytes_read = 0
+        self.reads = 0
+        self._lock = threading.Lock()
+        if self.direct and (layout.stride % 512 or any(o % 512 for o in layout.offsets)):
+            log.info("%s: bundles not 512-byte aligned: reads widened to aligned ranges",
+                     self.path)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+    def _runs(self, neurons: np.ndarray) -> list[tuple[int, int, int]]:
+        """(first neuron, count, position in ``neurons``) of each run of neighbours."""
+        if neurons.size == 0:
+            return []
+        breaks = np.flatnonzero(np.diff(neurons) != 1) + 1
+        starts = np.concatenate(([0], breaks))
+        ends = np.concatenate((breaks, [neurons.size]))
+        runs = []
+        for s, e in zip(starts.tolist(), ends.tolist()):
+            for a in range(s, e, MAX_RUN):
+                b = min(e, a + MAX_RUN)
+                runs.append((int(neurons[a]), b - a, a))
+        return runs
+
+    def submit(self, layer: int, neurons: np.ndarray) -> ReadBatch:
+        """Start reading ``neurons`` (ascending int array) of ``layer``; returns at once."""
+        lay = self.layout
+        neurons = np.asarray(neurons, dtype=np.int64)
+        rows = np.empty((neurons.size, lay.bundle_bytes), dtype=np.uint8)
+        runs = self._runs(neurons)
+        if not runs:
+            return ReadBatch(neurons, rows, [])
+        # one task per worker, each a share of the runs (few Python calls per read)
+        n_tasks = min(self.threads, len(runs))
+        tasks = [runs[k::n_tasks] for k in range(n_tasks)]
+        futures = [self._pool.submit(self._read_runs, layer, t, rows) for t in tasks]
+        return ReadBatch(neurons, rows, futures)
+
+    def read(self, layer: int, neurons: np.ndarray) -> np.ndarray:
+        return self.submit(layer, neurons).wait()
+
+    def _buffer(self, nbytes: int) -> AlignedBuffer:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._local.buf = AlignedBuffer(max(nbytes, MAX_RUN * self.layout.stride
+                                                      + 2 * ALIGN))
+        return buf
+
+    def _read_runs(self, layer: int, runs, rows: np.ndarray) -> None:
+        lay = self.layout
+        for first, count, pos in runs:
+            start = lay.neuron_offset(layer, first)
+            length = count * lay.stride
+            a = self.sector if self.direct else 1
+            lo, hi = start // a * a, -(-(start + length) // a) * a
+            buf = self._buffer(hi - lo + ALIGN)
+            view = memoryview(buf.map)[: hi - lo]
+            try:
+                try:
+                    got = self._pread(self.fd, [view], lo)
+                except OSError as e:
+                    if not (self.direct and e.errno == errno.EINVAL and self.sector < ALIGN):
+                        raise
+                    log.info("%s: %d-byte aligned O_DIRECT reads refused: using %d", self.path,
+                             self.sector, ALIGN)
+                    self.sector = ALIGN
+                    view.release()
+                    lo, hi = start // ALIGN * ALIGN, -(-(start + length) // ALIGN) * ALIGN
+                    buf = self._buffer(hi - lo + ALIGN)
+                    view = memoryview(buf.map)[: hi - lo]
+                    got = self._pread(self.fd, [view], lo)
+            except OSError as e:
+                raise DiskReadError(f"{self.path}: reading layer {layer} neurons "
+                                    f"{first}..{first + count - 1} (bytes {start}..{start + length})"
+                                    f" failed: {e.strerror or e}") from None
+            finally:
+                view.release()
+            if got < start + length - lo:
+                raise DiskReadError(f"{self.path}: short read of layer {layer} neurons "
+                                    f"{first}..{first + count - 1}: expected "
+                                    f"{start + length - lo} bytes at offset {lo}, got {got} "
+                                    f"(truncated file?)")
+            blk = buf.array[start - lo: start - lo + length].reshape(count, lay.stride)
+            rows[pos: pos + count] = blk[:, :lay.bundle_bytes]
+            if not self.direct and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self.fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
+            with self._lock:
+                self.bytes_read += hi - lo
+                self.reads += 1

@@ -1,0 +1,277 @@
+"""The disk tier at run time: ``DiskFFN``, a sparse FFN whose cold neurons live in the file.
+
+Per token and layer::
+
+    active = predictor(x)                       (as SparseFFN)
+    hot  = active <  n_ram  -> rows in RAM      (the hottest neurons, placed by the RAM budget)
+    cold = active >= n_ram  -> the layer's NeuronCache: hits in RAM, misses read from the file
+    1. start the reads of the cold misses              (reader threads, O_DIRECT)
+    2. prefetch: layer l+1's predictor on this layer's residual stream (through layer l+1's FFN
+       norm: Deja Vu's look-ahead) names neurons layer l+1 will likely need; their reads start
+    3. compute the hot part while the reads are in flight (the C kernel releases the GIL)
+    4. wait for the misses, compute the cold part over the cache's slots, add
+
+What is computed is exactly the predictor's active set, whatever was cached or prefetched: the
+output equals the all-in-RAM model's up to the order of the float sums. Several tokens at once
+(prefill) run the union of their active sets through the same path in chunks of the cache's size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..sparse import kernels
+from ..sparse.ffn import AllNeurons, Selector, SparseFFN
+from ..sparse.packed import PackedFFN
+from ..sparse.reference import neuron_coefs
+from .cache import CacheStats, NeuronCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefetchStats:
+    predicted: int = 0  # cold, uncached neurons the look-ahead named (before the limit)
+    issued: int = 0  # reads started
+    tokens: int = 0
+
+
+class DiskFFN(SparseFFN):
+    """A sparse FFN with its hot prefix ``[0, n_ram)`` in RAM and the rest read from the file
+    through a ``NeuronCache`` (see the module docstring)."""
+
+    def __init__(self, kind: str, d_model: int, d_ff: int, selector: Selector, n_ram: int,
+                 prefetch: bool = True, prefetch_limit: int | None = None):
+        super().__init__(kind, d_model, d_ff, selector, 0, "cpu", False)
+        self.n_ram = int(n_ram)
+        self.cache: NeuronCache | None = None
+        self._next: tuple = (None, None)  # (next layer's DiskFFN, its FFN norm): not submodules
+        self.prefetch_on = prefetch
+        self.prefetch_limit = prefetch_limit
+        self.prefetch_stats = PrefetchStats()
+
+    def extra_repr(self) -> str:
+        c = self.cache
+        return (f"{self.kind_name}, d_ff={self.d_ff}, selector={self.selector!r}, "
+                f"{self.n_ram} neurons in RAM, {self.d_ff - self.n_ram} on disk, cache "
+                f"{c.capacity if c else '?'} slots ({c.eviction if c else '?'}), "
+                f"prefetch {'on' if self.prefetch_on else 'off'}")
+
+    def fill_disk(self, hot: PackedFFN, cache: NeuronCache, down_bias: Tensor | None) -> None:
+        if hot.d_ff != self.n_ram:
+            raise ValueError(f"expected {self.n_ram} neurons in RAM, got {hot.d_ff}")
+        self.hot = self.packed = hot
+        self.cold = cache.packed  # (SparseFFN reads .cold.dtype)
+        self.cache = cache
+        self.down_bias = down_bias
+        self._idx = torch.empty(self.d_ff, dtype=torch.int32)
+        self._all = torch.arange(self.d_ff, dtype=torch.int32)
+        self._out = torch.empty(self.d_model, dtype=torch.float32)
+        self._out_cold = torch.empty(self.d_model, dtype=torch.float32)
+        self._norms = None
+
+    def link(self, nxt: DiskFFN | None, next_norm) -> None:
+        """The next layer's FFN and FFN norm: the look-ahead prefetch predicts with them."""
+        self._next = (nxt, next_norm)
+
+    # ---- one token -----------------------------------------------------------------------------
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        B, T, D = x.shape
+        if B * T > 1:
+            return self._batch(x, residual)
+        xv = x.reshape(D).float()
+        idx = self.active(xv, residual)
+        self.stats.tokens += 1
+        self.stats.active += int(idx.numel())
+        out = self._compute(xv, idx, residual)
+        if self.down_bias is not None:
+            out = out + self.down_bias
+        return out.to(x.dtype).reshape(B, T, D)
+
+    def _compute(self, xv: Tensor, idx: Tensor, residual: Tensor | None) -> Tensor:
+        cut = int(torch.searchsorted(idx, torch.tensor(self.n_ram, dtype=idx.dtype)))
+        cold = idx[cut:].numpy().astype(np.int64)
+        cap = self.cache.capacity
+        first = cold[:cap]
+        ticket = self.cache.request(first)  # 1. the misses' reads start
+        self._prefetch_next(residual)  # 2. the next layer's likely neurons
+        out = kernels.sparse_ffn(xv, self.hot, idx[:cut], self._out)  # 3. hot part meanwhile
+        for k in range(0, cold.size, cap):  # 4. cold part (chunks if more than the cache)
+            if k:
+                ticket = self.cache.request(cold[k:k + cap])
+            slots = self.cache.complete(ticket)
+            part = kernels.sparse_ffn(xv, self.cache.packed,
+                                      torch.from_numpy(slots.astype(np.int32)), self._out_cold)
+            out += part
+        return out
+
+    def _prefetch_next(self, residual: Tensor | None) -> None:
+        nxt, norm = self._next
+        if nxt is None or not self.prefetch_on or residual is None:
+            return
+        sel = nxt.selector
+        r = residual.reshape(1, 1, -1)
+        xin = r if norm is None else norm(r)
+        with torch.no_grad():
+            idx = sel.active(nxt, xin.reshape(-1).float().contiguous(), r)
+        cold = idx.numpy().astype(np.int64)
+        cold = cold[cold >= nxt.n_ram]
+        st = nxt.prefetch_stats
+        st.tokens += 1
+        fresh = cold[nxt.cache.slot_of[cold] < 0]
+        st.predicted += fresh.size
+        limit = nxt.prefetch_limit if nxt.prefetch_limit is not None else nxt.cache.capacity // 2
+        st.issued += nxt.cache.prefetch(fresh, limit)
+
+    # ---- several tokens ------------------------------------------------------------------------
+
+    def _batch(self, x: Tensor, residual: Tensor | None) -> Tensor:
+        """The union of the tokens' active sets (or each token's own set, ``masked``; every
+        neuron, ``dense`` or ``AllNeurons``), hot rows from RAM, cold ones through the cache."""
+        B, T, D = x.shape
+        xf = x.float().reshape(B * T, D).contiguous()
+        mask = None
+        if isinstance(self.selector, AllNeurons) or self.batch_mode == "dense":
+            idx = self._all
+        else:
+            r = None if residual is None else residual.float().reshape(B * T, D)
+            mask = self.selector.mask(self, xf, r)
+            idx = torch.nonzero(mask.any(dim=0)).reshape(-1).to(torch.int32)
+        masked = self.batch_mode == "masked" and mask is not None
+        self.stats.tokens += B * T
+        self.stats.active += int(mask.sum()) if masked else int(idx.numel()) * B * T
+        cut = int(torch.searchsorted(idx, torch.tensor(self.n_ram, dtype=idx.dtype)))
+        out = torch.zeros(B * T, D, dtype=torch.float32)
+        tmp = torch.empty(B * T, D, dtype=torch.float32)
+
+        def run(packed: PackedFFN, rows_idx: Tensor, neurons: Tensor) -> None:
+            if rows_idx.numel() == 0:
+                return
+            if masked:
+                rows = packed.rows_fp32(rows_idx.long())
+                bias = None if packed.up_bias is None else packed.up_bias[rows_idx.long()]
+                h = neuron_coefs(xf, packed, rows, bias) * mask[:, neurons.long()]
+                out.add_(h @ rows[:, -1])
+            else:
+                out.add_(kernels.sparse_ffn_batch(xf, packed, rows_idx.to(torch.int32), tmp))
+
+        run(self.hot, idx[:cut], idx[:cut])
+        cold = idx[cut:].numpy().astype(np.int64)
+        cap = self.cache.capacity
+        for k in range(0, cold.size, cap):
+            chunk = cold[k:k + cap]
+            slots = self.cache.complete(self.cache.request(chunk))
+            run(self.cache.packed, torch.from_numpy(slots), torch.from_numpy(chunk))
+        if self.down_bias is not None:
+            out += self.down_bias
+        return out.to(x.dtype).reshape(B, T, D)
+
+
+@dataclass
+class DiskReport:
+    """What the disk tier did since the last reset (for the CLI and the benchmark)."""
+
+    tokens: int
+    bytes_read: int
+    reads: int
+    cache: CacheStats
+    prefetch_predicted: int
+    prefetch_issued: int
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_read / self.tokens if self.tokens else float("nan")
+
+    @property
+    def prefetch_precision(self) -> float:
+        """Share of prefetched neurons that were asked for before eviction."""
+        return (self.cache.prefetch_used / self.cache.prefetched if self.cache.prefetched
+                else float("nan"))
+
+
+def disk_modules(model) -> list[DiskFFN]:
+    return [b.ffn for b in model.layers if isinstance(b.ffn, DiskFFN)]
+
+
+def disk_report(model) -> DiskReport | None:
+    mods = disk_modules(model)
+    if not mods:
+        return None
+    reader = mods[0].cache.reader
+    cs = CacheStats()
+    for m in mods:
+        cs.add(m.cache.stats)
+    # tokens: decode steps of the first layer (prefill batches count each token)
+    return DiskReport(mods[0].stats.tokens, reader.bytes_read, reader.reads, cs,
+                      sum(m.prefetch_stats.predicted for m in mods),
+                      sum(m.prefetch_stats.issued for m in mods))
+
+
+def reset_disk_stats(model) -> None:
+    mods = disk_modules(model)
+    for m in mods:
+        m.cache.stats = CacheStats()
+        m.prefetch_stats.__init__()
+        m.stats.tokens = m.stats.active = 0
+    if mods:
+        mods[0].cache.reader.bytes_read = mods[0].cache.reader.reads = 0
+
+
+def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
+                  down_bias: Tensor | None) -> None:
+    """Fill layer ``layer``'s ``DiskFFN``: its RAM neurons read now, a cache over the file for
+    the rest (one reader shared by every layer), linked to the layer after it for prefetch."""
+    from .cache import EVICTION
+    from .layout import layout_of, read_packed
+    from .reader import NeuronReader
+
+    dp = plan.sparse.disk
+    ffn = model.layers[layer].ffn
+    lay = layout_of(src)
+    reader = getattr(model, "_disk_reader", None)
+    if reader is None:
+        reader = NeuronReader(lay, dp.options.io_threads, dp.options.direct)
+        model._disk_reader = reader  # one file descriptor and thread pool for every layer
+    hot = read_packed(src, layer, 0, dp.ram_counts[layer], up_bias)
+    freq = src.extra_array(f"blk.{layer}.act_freq")
+    cache = NeuronCache(lay, layer, reader, dp.cache_slots, EVICTION[dp.options.eviction](),
+                        freq, up_bias)
+    ffn.fill_disk(hot, cache, down_bias)
+    if layer > 0:
+        prev = model.layers[layer - 1]
+        if isinstance(prev.ffn, DiskFFN):
+            blk = model.layers[layer]
+            prev.ffn.link(ffn, blk.ffn_norm)
+
+
+def pin_mapped(src, names) -> int:
+    """Lock the mapped pages of the file tensors ``names`` (canonical) in memory (``mlock``), so
+    the kernel does not drop them when the memory limit is reached; returns the bytes locked.
+    Best effort: a refused lock (no CAP_IPC_LOCK, RLIMIT_MEMLOCK) is logged, not raised."""
+    import ctypes
+
+    from ..fileio import libc
+
+    lib = libc()
+    if lib is None:
+        return 0
+    done = 0
+    for name in names:
+        t = src.tensors.get(name)
+        if t is None or t.gguf is None:
+            continue
+        arr = np.asarray(t.raw())
+        addr, n = arr.__array_interface__["data"][0], arr.nbytes
+        if lib.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(n)):
+            log.warning("mlock of %s (%d MiB) refused (errno %d): it may be paged out under the "
+                        "memory limit", name, n >> 20, ctypes.get_errno())
+            break
+        done += n
+    log.info("locked %.0f MiB of mapped weights in memory", done / 2**20)
+    return done

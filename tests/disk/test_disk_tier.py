@@ -1,0 +1,261 @@
+"""The disk tier (sparseinfer.disk) on a tiny converted ReGLU model.
+
+Reference: the all-in-RAM sparse model loaded from the *unbundled* file (its own loader path,
+q4 rows quantized from the file's tensors); the bundled rows are checked against gguf-py's reading
+of the original file. With any RAM split, cache size, eviction policy or prefetch setting the
+logits must equal the reference's (up to float summation order); a read that fails or comes back
+short must raise DiskReadError.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from sparseinfer.cli import main
+from sparseinfer.disk.layout import BUNDLE, bundle_file, layout_of, rows_view
+from sparseinfer.disk.plan import DiskOptions
+from sparseinfer.disk.reader import DiskReadError, NeuronReader
+from sparseinfer.disk.tier import DiskFFN, disk_report
+from sparseinfer.errors import SparseInferError
+from sparseinfer.models.build import load
+from sparseinfer.models.loading import open_source
+
+FAST = ["--max-tokens", "1024", "--chunk-len", "128", "--ranks", "8", "--epochs", "3", "-t", "1"]
+IDS = [5, 17, 99, 3, 42, 7, 8, 100, 11, 250, 31, 64]
+PROMPT = 5  # tokens prefilled at once (the batched path), the rest decoded one by one
+
+
+@pytest.fixture(scope="module")
+def sparse_file(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("disk") / "tiny-reglu.sparse.gguf"
+    assert main(["convert", "-m", str(tiny_model_dir("reglu")), "-o", str(out), *FAST]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def bundled(sparse_file):
+    return {dt: bundle_file(sparse_file, sparse_file.with_name(f"tiny.{dt}.gguf"), dt)
+            for dt in ("q4", "fp32")}
+
+
+def _logits(loaded) -> torch.Tensor:
+    m = loaded.model
+    cache = m.new_cache(1, 64)
+    with torch.no_grad():
+        out = [m(torch.tensor([IDS[:PROMPT]]), 0, cache)[0]]
+        for i, t in enumerate(IDS[PROMPT:]):
+            out.append(m(torch.tensor([[t]]), PROMPT + i, cache)[0])
+    return torch.cat(out)
+
+
+@pytest.fixture(scope="module")
+def reference(sparse_file):
+    """All neurons in RAM, from the unbundled file, per dtype."""
+    return {dt: _logits(load(sparse_file, "auto", ffn_dtype=dt)) for dt in ("q4", "fp32")}
+
+
+def test_bundles_hold_the_files_rows(sparse_file, bundled):
+    """fp32 bundles are the original file's gate, up and down_t rows, byte for byte (read by
+    gguf-py); the layout is aligned for O_DIRECT."""
+    from gguf import GGUFReader
+
+    orig = {t.name: np.asarray(t.data) for t in GGUFReader(sparse_file).tensors}
+    src = open_source(bundled["fp32"])
+    lay = layout_of(src)
+    assert lay.stride % 512 == 0 and all(o % 512 == 0 for o in lay.offsets)
+    assert "layers.0.ffn.gate.weight" not in src.tensors
+    for i in range(src.config.n_layers):
+        rows = rows_view(src, i, 0, src.config.d_ff)
+        for m, name in enumerate(("ffn_gate", "ffn_up", "ffn_down_t")):
+            want = orig[f"blk.{i}.{name}.weight"].reshape(src.config.d_ff, -1)
+            np.testing.assert_array_equal(rows[:, m], want)
+    for name in orig:  # everything else copied
+        if not any(k in name for k in ("ffn_gate", "ffn_up", "ffn_down_t")):
+            np.testing.assert_array_equal(
+                np.asarray(src.reader.get_tensor(
+                    [t.name for t in src.reader.tensors].index(name)).data), orig[name])
+
+
+def test_reader_reads_what_the_map_holds(bundled):
+    src = open_source(bundled["q4"])
+    lay = layout_of(src)
+    rng = np.random.default_rng(0)
+    for direct in (True, False):
+        r = NeuronReader(lay, threads=3, direct=direct)
+        try:
+            for layer in range(src.config.n_layers):
+                nn = np.sort(rng.choice(lay.d_ff, 70, replace=False))
+                got = r.read(layer, nn)
+                want = rows_view(src, layer, 0, lay.d_ff)[nn].reshape(70, -1)
+                np.testing.assert_array_equal(got, want)
+        finally:
+            r.close()
+
+
+def test_bundled_file_all_in_ram_equals_reference(bundled, reference):
+    for dt in ("q4", "fp32"):
+        got = _logits(load(bundled[dt], "auto"))
+        torch.testing.assert_close(got, reference[dt], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "freq"])
+@pytest.mark.parametrize("ram,slots,prefetch", [((0, 0), 1, False), ((0, 0), 3, True),
+                                                ((20, 5), 8, True), ((100, 192), 50, True),
+                                                ((192, 0), 192, False)])
+def test_disk_tier_logits_equal_all_in_ram(bundled, reference, eviction, ram, slots, prefetch):
+    opts = DiskOptions(ram_counts=ram, cache_slots=slots, eviction=eviction, prefetch=prefetch)
+    d = load(bundled["q4"], "auto", disk_options=opts)
+    ffn = d.model.layers[0].ffn
+    assert isinstance(ffn, DiskFFN) and ffn.n_ram == ram[0] and ffn.cache.capacity == slots
+    got = _logits(d)
+    torch.testing.assert_close(got, reference["q4"], atol=1e-5, rtol=1e-5)
+    rep = disk_report(d.model)
+    st = rep.cache
+    assert st.requested == st.hits + st.prefetch_hits + st.misses
+    if ram != (192, 0):
+        assert rep.bytes_read > 0 and st.requested > 0
+
+
+def test_fused_decode_and_generation_match(bundled):
+    """The CLI path (fused decode kernels, greedy generation) with a disk tier gives the same
+    tokens as all in RAM."""
+    from sparseinfer.config import SamplingParams
+    from sparseinfer.engine import Engine
+
+    p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def tokens(engine) -> list[int]:
+        ids = engine.encode("Emma was")
+        return [ev.token_id for ev in engine.stream(ids, p) if getattr(ev, "token_id", -1) >= 0]
+
+    a = tokens(Engine.load(bundled["q4"]))
+    e = Engine.load(bundled["q4"], disk_options=DiskOptions(ram_counts=(10, 10), cache_slots=4))
+    assert e.model.layers[0].fused is not None  # the fused decode step calls the DiskFFN
+    b = tokens(e)
+    assert len(a) == 12 and a == b
+
+
+def test_ram_budget_counts_every_part(bundled):
+    src = open_source(bundled["q4"])
+    lay = layout_of(src)
+    from sparseinfer.models.plan import make_plan
+
+    opts = DiskOptions(process_bytes=0)
+    big = make_plan(src, "auto", ram_budget=1.0, n_ctx=64, disk_options=opts).sparse.disk
+    fixed = sum(b for n, b in big.parts if n not in ("hot_neurons", "neuron_caches"))
+    budget_bytes = fixed + 120 * lay.bundle_bytes  # room for 120 of the 384 neurons
+    budget = budget_bytes / 2**30
+    plan = make_plan(src, "auto", ram_budget=budget, n_ctx=64, disk_options=opts)
+    dp = plan.sparse.disk
+    held = sum(b for _, b in dp.parts)
+    assert budget_bytes - 2 * lay.bundle_bytes < held <= budget_bytes  # (2 layers)
+    assert dp.cache_slots >= int(120 * lay.bundle_bytes * opts.cache_share) // (2 * lay.bundle_bytes)
+    assert 0 < sum(dp.ram_counts) < src.config.n_layers * src.config.d_ff
+    assert dict(dp.parts)["kv_cache"] == plan.kv_bytes_per_token * 64
+    assert dict(dp.parts)["hot_neurons"] == sum(dp.ram_counts) * lay.bundle_bytes
+    with pytest.raises(SparseInferError, match="leaving no room for FFN neurons"):
+        make_plan(src, "auto", ram_budget=1e-5, disk_options=DiskOptions(process_bytes=0))
+    with pytest.raises(SparseInferError, match="bundled neurons"):
+        make_plan(open_source(str(bundled["q4"]).replace(".q4.gguf", ".sparse.gguf")
+                              .replace("tiny.sparse", "tiny-reglu.sparse")), ram_budget=1.0)
+    with pytest.raises(SparseInferError, match="oracle"):
+        make_plan(src, "auto", mode="oracle", ram_budget=budget,
+                  disk_options=DiskOptions(process_bytes=0))
+
+
+def test_truncated_file_gives_one_clear_error(bundled, tmp_path):
+    path = tmp_path / "cut.gguf"
+    shutil.copy(bundled["q4"], path)
+    d = load(path, "auto", disk_options=DiskOptions(ram_counts=(0, 0), cache_slots=16))
+    lay = layout_of(d.source)
+    os.truncate(path, lay.offsets[1] + 10 * lay.stride)  # layer 1 loses most of its neurons
+    with pytest.raises(DiskReadError, match="short read"):
+        _logits(d)
+
+
+class _Failing:
+    def __init__(self, mode: str, after: int = 0):
+        self.mode, self.after, self.calls = mode, after, 0
+
+    def __call__(self, fd, bufs, offset):
+        self.calls += 1
+        if self.calls <= self.after:
+            return os.preadv(fd, bufs, offset)
+        if self.mode == "eio":
+            raise OSError(errno.EIO, "Input/output error")
+        return max(0, os.preadv(fd, bufs, offset) - 100)  # short
+
+
+@pytest.mark.parametrize("mode", ["eio", "short"])
+def test_failing_reads_raise_never_wrong_tokens(bundled, mode):
+    d = load(bundled["q4"], "auto", disk_options=DiskOptions(ram_counts=(0, 0), cache_slots=32))
+    bad = _Failing(mode, after=5)
+    for b in d.model.layers:
+        b.ffn.cache.reader._pread = bad
+    with pytest.raises(DiskReadError, match="Input/output error" if mode == "eio"
+                       else "short read"):
+        _logits(d)
+    # nothing half-read is left valid in any cache
+    for b in d.model.layers:
+        c = b.ffn.cache
+        valid = c.state == 1
+        assert (c.slot_of[c.neuron_of[valid]] == np.flatnonzero(valid)).all()
+    assert BUNDLE.format(0) in d.source.extras
+
+
+def test_short_budget_lets_mapped_weights_overflow(tmp_path):
+    """A budget below the mapped weights (a Q4_0 file's attention) but above what cannot be
+    dropped plans every neuron on disk and warns; below that, one clear error."""
+    from unittest import mock
+
+    from sparseinfer.disk import plan as dplan
+    from sparseinfer.models.plan import WeightPlan
+
+    class Src:  # just what plan_disk reads
+        config = mock.Mock(n_layers=2, d_ff=192, ffn_kind="reglu")
+        path = "x.gguf"
+        extra_array = staticmethod(lambda name: np.linspace(1.0, 0.0, 192))
+
+    lay = mock.Mock(dtype="q4", bundle_bytes=108, stride=512)
+    sparse = mock.Mock(selector="predictor", ffn_dtype="q4")
+    weights = [WeightPlan("layers.0.attn.wqkv", "ggml", ("layers.0.attn.wq.weight",), (1, 1),
+                          10 << 20),
+               WeightPlan("lm_head", "ggml", ("lm_head.weight",), (1, 1), 4 << 20),
+               WeightPlan("layers.0.ffn", "sparse", (), (1, 1), 192 * 108 + 1000),
+               WeightPlan("layers.1.ffn", "sparse", (), (1, 1), 192 * 108 + 1000)]
+    opts = DiskOptions(process_bytes=0, io_threads=1)
+    with mock.patch.object(dplan, "layout_of", return_value=lay):
+        dp, w = dplan.plan_disk(Src, sparse, weights, 0, 8.0 / 1024, opts)  # 8 MiB < 14 MiB
+        assert dp.ram_counts == (0, 0) and dp.cache_slots == 192
+        # the LM head is locked in memory, the attention left to the kernel's paging
+        assert dp.pinned == ("lm_head.weight",) and dp.paged_bytes == 10 << 20
+        dp, w = dplan.plan_disk(Src, sparse, weights, 0, 1.0, opts)  # all fits: all locked
+        assert set(dp.pinned) == {"lm_head.weight", "layers.0.attn.wq.weight"}
+        assert dp.paged_bytes == 0 and dp.ram_counts == (192, 192)
+        with pytest.raises(SparseInferError, match="no room for FFN neurons"):
+            dplan.plan_disk(Src, sparse, weights, 0, 1e-6, opts)
+
+
+def test_pin_mapped_locks_the_tensor_pages(smollm2_path):
+    from sparseinfer.disk.tier import pin_mapped
+
+    def locked() -> int:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmLck:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    src = open_source(smollm2_path)
+    name = "layers.0.attn.wq.weight"
+    before = locked()
+    n = pin_mapped(src, [name])
+    if n == 0:
+        pytest.skip("mlock refused here (no CAP_IPC_LOCK / RLIMIT_MEMLOCK)")
+    assert n == src.tensors[name].nbytes
+    assert locked() - before >= n - 2 * 4096  # whole pages inside the tensor, at least
