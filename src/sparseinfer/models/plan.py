@@ -199,7 +199,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                f"neurons; write one with `python -m sparseinfer.disk bundle "
                                f"{src.path} OUT.gguf`")
     if has_predictors(src) and not dense:
-        ffn_dtype = _auto_ffn_dtype(src, device) if ffn_dtype == "auto" else ffn_dtype
+        ffn_dtype = _auto_ffn_dtype(src, dtype) if ffn_dtype == "auto" else ffn_dtype
         sparse = _sparse_plan(src, mode, ffn_dtype, threshold, device, vram_budget, split_tiers,
                               min_split, gpu_index)
         sparse = replace(sparse, bundled=bundled)
@@ -358,12 +358,15 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     return Plan(cfg, dtype, float_dtype, tuple(weights), sparse, fused_ok, str(dev), kv)
 
 
-def _auto_ffn_dtype(src: ModelSource, device: str) -> str:
-    """``--ffn-dtype auto``: a quantized file's FFN rows become int8 (a few times smaller than
-    fp32, and rounding its values again to 8 bits keeps the source's logits: the transposed
-    down projection cannot keep its blocks); a float file's stay fp32. ``--ffn-dtype q4`` (4-bit
+def _auto_ffn_dtype(src: ModelSource, dtype: str) -> str:
+    """``--ffn-dtype auto``: with ``--dtype fp32``/``bf16`` the rows are in that float type;
+    otherwise a quantized file's FFN rows become int8 (a few times smaller than fp32, and
+    rounding its values again to 8 bits keeps the source's logits: the transposed down
+    projection cannot keep its blocks) and a float file's stay fp32. ``--ffn-dtype q4`` (4-bit
     bundles, the fastest) rounds the down projection to 4 bits a second time: asked for, not
     the default."""
+    if dtype in ("fp32", "bf16"):
+        return dtype
     gate = src.tensors.get("layers.0.ffn.gate.weight") or src.tensors.get("layers.0.ffn.up.weight")
     return "int8" if gate is not None and gate.quantized else "fp32"
 
