@@ -20,7 +20,39 @@ def test_run_prints_prompt_continuation_and_speed(tiny_model_dir, capsys):
     out, err = capsys.readouterr()
     assert code == 0
     assert out.startswith("Emma said") and len(out) > len("Emma said\n")
-    assert "prompt eval:" in err and "generation:" in err and "tokens/s" in err
+    t = _timings(err)
+    from sparseinfer.models.loading import load_model
+
+    n_prompt = len(load_model(tiny_model_dir("swiglu")).tokenizer.encode("Emma said"))
+    assert t["prompt eval time"][1] == n_prompt and t["eval time"][1] == 11  # 12 - the first
+    assert t["total time"][1] == n_prompt + 11
+    assert t["total time"][0] == pytest.approx(t["prompt eval time"][0] + t["eval time"][0],
+                                               abs=0.02)
+    for key in ("prompt eval time", "eval time"):
+        ms, n, per_token, rate = t[key]
+        # printed values are rounded to 0.01 (ms of a tiny model can be < 1): within that
+        assert abs(per_token * n - ms) <= 0.006 * n + 0.006
+        assert abs(rate * ms / 1e3 - n) <= n * 0.006 / ms + 0.006 * ms / 1e3 + 1e-3
+    assert t["load time"][0] > 0 and "warm-up" in t["load line"]  # warm-up ran outside
+
+
+def _timings(err: str) -> dict:
+    """llama.cpp-style timing lines -> {label: (ms, n, ms per token, tokens per second)}."""
+    import re
+
+    out = {}
+    for line in err.splitlines():
+        m = re.match(r"\s*(prompt eval time|eval time|total time|load time) = +([\d.]+) ms"
+                     r"(?: / +(\d+) \w+)?(?: +\( *([\d.]+) ms per token, +([\d.]+) tokens per "
+                     r"second\))?", line)
+        if m:
+            label, ms, n, per, rate = m.groups()
+            out[label] = (float(ms), int(n) if n else None, float(per) if per else None,
+                          float(rate) if rate else None)
+            if label == "load time":
+                out["load line"] = line
+    assert {"load time", "prompt eval time", "eval time", "total time"} <= out.keys(), err
+    return out
 
 
 def test_run_prompt_file_and_seed(tiny_model_dir, tmp_path, capsys):
@@ -177,5 +209,15 @@ def test_run_until_context_full_says_so(tiny_model_dir, capsys):
     assert main(["run", "-m", str(tiny_model_dir("swiglu")), "-p", "Emma said", "-n", "-1",
                  "-c", "24", "--ignore-eos", "--temp", "0"]) == 0
     err = capsys.readouterr().err
-    assert "stopped: the context is full (24 tokens)" in err
-    assert "first generation in this process" in err  # timings include warm-up, and say so
+    assert "stopped: the context is full (24 tokens); --context-shift" in err
+
+
+def test_run_with_context_shift_goes_past_the_context(tiny_model_dir, capsys):
+    assert main(["run", "-m", str(tiny_model_dir("swiglu")), "-p", "Emma said", "-n", "40",
+                 "-c", "24", "--ignore-eos", "--temp", "0", "--context-shift", "--keep", "2",
+                 "--no-warmup"]) == 0
+    err = capsys.readouterr().err
+    assert "stopped" not in err
+    t = _timings(err)
+    assert t["eval time"][1] == 39  # 40 tokens generated through a 24-token context
+    assert "no warm-up run" in t["load line"]

@@ -50,9 +50,10 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--gpu-index", default=None,
                     help="PowerInfer GPU index file (blk.N.gpu_idx masks) used as the placement "
                          "of a run with a fast device (ignored with a warning on CPU only)")
-    sp.add_argument("--ffn-dtype", default="fp32", choices=["fp32", "bf16", "int8", "q4"],
+    sp.add_argument("--ffn-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "q4"],
                     help="storage of the sparse FFN rows (int8: per-row scales; q4: Q4_0 "
-                         "blocks of 32, C kernels)")
+                         "blocks of 32, C kernels, the fastest; auto: int8 for a quantized "
+                         "file, else fp32)")
     sp.add_argument("--ram-budget", type=float, default=None,
                     help="GiB this process may hold, page cache of the model file included: "
                          "the hottest FFN neurons stay in RAM, the rest are read from the file "
@@ -77,6 +78,19 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("-r", "--reverse-prompt", "--stop", dest="stop", action="append", default=[],
                    help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--context-shift", nargs="?", const="rotate", default=None,
+                   choices=["rotate", "recompute"],
+                   help="when the context is full, keep the first --keep tokens, drop half of "
+                        "the rest and go on (llama.cpp's context shift; default: stop). rotate "
+                        "(default): the kept keys are rotated to their new positions, as "
+                        "llama.cpp does (instant); recompute: the kept tokens are run again "
+                        "(exactly a fresh run over the kept text; one prefill per shift)")
+    p.add_argument("--keep", type=int, default=0, metavar="N",
+                   help="with --context-shift: prompt tokens never dropped (-1 = the whole "
+                        "prompt; a BOS token is kept on top, as llama.cpp does; default 0)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the warm-up run before the first generation (its one-time costs "
+                        "then land in the first timings)")
 
 
 def _sampling(args) -> SamplingParams:
@@ -158,32 +172,56 @@ def _print_sparse(engine) -> None:
                   f"{rep.prefetch_precision:.1%}", file=sys.stderr)
 
 
-def _print_timings(fin, first: bool = False) -> None:
-    """Prompt and generation rates; ``first``: the first generation in this process, whose
-    times include one-time warm-up (kernels loaded from numba's cache, buffers allocated)."""
-    def rate(n, s):
-        return f"{n / s:8.2f} tokens/s" if n > 0 and s > 0 else "       - tokens/s"
+def _print_timings(fin, load_seconds: float | None = None, warmup_seconds: float | None = None
+                   ) -> None:
+    """llama.cpp's ``llama_perf_context_print`` lines: load time (with the warm-up run, which
+    the rates below exclude), prompt eval, eval and total. ``warmup_seconds`` None: no warm-up
+    ran, so the first generation's rates include one-time costs, and the line says so."""
+    def line(label, seconds, n, unit):
+        ms = seconds * 1e3
+        per = (f"({ms / n:8.2f} ms per token, {n / seconds:8.2f} tokens per second)"
+               if n > 0 and seconds > 0 else "(       - ms per token,        - tokens per second)")
+        print(f"{label:>16s} = {ms:10.2f} ms / {n:5d} {unit:6s} {per}", file=sys.stderr)
 
+    print(file=sys.stderr)
+    if load_seconds is not None:
+        warm = ("no warm-up run: the first rates include one-time costs" if warmup_seconds is None
+                else f"+ warm-up {warmup_seconds * 1e3:.2f} ms, not in the rates below")
+        print(f"{'load time':>16s} = {load_seconds * 1e3:10.2f} ms ({warm})", file=sys.stderr)
     if fin.completion_tokens == 0:  # -n 0: the prompt was never run through the model
-        print(f"\nprompt eval: {fin.prompt_tokens:5d} tokens, not evaluated (nothing to "
-              f"generate)", file=sys.stderr)
+        print(f"{'prompt eval time':>16s} = not evaluated ({fin.prompt_tokens} tokens; nothing "
+              f"to generate)", file=sys.stderr)
         return
-    print(f"\nprompt eval: {fin.prompt_tokens:5d} tokens in {fin.prefill_seconds * 1e3:9.1f} ms "
-          f"({rate(fin.prompt_tokens, fin.prefill_seconds)})", file=sys.stderr)
-    n_dec = max(fin.completion_tokens - 1, 0)  # the first token comes from the prefill
-    print(f"generation:  {n_dec:5d} tokens in {fin.decode_seconds * 1e3:9.1f} ms "
-          f"({rate(n_dec, fin.decode_seconds)})", file=sys.stderr)
-    if first:
-        print("(first generation in this process: the times include one-time warm-up)",
-              file=sys.stderr)
+    n_eval = max(fin.completion_tokens - 1, 0)  # the first token comes from the prefill
+    line("prompt eval time", fin.prefill_seconds, fin.prompt_tokens, "tokens")
+    line("eval time", fin.decode_seconds, n_eval, "runs")
+    total = fin.prefill_seconds + fin.decode_seconds
+    print(f"{'total time':>16s} = {total * 1e3:10.2f} ms / "
+          f"{fin.prompt_tokens + n_eval:5d} tokens", file=sys.stderr)
 
 
-def _print_finish(fin, engine, params) -> None:
+def _print_finish(fin, engine, params, shift=None) -> None:
     """Say why generation stopped when it was not EOS, a stop string or -n."""
     if fin.reason == "length" and fin.prompt_tokens + fin.completion_tokens >= engine.n_ctx \
             and (params.max_tokens < 0 or fin.completion_tokens < params.max_tokens):
-        print(f"stopped: the context is full ({engine.n_ctx} tokens); a larger -c/--ctx-size "
-              f"lets it go on (no context shifting yet)", file=sys.stderr)
+        if shift is None:
+            print(f"stopped: the context is full ({engine.n_ctx} tokens); --context-shift or a "
+                  f"larger -c/--ctx-size lets it go on", file=sys.stderr)
+        else:
+            print(f"stopped: the context is full ({engine.n_ctx} tokens) and --keep leaves "
+                  f"nothing to drop", file=sys.stderr)
+
+
+def _context_shift(args):
+    if not args.context_shift:
+        return None
+    from .generate import ContextShift
+
+    return ContextShift(args.keep, recompute=args.context_shift == "recompute")
+
+
+def _warmup(engine, args) -> float | None:
+    return engine.warmup() if args.warmup else None
 
 
 # ---- subcommands -------------------------------------------------------------------------------
@@ -202,15 +240,17 @@ def cmd_run(args) -> int:
         raise SparseInferError(f"the prompt is empty: expected some text in "
                                f"{'-f ' + str(args.file) if args.file else '-p'}")
     params = _sampling(args)
+    shift = _context_shift(args)
     engine = _engine(args)
     ids = engine.encode(prompt)
     engine.check_fits(len(ids))  # before echoing the prompt
+    warm = _warmup(engine, args) if params.max_tokens != 0 else None
     print(prompt, end="", flush=True)
-    for ev in engine.stream(ids, params):
+    for ev in engine.stream(ids, params, context_shift=shift):
         if isinstance(ev, FinishEvent):
             print()
-            _print_timings(ev, first=True)
-            _print_finish(ev, engine, params)
+            _print_timings(ev, engine.load_seconds, warm)
+            _print_finish(ev, engine, params, shift)
             _print_sparse(engine)
         else:
             print(ev.text, end="", flush=True)
@@ -221,7 +261,9 @@ def cmd_chat(args) -> int:
     from .engine import FinishEvent
 
     params = _sampling(args)
+    shift = _context_shift(args)
     engine = _engine(args)
+    warm = _warmup(engine, args)
     first = True
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
@@ -236,12 +278,12 @@ def cmd_chat(args) -> int:
         messages.append({"role": "user", "content": line.rstrip("\n")})
         ids = engine.chat_prompt(messages)
         reply = []
-        for ev in engine.stream(ids, params):
+        for ev in engine.stream(ids, params, context_shift=shift):
             if isinstance(ev, FinishEvent):
                 print()
                 if args.timings:
-                    _print_timings(ev, first)
-                _print_finish(ev, engine, params)
+                    _print_timings(ev, engine.load_seconds if first else None, warm)
+                _print_finish(ev, engine, params, shift)
                 first = False
             else:
                 reply.append(ev.text)

@@ -107,6 +107,7 @@ class Engine:
         self._cached_ids: list[int] = []  # tokens whose keys/values are in the cache
         self._torch = torch
         self.sparse_info = None  # set by load() when the model has sparse FFN layers
+        self.load_seconds = getattr(loaded, "load_seconds", 0.0)  # open, plan, build and fill
         plan = getattr(loaded, "plan", None)
         self.dtype = plan.label if plan is not None else str(self.model.dtype)
 
@@ -132,6 +133,7 @@ class Engine:
         loaded = load(path or default_model_path(), dtype, n_ctx=n_ctx, fused=kernels,
                       **sparse_options)
         engine = cls(loaded, n_ctx=n_ctx)
+        engine.load_seconds = loaded.load_seconds
         engine.sparse_info = sparse_info(loaded.model, loaded.plan)
         engine.dtype = loaded.plan.label
         return engine
@@ -163,6 +165,24 @@ class Engine:
 
     # ---- generation ----------------------------------------------------------------------------
 
+    def warmup(self) -> float:
+        """Run the one-time work of the first generation now, outside any timed region, as
+        llama.cpp's warm-up does: a two-token prefill and a single-token decode step (numba
+        kernels loaded from their on-disk cache, the fused decode's buffers allocated, the C
+        kernels' threads started). The cache is then treated as empty. Returns the seconds."""
+        import time
+
+        t0 = time.perf_counter()
+        tok = self.tokenizer.bos_id if self.tokenizer.bos_id is not None else 0
+        torch = self._torch
+        with torch.inference_mode():
+            self.model(torch.tensor([[tok, tok]]), 0, self._cache, last_only=True)
+            self.model(torch.tensor([[tok]]), 2, self._cache, last_only=True)
+        self._cached_ids = []
+        dt = time.perf_counter() - t0
+        log.info("warm-up: %.0f ms", dt * 1e3)
+        return dt
+
     def check_fits(self, n_prompt: int) -> None:
         if n_prompt == 0:
             raise SparseInferError("the prompt is empty: expected at least one token")
@@ -190,10 +210,12 @@ class Engine:
         return out
 
     def stream(self, prompt_ids, params: SamplingParams, cancel=None, *,
-               processors=(), logprobs: int | None = None) -> Iterator[StreamEvent]:
+               processors=(), logprobs: int | None = None,
+               context_shift=None) -> Iterator[StreamEvent]:
         """See ``EngineProtocol.stream``. ``processors``: logits processors (generate.py) applied
         after the penalties; ``logprobs``: attach each token's logprob and that many
-        alternatives to its TokenEvent."""
+        alternatives to its TokenEvent; ``context_shift`` (``generate.ContextShift``): go on
+        past a full context by dropping old tokens, as llama.cpp's ``--context-shift``."""
         import time
 
         from .generate import generate, token_logprobs
@@ -214,7 +236,7 @@ class Engine:
             cached += 1
         self._cached_ids = prompt_ids[:cached]
         stop_ids = frozenset() if params.ignore_eos else self.tokenizer.eos_ids
-        limit = self.n_ctx - len(prompt_ids)
+        limit = self.n_ctx - len(prompt_ids) if context_shift is None else float("inf")
         if params.max_tokens >= 0:
             limit = min(limit, params.max_tokens)
         decoder = self.tokenizer.decoder()
@@ -230,15 +252,22 @@ class Engine:
             alts = () if top_ids is None else tuple(zip(top_ids[0].tolist(), top_lp[0].tolist()))
             seen.append((float(lp[0]), alts))
 
+        def on_shift(keep: int, discard: int) -> None:  # the cache dropped these tokens
+            del self._cached_ids[keep:keep + discard]
+
         gen = generate(self.model, prompt_ids, params, self._cache, rng, cached, stop_ids,
-                       processors, observe if logprobs is not None else None)
+                       processors, observe if logprobs is not None else None,
+                       context_shift, self.tokenizer.bos_id, on_shift)
+        appended = 0
         try:
             with torch.inference_mode():
                 while n_out < limit:
                     if cancel is not None and cancel.is_set():
                         reason = "cancelled"
                         break
-                    tok = next(gen)
+                    tok = next(gen, None)
+                    if tok is None:  # the context is full and cannot shift
+                        break
                     if t_first is None:
                         t_first = time.perf_counter()
                         self._cached_ids = list(prompt_ids)
@@ -247,6 +276,7 @@ class Engine:
                         reason = "stop"
                         break
                     self._cached_ids.append(tok)
+                    appended += 1
                     text, hit = stopper.push(decoder.push(tok))
                     if seen:
                         lp, alts = seen.pop()
@@ -265,7 +295,7 @@ class Engine:
         finally:
             gen.close()
             # the last sampled token was never run through the model: drop it from the prefix
-            if self._cached_ids and len(self._cached_ids) > len(prompt_ids):
+            if appended:
                 self._cached_ids.pop()
         t_end = time.perf_counter()
         t_first = t_first or t_end

@@ -32,8 +32,9 @@ SHAPES_256 = [(1, 256), (5, 512), (37, 256), (66, 768)]
 def random_raw(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Valid random blocks: quantized by gguf-py where it can, else random bytes with sane fp16
     scale fields (K-quants: gguf-py only dequantizes them)."""
-    if type_name == "F16":
-        return rng.standard_normal((rows, cols)).astype(np.float16).view(np.uint8).reshape(-1)
+    if type_name in ("F16", "F32"):
+        w = rng.standard_normal((rows, cols)).astype(np.float16 if type_name == "F16" else np.float32)
+        return w.view(np.uint8).reshape(-1)
     if type_name in GGUF_QUANTIZES:
         w = rng.standard_normal((rows, cols)).astype(np.float32)
         return gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name]).reshape(-1)
@@ -77,7 +78,7 @@ def x_rounding_bound(mat: cpu.QuantMatrix, x: torch.Tensor) -> torch.Tensor:
     """Per output row: the most the int8 rounding of x can move it (|x - q·d| <= d/2 per element)
     plus float32 summation slack."""
     w = ref.dequantize_ref(mat).double().abs()
-    if mat.type_name == "F16":
+    if mat.type_name in ("F16", "F32"):
         step = torch.zeros(mat.cols, dtype=torch.float64)
     else:
         _, d, _ = ref.quantize_x_ref(x)
@@ -119,7 +120,7 @@ def test_multi_matrix_call_shares_input(isa, threads):
     """q, k, v of different types and heights in one call: each as if computed alone."""
     rng = np.random.default_rng(1)
     cols = 512
-    specs = [("Q4_K", 64), ("Q6_K", 21), ("Q8_0", 21), ("Q4_0", 130), ("F16", 5)]
+    specs = [("Q4_K", 64), ("Q6_K", 21), ("Q8_0", 21), ("Q4_0", 130), ("F16", 5), ("F32", 3)]
     mats = [cpu.QuantMatrix(t, random_raw(t, r, cols, rng), r, cols) for t, r in specs]
     x = torch.from_numpy(rng.standard_normal(cols).astype(np.float32))
     outs = [torch.empty(m.rows) for m in mats]
@@ -135,7 +136,7 @@ def test_multi_matrix_call_shares_input(isa, threads):
         assert torch.all((o.double() - want.double()).abs() <= summation_bound(m, x))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q4_K", "Q6_K", "F16"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q4_K", "Q6_K", "F16", "F32"])
 @pytest.mark.parametrize("T", [1, 3, 17])
 def test_gemm_matches_reference(type_name, T, isa, threads):
     rng = np.random.default_rng(T)
@@ -194,10 +195,11 @@ def test_pool_sleeping_workers_and_thread_changes():
     """With no spinning, workers sleep between every call; results stay exact across thread
     counts."""
     rng = np.random.default_rng(4)
-    mat = cpu.QuantMatrix("Q4_0", random_raw("Q4_0", 200, 256, rng), 200, 256)
-    x = torch.from_numpy(rng.standard_normal(256).astype(np.float32))
+    # 1000 rows of 288 bytes: several chunks of >= 32 KiB
+    mat = cpu.QuantMatrix("Q4_0", random_raw("Q4_0", 1000, 512, rng), 1000, 512)
+    x = torch.from_numpy(rng.standard_normal(512).astype(np.float32))
     before = cpu.get_threads()
-    first = torch.empty(200)
+    first = torch.empty(1000)
     cpu.set_threads(1)
     cpu.gemv([mat], x, [first])
     try:
@@ -208,7 +210,7 @@ def test_pool_sleeping_workers_and_thread_changes():
                 assert cpu.get_threads() == n
                 cpu.pool_stats(reset=True)
                 for _ in range(20):
-                    out = torch.full((200,), float("nan"))
+                    out = torch.full((1000,), float("nan"))
                     cpu.gemv([mat], x, [out])
                     assert torch.equal(out, first)
                 caller, workers = cpu.pool_stats()

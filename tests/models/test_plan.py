@@ -202,20 +202,26 @@ def converted(quant_gguf, tmp_path_factory):
 
 def test_converted_file_gives_the_sources_default_logits(quant_gguf, converted):
     """A converted file under default flags with every neuron active (and with --dense) gives
-    the source's default logits: nothing the source kept exact is re-quantized (its 4-bit
-    blocks are copied, rows permuted; the transposed down projection is stored as F32)."""
+    the source's default logits: nothing the source kept exact is rounded to fewer bits again
+    (its 4-bit blocks are copied, rows permuted; the transposed down projection is stored as F32
+    and its rows default to int8, ``--ffn-dtype auto``). 4-bit rows, asked for, round the down
+    projection again: close, not equal."""
     from sparseinfer.engine import Engine
 
     source = Engine.load(quant_gguf("Q4_0"), n_ctx=64)
     want = _logits(source.model)
-    sparse = Engine.load(converted["output"], n_ctx=64, threshold=-float("inf"))
-    assert sparse.sparse_info is not None
-    got = _logits(sparse.model)
-    assert sparse.sparse_info.density() == 1.0
-    assert _rel(got, want) < 1e-2
+    for ffn_dtype in ("auto", "fp32"):
+        sparse = Engine.load(converted["output"], n_ctx=64, threshold=-float("inf"),
+                             ffn_dtype=ffn_dtype)
+        assert sparse.sparse_info.ffn_dtype == ("int8" if ffn_dtype == "auto" else "fp32")
+        got = _logits(sparse.model)
+        assert sparse.sparse_info.density() == 1.0
+        assert _rel(got, want) < 1e-2
     dense = Engine.load(converted["output"], n_ctx=64, dense=True)
     assert {w.origin for w in dense.loaded.plan.weights if "ffn.down" in w.module} == {"as stored"}
     assert _rel(_logits(dense.model), want) < 1e-2
+    q4 = Engine.load(converted["output"], n_ctx=64, threshold=-float("inf"), ffn_dtype="q4")
+    assert _rel(_logits(q4.model), want) < 5e-2
 
 
 def test_gate_score_file_loads_and_runs(converted, capsys):

@@ -160,7 +160,10 @@ def test_stopped_convert_leaves_no_temporary_files(tiny_model_dir, tmp_path, sig
                                          env.get("PYTHONPATH", "")])
     proc = subprocess.Popen([sys.executable, "-m", "sparseinfer", "convert", "-m",
                              str(tiny_model_dir("reglu")), "-o", str(out), *FAST,
-                             "--epochs", "500"], env=env, stderr=subprocess.PIPE, text=True)
+                             "--epochs", "500"], env=env, stderr=subprocess.PIPE, text=True,
+                            # a shell running the suite in the background ignores SIGINT, and
+                            # the child would inherit that: give it the default disposition
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     for line in proc.stderr:  # progress log lines: stderr is a pipe, not a terminal
         lines.append(line)

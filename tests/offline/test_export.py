@@ -266,3 +266,31 @@ def test_mismatched_profile(tiny_exports, tmp_path):
     with pytest.raises(SparseInferError, match="expected a profile of this model|FFN kind"):
         export_sparse_gguf(other, prof, preds, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_export_releases_source_pages_and_writes_the_same_bytes(tiny_exports, tmp_path,
+                                                                  monkeypatch):
+    """Every tensor read from a GGUF source's map has its pages released once written (peak
+    RSS of a big convert), and the file is byte for byte the one written without releasing."""
+    import sparseinfer.fileio as fileio
+    from sparseinfer.models.loading import gguf_model_tensors
+
+    _, sparse, prof, preds, placement = tiny_exports("reglu")
+    lm = load_model(sparse)  # a GGUF source (down_t included): its tensors come from the map
+    calls = []
+    real = fileio.drop_pages
+
+    def spy(arr):
+        calls.append((arr.__array_interface__["data"][0], arr.nbytes))
+        real(arr)
+
+    monkeypatch.setattr(fileio, "drop_pages", spy)
+    export_sparse_gguf(lm, prof, preds, tmp_path / "a.gguf", placement)
+    raw = gguf_model_tensors(lm)
+    assert raw
+    for t in raw.values():
+        data = np.asarray(t.data)
+        assert (data.__array_interface__["data"][0], data.nbytes) in calls, t.name
+    monkeypatch.setattr(fileio, "drop_pages", lambda arr: None)
+    export_sparse_gguf(lm, prof, preds, tmp_path / "b.gguf", placement)
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()

@@ -2,9 +2,9 @@
 
 The weights are the tensor's bytes exactly as the GGUF file stores them (row-major rows of
 blocks; e.g. ``gguf.GGUFReader`` tensor ``t.data`` viewed as uint8, a read-only memmap: nothing
-is copied or repacked). Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and F16. The input
+is copied or repacked). Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16 and F32. The input
 vector is quantized once per call to int8 blocks of 32 (scale ``max|x|/127``, as llama.cpp's
-q8_0) and each block of weights is an integer dot product with it (F16 uses fp32 ``x`` as is).
+q8_0) and each block of weights is an integer dot product with it (F16 and F32 use fp32 ``x`` as is).
 
     from sparseinfer import cpu
     wq = cpu.QuantMatrix("Q4_K", raw, rows, cols)         # raw: uint8 bytes, not copied
@@ -12,11 +12,15 @@ q8_0) and each block of weights is an integer dot product with it (F16 uses fp32
     plan = cpu.GemvPlan([wg, wu], [g, u]); plan(x)        # the same with per-call work hoisted
     y = cpu.gemm(wq, X)                                  # X [T, cols] -> [T, rows]
     cpu.sparse_ffn_q4(rows, gated, idx, X, out, ga, ua)   # sparse FFN over Q4_0 neuron bundles
+    k = cpu.predict_f16(cpu.F16Predictor(fc1, fc2, thr), x, idx)  # a predictor's active set
+    blk = cpu.DecodeBlock(d_model=..., qkv=[wq, wk, wv], wo=[wo], w_in=[wg, wu], down=[wd], ...)
+    blk(x, pos, k_cache, v_cache, cos, sin)              # one token through a whole llama block
 
 Variants: AVX2+FMA, and AVX-512 (F/BW/VL) with VNNI; the best the CPU has is chosen at import,
 ``set_isa("avx2")`` forces the other. Threads: a persistent pool inside the library
 (``set_threads``, 1 until set); idle workers spin briefly (``set_spin_us``) and then sleep;
-``pool_stats`` counts the chunks the caller and the workers ran.
+``pool_stats`` counts the chunks the caller and the workers ran. A call's rows are split in
+contiguous chunks (about 8 per thread, at least 32 KiB of weights each), claimed one at a time.
 
 The library is built by ``python3 -m sparseinfer.cpu.build`` (``./install.sh`` does it). The
 first use of any name below imports ``sparseinfer.cpu.ops``, which loads it: missing, or built
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING
 __all__ = [
     "TYPES",
     "CpuLibraryError",
+    "DecodeBlock",
     "GemvPlan",
     "QuantMatrix",
     "available_isas",
@@ -44,6 +49,8 @@ __all__ = [
     "set_spin_us",
     "set_threads",
     "sparse_ffn_q4",
+    "F16Predictor",
+    "predict_f16",
     "pool_stats",
 ]
 

@@ -280,6 +280,24 @@ INLINE void rows_f16(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
     for (int r = 0; r < R; r++) y[r] = hsum(acc[r]);
 }
 
+/* ------------------------------------------------------------------ F32 rows, fp32 x */
+
+INLINE void rows_f32(const uint8_t *w, size_t rb, const int R, const si_xq *x, int cols, float *y,
+                     const uint8_t *pf) {
+    __m256 acc[4], acc2[4];
+    for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_ps();
+    for (int c = 0; c < cols; c += 16) { /* cols is a multiple of 32 */
+        const __m256 x0 = _mm256_loadu_ps(x->f + c), x1 = _mm256_loadu_ps(x->f + c + 8);
+        (void)pf; /* no software prefetch: 4 row streams in order suit the hardware one */
+        for (int r = 0; r < R; r++) {
+            const float *p = (const float *)(w + (size_t)r * rb) + c;
+            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(p), x0, acc[r]);
+            acc2[r] = _mm256_fmadd_ps(_mm256_loadu_ps(p + 8), x1, acc2[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = hsum(_mm256_add_ps(acc[r], acc2[r]));
+}
+
 /* ------------------------------------------------------------------ entry points */
 
 #define WALK(call4, call1)                                                                     \
@@ -317,6 +335,10 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
     case SI_F16:
         WALK(rows_f16(w + r * rb, rb, 4, x, cols, y + r, NEXT),
              rows_f16(w + r * rb, rb, 1, x, cols, y + r, NULL));
+        break;
+    case SI_F32:
+        WALK(rows_f32(w + r * rb, rb, 4, x, cols, y + r, NEXT),
+             rows_f32(w + r * rb, rb, 1, x, cols, y + r, NULL));
         break;
     default: break;
     }
@@ -458,5 +480,107 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
             else
                 for (int n = 0; n < R; n++) q4_axpy(&down[n], &h[n], 1, nb, o);
         }
+    }
+}
+
+/* ------------------------------------------------------------------ one-token block helpers */
+
+/* exp(x) for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial; relative
+ * error about 1e-7; inputs clamped to +-88.38). */
+INLINE __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)),
+                      _mm256_set1_ps(88.3762626647949f));
+    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* act(code, z) for 8 floats; erf-GELU (code 3) has no vector form here: the caller goes scalar. */
+INLINE __m256 act8(const int code, __m256 z) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    if (code == SI_ACT_RELU) return _mm256_max_ps(z, _mm256_setzero_ps());
+    if (code == SI_ACT_SILU)
+        return _mm256_div_ps(z, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+    if (code == SI_ACT_GELU_TANH) { /* 0.5 z (1 + tanh(u)) = z * sigmoid(2u) */
+        const __m256 z3 = _mm256_mul_ps(_mm256_mul_ps(z, z), z);
+        const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                       _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), z3, z));
+        const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), u));
+        return _mm256_div_ps(z, _mm256_add_ps(one, e));
+    }
+    return z;
+}
+
+/* The FFN's neuron coefficients from its input projection `in`: gated, in = [gate (n), up (n)]
+ * and out = act_g(gate) * act_u(up); else out = act_u(in + bias). */
+void FN(si_glu)(int gated, int ga, int ua, const float *in, const float *bias, int n, float *out) {
+    int i = 0;
+    if (ga != SI_ACT_GELU && ua != SI_ACT_GELU) {
+        for (; i + 8 <= n; i += 8) {
+            __m256 u = _mm256_loadu_ps(in + (gated ? n : 0) + i);
+            if (!gated && bias) u = _mm256_add_ps(u, _mm256_loadu_ps(bias + i));
+#define ACTS(code, v) (code == SI_ACT_SILU ? act8(SI_ACT_SILU, v) : code == SI_ACT_RELU ? act8(SI_ACT_RELU, v) : code == SI_ACT_GELU_TANH ? act8(SI_ACT_GELU_TANH, v) : v)
+            u = ACTS(ua, u);
+            if (gated) u = _mm256_mul_ps(u, ACTS(ga, _mm256_loadu_ps(in + i)));
+#undef ACTS
+            _mm256_storeu_ps(out + i, u);
+        }
+    }
+    for (; i < n; i++) {
+        const float u = act(ua, in[(gated ? n : 0) + i] + (!gated && bias ? bias[i] : 0.0f));
+        out[i] = gated ? act(ga, in[i]) * u : u;
+    }
+}
+
+/* One head's attention for one token over positions 0..n-1: out = softmax(scale · K q) · V, with
+ * kc/vc this head's K/V rows (hd floats apart); scores: n floats of scratch. */
+void FN(si_attend_head)(const float *q, const float *kc, const float *vc, int n, int hd,
+                        float scale, float *scores, float *out) {
+    float m = -INFINITY;
+    for (int s = 0; s < n; s++) {
+        const float *k = kc + (size_t)s * hd;
+        float acc;
+        int j = 0;
+        __m256 a = _mm256_setzero_ps();
+        for (; j + 8 <= hd; j += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j), a);
+        acc = hsum(a);
+        for (; j < hd; j++) acc += q[j] * k[j];
+        acc *= scale;
+        scores[s] = acc;
+        m = acc > m ? acc : m;
+    }
+    float tot = 0.0f;
+    int s = 0;
+    __m256 tv = _mm256_setzero_ps();
+    for (; s + 8 <= n; s += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + s), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(scores + s, e);
+        tv = _mm256_add_ps(tv, e);
+    }
+    tot = hsum(tv);
+    for (; s < n; s++) {
+        const float e = expf(scores[s] - m);
+        scores[s] = e;
+        tot += e;
+    }
+    const float inv = 1.0f / tot;
+    for (int j = 0; j < hd; j++) out[j] = 0.0f;
+    for (s = 0; s < n; s++) { /* out += p_s v_s, row by row (V is read in order) */
+        const float *v = vc + (size_t)s * hd;
+        const __m256 p = _mm256_set1_ps(scores[s] * inv);
+        int j = 0;
+        for (; j + 8 <= hd; j += 8)
+            _mm256_storeu_ps(out + j, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + j), _mm256_loadu_ps(out + j)));
+        for (; j < hd; j++) out[j] += scores[s] * inv * v[j];
     }
 }

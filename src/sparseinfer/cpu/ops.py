@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "TYPES",
     "CpuLibraryError",
+    "DecodeBlock",
     "GemvPlan",
     "QuantMatrix",
     "available_isas",
@@ -32,6 +33,8 @@ __all__ = [
     "set_spin_us",
     "set_threads",
     "sparse_ffn_q4",
+    "F16Predictor",
+    "predict_f16",
     "pool_stats",
 ]
 
@@ -46,9 +49,10 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q5_K": (6, 256, 176),
     "Q6_K": (7, 256, 210),
     "F16": (8, 1, 2),
+    "F32": (9, 1, 4),
 }
 ISAS = {"avx2": 0, "avx512": 1}
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 class CpuLibraryError(SparseInferError):
@@ -73,6 +77,7 @@ def _load() -> ctypes.CDLL:
     lib.si_gemm.argtypes = [ci, vp, i64, ci, vp, i64, vp]
     lib.si_quantize_x.argtypes = [vp, ci, vp, vp, vp]
     lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, ci, vp, ci, ci, ci, ci, vp, vp]
+    lib.si_predict_f16.argtypes = [vp, vp, ci, ci, ci, vp, vp, vp, vp, vp, vp]
     if lib.si_get_isa() < 0:
         raise CpuLibraryError("this CPU has neither AVX2+FMA nor AVX-512: the C kernels need one")
     return lib
@@ -299,3 +304,165 @@ def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.T
                              idx.shape[0], d_ff, x.data_ptr(), T, d_model, gate_act, up_act,
                              bias or None, out.data_ptr()), "sparse_ffn_q4")
     return out
+
+
+class F16Predictor:
+    """A predictor ``fc2 · relu(fc1 · x)`` in float16 for ``predict_f16``: the rank padded to a
+    multiple of 32 with zero rows of fc1 and zero columns of fc2 (the logits are unchanged), and
+    its scratch buffers. ``thresholds``: float32 [d_ff], neuron i is selected iff its logit >=
+    ``thresholds[i]``."""
+
+    def __init__(self, fc1: torch.Tensor, fc2: torch.Tensor, thresholds: torch.Tensor):
+        r, d_model = fc1.shape
+        d_ff = fc2.shape[0]
+        if fc2.shape[1] != r or d_model % 32:
+            raise ValueError(f"fc1/fc2: expected [r, d_model] (d_model a multiple of 32) and "
+                             f"[d_ff, r], got {list(fc1.shape)} {list(fc2.shape)}")
+        rp = -(-r // 32) * 32
+        self.fc1 = torch.zeros(rp, d_model, dtype=torch.float16)
+        self.fc1[:r] = fc1
+        self.fc2 = torch.zeros(d_ff, rp, dtype=torch.float16)
+        self.fc2[:, :r] = fc2
+        self.thresholds = thresholds.float().contiguous()
+        if self.thresholds.shape != (d_ff,):
+            raise ValueError(f"thresholds: expected [{d_ff}], got {list(thresholds.shape)}")
+        self.r, self.d_model, self.d_ff = rp, d_model, d_ff
+        self.hidden, self.logits = torch.empty(rp), torch.empty(d_ff)
+        self._k = ctypes.c_int(0)
+        self._args = (self.fc1.data_ptr(), self.fc2.data_ptr(), rp, d_model, d_ff)
+        self._tail = (self.thresholds.data_ptr(), self.hidden.data_ptr(), self.logits.data_ptr())
+
+    @property
+    def nbytes(self) -> int:
+        return self.fc1.nbytes + self.fc2.nbytes
+
+
+def predict_f16(p: F16Predictor, x: torch.Tensor, out_idx: torch.Tensor) -> int:
+    """The neurons ``p`` selects for ``x`` (float32 [d_model]), ascending, into ``out_idx[:k]``
+    (int32, contiguous, length >= d_ff); returns k. (Reference:
+    ``sparse.reference.predict_active_ref``.)"""
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != p.d_model:
+        raise ValueError(f"x: expected contiguous float32 [{p.d_model}], got {x.dtype} "
+                         f"{list(x.shape)}")
+    if out_idx.dtype != torch.int32 or not out_idx.is_contiguous() or out_idx.numel() < p.d_ff:
+        raise ValueError(f"out_idx: expected contiguous int32 of length >= {p.d_ff}, got "
+                         f"{out_idx.dtype} {list(out_idx.shape)}")
+    _check(_lib.si_predict_f16(*p._args, x.data_ptr(), *p._tail, out_idx.data_ptr(),
+                               ctypes.byref(p._k)), "predict_f16")
+    return p._k.value
+# ---- one-token llama block ------------------------------------------------------------------
+
+ACTS = {None: 0, "relu": 1, "silu": 2, "gelu": 3, "gelu_tanh": 4}  # enum in qgemv.h
+_LMATS = 4  # SI_LINEAR_MATS
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("n", ctypes.c_int), ("type", ctypes.c_int * _LMATS),
+                ("w", ctypes.c_void_p * _LMATS), ("rows", ctypes.c_int64 * _LMATS),
+                ("bias", ctypes.c_void_p)]
+
+
+class _BlockDesc(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int) for name in (
+        "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "gated", "gate_act", "up_act",
+        "interleaved")] + [("eps", ctypes.c_float), ("attn_norm", ctypes.c_void_p),
+                           ("ffn_norm", ctypes.c_void_p), ("qkv", _Linear), ("wo", _Linear),
+                           ("w_in", _Linear), ("down", _Linear)]
+
+
+_lib.si_block_new.restype = ctypes.c_void_p
+_lib.si_block_new.argtypes = [ctypes.POINTER(_BlockDesc), ctypes.POINTER(ctypes.c_int)]
+_lib.si_block_free.argtypes = [ctypes.c_void_p]
+_lib.si_block_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+_block_decode = _lib.si_block_decode
+
+
+class DecodeBlock:
+    """A pre-norm llama block (RMSNorm, RoPE, grouped-query attention, gated or plain FFN) for
+    one token, entirely in the C library: ``x += wo(attend(rope(qkv(norm(x)))))``, then ``x +=
+    down(glu(w_in(norm(x))))``, the new key/value written into the caches. One call, five pool
+    dispatches (the four products and the heads), no Python in between.
+
+    ``qkv``, ``wo``, ``w_in``, ``down``: lists of ``QuantMatrix`` sharing one input, rows stacked
+    (q, k, v; gate then up when ``gated``); ``biases``: optional float32 bias per weight name.
+    ``gate_act``/``up_act``: names as ``models.model.ACTIVATIONS`` keys. The matrices, norm
+    weights and biases are referenced, not copied (this object holds them).
+    (Reference: ``reference.block_decode_ref``.)"""
+
+    def __init__(self, *, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, d_ff: int,
+                 gated: bool, gate_act: str | None, up_act: str | None, interleaved: bool,
+                 eps: float, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
+                 qkv: Sequence[QuantMatrix], wo: Sequence[QuantMatrix],
+                 w_in: Sequence[QuantMatrix], down: Sequence[QuantMatrix],
+                 biases: dict[str, torch.Tensor | None] | None = None):
+        biases = {k: v for k, v in (biases or {}).items() if v is not None}
+        for name in ("gate_act", "up_act"):
+            act = locals()[name]
+            if act not in ACTS:
+                raise ValueError(f"{name}: expected one of {list(ACTS)}, got {act!r}")
+        d = _BlockDesc(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                       d_ff=d_ff, gated=int(gated), gate_act=ACTS[gate_act], up_act=ACTS[up_act],
+                       interleaved=int(interleaved), eps=eps)
+        self.hd, self.d_model, self.nkv = head_dim, d_model, n_kv_heads
+        norms = []
+        for field, w in (("attn_norm", attn_norm), ("ffn_norm", ffn_norm)):
+            w = w.detach().float().contiguous()
+            _check_f32(w, (d_model,), field)
+            norms.append(w)
+            setattr(d, field, w.data_ptr())
+        self._keep: list = [norms]
+        for field, mats in (("qkv", qkv), ("wo", wo), ("w_in", w_in), ("down", down)):
+            if not 1 <= len(mats) <= _LMATS:
+                raise ValueError(f"{field}: expected 1..{_LMATS} matrices, got {len(mats)}")
+            lin = getattr(d, field)
+            lin.n = len(mats)
+            for i, m in enumerate(mats):
+                lin.type[i], lin.w[i], lin.rows[i] = m.code, m.ptr, m.rows
+            b = biases.get(field)
+            if b is not None:
+                b = b.detach().float().contiguous()
+                _check_f32(b, (sum(m.rows for m in mats),), f"{field} bias")
+                lin.bias = b.data_ptr()
+            self._keep.append((list(mats), b))
+        err = ctypes.c_int(0)
+        handle = _lib.si_block_new(ctypes.byref(d), ctypes.byref(err))
+        if not handle:
+            shapes = {f: [(m.rows, m.cols) for m in ms]
+                      for f, ms in (("qkv", qkv), ("wo", wo), ("w_in", w_in), ("down", down))}
+            raise ValueError(f"block: expected q/k/v rows {(n_heads + 2 * n_kv_heads) * head_dim}"
+                             f", wo {d_model}x{n_heads * head_dim}, w_in "
+                             f"{(2 if gated else 1) * d_ff}x{d_model}, down {d_model}x{d_ff}; got "
+                             f"{shapes} ({_ERRORS.get(err.value, err.value)})")
+        self._handle = handle
+        self._free = _lib.si_block_free
+
+    def __del__(self):
+        h = getattr(self, "_handle", None)
+        if h:
+            self._free(h)
+            self._handle = None
+
+    def run(self, x_ptr: int, pos: int, k_ptr: int, v_ptr: int, cos_ptr: int, sin_ptr: int,
+            max_seq: int) -> None:
+        """``__call__`` on raw addresses, unchecked (the decode loop's path)."""
+        rc = _block_decode(self._handle, x_ptr, pos, k_ptr, v_ptr, cos_ptr, sin_ptr, max_seq)
+        if rc:
+            _check(rc, "block_decode")
+
+    def __call__(self, x: torch.Tensor, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` float32 [d_model], updated in place and returned; caches [n_kv_heads, max_seq,
+        head_dim] (contiguous float32, the new key/value written at ``pos``); ``cos``/``sin``
+        the rope row of ``pos`` [head_dim]."""
+        _check_f32(x, (self.d_model,), "x")
+        max_seq = k_cache.shape[1] if k_cache.dim() == 3 else 0
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            _check_f32(t, (self.nkv, max_seq, self.hd), name)
+        for name, t in (("cos", cos), ("sin", sin)):
+            _check_f32(t, (self.hd,), name)
+        if not 0 <= pos < max_seq:
+            raise ValueError(f"pos: expected 0 <= pos < {max_seq}, got {pos}")
+        self.run(x.data_ptr(), pos, k_cache.data_ptr(), v_cache.data_ptr(), cos.data_ptr(),
+                 sin.data_ptr(), max_seq)
+        return x

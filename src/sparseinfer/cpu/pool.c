@@ -13,6 +13,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -26,14 +27,14 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 3
+#define SI_ABI_VERSION 4
 #define MAX_THREADS 256
 #define MAX_MATS 16
 
 /* ------------------------------------------------------------------ types */
 
-static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1};
-static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2};
+static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1};
+static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4};
 
 int si_abi_version(void) { return SI_ABI_VERSION; }
 int si_block_elems(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_ELEMS[type] : 0; }
@@ -104,16 +105,19 @@ static int spin_while_eq(atomic_int *addr, int val) {
 
 typedef void (*chunk_fn)(const void *job, int64_t chunk);
 
+/* The words every thread writes live on cache lines of their own, apart from the job's
+ * read-only description: a chunk claim must not evict the description from the other core. */
+#define LINE 64
 static struct {
-    atomic_int gen;          /* futex word: bumped once per job */
-    atomic_int sleepers;     /* workers inside futex_wait on gen */
-    atomic_llong next;       /* (gen << 32) | next chunk index */
-    atomic_int done;         /* chunks finished in the current job (futex word for the caller) */
+    _Alignas(LINE) atomic_int gen; /* futex word: bumped once per job */
+    atomic_int sleepers;           /* workers inside futex_wait on gen */
+    atomic_int stop;
+    _Alignas(LINE) atomic_llong next; /* (gen << 32) | next chunk index */
+    _Alignas(LINE) atomic_int done;   /* chunks finished in the current job (caller's futex word) */
     atomic_int caller_sleeps;
-    chunk_fn fn;
+    _Alignas(LINE) chunk_fn fn;
     const void *job;
     int64_t n_chunks;
-    atomic_int stop;
     int n_workers;
     pthread_t th[MAX_THREADS];
 } P;
@@ -132,20 +136,27 @@ void si_pool_stats(long long *caller, long long *workers, int reset) {
     }
 }
 
-/* Claim and run chunks of job generation `gen` until none are left. */
+/* Claim and run chunks of job generation `gen` until none are left. The finished count is
+ * published once, when this thread finds no chunk left (one atomic add per thread and job, not
+ * one per chunk). */
 static void run_chunks(int gen, int is_worker) {
+    int ran = 0;
+    int64_t n = 0; /* the job's chunk count, read while one of its chunks is unfinished */
     for (;;) {
         long long v = atomic_load(&P.next);
-        if ((int)(v >> 32) != gen) return;
+        if ((int)(v >> 32) != gen) break;
         const int64_t c = v & 0xffffffffLL;
-        if (c >= P.n_chunks) return;
+        if (c >= P.n_chunks) break;
         if (!atomic_compare_exchange_weak(&P.next, &v, v + 1)) continue;
+        n = P.n_chunks;
         P.fn(P.job, c); /* the job's fields are stable until all its chunks are done */
-        atomic_fetch_add_explicit(is_worker ? &g_chunks_workers : &g_chunks_caller, 1,
-                                  memory_order_relaxed);
-        const int d = atomic_fetch_add(&P.done, 1) + 1;
-        if (d == P.n_chunks && atomic_load(&P.caller_sleeps)) futex_wake(&P.done, 1);
+        ran++;
     }
+    if (!ran) return;
+    atomic_fetch_add_explicit(is_worker ? &g_chunks_workers : &g_chunks_caller, ran,
+                              memory_order_relaxed);
+    const int d = atomic_fetch_add(&P.done, ran) + ran;
+    if (d == n && atomic_load(&P.caller_sleeps)) futex_wake(&P.done, 1);
 }
 
 static void *worker(void *arg) {
@@ -197,15 +208,21 @@ static void pool_run(chunk_fn fn, const void *job, int64_t n_chunks) {
     if (n_chunks <= 0) return;
     if (P.n_workers == 0 || n_chunks == 1) {
         for (int64_t c = 0; c < n_chunks; c++) fn(job, c);
+        atomic_fetch_add_explicit(&g_chunks_caller, n_chunks, memory_order_relaxed);
         return;
     }
+    /* The claim word moves to the new generation before the job's fields change: a worker
+     * still in run_chunks of the previous job may have read the old claim word and then read
+     * the new chunk count, and its claim must fail (it did not, when the fields came first:
+     * that worker ran a chunk of the new job, the finished count overshot, and the caller
+     * slept forever waiting for it to equal the chunk count). */
+    const int gen = atomic_load(&P.gen) + 1;
+    atomic_store(&P.next, (long long)gen << 32);
     P.fn = fn;
     P.job = job;
     P.n_chunks = n_chunks;
     atomic_store(&P.done, 0);
     atomic_store(&P.caller_sleeps, 0);
-    const int gen = atomic_load(&P.gen) + 1;
-    atomic_store(&P.next, (long long)gen << 32);
     atomic_store(&P.gen, gen);
     if (atomic_load(&P.sleepers) > 0) futex_wake(&P.gen, INT_MAX);
     run_chunks(gen, 0);
@@ -274,7 +291,7 @@ static int quantize_rows(const float *x, int64_t T, int cols, int need_q) {
 /* ------------------------------------------------------------------ GEMV / GEMM jobs */
 
 typedef struct {
-    int nmat, cols, ch;
+    int nmat, cols, ch, need_q;
     int64_t T;
     int type[MAX_MATS];
     const uint8_t *w[MAX_MATS];
@@ -304,44 +321,64 @@ static int check_mat(int type, int64_t rows, int cols) {
     return 0;
 }
 
-/* outs[i][t * rows[i] + r] = sum_c W_i[r, c] * x[t, c] for T rows of x, all matrices sharing
- * cols. Returns 0, EINVAL (bad type/shape), ENOMEM or ENODEV (no ISA selected). */
-static int run(int nmat, const int *types, const void *const *w, const int64_t *rows, int cols,
-               const float *x, int64_t T, float *const *outs) {
+/* Fill job j: outs[i][t * rows[i] + r] = sum_c W_i[r, c] * x[t, c] for T rows of x, all
+ * matrices sharing cols. Returns 0, EINVAL (bad type/shape) or ENODEV (no ISA selected). */
+static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
+                     const int64_t *rows, int cols, int64_t T, float *const *outs) {
     if (nmat < 1 || nmat > MAX_MATS || T < 1) return EINVAL;
     if (g_isa < 0) return ENODEV;
-    job_t j;
-    j.nmat = nmat;
-    j.cols = cols;
-    j.T = T;
-    j.rows_kernel = g_rows;
-    int need_q = 0;
+    j->nmat = nmat;
+    j->cols = cols;
+    j->T = T;
+    j->rows_kernel = g_rows;
+    j->need_q = 0;
     int64_t total_rows = 0;
     for (int i = 0; i < nmat; i++) {
         int err = check_mat(types[i], rows[i], cols);
         if (err) return err;
-        j.type[i] = types[i];
-        j.w[i] = w[i];
-        j.rows[i] = rows[i];
-        j.rb[i] = (size_t)cols / BLOCK_ELEMS[types[i]] * BLOCK_BYTES[types[i]];
-        j.out[i] = outs[i];
-        need_q |= types[i] != SI_F16;
+        j->type[i] = types[i];
+        j->w[i] = w[i];
+        j->rows[i] = rows[i];
+        j->rb[i] = (size_t)cols / BLOCK_ELEMS[types[i]] * BLOCK_BYTES[types[i]];
+        j->out[i] = outs[i];
+        j->need_q |= types[i] != SI_F16 && types[i] != SI_F32;
         total_rows += rows[i];
     }
-    /* chunk rows: a multiple of 4, at least 16, about 8 chunks per thread */
+    /* chunk rows: a multiple of 4, about 8 chunks per thread (enough to even out a thread that
+     * runs slower) but at least 16 rows and 32 KiB of weights (a claim moves a cache line
+     * between cores, ~0.1 us: small matrices get a few chunks, not dozens); a chunk is
+     * contiguous rows, read front to back */
     const int nt = P.n_workers + 1;
-    int64_t ch = total_rows / (8 * nt);
-    ch = ch < 16 ? 16 : ch > 64 ? 64 : ch;
+    size_t rb_max = 1;
+    for (int i = 0; i < nmat; i++) rb_max = j->rb[i] > rb_max ? j->rb[i] : rb_max;
+    int64_t ch = (total_rows + 8 * nt - 1) / (8 * nt);
+    const int64_t min_rows = (int64_t)((32768 + rb_max - 1) / rb_max);
+    ch = ch < min_rows ? min_rows : ch;
+    ch = ch < 16 ? 16 : (ch + 3) & ~3LL;
     if (T > 1) ch = 16;
-    j.ch = (int)(ch & ~3LL);
-    j.first[0] = 0;
-    for (int i = 0; i < nmat; i++) j.first[i + 1] = j.first[i] + (rows[i] + j.ch - 1) / j.ch;
+    j->ch = (int)ch;
+    j->first[0] = 0;
+    for (int i = 0; i < nmat; i++) j->first[i + 1] = j->first[i] + (rows[i] + j->ch - 1) / j->ch;
+    return 0;
+}
+
+/* Run a filled job on x [T, cols] (the caller holds g_call_lock). */
+static int exec_job(job_t *j, const float *x) {
+    int err = quantize_rows(x, j->T, j->cols, j->need_q);
+    if (err) return err;
+    j->rows_kernel = g_rows;
+    j->xq = S.xq;
+    pool_run(gemv_chunk, j, j->first[j->nmat]);
+    return 0;
+}
+
+static int run(int nmat, const int *types, const void *const *w, const int64_t *rows, int cols,
+               const float *x, int64_t T, float *const *outs) {
+    job_t j;
+    int err = setup_job(&j, nmat, types, w, rows, cols, T, outs);
+    if (err) return err;
     pthread_mutex_lock(&g_call_lock);
-    int err = quantize_rows(x, T, cols, need_q);
-    if (!err) {
-        j.xq = S.xq;
-        pool_run(gemv_chunk, &j, j.first[nmat]);
-    }
+    err = exec_job(&j, x);
     pthread_mutex_unlock(&g_call_lock);
     return err;
 }
@@ -429,6 +466,215 @@ int si_sparse_q4(const void *bundles, size_t bundle_bytes, int gated, const int3
             }
         }
     }
+    pthread_mutex_unlock(&g_call_lock);
+    return err;
+}
+
+/* ------------------------------------------------------------------ predictor (F16 weights) */
+
+/* The neurons a predictor selects: idx[0..*k) = ascending i with
+ * (fc2 · relu(fc1 · x))_i >= thr[i]; fc1 F16 [r, d_model], fc2 F16 [d_ff, r] (r and d_model
+ * multiples of 32), x float32 [d_model]; hidden [r] and logits [d_ff] are scratch. Two pool
+ * dispatches (the same pool as the FFN rows: no second thread team to wake). */
+int si_predict_f16(const void *fc1, const void *fc2, int r, int d_model, int d_ff, const float *x,
+                   const float *thr, float *hidden, float *logits, int32_t *idx, int *k) {
+    const int t = SI_F16;
+    int64_t rows = r;
+    int err = run(1, &t, &fc1, &rows, d_model, x, 1, &hidden);
+    if (err) return err;
+    for (int i = 0; i < r; i++) hidden[i] = hidden[i] > 0.0f ? hidden[i] : 0.0f;
+    rows = d_ff;
+    err = run(1, &t, &fc2, &rows, r, hidden, 1, &logits);
+    if (err) return err;
+    int n = 0;
+    for (int i = 0; i < d_ff; i++) {
+        idx[n] = i;
+        n += logits[i] >= thr[i];
+    }
+    *k = n;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ one-token llama block */
+
+typedef void (*attend_fn)(const float *, const float *, const float *, int, int, float, float *,
+                          float *);
+typedef void (*glu_fn)(int, int, int, const float *, const float *, int, float *);
+
+typedef struct {
+    si_block_desc d;
+    int nt;                 /* the thread count the jobs were chunked for */
+    job_t jobs[4];          /* qkv, wo, w_in, down */
+    int64_t out_rows[4];
+    float *h, *qkv, *att, *a, *f, *act; /* scratch */
+    float *scores;
+    int scores_cap;
+    /* the attention job of the current call */
+    const float *kc, *vc;
+    int n, max_seq;
+    float scale;
+    attend_fn attend;
+} block_t;
+
+static int64_t linear_rows(const si_linear *l) {
+    int64_t r = 0;
+    for (int i = 0; i < l->n; i++) r += l->rows[i];
+    return r;
+}
+
+static int block_jobs(block_t *b) {
+    const si_linear *ls[4] = {&b->d.qkv, &b->d.wo, &b->d.w_in, &b->d.down};
+    const int cols[4] = {b->d.d_model, b->d.n_heads * b->d.head_dim, b->d.d_model, b->d.d_ff};
+    float *outs[4] = {b->qkv, b->a, b->f, b->a};
+    for (int k = 0; k < 4; k++) {
+        const si_linear *l = ls[k];
+        if (l->n < 1 || l->n > SI_LINEAR_MATS) return EINVAL;
+        float *o[SI_LINEAR_MATS];
+        int64_t off = 0;
+        for (int i = 0; i < l->n; i++) {
+            o[i] = outs[k] + off;
+            off += l->rows[i];
+        }
+        int err = setup_job(&b->jobs[k], l->n, l->type, l->w, l->rows, cols[k], 1, o);
+        if (err) return err;
+    }
+    b->nt = P.n_workers + 1;
+    return 0;
+}
+
+void si_block_free(void *p) {
+    block_t *b = p;
+    if (!b) return;
+    free(b->h);
+    free(b->scores);
+    free(b);
+}
+
+/* A block for si_block_decode from its description (pointers are kept, not copied: the weights
+ * and norms must outlive the block). Returns NULL and sets *err (EINVAL, ENOMEM, ENODEV). */
+void *si_block_new(const si_block_desc *desc, int *err) {
+    const si_block_desc *d = desc;
+    *err = EINVAL;
+    if (d->d_model <= 0 || d->n_heads <= 0 || d->n_kv_heads <= 0 || d->head_dim <= 0 ||
+        d->head_dim % 2 || d->n_heads % d->n_kv_heads || d->d_ff <= 0 || !d->attn_norm ||
+        !d->ffn_norm || d->gate_act < 0 || d->gate_act > 4 || d->up_act < 0 || d->up_act > 4)
+        return NULL;
+    const int64_t qkv_rows = (int64_t)(d->n_heads + 2 * d->n_kv_heads) * d->head_dim;
+    if (linear_rows(&d->qkv) != qkv_rows || linear_rows(&d->wo) != d->d_model ||
+        linear_rows(&d->w_in) != (int64_t)(d->gated ? 2 : 1) * d->d_ff ||
+        linear_rows(&d->down) != d->d_model)
+        return NULL;
+    block_t *b = calloc(1, sizeof(block_t));
+    if (!b) {
+        *err = ENOMEM;
+        return NULL;
+    }
+    b->d = *d;
+    const size_t nq = (size_t)qkv_rows, na = (size_t)d->n_heads * d->head_dim;
+    const size_t nf = (size_t)(d->gated ? 2 : 1) * d->d_ff;
+    const size_t total = 3 * (size_t)d->d_model + nq + na + nf + (size_t)d->d_ff;
+    b->h = malloc(total * sizeof(float));
+    if (!b->h) {
+        si_block_free(b);
+        *err = ENOMEM;
+        return NULL;
+    }
+    b->qkv = b->h + d->d_model;
+    b->att = b->qkv + nq;
+    b->a = b->att + na;
+    b->f = b->a + d->d_model;
+    b->act = b->f + nf;
+    if ((*err = block_jobs(b))) {
+        si_block_free(b);
+        return NULL;
+    }
+    return b;
+}
+
+/* out = rmsnorm(x) * w (sums in double, as the torch reference's float32 mean is close to) */
+static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
+    double ss = 0.0;
+    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    const float r = (float)(1.0 / sqrt(ss / n + eps));
+    for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+static void attend_chunk(const void *jp, int64_t h) {
+    const block_t *b = jp;
+    const int hd = b->d.head_dim, g = (int)h / (b->d.n_heads / b->d.n_kv_heads);
+    const size_t kv = (size_t)g * b->max_seq * hd;
+    b->attend(b->qkv + h * hd, b->kc + kv, b->vc + kv, b->n, hd, b->scale,
+              b->scores + h * (size_t)b->max_seq, b->att + h * hd);
+}
+
+static void add_bias(float *y, const float *bias, int64_t n) {
+    if (bias)
+        for (int64_t i = 0; i < n; i++) y[i] += bias[i];
+}
+
+/* One token through block b at position pos, x [d_model] the residual stream (updated in place):
+ *   x += wo(attention(rope(qkv(rmsnorm(x)))));  x += down(glu(w_in(rmsnorm(x))))
+ * kc/vc: this layer's caches [n_kv_heads, max_seq, head_dim] (the new key/value written at pos);
+ * cos/sin: the rope row of pos [head_dim] (rotate-half tables; adjacent pairs when interleaved).
+ * Five pool dispatches (four matrix products and the heads), nothing in between. */
+int si_block_decode(void *p, float *x, int pos, float *kc, float *vc, const float *cos,
+                    const float *sin, int max_seq) {
+    block_t *b = p;
+    const si_block_desc *d = &b->d;
+    if (pos < 0 || pos >= max_seq) return ERANGE;
+    const int nh = d->n_heads, nkv = d->n_kv_heads, hd = d->head_dim, half = hd / 2;
+    pthread_mutex_lock(&g_call_lock);
+    int err = 0;
+    if (b->nt != P.n_workers + 1) err = block_jobs(b);
+    const size_t need = (size_t)nh * max_seq;
+    if (!err && need > (size_t)b->scores_cap) {
+        free(b->scores);
+        b->scores = malloc(need * sizeof(float));
+        b->scores_cap = b->scores ? (int)need : 0;
+        if (!b->scores) err = ENOMEM;
+    }
+    if (err) goto out;
+    /* attention */
+    rms_norm(x, d->attn_norm, d->d_model, d->eps, b->h);
+    if ((err = exec_job(&b->jobs[0], b->h))) goto out;
+    add_bias(b->qkv, d->qkv.bias, (int64_t)(nh + 2 * nkv) * hd);
+    for (int h = 0; h < nh + nkv; h++) { /* rope on the q and k heads */
+        float *v = b->qkv + (size_t)h * hd;
+        for (int j = 0; j < half; j++) {
+            const int i0 = d->interleaved ? 2 * j : j, i1 = d->interleaved ? 2 * j + 1 : half + j;
+            const float a0 = v[i0], a1 = v[i1];
+            v[i0] = a0 * cos[j] - a1 * sin[j];
+            v[i1] = a1 * cos[half + j] + a0 * sin[half + j];
+        }
+    }
+    for (int g = 0; g < nkv; g++) {
+        memcpy(kc + ((size_t)g * max_seq + pos) * hd, b->qkv + (size_t)(nh + g) * hd, hd * sizeof(float));
+        memcpy(vc + ((size_t)g * max_seq + pos) * hd, b->qkv + (size_t)(nh + nkv + g) * hd, hd * sizeof(float));
+    }
+    b->kc = kc;
+    b->vc = vc;
+    b->n = pos + 1;
+    b->max_seq = max_seq;
+    b->scale = 1.0f / sqrtf((float)hd);
+    b->attend = g_isa == ISA_AVX512 ? si_attend_head_avx512 : si_attend_head_avx2;
+    if ((size_t)b->n * nh * hd >= 16384) {
+        pool_run(attend_chunk, b, nh); /* one head per chunk */
+    } else { /* a short context: less work than waking the pool */
+        for (int h = 0; h < nh; h++) attend_chunk(b, h);
+    }
+    if ((err = exec_job(&b->jobs[1], b->att))) goto out;
+    add_bias(b->a, d->wo.bias, d->d_model);
+    for (int i = 0; i < d->d_model; i++) x[i] += b->a[i];
+    /* FFN */
+    rms_norm(x, d->ffn_norm, d->d_model, d->eps, b->h);
+    if ((err = exec_job(&b->jobs[2], b->h))) goto out;
+    glu_fn glu = g_isa == ISA_AVX512 ? si_glu_avx512 : si_glu_avx2;
+    if (d->gated) add_bias(b->f, d->w_in.bias, 2 * (int64_t)d->d_ff);
+    glu(d->gated, d->gate_act, d->up_act, b->f, d->gated ? NULL : d->w_in.bias, d->d_ff, b->act);
+    if ((err = exec_job(&b->jobs[3], b->act))) goto out;
+    add_bias(b->a, d->down.bias, d->d_model);
+    for (int i = 0; i < d->d_model; i++) x[i] += b->a[i];
+out:
     pthread_mutex_unlock(&g_call_lock);
     return err;
 }

@@ -21,7 +21,8 @@ enum si_type {
     SI_Q5_K = 6,
     SI_Q6_K = 7,
     SI_F16 = 8,
-    SI_N_TYPES = 9,
+    SI_F32 = 9,
+    SI_N_TYPES = 10,
 };
 
 /* One quantized activation vector: q[cols] int8, d[cols/32], s[cols/32]; f the fp32 source (F16
@@ -40,7 +41,33 @@ typedef struct {
     void si_quantize_x_##isa(const float *x, int cols, int8_t *q, float *d, float *s);         \
     void si_sparse_q4_##isa(const uint8_t *bundles, size_t bundle_bytes, int gated,            \
                             const int32_t *idx, int k, const si_xq *x, int T, int d_model,     \
-                            int ga, int ua, const float *bias, float *out);
+                            int ga, int ua, const float *bias, float *out);              \
+    void si_attend_head_##isa(const float *q, const float *kc, const float *vc, int n, int hd,  \
+                              float scale, float *scores, float *out);                         \
+    void si_glu_##isa(int gated, int ga, int ua, const float *in, const float *bias, int n,    \
+                      float *out);
+
+/* Activation codes (as sparse/kernels.py ACT_CODES). */
+enum { SI_ACT_NONE = 0, SI_ACT_RELU = 1, SI_ACT_SILU = 2, SI_ACT_GELU = 3, SI_ACT_GELU_TANH = 4 };
+
+/* One weight of a block: matrices sharing one input, their rows stacked in this order (e.g. q, k,
+ * v), plus an optional bias over all the rows. */
+#define SI_LINEAR_MATS 4
+typedef struct {
+    int n;
+    int type[SI_LINEAR_MATS];
+    const void *w[SI_LINEAR_MATS];
+    int64_t rows[SI_LINEAR_MATS];
+    const float *bias;
+} si_linear;
+
+/* A pre-norm llama block (RMSNorm, RoPE, grouped-query attention, FFN) for one-token decode. */
+typedef struct {
+    int d_model, n_heads, n_kv_heads, head_dim, d_ff, gated, gate_act, up_act, interleaved;
+    float eps;
+    const float *attn_norm, *ffn_norm;
+    si_linear qkv, wo, w_in, down;
+} si_block_desc;
 
 SI_DECLARE(avx2)
 SI_DECLARE(avx512)

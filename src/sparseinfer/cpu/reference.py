@@ -49,10 +49,10 @@ def gemv_ref(mats: Sequence[QuantMatrix], x: torch.Tensor, outs: Sequence[torch.
 
 def gemv_q8_ref(mats: Sequence[QuantMatrix], x: torch.Tensor,
                 outs: Sequence[torch.Tensor]) -> None:
-    """As ``gemv_ref`` with ``x`` first rounded to int8 blocks as the kernels round it (F16
+    """As ``gemv_ref`` with ``x`` first rounded to int8 blocks as the kernels round it (F16/F32
     weights use ``x`` as is, as the kernels do)."""
     for m, o in zip(mats, outs):
-        xv = x.double() if m.type_name == "F16" else _xq_float(x)
+        xv = x.double() if m.type_name in ("F16", "F32") else _xq_float(x)
         o.copy_(torch.as_tensor(dequantize_ref(m).double() @ xv))
 
 
@@ -63,3 +63,54 @@ def gemm_ref(mat: QuantMatrix, x: torch.Tensor, out: torch.Tensor | None = None)
         out.copy_(y)
         return out
     return y
+
+
+_ACTS = {None: lambda t: t, "relu": torch.relu, "silu": torch.nn.functional.silu,
+         "gelu": torch.nn.functional.gelu,
+         "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
+
+
+def block_decode_ref(*, d_model, n_heads, n_kv_heads, head_dim, d_ff, gated, gate_act, up_act,
+                     interleaved, eps, attn_norm, ffn_norm, qkv, wo, w_in, down, biases=None,
+                     x, pos, k_cache, v_cache, cos, sin) -> torch.Tensor:
+    """``DecodeBlock(...)(x, pos, k_cache, v_cache, cos, sin)`` in float64 torch: each product is
+    ``gemv_q8_ref`` (the input rounded as the kernels round it), attention a plain softmax over
+    the cache with rope applied to q and k. Returns the new ``x``; writes the caches."""
+    biases = biases or {}
+    nh, nkv, hd = n_heads, n_kv_heads, head_dim
+
+    def lin(name, mats, v):
+        outs = [torch.empty(m.rows) for m in mats]
+        gemv_q8_ref(mats, v.float().contiguous(), outs)
+        y = torch.cat(outs).double()
+        return y + biases[name].double() if biases.get(name) is not None else y
+
+    def norm(v, w):
+        return v * torch.rsqrt(v.pow(2).mean() + eps) * w.double()
+
+    def rope(v):  # v (heads, hd)
+        half = hd // 2
+        c, s = cos.double(), sin.double()
+        if interleaved:
+            a, b = v[:, 0::2], v[:, 1::2]
+            return torch.stack([a * c[:half] - b * s[:half], b * c[:half] + a * s[:half]],
+                               -1).flatten(1)
+        return v * c + torch.cat([-v[:, half:], v[:, :half]], -1) * s
+
+    x = x.double()
+    y = lin("qkv", qkv, norm(x, attn_norm))
+    q, k, v = y.split([nh * hd, nkv * hd, nkv * hd])
+    q, k = rope(q.view(nh, hd)), rope(k.view(nkv, hd))
+    k_cache[:, pos] = k.float()
+    v_cache[:, pos] = v.view(nkv, hd).float()
+    keys = k_cache[:, : pos + 1].double().repeat_interleave(nh // nkv, 0)
+    vals = v_cache[:, : pos + 1].double().repeat_interleave(nh // nkv, 0)
+    probs = torch.softmax((keys @ q.unsqueeze(-1)).squeeze(-1) / hd**0.5, -1)  # (nh, n)
+    att = (probs.unsqueeze(1) @ vals).reshape(nh * hd)
+    x = x + lin("wo", wo, att)
+    f = lin("w_in", w_in, norm(x, ffn_norm))
+    if gated:
+        h = _ACTS[gate_act](f[:d_ff]) * _ACTS[up_act](f[d_ff:])
+    else:
+        h = _ACTS[up_act](f)
+    return (x + lin("down", down, h)).float()

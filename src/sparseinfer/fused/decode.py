@@ -12,6 +12,11 @@ plan) by:
 - ``attend`` — rope (rotate-half, or adjacent pairs for GGUF's Q/K order) on q and k, the new k/v written into the cache at ``pos``,
   softmax(q·Kᵀ · scale) · V per head with grouped K/V heads.
 
+When the block's four weights are on the C kernels (``GGMLLinear``, or fp32 ``FloatLinear``)
+and its FFN is dense, the whole block is one call into the C library instead
+(``sparseinfer.cpu.DecodeBlock``: the same steps, the products on its thread pool with no Python
+between them).
+
 Everything else (prompts, batches, LayerNorm models, learned positions, non-CPU or non-fp32
 models) runs the block's torch code unchanged. ``rms_norm_ref`` / ``attend_ref`` are the plain
 torch references the tests compare the kernels with; whole blocks are compared with
@@ -151,12 +156,13 @@ class FusedDecode:
     ``forward`` directly (no hook dispatch: ≈1 µs each). KV-cache views come from the cache
     object itself (``KVCache.k_np``), so a new cache is never confused with a freed one."""
 
-    def __init__(self, block: Block):
+    def __init__(self, block: Block, c_block: bool = True):
         self._block = [block]  # a list: not registered as a submodule (no recursion in repr)
+        self._want_c = c_block  # False: always the numba kernels (benchmarks compare the two)
         self._ready = False
 
     def __repr__(self) -> str:
-        return "FusedDecode(rms_norm + attend kernels)"
+        return "FusedDecode(one C call per block, or rms_norm + attend kernels)"
 
     def _prepare(self) -> None:
         block = self._block[0]
@@ -175,11 +181,14 @@ class FusedDecode:
         self._on = self._o.numpy()
         self._scores = np.empty(cfg.max_seq_len, dtype=np.float32)
         self._rope_key = None
+        self._c = _c_block(block) if self._want_c else None
         self._ready = True
 
     def __call__(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
         if not self._ready:
             self._prepare()
+        if self._c is not None:
+            return self._c_call(x, layer, pos, cache, rope)
         kc, vc = cache.k_np[layer, 0], cache.v_np[layer, 0]
         if self._scores.shape[0] < cache.max_seq:
             self._scores = np.empty(cache.max_seq, dtype=np.float32)
@@ -199,6 +208,61 @@ class FusedDecode:
         y = self.ffn(self._h.view(1, 1, -1), x1.view(1, 1, -1))
         x1 += y.reshape(-1)
         return x1.view(1, 1, -1)
+
+    def _c_call(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
+        """The whole block in one C call (``sparseinfer.cpu.DecodeBlock``)."""
+        if self._rope_key is not rope[0]:
+            cos, sin = rope
+            if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
+                    and sin.is_contiguous() and cos.shape == sin.shape
+                    and cos.shape[-1] == self.hd):
+                raise ValueError(f"rope tables: expected contiguous float32 [S, {self.hd}], got "
+                                 f"{cos.dtype} {list(cos.shape)}")
+            self._rope_ptrs = (cos.data_ptr(), sin.data_ptr(), cos.shape[0])
+            self._rope_key = cos
+        cos_p, sin_p, n_rope = self._rope_ptrs
+        if pos >= n_rope:
+            raise ValueError(f"position {pos} is past the rope tables ({n_rope} positions)")
+        k, v = cache.k, cache.v
+        if cache.k_np is None:
+            raise ValueError(f"the fused decode needs a float32 CPU KV cache, got {k.dtype} on "
+                             f"{k.device}")
+        off = layer * k.stride(0) * 4  # float32 (L, B, nkv, S, hd); batch row 0
+        ro = pos * self.hd * 4
+        x1 = x.reshape(-1).clone()  # the residual stream, updated in place
+        self._c.run(x1.data_ptr(), pos, k.data_ptr() + off, v.data_ptr() + off, cos_p + ro,
+                    sin_p + ro, cache.max_seq)
+        return x1.view(1, 1, -1)
+
+
+def _c_block(block: Block):
+    """``sparseinfer.cpu.DecodeBlock`` for ``block`` when its four weights are on the C kernels
+    (the file's blocks in ``GGMLLinear``, or fp32 ``FloatLinear``) and its FFN is the dense one;
+    else None (the numba kernels around the block's own modules)."""
+    from ..models.model import FFN
+    from ..quant.linear import FloatLinear, GGMLLinear
+
+    attn, ffn = block.attn, block.ffn
+    lins = {"qkv": attn.wqkv, "wo": attn.wo}
+    if type(ffn) is FFN:
+        lins.update(w_in=ffn.w_in, down=ffn.down)
+    if len(lins) < 4 or not all(type(m) in (GGMLLinear, FloatLinear) and m.mats
+                                for m in lins.values()):
+        return None
+    from .. import cpu
+    from ..config import FFN_KINDS
+
+    cfg = attn.cfg
+    kind = FFN_KINDS[cfg.ffn_kind]
+    if len(lins["qkv"].mats) > 4 or len(lins["w_in"].mats) > 4:
+        return None
+    return cpu.DecodeBlock(
+        d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim, d_ff=cfg.d_ff, gated=kind.gated, gate_act=kind.gate_act,
+        up_act=kind.up_act, interleaved=bool(cfg.rope_interleaved), eps=float(block.attn_norm.eps),
+        attn_norm=block.attn_norm.weight, ffn_norm=block.ffn_norm.weight,
+        **{name: m.mats for name, m in lins.items()},
+        biases={name: m.bias for name, m in lins.items()})
 
 
 def supports(model) -> bool:

@@ -250,7 +250,7 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
         t = src.tensors[canon]
         if dtype == "q4" and t.kind == "Q4_0" and not canon.endswith("ffn.down.weight"):
             # the file's own Q4_0 blocks are the rows' layout: copied, never rounded twice
-            rows[:, m] = torch.from_numpy(np.asarray(t.raw()).reshape(F, width))
+            rows[:, m].numpy()[...] = np.asarray(t.raw()).reshape(F, width)  # (read-only map)
             t.release()
             continue
         w = t.float()

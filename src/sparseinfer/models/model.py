@@ -73,17 +73,23 @@ class Norm(nn.Module):
         return xf.to(x.dtype) * self.weight
 
 
-def rope_tables(cfg: ModelConfig, max_seq: int, local: bool = False) -> tuple[Tensor, Tensor]:
-    """cos/sin of shape (max_seq, head_dim) for the rotate-half (Hugging Face) layout; ``local``:
-    the windowed layers' own base (Gemma 3), without the global layers' scaling."""
+def rope_angles(cfg: ModelConfig, positions: Tensor, local: bool = False) -> tuple[Tensor, Tensor]:
+    """cos/sin of shape (len(positions), head_dim) for the rotate-half (Hugging Face) layout;
+    ``local``: the windowed layers' own base (Gemma 3), without the global layers' scaling.
+    Positions may be negative (a rotation back, as the context shift uses)."""
     half = cfg.head_dim // 2
     theta = cfg.rope_theta_local if local else cfg.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, half, dtype=torch.float64) / half))
     if cfg.rope_factors and not local:  # Llama 3.1 / linear scaling
         inv_freq = inv_freq / torch.tensor(cfg.rope_factors, dtype=torch.float64)
-    angles = torch.outer(torch.arange(max_seq, dtype=torch.float64), inv_freq)
+    angles = torch.outer(positions.to(torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
+
+
+def rope_tables(cfg: ModelConfig, max_seq: int, local: bool = False) -> tuple[Tensor, Tensor]:
+    """``rope_angles`` of positions 0 .. max_seq - 1."""
+    return rope_angles(cfg, torch.arange(max_seq), local)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
@@ -275,6 +281,35 @@ class Transformer(nn.Module):
                 self.rope_local = (cos.to(self.device, self.dtype),
                                    sin.to(self.device, self.dtype))
         return KVCache(self.cfg, batch, max_seq, self.dtype, self.device)
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether ``shift_cache`` can move cached keys (rope positions); a model with learned
+        positions must recompute its keys and values instead."""
+        return self.cfg.pos == "rope"
+
+    def shift_cache(self, cache: KVCache, keep: int, discard: int, n_past: int) -> None:
+        """Drop cache positions [keep, keep + discard) and move [keep + discard, n_past) down to
+        start at ``keep``, as llama.cpp's context shift does (``seq_rm`` + ``seq_add``): values
+        are copied, keys are rotated back by ``discard`` positions (rope of angle -discard, each
+        layer with its own base), so they equal keys computed at their new positions up to
+        rounding. Needs ``can_shift``."""
+        if not self.can_shift:
+            raise ValueError("shift_cache: keys of learned-position models cannot be moved")
+        if not (0 <= keep and discard > 0 and keep + discard <= n_past <= cache.max_seq):
+            raise ValueError(f"shift_cache: bad range keep={keep} discard={discard} "
+                             f"n_past={n_past} (cache {cache.max_seq})")
+        cfg = self.cfg
+        back = torch.tensor([-discard])
+        turns = {False: rope_angles(cfg, back)}
+        if self.rope_local is not None:
+            turns[True] = rope_angles(cfg, back, local=True)
+        src, dst = slice(keep + discard, n_past), slice(keep, n_past - discard)
+        for layer in range(cfg.n_layers):
+            cos, sin = turns[self.rope_local is not None and bool(cfg.window(layer))]
+            k = apply_rope(cache.k[layer, :, :, src].float(), cos, sin, cfg.rope_interleaved)
+            cache.k[layer, :, :, dst] = k.to(cache.k.dtype)  # k is a new tensor: no overlap
+            cache.v[layer, :, :, dst] = cache.v[layer, :, :, src].clone()
 
     def hidden(self, tokens: Tensor, pos: int, cache: KVCache) -> Tensor:
         """Final-normed hidden states (B, T, D) for ``tokens`` (B, T) placed at ``pos``."""

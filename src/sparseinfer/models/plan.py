@@ -24,6 +24,7 @@ lookup). A file with predictors gets sparse FFN layers (``sparse``) unless ``den
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DTYPE_CHOICES = ("auto", "fp32", "bf16", "q4")
-FFN_DTYPES = ("fp32", "bf16", "int8", "q4")
+FFN_DTYPES = ("auto", "fp32", "bf16", "int8", "q4")
 ROW_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "q4": 18 / 32}  # per weight of a sparse row
 SELECTORS = ("predictor", "oracle", "all")
 FLOAT_KINDS = ("F32", "F16", "BF16", "float32", "float16", "bfloat16", "F64", "float64")
@@ -160,7 +161,7 @@ def _int4_available(device: str) -> bool:
 
 
 def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
-              dense: bool = False, mode: str = "predictor", ffn_dtype: str = "fp32",
+              dense: bool = False, mode: str = "predictor", ffn_dtype: str = "auto",
               threshold: float | None = None, vram_budget: float | None = None,
               split_tiers: bool | None = None, min_split: int = 256,
               fused: bool = True, gpu_index: str | None = None,
@@ -198,6 +199,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                f"neurons; write one with `python -m sparseinfer.disk bundle "
                                f"{src.path} OUT.gguf`")
     if has_predictors(src) and not dense:
+        ffn_dtype = _auto_ffn_dtype(src, dtype) if ffn_dtype == "auto" else ffn_dtype
         sparse = _sparse_plan(src, mode, ffn_dtype, threshold, device, vram_budget, split_tiers,
                               min_split, gpu_index)
         sparse = replace(sparse, bundled=bundled)
@@ -317,7 +319,8 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                 raise SparseInferError(f"{src.path}: sparse model is missing tensor "
                                        f"'blk.{i}.fc1.weight' or 'blk.{i}.fc2.weight'")
             if sparse.selector == "predictor":
-                nbytes += (fc1.nbytes + fc2.nbytes) * (2 if sparse.ffn_dtype == "fp32" else 1)
+                n = math.prod(fc1.shape) + math.prod(fc2.shape)  # fp32, else 16-bit in memory
+                nbytes += n * (4 if sparse.ffn_dtype == "fp32" else 2)
             weights.append(WeightPlan(p + "ffn", "sparse", (*ins, down), (F, D), nbytes,
                                       f"{sparse.ffn_dtype} rows"))
         else:
@@ -353,6 +356,19 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                   disk_options or DiskOptions())
         sparse = replace(sparse, disk=disk)
     return Plan(cfg, dtype, float_dtype, tuple(weights), sparse, fused_ok, str(dev), kv)
+
+
+def _auto_ffn_dtype(src: ModelSource, dtype: str) -> str:
+    """``--ffn-dtype auto``: with ``--dtype fp32``/``bf16`` the rows are in that float type;
+    otherwise a quantized file's FFN rows become int8 (a few times smaller than fp32, and
+    rounding its values again to 8 bits keeps the source's logits: the transposed down
+    projection cannot keep its blocks) and a float file's stay fp32. ``--ffn-dtype q4`` (4-bit
+    bundles, the fastest) rounds the down projection to 4 bits a second time: asked for, not
+    the default."""
+    if dtype in ("fp32", "bf16"):
+        return dtype
+    gate = src.tensors.get("layers.0.ffn.gate.weight") or src.tensors.get("layers.0.ffn.up.weight")
+    return "int8" if gate is not None and gate.quantized else "fp32"
 
 
 def _sparse_plan(src: ModelSource, mode, ffn_dtype, threshold, device, vram_budget,

@@ -231,8 +231,9 @@ class Int8Linear(torch.nn.Module):
 
 class FloatLinear(torch.nn.Module):
     """``y = x @ W.T (+ b)`` with float ``W`` (fp32 or bf16). One fp32 token on the CPU goes
-    through ``sparse.kernels.gemv`` (numba, four rows at a time, kernel threads); everything else
-    through ``F.linear``."""
+    through the C library's F32 GEMV (``sparseinfer.cpu``, its own thread pool; ``mats`` is then
+    the weight as one ``QuantMatrix``) or, without it, ``sparse.kernels.gemv`` (numba); everything
+    else through ``F.linear``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32):
@@ -243,6 +244,8 @@ class FloatLinear(torch.nn.Module):
         self.bias = (torch.nn.Parameter(torch.empty(out_features, dtype=dtype),
                                         requires_grad=False) if bias else None)
         self._out = None
+        self.mats: list = []
+        self._plan = None
 
     def fill(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         dtype = self.weight.dtype
@@ -252,12 +255,24 @@ class FloatLinear(torch.nn.Module):
         if bias is not None:
             self.bias = torch.nn.Parameter(bias.to(dtype).contiguous(), requires_grad=False)
         self._out = torch.empty(self.out_features)
+        w = self.weight
+        if (w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+                and self.in_features % 32 == 0 and ggml_kernels_available()):
+            from .. import cpu
+
+            raw = w.detach().view(torch.uint8).reshape(-1)  # the weight's own memory
+            self.mats = [cpu.QuantMatrix("F32", raw, self.out_features, self.in_features)]
+            self._plan = cpu.GemvPlan(self.mats, [self._out])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (self._out is not None and x.numel() == self.in_features and x.dtype == torch.float32
                 and w.dtype == torch.float32 and w.device.type == "cpu"):
-            y = gemv(w, x.reshape(-1), self._out).clone()
+            if self._plan is not None and x.is_contiguous():
+                self._plan(x.reshape(-1))
+                y = self._out.clone()
+            else:
+                y = gemv(w, x.reshape(-1), self._out).clone()
             if self.bias is not None:
                 y += self.bias
             return y.view(*x.shape[:-1], -1)

@@ -145,6 +145,13 @@ class Predicted(Selector):
         self.threshold = predictor.threshold
         self._neuron_thr = (None if predictor.bias is None else
                             (predictor.threshold - predictor.bias).float().contiguous())
+        self._c = None  # float16 weights: the C library's kernel, on the FFN rows' thread pool
+        if predictor.fc1.dtype == torch.float16 and predictor.fc1.device.type == "cpu":
+            from .. import cpu
+
+            thr = (self._neuron_thr if self._neuron_thr is not None else
+                   torch.full((predictor.fc2.shape[0],), float(predictor.threshold)))
+            self._c = cpu.F16Predictor(predictor.fc1, predictor.fc2, thr)
 
     def __repr__(self) -> str:
         p = self.predictor
@@ -157,6 +164,10 @@ class Predicted(Selector):
         p = self.predictor
         if self.on_residual:
             x = residual.reshape(-1).float().contiguous()
+        if self._c is not None and x.device.type == "cpu":
+            from ..cpu import predict_f16
+
+            return ffn._idx[:predict_f16(self._c, x, ffn._idx)]
         if x.device.type == "cpu":
             k = kernels.predict_active(x, p.fc1, p.fc2, p.threshold, ffn._idx,
                                        neuron_thresholds=self._neuron_thr)

@@ -1,0 +1,190 @@
+"""sparseinfer.cpu.DecodeBlock (a whole llama block for one token in C) against its float64
+torch reference (``reference.block_decode_ref``: products on the input rounded as the kernels
+round it, plain softmax attention), over both ISAs, 1 and 2 threads, positions, grouped heads,
+both rope layouts, FFN kinds and biases; and a real model decoded with and without it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sparseinfer import cpu
+from sparseinfer.cpu import reference as ref
+
+gguf = pytest.importorskip("gguf")
+
+
+def qmat(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> cpu.QuantMatrix:
+    w = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name]).reshape(-1)
+    return cpu.QuantMatrix(type_name, raw, rows, cols)
+
+
+def make(rng, *, d=64, nh=4, nkv=2, hd=16, d_ff=96, gated=True, gate_act="silu", up_act=None,
+         interleaved=False, bias=False, types=("Q4_0", "Q8_0")):
+    t0, t1 = types
+    q = [qmat(t0, nh * hd, d, rng), qmat(t1, nkv * hd, d, rng), qmat(t0, nkv * hd, d, rng)]
+    w_in = [qmat(t0, d_ff, d, rng)] + ([qmat(t1, d_ff, d, rng)] if gated else [])
+    biases = None
+    if bias:
+        def vec(n):
+            return torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+
+        biases = {"qkv": vec((nh + 2 * nkv) * hd), "w_in": vec(len(w_in) * d_ff) * 0.1}
+    return {"d_model": d, "n_heads": nh, "n_kv_heads": nkv, "head_dim": hd, "d_ff": d_ff,
+            "gated": gated, "gate_act": gate_act, "up_act": up_act, "interleaved": interleaved,
+            "eps": 1e-5,
+            "attn_norm": torch.from_numpy(rng.uniform(0.5, 1.5, d).astype(np.float32)),
+            "ffn_norm": torch.from_numpy(rng.uniform(0.5, 1.5, d).astype(np.float32)),
+            "qkv": q, "wo": [qmat(t1, d, nh * hd, rng)], "w_in": w_in,
+            "down": [qmat(t0, d, d_ff, rng)], "biases": biases}
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request):
+    if request.param not in cpu.available_isas():
+        pytest.skip(f"this CPU has no {request.param}")
+    cpu.set_isa(request.param)
+    yield request.param
+    cpu.set_isa("auto")
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thr")
+def threads(request):
+    before = cpu.get_threads()
+    cpu.set_threads(request.param)
+    yield request.param
+    cpu.set_threads(before)
+
+
+def rope_row(hd: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    half = hd // 2
+    inv = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float64) / half))
+    ang = torch.cat([pos * inv, pos * inv])
+    return ang.cos().float(), ang.sin().float()
+
+
+def check(kw, pos, S=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nkv, hd = kw["n_kv_heads"], kw["head_dim"]
+    kc, vc = torch.randn(nkv, S, hd, generator=g), torch.randn(nkv, S, hd, generator=g)
+    kr, vr = kc.clone(), vc.clone()
+    x = torch.randn(kw["d_model"], generator=g)
+    cos, sin = rope_row(hd, pos)
+    want = ref.block_decode_ref(**kw, x=x.clone(), pos=pos, k_cache=kr, v_cache=vr, cos=cos,
+                                sin=sin)
+    block = cpu.DecodeBlock(**kw)
+    got = x.clone()
+    assert block(got, pos, kc, vc, cos, sin) is got
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * scale)
+    torch.testing.assert_close(kc, kr, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(vc, vr, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("pos", [0, 1, 9, 47])
+@pytest.mark.parametrize("nh,nkv,hd,d", [(4, 2, 16, 64), (4, 4, 8, 64), (8, 2, 20, 64),
+                                         (8, 2, 64, 1024)])
+def test_block_matches_reference(isa, threads, pos, nh, nkv, hd, d):
+    """The last shape spreads over the pool: products in several chunks, and at pos 47 the
+    heads in parallel (the small ones run on the calling thread alone)."""
+    check(make(np.random.default_rng(pos + nh), d=d, nh=nh, nkv=nkv, hd=hd, d_ff=256), pos)
+
+
+@pytest.mark.parametrize("gated,gate_act,up_act", [(True, "silu", None), (True, "gelu_tanh", None),
+                                                   (True, "gelu", None), (True, "relu", "relu"),
+                                                   (False, None, "relu")])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_ffn_kinds_rope_layouts_and_biases(isa, gated, gate_act, up_act, interleaved, bias):
+    kw = make(np.random.default_rng(3), gated=gated, gate_act=gate_act, up_act=up_act,
+              interleaved=interleaved, bias=bias)
+    check(kw, 20)
+
+
+def test_activation_tails_saturate():
+    """Large |z| through the vector exp: silu(-100) = 0, silu(100) = 100, no NaN."""
+    kw = make(np.random.default_rng(5))
+    kw["ffn_norm"] = kw["ffn_norm"] * 1e4
+    check(kw, 3)
+
+
+def test_bad_shapes_say_what_was_expected():
+    kw = make(np.random.default_rng(1))
+    kw["n_heads"] = 3  # rows no longer match, and 3 % 2 != 0
+    with pytest.raises(ValueError, match="expected q/k/v rows"):
+        cpu.DecodeBlock(**kw)
+    kw = make(np.random.default_rng(1))
+    block = cpu.DecodeBlock(**kw)
+    kc = torch.zeros(2, 8, 16)
+    with pytest.raises(ValueError, match="pos"):
+        block(torch.zeros(64), 8, kc, kc.clone(), *rope_row(16, 0))
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True, ids=["1thr", "2thr"])
+def test_smollm2_blocks_equal_the_torch_path(smollm2_path, threads):
+    """SmolLM2's Q4_1 file, layer by layer on real hidden states: each block on DecodeBlock gives
+    the output (and cache rows) of the block's torch code over the same GGMLLinear modules, which
+    round each product's input the same way. (Whole-model logits are not compared: one int8
+    rounding that flips on a float32 summation-order difference moves SmolLM2's logits by ~0.5,
+    and greedy tokens then part ways.)"""
+    from sparseinfer.models.build import load
+
+    fused = load(smollm2_path, "auto", fused=True).model
+    plain = load(smollm2_path, "auto", fused=False).model
+    prompt = torch.tensor([[1, 504, 3158, 282, 260, 1345]])
+    cf, cp = fused.new_cache(1, 32), plain.new_cache(1, 32)
+    tok = plain(prompt, 0, cp, last_only=True).argmax(-1)
+    fused(prompt, 0, cf, last_only=True)
+    pos = prompt.shape[1]
+    x = plain.tok_emb(tok)
+    for i, (bf, bp) in enumerate(zip(fused.layers, plain.layers)):
+        assert bp.fused is None
+        got, want = bf(x, i, pos, cf, fused.rope), bp(x, i, pos, cp, plain.rope)
+        assert bf.fused._c is not None
+        scale = want.abs().max().item()
+        # float32 summation order alone gives ~1e-7 of the scale; one int8 rounding of a
+        # product's input that flips on it (seen in 1 of 30 layers) ~4e-5
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * scale, msg=f"layer {i}")
+        torch.testing.assert_close(cf.k[i, 0, :, pos], cp.k[i, 0, :, pos], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(cf.v[i, 0, :, pos], cp.v[i, 0, :, pos], rtol=1e-4, atol=1e-4)
+        x = want
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "geglu", "geglu_tanh", "reglu", "drelu"])
+def test_fp32_models_decode_as_the_torch_path(tiny_model_dir, kind):
+    """fp32 weights (``FloatLinear`` on the F32 GEMV) take the C block too; no int8 rounding
+    here, so the logits match the torch path's (itself compared with transformers elsewhere)."""
+    from sparseinfer.models.build import load
+
+    fused = load(tiny_model_dir(kind), "fp32", fused=True).model
+    plain = load(tiny_model_dir(kind), "fp32", fused=False).model
+    prompt = torch.tensor([[1, 7, 3, 9, 4]])
+    cf, cp = fused.new_cache(1, 64), plain.new_cache(1, 64)
+    tok = plain(prompt, 0, cp, last_only=True).argmax(-1)
+    fused(prompt, 0, cf, last_only=True)
+    for i in range(8):
+        got, want = fused(tok, 5 + i, cf), plain(tok, 5 + i, cp)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        tok = want.argmax(-1)
+    assert all(b.fused._c is not None for b in fused.layers)
+
+
+def test_numba_path_still_equals_the_c_block(tiny_model_dir):
+    """``FusedDecode(block, c_block=False)`` (the numba kernels around the block's modules, the
+    path of blocks the C library cannot take) against the C block on the same inputs."""
+    from sparseinfer.fused.decode import FusedDecode
+    from sparseinfer.models.build import load
+
+    model = load(tiny_model_dir("swiglu"), "fp32", fused=True).model
+    numba_blocks = [FusedDecode(b, c_block=False) for b in model.layers]
+    ca, cb = model.new_cache(1, 32), model.new_cache(1, 32)
+    torch.manual_seed(0)
+    for pos in range(5):
+        x = torch.randn(1, 1, model.cfg.d_model)
+        for i, (b, nb) in enumerate(zip(model.layers, numba_blocks)):
+            got, want = nb(x, i, pos, cb, model.rope), b(x, i, pos, ca, model.rope)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            x = want
+    assert numba_blocks[0]._c is None and model.layers[0].fused._c is not None
