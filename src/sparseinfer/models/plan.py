@@ -120,7 +120,9 @@ class Plan:
         return self.float_dtype
 
     def needed_bytes(self, n_ctx: int) -> int:
-        return self.nbytes + self.kv_bytes_per_token * n_ctx
+        # with a disk tier, mapped weights beyond the budget are paged by the kernel, not held
+        paged = self.sparse.disk.paged_bytes if self.sparse and self.sparse.disk else 0
+        return self.nbytes - paged + self.kv_bytes_per_token * n_ctx
 
     def check_memory(self, n_ctx: int, path) -> None:
         """Raise one clear error when the weights and KV cache will not fit the memory left."""
