@@ -1165,6 +1165,9 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        # listening from here on: a client that connects before uvicorn's loop runs waits in
+        # the backlog instead of being refused
+        sock.listen(2048)
     except OSError:
         sock.close()
         raise
@@ -1172,16 +1175,22 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 class _Uvicorn(uvicorn.Server):
-    """uvicorn.Server that sets ``ready`` once it accepts connections."""
+    """uvicorn.Server that sets ``ready`` (and logs ``announce``) once it accepts connections."""
 
-    def __init__(self, config: uvicorn.Config, ready: threading.Event | None) -> None:
+    def __init__(
+        self, config: uvicorn.Config, ready: threading.Event | None, announce: str | None = None
+    ) -> None:
         super().__init__(config)
         self.ready = ready
+        self.announce = announce
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        if self.started and self.ready is not None:
-            self.ready.set()
+        if self.started:
+            if self.announce:
+                logger.info("%s", self.announce)
+            if self.ready is not None:
+                self.ready.set()
 
 
 def _config(app: FastAPI, log_level: str, **uvicorn_kw: Any) -> uvicorn.Config:
@@ -1223,8 +1232,8 @@ def serve(
     )
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
-    logger.info("serving %s on http://%s:%d/v1", app.state.server.model_name, host, bound)
-    server = _Uvicorn(_config(app, log_level, **uvicorn_kw), ready)
+    announce = f"serving {app.state.server.model_name} on http://{host}:{bound}/v1"
+    server = _Uvicorn(_config(app, log_level, **uvicorn_kw), ready, announce)
     try:
         server.run(sockets=[sock])
     finally:
