@@ -68,9 +68,15 @@ INLINE __m256i bit5(const uint8_t *p) {
 
 /* Prefetch `n` bytes (a compile-time constant after inlining) starting at p. The rows of a chunk
  * are contiguous, so while a group of 4 rows is walked, the next group's bytes are fetched at the
- * same pace: a short row (a few KB) is otherwise over before the hardware prefetcher ramps up. */
-INLINE void prefetch(const uint8_t *p, const int n) {
-    for (int o = 0; o < n; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
+ * same pace: a short row (a few KB) is otherwise over before the hardware prefetcher ramps up.
+ * `far` (a group of more than PF_NEAR_BYTES) fetches into L2 only: into L1 the next group would
+ * evict x's blocks, which every row reads again (measured in benchmarks/RESULTS.md). */
+#define PF_NEAR_BYTES 12288
+INLINE void prefetch(const uint8_t *p, const int n, const int far) {
+    if (far)
+        for (int o = 0; o < n; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T1);
+    else
+        for (int o = 0; o < n; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
 }
 
 INLINE __m256i loadx(const si_xq *x, int b) {
@@ -101,7 +107,8 @@ INLINE __m256 f16x8(const uint8_t *p, const int bsize, const int off) {
  * Blocks go 8 at a time: the 8 scale products d_w*d_x are made in one vector and broadcast per
  * block with a permute; the zero-point/minimum terms accumulate as a vector (per row: accm). */
 INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t rb, const int R,
-                     const si_xq *x, int nb, float *y, const uint8_t *pf) {
+                     const si_xq *x, int nb, float *y, const uint8_t *pf,
+                     const int far) {
     __m256 acc[4], accm[4];
     for (int r = 0; r < R; r++) {
         acc[r] = _mm256_setzero_ps();
@@ -111,7 +118,7 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
     int b = 0;
     for (; b + 8 <= nb; b += 8) {
         const __m256 xd = _mm256_loadu_ps(x->d + b), xs = _mm256_loadu_ps(x->s + b);
-        if (pf) prefetch(pf + (size_t)b * R * bsize, 8 * R * bsize);
+        if (pf) prefetch(pf + (size_t)b * R * bsize, 8 * R * bsize, far);
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)b * bsize;
             const __m256 dw = f16x8(p, bsize, 0);
@@ -175,7 +182,8 @@ INLINE __m256 bytes8_ps(uint64_t v) {
  * The 8 scale products d*sc[j]*xd[j] are made in one vector and broadcast per sub-block; the
  * minima terms dmin*m[j]*xs[j] accumulate as a vector too. */
 INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, const si_xq *x,
-                     int nsb, float *y, const uint8_t *pf) {
+                     int nsb, float *y, const uint8_t *pf,
+                     const int far) {
     const int bsize = five ? 176 : 144;
     __m256 acc[4], accm[4];
     for (int r = 0; r < R; r++) {
@@ -186,7 +194,7 @@ INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, c
     for (int sb = 0; sb < nsb; sb++) {
         const __m256 xd = _mm256_loadu_ps(x->d + 8 * (size_t)sb);
         const __m256 xs = _mm256_loadu_ps(x->s + 8 * (size_t)sb);
-        if (pf) prefetch(pf + (size_t)sb * R * bsize, R * bsize);
+        if (pf) prefetch(pf + (size_t)sb * R * bsize, R * bsize, far);
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)sb * bsize;
             uint64_t sc8, m8;
@@ -226,13 +234,14 @@ INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, c
  * 64h+63] and qh[32h .. 32h+31]; its group s (32 weights, s = 0..3) takes nibble s/2 of
  * ql[64h + 32(s%2) + i] and bits 2s, 2s+1 of qh[32h + i] as bits 4, 5; w = d*scale[16th]*(q-32). */
 INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, int nsb, float *y,
-                     const uint8_t *pf) {
+                     const uint8_t *pf,
+                     const int far) {
     __m256 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const __m256i lo4 = _mm256_set1_epi8(0x0F), lo2 = _mm256_set1_epi8(0x03);
     const __m256i k32 = _mm256_set1_epi8(32);
     for (int sb = 0; sb < nsb; sb++) {
-        if (pf) prefetch(pf + (size_t)sb * R * 210, R * 210);
+        if (pf) prefetch(pf + (size_t)sb * R * 210, R * 210, far);
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)sb * 210;
             const int8_t *sc = (const int8_t *)(p + 192);
@@ -266,12 +275,13 @@ INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
 /* ------------------------------------------------------------------ F16 rows, fp32 x */
 
 INLINE void rows_f16(const uint8_t *w, size_t rb, const int R, const si_xq *x, int cols, float *y,
-                     const uint8_t *pf) {
+                     const uint8_t *pf,
+                     const int far) {
     __m256 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int c = 0; c < cols; c += 8) {
         const __m256 xv = _mm256_loadu_ps(x->f + c);
-        if (pf) prefetch(pf + (size_t)c * 2 * R, 16 * R);
+        if (pf) prefetch(pf + (size_t)c * 2 * R, 16 * R, far);
         for (int r = 0; r < R; r++) {
             const __m128i h = _mm_loadu_si128((const __m128i *)(w + (size_t)r * rb + 2 * (size_t)c));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(h), xv, acc[r]);
@@ -283,12 +293,13 @@ INLINE void rows_f16(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
 /* ------------------------------------------------------------------ F32 rows, fp32 x */
 
 INLINE void rows_f32(const uint8_t *w, size_t rb, const int R, const si_xq *x, int cols, float *y,
-                     const uint8_t *pf) {
+                     const uint8_t *pf,
+                     const int far) {
     __m256 acc[4], acc2[4];
     for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_ps();
     for (int c = 0; c < cols; c += 16) { /* cols is a multiple of 32 */
         const __m256 x0 = _mm256_loadu_ps(x->f + c), x1 = _mm256_loadu_ps(x->f + c + 8);
-        (void)pf; /* no software prefetch: 4 row streams in order suit the hardware one */
+        (void)pf, (void)far; /* no software prefetch: 4 row streams in order suit the hardware one */
         for (int r = 0; r < R; r++) {
             const float *p = (const float *)(w + (size_t)r * rb) + c;
             acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(p), x0, acc[r]);
@@ -310,10 +321,11 @@ INLINE void rows_f32(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
 void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *x, int cols,
                  float *y) {
     const int nb = cols / 32, nsb = cols / 256;
+    const int far = 4 * rb > PF_NEAR_BYTES;
 #define NEXT (w + (r + 4) * rb)
 #define B32(T, S)                                                                              \
-    WALK(rows_b32(T, S, w + r * rb, rb, 4, x, nb, y + r, NEXT),                                \
-         rows_b32(T, S, w + r * rb, rb, 1, x, nb, y + r, NULL))
+    WALK(rows_b32(T, S, w + r * rb, rb, 4, x, nb, y + r, NEXT, far),                                \
+         rows_b32(T, S, w + r * rb, rb, 1, x, nb, y + r, NULL, far))
     switch (type) {
     case SI_Q4_0: B32(SI_Q4_0, 18); break;
     case SI_Q4_1: B32(SI_Q4_1, 20); break;
@@ -321,24 +333,24 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
     case SI_Q5_1: B32(SI_Q5_1, 24); break;
     case SI_Q8_0: B32(SI_Q8_0, 34); break;
     case SI_Q4_K:
-        WALK(rows_k45(0, w + r * rb, rb, 4, x, nsb, y + r, NEXT),
-             rows_k45(0, w + r * rb, rb, 1, x, nsb, y + r, NULL));
+        WALK(rows_k45(0, w + r * rb, rb, 4, x, nsb, y + r, NEXT, far),
+             rows_k45(0, w + r * rb, rb, 1, x, nsb, y + r, NULL, far));
         break;
     case SI_Q5_K:
-        WALK(rows_k45(1, w + r * rb, rb, 4, x, nsb, y + r, NEXT),
-             rows_k45(1, w + r * rb, rb, 1, x, nsb, y + r, NULL));
+        WALK(rows_k45(1, w + r * rb, rb, 4, x, nsb, y + r, NEXT, far),
+             rows_k45(1, w + r * rb, rb, 1, x, nsb, y + r, NULL, far));
         break;
     case SI_Q6_K:
-        WALK(rows_q6k(w + r * rb, rb, 4, x, nsb, y + r, NEXT),
-             rows_q6k(w + r * rb, rb, 1, x, nsb, y + r, NULL));
+        WALK(rows_q6k(w + r * rb, rb, 4, x, nsb, y + r, NEXT, far),
+             rows_q6k(w + r * rb, rb, 1, x, nsb, y + r, NULL, far));
         break;
     case SI_F16:
-        WALK(rows_f16(w + r * rb, rb, 4, x, cols, y + r, NEXT),
-             rows_f16(w + r * rb, rb, 1, x, cols, y + r, NULL));
+        WALK(rows_f16(w + r * rb, rb, 4, x, cols, y + r, NEXT, far),
+             rows_f16(w + r * rb, rb, 1, x, cols, y + r, NULL, far));
         break;
     case SI_F32:
-        WALK(rows_f32(w + r * rb, rb, 4, x, cols, y + r, NEXT),
-             rows_f32(w + r * rb, rb, 1, x, cols, y + r, NULL));
+        WALK(rows_f32(w + r * rb, rb, 4, x, cols, y + r, NEXT, far),
+             rows_f32(w + r * rb, rb, 1, x, cols, y + r, NULL, far));
         break;
     default: break;
     }
