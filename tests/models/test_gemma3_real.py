@@ -81,3 +81,38 @@ def test_gemma3_270m_matches_transformers(gemma_path, gemma_hf):
     with torch.inference_mode():
         got_auto = auto.model(x, 0, cache)[0]
     assert abs(_ppl(got_auto, x[0]) / _ppl(want, x[0]) - 1) < 0.01
+
+
+def test_gemma3_270m_blocks_on_the_c_block_past_the_window(gemma_path):
+    """Gemma 3's blocks decode in C (``cpu.DecodeBlock`` with q/k norms, post-norms, the
+    512-token window of its local layers and their own rope base): at positions past the window
+    each block gives the output of the block's torch code over the same modules, and so do the
+    logits. Float32 weights: with the file's blocks both paths round each product's input to
+    int8, and one rounding that flips on a summation-order difference moves a Gemma block's
+    output by ~3e-3 (seen at position 513); the C block takes the file's blocks by default
+    (``plan.fused_decode`` is checked for both)."""
+    from sparseinfer.data import HELDOUT_TEXT
+    from sparseinfer.models.build import load
+
+    assert load(gemma_path, "auto", fused=True, max_seq_len=1024).plan.fused_decode
+    fused = load(gemma_path, "fp32", fused=True, max_seq_len=1024)
+    plain = load(gemma_path, "fp32", fused=False, max_seq_len=1024)
+    assert fused.plan.fused_decode and fused.model.cfg.window(0) == 512
+    ids = fused.tokenizer.encode(HELDOUT_TEXT.read_text())[:600]
+    prompt = torch.tensor([ids])
+    f, p = fused.model, plain.model
+    cf, cp = f.new_cache(1, 640), p.new_cache(1, 640)
+    with torch.inference_mode():
+        tok = p(prompt, 0, cp, last_only=True).argmax(-1)
+        f(prompt, 0, cf, last_only=True)
+        pos = prompt.shape[1]
+        x = p.tok_emb(tok) * p.emb_scale
+        for i, (bf, bp) in enumerate(zip(f.layers, p.layers)):
+            rope = f.rope_local if f.cfg.window(i) else f.rope
+            got, want = bf(x, i, pos, cf, rope), bp(x, i, pos, cp, rope)
+            assert bf.fused._c is not None
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale, msg=f"layer {i}")
+            x = want
+        step_f, step_p = f(tok, pos + 1, cf)[0, -1], p(tok, pos + 1, cp)[0, -1]
+    assert float((step_f - step_p).abs().max() / step_p.abs().max()) < 1e-5

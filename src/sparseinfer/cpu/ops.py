@@ -52,7 +52,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "F32": (9, 1, 4),
 }
 ISAS = {"avx2": 0, "avx512": 1}
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 
 class CpuLibraryError(SparseInferError):
@@ -367,7 +367,10 @@ class _BlockDesc(ctypes.Structure):
         "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "gated", "gate_act", "up_act",
         "interleaved")] + [("eps", ctypes.c_float), ("attn_norm", ctypes.c_void_p),
                            ("ffn_norm", ctypes.c_void_p), ("qkv", _Linear), ("wo", _Linear),
-                           ("w_in", _Linear), ("down", _Linear)]
+                           ("w_in", _Linear), ("down", _Linear)] + [
+        (name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "attn_post_norm",
+                                             "ffn_post_norm")] + [
+        ("window", ctypes.c_int), ("scale", ctypes.c_float)]
 
 
 _lib.si_block_new.restype = ctypes.c_void_p
@@ -388,6 +391,10 @@ class DecodeBlock:
     (q, k, v; gate then up when ``gated``); ``biases``: optional float32 bias per weight name.
     ``gate_act``/``up_act``: names as ``models.model.ACTIVATIONS`` keys. The matrices, norm
     weights and biases are referenced, not copied (this object holds them).
+    Options for Gemma 2/3 and Qwen3 blocks (None / 0: not used): ``q_norm``/``k_norm`` [head_dim]
+    RMSNorm each q and k head before rope; ``attn_post_norm``/``ffn_post_norm`` [d_model]
+    RMSNorm the attention and FFN outputs before their residual adds; ``window`` attends to the
+    last ``window`` positions only; ``scale`` replaces 1/sqrt(head_dim) on the scores.
     (Reference: ``reference.block_decode_ref``.)"""
 
     def __init__(self, *, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, d_ff: int,
@@ -395,20 +402,34 @@ class DecodeBlock:
                  eps: float, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
                  qkv: Sequence[QuantMatrix], wo: Sequence[QuantMatrix],
                  w_in: Sequence[QuantMatrix], down: Sequence[QuantMatrix],
-                 biases: dict[str, torch.Tensor | None] | None = None):
+                 biases: dict[str, torch.Tensor | None] | None = None,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                 attn_post_norm: torch.Tensor | None = None,
+                 ffn_post_norm: torch.Tensor | None = None, window: int = 0,
+                 scale: float | None = None):
         biases = {k: v for k, v in (biases or {}).items() if v is not None}
+        if not (isinstance(window, int) and window >= 0):
+            raise ValueError(f"window: expected an int >= 0 (0: the whole cache), got {window!r}")
+        if scale is not None and not scale > 0:
+            raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
         for name in ("gate_act", "up_act"):
             act = locals()[name]
             if act not in ACTS:
                 raise ValueError(f"{name}: expected one of {list(ACTS)}, got {act!r}")
         d = _BlockDesc(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                        d_ff=d_ff, gated=int(gated), gate_act=ACTS[gate_act], up_act=ACTS[up_act],
-                       interleaved=int(interleaved), eps=eps)
+                       interleaved=int(interleaved), eps=eps, window=window,
+                       scale=scale or 0.0)
         self.hd, self.d_model, self.nkv = head_dim, d_model, n_kv_heads
         norms = []
-        for field, w in (("attn_norm", attn_norm), ("ffn_norm", ffn_norm)):
+        for field, w, n in (("attn_norm", attn_norm, d_model), ("ffn_norm", ffn_norm, d_model),
+                            ("q_norm", q_norm, head_dim), ("k_norm", k_norm, head_dim),
+                            ("attn_post_norm", attn_post_norm, d_model),
+                            ("ffn_post_norm", ffn_post_norm, d_model)):
+            if w is None and field not in ("attn_norm", "ffn_norm"):
+                continue
             w = w.detach().float().contiguous()
-            _check_f32(w, (d_model,), field)
+            _check_f32(w, (n,), field)
             norms.append(w)
             setattr(d, field, w.data_ptr())
         self._keep: list = [norms]

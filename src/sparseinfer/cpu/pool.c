@@ -27,7 +27,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 4
+#define SI_ABI_VERSION 5
 #define MAX_THREADS 256
 #define MAX_MATS 16
 
@@ -511,7 +511,7 @@ typedef struct {
     int scores_cap;
     /* the attention job of the current call */
     const float *kc, *vc;
-    int n, max_seq;
+    int start, n, max_seq; /* keys [start, start + n) of the cache */
     float scale;
     attend_fn attend;
 } block_t;
@@ -557,7 +557,8 @@ void *si_block_new(const si_block_desc *desc, int *err) {
     *err = EINVAL;
     if (d->d_model <= 0 || d->n_heads <= 0 || d->n_kv_heads <= 0 || d->head_dim <= 0 ||
         d->head_dim % 2 || d->n_heads % d->n_kv_heads || d->d_ff <= 0 || !d->attn_norm ||
-        !d->ffn_norm || d->gate_act < 0 || d->gate_act > 4 || d->up_act < 0 || d->up_act > 4)
+        !d->ffn_norm || d->gate_act < 0 || d->gate_act > 4 || d->up_act < 0 || d->up_act > 4 ||
+        d->window < 0 || !(d->scale >= 0.0f))
         return NULL;
     const int64_t qkv_rows = (int64_t)(d->n_heads + 2 * d->n_kv_heads) * d->head_dim;
     if (linear_rows(&d->qkv) != qkv_rows || linear_rows(&d->wo) != d->d_model ||
@@ -602,7 +603,7 @@ static void rms_norm(const float *x, const float *w, int n, float eps, float *ou
 static void attend_chunk(const void *jp, int64_t h) {
     const block_t *b = jp;
     const int hd = b->d.head_dim, g = (int)h / (b->d.n_heads / b->d.n_kv_heads);
-    const size_t kv = (size_t)g * b->max_seq * hd;
+    const size_t kv = ((size_t)g * b->max_seq + b->start) * hd;
     b->attend(b->qkv + h * hd, b->kc + kv, b->vc + kv, b->n, hd, b->scale,
               b->scores + h * (size_t)b->max_seq, b->att + h * hd);
 }
@@ -614,6 +615,7 @@ static void add_bias(float *y, const float *bias, int64_t n) {
 
 /* One token through block b at position pos, x [d_model] the residual stream (updated in place):
  *   x += wo(attention(rope(qkv(rmsnorm(x)))));  x += down(glu(w_in(rmsnorm(x))))
+ * (with the desc's optional q/k norms, post-norms, window and scale: see qgemv.h)
  * kc/vc: this layer's caches [n_kv_heads, max_seq, head_dim] (the new key/value written at pos);
  * cos/sin: the rope row of pos [head_dim] (rotate-half tables; adjacent pairs when interleaved).
  * Five pool dispatches (four matrix products and the heads), nothing in between. */
@@ -638,6 +640,10 @@ int si_block_decode(void *p, float *x, int pos, float *kc, float *vc, const floa
     rms_norm(x, d->attn_norm, d->d_model, d->eps, b->h);
     if ((err = exec_job(&b->jobs[0], b->h))) goto out;
     add_bias(b->qkv, d->qkv.bias, (int64_t)(nh + 2 * nkv) * hd);
+    for (int h = 0; h < nh + nkv; h++) { /* q/k heads' norms, in place, before rope */
+        const float *w = h < nh ? d->q_norm : d->k_norm;
+        if (w) rms_norm(b->qkv + (size_t)h * hd, w, hd, d->eps, b->qkv + (size_t)h * hd);
+    }
     for (int h = 0; h < nh + nkv; h++) { /* rope on the q and k heads */
         float *v = b->qkv + (size_t)h * hd;
         for (int j = 0; j < half; j++) {
@@ -653,9 +659,10 @@ int si_block_decode(void *p, float *x, int pos, float *kc, float *vc, const floa
     }
     b->kc = kc;
     b->vc = vc;
-    b->n = pos + 1;
+    b->start = d->window > 0 && pos + 1 > d->window ? pos + 1 - d->window : 0;
+    b->n = pos + 1 - b->start;
     b->max_seq = max_seq;
-    b->scale = 1.0f / sqrtf((float)hd);
+    b->scale = d->scale > 0.0f ? d->scale : 1.0f / sqrtf((float)hd);
     b->attend = g_isa == ISA_AVX512 ? si_attend_head_avx512 : si_attend_head_avx2;
     if ((size_t)b->n * nh * hd >= 16384) {
         pool_run(attend_chunk, b, nh); /* one head per chunk */
@@ -664,6 +671,7 @@ int si_block_decode(void *p, float *x, int pos, float *kc, float *vc, const floa
     }
     if ((err = exec_job(&b->jobs[1], b->att))) goto out;
     add_bias(b->a, d->wo.bias, d->d_model);
+    if (d->attn_post_norm) rms_norm(b->a, d->attn_post_norm, d->d_model, d->eps, b->a);
     for (int i = 0; i < d->d_model; i++) x[i] += b->a[i];
     /* FFN */
     rms_norm(x, d->ffn_norm, d->d_model, d->eps, b->h);
@@ -673,6 +681,7 @@ int si_block_decode(void *p, float *x, int pos, float *kc, float *vc, const floa
     glu(d->gated, d->gate_act, d->up_act, b->f, d->gated ? NULL : d->w_in.bias, d->d_ff, b->act);
     if ((err = exec_job(&b->jobs[3], b->act))) goto out;
     add_bias(b->a, d->down.bias, d->d_model);
+    if (d->ffn_post_norm) rms_norm(b->a, d->ffn_post_norm, d->d_model, d->eps, b->a);
     for (int i = 0; i < d->d_model; i++) x[i] += b->a[i];
 out:
     pthread_mutex_unlock(&g_call_lock);

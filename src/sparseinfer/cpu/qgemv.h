@@ -61,12 +61,19 @@ typedef struct {
     const float *bias;
 } si_linear;
 
-/* A pre-norm llama block (RMSNorm, RoPE, grouped-query attention, FFN) for one-token decode. */
+/* A pre-norm llama block (RMSNorm, RoPE, grouped-query attention, FFN) for one-token decode,
+ * with Gemma's and Qwen3's extras as options: RMSNorm of each q and k head before rope (q_norm,
+ * k_norm [head_dim]), RMSNorm of the attention and FFN outputs before their residual adds
+ * (attn_post_norm, ffn_post_norm [d_model]), attention over the last `window` positions only
+ * (0: all), and a score scale other than 1/sqrt(head_dim) (scale > 0). NULL / 0: not used. */
 typedef struct {
     int d_model, n_heads, n_kv_heads, head_dim, d_ff, gated, gate_act, up_act, interleaved;
     float eps;
     const float *attn_norm, *ffn_norm;
     si_linear qkv, wo, w_in, down;
+    const float *q_norm, *k_norm, *attn_post_norm, *ffn_post_norm;
+    int window;
+    float scale;
 } si_block_desc;
 
 SI_DECLARE(avx2)

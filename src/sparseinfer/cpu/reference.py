@@ -72,7 +72,8 @@ _ACTS = {None: lambda t: t, "relu": torch.relu, "silu": torch.nn.functional.silu
 
 def block_decode_ref(*, d_model, n_heads, n_kv_heads, head_dim, d_ff, gated, gate_act, up_act,
                      interleaved, eps, attn_norm, ffn_norm, qkv, wo, w_in, down, biases=None,
-                     x, pos, k_cache, v_cache, cos, sin) -> torch.Tensor:
+                     q_norm=None, k_norm=None, attn_post_norm=None, ffn_post_norm=None,
+                     window=0, scale=None, x, pos, k_cache, v_cache, cos, sin) -> torch.Tensor:
     """``DecodeBlock(...)(x, pos, k_cache, v_cache, cos, sin)`` in float64 torch: each product is
     ``gemv_q8_ref`` (the input rounded as the kernels round it), attention a plain softmax over
     the cache with rope applied to q and k. Returns the new ``x``; writes the caches."""
@@ -100,17 +101,26 @@ def block_decode_ref(*, d_model, n_heads, n_kv_heads, head_dim, d_ff, gated, gat
     x = x.double()
     y = lin("qkv", qkv, norm(x, attn_norm))
     q, k, v = y.split([nh * hd, nkv * hd, nkv * hd])
-    q, k = rope(q.view(nh, hd)), rope(k.view(nkv, hd))
+    q, k = q.view(nh, hd), k.view(nkv, hd)
+    if q_norm is not None:
+        q = torch.stack([norm(head, q_norm) for head in q])
+    if k_norm is not None:
+        k = torch.stack([norm(head, k_norm) for head in k])
+    q, k = rope(q), rope(k)
     k_cache[:, pos] = k.float()
     v_cache[:, pos] = v.view(nkv, hd).float()
-    keys = k_cache[:, : pos + 1].double().repeat_interleave(nh // nkv, 0)
-    vals = v_cache[:, : pos + 1].double().repeat_interleave(nh // nkv, 0)
-    probs = torch.softmax((keys @ q.unsqueeze(-1)).squeeze(-1) / hd**0.5, -1)  # (nh, n)
+    start = max(0, pos + 1 - window) if window else 0
+    keys = k_cache[:, start : pos + 1].double().repeat_interleave(nh // nkv, 0)
+    vals = v_cache[:, start : pos + 1].double().repeat_interleave(nh // nkv, 0)
+    s = scale if scale else hd**-0.5
+    probs = torch.softmax((keys @ q.unsqueeze(-1)).squeeze(-1) * s, -1)  # (nh, n)
     att = (probs.unsqueeze(1) @ vals).reshape(nh * hd)
-    x = x + lin("wo", wo, att)
+    a = lin("wo", wo, att)
+    x = x + (norm(a, attn_post_norm) if attn_post_norm is not None else a)
     f = lin("w_in", w_in, norm(x, ffn_norm))
     if gated:
         h = _ACTS[gate_act](f[:d_ff]) * _ACTS[up_act](f[d_ff:])
     else:
         h = _ACTS[up_act](f)
-    return (x + lin("down", down, h)).float()
+    y = lin("down", down, h)
+    return (x + (norm(y, ffn_post_norm) if ffn_post_norm is not None else y)).float()

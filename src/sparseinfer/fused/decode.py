@@ -164,7 +164,7 @@ class FusedDecode:
     def __repr__(self) -> str:
         return "FusedDecode(one C call per block, or rms_norm + attend kernels)"
 
-    def _prepare(self) -> None:
+    def _prepare(self, layer: int) -> None:
         block = self._block[0]
         cfg = block.attn.cfg
         self.nh, self.nkv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -181,12 +181,16 @@ class FusedDecode:
         self._on = self._o.numpy()
         self._scores = np.empty(cfg.max_seq_len, dtype=np.float32)
         self._rope_key = None
-        self._c = _c_block(block) if self._want_c else None
+        self._c = _c_block(block, layer) if self._want_c else None
+        if self._c is None and not cfg.plain_block:  # the plan fuses such blocks only for C
+            raise RuntimeError(f"fused decode of a {cfg.arch} block (q/k norms, post-norms, "
+                               "windows or a custom scale) needs the C block: expected its four "
+                               "products on the C kernels")
         self._ready = True
 
     def __call__(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
         if not self._ready:
-            self._prepare()
+            self._prepare(layer)
         if self._c is not None:
             return self._c_call(x, layer, pos, cache, rope)
         kc, vc = cache.k_np[layer, 0], cache.v_np[layer, 0]
@@ -235,7 +239,7 @@ class FusedDecode:
         return x1.view(1, 1, -1)
 
 
-def _c_block(block: Block):
+def _c_block(block: Block, layer: int):
     """``sparseinfer.cpu.DecodeBlock`` for ``block`` when its four weights are on the C kernels
     (the file's blocks in ``GGMLLinear``, or fp32 ``FloatLinear``) and its FFN is the dense one;
     else None (the numba kernels around the block's own modules)."""
@@ -256,13 +260,22 @@ def _c_block(block: Block):
     kind = FFN_KINDS[cfg.ffn_kind]
     if len(lins["qkv"].mats) > 4 or len(lins["w_in"].mats) > 4:
         return None
+    if cfg.attn_softcap or cfg.parallel or cfg.post_norm or block.ffn_norm is None:
+        return None
+
+    def weight(norm):  # a Norm, or nn.Identity where the architecture has none
+        return getattr(norm, "weight", None) if norm is not None else None
+
     return cpu.DecodeBlock(
         d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
         head_dim=cfg.head_dim, d_ff=cfg.d_ff, gated=kind.gated, gate_act=kind.gate_act,
         up_act=kind.up_act, interleaved=bool(cfg.rope_interleaved), eps=float(block.attn_norm.eps),
         attn_norm=block.attn_norm.weight, ffn_norm=block.ffn_norm.weight,
         **{name: m.mats for name, m in lins.items()},
-        biases={name: m.bias for name, m in lins.items()})
+        biases={name: m.bias for name, m in lins.items()},
+        q_norm=weight(attn.q_norm), k_norm=weight(attn.k_norm),
+        attn_post_norm=weight(block.attn_post_norm), ffn_post_norm=weight(block.ffn_post_norm),
+        window=int(cfg.window(layer) or 0), scale=cfg.attn_scale or None)
 
 
 def supports(model) -> bool:

@@ -345,7 +345,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     else:
         add("lm_head", ["lm_head.weight"], (cfg.vocab_size, E), head=True)
     fused_ok = (fused and cpu and float_dtype == "fp32" and cfg.norm == "rms"
-                and cfg.pos == "rope" and cfg.plain_block)
+                and cfg.pos == "rope" and (cfg.plain_block or _c_blocks(cfg, weights, sparse)))
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * hd * (2 if float_dtype == "bf16" else 4)
     if sparse is not None and (ram_budget is not None or disk_options is not None):
         from ..disk.plan import DiskOptions, plan_disk
@@ -358,6 +358,23 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                   disk_options or DiskOptions())
         sparse = replace(sparse, disk=disk)
     return Plan(cfg, dtype, float_dtype, tuple(weights), sparse, fused_ok, str(dev), kv)
+
+
+# the four products of a block, by module path suffix; the C decode block runs them when each
+# is on the C kernels (the file's blocks, or float32)
+_BLOCK_LINEARS = ("attn.wqkv", "attn.wo", "ffn.w_in", "ffn.down")
+
+
+def _c_blocks(cfg: ModelConfig, weights: list[WeightPlan], sparse) -> bool:
+    """Whether every block of a model that is not a plain llama block (q/k norms, post-norms,
+    windows, a custom scale: Gemma 2/3, Qwen3) can decode on ``cpu.DecodeBlock``: the numba
+    path around the block's modules implements only the plain block, so such models are fused
+    only when the C block takes every layer."""
+    if sparse is not None or cfg.attn_softcap or cfg.parallel or cfg.post_norm:
+        return False
+    storage = {w.module: w.storage for w in weights}
+    return all(storage.get(f"layers.{i}.{name}") in ("ggml", "fp32")
+               for i in range(cfg.n_layers) for name in _BLOCK_LINEARS)
 
 
 def _auto_ffn_dtype(src: ModelSource, dtype: str) -> str:
