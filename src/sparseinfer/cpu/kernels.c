@@ -103,6 +103,35 @@ INLINE __m256 f16x8(const uint8_t *p, const int bsize, const int off) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SI_PAIRS 1
+/* Eight 4-bit blocks of one row (quants at q, bsize apart), two per 512-bit step: the 16 nibble
+ * bytes of blocks k and k+1 become one vector [k low, k high, k+1 low, k+1 high] (elements
+ * 0..31 of each block in order), one dpbusd against x's blocks k, k+1 (64 contiguous bytes),
+ * each half scaled by its block's scale (lanes k and k+1 of `scale`). Half the instructions of
+ * the 256-bit loop per block. */
+INLINE void pairs_q4(const uint8_t *q, const int bsize, const int8_t *xq, __m256 scale,
+                     __m512 *acc) {
+    const __m512 sc = _mm512_castps256_ps512(scale);
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    for (int k = 0; k < 8; k += 2) {
+        const __m256i raw = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(q + (k + 1) * bsize)),
+                                             _mm_loadu_si128((const __m128i *)(q + k * bsize)));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw),
+                                                _mm256_srli_epi16(raw, 4), 1);
+        const __m512i wv = _mm512_and_si512(
+            _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), lo4);
+        const __m512i xv = _mm512_loadu_si512((const void *)(xq + 32 * k));
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(k)),
+                                               _mm256_set1_epi32(k + 1), 1);
+        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, sc), *acc);
+    }
+}
+#else
+#define SI_PAIRS 0
+#endif
+
 /* type: SI_Q4_0, SI_Q4_1, SI_Q5_0, SI_Q5_1 or SI_Q8_0 (a constant after inlining).
  * Blocks go 8 at a time: the 8 scale products d_w*d_x are made in one vector and broadcast per
  * block with a permute; the zero-point/minimum terms accumulate as a vector (per row: accm). */
@@ -115,6 +144,10 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
         accm[r] = _mm256_setzero_ps();
     }
     const int has_min = type == SI_Q4_1 || type == SI_Q5_1;
+#if SI_PAIRS
+    __m512 acc5[4];
+    for (int r = 0; r < R; r++) acc5[r] = _mm512_setzero_ps();
+#endif
     int b = 0;
     for (; b + 8 <= nb; b += 8) {
         const __m256 xd = _mm256_loadu_ps(x->d + b), xs = _mm256_loadu_ps(x->s + b);
@@ -125,6 +158,13 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
             const __m256 scale = _mm256_mul_ps(dw, xd);
             if (has_min) accm[r] = _mm256_fmadd_ps(f16x8(p, bsize, 2), xs, accm[r]);
             else if (type != SI_Q8_0) accm[r] = _mm256_fmadd_ps(dw, xs, accm[r]);
+#if SI_PAIRS
+            if (type == SI_Q4_0 || type == SI_Q4_1) {
+                pairs_q4(p + (type == SI_Q4_0 ? 2 : 4), bsize, x->q + 32 * (size_t)b, scale,
+                         &acc5[r]);
+                continue;
+            }
+#endif
             for (int k = 0; k < 8; k++) {
                 const __m256i dot = dot_b32(type, p + k * bsize, loadx(x, b + k));
                 const __m256 sk = _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(k));
@@ -132,6 +172,12 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
             }
         }
     }
+#if SI_PAIRS
+    for (int r = 0; r < R; r++) /* fold the 512-bit sums into the 256-bit ones */
+        acc[r] = _mm256_add_ps(acc[r], _mm256_add_ps(_mm512_castps512_ps256(acc5[r]),
+                                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                                         _mm512_castps_pd(acc5[r]), 1))));
+#endif
     float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (; b < nb; b++) { /* the last nb % 8 blocks, one at a time */
         const __m256i xv = loadx(x, b);
