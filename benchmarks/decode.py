@@ -171,8 +171,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None, help="dense model (default: embedded SmolLM2)")
     ap.add_argument("--sparse", default=None, help="sparse GGUF from `sparseinfer convert`")
-    ap.add_argument("--ffn-dtype", default="fp32", choices=["fp32", "bf16", "int8"])
-    ap.add_argument("--sparse-dtype", default="q4", choices=["fp32", "q4"],
+    ap.add_argument("--ffn-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "q4"],
+                    help="sparse FFN rows of the sparse engine (default: what `run` uses)")
+    ap.add_argument("--sparse-dtype", default="auto", choices=["auto", "fp32", "q4"],
                     help="attention / LM head weights of the sparse engine")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-n", "--tokens", type=int, default=128)
@@ -200,7 +201,7 @@ def main() -> int:
                                                 ffn_dtype="fp32", dtype="q4", **common)
     if args.sparse:
         rows[f"sparseinfer sparse {args.ffn_dtype}/{args.sparse_dtype}"] = run_isolated(
-            "_ours", model=Path(args.sparse), dense=False, ffn_dtype=args.ffn_dtype,
+            _ours, model=Path(args.sparse), dense=False, ffn_dtype=args.ffn_dtype,
             dtype=args.sparse_dtype, **common)
     if not args.no_transformers:
         rows["transformers fp32"] = run_isolated(_transformers, model=model, **common)

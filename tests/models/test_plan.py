@@ -204,7 +204,7 @@ def test_converted_file_gives_the_sources_default_logits(quant_gguf, converted):
     """A converted file under default flags with every neuron active (and with --dense) gives
     the source's default logits: nothing the source kept exact is rounded to fewer bits again
     (its 4-bit blocks are copied, rows permuted; the transposed down projection is stored as F32
-    and its rows default to int8, ``--ffn-dtype auto``). 4-bit rows, asked for, round the down
+    and its rows default to bf16, ``--ffn-dtype auto``). 4-bit rows, asked for, round the down
     projection again: close, not equal."""
     from sparseinfer.engine import Engine
 
@@ -213,7 +213,7 @@ def test_converted_file_gives_the_sources_default_logits(quant_gguf, converted):
     for ffn_dtype in ("auto", "fp32"):
         sparse = Engine.load(converted["output"], n_ctx=64, threshold=-float("inf"),
                              ffn_dtype=ffn_dtype)
-        assert sparse.sparse_info.ffn_dtype == ("int8" if ffn_dtype == "auto" else "fp32")
+        assert sparse.sparse_info.ffn_dtype == ("bf16" if ffn_dtype == "auto" else "fp32")
         got = _logits(sparse.model)
         assert sparse.sparse_info.density() == 1.0
         assert _rel(got, want) < 1e-2

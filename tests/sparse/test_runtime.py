@@ -258,10 +258,12 @@ def test_auto_prefill_of_long_prompts(tiny_model_dir, with_predictors, ffn_dtype
     assert torch.equal(_prefill_logits(lm, ids), auto)
 
 
-@pytest.mark.parametrize("arch,fused", [("qwen2", True), ("llama3", True), ("gemma3", False)])
+@pytest.mark.parametrize("arch,fused", [("qwen2", True), ("llama3", True), ("gemma3", True),
+                                        ("gemma2", False)])
 def test_fused_decode_new_archs(arch_model_dir, arch, fused):
-    """The fused block decode takes q/k/v biases and scaled rope tables as they are; blocks it
-    does not implement (q/k norms, windows, post-norms) keep the torch path."""
+    """The fused block decode takes q/k/v biases and scaled rope tables as they are, and Gemma
+    3's q/k norms, windows and post-norms on the C block; blocks it does not implement (Gemma
+    2's soft-capped scores) keep the torch path."""
     path = arch_model_dir(arch)
     ref = _decode_logits(load_model(path), IDS)
     lm = load_model(path, fused=True)
