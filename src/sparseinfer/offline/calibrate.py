@@ -56,9 +56,34 @@ def dense_weight(linear) -> Tensor:
     return w.float() if isinstance(w, Tensor) else linear.dequantized()
 
 
+def column_norms(linear, block_rows: int = 256) -> Tensor:
+    """The norms of a projection's weight columns, (in_features,) fp32, a block of rows at a
+    time: the file's quantized blocks are dequantized ``block_rows`` rows at once (gguf-py), so
+    a 7B down projection never exists whole in float32 (180 MB)."""
+    mats = getattr(linear, "mats", None)
+    if mats and all(hasattr(m, "raw") for m in mats) and getattr(linear, "weight", None) is None:
+        from gguf import GGMLQuantizationType, quants
+
+        sq = np.zeros(mats[0].cols, dtype=np.float64)
+        for m in mats:
+            raw = np.asarray(m.raw).reshape(m.rows, -1)
+            qtype = GGMLQuantizationType[m.type_name]
+            for r in range(0, m.rows, block_rows):
+                w = quants.dequantize(raw[r: r + block_rows], qtype).reshape(-1, m.cols)
+                sq += np.square(w, dtype=np.float64).sum(0)
+        return torch.from_numpy(np.sqrt(sq).astype(np.float32))
+    w = getattr(linear, "weight", None)
+    if isinstance(w, Tensor):
+        sq = torch.zeros(w.shape[1], dtype=torch.float64)
+        for r in range(0, w.shape[0], block_rows):
+            sq += w[r: r + block_rows].double().square().sum(0)
+        return sq.sqrt().float()
+    return linear.dequantized().norm(dim=0)  # 4-bit / int8 modules: small models only
+
+
 def down_norms(ffn: FFN) -> Tensor:
     """||down_i|| for every neuron: the norms of the down projection's columns, (d_ff,) fp32."""
-    return dense_weight(ffn.down).norm(dim=0)
+    return column_norms(ffn.down)
 
 
 def neuron_scores(ffn: FFN, x: Tensor, h: Tensor, score: str,

@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 PROFILE_FORMAT = "sparseinfer-profile"
 PROFILE_VERSION = 1
 MIN_TOKENS = 256  # fewer leave too few held-out tokens to measure a 99% recall
-MASK_BLOCK = 4096  # rows per block when computing masks from the stored inputs
+MASK_BLOCK = 4096  # rows per block when computing masks from the stored inputs (at most)
+MASK_BLOCK_BYTES = 64 << 20  # ... and about this much float32 work per block (gate, up, h)
 FP16_MAX = 65504.0
 
 Progress = Callable[[int], None]  # called with the number of units just done
@@ -294,11 +295,13 @@ def _magnitude_masks(model: Transformer, layer: int, xs: np.ndarray, masks: np.n
                      threshold: float, score: str) -> torch.Tensor:
     """Masks (score > threshold) of one layer from its stored inputs; returns per-neuron counts."""
     ffn = model.layers[layer].ffn
-    norms = down_norms(ffn)
+    norms = down_norms(ffn) if score == "output_norm" else None  # the only score that uses them
     counts = torch.zeros(model.cfg.d_ff, dtype=torch.int64)
+    # rows per block: the projections' outputs, h and the scores are 4 float32 values per neuron
+    block = max(16, min(MASK_BLOCK, MASK_BLOCK_BYTES // (16 * model.cfg.d_ff)))
     with torch.inference_mode():
-        for start in range(0, xs.shape[0], MASK_BLOCK):
-            x = torch.from_numpy(np.asarray(xs[start: start + MASK_BLOCK])).float()
+        for start in range(0, xs.shape[0], block):
+            x = torch.from_numpy(np.asarray(xs[start: start + block])).float()
             x = x.to(model.dtype)
             h = ffn.activations(x)
             active = neuron_scores(ffn, x, h, score, norms).float() > threshold
