@@ -43,7 +43,12 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 OUTTYPES = ("f32", "f16")
-GGUF_ARCH_NAMES = {"llama": "llama", "opt": "opt"}  # ModelConfig.arch -> general.architecture
+# ModelConfig.arch -> general.architecture of the sparse GGUF. A GGUF source's metadata is copied
+# whole (its architecture's own keys included); a Hugging Face source gets ``_hparams``'s keys,
+# which describe llama and OPT blocks only (HF_ARCHS)
+GGUF_ARCH_NAMES = {"llama": "llama", "opt": "opt", "qwen2": "qwen2", "qwen3": "qwen3",
+                   "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "falcon": "falcon"}
+HF_ARCHS = ("llama", "opt")
 SKIP_KV = ("GGUF.", "general.architecture", "general.file_type", "general.alignment",
            "powerinfer.", "sparseinfer.")
 
@@ -272,6 +277,22 @@ def canonical_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
+def _model_tensor_names(src: _Source) -> list[str]:
+    """``canonical_names`` plus, from a GGUF source, every other model tensor it holds that the
+    architecture adds (q/k/v biases, q/k norms, post-norms, rope factors...), in file order.
+    The FFN's own tensors and a source's predictors are not among them: the export writes its
+    own."""
+    names = canonical_names(src.cfg)
+    if src.raw:  # what the file holds (fused q/k/v, no FFN norm of Falcon-7B...); FFN rows
+        names = [n for n in names if n in src.raw or ".ffn." in n]  # are written anew below
+    known = set(names)
+    for canon in src.raw:
+        if canon in known or ".ffn." in canon or not canon.endswith((".weight", ".bias")):
+            continue
+        names.append(canon)
+    return names
+
+
 # ---- the tensor plan ---------------------------------------------------------------------------
 
 
@@ -289,7 +310,7 @@ def plan_model_tensors(src: _Source, perms: list[np.ndarray] | None) -> list[_Te
     names = gguf_names(cfg.arch)
     ftype = _float_type(src.outtype)
     out: list[_Tensor] = []
-    for canon in canonical_names(cfg):
+    for canon in _model_tensor_names(src):
         layer = _layer_of(canon)
         perm = perms[layer] if (perms is not None and layer is not None) else None
         is_rows = canon.endswith(("ffn.gate.weight", "ffn.up.weight", "ffn.up.bias"))
@@ -558,6 +579,15 @@ def export_sparse_gguf(loaded, profile: Profile, predictors: Predictors, out_pat
     if cfg.arch not in GGUF_ARCH_NAMES:
         raise SparseInferError(f"unsupported architecture {cfg.arch!r}: expected one of "
                                f"{sorted(GGUF_ARCH_NAMES)}")
+    if cfg.arch == "phi3":
+        raise SparseInferError(
+            f"{loaded.path}: Phi-3 stores gate and up as one tensor (ffn_up holds both); the "
+            f"sparse exporter needs them per neuron and does not split it yet")
+    if loaded.format != "gguf" and cfg.arch not in HF_ARCHS:
+        raise SparseInferError(
+            f"{loaded.path}: a sparse GGUF of a {cfg.arch} model is written from a GGUF source "
+            f"(its metadata is copied); from Hugging Face files only {list(HF_ARCHS)}: convert "
+            f"the model with llama.cpp's convert_hf_to_gguf.py first")
     if (profile.n_layers, profile.d_model, profile.d_ff) != (cfg.n_layers, cfg.d_model, cfg.d_ff):
         raise SparseInferError(
             f"profile {profile.path}: expected a profile of this model ({cfg.n_layers} layers, "
