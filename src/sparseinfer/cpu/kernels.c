@@ -105,6 +105,11 @@ INLINE __m256 f16x8(const uint8_t *p, const int bsize, const int off) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SI_PAIRS 1
+/* The two 256-bit halves of v added. */
+INLINE __m256 fold256(__m512 v) {
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    return _mm256_add_ps(_mm512_castps512_ps256(v), hi);
+}
 /* Eight 4-bit blocks of one row (quants at q, bsize apart), two per 512-bit step: the 16 nibble
  * bytes of blocks k and k+1 become one vector [k low, k high, k+1 low, k+1 high] (elements
  * 0..31 of each block in order), one dpbusd against x's blocks k, k+1 (64 contiguous bytes),
@@ -115,8 +120,9 @@ INLINE void pairs_q4(const uint8_t *q, const int bsize, const int8_t *xq, __m256
     const __m512 sc = _mm512_castps256_ps512(scale);
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
     for (int k = 0; k < 8; k += 2) {
-        const __m256i raw = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(q + (k + 1) * bsize)),
-                                             _mm_loadu_si128((const __m128i *)(q + k * bsize)));
+        const __m128i b0 = _mm_loadu_si128((const __m128i *)(q + k * bsize));
+        const __m128i b1 = _mm_loadu_si128((const __m128i *)(q + (k + 1) * bsize));
+        const __m256i raw = _mm256_set_m128i(b1, b0);
         const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw),
                                                 _mm256_srli_epi16(raw, 4), 1);
         const __m512i wv = _mm512_and_si512(
@@ -174,9 +180,7 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
     }
 #if SI_PAIRS
     for (int r = 0; r < R; r++) /* fold the 512-bit sums into the 256-bit ones */
-        acc[r] = _mm256_add_ps(acc[r], _mm256_add_ps(_mm512_castps512_ps256(acc5[r]),
-                                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(
-                                                         _mm512_castps_pd(acc5[r]), 1))));
+        acc[r] = _mm256_add_ps(acc[r], fold256(acc5[r]));
 #endif
     float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (; b < nb; b++) { /* the last nb % 8 blocks, one at a time */
@@ -345,7 +349,7 @@ INLINE void rows_f32(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
     for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_ps();
     for (int c = 0; c < cols; c += 16) { /* cols is a multiple of 32 */
         const __m256 x0 = _mm256_loadu_ps(x->f + c), x1 = _mm256_loadu_ps(x->f + c + 8);
-        (void)pf, (void)far; /* no software prefetch: 4 row streams in order suit the hardware one */
+        (void)pf, (void)far; /* no software prefetch: 4 row streams in order suit the hardware */
         for (int r = 0; r < R; r++) {
             const float *p = (const float *)(w + (size_t)r * rb) + c;
             acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(p), x0, acc[r]);
@@ -370,7 +374,7 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
     const int far = 4 * rb > PF_NEAR_BYTES;
 #define NEXT (w + (r + 4) * rb)
 #define B32(T, S)                                                                              \
-    WALK(rows_b32(T, S, w + r * rb, rb, 4, x, nb, y + r, NEXT, far),                                \
+    WALK(rows_b32(T, S, w + r * rb, rb, 4, x, nb, y + r, NEXT, far),                           \
          rows_b32(T, S, w + r * rb, rb, 1, x, nb, y + r, NULL, far))
     switch (type) {
     case SI_Q4_0: B32(SI_Q4_0, 18); break;
@@ -402,6 +406,94 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
     }
 #undef B32
 #undef NEXT
+}
+
+#if SI_PAIRS
+#define MULTI_T 8 /* x rows per pass over a weight row */
+/* One Q4_0/Q4_1 row against nt <= MULTI_T quantized x rows (nb blocks):
+ * each pair of blocks is decoded once (as in pairs_q4) and multiplied with every x row, so a
+ * prompt's or a batch's rows share the decoding. y[t * ys] for t < nt. */
+INLINE void multi_q4(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
+                     float *y, const int64_t ys) {
+    const int bsize = type == SI_Q4_0 ? 18 : 20, off = type == SI_Q4_0 ? 2 : 4;
+    __m512 acc[MULTI_T];
+    __m256 accm[MULTI_T];
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm512_setzero_ps();
+        accm[t] = _mm256_setzero_ps();
+    }
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    __m512i idx[4];
+    for (int k = 0; k < 8; k += 2)
+        idx[k / 2] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(k)),
+                                        _mm256_set1_epi32(k + 1), 1);
+    for (int b = 0; b + 8 <= nb; b += 8) {
+        const uint8_t *pb = p + (size_t)b * bsize;
+        const __m256 dw = f16x8(pb, bsize, 0);
+        const __m256 mw = type == SI_Q4_1 ? f16x8(pb, bsize, 2) : dw;
+        __m512i wv[4];
+        for (int k = 0; k < 8; k += 2) {
+            const uint8_t *q = pb + off + (size_t)k * bsize;
+            const __m256i raw = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(q + bsize)),
+                                                 _mm_loadu_si128((const __m128i *)q));
+            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw),
+                                                    _mm256_srli_epi16(raw, 4), 1);
+            wv[k / 2] = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)),
+                                         lo4);
+        }
+        for (int t = 0; t < nt; t++) {
+            const __m256 xd = _mm256_loadu_ps(x[t].d + b), xs = _mm256_loadu_ps(x[t].s + b);
+            const __m512 sc = _mm512_castps256_ps512(_mm256_mul_ps(dw, xd));
+            accm[t] = _mm256_fmadd_ps(mw, xs, accm[t]);
+            for (int k = 0; k < 8; k += 2) {
+                const int8_t *xq = x[t].q + 32 * (size_t)(b + k);
+                const __m512i xv = _mm512_loadu_si512((const void *)xq);
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[k / 2], xv);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                         _mm512_permutexvar_ps(idx[k / 2], sc), acc[t]);
+            }
+        }
+    }
+    /* as rows_b32 sums: the 512-bit sums folded to 256 bits, then the last nb % 8 blocks one
+     * at a time, so every x row's result equals its GEMV bit for bit */
+    __m256 acc8[MULTI_T];
+    float cs[MULTI_T];
+    for (int t = 0; t < nt; t++) {
+        acc8[t] = fold256(acc[t]);
+        cs[t] = 0.0f;
+    }
+    for (int b = nb - nb % 8; b < nb; b++) {
+        const uint8_t *pb = p + (size_t)b * bsize;
+        const float dwb = f16(pb), mwb = type == SI_Q4_1 ? f16(pb + 2) : dwb;
+        const __m256i wq = nib32(pb + off);
+        for (int t = 0; t < nt; t++) {
+            cs[t] += mwb * x[t].s[b];
+            const __m256i dot = dot_us(wq, loadx(&x[t], b));
+            acc8[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dwb * x[t].d[b]),
+                                      acc8[t]);
+        }
+    }
+    const float zk = type == SI_Q4_0 ? -8.0f : 1.0f;
+    for (int t = 0; t < nt; t++) y[t * ys] = hsum(acc8[t]) + zk * (hsum(accm[t]) + cs[t]);
+}
+#endif
+
+/* y[t * y_stride + r] = row r of w times x[t], for t < T: the 4-bit rows decoded once per
+ * MULTI_T x rows where the pair kernel exists (AVX-512 Q4_0/Q4_1), else si_rows for each x
+ * row. */
+void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *x, int T,
+                       int cols, float *y, int64_t ys) {
+#if SI_PAIRS
+    if (type == SI_Q4_0 || type == SI_Q4_1) {
+        for (int t0 = 0; t0 < T; t0 += MULTI_T) {
+            const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
+            for (int r = 0; r < nrows; r++)
+                multi_q4(type, w + (size_t)r * rb, x + t0, nt, cols / 32, y + t0 * ys + r, ys);
+        }
+        return;
+    }
+#endif
+    for (int t = 0; t < T; t++) FN(si_rows)(type, w, rb, nrows, &x[t], cols, y + t * ys);
 }
 
 /* x (cols, a multiple of 32) -> blocks of 32: d = max|x|/127, q = round-to-even(x/d) as

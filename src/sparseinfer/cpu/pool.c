@@ -50,6 +50,9 @@ typedef void (*sparse_fn)(const uint8_t *, size_t, int, const int32_t *, int, co
 enum { ISA_AVX2 = 0, ISA_AVX512 = 1 };
 static int g_isa = -1;
 static rows_fn g_rows;
+typedef void (*rows_multi_fn)(int, const uint8_t *, size_t, int, const si_xq *, int, int, float *,
+                              int64_t);
+static rows_multi_fn g_rows_multi;
 static quant_fn g_quant;
 static sparse_fn g_sparse;
 
@@ -67,6 +70,7 @@ int si_set_isa(int isa) {
     if (!si_isa_supported(isa)) return -1;
     g_isa = isa;
     g_rows = isa == ISA_AVX512 ? si_rows_avx512 : si_rows_avx2;
+    g_rows_multi = isa == ISA_AVX512 ? si_rows_multi_avx512 : si_rows_multi_avx2;
     g_quant = isa == ISA_AVX512 ? si_quantize_x_avx512 : si_quantize_x_avx2;
     g_sparse = isa == ISA_AVX512 ? si_sparse_q4_avx512 : si_sparse_q4_avx2;
     return 0;
@@ -309,9 +313,12 @@ static void gemv_chunk(const void *jp, int64_t c) {
     while (c >= j->first[i + 1]) i++;
     const int64_t r0 = (c - j->first[i]) * j->ch;
     const int64_t r1 = r0 + j->ch < j->rows[i] ? r0 + j->ch : j->rows[i];
-    for (int64_t t = 0; t < j->T; t++)
-        j->rows_kernel(j->type[i], j->w[i] + r0 * j->rb[i], j->rb[i], (int)(r1 - r0), &j->xq[t],
-                       j->cols, j->out[i] + t * j->rows[i] + r0);
+    if (j->T == 1)
+        j->rows_kernel(j->type[i], j->w[i] + r0 * j->rb[i], j->rb[i], (int)(r1 - r0), j->xq,
+                       j->cols, j->out[i] + r0);
+    else /* the chunk's rows against every x row, weight blocks decoded once per few x rows */
+        g_rows_multi(j->type[i], j->w[i] + r0 * j->rb[i], j->rb[i], (int)(r1 - r0), j->xq,
+                     (int)j->T, j->cols, j->out[i] + r0, j->rows[i]);
 }
 
 static int check_mat(int type, int64_t rows, int cols) {

@@ -36,6 +36,8 @@ typedef struct {
 
 /* Per-ISA entry points (kernels.c compiled once per ISA with SI_ISA set). */
 #define SI_DECLARE(isa)                                                                        \
+    void si_rows_multi_##isa(int type, const uint8_t *w, size_t row_bytes, int nrows,          \
+                             const si_xq *x, int T, int cols, float *y, int64_t y_stride);     \
     void si_rows_##isa(int type, const uint8_t *w, size_t row_bytes, int nrows, const si_xq *x, \
                        int cols, float *y);                                                    \
     void si_quantize_x_##isa(const float *x, int cols, int8_t *q, float *d, float *s);         \
