@@ -263,3 +263,19 @@ def test_pin_mapped_locks_the_tensor_pages(smollm2_path):
         pytest.skip("mlock refused here (no CAP_IPC_LOCK / RLIMIT_MEMLOCK)")
     assert n == src.tensors[name].nbytes
     assert locked() - before >= n - 2 * 4096  # whole pages inside the tensor, at least
+
+
+def test_convert_writes_a_bundled_file(tiny_model_dir, tmp_path):
+    """`convert --disk-bundle q4` leaves the bundled layout in place of the plain sparse file
+    (no temporary file behind), and it runs with every neuron read from disk as all in RAM."""
+    out = tmp_path / "tiny.bundled.gguf"
+    assert main(["convert", "-m", str(tiny_model_dir("reglu")), "-o", str(out), *FAST,
+                 "--disk-bundle", "q4", "--eval-chunks", "0", "--no-report"]) == 0
+    src = open_source(out)
+    lay = layout_of(src)
+    assert lay.stride % 512 == 0 and "layers.0.ffn.gate.weight" not in src.tensors
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.bundled.gguf"]
+    ram = _logits(load(out, "auto", disk_options=DiskOptions(ram_counts=(192, 192),
+                                                             cache_slots=1)))
+    disk = _logits(load(out, "auto", disk_options=DiskOptions(ram_counts=(0, 0), cache_slots=192)))
+    assert torch.equal(disk, ram)

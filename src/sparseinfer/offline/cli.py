@@ -106,7 +106,7 @@ def cmd_convert(args) -> int:
         corpus=_corpus(args), profile=_profile_options(args), train=_train_options(args),
         export=ExportOptions(outtype=args.outtype), budget_bytes=_budget(args),
         ctx=args.ctx_size, work_dir=args.work_dir, keep_work=args.keep_work,
-        report=not args.no_report, eval_chunks=args.eval_chunks,
+        report=not args.no_report, eval_chunks=args.eval_chunks, disk_bundle=args.disk_bundle,
     )
     if args.eval_chunks < 0:
         raise SparseInferError(f"--eval-chunks: expected a count >= 0, got {args.eval_chunks}")
@@ -281,6 +281,10 @@ def add_offline_commands(sub, add_model_flags) -> None:
                         "on N chunks of 512 tokens (default 4; 0 = skip)")
     c.add_argument("--no-report", action="store_true",
                    help="do not write the HTML report (OUT without .gguf + .report.html)")
+    c.add_argument("--disk-bundle", choices=("q4", "fp32"), default=None,
+                   help="write the file for the disk tier (--ram-budget): each neuron's gate, up "
+                        "and down rows as one aligned read, in this dtype (as `python -m "
+                        "sparseinfer.disk bundle` does to a finished file)")
     c.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("profile", help="record activation frequencies and predictor data")

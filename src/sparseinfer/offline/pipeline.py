@@ -9,13 +9,14 @@ otherwise (``Bars``); ``summary_rows`` / ``format_summary`` give the per-layer t
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -224,6 +225,26 @@ class ConvertOptions:
     report: bool = True  # write the HTML report beside the output (report.py)
     eval_chunks: int = 4  # held-out perplexity chunks, dense vs sparse, for the report (0: none)
     eval_ctx: int = 512
+    # lay the sparse file out for the disk tier (disk/layout.py: each neuron's rows one aligned
+    # read) in this row dtype, "q4" or "fp32"; None: the plain sparse layout
+    disk_bundle: str | None = None
+
+
+def _bundle_in_place(result: ExportResult, dtype: str) -> ExportResult:
+    """Rewrite the exported file with bundled neuron rows (``disk.layout.bundle_file``), through
+    a temporary file beside it: the output is either the plain file or the bundled one."""
+    from ..disk.layout import bundle_file
+
+    progress_log.info("bundle: laying neurons out for the disk tier (%s rows)", dtype)
+    out = result.path
+    tmp = out.with_name(f".{out.name}.bundling.gguf")
+    try:
+        bundle_file(out, tmp, dtype)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    progress_log.info("bundle: done")
+    return replace(result, n_bytes=out.stat().st_size)
 
 
 @dataclass(frozen=True)
@@ -278,6 +299,9 @@ def convert(model_path: str | Path | None, out: str | Path,
         t0 = time.perf_counter()
         result = run_export(loaded, profile, predictors, out, placement, options.export, bars)
         seconds["export"] = time.perf_counter() - t0
+        if options.disk_bundle is not None:
+            result = _bundle_in_place(result, options.disk_bundle)
+            seconds["bundle"] = time.perf_counter() - t0 - seconds["export"]
     finally:
         if made_tmp and not options.keep_work:
             shutil.rmtree(work, ignore_errors=True)
