@@ -50,9 +50,10 @@ def decode_rate(threads: int, env_extra: dict, n: int) -> float:
     if threads:
         cmd += ["-t", str(threads)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-    m = re.search(r"generation:.*\(\s*([0-9.]+) tokens/s\)", out.stderr)
+    # llama.cpp's timing lines: "       eval time = ... (... ms per token, R tokens per second)"
+    m = re.search(r"^\s*eval time\s*=.*?([0-9.]+) tokens per second\)", out.stderr, re.M)
     if not m:
-        raise RuntimeError(f"no generation line in: {out.stderr[-500:]}")
+        raise RuntimeError(f"no 'eval time' line in: {out.stderr[-500:]}")
     return float(m.group(1))
 
 
