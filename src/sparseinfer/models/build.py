@@ -242,19 +242,27 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
     one matrix at a time, straight into the rows' storage."""
     cfg = src.config
     D, F = cfg.d_model, cfg.d_ff
-    n_mats = len(names)
+    # (tensor, its rows for this matrix): a fused w_in (Phi-3) gives the gate rows, then up's
+    mats = [(c, h) for c in names
+            for h in ((slice(0, F), slice(F, 2 * F)) if c.endswith("ffn.w_in.weight") else (None,))]
+    n_mats = len(mats)
     width = D // Q4_GROUP * Q4_BYTES if dtype == "q4" else D
     rows = empty_hugepages((F, n_mats, width), PACKED_DTYPES[dtype])
     scales = torch.empty(F, n_mats, 1) if dtype == "int8" else None
-    for m, canon in enumerate(names):
+    for m, (canon, half) in enumerate(mats):
         t = src.tensors[canon]
         if dtype == "q4" and t.kind == "Q4_0" and not canon.endswith("ffn.down.weight"):
             # the file's own Q4_0 blocks are the rows' layout: copied, never rounded twice
-            rows[:, m].numpy()[...] = np.asarray(t.raw()).reshape(F, width)  # (read-only map)
-            t.release()
+            raw = np.asarray(t.raw()).reshape(-1, width)  # (read-only map)
+            rows[:, m].numpy()[...] = raw if half is None else raw[half]
+            if half is None or half.start:
+                t.release()
             continue
         w = t.float()
-        t.release()
+        if half is None or half.start:
+            t.release()
+        if half is not None:
+            w = w[half]
         if canon.endswith("ffn.down.weight"):
             w = w.t()  # [d_ff, d_model]
         if tuple(w.shape) != (F, D):

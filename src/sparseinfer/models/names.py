@@ -43,7 +43,8 @@ GGUF_QWEN3_NAMES = {**GGUF_LLAMA_NAMES, **_GGUF_QK_NORM}
 # Phi-3: q/k/v in one tensor, gate and up in one (gate rows first, as our fused w_in)
 GGUF_PHI3_NAMES = {**{_gguf(t): c for t, c in _GGUF_COMMON if t not in
                       (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.FFN_UP)},
-                   _gguf(T.ATTN_QKV): "layers.{i}.attn.wqkv", _gguf(T.FFN_UP): "layers.{i}.ffn.w_in"}
+                   _gguf(T.ATTN_QKV): "layers.{i}.attn.wqkv", _gguf(T.FFN_UP): "layers.{i}.ffn.w_in",
+                   _DOWN_T[0]: _DOWN_T[1]}
 # Falcon: fused q/k/v, an optional second input norm for the FFN (Falcon-40B), ungated GELU MLP
 GGUF_FALCON_NAMES = {**{_gguf(t): c for t, c in _GGUF_COMMON if t not in
                         (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.FFN_NORM)},

@@ -300,13 +300,12 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
         add(p + "attn.wqkv", [p + "attn.wqkv.weight"] if fused_qkv
             else [p + f"attn.{n}.weight" for n in ("wq", "wk", "wv")], (q_out + 2 * kv_out, D))
         add(p + "attn.wo", [p + "attn.wo.weight"], (D, q_out))
-        if sparse is not None and p + "ffn.w_in.weight" in src.tensors:
-            raise SparseInferError(f"{src.path}: sparse FFN layers need separate gate and up "
-                                   f"tensors; this file fuses them ({cfg.arch}): use --dense")
         if sparse is not None:
             down = p + "ffn.down_t.weight" if p + "ffn.down_t.weight" in src.tensors \
                 else p + "ffn.down.weight"
             ins = ([p + "ffn.gate.weight"] if cfg.ffn.gated else []) + [p + "ffn.up.weight"]
+            if p + "ffn.w_in.weight" in src.tensors:  # Phi-3: gate rows then up rows, one tensor
+                ins = [p + "ffn.w_in.weight"]
             if bundled is not None:  # one tensor of bundles: blk.N.ffn_bundle
                 ins, down = [], f"blk.{i}.ffn_bundle"
             for s in [*ins, down] if bundled is None else []:

@@ -285,6 +285,11 @@ def _model_tensor_names(src: _Source) -> list[str]:
     names = canonical_names(src.cfg)
     if src.raw:  # what the file holds (fused q/k/v, no FFN norm of Falcon-7B...); FFN rows
         names = [n for n in names if n in src.raw or ".ffn." in n]  # are written anew below
+        # Phi-3: gate and up are one tensor, written as it is (its rows permuted per half)
+        fused = {n.replace(".ffn.w_in.", ".ffn.gate.") for n in src.raw if ".ffn.w_in." in n}
+        fused |= {n.replace(".gate.", ".up.") for n in fused}
+        names = [n.replace(".ffn.gate.", ".ffn.w_in.") if n in fused and ".gate." in n else n
+                 for n in names if not (n in fused and ".up." in n)]
     known = set(names)
     for canon in src.raw:
         if canon in known or ".ffn." in canon or not canon.endswith((".weight", ".bias")):
@@ -313,7 +318,10 @@ def plan_model_tensors(src: _Source, perms: list[np.ndarray] | None) -> list[_Te
     for canon in _model_tensor_names(src):
         layer = _layer_of(canon)
         perm = perms[layer] if (perms is not None and layer is not None) else None
-        is_rows = canon.endswith(("ffn.gate.weight", "ffn.up.weight", "ffn.up.bias"))
+        is_rows = canon.endswith(("ffn.gate.weight", "ffn.up.weight", "ffn.up.bias",
+                                  "ffn.w_in.weight"))
+        if perm is not None and canon.endswith("ffn.w_in.weight"):  # gate rows, then up's
+            perm = np.concatenate([perm, perm + cfg.d_ff])
         if canon.endswith("ffn.down.weight"):  # -> down_t, rows permuted
             name = _to_gguf_name(canon.replace("ffn.down.", "ffn.down_t."), names)
 
@@ -579,10 +587,6 @@ def export_sparse_gguf(loaded, profile: Profile, predictors: Predictors, out_pat
     if cfg.arch not in GGUF_ARCH_NAMES:
         raise SparseInferError(f"unsupported architecture {cfg.arch!r}: expected one of "
                                f"{sorted(GGUF_ARCH_NAMES)}")
-    if cfg.arch == "phi3":
-        raise SparseInferError(
-            f"{loaded.path}: Phi-3 stores gate and up as one tensor (ffn_up holds both); the "
-            f"sparse exporter needs them per neuron and does not split it yet")
     if loaded.format != "gguf" and cfg.arch not in HF_ARCHS:
         raise SparseInferError(
             f"{loaded.path}: a sparse GGUF of a {cfg.arch} model is written from a GGUF source "
