@@ -99,7 +99,7 @@ def main() -> int:
     fused = m.layers[0].fused
     path = "none"
     if fused is not None:
-        fused._prepare()
+        fused._prepare(0)
         path = "C block (cpu.DecodeBlock)" if getattr(fused, "_c", None) is not None \
             else "numba kernels around the block's modules"
     print(f"# CPU: {cpu_model()}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")

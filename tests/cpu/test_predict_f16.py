@@ -18,7 +18,7 @@ def case(d_model: int, d_ff: int, r: int, seed: int):
     return fc1, fc2, x
 
 
-@pytest.fixture(params=["avx2", "avx512"])
+@pytest.fixture(params=["avx2", "avx2_128", "avx512"])
 def isa(request):
     if request.param not in cpu.available_isas():
         pytest.skip(f"this CPU has no {request.param}")

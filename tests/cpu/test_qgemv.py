@@ -21,7 +21,7 @@ from sparseinfer.cpu import reference as ref
 gguf = pytest.importorskip("gguf")
 
 EPS = torch.finfo(torch.float32).eps
-ISAS = ["avx2", "avx512"]
+ISAS = ["avx2", "avx2_128", "avx512"]
 # fp16 fields (byte offsets) of the K-quant blocks, set to small positive scales
 K_FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 GGUF_QUANTIZES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}

@@ -16,8 +16,9 @@ q8_0) and each block of weights is an integer dot product with it (F16 and F32 u
     blk = cpu.DecodeBlock(d_model=..., qkv=[wq, wk, wv], wo=[wo], w_in=[wg, wu], down=[wd], ...)
     blk(x, pos, k_cache, v_cache, cos, sin)              # one token through a whole llama block
 
-Variants: AVX2+FMA, and AVX-512 (F/BW/VL) with VNNI; the best the CPU has is chosen at import,
-``set_isa("avx2")`` forces the other. Threads: a persistent pool inside the library
+Variants: AVX2+FMA; the same in 128-bit registers (``"avx2_128"``, for CPUs whose vector units
+split 256-bit instructions: AMD Zen and Zen+); and AVX-512 (F/BW/VL) with VNNI. ``best_isa()``
+is chosen at import; ``set_isa(name)`` forces another. Threads: a persistent pool inside the library
 (``set_threads``, 1 until set); idle workers spin briefly (``set_spin_us``) and then sleep;
 ``pool_stats`` counts the chunks the caller and the workers ran. A call's rows are split in
 contiguous chunks (about 8 per thread, at least 32 KiB of weights each), claimed one at a time.
@@ -40,6 +41,7 @@ __all__ = [
     "GemvPlan",
     "QuantMatrix",
     "available_isas",
+    "best_isa",
     "gemm",
     "gemv",
     "get_isa",

@@ -30,6 +30,8 @@ ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                "-mavx512vnni"],
+    # AVX2 for 128-bit vector units (AMD Zen/Zen+): blocks worked in 128-bit registers
+    "avx2_128": ["-mavx2", "-mfma", "-mf16c", "-DSI_NARROW=1"],
 }
 BUILD_COMMAND = "python3 -m sparseinfer.cpu.build"
 

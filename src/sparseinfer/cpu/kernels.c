@@ -138,6 +138,51 @@ INLINE void pairs_q4(const uint8_t *q, const int bsize, const int8_t *xq, __m256
 #define SI_PAIRS 0
 #endif
 
+#ifndef SI_NARROW
+#define SI_NARROW 0
+#endif
+#if SI_NARROW
+/* The AVX2 build for CPUs whose vector units are 128 bits wide (AMD Zen, Zen+, Hygon Dhyana):
+ * there each 256-bit instruction runs as two halves and the lane-crossing ones the 256-bit path
+ * uses per block (vinserti128 to pair the nibble halves, vpermps to broadcast a block's scale)
+ * cost several operations, so a block is worked in 128-bit registers with no lane crossing: the
+ * low nibbles against x's first 16 bytes, the high ones against its last 16. */
+INLINE __m128i load128(const void *p) { return _mm_loadu_si128((const __m128i *)p); }
+
+/* Bits 0..15 of `bits` -> byte i = 0x10 if bit i is set, else 0. */
+INLINE __m128i bit5_128(uint32_t bits) {
+    const __m128i shuf = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m128i mask = _mm_set1_epi64x(0x8040201008040201LL);
+    __m128i v = _mm_shuffle_epi8(_mm_set1_epi32((int)bits), shuf);
+    v = _mm_cmpeq_epi8(_mm_and_si128(v, mask), mask);
+    return _mm_and_si128(v, _mm_set1_epi8(0x10));
+}
+
+/* dot_b32 in 128-bit registers: 4 int32 partial sums of one block times x's block at xq. The
+ * two int16 halves of a 4/5-bit block are added before widening (at most 2 * 2 * 31 * 127 =
+ * 15,748: no overflow); Q8_0's are widened first (2 * 127 * 127 each). */
+INLINE __m128i dot_b32_128(const int type, const uint8_t *p, const int8_t *xq) {
+    const __m128i x0 = load128(xq), x1 = load128(xq + 16), one = _mm_set1_epi16(1);
+    if (type == SI_Q8_0) {
+        const __m128i w0 = load128(p + 2), w1 = load128(p + 18);
+        const __m128i a = _mm_maddubs_epi16(_mm_abs_epi8(w0), _mm_sign_epi8(x0, w0));
+        const __m128i b = _mm_maddubs_epi16(_mm_abs_epi8(w1), _mm_sign_epi8(x1, w1));
+        return _mm_add_epi32(_mm_madd_epi16(a, one), _mm_madd_epi16(b, one));
+    }
+    const int qo = type == SI_Q4_0 ? 2 : type == SI_Q4_1 ? 4 : type == SI_Q5_0 ? 6 : 8;
+    const __m128i m4 = _mm_set1_epi8(0x0F), v = load128(p + qo);
+    __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    if (type == SI_Q5_0 || type == SI_Q5_1) {
+        uint32_t bits;
+        memcpy(&bits, p + (type == SI_Q5_0 ? 2 : 4), 4);
+        lo = _mm_or_si128(lo, bit5_128(bits));
+        hi = _mm_or_si128(hi, bit5_128(bits >> 16));
+    }
+    const __m128i s = _mm_add_epi16(_mm_maddubs_epi16(lo, x0), _mm_maddubs_epi16(hi, x1));
+    return _mm_madd_epi16(s, one);
+}
+#endif
+
 /* type: SI_Q4_0, SI_Q4_1, SI_Q5_0, SI_Q5_1 or SI_Q8_0 (a constant after inlining).
  * Blocks go 8 at a time: the 8 scale products d_w*d_x are made in one vector and broadcast per
  * block with a permute; the zero-point/minimum terms accumulate as a vector (per row: accm). */
@@ -153,6 +198,10 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
 #if SI_PAIRS
     __m512 acc5[4];
     for (int r = 0; r < R; r++) acc5[r] = _mm512_setzero_ps();
+#endif
+#if SI_NARROW
+    __m128 n0[4], n1[4]; /* two chains: a block's FMA waits on the one before it but one */
+    for (int r = 0; r < R; r++) n0[r] = n1[r] = _mm_setzero_ps();
 #endif
     int b = 0;
     for (; b + 8 <= nb; b += 8) {
@@ -171,6 +220,20 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
                 continue;
             }
 #endif
+#if SI_NARROW
+            {
+                const __m128 s0 = _mm256_castps256_ps128(scale), s1 = _mm256_extractf128_ps(scale, 1);
+                const int8_t *xb = x->q + 32 * (size_t)b;
+#define NARROW(k, S, i, A)                                                                     \
+    A[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(dot_b32_128(type, p + (k) * bsize, xb + 32 * (k))),    \
+                        _mm_shuffle_ps(S, S, _MM_SHUFFLE(i, i, i, i)), A[r])
+                NARROW(0, s0, 0, n0); NARROW(1, s0, 1, n1); NARROW(2, s0, 2, n0);
+                NARROW(3, s0, 3, n1); NARROW(4, s1, 0, n0); NARROW(5, s1, 1, n1);
+                NARROW(6, s1, 2, n0); NARROW(7, s1, 3, n1);
+#undef NARROW
+                continue;
+            }
+#endif
             for (int k = 0; k < 8; k++) {
                 const __m256i dot = dot_b32(type, p + k * bsize, loadx(x, b + k));
                 const __m256 sk = _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(k));
@@ -181,6 +244,10 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
 #if SI_PAIRS
     for (int r = 0; r < R; r++) /* fold the 512-bit sums into the 256-bit ones */
         acc[r] = _mm256_add_ps(acc[r], fold256(acc5[r]));
+#endif
+#if SI_NARROW
+    for (int r = 0; r < R; r++) /* the 128-bit sums into the 256-bit ones' low half */
+        acc[r] = _mm256_add_ps(acc[r], _mm256_setr_m128(_mm_add_ps(n0[r], n1[r]), _mm_setzero_ps()));
 #endif
     float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (; b < nb; b++) { /* the last nb % 8 blocks, one at a time */
@@ -226,6 +293,39 @@ INLINE __m256 bytes8_ps(uint64_t v) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v)));
 }
 
+#if SI_NARROW
+/* The 8 sub-block integer sums of one Q4_K/Q5_K super-block (qs: 128 nibble bytes; qh: Q5_K's
+ * 32 fifth-bit bytes; xq: x's 256 bytes) as 8 floats, in 128-bit registers: per sub-block two
+ * maddubs of 16 (int16 sums of 4 products), widened with one madd per sub-block, the 8 sums
+ * gathered by horizontal adds so the caller scales them with one FMA. */
+INLINE __m256 k45_sums_128(const int five, const uint8_t *qs, const uint8_t *qh, const int8_t *xq) {
+    const __m128i m4 = _mm_set1_epi8(0x0F), one = _mm_set1_epi16(1), b5 = _mm_set1_epi8(0x10);
+    __m128i h0 = _mm_setzero_si128(), h1 = _mm_setzero_si128();
+    if (five) h0 = load128(qh), h1 = load128(qh + 16);
+    __m128i s[8];
+    for (int c = 0; c < 4; c++) {
+        const __m128i v0 = load128(qs + 32 * c), v1 = load128(qs + 32 * c + 16);
+        __m128i a0 = _mm_and_si128(v0, m4), a1 = _mm_and_si128(v1, m4);
+        __m128i b0 = _mm_and_si128(_mm_srli_epi16(v0, 4), m4), b1 = _mm_and_si128(_mm_srli_epi16(v1, 4), m4);
+        if (five) {
+            const __m128i bj0 = _mm_set1_epi8((char)(1 << (2 * c))), bj1 = _mm_set1_epi8((char)(2 << (2 * c)));
+            a0 = _mm_or_si128(a0, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h0, bj0), bj0), b5));
+            a1 = _mm_or_si128(a1, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h1, bj0), bj0), b5));
+            b0 = _mm_or_si128(b0, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h0, bj1), bj1), b5));
+            b1 = _mm_or_si128(b1, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h1, bj1), bj1), b5));
+        }
+        const int8_t *x0 = xq + 64 * c, *x1 = x0 + 32;
+        s[2 * c] = _mm_madd_epi16(_mm_add_epi16(_mm_maddubs_epi16(a0, load128(x0)),
+                                                _mm_maddubs_epi16(a1, load128(x0 + 16))), one);
+        s[2 * c + 1] = _mm_madd_epi16(_mm_add_epi16(_mm_maddubs_epi16(b0, load128(x1)),
+                                                    _mm_maddubs_epi16(b1, load128(x1 + 16))), one);
+    }
+    const __m128i lo = _mm_hadd_epi32(_mm_hadd_epi32(s[0], s[1]), _mm_hadd_epi32(s[2], s[3]));
+    const __m128i hi = _mm_hadd_epi32(_mm_hadd_epi32(s[4], s[5]), _mm_hadd_epi32(s[6], s[7]));
+    return _mm256_cvtepi32_ps(_mm256_setr_m128i(lo, hi));
+}
+#endif
+
 /* Q4_K (144 bytes: d, dmin, scales[12], qs[128]) and Q5_K (176 bytes: d, dmin, scales[12],
  * qh[32], qs[128]). Sub-block j (32 weights) of a super-block: nibbles of qs[32*(j/2) ..] (low
  * for even j, high for odd j), fifth bit = bit j of qh[0..31]. w = d*sc[j]*q - dmin*m[j].
@@ -253,6 +353,13 @@ INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, c
             accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(p + 2))), xs,
                                       accm[r]);
             const uint8_t *qs = p + (five ? 48 : 16);
+#if SI_NARROW
+            {
+                acc[r] = _mm256_fmadd_ps(k45_sums_128(five, qs, p + 16, x->q + 256 * (size_t)sb),
+                                         scale, acc[r]);
+                continue;
+            }
+#endif
             __m256i qh = _mm256_setzero_si256();
             if (five) qh = _mm256_loadu_si256((const __m256i *)(p + 16));
             for (int c = 0; c < 4; c++) {
@@ -280,6 +387,38 @@ INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, c
     for (int r = 0; r < R; r++) y[r] = hsum(_mm256_sub_ps(acc[r], accm[r]));
 }
 
+#if SI_NARROW
+/* The 8 block sums (sum over 32 weights of scale * (q - 32) * x) of one Q6_K super-block at p
+ * against x's 256 bytes, as 8 floats, in 128-bit registers (one register = one 16-weight group,
+ * which has one scale). Layout as in rows_q6k below. */
+INLINE __m256 q6k_sums_128(const uint8_t *p, const int8_t *xq) {
+    const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03), k32 = _mm_set1_epi8(32);
+    const int8_t *sc = (const int8_t *)(p + 192);
+    __m128i sums[8];
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = p + 64 * h, *qh = p + 128 + 32 * h;
+        const __m128i qha = load128(qh), qhb = load128(qh + 16);
+        for (int s = 0; s < 4; s++) {
+            const int g = 4 * h + s;
+            __m128i la = load128(ql + 32 * (s & 1)), lb = load128(ql + 32 * (s & 1) + 16);
+            if (s >> 1) la = _mm_srli_epi16(la, 4), lb = _mm_srli_epi16(lb, 4);
+            const __m128i qa = _mm_or_si128(_mm_and_si128(la, m4),
+                _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qha, 2 * s), m2), 4));
+            const __m128i qb = _mm_or_si128(_mm_and_si128(lb, m4),
+                _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qhb, 2 * s), m2), 4));
+            const __m128i xa = load128(xq + 32 * g), xb = load128(xq + 32 * g + 16);
+            const __m128i pa = _mm_sub_epi16(_mm_maddubs_epi16(qa, xa), _mm_maddubs_epi16(k32, xa));
+            const __m128i pb = _mm_sub_epi16(_mm_maddubs_epi16(qb, xb), _mm_maddubs_epi16(k32, xb));
+            sums[g] = _mm_add_epi32(_mm_madd_epi16(pa, _mm_set1_epi16(sc[2 * g])),
+                                    _mm_madd_epi16(pb, _mm_set1_epi16(sc[2 * g + 1])));
+        }
+    }
+    const __m128i lo = _mm_hadd_epi32(_mm_hadd_epi32(sums[0], sums[1]), _mm_hadd_epi32(sums[2], sums[3]));
+    const __m128i hi = _mm_hadd_epi32(_mm_hadd_epi32(sums[4], sums[5]), _mm_hadd_epi32(sums[6], sums[7]));
+    return _mm256_cvtepi32_ps(_mm256_setr_m128i(lo, hi));
+}
+#endif
+
 /* Q6_K (210 bytes: ql[128], qh[64], int8 scales[16], d). Half h (128 weights) uses ql[64h ..
  * 64h+63] and qh[32h .. 32h+31]; its group s (32 weights, s = 0..3) takes nibble s/2 of
  * ql[64h + 32(s%2) + i] and bits 2s, 2s+1 of qh[32h + i] as bits 4, 5; w = d*scale[16th]*(q-32). */
@@ -296,6 +435,13 @@ INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
             const uint8_t *p = w + (size_t)r * rb + (size_t)sb * 210;
             const int8_t *sc = (const int8_t *)(p + 192);
             const float d = f16(p + 208);
+#if SI_NARROW
+            {
+                const __m256 dx = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(x->d + 8 * (size_t)sb));
+                acc[r] = _mm256_fmadd_ps(q6k_sums_128(p, x->q + 256 * (size_t)sb), dx, acc[r]);
+                continue;
+            }
+#endif
             for (int h = 0; h < 2; h++) {
                 const __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
                 const __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));

@@ -24,6 +24,7 @@ __all__ = [
     "GemvPlan",
     "QuantMatrix",
     "available_isas",
+    "best_isa",
     "gemm",
     "gemv",
     "get_isa",
@@ -51,8 +52,8 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "F16": (8, 1, 2),
     "F32": (9, 1, 4),
 }
-ISAS = {"avx2": 0, "avx512": 1}
-ABI_VERSION = 5
+ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
+ABI_VERSION = 6
 
 
 class CpuLibraryError(SparseInferError):
@@ -99,10 +100,18 @@ def available_isas() -> list[str]:
     return [name for name, code in ISAS.items() if _lib.si_isa_supported(code)]
 
 
+def best_isa() -> str:
+    """The variant ``"auto"`` picks: ``"avx512"`` where the CPU has AVX-512 with VNNI, else
+    ``"avx2_128"`` on CPUs whose vector units split 256-bit instructions (AMD Zen, Zen+), else
+    ``"avx2"``."""
+    code = _lib.si_best_isa()
+    return next(name for name, c in ISAS.items() if c == code)
+
+
 def set_isa(name: str = "auto") -> None:
-    """Use the ``"avx2"`` or ``"avx512"`` kernels, or ``"auto"`` (the best this CPU has)."""
+    """Use the ``"avx2"``, ``"avx2_128"`` or ``"avx512"`` kernels, or ``"auto"`` (``best_isa``)."""
     if name == "auto":
-        name = available_isas()[-1]
+        name = best_isa()
     if name not in ISAS:
         raise ValueError(f"isa: expected one of {['auto', *ISAS]}, got {name!r}")
     if _lib.si_set_isa(ISAS[name]) != 0:

@@ -23,11 +23,12 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 5
+#define SI_ABI_VERSION 6
 #define MAX_THREADS 256
 #define MAX_MATS 16
 
@@ -47,7 +48,7 @@ typedef void (*quant_fn)(const float *, int, int8_t *, float *, float *);
 typedef void (*sparse_fn)(const uint8_t *, size_t, int, const int32_t *, int, const si_xq *, int,
                           int, int, int, const float *, float *);
 
-enum { ISA_AVX2 = 0, ISA_AVX512 = 1 };
+enum { ISA_AVX2 = 0, ISA_AVX512 = 1, ISA_AVX2_128 = 2 };
 static int g_isa = -1;
 static rows_fn g_rows;
 typedef void (*rows_multi_fn)(int, const uint8_t *, size_t, int, const si_xq *, int, int, float *,
@@ -55,24 +56,54 @@ typedef void (*rows_multi_fn)(int, const uint8_t *, size_t, int, const si_xq *, 
 static rows_multi_fn g_rows_multi;
 static quant_fn g_quant;
 static sparse_fn g_sparse;
+typedef void (*attend_fn)(const float *, const float *, const float *, int, int, float, float *,
+                          float *);
+typedef void (*glu_fn)(int, int, int, const float *, const float *, int, float *);
+static attend_fn g_attend;
+static glu_fn g_glu;
 
 int si_isa_supported(int isa) {
     __builtin_cpu_init();
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    if (isa == ISA_AVX2) return avx2;
+    if (isa == ISA_AVX2 || isa == ISA_AVX2_128) return avx2;
     if (isa == ISA_AVX512)
         return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     return 0;
 }
 
+/* True on CPUs whose vector units are 128 bits wide and split every 256-bit instruction: AMD
+ * family 17h models 00h-2Fh (Zen, Zen+; Zen 2 starts at 30h) and Hygon family 18h. */
+static int narrow_vector_units(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    const int amd = b == 0x68747541u;   /* "Auth"enticAMD */
+    const int hygon = b == 0x6f677948u; /* "Hygo"nGenuine */
+    if (!(amd || hygon) || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    const unsigned base = (a >> 8) & 0xF, family = base == 0xF ? base + ((a >> 20) & 0xFF) : base;
+    const unsigned model = ((a >> 4) & 0xF) | (base == 0xF ? ((a >> 16) & 0xF) << 4 : 0);
+    return (family == 0x17 && model < 0x30) || family == 0x18;
+}
+
+/* The variant "auto" picks: AVX-512 (with VNNI) if present, else AVX2 in 128-bit registers on
+ * CPUs with narrow vector units, else AVX2. */
+int si_best_isa(void) {
+    if (si_isa_supported(ISA_AVX512)) return ISA_AVX512;
+    if (!si_isa_supported(ISA_AVX2)) return -1;
+    return narrow_vector_units() ? ISA_AVX2_128 : ISA_AVX2;
+}
+
 int si_set_isa(int isa) {
     if (!si_isa_supported(isa)) return -1;
     g_isa = isa;
-    g_rows = isa == ISA_AVX512 ? si_rows_avx512 : si_rows_avx2;
-    g_rows_multi = isa == ISA_AVX512 ? si_rows_multi_avx512 : si_rows_multi_avx2;
-    g_quant = isa == ISA_AVX512 ? si_quantize_x_avx512 : si_quantize_x_avx2;
-    g_sparse = isa == ISA_AVX512 ? si_sparse_q4_avx512 : si_sparse_q4_avx2;
+#define PICK(fn) (isa == ISA_AVX512 ? fn##_avx512 : isa == ISA_AVX2_128 ? fn##_avx2_128 : fn##_avx2)
+    g_rows = PICK(si_rows);
+    g_rows_multi = PICK(si_rows_multi);
+    g_quant = PICK(si_quantize_x);
+    g_sparse = PICK(si_sparse_q4);
+    g_attend = PICK(si_attend_head);
+    g_glu = PICK(si_glu);
+#undef PICK
     return 0;
 }
 
@@ -504,10 +535,6 @@ int si_predict_f16(const void *fc1, const void *fc2, int r, int d_model, int d_f
 
 /* ------------------------------------------------------------------ one-token llama block */
 
-typedef void (*attend_fn)(const float *, const float *, const float *, int, int, float, float *,
-                          float *);
-typedef void (*glu_fn)(int, int, int, const float *, const float *, int, float *);
-
 typedef struct {
     si_block_desc d;
     int nt;                 /* the thread count the jobs were chunked for */
@@ -670,7 +697,7 @@ int si_block_decode(void *p, float *x, int pos, float *kc, float *vc, const floa
     b->n = pos + 1 - b->start;
     b->max_seq = max_seq;
     b->scale = d->scale > 0.0f ? d->scale : 1.0f / sqrtf((float)hd);
-    b->attend = g_isa == ISA_AVX512 ? si_attend_head_avx512 : si_attend_head_avx2;
+    b->attend = g_attend;
     if ((size_t)b->n * nh * hd >= 16384) {
         pool_run(attend_chunk, b, nh); /* one head per chunk */
     } else { /* a short context: less work than waking the pool */
@@ -683,7 +710,7 @@ int si_block_decode(void *p, float *x, int pos, float *kc, float *vc, const floa
     /* FFN */
     rms_norm(x, d->ffn_norm, d->d_model, d->eps, b->h);
     if ((err = exec_job(&b->jobs[2], b->h))) goto out;
-    glu_fn glu = g_isa == ISA_AVX512 ? si_glu_avx512 : si_glu_avx2;
+    glu_fn glu = g_glu;
     if (d->gated) add_bias(b->f, d->w_in.bias, 2 * (int64_t)d->d_ff);
     glu(d->gated, d->gate_act, d->up_act, b->f, d->gated ? NULL : d->w_in.bias, d->d_ff, b->act);
     if ((err = exec_job(&b->jobs[3], b->act))) goto out;
@@ -704,7 +731,7 @@ int si_quantize_x(const float *x, int cols, int8_t *q, float *d, float *s) {
 }
 
 __attribute__((constructor)) static void si_init(void) {
-    if (si_set_isa(ISA_AVX512) != 0) si_set_isa(ISA_AVX2);
+    si_set_isa(si_best_isa());
 }
 
 #ifndef SI_SOURCE_HASH

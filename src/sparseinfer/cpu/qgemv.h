@@ -80,5 +80,6 @@ typedef struct {
 
 SI_DECLARE(avx2)
 SI_DECLARE(avx512)
+SI_DECLARE(avx2_128)
 
 #endif
