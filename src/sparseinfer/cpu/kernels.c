@@ -682,6 +682,10 @@ void FN(si_quantize_x)(const float *x, int cols, int8_t *q, float *d, float *s) 
 INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int nb, float *y) {
     __m256 acc[8];
     float cs[8];
+#if SI_NARROW
+    __m128 accn[8];
+    for (int r = 0; r < R; r++) accn[r] = _mm_setzero_ps();
+#endif
     for (int r = 0; r < R; r++) {
         acc[r] = _mm256_setzero_ps();
         cs[r] = 0.0f;
@@ -692,11 +696,21 @@ INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int n
         for (int r = 0; r < R; r++) {
             const uint8_t *p = rp[r] + (size_t)b * 18;
             const float dw = f16(p);
-            const __m256i dot = dot_us(nib32(p + 2), xv);
             cs[r] -= 8.0f * dw * xs;
+#if SI_NARROW
+            (void)xv;
+            const __m128 d4 = _mm_cvtepi32_ps(dot_b32_128(SI_Q4_0, p, x->q + 32 * (size_t)b));
+            accn[r] = _mm_fmadd_ps(d4, _mm_set1_ps(dw * xd), accn[r]);
+#else
+            const __m256i dot = dot_us(nib32(p + 2), xv);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * xd), acc[r]);
+#endif
         }
     }
+#if SI_NARROW
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm256_add_ps(acc[r], _mm256_setr_m128(accn[r], _mm_setzero_ps()));
+#endif
     for (int r = 0; r < R; r++) y[r] = hsum(acc[r]) + cs[r];
 }
 
@@ -710,8 +724,15 @@ INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int n
         for (int r = 0; r < R; r++) {
             const uint8_t *p = rp[r] + (size_t)b * 18;
             const __m256 s = _mm256_set1_ps(h[r] * f16(p));
+#if SI_NARROW /* the two nibble halves straight into 128-bit registers */
+            const __m128i v = load128(p + 2), m4 = _mm_set1_epi8(0x0F);
+            const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m4), _mm256_castsi256_si128(k8));
+            const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4),
+                                            _mm256_castsi256_si128(k8));
+#else
             const __m256i q = _mm256_sub_epi8(nib32(p + 2), k8);
             const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+#endif
             o0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), s, o0);
             o1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), s, o1);
             o2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), s, o2);
