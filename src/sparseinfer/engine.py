@@ -337,12 +337,12 @@ def set_threads(n: int) -> None:
     import torch
 
     from .quant.linear import ggml_kernels_available
-    from .sparse.kernels import set_threads as set_kernel_threads
+    from .threads import request_kernel_threads
 
     if n < 1:
         raise SparseInferError(f"threads: expected a positive number, got {n}")
     torch.set_num_threads(n)
-    set_kernel_threads(n)
+    request_kernel_threads(n)  # numba's kernels: now if imported, else when first imported
     if ggml_kernels_available():
         from . import cpu
 

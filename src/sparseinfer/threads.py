@@ -37,3 +37,20 @@ def default_threads() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+_kernel_threads: int | None = None  # the last set_threads count, for kernels imported later
+
+
+def request_kernel_threads(n: int) -> None:
+    """Record the thread count for numba's kernels (``sparse.kernels.set_threads``): applied
+    now if they are imported, else when they first are (numba is imported lazily)."""
+    global _kernel_threads
+    _kernel_threads = n
+    kernels = sys.modules.get("sparseinfer.sparse.kernels")
+    if kernels is not None:
+        kernels.set_threads(n)
+
+
+def requested_kernel_threads() -> int | None:
+    return _kernel_threads

@@ -9,6 +9,9 @@ summation order only).
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -256,3 +259,21 @@ def test_missing_compiler_and_missing_library_say_what_to_do(monkeypatch, tmp_pa
     monkeypatch.setattr(cpu_build, "LIB", tmp_path / "libsicpu.so")
     with pytest.raises(cpu.CpuLibraryError, match="install.sh"):
         ops._load()
+
+
+def test_best_isa_follows_the_cpu():
+    """``best_isa`` against /proc/cpuinfo: AVX-512 with VNNI, else the 128-bit AVX2 variant on
+    AMD Zen/Zen+ (family 23, models below 48) and Hygon (family 24), else AVX2."""
+    info = Path("/proc/cpuinfo").read_text()
+    field = lambda name: re.search(rf"^{name}\s*:\s*(.*)$", info, re.M).group(1).strip()  # noqa: E731
+    vendor, family, model = field("vendor_id"), int(field("cpu family")), int(field("model"))
+    flags = set(field("flags").split())
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        want = "avx512"
+    elif (vendor == "AuthenticAMD" and family == 23 and model < 48) or (
+            vendor == "HygonGenuine" and family == 24):
+        want = "avx2_128"
+    else:
+        want = "avx2"
+    assert cpu.best_isa() == want
+    assert want in cpu.available_isas()

@@ -145,6 +145,7 @@ def test_smollm2_q4_keeps_the_files_blocks(smollm2):
     assert abs(p4 / p32 - 1) < 0.01, (p32, p4)
 
 
+@pytest.mark.slow
 def test_smollm2_auto_runs_the_files_blocks_in_place(smollm2):
     """--dtype auto: the C kernels read the file's own Q4_1 / Q8_0 blocks (views of the map);
     each fused module multiplies by exactly the fp32 model's weights, and perplexity stays
@@ -164,9 +165,13 @@ def test_smollm2_auto_runs_the_files_blocks_in_place(smollm2):
     from sparseinfer.data import HELDOUT_TEXT
     from sparseinfer.perplexity import perplexity
 
-    ids = smollm2.tokenizer.encode(HELDOUT_TEXT.read_text(encoding="utf-8")[:6000])
-    p32 = perplexity(smollm2.model, ids, 256, None, 3).ppl
-    pq = perplexity(lm.model, ids, 256, None, 3).ppl
+    # 12 chunks, not 3: rounding each layer's input to int8 turns a last-bit difference in a
+    # sum into a different int8 code, so a short text's perplexity moves by about 1% with the
+    # summation order alone (the avx2 and avx2_128 kernels, whose products agree to 1e-6
+    # relative, gave +0.7% and +1.6% on 3 chunks, +0.4% and +0.6% on 12)
+    ids = smollm2.tokenizer.encode(HELDOUT_TEXT.read_text(encoding="utf-8")[:26400])
+    p32 = perplexity(smollm2.model, ids, 256, None, 12).ppl
+    pq = perplexity(lm.model, ids, 256, None, 12).ppl
     assert abs(pq / p32 - 1) < 0.01, (p32, pq)
 
 

@@ -16,10 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from numba import prange
 
 from ..errors import SparseInferError
-from ..sparse.kernels import _jit, gemv, get_threads
 from .blocks import GROUP, Q4Blocks
 
 ACT_DTYPE = torch.bfloat16
@@ -84,25 +82,6 @@ class Int4Linear(torch.nn.Module):
                                                  self.scales_zeros).float().t().contiguous()
 
 
-@_jit()
-def _int8_rows(q, scale, x, start, end, y):  # pragma: no cover - compiled
-    k = x.shape[0]
-    for r in range(start, end):
-        qr = q[r]
-        acc = np.float32(0.0)
-        for j in range(k):
-            acc += np.float32(qr[j]) * x[j]
-        y[r] = acc * scale[r]
-
-
-@_jit(parallel=True)
-def _int8_gemv_kernel(q, scale, x, n_chunks, y):  # pragma: no cover - compiled
-    n = q.shape[0]
-    per = (n + n_chunks - 1) // n_chunks
-    for c in prange(n_chunks):
-        _int8_rows(q, scale, x, min(c * per, n), min((c + 1) * per, n), y)
-
-
 def gemv_int8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
               out: torch.Tensor) -> torch.Tensor:
     """``out = (q · scale[:, None]) @ x`` for int8 ``q`` [n, k] (contiguous), float32 ``scale``
@@ -115,32 +94,11 @@ def gemv_int8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
         if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"{name}: expected contiguous float32 {list(shape)}, got "
                              f"{t.dtype} {list(t.shape)}")
-    _int8_gemv_kernel(q.numpy(), scale.numpy(), x.numpy(), get_threads() * 4, out.numpy())
+    from ..sparse.kernels import get_threads
+    from .int8_kernels import int8_gemv_kernel  # numba: imported on first use
+
+    int8_gemv_kernel(q.numpy(), scale.numpy(), x.numpy(), get_threads() * 4, out.numpy())
     return out
-
-
-@_jit()
-def _int8_rows_batch(q, scale, x, start, end, y):  # pragma: no cover - compiled
-    k = x.shape[1]
-    w = np.empty(k, dtype=np.float32)
-    for r in range(start, end):
-        qr = q[r]  # read once from memory, widened once, reused for every input row
-        for j in range(k):
-            w[j] = np.float32(qr[j])
-        for b in range(x.shape[0]):
-            xb = x[b]
-            acc = np.float32(0.0)
-            for j in range(k):
-                acc += w[j] * xb[j]
-            y[b, r] = acc * scale[r]
-
-
-@_jit(parallel=True)
-def _int8_gemm_kernel(q, scale, x, n_chunks, y):  # pragma: no cover - compiled
-    n = q.shape[0]
-    per = (n + n_chunks - 1) // n_chunks
-    for c in prange(n_chunks):
-        _int8_rows_batch(q, scale, x, min(c * per, n), min((c + 1) * per, n), y)
 
 
 def gemm_int8_rows(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +109,10 @@ def gemm_int8_rows(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> tor
         raise ValueError(f"x: expected [B, {q.shape[1]}], got {list(x.shape)}")
     x = x.float().contiguous()
     out = torch.empty(x.shape[0], q.shape[0])
-    _int8_gemm_kernel(q.numpy(), scale.numpy(), x.numpy(), get_threads() * 4, out.numpy())
+    from ..sparse.kernels import get_threads
+    from .int8_kernels import int8_gemm_kernel
+
+    int8_gemm_kernel(q.numpy(), scale.numpy(), x.numpy(), get_threads() * 4, out.numpy())
     return out
 
 
@@ -272,6 +233,8 @@ class FloatLinear(torch.nn.Module):
                 self._plan(x.reshape(-1))
                 y = self._out.clone()
             else:
+                from ..sparse.kernels import gemv  # numba: imported on first use
+
                 y = gemv(w, x.reshape(-1), self._out).clone()
             if self.bias is not None:
                 y += self.bias

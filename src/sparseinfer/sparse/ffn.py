@@ -17,11 +17,18 @@ import torch
 from torch import Tensor, nn
 
 from ..config import FFN_KINDS
-from . import kernels
 from .packed import PackedFFN
 from .reference import ACTS, neuron_coefs, sparse_ffn_ref
 
 log = logging.getLogger(__name__)
+
+
+def _kernels():
+    """``sparse.kernels`` (numba): imported when a sparse FFN first runs, not when a model module
+    is imported (start-up time of dense models)."""
+    from . import kernels
+
+    return kernels
 
 
 @dataclass
@@ -169,7 +176,7 @@ class Predicted(Selector):
 
             return ffn._idx[:predict_f16(self._c, x, ffn._idx)]
         if x.device.type == "cpu":
-            k = kernels.predict_active(x, p.fc1, p.fc2, p.threshold, ffn._idx,
+            k = _kernels().predict_active(x, p.fc1, p.fc2, p.threshold, ffn._idx,
                                        neuron_thresholds=self._neuron_thr)
             return ffn._idx[:k]
         return torch.nonzero(p.logits(x) >= p.threshold).reshape(-1).to(torch.int32)
@@ -296,7 +303,7 @@ class SparseFFN(nn.Module):
     def _sparse(self, x: Tensor, idx: Tensor) -> Tensor:
         if not self.split:
             if x.device.type == "cpu":
-                return kernels.sparse_ffn(x, self.packed, idx, self._out)
+                return _kernels().sparse_ffn(x, self.packed, idx, self._out)
             return sparse_ffn_ref(x, self.packed, idx, torch.empty_like(x))
         # indices are ascending: [0, n_hot) belong to the fast tier, the rest to the CPU tier
         cut = int(torch.searchsorted(idx, torch.tensor(self.n_hot, dtype=idx.dtype)))
@@ -306,7 +313,7 @@ class SparseFFN(nn.Module):
         out = sparse_ffn_ref(x_fast, self.hot, hot_idx.to(self.fast, non_blocking=True),
                              torch.empty(self.d_model, device=self.fast))
         x_cpu = x.cpu()
-        cold = kernels.sparse_ffn(x_cpu, self.cold, cold_idx.cpu(), self._out_cold)
+        cold = _kernels().sparse_ffn(x_cpu, self.cold, cold_idx.cpu(), self._out_cold)
         return out + cold.to(self.fast, non_blocking=True)
 
     def _union(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
@@ -324,7 +331,7 @@ class SparseFFN(nn.Module):
         self.stats.active += int(idx.numel()) * B * T
         out = torch.empty(B * T, D, dtype=torch.float32)
         if idx.numel():
-            kernels.sparse_ffn_batch(xf, self.packed, idx, out)
+            _kernels().sparse_ffn_batch(xf, self.packed, idx, out)
         else:
             out.zero_()
         if self.down_bias is not None:

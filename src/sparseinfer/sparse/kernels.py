@@ -37,6 +37,7 @@ from numba import njit, prange, types
 from numba.core.extending import intrinsic, overload
 
 from ..config import FFN_KINDS
+from ..threads import requested_kernel_threads
 from .packed import PackedFFN, quantize_int8
 from .reference import ACTS, check_batch_args, check_ffn_args, check_predict_args
 
@@ -435,6 +436,10 @@ def set_threads(n: int) -> None:
 
 def get_threads() -> int:
     return _threads
+
+
+if (_requested := requested_kernel_threads()) is not None:  # set before this module's import
+    set_threads(_requested)
 
 
 # Below this many bytes of active weights one thread beats waking the others (~2 us).
