@@ -396,7 +396,7 @@ class Transformer(nn.Module):
 
     def hidden(self, tokens: Tensor, pos: int, cache: KVCache) -> Tensor:
         """Final-normed hidden states (B, T, D) for ``tokens`` (B, T) placed at ``pos``."""
-        B, T = tokens.shape
+        T = tokens.shape[1]
         tokens = tokens.to(self.device)
         if pos + T > cache.max_seq:
             raise ValueError(f"positions {pos}..{pos + T} exceed the cache size {cache.max_seq}")
