@@ -110,8 +110,9 @@ class Rows:
     """Several sequences in one decode step (continuous batching, ``models/batch.py``): row i of
     the input (B, 1, D) is the sequence in cache slot ``slots[i]`` at ``positions[i]``, and
     attends to that slot's keys 0..positions[i]. Passed to ``Block`` / ``Attention`` in place of
-    the single-sequence ``pos``. ``kernel``: a per-row attention kernel with ``Attention``'s
-    ``plain`` rows (``fused.decode.attend_rows``), or None for the torch code below."""
+    the single-sequence ``pos``. ``kernel``: a per-row attention kernel for the layers where
+    ``Attention.plain`` holds (``fused.decode.attend_rows``), or None: ``Attention.attend_rows``
+    (torch) everywhere."""
 
     positions: Tensor  # (B,) int64
     slots: Tensor  # (B,) int64
