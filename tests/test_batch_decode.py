@@ -45,7 +45,7 @@ def test_slot_cache_checks_the_slot(tiny_model_dir):
 @pytest.mark.parametrize("slots", [[0, 1, 2], [3, 0, 2]])
 def test_fused_attend_rows_matches_reference(tiny_model_dir, slots):
     from sparseinfer.fused.decode import attend_rows, supports
-    from sparseinfer.models.batch import attend
+    from sparseinfer.models.model import Rows
 
     lm = load_model(tiny_model_dir("swiglu"))
     assert supports(lm.model)
@@ -57,9 +57,50 @@ def test_fused_attend_rows_matches_reference(tiny_model_dir, slots):
         c.k.copy_(caches[0].k.normal_(generator=gen))
         c.v.copy_(caches[0].v.normal_(generator=gen))
     qkv = torch.randn(len(slots), width, generator=gen)
-    positions = torch.tensor([4, 11, 0][: len(slots)])
-    want = attend(lm.model, 1, qkv.clone(), positions, caches[0], torch.tensor(slots))
-    got = attend_rows(lm.model, 1, qkv.clone(), positions, caches[1], torch.tensor(slots))
+    rows = Rows(torch.tensor([4, 11, 0][: len(slots)]), torch.tensor(slots))
+    attn = lm.model.layers[1].attn
+    assert attn.plain(1)
+    want = attn.attend_rows(qkv.clone(), 1, rows, caches[0], lm.model.rope)
+    got = attend_rows(cfg, 1, qkv.clone(), rows, caches[1], lm.model.rope)
     assert torch.allclose(got, want, atol=1e-5)
     assert torch.allclose(caches[1].k, caches[0].k, atol=1e-6)  # the same keys written
     assert torch.allclose(caches[1].v, caches[0].v, atol=1e-6)
+
+
+# every architecture of the model file (q/k norms, windows, soft-capping, custom scales,
+# post-norms, parallel blocks, learned positions with post-norm blocks, tied heads)
+ARCHS = ["qwen2", "qwen3", "llama3", "mistral", "phi3", "falcon", "falcon40", "opt350m",
+         "gemma2", "gemma3"]
+
+
+@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("kernel", [False, True])
+def test_decode_step_equals_each_sequence_alone(arch_model_dir, name, kernel):
+    """One step over three sequences at different positions (some past an 8-token window) gives
+    each row the logits of that sequence decoded alone through ``Transformer.forward``."""
+    from sparseinfer.fused.decode import attend_rows, supports
+
+    lm = load_model(arch_model_dir(name))
+    model = lm.model
+    if kernel and not supports(model):
+        pytest.skip(f"{name}: no fused per-row kernel (not an fp32 RMSNorm/RoPE model)")
+    gen = torch.Generator().manual_seed(3)
+    lengths, slots = [3, 12, 20], [2, 0, 1]
+    seqs = [torch.randint(3, lm.config.vocab_size, (n + 2,), generator=gen).tolist()
+            for n in lengths]
+    cache = model.new_cache(3, 32)
+    alone = [model.new_cache(1, 32) for _ in seqs]
+    with torch.inference_mode():
+        for seq, slot, own in zip(seqs, slots, alone):
+            model(torch.tensor([seq[:-2]]), 0, slot_cache(cache, slot))
+            model(torch.tensor([seq[:-2]]), 0, own)
+        for step in (2, 1):
+            tokens = torch.tensor([s[-step] for s in seqs])
+            positions = torch.tensor([len(s) - step for s in seqs])
+            got = decode_step(model, tokens, positions, cache, torch.tensor(slots),
+                              attend_rows if kernel else None)
+            for row, (seq, own) in enumerate(zip(seqs, alone)):
+                pos = len(seq) - step
+                want = model(torch.tensor([[seq[pos]]]), pos, own)[0, -1]
+                err = float((got[row] - want).abs().max() / want.abs().max())
+                assert err < 1e-4, (name, row, step, err)

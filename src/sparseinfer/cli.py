@@ -373,12 +373,6 @@ def cmd_serve(args) -> int:
     if args.parallel > 1:
         from .server.batching import BatchEngine
 
-        if not engine.model.cfg.plain_block:
-            raise SparseInferError(f"--parallel {args.parallel}: continuous batching runs "
-                                   f"pre-norm attention + FFN blocks only; this model has q/k "
-                                   f"norms, windows, soft-capping, post-norms or parallel "
-                                   f"blocks: use --parallel 1")
-
         engine = BatchEngine(engine, args.parallel, prefill_chunk=args.batch_prefill_chunk)
     logging.getLogger("sparseinfer.server").setLevel(logging.INFO)  # the bound address, requests
     print(f"serving {engine.name} (Ctrl-C to stop)", file=sys.stderr)

@@ -116,3 +116,30 @@ def test_gemma3_270m_blocks_on_the_c_block_past_the_window(gemma_path):
             x = want
         step_f, step_p = f(tok, pos + 1, cf)[0, -1], p(tok, pos + 1, cp)[0, -1]
     assert float((step_f - step_p).abs().max() / step_p.abs().max()) < 1e-5
+
+
+def test_gemma3_270m_batched_step_equals_alone(gemma_path):
+    """Continuous batching's step (``models.batch.decode_step``) over two sequences, one past the
+    512-token window, gives each the logits of decoding it alone (on the fused C block)."""
+    from sparseinfer.data import HELDOUT_TEXT
+    from sparseinfer.models.batch import decode_step, slot_cache
+    from sparseinfer.models.build import load
+
+    lm = load(gemma_path, "fp32", fused=True, max_seq_len=1024)
+    ids = lm.tokenizer.encode(HELDOUT_TEXT.read_text()[:4000])
+    seqs = [ids[:9], ids[100:632]]  # prompts of 7 and 530 tokens, then two steps each
+    model = lm.model
+    cache = model.new_cache(2, 640)
+    alone = [model.new_cache(1, 640) for _ in seqs]
+    with torch.inference_mode():
+        for slot, (seq, own) in enumerate(zip(seqs, alone)):
+            model(torch.tensor([seq[:-2]]), 0, slot_cache(cache, slot))
+            model(torch.tensor([seq[:-2]]), 0, own)
+        for step in (2, 1):
+            positions = torch.tensor([len(s) - step for s in seqs])
+            got = decode_step(model, torch.tensor([s[-step] for s in seqs]), positions, cache,
+                              torch.tensor([0, 1]))
+            for row, (seq, own) in enumerate(zip(seqs, alone)):
+                pos = len(seq) - step
+                want = model(torch.tensor([[seq[pos]]]), pos, own)[0, -1]
+                assert float((got[row] - want).abs().max() / want.abs().max()) < 1e-4

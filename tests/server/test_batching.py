@@ -128,3 +128,45 @@ def test_parallel_capacity_and_429(start_server):
     assert waiting and waiting[0].choices[0].message.content == "one two"
     streams[1].close()
     assert wait_until(lambda: health(srv)["running"] == 0)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma2"])  # tiny models whose vocab = tokenizer's
+def test_parallel_non_llama_equals_one_at_a_time(arch_model_dir, name):
+    """``--parallel 2`` over a model with q/k norms and windows (Gemma 3) or soft-capping and
+    post-norms (Gemma 2): two concurrent greedy requests, decoded in the same steps, answer what
+    the one-at-a-time server answers."""
+    import queue
+
+    from sparseinfer.engine import Engine
+    from sparseinfer.server.batching import BatchEngine
+
+    engine = Engine.load(arch_model_dir(name), n_ctx=128, threads=2)
+    prompts = ["Once upon a time", "The capital of France is"]  # past the 8-token window
+
+    def ask(srv, prompt: str) -> tuple[str, str]:
+        r = openai_client(srv, timeout=60).completions.create(
+            model=engine.name, prompt=prompt, max_tokens=16, temperature=0)
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    with ServerThread(create_app(engine)) as srv:
+        alone = [ask(srv, p) for p in prompts]
+    be = BatchEngine(engine, parallel=2, prefill_chunk=4)
+    try:
+        gate, done = threading.Event(), queue.Queue()
+        with be._cv:  # hold the loop until both requests wait: they then decode together
+            be._tasks.append((gate.wait, done))
+            be._cv.notify()
+        with ServerThread(create_app(be)) as srv:
+            together: list = [None, None]
+            threads = [threading.Thread(target=lambda i=i: together.__setitem__(
+                i, ask(srv, prompts[i]))) for i in range(2)]
+            for t in threads:
+                t.start()
+            assert wait_until(lambda: len(be._incoming) == 2, 30)
+            gate.set()
+            for t in threads:
+                t.join(60)
+    finally:
+        be.close()
+    assert together == alone
+    assert be.max_batch == 2

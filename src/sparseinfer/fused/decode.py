@@ -230,22 +230,21 @@ def supports(model) -> bool:
             and cfg.pos == "rope")
 
 
-def attend_rows(model, layer: int, qkv: Tensor, positions: Tensor, cache: KVCache,
-                slots: Tensor) -> Tensor:
-    """``models.batch.attend`` with the fused kernel: rope, cache write and attention of each
-    row in one numba call (no torch ops, so a row's numbers do not depend on the batch).
-    Needs ``supports(model)``; the cache is the batch's (slots in dimension 1)."""
-    cfg = model.cfg
+def attend_rows(cfg, layer: int, qkv: Tensor, rows, cache: KVCache, rope) -> Tensor:
+    """``Rows.kernel``: ``Attention.attend_rows`` of a plain layer with the fused kernel: rope,
+    cache write and attention of each row in one numba call (no torch ops, so a row's numbers
+    do not depend on the batch). Needs ``supports(model)``; the cache is the batch's (slots in
+    dimension 1)."""
     nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     qkv = qkv.float().contiguous()
-    rows = qkv.numpy()
+    q_rows = qkv.numpy()
     out = torch.empty(qkv.shape[0], nh * hd)
     out_np = out.numpy()
-    cos, sin = model.rope[0].numpy(), model.rope[1].numpy()
+    cos, sin = rope[0].numpy(), rope[1].numpy()
     kc, vc = cache.k[layer].numpy(), cache.v[layer].numpy()  # (slots, nkv, max_seq, hd)
     scores = np.empty(cache.max_seq, dtype=np.float32)
     scale = np.float32(1.0 / math.sqrt(hd))
-    for i, (pos, slot) in enumerate(zip(positions.tolist(), slots.tolist())):
-        _attend(rows[i], kc[slot], vc[slot], pos, cos[pos], sin[pos], nh, nkv, scale, scores,
+    for i, (pos, slot) in enumerate(zip(rows.positions.tolist(), rows.slots.tolist())):
+        _attend(q_rows[i], kc[slot], vc[slot], pos, cos[pos], sin[pos], nh, nkv, scale, scores,
                 out_np[i], cfg.rope_interleaved)
     return out

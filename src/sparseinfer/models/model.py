@@ -15,6 +15,8 @@ gate/up are fused for fewer calls per token.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +105,25 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -
     return x * cos + rotated * sin
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Several sequences in one decode step (continuous batching, ``models/batch.py``): row i of
+    the input (B, 1, D) is the sequence in cache slot ``slots[i]`` at ``positions[i]``, and
+    attends to that slot's keys 0..positions[i]. Passed to ``Block`` / ``Attention`` in place of
+    the single-sequence ``pos``. ``kernel``: a per-row attention kernel for the layers where
+    ``Attention.plain`` holds (``fused.decode.attend_rows``), or None: ``Attention.attend_rows``
+    (torch) everywhere."""
+
+    positions: Tensor  # (B,) int64
+    slots: Tensor  # (B,) int64
+    kernel: Callable[..., Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if self.positions.shape != self.slots.shape or self.positions.dim() != 1:
+            raise ValueError(f"Rows: expected positions and slots of one shape (B,), got "
+                             f"{list(self.positions.shape)} and {list(self.slots.shape)}")
+
+
 class DenseModules:
     """The default ``modules``: float projections and embeddings, dense FFNs, no fused decode.
     ``models/build.py`` passes one that follows a load plan."""
@@ -148,7 +169,15 @@ class Attention(nn.Module):
             allowed &= q - k < window
         return allowed
 
-    def forward(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
+    def plain(self, layer: int) -> bool:
+        """Whether this layer's attention is softmax(q k / sqrt(hd)) v over rope'd q and k and
+        nothing else (what ``Rows.kernel`` implements)."""
+        return not (self.q_norm is not None or self.softcap or self.cfg.attn_scale
+                    or self.cfg.window(layer))
+
+    def forward(self, x: Tensor, layer: int, pos: int | Rows, cache: KVCache, rope) -> Tensor:
+        if isinstance(pos, Rows):
+            return self.forward_rows(x, layer, pos, cache, rope)
         cfg = self.cfg
         B, T, _ = x.shape
         hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -180,6 +209,59 @@ class Attention(nn.Module):
         out = torch.matmul(probs, values)  # (B, nkv, group*T, hd)
         out = out.view(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
         return self.wo(out)
+
+    def forward_rows(self, x: Tensor, layer: int, rows: Rows, cache: KVCache, rope) -> Tensor:
+        """One token per row (B, 1, D), each its own sequence (``Rows``): the projections run
+        over all rows at once, the attention per row."""
+        B = x.shape[0]
+        qkv = self.wqkv(x).view(B, -1)  # (B, (nh + 2 nkv) hd)
+        if rows.kernel is not None and self.plain(layer):
+            out = rows.kernel(self.cfg, layer, qkv, rows, cache, rope)
+        else:
+            out = self.attend_rows(qkv, layer, rows, cache, rope)
+        return self.wo(out.view(B, 1, -1))
+
+    def attend_rows(self, qkv: Tensor, layer: int, rows: Rows, cache: KVCache, rope) -> Tensor:
+        """q/k norms, rope, the cache write and attention of each row of ``qkv`` at its own
+        position in its own slot, as ``forward`` does for one sequence. Returns (B, nh hd).
+        The torch reference of ``Rows.kernel``."""
+        cfg = self.cfg
+        B = qkv.shape[0]
+        hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        group = nh // nkv
+        positions, slots = rows.positions, rows.slots
+        S = int(positions.max()) + 1  # keys to look at: the longest sequence's
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k, v = q.reshape(B, nh, hd), k.reshape(B, nkv, hd), v.reshape(B, nkv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            cos, sin = rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1)
+            il = cfg.rope_interleaved
+            q, k = apply_rope(q, cos, sin, il), apply_rope(k, cos, sin, il)
+        cache.k[layer, slots, :, positions] = k.to(cache.k.dtype)  # (B, nkv, hd) into the slots
+        cache.v[layer, slots, :, positions] = v.to(cache.v.dtype)
+        first = int(slots[0])
+        if slots.tolist() == list(range(first, first + B)):  # consecutive slots: a view
+            keys = cache.k[layer, first : first + B, :, :S]  # (B, nkv, S, hd)
+            values = cache.v[layer, first : first + B, :, :S]
+        else:  # gather only the first S positions of each slot
+            keys = cache.k[layer, :, :, :S].index_select(0, slots)
+            values = cache.v[layer, :, :, :S].index_select(0, slots)
+        # row i sees keys s <= positions[i] (and, in a window, positions[i] - s < window)
+        s = torch.arange(S, device=qkv.device).view(1, S)
+        p = positions.to(qkv.device).view(B, 1)
+        allowed = s <= p
+        window = cfg.window(layer)
+        if window:
+            allowed &= p - s < window
+        qg = q.view(B, nkv, group, hd)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # (B, nkv, group, S)
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~allowed.view(B, 1, 1, S), float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        return torch.matmul(probs, values).reshape(B, nh * hd)
 
 
 class FFN(nn.Module):
@@ -223,8 +305,10 @@ class Block(nn.Module):
 
             self.fused = FusedDecode(self)
 
-    def forward(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
-        if self.fused is not None and x.shape[0] == 1 and x.shape[1] == 1:
+    def forward(self, x: Tensor, layer: int, pos: int | Rows, cache: KVCache, rope) -> Tensor:
+        """x (B, T, D) at ``pos``; or, with ``Rows``, (B, 1, D): one token of B sequences."""
+        if self.fused is not None and x.shape[0] == 1 and x.shape[1] == 1 \
+                and not isinstance(pos, Rows):
             return self.fused(x, layer, pos, cache, rope)
         if self.post_norm:  # OPT-350m: norm after each residual add
             x = self.attn_norm(x + self.attn(x, layer, pos, cache, rope))
@@ -313,10 +397,16 @@ class Transformer(nn.Module):
 
     def hidden(self, tokens: Tensor, pos: int, cache: KVCache) -> Tensor:
         """Final-normed hidden states (B, T, D) for ``tokens`` (B, T) placed at ``pos``."""
-        B, T = tokens.shape
+        T = tokens.shape[1]
         tokens = tokens.to(self.device)
         if pos + T > cache.max_seq:
             raise ValueError(f"positions {pos}..{pos + T} exceed the cache size {cache.max_seq}")
+        x = self.embed(tokens, pos)
+        return self.blocks(x, pos, cache)
+
+    def embed(self, tokens: Tensor, pos: int | Rows) -> Tensor:
+        """The first block's input (B, T, D) for ``tokens`` (B, T) at ``pos`` (T positions from
+        there), or with ``Rows`` (B, 1): each row at its own position."""
         x = self.tok_emb(tokens)  # (B, T, D)
         if self.project_in is not None:
             x = self.project_in(x)
@@ -324,18 +414,28 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.emb_scale, dtype=x.dtype)
         if self.pos_emb is not None:
             off = self.cfg.pos_offset
-            x = x + self.pos_emb.weight[off + pos : off + pos + T]
+            if isinstance(pos, Rows):
+                x = x + self.pos_emb.weight[off + pos.positions].unsqueeze(1)
+            else:
+                x = x + self.pos_emb.weight[off + pos : off + pos + tokens.shape[1]]
+        return x
+
+    def blocks(self, x: Tensor, pos: int | Rows, cache: KVCache) -> Tensor:
+        """Every block over ``x`` (B, T, D), then the final norm (and OPT-350m's projection)."""
         for i, block in enumerate(self.layers):
             local = self.rope_local is not None and self.cfg.window(i)
             x = block(x, i, pos, cache, self.rope_local if local else self.rope)
         x = self.norm(x)
         return self.project_out(x) if self.project_out is not None else x
 
+    def softcap(self, logits: Tensor) -> Tensor:
+        """The final soft-capping of float32 ``logits`` (Gemma 2/3), if any."""
+        cap = self.cfg.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
+
     def forward(self, tokens: Tensor, pos: int, cache: KVCache, last_only: bool = False) -> Tensor:
         """Logits (B, T, V) in float32 (or (B, 1, V) with ``last_only``)."""
         h = self.hidden(tokens, pos, cache)
         if last_only:
             h = h[:, -1:]
-        logits = self.lm_head(h).float()
-        cap = self.cfg.final_softcap
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return self.softcap(self.lm_head(h).float())

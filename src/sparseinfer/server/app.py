@@ -32,8 +32,10 @@ Choices
   ``logit_bias`` and grammar masks, before temperature / top-k / top-p. Completions ``echo`` +
   ``logprobs`` scores the prompt tokens too (the first has none), as lm-eval needs.
 - ``response_format`` (``json_object``, ``json_schema``) and ``tools`` (``tool_choice`` auto,
-  required, named) are enforced by constrained decoding (xgrammar, ``structured.py``); a tool
-  call is prompted as a system message and answered as ``tool_calls`` (one call).
+  required, named) are enforced by constrained decoding (xgrammar, ``structured.py``); the tools
+  are prompted as a system message and an answer of calls comes back as ``tool_calls``: one or
+  more (a JSON array) unless ``parallel_tool_calls`` is false or ``tool_choice`` names a tool,
+  each with its own id; streamed as one chunk per call (its ``index``, id, name, arguments).
 - Every other field a client sends that this server does not implement is a 400 naming it.
 - Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status;
   ``/openapi.json`` declares the request bodies and these error shapes.
@@ -127,6 +129,7 @@ class _Call:
     logprobs: int | None = None  # alternatives per token; None: no logprobs at all
     processors: Callable[[], list[Any]] | None = None  # fresh logits processors per choice
     tools: tuple[str, ...] = ()  # names of the tools the answer may call
+    several: bool = False  # the answer may be a JSON array of calls (parallel_tool_calls)
 
     @property
     def n_choices(self) -> int:
@@ -202,8 +205,8 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int) -
     return SamplingParams(**kw)
 
 
-def _tool_prompt(tools: list[Tool], choice: Any) -> str:
-    """The system text that tells the model which tools exist and how to call one."""
+def _tool_prompt(tools: list[Tool], choice: Any, several: bool) -> str:
+    """The system text that tells the model which tools exist and how to call them."""
     specs = [
         {
             "name": t.function.name,
@@ -212,29 +215,39 @@ def _tool_prompt(tools: list[Tool], choice: Any) -> str:
         }
         for t in tools
     ]
+    more = ", or a JSON array of such objects to call several tools at once" if several else ""
     how = (
         "If a tool helps, answer with only a JSON object "
-        '{"name": <tool name>, "arguments": <arguments object>}; otherwise answer normally.'
+        f'{{"name": <tool name>, "arguments": <arguments object>}}{more}; otherwise answer '
+        "normally."
         if choice in (None, "auto")
-        else 'Answer with only a JSON object {"name": <tool name>, "arguments": <arguments>}.'
+        else f'Answer with only a JSON object {{"name": <tool name>, "arguments": <arguments>}}'
+        f"{more}."
     )
     return "You can call these tools:\n" + json.dumps(specs) + "\n" + how
 
 
-def _parse_tool_call(text: str, names: tuple[str, ...]) -> ToolCall | None:
-    """The tool call a (grammar-constrained) answer spells, or None if it is plain text."""
-    if not text.lstrip().startswith("{"):
+def _parse_tool_calls(text: str, names: tuple[str, ...], several: bool) -> list[ToolCall] | None:
+    """The tool calls a (grammar-constrained) answer spells: one JSON call object or, with
+    ``several``, an array of them; each call gets its own id. None if it is plain text."""
+    if not text.lstrip().startswith(("{", "[") if several else "{"):
         return None
     try:
         obj = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(obj, dict) or obj.get("name") not in names or "arguments" not in obj:
+    items = obj if isinstance(obj, list) else [obj]
+    if not items or not all(
+        isinstance(c, dict) and c.get("name") in names and "arguments" in c for c in items
+    ):
         return None
-    return ToolCall(
-        id="call_" + uuid.uuid4().hex[:24],
-        function=FunctionCallOut(name=obj["name"], arguments=json.dumps(obj["arguments"])),
-    )
+    return [
+        ToolCall(
+            id="call_" + uuid.uuid4().hex[:24],
+            function=FunctionCallOut(name=c["name"], arguments=json.dumps(c["arguments"])),
+        )
+        for c in items
+    ]
 
 
 class _Choices:
@@ -683,10 +696,10 @@ class OpenAIServer:
             for i in range(call.n_choices):
                 reason = got.finish[i].reason  # type: ignore[union-attr]
                 text = got.text[i]
-                tool = _parse_tool_call(text, call.tools) if call.tools else None
+                tools = _parse_tool_calls(text, call.tools, call.several) if call.tools else None
                 message = (
-                    AssistantMessage(content=None, tool_calls=[tool])
-                    if tool is not None
+                    AssistantMessage(content=None, tool_calls=tools)
+                    if tools is not None
                     else AssistantMessage(content=text)
                 )
                 choices.append(
@@ -696,7 +709,7 @@ class OpenAIServer:
                         logprobs=_chat_logprobs(got.logprobs[i])
                         if call.logprobs is not None
                         else None,
-                        finish_reason="tool_calls" if tool is not None else reason,
+                        finish_reason="tool_calls" if tools is not None else reason,
                     )
                 )
             body = ChatCompletion(
@@ -787,25 +800,31 @@ class OpenAIServer:
                     finishes[index] = event
                     reason: str = event.reason
                     if call.tools:
-                        tool = _parse_tool_call(held[index], call.tools)
-                        if tool is not None:
+                        tools = _parse_tool_calls(held[index], call.tools, call.several)
+                        if tools is not None:  # one chunk per call, as OpenAI streams them
                             reason = "tool_calls"
-                            delta = ChatDelta(
-                                tool_calls=[
-                                    ToolCallDelta(
-                                        index=0,
-                                        id=tool.id,
-                                        type="function",
-                                        function=FunctionCallDelta(
-                                            name=tool.function.name,
-                                            arguments=tool.function.arguments,
-                                        ),
-                                    )
-                                ]
-                            )
+                            for i, tool in enumerate(tools):
+                                delta = ChatDelta(
+                                    tool_calls=[
+                                        ToolCallDelta(
+                                            index=i,
+                                            id=tool.id,
+                                            type="function",
+                                            function=FunctionCallDelta(
+                                                name=tool.function.name,
+                                                arguments=tool.function.arguments,
+                                            ),
+                                        )
+                                    ]
+                                )
+                                yield self._chunk(
+                                    call, rid, created, ChatChunkChoice(index=index, delta=delta)
+                                )
                         else:
                             delta = ChatDelta(content=held[index])
-                        yield self._chunk(call, rid, created, ChatChunkChoice(index=index, delta=delta))
+                            yield self._chunk(
+                                call, rid, created, ChatChunkChoice(index=index, delta=delta)
+                            )
                     if chat:
                         choice = ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)
                     else:
@@ -832,15 +851,18 @@ class OpenAIServer:
         ]
         grammar = None
         tools: tuple[str, ...] = ()
+        several = False
         fmt = req.response_format
         if req.tools and req.tool_choice != "none":
             tools = tuple(t.function.name for t in req.tools)
             named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
             chosen = [t for t in req.tools if named is None or t.function.name == named]
             mode = "auto" if req.tool_choice in (None, "auto") else "required"
+            # several calls in one answer unless turned off or one named tool is forced
+            several = named is None and req.parallel_tool_calls is not False
             specs = [(t.function.name, t.function.parameters) for t in chosen]
-            grammar = self._compile(lambda g: g.tool_calls(specs, mode), "tools")
-            hint = {"role": "system", "content": _tool_prompt(chosen, req.tool_choice)}
+            grammar = self._compile(lambda g: g.tool_calls(specs, mode, several), "tools")
+            hint = {"role": "system", "content": _tool_prompt(chosen, req.tool_choice, several)}
             if messages[0]["role"] == "system":
                 messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + hint["content"]}
             else:
@@ -864,6 +886,7 @@ class OpenAIServer:
             logprobs=(req.top_logprobs or 0) if want_lp else None,
             processors=self._processors(req, grammar),
             tools=tools,
+            several=several,
         )
         return await self.run(request, call)
 

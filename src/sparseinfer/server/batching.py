@@ -36,7 +36,6 @@ import torch
 from ..config import SamplingParams
 from ..engine import Engine, FinishEvent, StopStrings, StreamEvent, TokenEvent, TokenScore
 from ..generate import apply_penalties, sample, token_logprobs
-from ..models.batch import attend as batch_attend
 from ..models.batch import decode_step, slot_cache
 
 logger = logging.getLogger(__name__)
@@ -85,9 +84,10 @@ class BatchEngine:
         self.cache = self.model.new_cache(parallel, self.n_ctx)
         from ..fused.decode import attend_rows, supports
 
-        # the fused per-row attention kernel where it applies (CPU fp32 rope models): no torch
-        # parallel regions for the small attention ops (costly on a busy 2-core machine)
-        self._attend = attend_rows if supports(self.model) else batch_attend
+        # the fused per-row attention kernel for plain layers where it applies (CPU fp32 rope
+        # models): no torch parallel regions for the small attention ops (costly on a busy
+        # 2-core machine); other layers (q/k norms, windows, soft-capping) attend in torch
+        self._kernel = attend_rows if supports(self.model) else None
         self._views = [slot_cache(self.cache, s) for s in range(parallel)]  # kept: stable ids
         self._free = list(range(parallel))
         self._cv = threading.Condition()
@@ -267,7 +267,7 @@ class BatchEngine:
         positions = torch.tensor([s.pos for s in decoding])
         slots = torch.tensor([s.slot for s in decoding])
         logits = decode_step(self.model, tokens, positions, self.cache, slots,  # 4. one step
-                             self._attend)
+                             self._kernel)
         self.steps += 1
         self.max_batch = max(self.max_batch, len(decoding))
         for row, seq in enumerate(decoding):  # 5. sample each row

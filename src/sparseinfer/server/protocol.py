@@ -202,9 +202,13 @@ class ChatMessage(_Request):
             text = self.content
         else:
             text = "".join(p.text for p in self.content)
-        for call in self.tool_calls or ():  # shown to the model in the shape it was asked for
-            text += f'{{"name": "{call.function.name}", "arguments": {call.function.arguments}}}'
-        return text
+        calls = [  # shown to the model in the shape it was asked for: an object, or an array
+            f'{{"name": "{c.function.name}", "arguments": {c.function.arguments}}}'
+            for c in self.tool_calls or ()
+        ]
+        if len(calls) > 1:
+            return text + "[" + ", ".join(calls) + "]"
+        return text + "".join(calls)
 
 
 class FunctionDef(_Request):
@@ -259,7 +263,7 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: ResponseFormat | None = Field(None, discriminator="type")
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted: at most one call is ever made
+    parallel_tool_calls: bool | None = None  # false: at most one call per answer
 
     def unsupported(self) -> APIError | None:
         if self.max_tokens == 0:

@@ -96,12 +96,14 @@ class Grammars:
             lambda c: c.compile_json_schema(text, any_whitespace=False, strict_mode=False),
         )
 
-    def tool_calls(self, tools: list[tuple[str, dict[str, Any] | None]], mode: str) -> Any:
+    def tool_calls(self, tools: list[tuple[str, dict[str, Any] | None]], mode: str,
+                   several: bool = False) -> Any:
         """``{"name": ..., "arguments": {...}}`` for one of ``tools`` (name, parameters schema);
-        ``mode`` "auto" also allows plain text that does not start with ``{``."""
+        ``several``: or a JSON array of one or more such calls (OpenAI's parallel tool calls).
+        ``mode`` "auto" also allows plain text that does not start with ``{`` (or ``[``)."""
         import xgrammar as xgr
 
-        schema = {
+        call = {
             "anyOf": [
                 {
                     "type": "object",
@@ -115,17 +117,22 @@ class Grammars:
                 for name, params in tools
             ]
         }
-        text = json.dumps(schema, sort_keys=True)
+        schema = {"anyOf": [call, {"type": "array", "items": call, "minItems": 1}]} if several \
+            else call
+        # keys in the order given (not sorted): a call spells its name before its arguments,
+        # as the prompt shows it, and the arguments' keys come in the tool's declared order
+        text = json.dumps(schema)
+        plain = "root ::= [^{[ \\t\\n] [^]*" if several else "root ::= [^{ \\t\\n] [^]*"
 
         def build(compiler: Any) -> Any:
             # strict: a call's arguments hold only the tool's declared parameters (as OpenAI's
             # function calling); a small model otherwise invents keys until max_tokens
-            call = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+            calls = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
             if mode == "auto":
-                call = xgr.Grammar.union(xgr.Grammar.from_ebnf("root ::= [^{ \\t\\n] [^]*"), call)
-            return compiler.compile_grammar(call)
+                calls = xgr.Grammar.union(xgr.Grammar.from_ebnf(plain), calls)
+            return compiler.compile_grammar(calls)
 
-        return self._compiled(f"tools:{mode}:{text}", build)
+        return self._compiled(f"tools:{mode}:{several}:{text}", build)
 
 
 class GrammarProcessor:
