@@ -139,12 +139,14 @@ def test_multi_matrix_call_shares_input(isa, threads):
         assert torch.all((o.double() - want.double()).abs() <= summation_bound(m, x))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_1", "Q4_K", "Q6_K", "F16", "F32"])
+@pytest.mark.parametrize("type_name",
+                         ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "F16", "F32"])
 @pytest.mark.parametrize("T", [1, 3, 8, 9, 17])
 def test_gemm_matches_reference(type_name, T, isa, threads):
-    """Q4_0/Q4_1 rows with 512 columns take the AVX-512 kernel that decodes each pair of blocks
-    once for up to 8 rows of x (T = 8, 9, 17 cross its groups); every type gives each row of
-    the batch exactly the GEMV of that token."""
+    """Q4_0/Q4_1 rows take the AVX-512 kernel that decodes each pair of blocks once for up to 8
+    rows of x, Q4_0..Q5_1 the avx2_128 one that unpacks each group of 8 blocks once (T = 8, 9,
+    17 cross their groups); every type gives each row of the batch exactly the GEMV of that
+    token."""
     rng = np.random.default_rng(T)
     rows, cols = 37, 512 if T % 2 else 576  # 576: 18 blocks, two past the last group of 8
     if type_name in ("Q4_K", "Q6_K"):

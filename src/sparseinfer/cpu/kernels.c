@@ -624,6 +624,83 @@ INLINE void multi_q4(const int type, const uint8_t *p, const si_xq *x, const int
 }
 #endif
 
+#if SI_NARROW
+#define MULTI_T 8 /* x rows per pass over a weight row */
+/* dot_b32_128 for Q4_0/Q4_1/Q5_0/Q5_1 in two steps: the block unpacked once (lo: elements
+ * 0..15, hi: 16..31, fifth bits or'ed in), then its integer dot with any x block. */
+INLINE void unpack_b32_128(const int type, const uint8_t *p, __m128i *lo, __m128i *hi) {
+    const int qo = type == SI_Q4_0 ? 2 : type == SI_Q4_1 ? 4 : type == SI_Q5_0 ? 6 : 8;
+    const __m128i m4 = _mm_set1_epi8(0x0F), v = load128(p + qo);
+    *lo = _mm_and_si128(v, m4);
+    *hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    if (type == SI_Q5_0 || type == SI_Q5_1) {
+        uint32_t bits;
+        memcpy(&bits, p + (type == SI_Q5_0 ? 2 : 4), 4);
+        *lo = _mm_or_si128(*lo, bit5_128(bits));
+        *hi = _mm_or_si128(*hi, bit5_128(bits >> 16));
+    }
+}
+INLINE __m128i dot_unpacked_128(__m128i lo, __m128i hi, const int8_t *xq) {
+    const __m128i s = _mm_add_epi16(_mm_maddubs_epi16(lo, load128(xq)),
+                                    _mm_maddubs_epi16(hi, load128(xq + 16)));
+    return _mm_madd_epi16(s, _mm_set1_epi16(1));
+}
+
+/* One Q4_0/Q4_1/Q5_0/Q5_1 row against nt <= MULTI_T quantized x rows (nb blocks): each group
+ * of 8 blocks unpacked once and multiplied with every x row. Every x row's result is its GEMV's
+ * (rows_b32 on this variant) bit for bit: the same products summed in the same order.
+ * y[t * ys] for t < nt. */
+INLINE void multi_b32_128(const int type, const int bsize, const uint8_t *p, const si_xq *x,
+                          const int nt, const int nb, float *y, const int64_t ys) {
+    const int has_min = type == SI_Q4_1 || type == SI_Q5_1;
+    __m128 n0[MULTI_T], n1[MULTI_T];
+    __m256 accm[MULTI_T];
+    for (int t = 0; t < nt; t++) {
+        n0[t] = n1[t] = _mm_setzero_ps();
+        accm[t] = _mm256_setzero_ps();
+    }
+    for (int b = 0; b + 8 <= nb; b += 8) {
+        const uint8_t *pb = p + (size_t)b * bsize;
+        const __m256 dw = f16x8(pb, bsize, 0);
+        const __m256 mw = has_min ? f16x8(pb, bsize, 2) : dw;
+        __m128i lo[8], hi[8];
+        for (int k = 0; k < 8; k++) unpack_b32_128(type, pb + (size_t)k * bsize, &lo[k], &hi[k]);
+        for (int t = 0; t < nt; t++) {
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(x[t].d + b));
+            accm[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(x[t].s + b), accm[t]);
+            const __m128 s0 = _mm256_castps256_ps128(scale), s1 = _mm256_extractf128_ps(scale, 1);
+            const int8_t *xb = x[t].q + 32 * (size_t)b;
+#define MNARROW(k, S, i, A)                                                                    \
+    A[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(dot_unpacked_128(lo[k], hi[k], xb + 32 * (k))),        \
+                        _mm_shuffle_ps(S, S, _MM_SHUFFLE(i, i, i, i)), A[t])
+            MNARROW(0, s0, 0, n0); MNARROW(1, s0, 1, n1); MNARROW(2, s0, 2, n0);
+            MNARROW(3, s0, 3, n1); MNARROW(4, s1, 0, n0); MNARROW(5, s1, 1, n1);
+            MNARROW(6, s1, 2, n0); MNARROW(7, s1, 3, n1);
+#undef MNARROW
+        }
+    }
+    __m256 acc[MULTI_T];
+    float cs[MULTI_T];
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm256_add_ps(_mm256_setzero_ps(),
+                               _mm256_setr_m128(_mm_add_ps(n0[t], n1[t]), _mm_setzero_ps()));
+        cs[t] = 0.0f;
+    }
+    for (int b = nb - nb % 8; b < nb; b++) { /* as rows_b32: the last nb % 8 blocks */
+        const uint8_t *pb = p + (size_t)b * bsize;
+        const float dwb = f16(pb), mwb = has_min ? f16(pb + 2) : dwb;
+        for (int t = 0; t < nt; t++) {
+            cs[t] += mwb * x[t].s[b];
+            const __m256i dot = dot_b32(type, pb, loadx(&x[t], b));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dwb * x[t].d[b]),
+                                     acc[t]);
+        }
+    }
+    const float zk = type == SI_Q4_0 ? -8.0f : type == SI_Q5_0 ? -16.0f : 1.0f;
+    for (int t = 0; t < nt; t++) y[t * ys] = hsum(acc[t]) + zk * (hsum(accm[t]) + cs[t]);
+}
+#endif
+
 /* y[t * y_stride + r] = row r of w times x[t], for t < T: the 4-bit rows decoded once per
  * MULTI_T x rows where the pair kernel exists (AVX-512 Q4_0/Q4_1), else si_rows for each x
  * row. */
@@ -635,6 +712,18 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
             const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
             for (int r = 0; r < nrows; r++)
                 multi_q4(type, w + (size_t)r * rb, x + t0, nt, cols / 32, y + t0 * ys + r, ys);
+        }
+        return;
+    }
+#endif
+#if SI_NARROW
+    if (type == SI_Q4_0 || type == SI_Q4_1 || type == SI_Q5_0 || type == SI_Q5_1) {
+        const int bsize = type == SI_Q4_0 ? 18 : type == SI_Q4_1 ? 20 : type == SI_Q5_0 ? 22 : 24;
+        for (int t0 = 0; t0 < T; t0 += MULTI_T) {
+            const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
+            for (int r = 0; r < nrows; r++)
+                multi_b32_128(type, bsize, w + (size_t)r * rb, x + t0, nt, cols / 32,
+                              y + t0 * ys + r, ys);
         }
         return;
     }
