@@ -181,6 +181,28 @@ INLINE __m128i dot_b32_128(const int type, const uint8_t *p, const int8_t *xq) {
     const __m128i s = _mm_add_epi16(_mm_maddubs_epi16(lo, x0), _mm_maddubs_epi16(hi, x1));
     return _mm_madd_epi16(s, one);
 }
+
+/* The integer sums of 4 consecutive 4-bit blocks, unpacked (lo/hi as dot_b32_128 makes them),
+ * against x's 4 blocks at xq: one int32 per block. The int16 sums of each block are folded by
+ * horizontal adds before one widening madd (at most 16 products of 15 * 127 = 30,480 per
+ * int16: 4-bit blocks only), so 4 blocks take one convert and one FMA. */
+INLINE __m128i sums4_q4(const __m128i *lo, const __m128i *hi, const int8_t *xq) {
+    __m128i s[4];
+    for (int k = 0; k < 4; k++)
+        s[k] = _mm_add_epi16(_mm_maddubs_epi16(lo[k], load128(xq + 32 * k)),
+                             _mm_maddubs_epi16(hi[k], load128(xq + 32 * k + 16)));
+    const __m128i h = _mm_hadd_epi16(_mm_hadd_epi16(s[0], s[1]), _mm_hadd_epi16(s[2], s[3]));
+    return _mm_madd_epi16(h, _mm_set1_epi16(1));
+}
+INLINE void unpack4_q4(const int type, const uint8_t *p, const int bsize, __m128i *lo,
+                       __m128i *hi) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    for (int k = 0; k < 4; k++) {
+        const __m128i v = load128(p + (size_t)k * bsize + (type == SI_Q4_0 ? 2 : 4));
+        lo[k] = _mm_and_si128(v, m4);
+        hi[k] = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    }
+}
 #endif
 
 /* type: SI_Q4_0, SI_Q4_1, SI_Q5_0, SI_Q5_1 or SI_Q8_0 (a constant after inlining).
@@ -224,6 +246,15 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
             {
                 const __m128 s0 = _mm256_castps256_ps128(scale), s1 = _mm256_extractf128_ps(scale, 1);
                 const int8_t *xb = x->q + 32 * (size_t)b;
+                if (type == SI_Q4_0 || type == SI_Q4_1) { /* 4 blocks per convert and FMA */
+                    __m128i lo[8], hi[8];
+                    unpack4_q4(type, p, bsize, lo, hi);
+                    unpack4_q4(type, p + 4 * (size_t)bsize, bsize, lo + 4, hi + 4);
+                    n0[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums4_q4(lo, hi, xb)), s0, n0[r]);
+                    n1[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums4_q4(lo + 4, hi + 4, xb + 128)), s1,
+                                         n1[r]);
+                    continue;
+                }
 #define NARROW(k, S, i, A)                                                                     \
     A[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(dot_b32_128(type, p + (k) * bsize, xb + 32 * (k))),    \
                         _mm_shuffle_ps(S, S, _MM_SHUFFLE(i, i, i, i)), A[r])
@@ -670,6 +701,11 @@ INLINE void multi_b32_128(const int type, const int bsize, const uint8_t *p, con
             accm[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(x[t].s + b), accm[t]);
             const __m128 s0 = _mm256_castps256_ps128(scale), s1 = _mm256_extractf128_ps(scale, 1);
             const int8_t *xb = x[t].q + 32 * (size_t)b;
+            if (type == SI_Q4_0 || type == SI_Q4_1) { /* as rows_b32: 4 blocks per FMA */
+                n0[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums4_q4(lo, hi, xb)), s0, n0[t]);
+                n1[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums4_q4(lo + 4, hi + 4, xb + 128)), s1, n1[t]);
+                continue;
+            }
 #define MNARROW(k, S, i, A)                                                                    \
     A[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(dot_unpacked_128(lo[k], hi[k], xb + 32 * (k))),        \
                         _mm_shuffle_ps(S, S, _MM_SHUFFLE(i, i, i, i)), A[t])
