@@ -1,7 +1,10 @@
-/* Row kernels over native GGUF blocks, compiled once per instruction set (SI_ISA = avx2 or
- * avx512; the build passes the matching -m flags). Everything here is 256-bit wide: the AVX-512
- * build differs in its integer dot product (VNNI vpdpbusd on 256-bit registers, AVX512-VL),
- * which replaces the two-instruction AVX2 sequence (vpmaddubsw + vpmaddwd) and cannot saturate.
+/* Row kernels over native GGUF blocks, compiled once per instruction set (SI_ISA = avx2,
+ * avx512 or avx2_128; the build passes the matching -m flags). Most of it is 256-bit wide: the
+ * AVX-512 build differs in its integer dot product (VNNI vpdpbusd on 256-bit registers,
+ * AVX512-VL), which replaces the two-instruction AVX2 sequence (vpmaddubsw + vpmaddwd) and cannot
+ * saturate, and in two 4-bit blocks per 512-bit step (SI_PAIRS); the avx2_128 build (SI_NARROW)
+ * works the blocks in 128-bit registers, for CPUs whose vector units split 256-bit
+ * instructions.
  *
  * A row kernel walks R rows (4, or 1 for the tail) side by side, block by block, so R weight
  * streams are in flight and each activation block is loaded once for all of them. Per block of
@@ -17,7 +20,7 @@
 #include "qgemv.h"
 
 #ifndef SI_ISA
-#error "compile with -DSI_ISA=avx2 or -DSI_ISA=avx512"
+#error "compile with -DSI_ISA=avx2, avx512 or avx2_128 (with -DSI_NARROW=1)"
 #endif
 #define SI_CAT2(a, b) a##_##b
 #define SI_CAT(a, b) SI_CAT2(a, b)
