@@ -166,9 +166,13 @@ def test_generated_logprobs_match_direct_forward(real):
     gen = [engine.encode(t, add_bos=False) for t in lp.tokens]
     flat = [t for g in gen for t in g]
     ref = direct_logprobs(engine, ids + flat)[len(ids) - 1:]
-    # generated tokens come from the single-token decode path (fused q4 kernels), the reference
-    # from a whole-sequence forward: on this q4 model they differ by up to ~0.03 nats
-    assert torch.allclose(torch.tensor(lp.token_logprobs), ref, atol=0.1)
+    # generated tokens come from the single-token decode path (fused C block), the reference
+    # from a whole-sequence forward. Each layer's input is rounded to int8 blocks, so a last-bit
+    # difference can change a code and the logprobs move chaotically: scaling the embeddings by
+    # 1 +- 1e-6 noise moved the third token's by up to 0.14 nats (avx2 kernels, AMD Zen 1), and
+    # the two paths differed by 0.02 (avx2) and 0.10 nats (avx2_128). A wrong token's logprob
+    # would be off by far more.
+    assert torch.allclose(torch.tensor(lp.token_logprobs), ref, atol=0.25)
     # greedy: each token is its position's best
     for got, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert got == pytest.approx(max(top.values()), abs=1e-6)
