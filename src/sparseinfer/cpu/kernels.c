@@ -161,28 +161,41 @@ INLINE __m128i bit5_128(uint32_t bits) {
     return _mm_and_si128(v, _mm_set1_epi8(0x10));
 }
 
-/* dot_b32 in 128-bit registers: 4 int32 partial sums of one block times x's block at xq. The
- * two int16 halves of a 4/5-bit block are added before widening (at most 2 * 2 * 31 * 127 =
- * 15,748: no overflow); Q8_0's are widened first (2 * 127 * 127 each). */
+/* A Q4_0/Q4_1/Q5_0/Q5_1 block in 128-bit registers: lo = elements 0..15, hi = 16..31 (fifth bits
+ * or'ed in), unpacked once for any number of x blocks. */
+INLINE void unpack_b32_128(const int type, const uint8_t *p, __m128i *lo, __m128i *hi) {
+    const int qo = type == SI_Q4_0 ? 2 : type == SI_Q4_1 ? 4 : type == SI_Q5_0 ? 6 : 8;
+    const __m128i m4 = _mm_set1_epi8(0x0F), v = load128(p + qo);
+    *lo = _mm_and_si128(v, m4);
+    *hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    if (type == SI_Q5_0 || type == SI_Q5_1) {
+        uint32_t bits;
+        memcpy(&bits, p + (type == SI_Q5_0 ? 2 : 4), 4);
+        *lo = _mm_or_si128(*lo, bit5_128(bits));
+        *hi = _mm_or_si128(*hi, bit5_128(bits >> 16));
+    }
+}
+/* An unpacked block times x's block at xq: 4 int32 partial sums. The two int16 halves are added
+ * before widening (at most 2 * 2 * 31 * 127 = 15,748: no overflow). */
+INLINE __m128i dot_unpacked_128(__m128i lo, __m128i hi, const int8_t *xq) {
+    const __m128i s = _mm_add_epi16(_mm_maddubs_epi16(lo, load128(xq)),
+                                    _mm_maddubs_epi16(hi, load128(xq + 16)));
+    return _mm_madd_epi16(s, _mm_set1_epi16(1));
+}
+
+/* dot_b32 in 128-bit registers: 4 int32 partial sums of one block times x's block at xq; Q8_0's
+ * halves are widened before they are added (2 * 127 * 127 each). */
 INLINE __m128i dot_b32_128(const int type, const uint8_t *p, const int8_t *xq) {
-    const __m128i x0 = load128(xq), x1 = load128(xq + 16), one = _mm_set1_epi16(1);
     if (type == SI_Q8_0) {
+        const __m128i x0 = load128(xq), x1 = load128(xq + 16), one = _mm_set1_epi16(1);
         const __m128i w0 = load128(p + 2), w1 = load128(p + 18);
         const __m128i a = _mm_maddubs_epi16(_mm_abs_epi8(w0), _mm_sign_epi8(x0, w0));
         const __m128i b = _mm_maddubs_epi16(_mm_abs_epi8(w1), _mm_sign_epi8(x1, w1));
         return _mm_add_epi32(_mm_madd_epi16(a, one), _mm_madd_epi16(b, one));
     }
-    const int qo = type == SI_Q4_0 ? 2 : type == SI_Q4_1 ? 4 : type == SI_Q5_0 ? 6 : 8;
-    const __m128i m4 = _mm_set1_epi8(0x0F), v = load128(p + qo);
-    __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-    if (type == SI_Q5_0 || type == SI_Q5_1) {
-        uint32_t bits;
-        memcpy(&bits, p + (type == SI_Q5_0 ? 2 : 4), 4);
-        lo = _mm_or_si128(lo, bit5_128(bits));
-        hi = _mm_or_si128(hi, bit5_128(bits >> 16));
-    }
-    const __m128i s = _mm_add_epi16(_mm_maddubs_epi16(lo, x0), _mm_maddubs_epi16(hi, x1));
-    return _mm_madd_epi16(s, one);
+    __m128i lo, hi;
+    unpack_b32_128(type, p, &lo, &hi);
+    return dot_unpacked_128(lo, hi, xq);
 }
 
 /* The integer sums of 4 consecutive 4-bit blocks, unpacked (lo/hi as dot_b32_128 makes them),
@@ -196,15 +209,6 @@ INLINE __m128i sums4_q4(const __m128i *lo, const __m128i *hi, const int8_t *xq) 
                              _mm_maddubs_epi16(hi[k], load128(xq + 32 * k + 16)));
     const __m128i h = _mm_hadd_epi16(_mm_hadd_epi16(s[0], s[1]), _mm_hadd_epi16(s[2], s[3]));
     return _mm_madd_epi16(h, _mm_set1_epi16(1));
-}
-INLINE void unpack4_q4(const int type, const uint8_t *p, const int bsize, __m128i *lo,
-                       __m128i *hi) {
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    for (int k = 0; k < 4; k++) {
-        const __m128i v = load128(p + (size_t)k * bsize + (type == SI_Q4_0 ? 2 : 4));
-        lo[k] = _mm_and_si128(v, m4);
-        hi[k] = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-    }
 }
 #endif
 
@@ -251,8 +255,8 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
                 const int8_t *xb = x->q + 32 * (size_t)b;
                 if (type == SI_Q4_0 || type == SI_Q4_1) { /* 4 blocks per convert and FMA */
                     __m128i lo[8], hi[8];
-                    unpack4_q4(type, p, bsize, lo, hi);
-                    unpack4_q4(type, p + 4 * (size_t)bsize, bsize, lo + 4, hi + 4);
+                    for (int k = 0; k < 8; k++)
+                        unpack_b32_128(type, p + (size_t)k * bsize, &lo[k], &hi[k]);
                     n0[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums4_q4(lo, hi, xb)), s0, n0[r]);
                     n1[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums4_q4(lo + 4, hi + 4, xb + 128)), s1,
                                          n1[r]);
@@ -588,8 +592,9 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
 #undef NEXT
 }
 
+#define MULTI_T 8 /* x rows per pass over a weight row (the GEMM kernels below) */
+
 #if SI_PAIRS
-#define MULTI_T 8 /* x rows per pass over a weight row */
 /* One Q4_0/Q4_1 row against nt <= MULTI_T quantized x rows (nb blocks):
  * each pair of blocks is decoded once (as in pairs_q4) and multiplied with every x row, so a
  * prompt's or a batch's rows share the decoding. y[t * ys] for t < nt. */
@@ -659,27 +664,6 @@ INLINE void multi_q4(const int type, const uint8_t *p, const si_xq *x, const int
 #endif
 
 #if SI_NARROW
-#define MULTI_T 8 /* x rows per pass over a weight row */
-/* dot_b32_128 for Q4_0/Q4_1/Q5_0/Q5_1 in two steps: the block unpacked once (lo: elements
- * 0..15, hi: 16..31, fifth bits or'ed in), then its integer dot with any x block. */
-INLINE void unpack_b32_128(const int type, const uint8_t *p, __m128i *lo, __m128i *hi) {
-    const int qo = type == SI_Q4_0 ? 2 : type == SI_Q4_1 ? 4 : type == SI_Q5_0 ? 6 : 8;
-    const __m128i m4 = _mm_set1_epi8(0x0F), v = load128(p + qo);
-    *lo = _mm_and_si128(v, m4);
-    *hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-    if (type == SI_Q5_0 || type == SI_Q5_1) {
-        uint32_t bits;
-        memcpy(&bits, p + (type == SI_Q5_0 ? 2 : 4), 4);
-        *lo = _mm_or_si128(*lo, bit5_128(bits));
-        *hi = _mm_or_si128(*hi, bit5_128(bits >> 16));
-    }
-}
-INLINE __m128i dot_unpacked_128(__m128i lo, __m128i hi, const int8_t *xq) {
-    const __m128i s = _mm_add_epi16(_mm_maddubs_epi16(lo, load128(xq)),
-                                    _mm_maddubs_epi16(hi, load128(xq + 16)));
-    return _mm_madd_epi16(s, _mm_set1_epi16(1));
-}
-
 /* One Q4_0/Q4_1/Q5_0/Q5_1 row against nt <= MULTI_T quantized x rows (nb blocks): each group
  * of 8 blocks unpacked once and multiplied with every x row. Every x row's result is its GEMV's
  * (rows_b32 on this variant) bit for bit: the same products summed in the same order.
@@ -757,7 +741,7 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
 #endif
 #if SI_NARROW
     if (type == SI_Q4_0 || type == SI_Q4_1 || type == SI_Q5_0 || type == SI_Q5_1) {
-        const int bsize = type == SI_Q4_0 ? 18 : type == SI_Q4_1 ? 20 : type == SI_Q5_0 ? 22 : 24;
+        const int bsize = (int)(rb / (size_t)(cols / 32)); /* bytes per block of 32 */
         for (int t0 = 0; t0 < T; t0 += MULTI_T) {
             const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
             for (int r = 0; r < nrows; r++)
