@@ -263,8 +263,6 @@ def profile_model(model: Transformer, chunks: Sequence[Sequence[int]], out_dir: 
             thresholds = (hist.thresholds(options.target_density) if hist is not None
                           else np.asarray(thresholds, dtype=np.float32))
             tick = progress("masks", L, "layer") if progress else None
-            for w in xs + masks:
-                w.close()
             for l in range(L):  # one layer's inputs and masks mapped at a time
                 x_l = np.load(out_dir / _x_name(l), mmap_mode="r")
                 m_l = np.lib.format.open_memmap(out_dir / _mask_name(l), "r+")
@@ -274,8 +272,6 @@ def profile_model(model: Transformer, chunks: Sequence[Sequence[int]], out_dir: 
                 del x_l, m_l
                 if tick:
                     tick(1)
-        for w in xs + masks:
-            w.close()
         np.save(out_dir / "counts.npy", counts.numpy())
         np.save(out_dir / "thresholds.npy", thresholds)
         seconds = time.perf_counter() - t0
@@ -291,7 +287,7 @@ def profile_model(model: Transformer, chunks: Sequence[Sequence[int]], out_dir: 
         raise SparseInferError(f"profile directory {out_dir}: cannot write: {e.strerror or e}") \
             from None
     finally:
-        for w in xs + masks:  # no descriptor left open on an error
+        for w in xs + masks:  # also on an error; the masks pass read them via the page cache
             w.close()
     log.info("profile written to %s in %.1f s: mean density %.3f", out_dir, seconds,
              float(prof.densities.mean()))
