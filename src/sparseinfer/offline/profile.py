@@ -330,7 +330,7 @@ def _magnitude_masks(model: Transformer, layer: int, xs: np.ndarray, masks: np.n
     block = max(16, min(MASK_BLOCK, MASK_BLOCK_BYTES // (16 * model.cfg.d_ff)))
     with torch.inference_mode():
         for start in range(0, xs.shape[0], block):
-            x = torch.from_numpy(np.array(xs[start: start + block])).float()  # a copy: xs is read-only
+            x = torch.tensor(xs[start: start + block], dtype=torch.float32)  # xs: a read-only map
             x = x.to(model.dtype)
             h = ffn.activations(x)
             active = neuron_scores(ffn, x, h, score, norms).float() > threshold
