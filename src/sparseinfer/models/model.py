@@ -105,6 +105,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -
     return x * cos + rotated * sin
 
 
+def soft_cap(x: Tensor, cap: float | None) -> Tensor:
+    """``cap · tanh(x / cap)`` (Gemma 2/3's soft-capping of scores and logits); ``x`` if no cap."""
+    return torch.tanh(x / cap) * cap if cap else x
+
+
 @dataclass(frozen=True)
 class Rows:
     """Several sequences in one decode step (continuous batching, ``models/batch.py``): row i of
@@ -162,9 +167,15 @@ class Attention(nn.Module):
         window = self.cfg.window(layer)
         if T == 1 and not (window and S > window):
             return None  # one new token sees the whole cache
-        q = torch.arange(pos, pos + T, device=device)[:, None]
-        k = torch.arange(S, device=device)[None, :]
+        return self.allowed(layer, torch.arange(pos, pos + T, device=device), S)
+
+    def allowed(self, layer: int, positions: Tensor, S: int) -> Tensor:
+        """(N, S) True where a query at ``positions[n]`` may see key s: causal, and within the
+        layer's window."""
+        q = positions.view(-1, 1)
+        k = torch.arange(S, device=positions.device).view(1, S)
         allowed = k <= q
+        window = self.cfg.window(layer)
         if window:
             allowed &= q - k < window
         return allowed
@@ -199,8 +210,7 @@ class Attention(nn.Module):
         group = nh // nkv
         qg = q.reshape(B, nkv, group * T, hd)
         scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # (B, nkv, group*T, S)
-        if self.softcap:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = soft_cap(scores, self.softcap)
         allowed = self.mask(layer, pos, T, S, x.device)
         if allowed is not None:
             scores = scores.view(B, nkv, group, T, S).masked_fill(~allowed, float("-inf"))
@@ -248,17 +258,10 @@ class Attention(nn.Module):
         else:  # gather only the first S positions of each slot
             keys = cache.k[layer, :, :, :S].index_select(0, slots)
             values = cache.v[layer, :, :, :S].index_select(0, slots)
-        # row i sees keys s <= positions[i] (and, in a window, positions[i] - s < window)
-        s = torch.arange(S, device=qkv.device).view(1, S)
-        p = positions.to(qkv.device).view(B, 1)
-        allowed = s <= p
-        window = cfg.window(layer)
-        if window:
-            allowed &= p - s < window
+        allowed = self.allowed(layer, positions.to(qkv.device), S)  # (B, S)
         qg = q.view(B, nkv, group, hd)
         scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # (B, nkv, group, S)
-        if self.softcap:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = soft_cap(scores, self.softcap)
         scores = scores.masked_fill(~allowed.view(B, 1, 1, S), float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
         return torch.matmul(probs, values).reshape(B, nh * hd)
@@ -430,8 +433,7 @@ class Transformer(nn.Module):
 
     def softcap(self, logits: Tensor) -> Tensor:
         """The final soft-capping of float32 ``logits`` (Gemma 2/3), if any."""
-        cap = self.cfg.final_softcap
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return soft_cap(logits, self.cfg.final_softcap)
 
     def forward(self, tokens: Tensor, pos: int, cache: KVCache, last_only: bool = False) -> Tensor:
         """Logits (B, T, V) in float32 (or (B, 1, V) with ``last_only``)."""
