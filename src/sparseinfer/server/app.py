@@ -801,27 +801,19 @@ class OpenAIServer:
                     reason: str = event.reason
                     if call.tools:
                         tools = _parse_tool_calls(held[index], call.tools, call.several)
-                        if tools is not None:  # one chunk per call, as OpenAI streams them
+                        if tools is None:
+                            deltas = [ChatDelta(content=held[index])]
+                        else:  # one chunk per call, as OpenAI streams them
                             reason = "tool_calls"
-                            for i, tool in enumerate(tools):
-                                delta = ChatDelta(
-                                    tool_calls=[
-                                        ToolCallDelta(
-                                            index=i,
-                                            id=tool.id,
-                                            type="function",
-                                            function=FunctionCallDelta(
-                                                name=tool.function.name,
-                                                arguments=tool.function.arguments,
-                                            ),
-                                        )
-                                    ]
-                                )
-                                yield self._chunk(
-                                    call, rid, created, ChatChunkChoice(index=index, delta=delta)
-                                )
-                        else:
-                            delta = ChatDelta(content=held[index])
+                            deltas = [
+                                ChatDelta(tool_calls=[ToolCallDelta(
+                                    index=i, id=tool.id, type="function",
+                                    function=FunctionCallDelta(name=tool.function.name,
+                                                               arguments=tool.function.arguments),
+                                )])
+                                for i, tool in enumerate(tools)
+                            ]
+                        for delta in deltas:
                             yield self._chunk(
                                 call, rid, created, ChatChunkChoice(index=index, delta=delta)
                             )
