@@ -2,6 +2,11 @@
 
     python benchmarks/beyond_ram.py --sparse /work/r7b/sparse.gguf --dense /work/r7b/dense.gguf
     python benchmarks/beyond_ram.py ... --fractions 0.75,0.5,0.3 -n 12 --eviction lru,freq
+    python benchmarks/beyond_ram.py --sparse A.gguf B.gguf ...   # several bundled layouts
+
+Several ``--sparse`` files (the same model bundled in neuron order and in co-activation order,
+``python -m sparseinfer.disk bundle --profile``) run side by side, labelled by their
+``sparseinfer.bundle.order``.
 
 For each limit (a fraction of the dense Q4_0 file's size) every engine runs in its own process
 inside a cgroup v1 memory group (``/sys/fs/cgroup/memory/NAME``, ``memory.limit_in_bytes``: it
@@ -172,6 +177,7 @@ def child_ours(job: dict) -> dict:
     if rep is not None:
         dp = e.loaded.plan.sparse.disk
         out.update(reader_MB_per_token=rep.bytes_read / n / 1e6,
+                   reads_per_token=rep.reads / n,
                    cache_hit_rate=rep.cache.hit_rate,
                    prefetch_precision=rep.prefetch_precision,
                    prefetch_share=((rep.cache.prefetch_hits / rep.cache.requested)
@@ -221,7 +227,8 @@ def child_llama(job: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sparse", type=Path, help="a sparse GGUF (bundled or not)")
+    ap.add_argument("--sparse", type=Path, nargs="+",
+                    help="sparse GGUFs (bundled or not; several: bundle orders side by side)")
     ap.add_argument("--dense", type=Path, help="the dense Q4_0 GGUF it was converted from")
     ap.add_argument("--fractions", default="0.75,0.5,0.3",
                     help="memory limits as fractions of the dense file's size")
@@ -253,24 +260,29 @@ def main() -> int:
         print("needs root and cgroup v1's memory controller at /sys/fs/cgroup/memory",
               file=sys.stderr)
         return 1
-    sparse = args.sparse
-    if not is_bundled(open_source(sparse)):
-        bundled = sparse.with_name(sparse.stem + ".bundled.gguf")
-        if not bundled.exists():
-            from sparseinfer.disk.layout import bundle_file
+    layouts = {}  # label -> bundled file
+    for sparse in args.sparse:
+        if not is_bundled(open_source(sparse)):
+            bundled = sparse.with_name(sparse.stem + ".bundled.gguf")
+            if not bundled.exists():
+                from sparseinfer.disk.layout import bundle_file
 
-            t0 = time.perf_counter()
-            bundle_file(sparse, bundled, "q4")
-            print(f"bundled {sparse} -> {bundled} in {time.perf_counter() - t0:.0f} s",
-                  file=sys.stderr)
-        sparse = bundled
+                t0 = time.perf_counter()
+                bundle_file(sparse, bundled, "q4")
+                print(f"bundled {sparse} -> {bundled} in {time.perf_counter() - t0:.0f} s",
+                      file=sys.stderr)
+            sparse = bundled
+        order = str(open_source(sparse).metadata.get("sparseinfer.bundle.order", "neuron"))
+        layouts["ours" if len(args.sparse) == 1 else f"ours {order}"] = sparse
     dense_size = args.dense.stat().st_size
     print(f"CPU: {cpu_model()}; load average {os.getloadavg()[0]:.2f} (a busy machine: other "
           f"jobs share it); {args.threads} threads, {args.tokens} tokens, ctx {args.ctx}")
-    print(f"dense {args.dense} {dense_size / 2**30:.2f} GiB; sparse {sparse} "
-          f"{sparse.stat().st_size / 2**30:.2f} GiB")
+    print(f"dense {args.dense} {dense_size / 2**30:.2f} GiB; " + "; ".join(
+        f"{k}: {p} {p.stat().st_size / 2**30:.2f} GiB" for k, p in layouts.items()))
+    sparse_files = [str(p) for p in layouts.values()]
     print("disk, O_DIRECT reads:")
-    for r in disk_throughput(max(sparse, args.dense, key=lambda p: p.stat().st_size)):
+    for r in disk_throughput(max([*layouts.values(), args.dense],
+                                 key=lambda p: p.stat().st_size)):
         kind = "sequential" if r["sequential"] else "random"
         print(f"  {kind:10s} {r['block_kib']:5d} KiB x{r['in_flight']}: {r['MB_s']:7.1f} MB/s "
               f"({r['iops']:.0f} reads/s)")
@@ -283,19 +295,21 @@ def main() -> int:
         limit = None if frac is None else int(frac * dense_size)
         base = {"ctx": args.ctx, "threads": args.threads, "tokens": args.tokens}
         runs = []
-        for ev in evictions if not args.no_ours else []:
-            runs.append(({**base, "engine": "ours", "path": str(sparse), "drop": [str(args.dense)],
-                          "budget": limit, "eviction": ev, "prefetch": True}, f"ours {ev}"))
-            if limit is None:
-                break
-        if frac == middle and not args.no_prefetch_run and not args.no_ours:
-            runs.append(({**base, "engine": "ours", "path": str(sparse),
-                          "drop": [str(args.dense)], "budget": limit,
-                          "eviction": evictions[0], "prefetch": False},
-                         f"ours {evictions[0]} no prefetch"))
+        for name, sparse in layouts.items() if not args.no_ours else []:
+            for ev in evictions:
+                runs.append(({**base, "engine": "ours", "path": str(sparse),
+                              "drop": [str(args.dense), *sparse_files], "budget": limit,
+                              "eviction": ev, "prefetch": True}, f"{name} {ev}"))
+                if limit is None:
+                    break
+            if frac == middle and not args.no_prefetch_run:
+                runs.append(({**base, "engine": "ours", "path": str(sparse),
+                              "drop": [str(args.dense), *sparse_files], "budget": limit,
+                              "eviction": evictions[0], "prefetch": False},
+                             f"{name} {evictions[0]} no prefetch"))
         for rp in args.llama_repack.split(",") if not args.no_llama_cpp else []:
             runs.append(({**base, "engine": "llama", "path": str(args.dense),
-                          "drop": [str(sparse)], "repack": rp == "on"},
+                          "drop": sparse_files, "repack": rp == "on"},
                          "llama.cpp" + (" no repack" if rp == "off" else "")))
         for job, label in runs:
             res = run_limited(job, limit, args.timeout)
@@ -303,17 +317,19 @@ def main() -> int:
                        fraction=frac)
             rows.append(res)
             print(json.dumps(res), file=sys.stderr)
-    print(f"\n{'limit':>12s} {'engine':28s} {'tok/s':>8s} {'disk MB/tok':>12s} "
-          f"{'hit rate':>9s} {'prefetch':>9s} {'peak MiB':>9s}")
+    print(f"\n{'limit':>12s} {'engine':34s} {'tok/s':>8s} {'disk MB/tok':>12s} "
+          f"{'reads/tok':>10s} {'hit rate':>9s} {'prefetch':>9s} {'peak MiB':>9s}")
     for r in rows:
         lim = "none" if r["fraction"] is None else f"{r['fraction']:.0%} {r['limit_GiB']:.2f}G"
         if "error" in r:
-            print(f"{lim:>12s} {r['label']:28s} {r['error']}")
+            print(f"{lim:>12s} {r['label']:34s} {r['error']}")
             continue
         hr = r.get("cache_hit_rate")
         pp = r.get("prefetch_precision")
-        print(f"{lim:>12s} {r['label']:28s} {r['decode_tok_s']:8.3f} "
-              f"{r['disk_MB_per_token']:12.1f} {'' if hr is None else f'{hr:.1%}':>9s} "
+        rt = r.get("reads_per_token")
+        print(f"{lim:>12s} {r['label']:34s} {r['decode_tok_s']:8.3f} "
+              f"{r['disk_MB_per_token']:12.1f} {'' if rt is None else f'{rt:.0f}':>10s} "
+              f"{'' if hr is None else f'{hr:.1%}':>9s} "
               f"{'' if pp is None else f'{pp:.1%}':>9s} {r.get('peak_MiB', float('nan')):9.0f}")
     for frac in fractions:
         ours = [r for r in rows if r["fraction"] == frac and r["label"].startswith("ours")

@@ -363,6 +363,8 @@ def main() -> int:
     ap.add_argument("--ranks", default="32,64", help="predictor ranks convert tries")
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--skip-convert", action="store_true", help="reuse sparse.gguf")
+    ap.add_argument("--no-run", action="store_true",
+                    help="stop after writing and converting (the files for beyond_ram.py)")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -387,6 +389,8 @@ def main() -> int:
         print(f"convert: {c['seconds']:.0f} s, peak RSS {c['peak_rss_mb']:.0f} MiB "
               f"({c['peak_rss_mb'] * 2**20 / dense.stat().st_size:.2f}x the dense file)",
               flush=True)
+    if args.no_run:
+        return 0
     common = dict(threads=args.threads, n_tokens=args.tokens, n_ctx=args.ctx)
     bw = measure_read_bandwidth(args.threads)
     rows = {"sparse (ours)": run_isolated(_ours, path=str(sparse), sparse=True, **common),

@@ -41,8 +41,16 @@ def sparse_file(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bundled(sparse_file):
-    return {dt: bundle_file(sparse_file, sparse_file.with_name(f"tiny.{dt}.gguf"), dt)
-            for dt in ("q4", "fp32")}
+    out = {dt: bundle_file(sparse_file, sparse_file.with_name(f"tiny.{dt}.gguf"), dt)
+           for dt in ("q4", "fp32")}
+    # the rows in another order than the neurons' (as the co-activation order writes them): any
+    # order must read and compute the same
+    cfg = open_source(sparse_file).config
+    rng = np.random.default_rng(7)
+    orders = [rng.permutation(cfg.d_ff) for _ in range(cfg.n_layers)]
+    out["q4-shuffled"] = bundle_file(sparse_file, sparse_file.with_name("tiny.q4s.gguf"), "q4",
+                                     orders, "random")
+    return out
 
 
 def _logits(loaded) -> torch.Tensor:
@@ -83,9 +91,12 @@ def test_bundles_hold_the_files_rows(sparse_file, bundled):
                     [t.name for t in src.reader.tensors].index(name)).data), orig[name])
 
 
-def test_reader_reads_what_the_map_holds(bundled):
-    src = open_source(bundled["q4"])
+@pytest.mark.parametrize("kind", ["q4", "q4-shuffled"])
+def test_reader_reads_what_the_map_holds(bundled, kind):
+    src = open_source(bundled[kind])
     lay = layout_of(src)
+    plain = layout_of(open_source(bundled["q4"]))
+    assert (lay.positions is None) == (kind == "q4")
     rng = np.random.default_rng(0)
     for direct in (True, False):
         r = NeuronReader(lay, threads=3, direct=direct)
@@ -93,25 +104,45 @@ def test_reader_reads_what_the_map_holds(bundled):
             for layer in range(src.config.n_layers):
                 nn = np.sort(rng.choice(lay.d_ff, 70, replace=False))
                 got = r.read(layer, nn)
-                want = rows_view(src, layer, 0, lay.d_ff)[nn].reshape(70, -1)
+                want = rows_view(src, layer, 0, lay.d_ff)[lay.row_of(layer, nn)].reshape(70, -1)
                 np.testing.assert_array_equal(got, want)
+                # neuron n's bytes are the neuron-order file's row n, wherever they were written
+                src0 = open_source(plain.path)
+                np.testing.assert_array_equal(
+                    got, rows_view(src0, layer, 0, lay.d_ff)[nn].reshape(70, -1))
         finally:
             r.close()
 
 
+def test_shuffled_bundles_hold_the_files_rows(bundled):
+    """The position map says where each neuron's rows went; read through it the shuffled file
+    holds the neuron-order file's rows."""
+    a, b = open_source(bundled["q4"]), open_source(bundled["q4-shuffled"])
+    lay = layout_of(b)
+    assert b.metadata["sparseinfer.bundle.order"] == "random"
+    assert a.metadata["sparseinfer.bundle.order"] == "neuron"
+    for i in range(b.config.n_layers):
+        assert sorted(lay.positions[i].tolist()) == list(range(lay.d_ff))
+        want = rows_view(a, i, 0, lay.d_ff)
+        np.testing.assert_array_equal(rows_view(b, i, 0, lay.d_ff)[lay.positions[i]], want)
+
+
 def test_bundled_file_all_in_ram_equals_reference(bundled, reference):
-    for dt in ("q4", "fp32"):
-        got = _logits(load(bundled[dt], "auto"))
-        torch.testing.assert_close(got, reference[dt], atol=1e-5, rtol=1e-5)
+    for kind in ("q4", "fp32", "q4-shuffled"):
+        got = _logits(load(bundled[kind], "auto"))
+        torch.testing.assert_close(got, reference["fp32" if kind == "fp32" else "q4"],
+                                   atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["q4", "q4-shuffled"])
 @pytest.mark.parametrize("eviction", ["lru", "freq"])
 @pytest.mark.parametrize("ram,slots,prefetch", [((0, 0), 1, False), ((0, 0), 3, True),
                                                 ((20, 5), 8, True), ((100, 192), 50, True),
                                                 ((30, 0), 192, True), ((192, 0), 192, False)])
-def test_disk_tier_logits_equal_all_in_ram(bundled, reference, eviction, ram, slots, prefetch):
+def test_disk_tier_logits_equal_all_in_ram(bundled, reference, eviction, ram, slots, prefetch,
+                                           kind):
     opts = DiskOptions(ram_counts=ram, cache_slots=slots, eviction=eviction, prefetch=prefetch)
-    d = load(bundled["q4"], "auto", disk_options=opts)
+    d = load(bundled[kind], "auto", disk_options=opts)
     ffn = d.model.layers[0].ffn
     assert isinstance(ffn, DiskFFN) and ffn.n_ram == ram[0] and ffn.cache.capacity == slots
     got = _logits(d)
@@ -267,7 +298,8 @@ def test_pin_mapped_locks_the_tensor_pages(smollm2_path):
 
 def test_convert_writes_a_bundled_file(tiny_model_dir, tmp_path):
     """`convert --disk-bundle q4` leaves the bundled layout in place of the plain sparse file
-    (no temporary file behind), and it runs with every neuron read from disk as all in RAM."""
+    (no temporary file behind), its neurons in co-activation order (the default), and it runs
+    with every neuron read from disk as all in RAM."""
     out = tmp_path / "tiny.bundled.gguf"
     assert main(["convert", "-m", str(tiny_model_dir("reglu")), "-o", str(out), *FAST,
                  "--disk-bundle", "q4", "--eval-chunks", "0", "--no-report"]) == 0
@@ -275,6 +307,9 @@ def test_convert_writes_a_bundled_file(tiny_model_dir, tmp_path):
     lay = layout_of(src)
     assert lay.stride % 512 == 0 and "layers.0.ffn.gate.weight" not in src.tensors
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.bundled.gguf"]
+    assert src.metadata["sparseinfer.bundle.order"] == "coactivation"
+    assert lay.positions is not None and any(
+        not np.array_equal(p, np.arange(lay.d_ff)) for p in lay.positions)
     ram = _logits(load(out, "auto", disk_options=DiskOptions(ram_counts=(192, 192),
                                                              cache_slots=1)))
     disk = _logits(load(out, "auto", disk_options=DiskOptions(ram_counts=(0, 0), cache_slots=192)))

@@ -1,5 +1,6 @@
-"""``python -m sparseinfer.disk bundle SPARSE.gguf OUT.gguf [--dtype q4|fp32]``: rewrite a sparse
-GGUF with bundled neuron rows (``layout.py``), ready for ``--ram-budget``."""
+"""``python -m sparseinfer.disk bundle SPARSE.gguf OUT.gguf [--dtype q4|fp32] [--profile DIR]``:
+rewrite a sparse GGUF with bundled neuron rows (``layout.py``), ready for ``--ram-budget``; with
+the profile directory its convert kept (``--keep-work``), in co-activation order (``order.py``)."""
 
 from __future__ import annotations
 
@@ -17,17 +18,46 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("src")
     b.add_argument("out")
     b.add_argument("--dtype", default="q4", choices=("q4", "fp32"))
+    b.add_argument("--profile", help="the profile directory SPARSE.gguf was converted from "
+                                     "(convert --keep-work): write the bundles in co-activation "
+                                     "order")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from .layout import bundle_file
 
     try:
-        out = bundle_file(args.src, args.out, args.dtype)
+        orders = None if args.profile is None else _orders(args.src, args.profile)
+        out = bundle_file(args.src, args.out, args.dtype, orders)
     except SparseInferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(out)
     return 0
+
+
+def _orders(src_path: str, profile_dir: str):
+    """Co-activation orders from the profile ``src_path`` was made from (checked: the file's
+    activation frequencies must be the profile's, hot-first)."""
+    import numpy as np
+
+    from ..models.loading import open_source
+    from ..offline.export import hot_first_permutations
+    from ..offline.profile import load_profile
+    from .order import profile_orders
+
+    profile = load_profile(profile_dir)
+    src = open_source(src_path)
+    cfg = src.config
+    if (profile.n_layers, profile.d_ff) != (cfg.n_layers, cfg.d_ff):
+        raise SparseInferError(f"{profile_dir}: a profile of {profile.n_layers} layers x "
+                               f"{profile.d_ff} neurons; {src_path} has {cfg.n_layers} x {cfg.d_ff}")
+    for layer, perm in enumerate(hot_first_permutations(profile.freqs)):
+        got = src.extra_array(f"blk.{layer}.act_freq")
+        if got is None or not np.allclose(got, profile.freqs[layer][perm], atol=1e-6):
+            raise SparseInferError(f"{src_path}: blk.{layer}.act_freq does not match the profile "
+                                   f"in {profile_dir}: expected the profile {src_path} was "
+                                   f"converted from")
+    return profile_orders(profile)
 
 
 if __name__ == "__main__":

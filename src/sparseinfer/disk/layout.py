@@ -11,7 +11,13 @@ copied as they are; ``fp32``), so the bytes read from disk go to the kernels unc
 data starts on a ``DATA_ALIGN`` boundary, so with an aligned stride every neuron read is aligned
 for O_DIRECT.
 
-Keys written: ``sparseinfer.bundle.dtype`` (row storage), ``sparseinfer.bundle.stride``.
+The rows need not be in neuron order: ``bundle_file(..., orders=...)`` writes each layer's
+neurons in a given order (``order.py``: co-activated neurons side by side, so that one token's
+cold neurons come in fewer, longer reads) and stores where each neuron went, ``blk.N.ffn_bundle_pos``
+(int32, ``[d_ff]``: the file row of neuron i). Without that tensor row i is neuron i.
+
+Keys written: ``sparseinfer.bundle.dtype`` (row storage), ``sparseinfer.bundle.stride``,
+``sparseinfer.bundle.order`` (``neuron`` or how the order was made).
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ import torch
 
 from ..errors import SparseInferError
 from ..sparse.packed import DTYPES, Q4_BYTES, Q4_GROUP, PackedFFN
+from .order import positions_of
 
 log = logging.getLogger(__name__)
 
 BUNDLE = "blk.{}.ffn_bundle"
+POSITIONS = "blk.{}.ffn_bundle_pos"
 BUNDLE_DTYPES = ("q4", "fp32")  # row storages without per-row scales
 STRIDE_ALIGN = 512  # bytes: the logical block size O_DIRECT needs on common disks
 DATA_ALIGN = 4096
@@ -49,7 +57,9 @@ class BundleLayout:
     d_ff: int
     n_mats: int
     stride: int  # bytes from one neuron to the next (>= bundle_bytes)
-    offsets: tuple[int, ...]  # per layer: file offset of neuron 0
+    offsets: tuple[int, ...]  # per layer: file offset of the bundle's row 0
+    # per layer: the file row of each neuron (None: row i is neuron i)
+    positions: tuple[np.ndarray, ...] | None = None
 
     @property
     def row_width(self) -> int:
@@ -60,8 +70,15 @@ class BundleLayout:
         """Bytes of one neuron's rows (without the stride's padding)."""
         return self.n_mats * self.row_width * DTYPES[self.dtype].itemsize
 
+    def row_of(self, layer: int, neurons: np.ndarray) -> np.ndarray:
+        """File rows of ``neurons`` in ``layer``'s bundle."""
+        return neurons if self.positions is None else self.positions[layer][neurons]
+
+    def row_offset(self, layer: int, row: int) -> int:
+        return self.offsets[layer] + row * self.stride
+
     def neuron_offset(self, layer: int, neuron: int) -> int:
-        return self.offsets[layer] + neuron * self.stride
+        return self.row_offset(layer, int(self.row_of(layer, np.int64(neuron))))
 
 
 def is_bundled(src) -> bool:
@@ -87,17 +104,31 @@ def layout_of(src) -> BundleLayout:
             raise SparseInferError(f"{src.path}: {t.name}: expected shape {(cfg.d_ff, stride)}, "
                                    f"found {tuple(t.shape)}")
         offsets.append(int(t.gguf.data_offset))
+    positions = None
+    if POSITIONS.format(0) in src.extras:
+        positions = tuple(_positions(src, i, cfg.d_ff) for i in range(cfg.n_layers))
     lay = BundleLayout(Path(src.path), dtype, cfg.ffn_kind, cfg.d_model, cfg.d_ff, n_mats,
-                       stride, tuple(offsets))
+                       stride, tuple(offsets), positions)
     if lay.bundle_bytes > stride:
         raise SparseInferError(f"{src.path}: bundle stride {stride} is smaller than one neuron's "
                                f"{lay.bundle_bytes} bytes")
     return lay
 
 
+def _positions(src, layer: int, d_ff: int) -> np.ndarray:
+    t = src.extras.get(POSITIONS.format(layer))
+    pos = None if t is None else np.asarray(src.extra_array(POSITIONS.format(layer)))
+    if pos is None or pos.shape != (d_ff,) or not np.array_equal(np.sort(pos), np.arange(d_ff)):
+        raise SparseInferError(f"{src.path}: {POSITIONS.format(layer)}: expected a permutation "
+                               f"of range({d_ff}), found "
+                               f"{'none' if pos is None else f'shape {pos.shape}'}")
+    return pos.astype(np.int64)
+
+
 def rows_view(src, layer: int, start: int, stop: int) -> np.ndarray:
-    """Neurons ``[start, stop)`` of one layer's bundle as a read-only view of the mapped file,
-    ``[n, n_mats, row_width]`` in the row storage's numpy type."""
+    """File rows ``[start, stop)`` of one layer's bundle as a read-only view of the mapped file,
+    ``[n, n_mats, row_width]`` in the row storage's numpy type (row i is neuron i unless the file
+    has a position map: ``neuron_rows``)."""
     lay = layout_of(src)
     raw = np.asarray(src.extras[BUNDLE.format(layer)].raw()).view(np.uint8)
     raw = raw.reshape(lay.d_ff, lay.stride)[start:stop, :lay.bundle_bytes]
@@ -105,26 +136,44 @@ def rows_view(src, layer: int, start: int, stop: int) -> np.ndarray:
     return raw.view(np_dtype).reshape(stop - start, lay.n_mats, lay.row_width)
 
 
-def read_packed(src, layer: int, start: int, stop: int, up_bias=None) -> PackedFFN:
-    """Neurons ``[start, stop)`` as a ``PackedFFN`` in memory: copied out of the map, then the
-    file pages dropped from the process and from the page cache (they are not kept twice)."""
+def copy_neurons(src, layer: int, start: int, stop: int, out: np.ndarray) -> None:
+    """Copy neurons ``[start, stop)`` of ``layer`` (wherever the file holds them) into ``out``,
+    then drop the file pages read from the process and from the page cache (they are not kept
+    twice)."""
     from ..fileio import drop_pages
     from .reader import drop_file_cache
+
+    lay = layout_of(src)
+    if stop <= start:
+        return
+    if lay.positions is None:
+        view = rows_view(src, layer, start, stop)
+        out[:] = view
+        lo, n = start, stop - start
+    else:
+        view = rows_view(src, layer, 0, lay.d_ff)
+        out[:] = view[lay.positions[layer][start:stop]]
+        lo, n = 0, lay.d_ff
+    drop_pages(view)
+    drop_file_cache(lay.path, lay.row_offset(layer, lo), n * lay.stride)
+
+
+def read_packed(src, layer: int, start: int, stop: int, up_bias=None) -> PackedFFN:
+    """Neurons ``[start, stop)`` as a ``PackedFFN`` in memory (``copy_neurons``)."""
     from ..sparse.packed import empty_hugepages
 
     lay = layout_of(src)
-    view = rows_view(src, layer, start, stop)
-    rows = empty_hugepages(tuple(view.shape), DTYPES[lay.dtype])
-    if view.size:
-        rows.numpy()[:] = view
-    drop_pages(view)
-    drop_file_cache(lay.path, lay.neuron_offset(layer, start), (stop - start) * lay.stride)
+    rows = empty_hugepages((stop - start, lay.n_mats, lay.row_width), DTYPES[lay.dtype])
+    copy_neurons(src, layer, start, stop, rows.numpy())
     bias = None if up_bias is None else up_bias[start:stop].contiguous()
     return PackedFFN(lay.kind, lay.dtype, lay.d_model, stop - start, rows, None, 0, bias)
 
 
-def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4") -> Path:
-    """Rewrite the sparse GGUF ``src_path`` with bundled neuron rows (see the module docstring)."""
+def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4",
+                orders: list[np.ndarray] | None = None, order_name: str = "coactivation") -> Path:
+    """Rewrite the sparse GGUF ``src_path`` with bundled neuron rows (see the module docstring);
+    ``orders``: per layer, the neurons in the order their rows are written (``order.py``), named
+    ``order_name`` in the metadata; None: neuron order."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     from ..models.build import _packed_ffn
@@ -144,6 +193,14 @@ def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4") -
         raise SparseInferError(f"{src_path}: already bundled")
     if src.reader is None:
         raise SparseInferError(f"{src_path}: expected a GGUF file")
+    if orders is not None:
+        if len(orders) != cfg.n_layers:
+            raise SparseInferError(f"bundle orders: expected one per layer ({cfg.n_layers}), "
+                                   f"got {len(orders)}")
+        for i, o in enumerate(orders):
+            if not np.array_equal(np.sort(np.asarray(o)), np.arange(cfg.d_ff)):
+                raise SparseInferError(f"bundle order of layer {i}: expected a permutation of "
+                                       f"range({cfg.d_ff})")
     n_mats = 3 if cfg.ffn.gated else 2
     width = cfg.d_model // Q4_GROUP * Q4_BYTES if dtype == "q4" else cfg.d_model
     nbytes = n_mats * width * DTYPES[dtype].itemsize
@@ -167,16 +224,22 @@ def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4") -
             ("GGUF.", "general.architecture", "general.alignment")))
         writer.add_string("sparseinfer.bundle.dtype", dtype)
         writer.add_uint32("sparseinfer.bundle.stride", stride)
+        writer.add_string("sparseinfer.bundle.order", "neuron" if orders is None else order_name)
         plan = []  # (name, torch shape, type, nbytes, make)
         for t in reader.tensors:
             m = _FFN_ROWS.match(t.name)
             if m:
                 i = int(m.group(1))
                 if m.group(2) in ("down_t", "down"):  # the bundle takes the layer's place
+                    order = None if orders is None else np.asarray(orders[i], dtype=np.int64)
                     plan.append((BUNDLE.format(i), (cfg.d_ff, stride), GGMLQuantizationType.I8,
-                                 cfg.d_ff * stride, lambda i=i: _bundle_bytes(
+                                 cfg.d_ff * stride, lambda i=i, order=order: _bundle_bytes(
                                      _packed_ffn(src, names(i), cfg.ffn_kind, dtype, None),
-                                     stride)))
+                                     stride, order)))
+                    if order is not None:
+                        pos = positions_of(order)
+                        plan.append((POSITIONS.format(i), (cfg.d_ff,), GGMLQuantizationType.I32,
+                                     pos.nbytes, lambda pos=pos: pos))
                 continue
             shape = tuple(int(n) for n in reversed(t.shape.tolist()))
             plan.append((t.name, shape, t.tensor_type, int(t.n_bytes),
@@ -206,8 +269,8 @@ def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4") -
     return out_path
 
 
-def _bundle_bytes(packed: PackedFFN, stride: int) -> np.ndarray:
+def _bundle_bytes(packed: PackedFFN, stride: int, order: np.ndarray | None) -> np.ndarray:
     raw = packed.rows.contiguous().view(torch.uint8).reshape(packed.d_ff, -1).numpy()
     out = np.zeros((packed.d_ff, stride), dtype=np.int8)
-    out.view(np.uint8)[:, :raw.shape[1]] = raw
+    out.view(np.uint8)[:, :raw.shape[1]] = raw if order is None else raw[order]
     return out

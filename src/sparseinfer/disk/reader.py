@@ -1,6 +1,7 @@
 """Reading neuron bundles from the file: several reads in flight, past the page cache.
 
-``NeuronReader.submit(layer, neurons)`` groups the (sorted) neurons into runs of neighbours,
+``NeuronReader.submit(layer, neurons)`` groups the neurons into runs of neighbouring file rows
+(the file may hold a layer's neurons in any order: ``layout.py``),
 reads each run with one ``os.preadv`` into a page-aligned buffer (``O_DIRECT``: the file's pages
 never enter the page cache, so a memory budget that counts the cache holds), spread over a pool of
 threads (``preadv`` releases the GIL: the reads are in flight together), and returns a
@@ -119,26 +120,33 @@ class NeuronReader:
         except OSError:
             pass
 
-    def _runs(self, neurons: np.ndarray) -> list[tuple[int, int, int]]:
-        """(first neuron, count, position in ``neurons``) of each run of neighbours."""
+    def _runs(self, layer: int, neurons: np.ndarray) -> list[tuple[int, int, slice | np.ndarray]]:
+        """(first file row, count, where the rows go in ``neurons``' order) of each run of
+        neighbouring file rows."""
         if neurons.size == 0:
             return []
-        breaks = np.flatnonzero(np.diff(neurons) != 1) + 1
+        rows = self.layout.row_of(layer, neurons)
+        where = None
+        if self.layout.positions is not None:
+            where = np.argsort(rows, kind="stable")
+            rows = rows[where]
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
         starts = np.concatenate(([0], breaks))
-        ends = np.concatenate((breaks, [neurons.size]))
+        ends = np.concatenate((breaks, [rows.size]))
         runs = []
         for s, e in zip(starts.tolist(), ends.tolist()):
             for a in range(s, e, MAX_RUN):
                 b = min(e, a + MAX_RUN)
-                runs.append((int(neurons[a]), b - a, a))
+                runs.append((int(rows[a]), b - a, slice(a, b) if where is None else where[a:b]))
         return runs
 
     def submit(self, layer: int, neurons: np.ndarray) -> ReadBatch:
-        """Start reading ``neurons`` (ascending int array) of ``layer``; returns at once."""
+        """Start reading ``neurons`` (distinct; ascending unless the file's rows are in another
+        order) of ``layer``; returns at once."""
         lay = self.layout
         neurons = np.asarray(neurons, dtype=np.int64)
         rows = np.empty((neurons.size, lay.bundle_bytes), dtype=np.uint8)
-        runs = self._runs(neurons)
+        runs = self._runs(layer, neurons)
         if not runs:
             return ReadBatch(neurons, rows, [])
         # one task per worker, each a share of the runs (few Python calls per read)
@@ -159,8 +167,8 @@ class NeuronReader:
 
     def _read_runs(self, layer: int, runs, rows: np.ndarray) -> None:
         lay = self.layout
-        for first, count, pos in runs:
-            start = lay.neuron_offset(layer, first)
+        for first, count, dest in runs:
+            start = lay.row_offset(layer, first)
             length = count * lay.stride
             a = self.sector if self.direct else 1
             lo, hi = start // a * a, -(-(start + length) // a) * a
@@ -181,18 +189,18 @@ class NeuronReader:
                     view = memoryview(buf.map)[: hi - lo]
                     got = self._pread(self.fd, [view], lo)
             except OSError as e:
-                raise DiskReadError(f"{self.path}: reading layer {layer} neurons "
+                raise DiskReadError(f"{self.path}: reading layer {layer} file rows "
                                     f"{first}..{first + count - 1} (bytes {start}..{start + length})"
                                     f" failed: {e.strerror or e}") from None
             finally:
                 view.release()
             if got < start + length - lo:
-                raise DiskReadError(f"{self.path}: short read of layer {layer} neurons "
+                raise DiskReadError(f"{self.path}: short read of layer {layer} file rows "
                                     f"{first}..{first + count - 1}: expected "
                                     f"{start + length - lo} bytes at offset {lo}, got {got} "
                                     f"(truncated file?)")
             blk = buf.array[start - lo: start - lo + length].reshape(count, lay.stride)
-            rows[pos: pos + count] = blk[:, :lay.bundle_bytes]
+            rows[dest] = blk[:, :lay.bundle_bytes]
             if not self.direct and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(self.fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
             with self._lock:

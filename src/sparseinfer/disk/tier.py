@@ -239,11 +239,10 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
                   down_bias: Tensor | None) -> None:
     """Fill layer ``layer``'s ``DiskFFN``: its RAM neurons read now, a cache over the file for
     the rest (one reader shared by every layer), linked to the layer after it for prefetch."""
-    from ..fileio import drop_pages
     from ..sparse.packed import DTYPES, empty_hugepages
     from .cache import EVICTION
-    from .layout import layout_of, rows_view
-    from .reader import NeuronReader, drop_file_cache
+    from .layout import copy_neurons, layout_of
+    from .reader import NeuronReader
 
     dp = plan.sparse.disk
     ffn = model.layers[layer].ffn
@@ -255,11 +254,7 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
     n, C = dp.ram_counts[layer], dp.cache_slots
     # one rows tensor: the RAM neurons, then the cache's slots
     rows = empty_hugepages((n + C, lay.n_mats, lay.row_width), DTYPES[lay.dtype])
-    view = rows_view(src, layer, 0, n)
-    if n:
-        rows[:n].numpy()[:] = view
-    drop_pages(view)
-    drop_file_cache(lay.path, lay.neuron_offset(layer, 0), n * lay.stride)
+    copy_neurons(src, layer, 0, n, rows[:n].numpy())
     bias = None
     if up_bias is not None:
         bias = torch.zeros(n + C, dtype=torch.float32)

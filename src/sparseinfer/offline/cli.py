@@ -107,6 +107,7 @@ def cmd_convert(args) -> int:
         export=ExportOptions(outtype=args.outtype), budget_bytes=_budget(args),
         ctx=args.ctx_size, work_dir=args.work_dir, keep_work=args.keep_work,
         report=not args.no_report, eval_chunks=args.eval_chunks, disk_bundle=args.disk_bundle,
+        disk_coactivation=args.disk_order == "coactivation",
     )
     if args.eval_chunks < 0:
         raise SparseInferError(f"--eval-chunks: expected a count >= 0, got {args.eval_chunks}")
@@ -285,6 +286,10 @@ def add_offline_commands(sub, add_model_flags) -> None:
                    help="write the file for the disk tier (--ram-budget): each neuron's gate, up "
                         "and down rows as one aligned read, in this dtype (as `python -m "
                         "sparseinfer.disk bundle` does to a finished file)")
+    c.add_argument("--disk-order", choices=("coactivation", "neuron"), default="coactivation",
+                   help="with --disk-bundle: the file order of the bundles; coactivation (default) "
+                        "puts neurons that fired together on the profile side by side, so a "
+                        "token's cold neurons are fewer, longer reads")
     c.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("profile", help="record activation frequencies and predictor data")

@@ -228,18 +228,23 @@ class ConvertOptions:
     # lay the sparse file out for the disk tier (disk/layout.py: each neuron's rows one aligned
     # read) in this row dtype, "q4" or "fp32"; None: the plain sparse layout
     disk_bundle: str | None = None
+    # the bundles in co-activation order (disk/order.py: fewer, longer reads); False: neuron order
+    disk_coactivation: bool = True
 
 
-def _bundle_in_place(result: ExportResult, dtype: str) -> ExportResult:
-    """Rewrite the exported file with bundled neuron rows (``disk.layout.bundle_file``), through
-    a temporary file beside it: the output is either the plain file or the bundled one."""
+def _bundle_in_place(result: ExportResult, dtype: str, profile=None) -> ExportResult:
+    """Rewrite the exported file with bundled neuron rows (``disk.layout.bundle_file``; in
+    ``profile``'s co-activation order if given), through a temporary file beside it: the output is
+    either the plain file or the bundled one."""
     from ..disk.layout import bundle_file
+    from ..disk.order import profile_orders
 
     progress_log.info("bundle: laying neurons out for the disk tier (%s rows)", dtype)
+    orders = None if profile is None else profile_orders(profile)
     out = result.path
     tmp = out.with_name(f".{out.name}.bundling.gguf")
     try:
-        bundle_file(out, tmp, dtype)
+        bundle_file(out, tmp, dtype, orders)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
@@ -300,7 +305,8 @@ def convert(model_path: str | Path | None, out: str | Path,
         result = run_export(loaded, profile, predictors, out, placement, options.export, bars)
         seconds["export"] = time.perf_counter() - t0
         if options.disk_bundle is not None:
-            result = _bundle_in_place(result, options.disk_bundle)
+            result = _bundle_in_place(result, options.disk_bundle,
+                                      profile if options.disk_coactivation else None)
             seconds["bundle"] = time.perf_counter() - t0 - seconds["export"]
     finally:
         if made_tmp and not options.keep_work:
