@@ -137,11 +137,13 @@ def rows_view(src, layer: int, start: int, stop: int) -> np.ndarray:
 
 
 def copy_neurons(src, layer: int, start: int, stop: int, out: np.ndarray) -> None:
-    """Copy neurons ``[start, stop)`` of ``layer`` (wherever the file holds them) into ``out``,
-    then drop the file pages read from the process and from the page cache (they are not kept
-    twice)."""
+    """Copy neurons ``[start, stop)`` of ``layer`` (wherever the file holds them) into ``out``
+    (``[n, n_mats, row_width]``, contiguous) without keeping the file's pages: a neuron-order
+    file through the map, whose pages are then dropped from the process and the page cache;
+    rows in another order with the reader's O_DIRECT reads (through a map, scattered rows would
+    fault in most of the layer)."""
     from ..fileio import drop_pages
-    from .reader import drop_file_cache
+    from .reader import NeuronReader, drop_file_cache
 
     lay = layout_of(src)
     if stop <= start:
@@ -149,13 +151,15 @@ def copy_neurons(src, layer: int, start: int, stop: int, out: np.ndarray) -> Non
     if lay.positions is None:
         view = rows_view(src, layer, start, stop)
         out[:] = view
-        lo, n = start, stop - start
-    else:
-        view = rows_view(src, layer, 0, lay.d_ff)
-        out[:] = view[lay.positions[layer][start:stop]]
-        lo, n = 0, lay.d_ff
-    drop_pages(view)
-    drop_file_cache(lay.path, lay.row_offset(layer, lo), n * lay.stride)
+        drop_pages(view)
+        drop_file_cache(lay.path, lay.row_offset(layer, start), (stop - start) * lay.stride)
+        return
+    reader = NeuronReader(lay)
+    try:
+        out.reshape(-1).view(np.uint8).reshape(stop - start, -1)[:] = reader.read(
+            layer, np.arange(start, stop))
+    finally:
+        reader.close()
 
 
 def read_packed(src, layer: int, start: int, stop: int, up_bias=None) -> PackedFFN:

@@ -43,15 +43,16 @@ def coactivation_order(masks: np.ndarray, max_tokens: int = MAX_TOKENS) -> np.nd
     by_freq = np.argsort(-freq, kind="stable")
     visited = np.zeros(F, dtype=bool)
     order = np.empty(F, dtype=np.int64)
+    row = np.empty(F, dtype=np.float32)
     nxt_hot = 0  # position in by_freq of the hottest neuron maybe unvisited
     cur = int(by_freq[0])
     for k in range(F):
         order[k] = cur
         visited[cur] = True
-        co[:, cur] = -1.0  # never chosen again
         if k == F - 1:
             break
-        row = co[cur]
+        np.copyto(row, co[cur])
+        row[visited] = -1.0  # never chosen again
         best = int(np.argmax(row))
         if row[best] > 0:
             cur = best
