@@ -6,7 +6,8 @@
 
 Several ``--sparse`` files (the same model bundled in neuron order and in co-activation order,
 ``python -m sparseinfer.disk bundle --profile``) run side by side, labelled by their
-``sparseinfer.bundle.order``.
+``sparseinfer.bundle.order``. At the middle limit each layout also runs without the look-ahead
+prefetch and with reads that never pass over unwanted rows (``DiskOptions.read_gap`` 0).
 
 For each limit (a fraction of the dense Q4_0 file's size) every engine runs in its own process
 inside a cgroup v1 memory group (``/sys/fs/cgroup/memory/NAME``, ``memory.limit_in_bytes``: it
@@ -152,7 +153,8 @@ def child_ours(job: dict) -> dict:
     opts = {}
     if job["budget"] is not None:
         opts = {"ram_budget": job["budget"] / 2**30,
-                "disk_options": DiskOptions(eviction=job["eviction"], prefetch=job["prefetch"])}
+                "disk_options": DiskOptions(eviction=job["eviction"], prefetch=job["prefetch"],
+                                            read_gap=job.get("read_gap", 2))}
     e = Engine.load(job["path"], n_ctx=job["ctx"], threads=job["threads"], **opts)
     t_load = time.perf_counter() - t0
     ids = e.encode(PROMPT)
@@ -307,6 +309,10 @@ def main() -> int:
                               "drop": [str(args.dense), *sparse_files], "budget": limit,
                               "eviction": evictions[0], "prefetch": False},
                              f"{name} {evictions[0]} no prefetch"))
+                runs.append(({**base, "engine": "ours", "path": str(sparse),
+                              "drop": [str(args.dense), *sparse_files], "budget": limit,
+                              "eviction": evictions[0], "prefetch": True, "read_gap": 0},
+                             f"{name} {evictions[0]} no gap reads"))
         for rp in args.llama_repack.split(",") if not args.no_llama_cpp else []:
             runs.append(({**base, "engine": "llama", "path": str(args.dense),
                           "drop": sparse_files, "repack": rp == "on"},

@@ -21,7 +21,7 @@ import torch
 from sparseinfer.cli import main
 from sparseinfer.disk.layout import BUNDLE, bundle_file, layout_of, rows_view
 from sparseinfer.disk.plan import DiskOptions
-from sparseinfer.disk.reader import DiskReadError, NeuronReader
+from sparseinfer.disk.reader import MAX_RUN, DiskReadError, NeuronReader
 from sparseinfer.disk.tier import DiskFFN, disk_report
 from sparseinfer.errors import SparseInferError
 from sparseinfer.models.build import load
@@ -92,14 +92,17 @@ def test_bundles_hold_the_files_rows(sparse_file, bundled):
 
 
 @pytest.mark.parametrize("kind", ["q4", "q4-shuffled"])
-def test_reader_reads_what_the_map_holds(bundled, kind):
+@pytest.mark.parametrize("gap", [0, 2, 200])
+def test_reader_reads_what_the_map_holds(bundled, kind, gap):
+    """Any set of neurons, read through runs of file rows (gaps of up to ``gap`` unwanted rows
+    read through), comes back as the map holds it, in the order asked."""
     src = open_source(bundled[kind])
     lay = layout_of(src)
     plain = layout_of(open_source(bundled["q4"]))
     assert (lay.positions is None) == (kind == "q4")
     rng = np.random.default_rng(0)
     for direct in (True, False):
-        r = NeuronReader(lay, threads=3, direct=direct)
+        r = NeuronReader(lay, threads=3, direct=direct, max_gap=gap)
         try:
             for layer in range(src.config.n_layers):
                 nn = np.sort(rng.choice(lay.d_ff, 70, replace=False))
@@ -110,6 +113,16 @@ def test_reader_reads_what_the_map_holds(bundled, kind):
                 src0 = open_source(plain.path)
                 np.testing.assert_array_equal(
                     got, rows_view(src0, layer, 0, lay.d_ff)[nn].reshape(70, -1))
+            # reads counted by brute force: a read starts at a wanted row and takes the next
+            # wanted rows while each is within gap + 1 rows of the last and MAX_RUN of the first
+            rr = np.sort(lay.row_of(layer, nn)).tolist()
+            n_reads, first = 1, rr[0]
+            for prev, row in zip(rr, rr[1:]):
+                if row - prev > gap + 1 or row - first >= MAX_RUN:
+                    n_reads, first = n_reads + 1, row
+            n0 = r.reads
+            r.read(layer, nn)
+            assert r.reads - n0 == n_reads
         finally:
             r.close()
 

@@ -44,6 +44,9 @@ class DiskOptions:
     cache_share: float = 0.25  # of the neurons' RAM, held by the caches (the rest: hot prefix)
     eviction: str = "lru"  # key of cache.EVICTION
     io_threads: int = 8
+    # unwanted rows a read may pass over between two wanted ones: one read of a few more KiB
+    # costs less than a second read on an SSD (RESULTS.md: the disk's reads per second by size)
+    read_gap: int = 2
     prefetch: bool = True
     direct: bool = True  # O_DIRECT reads
     pin: bool = True  # lock the mapped weights read every token (mlock) within the budget

@@ -86,8 +86,9 @@ class NeuronReader:
     """Reads bundles of ``layout``'s file with ``threads`` reads in flight."""
 
     def __init__(self, layout: BundleLayout, threads: int = 8, direct: bool = True,
-                 pread: Pread | None = None):
+                 pread: Pread | None = None, max_gap: int = 0):
         self.layout = layout
+        self.max_gap = max(0, int(max_gap))  # unwanted rows a read may pass over
         self.path = str(layout.path)
         self.direct = False
         flags = os.O_RDONLY
@@ -120,9 +121,11 @@ class NeuronReader:
         except OSError:
             pass
 
-    def _runs(self, layer: int, neurons: np.ndarray) -> list[tuple[int, int, slice | np.ndarray]]:
-        """(first file row, count, where the rows go in ``neurons``' order) of each run of
-        neighbouring file rows."""
+    def _runs(self, layer: int, neurons: np.ndarray) -> list[tuple]:
+        """(first file row, rows to read, which of them are wanted (None: all), where they go
+        in ``neurons``' order) of each read: a run of neighbouring file rows, gaps of up to
+        ``max_gap`` unwanted rows read through (one longer read costs less than two), at most
+        ``MAX_RUN`` rows."""
         if neurons.size == 0:
             return []
         rows = self.layout.row_of(layer, neurons)
@@ -130,14 +133,17 @@ class NeuronReader:
         if self.layout.positions is not None:
             where = np.argsort(rows, kind="stable")
             rows = rows[where]
-        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-        starts = np.concatenate(([0], breaks))
-        ends = np.concatenate((breaks, [rows.size]))
-        runs = []
-        for s, e in zip(starts.tolist(), ends.tolist()):
-            for a in range(s, e, MAX_RUN):
-                b = min(e, a + MAX_RUN)
-                runs.append((int(rows[a]), b - a, slice(a, b) if where is None else where[a:b]))
+        runs, r = [], rows.tolist()
+        a, n, step = 0, len(r), self.max_gap + 1
+        while a < n:
+            # the furthest b with r[b-1] within MAX_RUN rows of r[a] and no gap over max_gap
+            b = a + 1
+            while b < n and r[b] - r[b - 1] <= step and r[b] - r[a] < MAX_RUN:
+                b += 1
+            first, span = r[a], r[b - 1] - r[a] + 1
+            picks = None if span == b - a else rows[a:b] - first
+            runs.append((first, span, picks, slice(a, b) if where is None else where[a:b]))
+            a = b
         return runs
 
     def submit(self, layer: int, neurons: np.ndarray) -> ReadBatch:
@@ -167,7 +173,7 @@ class NeuronReader:
 
     def _read_runs(self, layer: int, runs, rows: np.ndarray) -> None:
         lay = self.layout
-        for first, count, dest in runs:
+        for first, count, picks, dest in runs:
             start = lay.row_offset(layer, first)
             length = count * lay.stride
             a = self.sector if self.direct else 1
@@ -200,7 +206,7 @@ class NeuronReader:
                                     f"{start + length - lo} bytes at offset {lo}, got {got} "
                                     f"(truncated file?)")
             blk = buf.array[start - lo: start - lo + length].reshape(count, lay.stride)
-            rows[dest] = blk[:, :lay.bundle_bytes]
+            rows[dest] = (blk if picks is None else blk[picks])[:, :lay.bundle_bytes]
             if not self.direct and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(self.fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
             with self._lock:

@@ -249,7 +249,8 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
     lay = layout_of(src)
     reader = getattr(model, "_disk_reader", None)
     if reader is None:
-        reader = NeuronReader(lay, dp.options.io_threads, dp.options.direct)
+        reader = NeuronReader(lay, dp.options.io_threads, dp.options.direct,
+                              max_gap=dp.options.read_gap)
         model._disk_reader = reader  # one file descriptor and thread pool for every layer
     n, C = dp.ram_counts[layer], dp.cache_slots
     # one rows tensor: the RAM neurons, then the cache's slots
