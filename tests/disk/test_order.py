@@ -8,13 +8,13 @@ import pytest
 from sparseinfer.disk.order import coactivation_order, positions_of, reads_per_token
 
 
-def _runs_brute(masks: np.ndarray, positions, skip: int) -> float:
-    """Reads per token counted one token at a time: maximal runs of consecutive file rows."""
+def _runs_brute(masks: np.ndarray, positions, skip: int, gap: int = 0) -> float:
+    """Reads per token counted one token at a time: runs of file rows, gaps of up to ``gap``."""
     total = 0
     for row in masks:
         active = [n for n in np.flatnonzero(row) if n >= skip]
         rows = sorted(positions[n] if positions is not None else n for n in active)
-        total += sum(1 for k, r in enumerate(rows) if k == 0 or rows[k - 1] != r - 1)
+        total += sum(1 for k, r in enumerate(rows) if k == 0 or r - rows[k - 1] > gap + 1)
     return total / len(masks)
 
 
@@ -28,12 +28,13 @@ def _clustered(T=300, F=96, groups=12, seed=0) -> np.ndarray:
 
 
 @pytest.mark.parametrize("skip", [0, 10, 50])
-def test_reads_per_token_counts_runs(skip):
+@pytest.mark.parametrize("gap", [0, 1, 3])
+def test_reads_per_token_counts_runs(skip, gap):
     m = _clustered()
     rng = np.random.default_rng(1)
     pos = rng.permutation(m.shape[1])
-    assert reads_per_token(m, None, skip) == pytest.approx(_runs_brute(m, None, skip))
-    assert reads_per_token(m, pos, skip) == pytest.approx(_runs_brute(m, pos, skip))
+    assert reads_per_token(m, None, skip, gap) == pytest.approx(_runs_brute(m, None, skip, gap))
+    assert reads_per_token(m, pos, skip, gap) == pytest.approx(_runs_brute(m, pos, skip, gap))
 
 
 def test_order_is_a_permutation_that_groups_co_activated_neurons():

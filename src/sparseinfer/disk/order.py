@@ -70,10 +70,12 @@ def positions_of(order: np.ndarray) -> np.ndarray:
     return pos
 
 
-def reads_per_token(masks: np.ndarray, positions: np.ndarray | None, skip: int = 0) -> float:
-    """Mean number of reads (runs of neighbouring file rows) per token for the active neurons
-    ``>= skip`` (the ones not in RAM) of ``masks`` ``[T, F]``, bundles at ``positions``
-    (``None``: neuron order)."""
+def reads_per_token(masks: np.ndarray, positions: np.ndarray | None, skip: int = 0,
+                    gap: int = 0) -> float:
+    """Mean number of reads per token for the active neurons ``>= skip`` (the ones not in RAM)
+    of ``masks`` ``[T, F]``, bundles at ``positions`` (``None``: neuron order): runs of file
+    rows, a read passing over up to ``gap`` unwanted rows (``NeuronReader``'s ``max_gap``; its
+    cap of ``MAX_RUN`` rows per read is not counted here)."""
     m = np.asarray(masks, dtype=bool)
     T, F = m.shape
     cold = m.copy()
@@ -82,8 +84,11 @@ def reads_per_token(masks: np.ndarray, positions: np.ndarray | None, skip: int =
         placed = np.zeros_like(cold)
         placed[:, np.asarray(positions)] = cold
         cold = placed
-    starts = cold[:, 0].sum() + (cold[:, 1:] & ~cold[:, :-1]).sum()
-    return float(starts) / max(T, 1)
+    # a read starts at an active row with no active row among the gap + 1 rows before it
+    before = np.zeros_like(cold)
+    for k in range(1, gap + 2):
+        before[:, k:] |= cold[:, :-k]
+    return float((cold & ~before).sum()) / max(T, 1)
 
 
 def profile_orders(profile, max_tokens: int = MAX_TOKENS, cold_share: float = 0.8,
@@ -98,7 +103,7 @@ def profile_orders(profile, max_tokens: int = MAX_TOKENS, cold_share: float = 0.
     T, F = profile.n_tokens, profile.d_ff
     sel = np.linspace(0, T - 1, min(T, max_tokens)).round().astype(np.int64)
     skip = int(round(F * (1.0 - cold_share)))
-    orders, before, after = [], 0.0, 0.0
+    orders, before, after, after_gap = [], 0.0, 0.0, 0.0
     for layer, perm in enumerate(perms):
         packed = np.asarray(profile.packed_masks(layer)[sel])
         masks = np.unpackbits(packed, axis=-1, count=F, bitorder="little").astype(bool)[:, perm]
@@ -106,8 +111,9 @@ def profile_orders(profile, max_tokens: int = MAX_TOKENS, cold_share: float = 0.
         orders.append(order)
         before += reads_per_token(masks, None, skip)
         after += reads_per_token(masks, positions_of(order), skip)
+        after_gap += reads_per_token(masks, positions_of(order), skip, gap=2)
     L = max(len(perms), 1)
-    log.info("co-activation order: %.0f -> %.0f reads per token and layer for the coldest %.0f%% "
-             "of the neurons (on %d profiled tokens)", before / L, after / L, 100 * cold_share,
-             sel.size)
+    log.info("co-activation order: %.0f -> %.0f reads per token and layer (%.0f passing over up to "
+             "2 unwanted rows) for the coldest %.0f%% of the neurons, on %d profiled tokens",
+             before / L, after / L, after_gap / L, 100 * cold_share, sel.size)
     return orders
