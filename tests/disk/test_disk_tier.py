@@ -321,6 +321,9 @@ def test_convert_writes_a_bundled_file(tiny_model_dir, tmp_path):
     assert lay.stride % 512 == 0 and "layers.0.ffn.gate.weight" not in src.tensors
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.bundled.gguf"]
     assert src.metadata["sparseinfer.bundle.order"] == "coactivation"
+    from sparseinfer.offline.report import file_summary
+    assert "bundled for the disk tier: q4 rows" in file_summary(src.metadata)
+    assert "in coactivation order" in file_summary(src.metadata)
     assert lay.positions is not None and any(
         not np.array_equal(p, np.arange(lay.d_ff)) for p in lay.positions)
     ram = _logits(load(out, "auto", disk_options=DiskOptions(ram_counts=(192, 192),

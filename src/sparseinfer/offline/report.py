@@ -290,6 +290,10 @@ def file_summary(metadata: dict, path: str | Path | None = None) -> str | None:
     lines = [f"sparse file (format {md['sparseinfer.format_version']}): "
              f"{md.get('sparseinfer.ffn_kind', '?')} FFNs, neurons ordered "
              f"{md.get('sparseinfer.neuron_order', '?')}"]
+    if "sparseinfer.bundle.dtype" in md:
+        lines.append(f"bundled for the disk tier: {md['sparseinfer.bundle.dtype']} rows, stride "
+                     f"{int(md.get('sparseinfer.bundle.stride', 0))} bytes, in "
+                     f"{md.get('sparseinfer.bundle.order', 'neuron')} order")
     mode = md.get("sparseinfer.sparsity.mode", "?")
     lines.append("activity: " + ("ReLU (exact zeros)" if mode == "relu" else
                                  f"magnitude of {md.get('sparseinfer.sparsity.score')} above a "
