@@ -122,6 +122,7 @@ def test_rotation_matches_fresh_run_one_layer(fields):
     _check_shift(model, [3, 1, 4, 1, 5, 9, 2, 6], n_ctx=20, keep=3, n_new=45, recompute=False)
 
 
+@pytest.mark.slow
 def test_rotation_first_layer_kv_smollm2(smollm2):
     """Real SmolLM2 (adjacent-pair rope): after a rotation the first layer's cached keys and
     values are those a fresh run over the kept tokens computes."""

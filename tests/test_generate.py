@@ -37,6 +37,7 @@ def _allowed(p: SamplingParams) -> dict[int, float]:
     return {i: v / s for i, v in w.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
     SamplingParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0),

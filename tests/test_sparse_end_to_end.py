@@ -44,6 +44,7 @@ def test_sparse_file_perplexity_modes(sparse_file, tiny_model_dir, tmp_path, cap
     assert pred == pytest.approx(dense, rel=0.5)  # predictor misses cost something, not everything
 
 
+@pytest.mark.slow
 def test_sparse_file_run_and_threshold_override(sparse_file, capsys):
     argv = ["run", "-m", str(sparse_file), "-p", "Emma", "-n", "8", "--temp", "0", "--ignore-eos"]
     assert main(argv) == 0
@@ -53,6 +54,7 @@ def test_sparse_file_run_and_threshold_override(sparse_file, capsys):
     assert "100.0% of neurons computed" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sparse_file_with_q4_dense_parts(sparse_file, tiny_model_dir, capsys):
     """--dtype q4 on a converted file: the sparse FFNs stay as they are, attention and the LM
     head become 4-bit / int8, and the CLI runs it."""

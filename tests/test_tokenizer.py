@@ -115,6 +115,7 @@ def test_smollm2_decode(smol, smol_ref, text):
     )
 
 
+@pytest.mark.slow
 def test_smollm2_incremental_decoder_multibyte(smol):
     text = "Smile 😀👍🏽 中文字 done"
     ids = smol.encode(text)
@@ -125,6 +126,7 @@ def test_smollm2_incremental_decoder_multibyte(smol):
     assert any("😀" in p for p in pieces)  # released whole once its last byte arrives
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_smollm2_incremental_decoder_equals_decode(smol, text):
     ids = smol.encode(text)
@@ -132,6 +134,7 @@ def test_smollm2_incremental_decoder_equals_decode(smol, text):
         assert "".join(_stream(smol, ids, skip)) == smol.decode(ids, skip_special=skip)
 
 
+@pytest.mark.slow
 def test_smollm2_incremental_decoder_random_ids(smol):
     rng = random.Random(0)
     for _ in range(200):  # low ids include the raw byte tokens: many invalid UTF-8 sequences
@@ -141,6 +144,7 @@ def test_smollm2_incremental_decoder_random_ids(smol):
             assert "".join(_stream(smol, ids, skip)) == smol.decode(ids, skip_special=skip), ids
 
 
+@pytest.mark.slow
 def test_decode_rejects_out_of_range_ids(smol):
     with pytest.raises(SparseInferError, match="out of range"):
         smol.decode([5, smol.vocab_size])
@@ -292,6 +296,7 @@ def hf_dir(smol_ref, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_hf_dir_matches_transformers(hf_dir):
     transformers = pytest.importorskip("transformers")
     ref = transformers.AutoTokenizer.from_pretrained(hf_dir)
@@ -309,6 +314,7 @@ def test_hf_dir_matches_transformers(hf_dir):
     )
 
 
+@pytest.mark.slow
 def test_hf_dir_rich_template_and_template_errors(hf_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     rich = tmp_path / "rich"

@@ -83,7 +83,8 @@ def check(kw, pos, S=48, seed=0):
     torch.testing.assert_close(vc, vr, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("pos", [0, 1, 9, 47])
+@pytest.mark.parametrize("pos", [0, pytest.param(1, marks=pytest.mark.slow), 9,
+                                 pytest.param(47, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("nh,nkv,hd,d", [(4, 2, 16, 64), (4, 4, 8, 64), (8, 2, 20, 64),
                                          (8, 2, 64, 1024)])
 def test_block_matches_reference(isa, threads, pos, nh, nkv, hd, d):
@@ -184,6 +185,7 @@ def test_smollm2_blocks_equal_the_torch_path(smollm2_path, threads):
         x = want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["swiglu", "geglu", "geglu_tanh", "reglu", "drelu"])
 def test_fp32_models_decode_as_the_torch_path(tiny_model_dir, kind):
     """fp32 weights (``FloatLinear`` on the F32 GEMV) take the C block too; no int8 rounding
@@ -203,6 +205,7 @@ def test_fp32_models_decode_as_the_torch_path(tiny_model_dir, kind):
     assert all(b.fused._c is not None for b in fused.layers)
 
 
+@pytest.mark.slow
 def test_numba_path_still_equals_the_c_block(tiny_model_dir):
     """``FusedDecode(block, c_block=False)`` (the numba kernels around the block's modules, the
     path of blocks the C library cannot take) against the C block on the same inputs."""

@@ -141,7 +141,8 @@ def test_multi_matrix_call_shares_input(isa, threads):
 
 @pytest.mark.parametrize("type_name",
                          ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "F16", "F32"])
-@pytest.mark.parametrize("T", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize("T", [1, pytest.param(3, marks=pytest.mark.slow), 8, 9,
+                               pytest.param(17, marks=pytest.mark.slow)])
 def test_gemm_matches_reference(type_name, T, isa, threads):
     """Q4_0/Q4_1 rows take the AVX-512 kernel that decodes each pair of blocks once for up to 8
     rows of x, Q4_0..Q5_1 the avx2_128 one that unpacks each group of 8 blocks once (T = 8, 9,

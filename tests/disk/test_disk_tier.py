@@ -11,6 +11,7 @@ short must raise DiskReadError.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 
@@ -148,16 +149,24 @@ def test_bundled_file_all_in_ram_equals_reference(bundled, reference):
 
 
 @pytest.mark.parametrize("kind", ["q4", "q4-shuffled"])
-@pytest.mark.parametrize("eviction", ["lru", "freq"])
-@pytest.mark.parametrize("ram,slots,prefetch", [((0, 0), 1, False), ((0, 0), 3, True),
-                                                ((20, 5), 8, True), ((100, 192), 50, True),
-                                                ((30, 0), 192, True), ((192, 0), 192, False)])
+@pytest.mark.parametrize("eviction", ["lru", pytest.param("freq", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("ram,slots,prefetch", [
+    ((0, 0), 1, False), pytest.param((0, 0), 3, True, marks=pytest.mark.slow),
+    ((20, 5), 8, True), ((100, 192), 50, True),
+    pytest.param((30, 0), 192, True, marks=pytest.mark.slow),
+    pytest.param((192, 0), 192, False, marks=pytest.mark.slow)])
 def test_disk_tier_logits_equal_all_in_ram(bundled, reference, eviction, ram, slots, prefetch,
                                            kind):
     opts = DiskOptions(ram_counts=ram, cache_slots=slots, eviction=eviction, prefetch=prefetch)
     d = load(bundled[kind], "auto", disk_options=opts)
     ffn = d.model.layers[0].ffn
     assert isinstance(ffn, DiskFFN) and ffn.n_ram == ram[0] and ffn.cache.capacity == slots
+    # every layer shares one reader and one layout (a position map per layer, not per cache);
+    # reading a reordered file's RAM neurons at load is not counted as the run's
+    caches = [layer.ffn.cache for layer in d.model.layers]
+    assert len({id(c.reader) for c in caches}) == 1
+    assert all(c.layout is caches[0].reader.layout for c in caches)
+    assert disk_report(d.model).bytes_read == 0
     got = _logits(d)
     if slots >= 192 - min(ram):  # every active set fits the cache: one kernel call, same sums
         assert torch.equal(got, reference["q4"])
@@ -309,17 +318,19 @@ def test_pin_mapped_locks_the_tensor_pages(smollm2_path):
     assert locked() - before >= n - 2 * 4096  # whole pages inside the tensor, at least
 
 
-def test_convert_writes_a_bundled_file(tiny_model_dir, tmp_path):
+def test_convert_writes_a_bundled_file(tiny_model_dir, tmp_path, caplog):
     """`convert --disk-bundle q4` leaves the bundled layout in place of the plain sparse file
-    (no temporary file behind), its neurons in co-activation order (the default), and it runs
-    with every neuron read from disk as all in RAM."""
+    (no temporary file behind), its neurons in co-activation order (the default, its progress
+    logged per layer), and it runs with every neuron read from disk as all in RAM."""
     out = tmp_path / "tiny.bundled.gguf"
+    caplog.set_level(logging.INFO, logger="sparseinfer")
     assert main(["convert", "-m", str(tiny_model_dir("reglu")), "-o", str(out), *FAST,
                  "--disk-bundle", "q4", "--eval-chunks", "0", "--no-report"]) == 0
     src = open_source(out)
     lay = layout_of(src)
     assert lay.stride % 512 == 0 and "layers.0.ffn.gate.weight" not in src.tensors
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.bundled.gguf"]
+    assert "co-activation order: done, 2 layers" in caplog.text
     assert src.metadata["sparseinfer.bundle.order"] == "coactivation"
     from sparseinfer.offline.report import file_summary
     assert "bundled for the disk tier: q4 rows" in file_summary(src.metadata)

@@ -90,6 +90,7 @@ def test_safetensors_match_transformers(arch_model_dir, name):
     _check(lm, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_tied", "llama3", "mistral_nowindow",
                                   "gemma2", "gemma3", "phi3", "phi3_nowindow", "falcon",
                                   "falcon40_nobias"])

@@ -90,6 +90,7 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
+@pytest.mark.slow
 def test_q4_0_file_stays_as_stored(quant_gguf):
     """--dtype auto: every projection and the head keep the file's Q4_0 blocks in the mapped
     file (C kernels), the embedding stays in the map; the plan's bytes stay within the file
@@ -114,6 +115,7 @@ def test_q4_0_file_stays_as_stored(quant_gguf):
     assert np.shares_memory(head.mats[0].raw, np.asarray(t.raw()))  # not a copy
 
 
+@pytest.mark.slow
 def test_without_the_c_kernels_4_bit_files_use_torchs_int4(quant_gguf, monkeypatch):
     import sparseinfer.models.plan as plan_mod
 
@@ -129,6 +131,7 @@ def test_without_the_c_kernels_4_bit_files_use_torchs_int4(quant_gguf, monkeypat
     assert isinstance(lm.model.lm_head, Int8Linear)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_quantized_file_logits_against_transformers(quant_gguf, kind):
     """Our fp32 load equals transformers' dequantizing GGUF load; the default (file's own
@@ -151,6 +154,7 @@ def test_quantized_file_logits_against_transformers(quant_gguf, kind):
             assert (_logits(lm.model).argmax(-1) == want.argmax(-1)).float().mean() > 0.8
 
 
+@pytest.mark.slow
 def test_memory_check_before_anything_is_allocated(quant_gguf, monkeypatch):
     import sparseinfer.models.plan as plan_mod
 
@@ -160,6 +164,7 @@ def test_memory_check_before_anything_is_allocated(quant_gguf, monkeypatch):
         load(quant_gguf("Q4_0"), "auto")
 
 
+@pytest.mark.slow
 def test_out_of_memory_while_filling_is_not_called_corrupt(quant_gguf, monkeypatch, capsys):
     from sparseinfer.cli import main
     from sparseinfer.models.loading import FileTensor
@@ -175,6 +180,7 @@ def test_out_of_memory_while_filling_is_not_called_corrupt(quant_gguf, monkeypat
     assert "corrupt" not in err and "truncated" not in err
 
 
+@pytest.mark.slow
 def test_bf16_plan_and_float_storage(quant_gguf):
     lm = load(quant_gguf("Q4_0"), "bf16")
     assert lm.model.dtype == torch.bfloat16 and not lm.plan.fused_decode
@@ -200,6 +206,7 @@ def converted(quant_gguf, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_converted_file_gives_the_sources_default_logits(quant_gguf, converted):
     """A converted file under default flags with every neuron active (and with --dense) gives
     the source's default logits: nothing the source kept exact is rounded to fewer bits again
@@ -224,6 +231,7 @@ def test_converted_file_gives_the_sources_default_logits(quant_gguf, converted):
     assert _rel(_logits(q4.model), want) < 5e-2
 
 
+@pytest.mark.slow
 def test_gate_score_file_loads_and_runs(converted, capsys):
     """A file converted with --score gate loads in every mode (it used to fail with a
     traceback: the runtime accepted only output/output_norm)."""
@@ -236,6 +244,7 @@ def test_gate_score_file_loads_and_runs(converted, capsys):
                  "--temp", "0"]) == 0
 
 
+@pytest.mark.slow
 def test_info_prints_the_plan_without_loading(quant_gguf, capsys, monkeypatch):
     from sparseinfer.cli import main
     from sparseinfer.models import build
@@ -246,6 +255,7 @@ def test_info_prints_the_plan_without_loading(quant_gguf, capsys, monkeypatch):
     assert "plan:" in out and "file blocks" in out and "memory: needs" in out
 
 
+@pytest.mark.slow
 def test_q4_rows_keep_a_q4_0_files_blocks(converted):
     """--ffn-dtype q4 on a file whose gate/up are Q4_0: the bundled rows are the file's own
     blocks byte for byte (no second rounding); the transposed down projection (F32 in the

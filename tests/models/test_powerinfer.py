@@ -229,6 +229,7 @@ def test_gpu_index_is_a_placement(pwri, tmp_path, caplog):
     assert "ignored" in caplog.text and cpu.plan.sparse.gpu_index is None
 
 
+@pytest.mark.slow
 def test_convert_reprofiles_a_powerinfer_file(pwri, tmp_path, capsys):
     """Our convert adds statistics, our predictors and a placement to a PowerInfer file."""
     path, _ = pwri("reglu")

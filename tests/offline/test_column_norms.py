@@ -10,6 +10,7 @@ import torch
 from sparseinfer.offline.calibrate import column_norms, dense_weight
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["auto", "fp32"])
 def test_column_norms_equal_the_whole_matrix(smollm2_path, dtype):
     from sparseinfer.models.build import load

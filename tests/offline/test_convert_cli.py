@@ -23,6 +23,7 @@ def _files(d):
     return sorted(os.listdir(d))
 
 
+@pytest.mark.slow
 def test_convert_end_to_end(tiny_model_dir, tmp_path, capsys, caplog):
     src = tiny_model_dir("reglu")
     out = tmp_path / "sparse.gguf"
@@ -150,6 +151,7 @@ def test_step_errors(tiny_model_dir, tmp_path, capsys):
     assert not (tmp_path / "p.npz").exists() and not (tmp_path / "s.npz").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_stopped_convert_leaves_no_temporary_files(tiny_model_dir, tmp_path, sig):
     tmp = tmp_path / "tmp"

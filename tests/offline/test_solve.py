@@ -106,7 +106,8 @@ def check_solution(p: PlacementProblem, s: PlacementSolution) -> None:
 # --- optimality ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("seed", [s if s < 10 else pytest.param(s, marks=pytest.mark.slow)
+                                  for s in range(60)])
 def test_optimum_equals_brute_force(seed):
     rng = np.random.default_rng(seed)
     gs = int(rng.integers(2, 7))
@@ -160,7 +161,8 @@ def test_optimum_equals_knapsack_dp_many_layers(seed):
     assert s.objective == pytest.approx(knapsack_dp(p), rel=1e-9, abs=1e-7)
 
 
-@pytest.mark.parametrize("seed", range(100))
+@pytest.mark.parametrize("seed", [s if s < 10 else pytest.param(s, marks=pytest.mark.slow)
+                                  for s in range(100)])
 def test_budget_never_exceeded(seed):
     rng = np.random.default_rng(5000 + seed)
     p = random_problem(

@@ -43,6 +43,7 @@ def _operations(srv):
     return [result.ok() for result in schema.get_all_operations()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["positive", "negative"])
 def test_schema_fuzz(fuzz_server, mode):
     ops = _operations(fuzz_server)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from sparseinfer.server.app import ServerThread, create_app
 
@@ -29,6 +30,7 @@ serve(fake.FakeEngine(), port=0, api_key="k", log_level="warning")
 """
 
 
+@pytest.mark.slow
 def test_serve_runs_until_signalled():
     code = SERVE.format(path=str(Path(__file__).with_name("fake_engine.py")))
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)

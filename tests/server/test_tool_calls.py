@@ -174,6 +174,7 @@ def test_several_calls_go_back_to_the_model_as_an_array(tool_server):
     assert TWO in engine.started[-1]
 
 
+@pytest.mark.slow
 def test_langchain_bind_tools_gets_several_calls(tool_server):
     pytest.importorskip("langchain_openai")
     from langchain_openai import ChatOpenAI

@@ -49,6 +49,7 @@ def chat(browser):
         page.close()
 
 
+@pytest.mark.slow
 def test_page_streams_a_reply_with_system_prompt_and_settings(chat, tmp_path):
     page, engine = chat
     page.wait_for_selector("#model:has-text('fake-model')")
@@ -85,6 +86,7 @@ def test_page_streams_a_reply_with_system_prompt_and_settings(chat, tmp_path):
     assert len(img.getcolors(1 << 16)) > 20  # the page rendered, not one colour
 
 
+@pytest.mark.slow
 def test_stop_button_cancels_the_stream(chat):
     page, engine = chat
     page.wait_for_selector("#model:has-text('fake-model')")

@@ -43,6 +43,7 @@ def _orders(src_path: str, profile_dir: str):
     from ..models.loading import open_source
     from ..offline.export import hot_first_permutations
     from ..offline.profile import load_profile
+    from ..offline.pipeline import Bars
     from .order import profile_orders
 
     profile = load_profile(profile_dir)
@@ -57,7 +58,12 @@ def _orders(src_path: str, profile_dir: str):
             raise SparseInferError(f"{src_path}: blk.{layer}.act_freq does not match the profile "
                                    f"in {profile_dir}: expected the profile {src_path} was "
                                    f"converted from")
-    return profile_orders(profile)
+    bars = Bars()
+    try:
+        return profile_orders(profile, progress=bars("co-activation order", profile.n_layers,
+                                                     "layer"))
+    finally:
+        bars.close()
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ POSITIONS = "blk.{}.ffn_bundle_pos"
 BUNDLE_DTYPES = ("q4", "fp32")  # row storages without per-row scales
 STRIDE_ALIGN = 512  # bytes: the logical block size O_DIRECT needs on common disks
 DATA_ALIGN = 4096
+COPY_CHUNK = 1024  # neurons per read when copying a reordered file's neurons into RAM
 _FFN_ROWS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down_t|down)\.weight$")
 
 
@@ -125,41 +126,48 @@ def _positions(src, layer: int, d_ff: int) -> np.ndarray:
     return pos.astype(np.int64)
 
 
-def rows_view(src, layer: int, start: int, stop: int) -> np.ndarray:
+def rows_view(src, layer: int, start: int, stop: int, lay: BundleLayout | None = None,
+              ) -> np.ndarray:
     """File rows ``[start, stop)`` of one layer's bundle as a read-only view of the mapped file,
     ``[n, n_mats, row_width]`` in the row storage's numpy type (row i is neuron i unless the file
-    has a position map: ``neuron_rows``)."""
-    lay = layout_of(src)
+    has a position map: ``neuron_rows``); ``lay``: ``layout_of(src)`` if already made."""
+    lay = layout_of(src) if lay is None else lay
     raw = np.asarray(src.extras[BUNDLE.format(layer)].raw()).view(np.uint8)
     raw = raw.reshape(lay.d_ff, lay.stride)[start:stop, :lay.bundle_bytes]
     np_dtype = np.uint8 if lay.dtype == "q4" else np.float32
     return raw.view(np_dtype).reshape(stop - start, lay.n_mats, lay.row_width)
 
 
-def copy_neurons(src, layer: int, start: int, stop: int, out: np.ndarray) -> None:
+def copy_neurons(src, layer: int, start: int, stop: int, out: np.ndarray,
+                 reader=None) -> None:
     """Copy neurons ``[start, stop)`` of ``layer`` (wherever the file holds them) into ``out``
     (``[n, n_mats, row_width]``, contiguous) without keeping the file's pages: a neuron-order
     file through the map, whose pages are then dropped from the process and the page cache;
-    rows in another order with the reader's O_DIRECT reads (through a map, scattered rows would
-    fault in most of the layer)."""
+    rows in another order with O_DIRECT reads (through a map, scattered rows would fault in
+    most of the layer) by ``reader`` (a ``NeuronReader`` of this file; None: one made for the
+    call)."""
     from ..fileio import drop_pages
     from .reader import NeuronReader, drop_file_cache
 
-    lay = layout_of(src)
+    lay = layout_of(src) if reader is None else reader.layout
     if stop <= start:
         return
     if lay.positions is None:
-        view = rows_view(src, layer, start, stop)
+        view = rows_view(src, layer, start, stop, lay)
         out[:] = view
         drop_pages(view)
         drop_file_cache(lay.path, lay.row_offset(layer, start), (stop - start) * lay.stride)
         return
-    reader = NeuronReader(lay)
+    own = reader is None
+    reader = NeuronReader(lay) if own else reader
     try:
-        out.reshape(-1).view(np.uint8).reshape(stop - start, -1)[:] = reader.read(
-            layer, np.arange(start, stop))
+        dest = out.reshape(-1).view(np.uint8).reshape(stop - start, -1)
+        for a in range(start, stop, COPY_CHUNK):  # a bounded read buffer, not the whole layer
+            b = min(stop, a + COPY_CHUNK)
+            dest[a - start:b - start] = reader.read(layer, np.arange(a, b))
     finally:
-        reader.close()
+        if own:
+            reader.close()
 
 
 def read_packed(src, layer: int, start: int, stop: int, up_bias=None) -> PackedFFN:

@@ -92,11 +92,12 @@ def reads_per_token(masks: np.ndarray, positions: np.ndarray | None, skip: int =
 
 
 def profile_orders(profile, max_tokens: int = MAX_TOKENS, cold_share: float = 0.8,
-                   ) -> list[np.ndarray]:
+                   progress=None) -> list[np.ndarray]:
     """Per layer, the co-activation order of a converted file's neurons (which the exporter
     wrote hot-first, ``offline.export.hot_first_permutations``) from ``profile``'s masks
     (``offline.profile.Profile``). Logs the reads per token the order saves on the profiled
-    tokens for the coldest ``cold_share`` of the neurons."""
+    tokens for the coldest ``cold_share`` of the neurons. ``progress(1)`` is called after each
+    layer (``offline.pipeline.Bars``)."""
     from ..offline.export import hot_first_permutations
 
     perms = hot_first_permutations(profile.freqs)
@@ -112,6 +113,8 @@ def profile_orders(profile, max_tokens: int = MAX_TOKENS, cold_share: float = 0.
         before += reads_per_token(masks, None, skip)
         after += reads_per_token(masks, positions_of(order), skip)
         after_gap += reads_per_token(masks, positions_of(order), skip, gap=2)
+        if progress is not None:
+            progress(1)
     L = max(len(perms), 1)
     log.info("co-activation order: %.0f -> %.0f reads per token and layer (%.0f passing over up to "
              "2 unwanted rows) for the coldest %.0f%% of the neurons, on %d profiled tokens",

@@ -246,16 +246,18 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
 
     dp = plan.sparse.disk
     ffn = model.layers[layer].ffn
-    lay = layout_of(src)
     reader = getattr(model, "_disk_reader", None)
     if reader is None:
-        reader = NeuronReader(lay, dp.options.io_threads, dp.options.direct,
+        reader = NeuronReader(layout_of(src), dp.options.io_threads, dp.options.direct,
                               max_gap=dp.options.read_gap)
         model._disk_reader = reader  # one file descriptor and thread pool for every layer
+    lay = reader.layout  # one layout (and position map) for every layer, not one each
     n, C = dp.ram_counts[layer], dp.cache_slots
     # one rows tensor: the RAM neurons, then the cache's slots
     rows = empty_hugepages((n + C, lay.n_mats, lay.row_width), DTYPES[lay.dtype])
-    copy_neurons(src, layer, 0, n, rows[:n].numpy())
+    counted = reader.bytes_read, reader.reads
+    copy_neurons(src, layer, 0, n, rows[:n].numpy(), reader)
+    reader.bytes_read, reader.reads = counted  # the load's reads are not the run's
     bias = None
     if up_bias is not None:
         bias = torch.zeros(n + C, dtype=torch.float32)

@@ -232,7 +232,8 @@ class ConvertOptions:
     disk_coactivation: bool = True
 
 
-def _bundle_in_place(result: ExportResult, dtype: str, profile=None) -> ExportResult:
+def _bundle_in_place(result: ExportResult, dtype: str, profile=None,
+                     bars: Bars | None = None) -> ExportResult:
     """Rewrite the exported file with bundled neuron rows (``disk.layout.bundle_file``; in
     ``profile``'s co-activation order if given), through a temporary file beside it: the output is
     either the plain file or the bundled one."""
@@ -240,7 +241,14 @@ def _bundle_in_place(result: ExportResult, dtype: str, profile=None) -> ExportRe
     from ..disk.order import profile_orders
 
     progress_log.info("bundle: laying neurons out for the disk tier (%s rows)", dtype)
-    orders = None if profile is None else profile_orders(profile)
+    orders = None
+    if profile is not None:
+        tick = bars("co-activation order", profile.n_layers, "layer") if bars else None
+        try:
+            orders = profile_orders(profile, progress=tick)
+        finally:
+            if bars:
+                bars.close()
     out = result.path
     tmp = out.with_name(f".{out.name}.bundling.gguf")
     try:
@@ -306,7 +314,7 @@ def convert(model_path: str | Path | None, out: str | Path,
         seconds["export"] = time.perf_counter() - t0
         if options.disk_bundle is not None:
             result = _bundle_in_place(result, options.disk_bundle,
-                                      profile if options.disk_coactivation else None)
+                                      profile if options.disk_coactivation else None, bars)
             seconds["bundle"] = time.perf_counter() - t0 - seconds["export"]
     finally:
         if made_tmp and not options.keep_work:
