@@ -236,7 +236,8 @@ def main() -> int:
                     help="memory limits as fractions of the dense file's size")
     ap.add_argument("--eviction", default="lru,freq", help="cache evictions to run")
     ap.add_argument("--no-prefetch-run", action="store_true",
-                    help="skip the run without prefetch (at the middle limit)")
+                    help="skip the runs without prefetch and without gap reads (at the middle "
+                         "limit)")
     ap.add_argument("-n", "--tokens", type=int, default=12)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-c", "--ctx", type=int, default=128)

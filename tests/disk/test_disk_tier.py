@@ -319,13 +319,14 @@ def test_pin_mapped_locks_the_tensor_pages(smollm2_path):
 
 
 def test_convert_writes_a_bundled_file(tiny_model_dir, tmp_path, caplog):
-    """`convert --disk-bundle q4` leaves the bundled layout in place of the plain sparse file
-    (no temporary file behind), its neurons in co-activation order (the default, its progress
-    logged per layer), and it runs with every neuron read from disk as all in RAM."""
+    """`convert --disk-bundle q4 --disk-order coactivation` leaves the bundled layout in place of
+    the plain sparse file (no temporary file behind), its neurons in co-activation order (its
+    progress logged per layer), and it runs with every neuron read from disk as all in RAM."""
     out = tmp_path / "tiny.bundled.gguf"
     caplog.set_level(logging.INFO, logger="sparseinfer")
     assert main(["convert", "-m", str(tiny_model_dir("reglu")), "-o", str(out), *FAST,
-                 "--disk-bundle", "q4", "--eval-chunks", "0", "--no-report"]) == 0
+                 "--disk-bundle", "q4", "--disk-order", "coactivation", "--eval-chunks", "0",
+                 "--no-report"]) == 0
     src = open_source(out)
     lay = layout_of(src)
     assert lay.stride % 512 == 0 and "layers.0.ffn.gate.weight" not in src.tensors

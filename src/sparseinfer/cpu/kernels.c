@@ -724,9 +724,62 @@ INLINE void multi_b32_128(const int type, const int bsize, const uint8_t *p, con
 }
 #endif
 
+#if !SI_PAIRS && !SI_NARROW
+/* A Q4_0/Q4_1/Q5_0/Q5_1 block's 32 weights as unsigned bytes (nibbles, and the fifth bits). */
+INLINE __m256i unpack_b32(const int type, const uint8_t *p) {
+    if (type == SI_Q4_0) return nib32(p + 2);
+    if (type == SI_Q4_1) return nib32(p + 4);
+    if (type == SI_Q5_0) return _mm256_or_si256(nib32(p + 6), bit5(p + 2));
+    return _mm256_or_si256(nib32(p + 8), bit5(p + 4));
+}
+
+/* The plain AVX2 build (Zen 2/3, Intel without AVX-512): one Q4_0/Q4_1/Q5_0/Q5_1 row against
+ * nt <= MULTI_T quantized x rows (nb blocks), each group of 8 blocks unpacked once and
+ * multiplied with every x row. The products are summed in rows_b32's order, so every x row's
+ * result is its GEMV's bit for bit. y[t * ys] for t < nt. */
+INLINE void multi_b32_256(const int type, const int bsize, const uint8_t *p, const si_xq *x,
+                          const int nt, const int nb, float *y, const int64_t ys) {
+    const int has_min = type == SI_Q4_1 || type == SI_Q5_1;
+    __m256 acc[MULTI_T], accm[MULTI_T];
+    float cs[MULTI_T];
+    for (int t = 0; t < nt; t++) {
+        acc[t] = accm[t] = _mm256_setzero_ps();
+        cs[t] = 0.0f;
+    }
+    for (int b = 0; b + 8 <= nb; b += 8) {
+        const uint8_t *pb = p + (size_t)b * bsize;
+        const __m256 dw = f16x8(pb, bsize, 0);
+        const __m256 mw = has_min ? f16x8(pb, bsize, 2) : dw;
+        __m256i wv[8];
+        for (int k = 0; k < 8; k++) wv[k] = unpack_b32(type, pb + (size_t)k * bsize);
+        for (int t = 0; t < nt; t++) {
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(x[t].d + b));
+            accm[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(x[t].s + b), accm[t]);
+            for (int k = 0; k < 8; k++) {
+                const __m256i dot = dot_us(wv[k], loadx(&x[t], b + k));
+                const __m256 sk = _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(k));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sk, acc[t]);
+            }
+        }
+    }
+    for (int b = nb - nb % 8; b < nb; b++) { /* as rows_b32: the last nb % 8 blocks */
+        const uint8_t *pb = p + (size_t)b * bsize;
+        const float dwb = f16(pb), mwb = has_min ? f16(pb + 2) : dwb;
+        for (int t = 0; t < nt; t++) {
+            cs[t] += mwb * x[t].s[b];
+            const __m256i dot = dot_b32(type, pb, loadx(&x[t], b));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dwb * x[t].d[b]),
+                                     acc[t]);
+        }
+    }
+    const float zk = type == SI_Q4_0 ? -8.0f : type == SI_Q5_0 ? -16.0f : 1.0f;
+    for (int t = 0; t < nt; t++) y[t * ys] = hsum(acc[t]) + zk * (hsum(accm[t]) + cs[t]);
+}
+#endif
+
 /* y[t * y_stride + r] = row r of w times x[t], for t < T: the 4-bit rows decoded once per
- * MULTI_T x rows where the pair kernel exists (AVX-512 Q4_0/Q4_1), else si_rows for each x
- * row. */
+ * MULTI_T x rows where the pair kernel exists (AVX-512 Q4_0/Q4_1) or the 8-block one
+ * (avx2_128 and plain AVX2: Q4_0..Q5_1), else si_rows for each x row. */
 void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *x, int T,
                        int cols, float *y, int64_t ys) {
 #if SI_PAIRS
@@ -739,14 +792,19 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
         return;
     }
 #endif
-#if SI_NARROW
+#if !SI_PAIRS
     if (type == SI_Q4_0 || type == SI_Q4_1 || type == SI_Q5_0 || type == SI_Q5_1) {
         const int bsize = (int)(rb / (size_t)(cols / 32)); /* bytes per block of 32 */
         for (int t0 = 0; t0 < T; t0 += MULTI_T) {
             const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
             for (int r = 0; r < nrows; r++)
+#if SI_NARROW
                 multi_b32_128(type, bsize, w + (size_t)r * rb, x + t0, nt, cols / 32,
                               y + t0 * ys + r, ys);
+#else
+                multi_b32_256(type, bsize, w + (size_t)r * rb, x + t0, nt, cols / 32,
+                              y + t0 * ys + r, ys);
+#endif
         }
         return;
     }

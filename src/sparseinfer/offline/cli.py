@@ -286,10 +286,12 @@ def add_offline_commands(sub, add_model_flags) -> None:
                    help="write the file for the disk tier (--ram-budget): each neuron's gate, up "
                         "and down rows as one aligned read, in this dtype (as `python -m "
                         "sparseinfer.disk bundle` does to a finished file)")
-    c.add_argument("--disk-order", choices=("coactivation", "neuron"), default="coactivation",
-                   help="with --disk-bundle: the file order of the bundles; coactivation (default) "
-                        "puts neurons that fired together on the profile side by side, so a "
-                        "token's cold neurons are fewer, longer reads")
+    c.add_argument("--disk-order", choices=("neuron", "coactivation"), default="neuron",
+                   help="with --disk-bundle: the file order of the bundles; neuron (default): "
+                        "hottest first, so the predicted neurons of a token, mostly the warm "
+                        "ones, lie close together; coactivation: neurons that fired together on "
+                        "the profile side by side (fewer reads where co-activation, not "
+                        "frequency, decides what fires; benchmarks/RESULTS.md)")
     c.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("profile", help="record activation frequencies and predictor data")

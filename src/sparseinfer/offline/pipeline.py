@@ -228,8 +228,10 @@ class ConvertOptions:
     # lay the sparse file out for the disk tier (disk/layout.py: each neuron's rows one aligned
     # read) in this row dtype, "q4" or "fp32"; None: the plain sparse layout
     disk_bundle: str | None = None
-    # the bundles in co-activation order (disk/order.py: fewer, longer reads); False: neuron order
-    disk_coactivation: bool = True
+    # the bundles in co-activation order (disk/order.py); False: neuron order, hottest first,
+    # which read fewer runs on the 13B model of benchmarks/RESULTS.md (its predicted sets follow
+    # frequency more than co-activation)
+    disk_coactivation: bool = False
 
 
 def _bundle_in_place(result: ExportResult, dtype: str, profile=None,
