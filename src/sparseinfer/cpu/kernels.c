@@ -663,6 +663,31 @@ INLINE void multi_q4(const int type, const uint8_t *p, const si_xq *x, const int
 }
 #endif
 
+#if !SI_PAIRS
+/* The end of a Q4_0..Q5_1 GEMM row (multi_b32_128, multi_b32_256), as rows_b32 ends: the last
+ * nb % 8 blocks one at a time into acc[t], then y[t * ys] from acc[t] and the zero-point sums
+ * accm[t]. */
+INLINE void multi_b32_end(const int type, const int bsize, const uint8_t *p, const si_xq *x,
+                          const int nt, const int nb, __m256 *acc, const __m256 *accm, float *y,
+                          const int64_t ys) {
+    const int has_min = type == SI_Q4_1 || type == SI_Q5_1;
+    float cs[MULTI_T];
+    for (int t = 0; t < nt; t++) cs[t] = 0.0f;
+    for (int b = nb - nb % 8; b < nb; b++) {
+        const uint8_t *pb = p + (size_t)b * bsize;
+        const float dwb = f16(pb), mwb = has_min ? f16(pb + 2) : dwb;
+        for (int t = 0; t < nt; t++) {
+            cs[t] += mwb * x[t].s[b];
+            const __m256i dot = dot_b32(type, pb, loadx(&x[t], b));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dwb * x[t].d[b]),
+                                     acc[t]);
+        }
+    }
+    const float zk = type == SI_Q4_0 ? -8.0f : type == SI_Q5_0 ? -16.0f : 1.0f;
+    for (int t = 0; t < nt; t++) y[t * ys] = hsum(acc[t]) + zk * (hsum(accm[t]) + cs[t]);
+}
+#endif
+
 #if SI_NARROW
 /* One Q4_0/Q4_1/Q5_0/Q5_1 row against nt <= MULTI_T quantized x rows (nb blocks): each group
  * of 8 blocks unpacked once and multiplied with every x row. Every x row's result is its GEMV's
@@ -703,24 +728,10 @@ INLINE void multi_b32_128(const int type, const int bsize, const uint8_t *p, con
         }
     }
     __m256 acc[MULTI_T];
-    float cs[MULTI_T];
-    for (int t = 0; t < nt; t++) {
+    for (int t = 0; t < nt; t++)
         acc[t] = _mm256_add_ps(_mm256_setzero_ps(),
                                _mm256_setr_m128(_mm_add_ps(n0[t], n1[t]), _mm_setzero_ps()));
-        cs[t] = 0.0f;
-    }
-    for (int b = nb - nb % 8; b < nb; b++) { /* as rows_b32: the last nb % 8 blocks */
-        const uint8_t *pb = p + (size_t)b * bsize;
-        const float dwb = f16(pb), mwb = has_min ? f16(pb + 2) : dwb;
-        for (int t = 0; t < nt; t++) {
-            cs[t] += mwb * x[t].s[b];
-            const __m256i dot = dot_b32(type, pb, loadx(&x[t], b));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dwb * x[t].d[b]),
-                                     acc[t]);
-        }
-    }
-    const float zk = type == SI_Q4_0 ? -8.0f : type == SI_Q5_0 ? -16.0f : 1.0f;
-    for (int t = 0; t < nt; t++) y[t * ys] = hsum(acc[t]) + zk * (hsum(accm[t]) + cs[t]);
+    multi_b32_end(type, bsize, p, x, nt, nb, acc, accm, y, ys);
 }
 #endif
 
@@ -741,11 +752,7 @@ INLINE void multi_b32_256(const int type, const int bsize, const uint8_t *p, con
                           const int nt, const int nb, float *y, const int64_t ys) {
     const int has_min = type == SI_Q4_1 || type == SI_Q5_1;
     __m256 acc[MULTI_T], accm[MULTI_T];
-    float cs[MULTI_T];
-    for (int t = 0; t < nt; t++) {
-        acc[t] = accm[t] = _mm256_setzero_ps();
-        cs[t] = 0.0f;
-    }
+    for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
     for (int b = 0; b + 8 <= nb; b += 8) {
         const uint8_t *pb = p + (size_t)b * bsize;
         const __m256 dw = f16x8(pb, bsize, 0);
@@ -762,18 +769,7 @@ INLINE void multi_b32_256(const int type, const int bsize, const uint8_t *p, con
             }
         }
     }
-    for (int b = nb - nb % 8; b < nb; b++) { /* as rows_b32: the last nb % 8 blocks */
-        const uint8_t *pb = p + (size_t)b * bsize;
-        const float dwb = f16(pb), mwb = has_min ? f16(pb + 2) : dwb;
-        for (int t = 0; t < nt; t++) {
-            cs[t] += mwb * x[t].s[b];
-            const __m256i dot = dot_b32(type, pb, loadx(&x[t], b));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dwb * x[t].d[b]),
-                                     acc[t]);
-        }
-    }
-    const float zk = type == SI_Q4_0 ? -8.0f : type == SI_Q5_0 ? -16.0f : 1.0f;
-    for (int t = 0; t < nt; t++) y[t * ys] = hsum(acc[t]) + zk * (hsum(accm[t]) + cs[t]);
+    multi_b32_end(type, bsize, p, x, nt, nb, acc, accm, y, ys);
 }
 #endif
 

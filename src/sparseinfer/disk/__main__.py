@@ -42,8 +42,8 @@ def _orders(src_path: str, profile_dir: str):
 
     from ..models.loading import open_source
     from ..offline.export import hot_first_permutations
-    from ..offline.profile import load_profile
     from ..offline.pipeline import Bars
+    from ..offline.profile import load_profile
     from .order import profile_orders
 
     profile = load_profile(profile_dir)
