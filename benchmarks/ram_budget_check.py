@@ -13,8 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good "
-          "fortune, must be in want of a wife.")
+from beyond_ram import PROMPT  # the same prompt as the limited runs (benchmarks/ is on sys.path)
 
 
 def status() -> dict[str, int]:

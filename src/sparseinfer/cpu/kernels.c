@@ -88,12 +88,17 @@ INLINE __m256i loadx(const si_xq *x, int b) {
 
 /* ------------------------------------------------------------------ blocks of 32 weights */
 
+/* A Q4_0/Q4_1/Q5_0/Q5_1 block's 32 weights as unsigned bytes (nibbles, and the fifth bits). */
+INLINE __m256i unpack_b32(const int type, const uint8_t *p) {
+    if (type == SI_Q4_0) return nib32(p + 2);
+    if (type == SI_Q4_1) return nib32(p + 4);
+    if (type == SI_Q5_0) return _mm256_or_si256(nib32(p + 6), bit5(p + 2));
+    return _mm256_or_si256(nib32(p + 8), bit5(p + 4));
+}
+
 /* The integer dot product of one block of type `type` at p with the activation block xv. */
 INLINE __m256i dot_b32(const int type, const uint8_t *p, __m256i xv) {
-    if (type == SI_Q4_0) return dot_us(nib32(p + 2), xv);
-    if (type == SI_Q4_1) return dot_us(nib32(p + 4), xv);
-    if (type == SI_Q5_0) return dot_us(_mm256_or_si256(nib32(p + 6), bit5(p + 2)), xv);
-    if (type == SI_Q5_1) return dot_us(_mm256_or_si256(nib32(p + 8), bit5(p + 4)), xv);
+    if (type != SI_Q8_0) return dot_us(unpack_b32(type, p), xv);
     /* SI_Q8_0: signed x signed as |w| times x with w's sign */
     const __m256i wv = _mm256_loadu_si256((const __m256i *)(p + 2));
     return dot_us(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
@@ -736,14 +741,6 @@ INLINE void multi_b32_128(const int type, const int bsize, const uint8_t *p, con
 #endif
 
 #if !SI_PAIRS && !SI_NARROW
-/* A Q4_0/Q4_1/Q5_0/Q5_1 block's 32 weights as unsigned bytes (nibbles, and the fifth bits). */
-INLINE __m256i unpack_b32(const int type, const uint8_t *p) {
-    if (type == SI_Q4_0) return nib32(p + 2);
-    if (type == SI_Q4_1) return nib32(p + 4);
-    if (type == SI_Q5_0) return _mm256_or_si256(nib32(p + 6), bit5(p + 2));
-    return _mm256_or_si256(nib32(p + 8), bit5(p + 4));
-}
-
 /* The plain AVX2 build (Zen 2/3, Intel without AVX-512): one Q4_0/Q4_1/Q5_0/Q5_1 row against
  * nt <= MULTI_T quantized x rows (nb blocks), each group of 8 blocks unpacked once and
  * multiplied with every x row. The products are summed in rows_b32's order, so every x row's
