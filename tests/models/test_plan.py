@@ -90,6 +90,23 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_float_rows_of_4_bit_tensors_equal_gguf_py(quant_gguf, kind):
+    """FileTensor.float (what --dtype fp32 and the profile load read) decodes Q4_0/Q4_1 blocks
+    with torch's ops: the values gguf-py's dequantize gives, for whole tensors and row ranges."""
+    from gguf import GGMLQuantizationType, quants
+
+    src = open_source(quant_gguf(kind))
+    mats = [t for t in src.tensors.values() if t.kind == kind and len(t.shape) == 2]
+    assert mats
+    for t in mats:
+        want = quants.dequantize(np.asarray(t.raw()), GGMLQuantizationType[kind]).reshape(t.shape)
+        got = t.float()
+        assert got.dtype == torch.float32 and tuple(got.shape) == tuple(t.shape)
+        np.testing.assert_array_equal(got.numpy(), want)
+        np.testing.assert_array_equal(t.float(1, 3).numpy(), want[1:3])
+
+
 @pytest.mark.slow
 def test_q4_0_file_stays_as_stored(quant_gguf):
     """--dtype auto: every projection and the head keep the file's Q4_0 blocks in the mapped

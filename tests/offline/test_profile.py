@@ -95,6 +95,30 @@ def test_streamed_files(tiny_model_dir, tmp_path):
     assert 0.0 < prof.densities.mean() < 1.0
 
 
+def test_magnitude_masks_match_transformers(tiny_model_dir, tmp_path):
+    """SwiGLU, "output" score: the stored masks are |h| > t_l for transformers' own coefficients
+    h, up to the float16 rounding of the stored scores (a mask may differ only where |h| is
+    within 2**-10 of t_l); no score files are left behind."""
+    path = tiny_model_dir("swiglu")
+    lm = load_model(path)
+    chunks = _chunks(lm.tokenizer, 512)
+    opts = ProfileOptions(target_density=0.4, score="output", min_tokens=1)
+    prof = profile_model(lm.model, chunks, tmp_path / "p", opts)
+    assert prof.mode == "magnitude" and not list((tmp_path / "p").glob("score_*"))
+    ref, seen = _hf_reference(path, "swiglu")
+    with torch.no_grad():
+        for c in chunks:
+            ref(torch.tensor([c]))
+    for l in range(lm.config.n_layers):
+        score = torch.cat(seen["h"][l]).abs().numpy()
+        t = float(prof.thresholds[l])
+        want, got = score > t, prof.masks(l)
+        differ = want != got
+        assert differ.mean() < 1e-3
+        assert np.all(np.abs(score[differ] - t) <= 2.0 ** -10 * t)
+        np.testing.assert_array_equal(prof.counts[l], got.sum(0))
+
+
 @pytest.mark.slow
 def test_memory_bounded_by_chunk_not_corpus(tiny_model_dir, tmp_path):
     lm = load_model(tiny_model_dir("reglu"))

@@ -129,13 +129,57 @@ def test_training_is_deterministic(reglu_profiles):
     np.testing.assert_array_equal(a.fc2, b.fc2)
 
 
+def test_layers_in_parallel_give_each_layer_its_own_result(reglu_profiles):
+    """Two workers, each layer on one thread: the same predictors as one layer at a time on
+    one thread (a layer's result depends only on its data and seed)."""
+    prof, _ = reglu_profiles
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        opts = TrainOptions(ranks=(4, 8), **FAST)
+        one = train_predictors(prof, opts, workers=1)
+        two = train_predictors(prof, opts, workers=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.get_num_threads() == threads
+    assert [p.layer for p in two.layers] == list(range(prof.n_layers))
+    for a, b in zip(one.layers, two.layers):
+        assert (a.rank, a.threshold, a.tried) == (b.rank, b.threshold, b.tried)
+        np.testing.assert_array_equal(a.fc2, b.fc2)
+
+
+def test_rank_probe_keeps_the_full_fit(tmp_path):
+    """A larger rank is probed from the smaller predictor; the predictor kept is always a full
+    fit. Where the probe says the larger rank does not pay, the result is exactly what fitting
+    every rank in full and keeping the smaller gives; where it pays, the larger rank is fitted
+    in full as without probes."""
+    # masks that do not depend on the inputs: no rank predicts them, a larger one gains nothing
+    flat = _synthetic_profile(tmp_path / "flat", 4000, 32, 64, hidden_rank=1)
+    noise = np.random.default_rng(1).random((4000, 64)) < 0.3
+    np.save(flat.path / "mask_000.npy", np.packbits(noise, axis=-1, bitorder="little"))
+    opts = dict(ranks=(2, 4), min_steps=300)
+    probed = train_predictors(flat, TrainOptions(probe_steps=100, **opts)).layers[0]
+    full = train_predictors(flat, TrainOptions(probe_steps=0, **opts)).layers[0]
+    assert full.rank == probed.rank == 2
+    assert len(full.tried) == 2 and probed.tried == full.tried[:1]
+    np.testing.assert_array_equal(probed.fc2, full.fc2)
+    # masks of rank 4: rank 1 falls short, the probe of rank 5 (the cap) pays, and rank 5 is
+    # fitted in full, as without probes
+    deep = _synthetic_profile(tmp_path / "deep", 4000, 32, 64, hidden_rank=4)
+    opts = dict(ranks=(1, 8), min_steps=300)
+    probed = train_predictors(deep, TrainOptions(probe_steps=100, **opts)).layers[0]
+    full = train_predictors(deep, TrainOptions(probe_steps=0, **opts)).layers[0]
+    assert probed.rank == full.rank == 5 and probed.tried == full.tried
+    np.testing.assert_array_equal(probed.fc2, full.fc2)
+
+
 def test_profile_too_small_and_bad_options(tmp_path):
     prof = _synthetic_profile(tmp_path, 100, 8, 16, 2)
     with pytest.raises(SparseInferError, match="profile too small.*at least 160 tokens"):
         train_predictors(prof)
     for bad in (dict(recall=1.5), dict(policy="fast"), dict(ranks=()),
                 dict(max_density_ratio=0.5), dict(pos_weight=0.0), dict(min_steps=-1),
-                dict(lr=0.0)):
+                dict(lr=0.0), dict(probe_steps=-1)):
         with pytest.raises(SparseInferError, match="expected"):
             TrainOptions(**bad)
     json.dumps(TrainOptions().__dict__, default=list)  # options are plain data
@@ -154,6 +198,7 @@ def test_hand_written_gradients_equal_autograd(pos_weight):
     pw = None if pos_weight == 1.0 else torch.full((40,), pos_weight)
     F.binary_cross_entropy_with_logits(net(x), y, pos_weight=pw).backward()
     with torch.no_grad():
-        got = _bce_grads(x, y, net.fc1.weight, net.fc2.weight, net.fc2.bias, pos_weight)
-    for g, p in zip(got, (net.fc1.weight, net.fc2.weight, net.fc2.bias)):
-        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
+        got = _bce_grads(x, y, net.fc1.weight, net.fc2.weight.T.contiguous(), net.fc2.bias,
+                         pos_weight)
+    for g, want in zip(got, (net.fc1.weight.grad, net.fc2.weight.grad.T, net.fc2.bias.grad)):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-7)

@@ -206,12 +206,17 @@ class Attention(nn.Module):
         cache.v[layer, :B, :, pos : pos + T] = v
         S = pos + T
         keys, values = cache.k[layer, :B, :, :S], cache.v[layer, :B, :, :S]  # (B, nkv, S, hd)
-        # grouped-query attention as batched matmuls: (B, nkv, group*T, hd) x (B, nkv, hd, S)
+        allowed = self.mask(layer, pos, T, S, x.device)
+        if not self.softcap:  # torch's fused attention: no (T, S) scores in memory
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed,
+                                                 scale=self.scale, enable_gqa=nh != nkv)
+            return self.wo(out.transpose(1, 2).reshape(B, T, nh * hd))
+        # soft-capped scores: grouped-query attention as batched matmuls,
+        # (B, nkv, group*T, hd) x (B, nkv, hd, S)
         group = nh // nkv
         qg = q.reshape(B, nkv, group * T, hd)
         scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # (B, nkv, group*T, S)
         scores = soft_cap(scores, self.softcap)
-        allowed = self.mask(layer, pos, T, S, x.device)
         if allowed is not None:
             scores = scores.view(B, nkv, group, T, S).masked_fill(~allowed, float("-inf"))
             scores = scores.view(B, nkv, group * T, S)

@@ -112,11 +112,14 @@ class ScoreHistogram:
 
     def add(self, layer: int, scores: Tensor) -> None:
         s = scores.detach().float().reshape(-1)
-        nz = s > 0
-        self.zeros[layer] += int(s.numel() - int(nz.sum()))
-        lg = torch.log2(s[nz]).clamp_(_LOG2_LO, _LOG2_HI - 1e-6)
-        hist = torch.histc(lg, bins=self.n_bins, min=_LOG2_LO, max=_LOG2_HI)
-        self.counts[layer] += hist.to(torch.int64).numpy()
+        zeros = int((s == 0).sum())
+        self.zeros[layer] += zeros
+        # log2(0) = -inf lands in bin 0 with the scores below 2**_LOG2_LO; taken out below
+        lg = torch.log2(s).clamp_(_LOG2_LO, _LOG2_HI - 1e-6)
+        bins = lg.sub_(_LOG2_LO).mul_(_BINS_PER_OCTAVE).to(torch.int64)
+        hist = torch.bincount(bins, minlength=self.n_bins).numpy()
+        hist[0] -= zeros
+        self.counts[layer] += hist
 
     def threshold(self, layer: int, density: float) -> float:
         """Score t such that a share ``density`` of this layer's scores lies above t."""

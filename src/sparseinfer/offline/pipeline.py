@@ -129,14 +129,39 @@ class _LogLines:
 # ---- steps -------------------------------------------------------------------------------------
 
 
-def load(model_path: str | Path | None):
-    """The model to profile, dense, each weight kept as the file stores it (a quantized GGUF
-    stays quantized: a 7B Q4_0 file profiles in about its own size; a float file is float32).
-    The export reads the source's tensors itself."""
+# profile in float32 when its weights take at most this share of the available memory
+PROFILE_FP32_SHARE = 0.25
+
+
+def profile_dtype(model_path: str | Path) -> str:
+    """How to hold the weights while profiling: "fp32" when the float32 model takes at most
+    ``PROFILE_FP32_SHARE`` of the available memory, else "auto" (each weight as the file stores
+    it: a 7B Q4_0 file profiles in about its own size).
+
+    Float32 weights are the file's blocks dequantized once (the same values), and a prompt of
+    a few hundred tokens runs through torch's float matmul much faster than through the
+    quantized kernels (benchmarks/RESULTS.md, convert time); the masks pass recomputes every
+    layer's gate and up projections on the stored inputs the same way."""
+    from ..fileio import available_memory
+    from ..models.loading import open_source
+    from ..models.plan import make_plan
+
+    need = make_plan(open_source(model_path), "fp32", dense=True, fused=False).nbytes
+    have = available_memory()
+    dtype = "fp32" if need <= PROFILE_FP32_SHARE * have else "auto"
+    log.info("profiling with %s weights (float32 would take %.2f GiB of %.2f GiB available)",
+             "float32" if dtype == "fp32" else "the file's own", need / 2**30, have / 2**30)
+    return dtype
+
+
+def load(model_path: str | Path | None, dtype: str | None = None):
+    """The model to profile, dense, in ``dtype`` (default: ``profile_dtype``'s choice). The
+    export reads the source's tensors itself."""
     from ..data import default_model_path
     from ..models.loading import load_model
 
-    return load_model(model_path or default_model_path(), dtype="auto")
+    path = model_path or default_model_path()
+    return load_model(path, dtype=dtype or profile_dtype(path))
 
 
 def run_profile(loaded, corpus: Sequence[Path], out_dir: str | Path,

@@ -11,14 +11,17 @@ records, per token:
   ``mask_LLL.npy`` (a memmap [T, ceil(d_ff / 8)] uint8).
 
 Memory stays bounded by one chunk's activations whatever the corpus size; the disk holds
-T · L · (2 · d_model + d_ff / 8) bytes.
+T · L · (2 · d_model + d_ff / 8) bytes (and, until the masks are written, 2 · T · L · d_ff of
+scores).
 
 Activity. ReLU-family FFNs (``FFNKind.relu_sparse``): neuron i is active iff h_i != 0, exactly,
 recorded during the model pass. Other FFNs: active iff its magnitude score (calibrate.py)
-exceeds the layer's threshold t_l. The model pass then fills a score histogram per layer; the
-thresholds are its (1 - target_density) quantiles; a second pass over the stored inputs (only
-the FFN's gate/up projections, no full model) writes the masks. Masks are thus computed from the
-same float16 inputs the predictors see.
+exceeds the layer's threshold t_l. The model pass then fills a score histogram per layer and
+stores every score as float16 (``score_LLL.npy``, [T, d_ff], temporary); the thresholds are the
+histograms' (1 - target_density) quantiles, and a pass over the stored scores writes the masks
+and deletes the scores. (Recomputing the gate/up projections from the stored inputs instead
+took a quarter of SmolLM2's profile time.) With thresholds given, the model pass writes the
+masks itself.
 
 The directory is complete when ``profile.json`` exists (written last).
 """
@@ -49,8 +52,7 @@ log = logging.getLogger(__name__)
 PROFILE_FORMAT = "sparseinfer-profile"
 PROFILE_VERSION = 1
 MIN_TOKENS = 256  # fewer leave too few held-out tokens to measure a 99% recall
-MASK_BLOCK = 4096  # rows per block when computing masks from the stored inputs (at most)
-MASK_BLOCK_BYTES = 64 << 20  # ... and about this much float32 work per block (gate, up, h)
+MASK_BLOCK_BYTES = 64 << 20  # float32 scores per block when thresholding the stored ones
 FP16_MAX = 65504.0
 
 Progress = Callable[[int], None]  # called with the number of units just done
@@ -125,6 +127,10 @@ def _mask_name(layer: int) -> str:
     return f"mask_{layer:03d}.npy"
 
 
+def _score_name(layer: int) -> str:
+    return f"score_{layer:03d}.npy"
+
+
 # ---- corpus ------------------------------------------------------------------------------------
 
 
@@ -191,7 +197,8 @@ def _prepare_dir(out_dir: Path) -> None:
         raise SparseInferError(f"profile directory {out_dir}: cannot write: "
                                f"{e.strerror or e}") from None
     for f in out_dir.glob("*.npy"):
-        if f.name.startswith(("x_", "mask_")) or f.name in ("counts.npy", "thresholds.npy"):
+        if f.name.startswith(("x_", "mask_", "score_")) or f.name in ("counts.npy",
+                                                                      "thresholds.npy"):
             f.unlink()
 
 
@@ -226,24 +233,33 @@ def profile_model(model: Transformer, chunks: Sequence[Sequence[int]], out_dir: 
     masks = [_RowWriter(out_dir / _mask_name(l), np.uint8, (T, n_bytes)) for l in range(L)]
     counts = torch.zeros(L, F, dtype=torch.int64)
     hist = None if (relu or thresholds is not None) else ScoreHistogram(L)
+    scores = [] if hist is None else [_RowWriter(out_dir / _score_name(l), np.float16, (T, F))
+                                      for l in range(L)]
+    fixed = None if thresholds is None else torch.tensor(thresholds, dtype=torch.float32)
     norms: dict[int, torch.Tensor] = {}
     clipped: set[int] = set()
     row = 0  # first row of the current chunk
 
+    def write_mask(i, active):
+        counts[i] += active.sum(0)
+        masks[i].write(row, np.packbits(active.numpy(), axis=-1, bitorder="little"))
+
     def record(i, ffn, x, h):
-        t = x.shape[1]
         if float(x.abs().max()) > FP16_MAX and i not in clipped:
             clipped.add(i)
             log.warning("layer %d: FFN inputs exceed the float16 range; stored clipped", i)
         xs[i].write(row, x[0].clamp(-FP16_MAX, FP16_MAX).to(torch.float16).numpy())
         if relu:
-            active = h[0] != 0
-            counts[i] += active.sum(0)
-            masks[i].write(row, np.packbits(active.numpy(), axis=-1, bitorder="little"))
-        elif hist is not None:
-            if options.score == "output_norm" and i not in norms:
-                norms[i] = down_norms(ffn)
-            hist.add(i, neuron_scores(ffn, x, h, options.score, norms.get(i)))
+            write_mask(i, h[0] != 0)
+            return None
+        if options.score == "output_norm" and i not in norms:
+            norms[i] = down_norms(ffn)
+        s = neuron_scores(ffn, x, h, options.score, norms.get(i))[0].float()
+        if fixed is not None:
+            write_mask(i, s > fixed[i])
+        else:
+            hist.add(i, s)
+            scores[i].write(row, s.clamp(max=FP16_MAX).to(torch.float16).numpy())
         return None
 
     tick = progress("profile", T, "tok") if progress else None
@@ -257,19 +273,22 @@ def profile_model(model: Transformer, chunks: Sequence[Sequence[int]], out_dir: 
                 row += len(c)
                 if tick:
                     tick(len(c))
+        for w in scores:
+            w.close()
         if relu:
             thresholds = np.zeros(L, dtype=np.float32)
+        elif hist is None:
+            thresholds = np.asarray(thresholds, dtype=np.float32)
         else:
-            thresholds = (hist.thresholds(options.target_density) if hist is not None
-                          else np.asarray(thresholds, dtype=np.float32))
+            thresholds = hist.thresholds(options.target_density)
             tick = progress("masks", L, "layer") if progress else None
-            for l in range(L):  # one layer's inputs and masks mapped at a time
-                x_l = np.load(out_dir / _x_name(l), mmap_mode="r")
+            for l in range(L):  # one layer's scores and masks mapped at a time
+                s_l = np.load(out_dir / _score_name(l), mmap_mode="r")
                 m_l = np.lib.format.open_memmap(out_dir / _mask_name(l), "r+")
-                counts[l] = _magnitude_masks(model, l, x_l, m_l, float(thresholds[l]),
-                                             options.score)
+                counts[l] = _threshold_masks(s_l, m_l, float(thresholds[l]))
                 m_l.flush()
-                del x_l, m_l
+                del s_l, m_l
+                (out_dir / _score_name(l)).unlink()
                 if tick:
                     tick(1)
         np.save(out_dir / "counts.npy", counts.numpy())
@@ -287,7 +306,7 @@ def profile_model(model: Transformer, chunks: Sequence[Sequence[int]], out_dir: 
         raise SparseInferError(f"profile directory {out_dir}: cannot write: {e.strerror or e}") \
             from None
     finally:
-        for w in xs + masks:  # also on an error; the masks pass read them via the page cache
+        for w in xs + masks + scores:  # also on an error
             w.close()
     log.info("profile written to %s in %.1f s: mean density %.3f", out_dir, seconds,
              float(prof.densities.mean()))
@@ -320,23 +339,15 @@ class _RowWriter:
             self.fd = None
 
 
-def _magnitude_masks(model: Transformer, layer: int, xs: np.ndarray, masks: np.ndarray,
-                     threshold: float, score: str) -> torch.Tensor:
-    """Masks (score > threshold) of one layer from its stored inputs; returns per-neuron counts."""
-    ffn = model.layers[layer].ffn
-    norms = down_norms(ffn) if score == "output_norm" else None  # the only score that uses them
-    counts = torch.zeros(model.cfg.d_ff, dtype=torch.int64)
-    # rows per block: the projections' outputs, h and the scores are 4 float32 values per neuron
-    block = max(16, min(MASK_BLOCK, MASK_BLOCK_BYTES // (16 * model.cfg.d_ff)))
-    with torch.inference_mode():
-        for start in range(0, xs.shape[0], block):
-            x = torch.tensor(xs[start: start + block], dtype=torch.float32)  # xs: a read-only map
-            x = x.to(model.dtype)
-            h = ffn.activations(x)
-            active = neuron_scores(ffn, x, h, score, norms).float() > threshold
-            counts += active.sum(0)
-            masks[start: start + x.shape[0]] = np.packbits(active.numpy(), axis=-1,
-                                                           bitorder="little")
+def _threshold_masks(scores: np.ndarray, masks: np.ndarray, threshold: float) -> torch.Tensor:
+    """Masks (score > threshold) of one layer from its stored scores; returns per-neuron counts."""
+    counts = torch.zeros(scores.shape[1], dtype=torch.int64)
+    block = max(16, MASK_BLOCK_BYTES // (4 * scores.shape[1]))
+    t = np.float32(threshold)
+    for start in range(0, scores.shape[0], block):
+        active = scores[start: start + block].astype(np.float32) > t
+        counts += torch.from_numpy(active.sum(0))
+        masks[start: start + active.shape[0]] = np.packbits(active, axis=-1, bitorder="little")
     return counts
 
 
@@ -398,7 +409,7 @@ def remove_profile(path: str | Path) -> None:
         return
     for f in path.iterdir():
         if f.name in ("profile.json", "profile.json.tmp", "counts.npy", "thresholds.npy") or (
-                f.name.startswith(("x_", "mask_")) and f.suffix == ".npy"):
+                f.name.startswith(("x_", "mask_", "score_")) and f.suffix == ".npy"):
             f.unlink()
     try:
         path.rmdir()  # only when nothing else was in it

@@ -19,7 +19,12 @@ Rank. Candidate ranks are tried from small to large (capped so the predictor sta
 recall >= ``recall`` at a predicted density <= ``max_density_ratio`` × the true density — is
 kept. Otherwise the rank grows only while it pays: once doubling the rank lowers the val density
 at the target recall by less than ``min_gain``, the smaller rank is kept (fewest parameters for
-the quality the rank family reaches).
+the quality the rank family reaches). Whether doubling pays is first asked of a short probe
+(``probe_steps``, 250) that starts from the smaller predictor with the new hidden units' output
+weights at zero; only a rank whose probe pays is fitted in full, from scratch like the first, so
+every predictor kept is a full fit. On SmolLM2 the probes chose the ranks the full fits chose on
+every layer (benchmarks/RESULTS.md), for about half the training time: most layers stop at the
+first rank. Layers train side by side, one per core (``train_predictors``).
 
 When the targets cannot both be met (magnitude-thresholded SwiGLU masks: the neurons just above
 the threshold are hard to tell from those just below), ``policy`` decides: "recall" keeps the
@@ -66,6 +71,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -98,6 +104,10 @@ class TrainOptions:
     # at least this many Adam steps whatever the profile size (≈ 20 epochs of the default
     # 16,384-token profile): 300 steps left the predictors under-trained (module docstring)
     min_steps: int = 1000
+    # a larger rank is first tried as a probe of this many steps that starts from the smaller
+    # rank's predictor; only when the probe pays is the rank fitted in full (0: fit every
+    # candidate in full). On SmolLM2 most layers stop at the first rank, so this halves training
+    probe_steps: int = 250
     batch_size: int = 256
     lr: float = 3e-3
     # BCE weight of active neurons (the threshold sets the recall anyway; 3 gained <= 0.007 of
@@ -118,6 +128,8 @@ class TrainOptions:
             raise SparseInferError(f"policy: expected one of {list(POLICIES)}, got {self.policy!r}")
         if not self.ranks or any(r < 1 for r in self.ranks):
             raise SparseInferError(f"ranks: expected positive integers, got {self.ranks}")
+        if self.probe_steps < 0:
+            raise SparseInferError(f"probe steps: expected >= 0, got {self.probe_steps}")
         if self.epochs < 1 or self.min_steps < 0 or self.batch_size < 1 or self.lr <= 0:
             raise SparseInferError(f"optimisation: expected epochs >= 1, min_steps >= 0, "
                                    f"batch_size >= 1, lr > 0, got {self.epochs}, "
@@ -209,24 +221,40 @@ class _Predictor(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, opt: TrainOptions,
-         seed: int) -> _Predictor:
+def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, opt: TrainOptions, seed: int,
+         start: _Predictor | None = None) -> _Predictor:
     """Adam on a one-cycle schedule, minibatches of ``opt.batch_size`` drawn without
     replacement per epoch. The gradient of the mean BCE is written out by hand (``_bce_grads``):
     autograd's BCE-with-logits spent most of each step in a dozen elementwise passes over the
-    (batch, d_ff) logits, where the hand-written step makes two."""
-    torch.manual_seed(seed)
-    net = _Predictor(x.shape[1], rank, y.shape[1])
+    (batch, d_ff) logits, where the hand-written step makes two.
+
+    ``start`` (a trained predictor of a smaller rank): a probe of ``opt.probe_steps`` steps that
+    begins from it, its hidden units kept and the new ones' output weights zero (so it starts
+    at ``start``'s logits)."""
+    d, f = x.shape[1], y.shape[1]
+    gen = torch.Generator().manual_seed(seed)  # not the global one: layers train side by side
+    # nn.Linear's initial distribution, U(±1/sqrt(fan_in)); fc2 trained transposed, [rank, d_ff]
+    w1 = torch.empty(rank, d).uniform_(-d ** -0.5, d ** -0.5, generator=gen)
+    w2t = torch.empty(rank, f).uniform_(-rank ** -0.5, rank ** -0.5, generator=gen)
+    b2 = torch.empty(f).uniform_(-rank ** -0.5, rank ** -0.5, generator=gen)
     n = x.shape[0]
     bs = min(opt.batch_size, n)
     steps_per_epoch = max(n // bs, 1)
     steps = max(opt.epochs * steps_per_epoch, opt.min_steps, 20)  # one-cycle needs a few
-    adam = torch.optim.Adam(net.parameters(), lr=opt.lr)
+    if start is not None:
+        k = start.fc1.weight.shape[0]
+        with torch.no_grad():
+            w1[:k] = start.fc1.weight
+            w2t.zero_()
+            w2t[:k] = start.fc2.weight.T
+            b2.copy_(start.fc2.bias)
+        steps = max(opt.probe_steps, 20)
+    # fused: one kernel per step instead of a dozen small ops per parameter (a third of a
+    # rank-16 step went to the unfused update)
+    adam = torch.optim.Adam([w1, w2t, b2], lr=opt.lr, fused=True)
     sched = torch.optim.lr_scheduler.OneCycleLR(adam, max_lr=opt.lr, total_steps=steps,
                                                 pct_start=0.1)
-    gen = torch.Generator().manual_seed(seed)
     yf = y.to(torch.float32)  # gathered rows then need no conversion per step
-    w1, w2, b2 = net.fc1.weight, net.fc2.weight, net.fc2.bias
     step = 0
     with torch.no_grad():
         while step < steps:
@@ -235,33 +263,39 @@ def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, opt: TrainOptions,
                 if step >= steps:
                     break
                 idx = perm[s * bs:(s + 1) * bs]
-                w1.grad, w2.grad, b2.grad = _bce_grads(x.index_select(0, idx),
-                                                       yf.index_select(0, idx), w1, w2, b2,
-                                                       opt.pos_weight)
+                w1.grad, w2t.grad, b2.grad = _bce_grads(
+                    x.index_select(0, idx), yf.index_select(0, idx), w1, w2t, b2,
+                    opt.pos_weight)
                 adam.step()
                 sched.step()
                 step += 1
+    net = _Predictor(d, rank, f)
+    with torch.no_grad():
+        net.fc1.weight.copy_(w1)
+        net.fc2.weight.copy_(w2t.T)
+        net.fc2.bias.copy_(b2)
     return net.eval()
 
 
-def _bce_grads(xb: torch.Tensor, yb: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+def _bce_grads(xb: torch.Tensor, yb: torch.Tensor, w1: torch.Tensor, w2t: torch.Tensor,
                b2: torch.Tensor, pos_weight: float = 1.0
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (fc1, fc2, fc2 bias) of ``binary_cross_entropy_with_logits(fc2(relu(fc1 x)),
-    y, pos_weight)`` averaged over every element: dL/dz = (σ(z)(1 + (w-1)y) - w·y) / (B·F)."""
+    """Gradients (fc1, fc2 transposed, fc2 bias) of ``binary_cross_entropy_with_logits(
+    relu(x w1ᵀ) w2t + b2, y, pos_weight)`` averaged over every element: dL/dz = (σ(z)(1 +
+    (w-1)y) - w·y) / (B·F)."""
     h = torch.relu(xb @ w1.T)  # (B, r)
-    g = torch.addmm(b2, h, w2.T).sigmoid_()  # (B, F): σ(z)
+    g = torch.addmm(b2, h, w2t).sigmoid_()  # (B, F): σ(z)
     if pos_weight != 1.0:
         g.mul_(yb * (pos_weight - 1.0) + 1.0)
         g.sub_(yb, alpha=pos_weight)
     else:
         g.sub_(yb)
     scale = 1.0 / g.numel()
-    g_w2 = (g.T @ h).mul_(scale)
+    g_w2t = (h.T @ g).mul_(scale)
     g_b2 = g.sum(0).mul_(scale)
-    dh = (g @ w2).mul_(h > 0)
+    dh = (g @ w2t.T).mul_(h > 0)
     g_w1 = (dh.T @ xb).mul_(scale)
-    return g_w1, g_w2, g_b2
+    return g_w1, g_w2t, g_b2
 
 
 def _logits(net: _Predictor, x: torch.Tensor) -> torch.Tensor:
@@ -311,20 +345,32 @@ def train_layer(layer: int, x: torch.Tensor, y: torch.Tensor, splits: tuple[int,
     x_va, y_va = x[a:b], y[a:b]
     x_te, y_te = (x[b:], y[b:]) if b < x.shape[0] else (x_va, y_va)
     cap = opt.max_density_ratio * float(y_va.float().mean())
+    seed = opt.seed * 1000 + layer
 
-    tried: list[tuple[int, float]] = []
-    best = None  # (net, val logits, val density at target recall)
-    for r in ranks:
-        net = _fit(x_tr, y_tr, r, opt, seed=opt.seed * 1000 + layer)
+    def fit(r: int, start: _Predictor | None = None):
+        net = _fit(x_tr, y_tr, r, opt, seed, start)
         lg = _logits(net, x_va)
-        dens = classify(lg, y_va, recall_threshold(lg, y_va, opt.recall))[2]
-        tried.append((r, dens))
-        if dens <= cap:
-            best = (net, lg, dens)
+        return net, lg, classify(lg, y_va, recall_threshold(lg, y_va, opt.recall))[2]
+
+    tried: list[tuple[int, float]] = []  # (rank, val density) of each full fit
+    best = fit(ranks[0])  # (net, val logits, val density at the target recall)
+    tried.append((ranks[0], best[2]))
+    for r in ranks[1:]:
+        if best[2] <= cap:
+            break  # both targets met
+        # does doubling the rank pay? A short probe from the current predictor says; only a
+        # rank that pays is fitted in full (from scratch, as the first)
+        if opt.probe_steps:
+            dens = fit(r, best[0])[2]
+            log.debug("layer %d: rank %d probe, val density %.4f (rank %d: %.4f)", layer, r,
+                      dens, best[0].fc1.weight.shape[0], best[2])
+            if dens > cap and best[2] - dens < opt.min_gain:
+                break  # the larger rank does not pay: keep the smaller one
+        cand = fit(r)
+        tried.append((r, cand[2]))
+        if cand[2] > cap and best[2] - cand[2] < opt.min_gain:
             break
-        if best is not None and best[2] - dens < opt.min_gain:
-            break  # the larger rank does not pay: keep the smaller one
-        best = (net, lg, dens)
+        best = cand
     net, lg, dens = best
     met = dens <= cap
     tau = recall_threshold(lg, y_va, opt.recall)
@@ -362,22 +408,50 @@ def split_points(n_tokens: int, opt: TrainOptions) -> tuple[int, int]:
 
 def train_predictors(profile: Profile, options: TrainOptions = TrainOptions(),
                      progress: Callable[[int], None] | None = None,
-                     layers: list[int] | None = None) -> Predictors:
-    """Train one predictor per layer of ``profile`` (``progress(1)`` after each layer)."""
+                     layers: list[int] | None = None, workers: int | None = None) -> Predictors:
+    """Train one predictor per layer of ``profile`` (``progress(1)`` after each layer).
+
+    ``workers`` layers train at once (default: torch's thread count), each on one thread: a
+    step's ops are too small to split well across threads (each split wakes the pool), so
+    whole layers side by side keep every core busy. Each layer's result depends only on its
+    data and seed, not on which worker trained it."""
     splits = split_points(profile.n_tokens, options)
     ranks = candidate_ranks(options, profile.ffn_kind, profile.d_model, profile.d_ff)
-    out = []
-    for l in (range(profile.n_layers) if layers is None else layers):
+    todo = list(range(profile.n_layers) if layers is None else layers)
+    workers = max(1, min(workers or torch.get_num_threads(), len(todo)))
+
+    def one(l: int) -> LayerPredictor:
         x = torch.from_numpy(np.array(profile.inputs(l), dtype=np.float32))
         y = torch.from_numpy(profile.masks(l))
         p = train_layer(l, x, y, splits, ranks, options)
         log.info("layer %d: rank %d, recall %.4f, precision %.3f, density %.3f (true %.3f), "
                  "%.1f s", l, p.rank, p.recall, p.precision, p.pred_density, p.true_density,
                  p.seconds)
-        out.append(p)
-        if progress:
-            progress(1)
-    return Predictors(tuple(out), options,
+        return p
+
+    done: dict[int, LayerPredictor] = {}
+    if workers == 1:  # one layer at a time, on all of torch's threads
+        for l in todo:
+            done[l] = one(l)
+            if progress:
+                progress(1)
+    else:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # each worker's ops on its own thread
+        try:
+            with ThreadPoolExecutor(workers, thread_name_prefix="train") as pool:
+                futures = {pool.submit(one, l): l for l in todo}
+                try:
+                    for f in as_completed(futures):
+                        done[futures[f]] = f.result()
+                        if progress:
+                            progress(1)
+                except BaseException:  # an error or Ctrl-C: start no further layer
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    raise
+        finally:
+            torch.set_num_threads(threads)
+    return Predictors(tuple(done[l] for l in todo), options,
                       ffn_param_count(profile.ffn_kind, profile.d_model, profile.d_ff),
                       profile.n_tokens - splits[1] if options.test_fraction > 0
                       else splits[1] - splits[0])
