@@ -254,7 +254,6 @@ def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, opt: TrainOptions, seed: i
     adam = torch.optim.Adam([w1, w2t, b2], lr=opt.lr, fused=True)
     sched = torch.optim.lr_scheduler.OneCycleLR(adam, max_lr=opt.lr, total_steps=steps,
                                                 pct_start=0.1)
-    yf = y.to(torch.float32)  # gathered rows then need no conversion per step
     step = 0
     with torch.no_grad():
         while step < steps:
@@ -264,8 +263,8 @@ def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, opt: TrainOptions, seed: i
                     break
                 idx = perm[s * bs:(s + 1) * bs]
                 w1.grad, w2t.grad, b2.grad = _bce_grads(
-                    x.index_select(0, idx), yf.index_select(0, idx), w1, w2t, b2,
-                    opt.pos_weight)
+                    x.index_select(0, idx).float(), y.index_select(0, idx).float(), w1, w2t,
+                    b2, opt.pos_weight)
                 adam.step()
                 sched.step()
                 step += 1
@@ -300,7 +299,7 @@ def _bce_grads(xb: torch.Tensor, yb: torch.Tensor, w1: torch.Tensor, w2t: torch.
 
 def _logits(net: _Predictor, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return torch.cat([net(x[i:i + 4096]) for i in range(0, x.shape[0], 4096)])
+        return torch.cat([net(x[i:i + 4096].float()) for i in range(0, x.shape[0], 4096)])
 
 
 def recall_threshold(logits: torch.Tensor, y: torch.Tensor, recall: float) -> float:
@@ -335,8 +334,9 @@ def classify(logits: torch.Tensor, y: torch.Tensor, tau: float) -> tuple[float, 
 
 def train_layer(layer: int, x: torch.Tensor, y: torch.Tensor, splits: tuple[int, int],
                 ranks: list[int], opt: TrainOptions) -> LayerPredictor:
-    """Fit, pick the rank and threshold, evaluate. ``x`` (T, d) float32, ``y`` (T, d_ff) bool,
-    ``splits`` = (end of train, end of val); test is the rest (or val when empty)."""
+    """Fit, pick the rank and threshold, evaluate. ``x`` (T, d) float16 or float32, ``y``
+    (T, d_ff) bool, ``splits`` = (end of train, end of val); test is the rest (or val when
+    empty)."""
     t0 = time.perf_counter()
     a, b = splits
     x_tr, y_tr = x[:a], y[:a]
@@ -421,7 +421,9 @@ def train_predictors(profile: Profile, options: TrainOptions = TrainOptions(),
     workers = max(1, min(workers or torch.get_num_threads(), len(todo)))
 
     def one(l: int) -> LayerPredictor:
-        x = torch.from_numpy(np.array(profile.inputs(l), dtype=np.float32))
+        # as stored (float16 inputs, bool masks), each minibatch made float32 as it is drawn:
+        # a worker holds T · (2 · d_model + d_ff) bytes
+        x = torch.from_numpy(np.array(profile.inputs(l)))
         y = torch.from_numpy(profile.masks(l))
         p = train_layer(l, x, y, splits, ranks, options)
         log.info("layer %d: rank %d, recall %.4f, precision %.3f, density %.3f (true %.3f), "
