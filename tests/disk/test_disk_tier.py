@@ -3,8 +3,7 @@
 Reference: the all-in-RAM sparse model loaded from the *unbundled* file (its own loader path,
 q4 rows quantized from the file's tensors); the bundled rows are checked against gguf-py's reading
 of the original file. With any RAM split, cache size, eviction policy or prefetch setting the
-logits must equal the reference's (bit for bit while the active set fits the cache; up to float
-summation order when it is read in chunks); a read that fails or comes back
+logits must equal the reference's up to float summation order; a read that fails or comes back
 short must raise DiskReadError.
 """
 
@@ -168,10 +167,9 @@ def test_disk_tier_logits_equal_all_in_ram(bundled, reference, eviction, ram, sl
     assert all(c.layout is caches[0].reader.layout for c in caches)
     assert disk_report(d.model).bytes_read == 0
     got = _logits(d)
-    if slots >= 192 - min(ram):  # every active set fits the cache: one kernel call, same sums
-        assert torch.equal(got, reference["q4"])
-    else:  # larger active sets go in chunks: the float sums in another order
-        torch.testing.assert_close(got, reference["q4"], atol=1e-5, rtol=1e-5)
+    # float sums in another order only (larger active sets go in chunks; even when all fit, the
+    # bits matched only in some test orders: 1e-6 apart in isolation, at c3f0f0f too)
+    torch.testing.assert_close(got, reference["q4"], atol=1e-5, rtol=1e-5)
     rep = disk_report(d.model)
     st = rep.cache
     assert st.requested == st.hits + st.prefetch_hits + st.misses
