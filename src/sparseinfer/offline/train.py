@@ -23,7 +23,7 @@ the quality the rank family reaches). Whether doubling pays is first asked of a 
 (``probe_steps``, 250) that starts from the smaller predictor with the new hidden units' output
 weights at zero; only a rank whose probe pays is fitted in full, from scratch like the first, so
 every predictor kept is a full fit. On SmolLM2 the probes chose the ranks the full fits chose on
-every layer (benchmarks/RESULTS.md), for about half the training time: most layers stop at the
+every layer (benchmarks/RESULTS.md) in two thirds of the training time: most layers stop at the
 first rank. Layers train side by side, one per core (``train_predictors``).
 
 When the targets cannot both be met (magnitude-thresholded SwiGLU masks: the neurons just above
@@ -106,7 +106,7 @@ class TrainOptions:
     min_steps: int = 1000
     # a larger rank is first tried as a probe of this many steps that starts from the smaller
     # rank's predictor; only when the probe pays is the rank fitted in full (0: fit every
-    # candidate in full). On SmolLM2 most layers stop at the first rank, so this halves training
+    # candidate in full). On SmolLM2 most layers stop at the first rank: a third less training
     probe_steps: int = 250
     batch_size: int = 256
     lr: float = 3e-3
