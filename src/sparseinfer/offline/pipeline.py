@@ -140,8 +140,8 @@ def profile_dtype(model_path: str | Path) -> str:
 
     Float32 weights are the file's blocks dequantized once (the same values), and a prompt of
     a few hundred tokens runs through torch's float matmul much faster than through the
-    quantized kernels (benchmarks/RESULTS.md, convert time); the masks pass recomputes every
-    layer's gate and up projections on the stored inputs the same way."""
+    quantized kernels (benchmarks/RESULTS.md, convert time; benchmarks/prefill_chunk.py). The
+    held-out evaluation after the export runs the dense model in the same weights."""
     from ..fileio import available_memory
     from ..models.loading import open_source
     from ..models.plan import make_plan
