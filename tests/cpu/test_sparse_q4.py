@@ -67,7 +67,7 @@ def test_q4_codec_matches_gguf():
 
 @pytest.mark.parametrize("kind", ["swiglu", "geglu", "relu"])
 @pytest.mark.parametrize("density", [0.0, 0.1, 1.0])
-@pytest.mark.parametrize("d_model,d_ff", [(64, 45), (256, 130)])
+@pytest.mark.parametrize("d_model,d_ff", [(64, 45), (256, 130), (160, 70)])  # 2, 8, 5 blocks
 @pytest.mark.parametrize("isa", ["avx2", "avx2_128", "avx512"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_sparse_q4_matches_reference(kind, density, d_model, d_ff, isa, threads):

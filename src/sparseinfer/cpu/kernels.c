@@ -15,6 +15,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "qgemv.h"
@@ -908,6 +909,160 @@ INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int n
     }
 }
 
+#if SI_PAIRS
+/* The AVX-512 sparse kernel works Q4_0 rows in groups of 4 blocks (72 bytes, 128 weights). One
+ * 64-byte load and one 16-byte load cover a group; a word permute (AVX512BW) gathers its 4 x 16
+ * quant bytes into one vector and another its 4 scales, so a group costs two dpbusd against x
+ * rearranged to match (q4_xgroups, once per token) where the 256-bit loop took 4 unpacks, 4 dot
+ * products and 4 scale broadcasts. */
+typedef struct {
+    const int8_t *lo, *hi; /* [G][64]: elements 0..15 / 16..31 of the group's 4 x blocks */
+    const float *d;        /* [G][16]: lane l holds the scale of x's block 4g + l/4 */
+    const int32_t *z;      /* [G][16]: -8 times the sum of the 8 x bytes lane l multiplies */
+} si_xg;
+
+#define XG_BYTES(G) ((size_t)(G) * 256) /* lo, hi, d and z of G groups */
+
+/* x (nb blocks) rearranged for the first G = nb / 4 groups into buf (XG_BYTES(G) bytes). Lane l
+ * of a group's dpbusd (bytes 4l..4l+3 of the 64) meets elements 4j..4j+3 (lo) and 16+4j..16+4j+3
+ * (hi) of block k = l / 4, j = l % 4. */
+static si_xg q4_xgroups(const si_xq *x, int G, uint8_t *buf) {
+    int8_t *lo = (int8_t *)buf, *hi = lo + 64 * (size_t)G;
+    float *d = (float *)(buf + 128 * (size_t)G);
+    int32_t *z = (int32_t *)(buf + 192 * (size_t)G);
+    for (int g = 0; g < G; g++)
+        for (int k = 0; k < 4; k++) {
+            const int8_t *q = x->q + 32 * (size_t)(4 * g + k);
+            memcpy(lo + 64 * (size_t)g + 16 * k, q, 16);
+            memcpy(hi + 64 * (size_t)g + 16 * k, q + 16, 16);
+            for (int j = 0; j < 4; j++) {
+                int32_t sum = 0;
+                for (int e = 0; e < 4; e++) sum += q[4 * j + e] + q[16 + 4 * j + e];
+                z[16 * g + 4 * k + j] = -8 * sum;
+                d[16 * g + 4 * k + j] = x->d[4 * g + k];
+            }
+        }
+    return (si_xg){lo, hi, d, z};
+}
+
+/* Word indices of the group gathers: QIDX picks the 4 x 8 quant words (word 9k + 1 + m of the
+ * group; words from 28 on come from the second, 16-byte load at byte 56: index 32 + word - 28),
+ * DIDX the scale word 9 * (l / 4) for each of 16 lanes. */
+INLINE __m512i q4g_qidx(void) {
+    int16_t v[32];
+    for (int j = 0; j < 32; j++) {
+        const int w = 9 * (j / 8) + 1 + j % 8;
+        v[j] = (int16_t)(w < 32 ? w : 32 + w - 28);
+    }
+    return _mm512_loadu_si512((const void *)v);
+}
+INLINE __m512i q4g_didx(void) {
+    int16_t v[32];
+    for (int j = 0; j < 32; j++) v[j] = (int16_t)(9 * ((j % 16) / 4));
+    return _mm512_loadu_si512((const void *)v);
+}
+
+/* Group g of a Q4_0 row at p: its 64 quant bytes (block k's 16 at bytes 16k..16k+15) and its
+ * 4 weight scales as 16 floats (lane l: block l / 4). */
+INLINE __m512i q4g_quants(const uint8_t *p, __m512i qidx, __m512 *dw, __m512i didx) {
+    const __m512i a = _mm512_loadu_si512((const void *)p);
+    const __m512i b = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + 56)));
+    *dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(didx, a)));
+    return _mm512_permutex2var_epi16(a, qidx, b);
+}
+
+/* y[r] = row_r . x for R Q4_0 rows (pointers), the first G groups from xg, the rest block by
+ * block (q4_dots). */
+INLINE void q4_dots_g(const uint8_t *const *rp, const int R, const si_xg *xg, const si_xq *x,
+                      int nb, float *y, const uint8_t *const *pf, const int npf, size_t pf_bytes) {
+    const int G = nb / 4;
+    /* the next neurons' bundles (pf, pf_bytes each), fetched a slice per group while these
+     * rows are walked: a bundle is a few KB, over before the hardware prefetcher ramps up */
+    const size_t slice = (pf_bytes + (size_t)G - 1) / (size_t)G;
+    const __m512i qidx = q4g_qidx(), didx = q4g_didx(), m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[8];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const __m512i xl = _mm512_loadu_si512((const void *)(xg->lo + 64 * (size_t)g));
+        const __m512i xh = _mm512_loadu_si512((const void *)(xg->hi + 64 * (size_t)g));
+        const __m512i z = _mm512_loadu_si512((const void *)(xg->z + 16 * (size_t)g));
+        const __m512 xd = _mm512_loadu_ps(xg->d + 16 * (size_t)g);
+        for (int n = 0; n < npf; n++)
+            for (size_t o = slice * g; o < slice * (g + 1) && o < pf_bytes; o += 64)
+                _mm_prefetch((const char *)(pf[n] + o), _MM_HINT_T0);
+        for (int r = 0; r < R; r++) {
+            __m512 dw;
+            const __m512i q = q4g_quants(rp[r] + 72 * (size_t)g, qidx, &dw, didx);
+            __m512i dot = _mm512_dpbusd_epi32(z, _mm512_and_si512(q, m4), xl);
+            dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), xh);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xd), acc[r]);
+        }
+    }
+    float tail[8] = {0};
+    if (nb > 4 * G) {
+        const uint8_t *tp[8];
+        for (int r = 0; r < R; r++) tp[r] = rp[r] + 72 * (size_t)G;
+        const si_xq xt = {x->q + 128 * (size_t)G, x->d + 4 * (size_t)G, x->s + 4 * (size_t)G, NULL};
+        q4_dots(tp, R, &xt, nb - 4 * G, tail);
+    }
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];
+}
+
+/* The grouped axpy keeps each group's 128 outputs in a lane order of its own: its gathered
+ * quant bytes (q4g_quants) are 16 dwords, and nibble n (0..7) of dword l is a shift and a mask
+ * away, with no byte shuffle, so register n accumulates nibble n of every dword. Element
+ * 128g + 16n + l of that order is weight 32k + i + 16(n % 2) of the group (k = l / 4, i =
+ * 4(l % 4) + n / 2): natural index NAT(n, l) below. si_sparse_q4 puts `out` in this order before
+ * the neurons and back after. */
+#define NAT(n, l) (32 * ((l) / 4) + 4 * ((l) % 4) + (n) / 2 + 16 * ((n) % 2))
+static void q4g_order(float *out, int G, int back) {
+    float tmp[128];
+    for (int g = 0; g < G; g++) {
+        float *o = out + 128 * (size_t)g;
+        memcpy(tmp, o, sizeof tmp);
+        for (int n = 0; n < 8; n++)
+            for (int l = 0; l < 16; l++) {
+                if (back) o[NAT(n, l)] = tmp[16 * n + l];
+                else o[16 * n + l] = tmp[NAT(n, l)];
+            }
+    }
+}
+#undef NAT
+
+/* out += sum_r h[r] * row_r for R Q4_0 rows of nb blocks: the first G = nb / 4 groups into out
+ * in q4g_order's lane order, 128 outputs in 8 registers at a time; the last nb % 4 blocks through
+ * q4_axpy (natural order). w = d*(q - 8): the -8 is applied once per group, through the sum of
+ * the scales. */
+INLINE void q4_axpy_g(const uint8_t *const *rp, const float *h, const int R, int nb, float *out) {
+    const int G = nb / 4;
+    const __m512i qidx = q4g_qidx(), didx = q4g_didx(), m4 = _mm512_set1_epi32(0x0F);
+    for (int g = 0; g < G; g++) {
+        float *o = out + 128 * (size_t)g;
+        __m512 acc[8], ssum = _mm512_setzero_ps();
+        for (int n = 0; n < 8; n++) acc[n] = _mm512_loadu_ps(o + 16 * n);
+        for (int r = 0; r < R; r++) {
+            __m512 dw;
+            const __m512i q = q4g_quants(rp[r] + 72 * (size_t)g, qidx, &dw, didx);
+            const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(h[r]));
+            ssum = _mm512_add_ps(ssum, s);
+            acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, m4)), s, acc[0]);
+#define NIB(n)                                                                                 \
+    acc[n] = _mm512_fmadd_ps(                                                                  \
+        _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(q, 4 * (n)), m4)), s, acc[n])
+            NIB(1); NIB(2); NIB(3); NIB(4); NIB(5); NIB(6); NIB(7);
+#undef NIB
+        }
+        const __m512 z = _mm512_mul_ps(ssum, _mm512_set1_ps(-8.0f));
+        for (int n = 0; n < 8; n++) _mm512_storeu_ps(o + 16 * n, _mm512_add_ps(acc[n], z));
+    }
+    if (nb > 4 * G) {
+        const uint8_t *tp[8];
+        for (int r = 0; r < R; r++) tp[r] = rp[r] + 72 * (size_t)G;
+        q4_axpy(tp, h, R, nb - 4 * G, out + 128 * (size_t)G);
+    }
+}
+#endif
+
 /* Activation codes as sparse/kernels.py ACT_CODES: 0 identity, 1 relu, 2 silu, 3 gelu (erf),
  * 4 gelu (tanh approximation, Gemma's). */
 static inline float act(int code, float z) {
@@ -927,9 +1082,34 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
                       float *out) {
     const size_t rb = (size_t)d_model / 32 * 18;
     const int nb = d_model / 32;
+#if SI_PAIRS
+    const int G = nb / 4;
+    uint8_t *xbuf = G ? aligned_alloc(64, XG_BYTES(G) * (size_t)T) : NULL;
+    si_xg *xg = G ? malloc(sizeof(si_xg) * (size_t)T) : NULL;
+    const int grouped = xbuf && xg; /* else (no memory, or rows under 4 blocks) block by block */
+    if (grouped)
+        for (int t = 0; t < T; t++) {
+            xg[t] = q4_xgroups(&x[t], G, xbuf + XG_BYTES(G) * (size_t)t);
+            q4g_order(out + (size_t)t * d_model, G, 0);
+        }
+#define DOTS(rp, R, t, y)                                                                      \
+    (grouped ? q4_dots_g(rp, R, &xg[t], &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes)             \
+             : q4_dots(rp, R, &x[t], nb, y))
+#define AXPY(rp, h, R, o) (grouped ? q4_axpy_g(rp, h, R, nb, o) : q4_axpy(rp, h, R, nb, o))
+#else
+#define DOTS(rp, R, t, y) q4_dots(rp, R, &x[t], nb, y)
+#define AXPY(rp, h, R, o) q4_axpy(rp, h, R, nb, o)
+#endif
     for (int i = 0; i < k; i += 4) {
         const int R = k - i < 4 ? k - i : 4;
         const uint8_t *in[8], *down[4];
+#if SI_PAIRS
+        /* the next 4 neurons' bundles, fetched while these are walked (two groups ahead was no
+         * faster: benchmarks/RESULTS.md) */
+        const uint8_t *pf[4];
+        const int npf = k - i - R < 4 ? k - i - R : 4;
+        for (int n = 0; n < npf; n++) pf[n] = bundles + (size_t)idx[i + R + n] * bundle_bytes;
+#endif
         for (int n = 0; n < R; n++) {
             const uint8_t *base = bundles + (size_t)idx[i + n] * bundle_bytes;
             if (gated) {
@@ -944,23 +1124,31 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
         for (int t = 0; t < T; t++) {
             float z[8], h[4];
             if (R == 4) {
-                if (gated) q4_dots(in, 8, &x[t], nb, z);
-                else q4_dots(in, 4, &x[t], nb, z);
+                if (gated) DOTS(in, 8, t, z);
+                else DOTS(in, 4, t, z);
             } else {
                 for (int n = 0; n < R; n++) {
-                    q4_dots(&in[n], 1, &x[t], nb, &z[n]);
-                    if (gated) q4_dots(&in[4 + n], 1, &x[t], nb, &z[4 + n]);
+                    DOTS(&in[n], 1, t, &z[n]);
+                    if (gated) DOTS(&in[4 + n], 1, t, &z[4 + n]);
                 }
             }
             for (int n = 0; n < R; n++)
                 h[n] = gated ? act(ga, z[n]) * act(ua, z[4 + n])
                              : act(ua, z[n] + (bias ? bias[idx[i + n]] : 0.0f));
             float *o = out + (size_t)t * d_model;
-            if (R == 4) q4_axpy(down, h, 4, nb, o);
+            if (R == 4) AXPY(down, h, 4, o);
             else
-                for (int n = 0; n < R; n++) q4_axpy(&down[n], &h[n], 1, nb, o);
+                for (int n = 0; n < R; n++) AXPY(&down[n], &h[n], 1, o);
         }
     }
+#undef DOTS
+#undef AXPY
+#if SI_PAIRS
+    if (grouped)
+        for (int t = 0; t < T; t++) q4g_order(out + (size_t)t * d_model, G, 1);
+    free(xbuf);
+    free(xg);
+#endif
 }
 
 /* ------------------------------------------------------------------ one-token block helpers */
