@@ -842,8 +842,12 @@ void FN(si_quantize_x)(const float *x, int cols, int8_t *q, float *d, float *s) 
 
 /* ------------------------------------------------------------------ sparse FFN, Q4_0 bundles */
 
-/* Dot products of R Q4_0 rows (pointers) with x: y[r] = row_r · x. */
-INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int nb, float *y) {
+/* Dot products of R Q4_0 rows (pointers) with x: y[r] = row_r · x. The next neurons' bundles
+ * (pf[0..npf), pf_bytes each) are fetched a slice per block while these rows are walked: a
+ * bundle is a few KB, over before the hardware prefetcher ramps up. */
+INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int nb, float *y,
+                    const uint8_t *const *pf, const int npf, size_t pf_bytes) {
+    const size_t slice = ((pf_bytes + (size_t)nb - 1) / (size_t)nb + 63) / 64 * 64;
     __m256 acc[8];
     float cs[8];
 #if SI_NARROW
@@ -857,6 +861,9 @@ INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int n
     for (int b = 0; b < nb; b++) {
         const __m256i xv = loadx(x, b);
         const float xd = x->d[b], xs = x->s[b];
+        for (int n = 0; n < npf; n++)
+            for (size_t o = slice * b; o < slice * (b + 1) && o < pf_bytes; o += 64)
+                _mm_prefetch((const char *)(pf[n] + o), _MM_HINT_T0);
         for (int r = 0; r < R; r++) {
             const uint8_t *p = rp[r] + (size_t)b * 18;
             const float dw = f16(p);
@@ -972,13 +979,11 @@ INLINE __m512i q4g_quants(const uint8_t *p, __m512i qidx, __m512 *dw, __m512i di
 }
 
 /* y[r] = row_r . x for R Q4_0 rows (pointers), the first G groups from xg, the rest block by
- * block (q4_dots). */
+ * block (q4_dots); the next bundles fetched as q4_dots does, a slice per group. */
 INLINE void q4_dots_g(const uint8_t *const *rp, const int R, const si_xg *xg, const si_xq *x,
                       int nb, float *y, const uint8_t *const *pf, const int npf, size_t pf_bytes) {
     const int G = nb / 4;
-    /* the next neurons' bundles (pf, pf_bytes each), fetched a slice per group while these
-     * rows are walked: a bundle is a few KB, over before the hardware prefetcher ramps up */
-    const size_t slice = (pf_bytes + (size_t)G - 1) / (size_t)G;
+    const size_t slice = ((pf_bytes + (size_t)G - 1) / (size_t)G + 63) / 64 * 64;
     const __m512i qidx = q4g_qidx(), didx = q4g_didx(), m4 = _mm512_set1_epi8(0x0F);
     __m512 acc[8];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -1003,7 +1008,7 @@ INLINE void q4_dots_g(const uint8_t *const *rp, const int R, const si_xg *xg, co
         const uint8_t *tp[8];
         for (int r = 0; r < R; r++) tp[r] = rp[r] + 72 * (size_t)G;
         const si_xq xt = {x->q + 128 * (size_t)G, x->d + 4 * (size_t)G, x->s + 4 * (size_t)G, NULL};
-        q4_dots(tp, R, &xt, nb - 4 * G, tail);
+        q4_dots(tp, R, &xt, nb - 4 * G, tail, NULL, 0, 0);
     }
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];
 }
@@ -1094,22 +1099,20 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
         }
 #define DOTS(rp, R, t, y)                                                                      \
     (grouped ? q4_dots_g(rp, R, &xg[t], &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes)             \
-             : q4_dots(rp, R, &x[t], nb, y))
+             : q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes))
 #define AXPY(rp, h, R, o) (grouped ? q4_axpy_g(rp, h, R, nb, o) : q4_axpy(rp, h, R, nb, o))
 #else
-#define DOTS(rp, R, t, y) q4_dots(rp, R, &x[t], nb, y)
+#define DOTS(rp, R, t, y) q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes)
 #define AXPY(rp, h, R, o) q4_axpy(rp, h, R, nb, o)
 #endif
     for (int i = 0; i < k; i += 4) {
         const int R = k - i < 4 ? k - i : 4;
         const uint8_t *in[8], *down[4];
-#if SI_PAIRS
         /* the next 4 neurons' bundles, fetched while these are walked (two groups ahead was no
          * faster: benchmarks/RESULTS.md) */
         const uint8_t *pf[4];
         const int npf = k - i - R < 4 ? k - i - R : 4;
         for (int n = 0; n < npf; n++) pf[n] = bundles + (size_t)idx[i + R + n] * bundle_bytes;
-#endif
         for (int n = 0; n < R; n++) {
             const uint8_t *base = bundles + (size_t)idx[i + n] * bundle_bytes;
             if (gated) {
