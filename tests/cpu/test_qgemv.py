@@ -144,10 +144,10 @@ def test_multi_matrix_call_shares_input(isa, threads):
 @pytest.mark.parametrize("T", [1, pytest.param(3, marks=pytest.mark.slow), 8, 9,
                                pytest.param(17, marks=pytest.mark.slow)])
 def test_gemm_matches_reference(type_name, T, isa, threads):
-    """Q4_0/Q4_1 rows take the AVX-512 kernel that decodes each pair of blocks once for up to 8
-    rows of x, Q4_0..Q5_1 the avx2_128 and plain AVX2 ones that unpack each group of 8 blocks
-    once (T = 8, 9, 17 cross their groups); every type gives each row of the batch exactly the
-    GEMV of that token."""
+    """Q4_0/Q4_1 rows take the AVX-512 kernel that gathers each group of 4 blocks once for up to
+    8 rows of x (576 columns: 4 groups and 2 blocks one at a time), Q4_0..Q5_1 the avx2_128 and
+    plain AVX2 ones that unpack each group of 8 blocks once (T = 8, 9, 17 cross their groups);
+    every type gives each row of the batch exactly the GEMV of that token."""
     rng = np.random.default_rng(T)
     rows, cols = 37, 512 if T % 2 else 576  # 576: 18 blocks, two past the last group of 8
     if type_name in ("Q4_K", "Q6_K"):

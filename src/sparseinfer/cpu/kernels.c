@@ -15,7 +15,6 @@
  */
 #include <immintrin.h>
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "qgemv.h"
@@ -146,6 +145,115 @@ INLINE void pairs_q4(const uint8_t *q, const int bsize, const int8_t *xq, __m256
 #else
 #define SI_PAIRS 0
 #endif
+
+/* ------------------------------------------------------------------ groups of 4 blocks */
+
+#if SI_PAIRS
+/* The AVX-512 Q4_0/Q4_1 kernels work a row in groups of 4 blocks (72 or 80 bytes, 128 weights).
+ * One 64-byte load and one 16-byte load cover a group; a word permute (AVX512BW) gathers its
+ * 4 x 16 quant bytes into one vector and another its 4 scales, so a group costs two dpbusd
+ * against x rearranged to match (si_xgroups, once per x row: si_xq.g) where the pair loop
+ * (pairs_q4) took two unpacks, two dot products and two scale permutes. Lane l of a group's
+ * dpbusd (bytes 4l..4l+3 of the 64) meets elements 4j..4j+3 (low nibbles) and 16+4j..16+4j+3
+ * (high nibbles) of the group's block k = l / 4, j = l % 4. */
+/* x's part of group g (si_xgroups), XG_STRIDE bytes at x->g + XG_STRIDE * g: lo[64] (elements
+ * 0..15 of the group's 4 x blocks), hi[64] (elements 16..31), z int16[16] (-8 times the sum of
+ * the 8 x bytes lane l multiplies: Q4_0's zero point, put in the integer sums), d float[4] (the
+ * blocks' scales), s4 float[4] (a quarter of the blocks' sum terms s: Q4_1's minima). One
+ * contiguous stream per x row, 176 bytes of it read per group. */
+#define XG_STRIDE 192
+#define XG_LO 0
+#define XG_HI 64
+#define XG_Z 128
+#define XG_D 160
+#define XG_S4 176
+
+INLINE const uint8_t *xg_at(const si_xq *x, int g) { return x->g + (size_t)XG_STRIDE * g; }
+/* Lane l of a group: block l / 4 (the permute index of the per-block fields). */
+INLINE __m512i lane_block(void) {
+    return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+}
+INLINE __m512i xg_z(const uint8_t *xg) {
+    return _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(xg + XG_Z)));
+}
+/* The 4 floats at byte `off` of the group, each on its block's 4 lanes. */
+INLINE __m512 xg_f4(const uint8_t *xg, const int off, __m512i lb) {
+    return _mm512_permutexvar_ps(lb, _mm512_castps128_ps512(_mm_loadu_ps((const float *)(xg + off))));
+}
+
+/* Word indices of the group gathers for blocks of bsize bytes (18: Q4_0, 20: Q4_1): QIDX picks
+ * the 4 x 8 quant words (word bsize/2 * k + bsize/2 - 8 + m of the group; words past the first
+ * 64 bytes come from the second, 16-byte load at byte 4 * bsize - 16: index 32 + its word),
+ * DIDX the scale word bsize/2 * (l / 4) + off for each of 16 lanes (off 1: Q4_1's minimum). */
+INLINE __m512i q4g_qidx(const int bsize) {
+    const int h = bsize / 2, second = (4 * bsize - 16) / 2;
+    int16_t v[32];
+    for (int j = 0; j < 32; j++) {
+        const int w = h * (j / 8) + h - 8 + j % 8;
+        v[j] = (int16_t)(w < 32 ? w : 32 + w - second);
+    }
+    return _mm512_loadu_si512((const void *)v);
+}
+INLINE __m512i q4g_didx(const int bsize, const int off) {
+    int16_t v[32];
+    for (int j = 0; j < 32; j++) v[j] = (int16_t)(bsize / 2 * ((j % 16) / 4) + off);
+    return _mm512_loadu_si512((const void *)v);
+}
+/* The 16 fp16 words of the group (already loaded: a) that didx picks, as 16 floats. */
+INLINE __m512 q4g_halfs(__m512i a, __m512i didx) {
+    return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(didx, a)));
+}
+/* A group at p: its first 64 bytes (*a, for q4g_halfs) and its 64 quant bytes (block k's 16 at
+ * bytes 16k..16k+15). */
+INLINE __m512i q4g_quants(const uint8_t *p, const int bsize, __m512i qidx, __m512i *a) {
+    *a = _mm512_loadu_si512((const void *)p);
+    const __m512i b = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + 4 * bsize - 16)));
+    return _mm512_permutex2var_epi16(*a, qidx, b);
+}
+/* The int32 dot products of a group's quants q with x's group: 16 lanes, 4 per block, starting
+ * from z (Q4_0: -8 * x's sums, so the zero point is in the integers; Q4_1: zero). */
+INLINE __m512i q4g_dot(__m512i lo, __m512i hi, __m512i z, const uint8_t *xg) {
+    const __m512i d = _mm512_dpbusd_epi32(z, lo, _mm512_loadu_si512(xg + XG_LO));
+    return _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(xg + XG_HI));
+}
+/* A group's quants q as unsigned nibbles: lo = low nibbles, hi = high ones. */
+INLINE __m512i nib_lo(__m512i q) { return _mm512_and_si512(q, _mm512_set1_epi8(0x0F)); }
+INLINE __m512i nib_hi(__m512i q) {
+    return _mm512_and_si512(_mm512_srli_epi16(q, 4), _mm512_set1_epi8(0x0F));
+}
+#endif
+
+/* x's blocks rearranged for the groups of 4 (XG_STRIDE above) into out (SI_XG_BYTES(cols / 128)
+ * bytes); returns 1, or 0 where this ISA does not use them. */
+int FN(si_xgroups)(const si_xq *x, int cols, uint8_t *out) {
+#if SI_PAIRS
+    for (int g = 0; g < cols / 128; g++) {
+        uint8_t *o = out + (size_t)XG_STRIDE * g;
+        int16_t z[16];
+        float d[4], s4[4];
+        for (int k = 0; k < 4; k++) {
+            const int8_t *q = x->q + 32 * (size_t)(4 * g + k);
+            memcpy(o + XG_LO + 16 * k, q, 16);
+            memcpy(o + XG_HI + 16 * k, q + 16, 16);
+            for (int j = 0; j < 4; j++) {
+                int sum = 0;
+                for (int e = 0; e < 4; e++) sum += q[4 * j + e] + q[16 + 4 * j + e];
+                z[4 * k + j] = (int16_t)(-8 * sum); /* |8 * 8 * 127| fits */
+            }
+            d[k] = x->d[4 * g + k];
+            s4[k] = 0.25f * x->s[4 * g + k];
+        }
+        memcpy(o + XG_Z, z, sizeof z);
+        memcpy(o + XG_D, d, sizeof d);
+        memcpy(o + XG_S4, s4, sizeof s4);
+        memset(o + XG_S4 + sizeof s4, 0, XG_STRIDE - XG_S4 - sizeof s4);
+    }
+    return 1;
+#else
+    (void)x, (void)cols, (void)out;
+    return 0;
+#endif
+}
 
 #ifndef SI_NARROW
 #define SI_NARROW 0
@@ -314,6 +422,53 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
         y[r] = hsum(acc[r]) + (type == SI_Q8_0 ? 0.0f : zk * z);
     }
 }
+
+#if SI_PAIRS
+/* The last nb - 4G blocks of one Q4_0/Q4_1 row at p against x, one block at a time (as rows_b32's
+ * tail): the part of the row's sum that the groups of 4 (rows_q4g, multi_q4g) leave. */
+INLINE float q4g_tail(const int type, const uint8_t *p, const si_xq *x, const int G, const int nb) {
+    const int bsize = type == SI_Q4_0 ? 18 : 20;
+    __m256 acc = _mm256_setzero_ps();
+    float cs = 0.0f;
+    for (int b = 4 * G; b < nb; b++) {
+        const uint8_t *pb = p + (size_t)b * bsize;
+        const float dw = f16(pb);
+        cs += (type == SI_Q4_1 ? f16(pb + 2) : -8.0f * dw) * x->s[b];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_b32(type, pb, loadx(x, b))),
+                              _mm256_set1_ps(dw * x->d[b]), acc);
+    }
+    return hsum(acc) + cs;
+}
+
+/* R Q4_0/Q4_1 rows against x (x->g set) in groups of 4 blocks (see XG_STRIDE): per group and row
+ * one gather, two dpbusd (Q4_0's zero point is in the integers: they start from x's z), one
+ * convert and one FMA with the 16 lanes' scale products; Q4_1's minima go through x's s4. */
+INLINE void rows_q4g(const int type, const uint8_t *w, size_t rb, const int R, const si_xq *x,
+                     int nb, float *y, const uint8_t *pf, const int far) {
+    const int bsize = type == SI_Q4_0 ? 18 : 20, G = nb / 4;
+    const __m512i qidx = q4g_qidx(bsize), didx = q4g_didx(bsize, 0), midx = q4g_didx(bsize, 1);
+    const __m512i lb = lane_block();
+    __m512 acc[4], accm[4];
+    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        if (pf) prefetch(pf + (size_t)g * R * 4 * bsize, 4 * R * bsize, far);
+        const uint8_t *xg = xg_at(x, g);
+        const __m512i z = type == SI_Q4_0 ? xg_z(xg) : _mm512_setzero_si512();
+        const __m512 xd = xg_f4(xg, XG_D, lb);
+        const __m512 xs = type == SI_Q4_1 ? xg_f4(xg, XG_S4, lb) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            __m512i a;
+            const __m512i q = q4g_quants(w + (size_t)r * rb + (size_t)g * 4 * bsize, bsize, qidx, &a);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4g_dot(nib_lo(q), nib_hi(q), z, xg)),
+                                     _mm512_mul_ps(q4g_halfs(a, didx), xd), acc[r]);
+            if (type == SI_Q4_1) accm[r] = _mm512_fmadd_ps(q4g_halfs(a, midx), xs, accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        y[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(accm[r]) +
+               q4g_tail(type, w + (size_t)r * rb, x, G, nb);
+}
+#endif
 
 /* ------------------------------------------------------------------ K-quants (256 weights) */
 
@@ -566,6 +721,17 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
 #define B32(T, S)                                                                              \
     WALK(rows_b32(T, S, w + r * rb, rb, 4, x, nb, y + r, NEXT, far),                           \
          rows_b32(T, S, w + r * rb, rb, 1, x, nb, y + r, NULL, far))
+#if SI_PAIRS
+#define Q4G(T)                                                                                 \
+    WALK(rows_q4g(T, w + r * rb, rb, 4, x, nb, y + r, NEXT, far),                              \
+         rows_q4g(T, w + r * rb, rb, 1, x, nb, y + r, NULL, far))
+    if (x->g && nb >= 4 && (type == SI_Q4_0 || type == SI_Q4_1)) { /* groups of 4 blocks */
+        if (type == SI_Q4_0) Q4G(SI_Q4_0);
+        else Q4G(SI_Q4_1);
+        return;
+    }
+#undef Q4G
+#endif
     switch (type) {
     case SI_Q4_0: B32(SI_Q4_0, 18); break;
     case SI_Q4_1: B32(SI_Q4_1, 20); break;
@@ -666,6 +832,38 @@ INLINE void multi_q4(const int type, const uint8_t *p, const si_xq *x, const int
     }
     const float zk = type == SI_Q4_0 ? -8.0f : 1.0f;
     for (int t = 0; t < nt; t++) y[t * ys] = hsum(acc8[t]) + zk * (hsum(accm[t]) + cs[t]);
+}
+#endif
+
+#if SI_PAIRS
+/* One Q4_0/Q4_1 row against nt <= MULTI_T x rows (each with x.g) in groups of 4 blocks: each
+ * group gathered and unpacked once for every x row; every x row's result is its GEMV's
+ * (rows_q4g) bit for bit: the same integer sums and the same float operations in the same order.
+ * y[t * ys] for t < nt. */
+INLINE void multi_q4g(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
+                      float *y, const int64_t ys) {
+    const int bsize = type == SI_Q4_0 ? 18 : 20, G = nb / 4;
+    const __m512i qidx = q4g_qidx(bsize), didx = q4g_didx(bsize, 0), midx = q4g_didx(bsize, 1);
+    const __m512i lb = lane_block();
+    __m512 acc[MULTI_T], accm[MULTI_T];
+    for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m512i a;
+        const __m512i q = q4g_quants(p + (size_t)g * 4 * bsize, bsize, qidx, &a);
+        const __m512i lo = nib_lo(q), hi = nib_hi(q);
+        const __m512 dw = q4g_halfs(a, didx);
+        const __m512 mw = type == SI_Q4_1 ? q4g_halfs(a, midx) : _mm512_setzero_ps();
+        for (int t = 0; t < nt; t++) {
+            const uint8_t *xg = xg_at(&x[t], g);
+            const __m512i z = type == SI_Q4_0 ? xg_z(xg) : _mm512_setzero_si512();
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4g_dot(lo, hi, z, xg)),
+                                     _mm512_mul_ps(dw, xg_f4(xg, XG_D, lb)), acc[t]);
+            if (type == SI_Q4_1) accm[t] = _mm512_fmadd_ps(mw, xg_f4(xg, XG_S4, lb), accm[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        y[t * ys] = _mm512_reduce_add_ps(acc[t]) + _mm512_reduce_add_ps(accm[t]) +
+                    q4g_tail(type, p, &x[t], G, nb);
 }
 #endif
 
@@ -777,6 +975,14 @@ INLINE void multi_b32_256(const int type, const int bsize, const uint8_t *p, con
 void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *x, int T,
                        int cols, float *y, int64_t ys) {
 #if SI_PAIRS
+    if ((type == SI_Q4_0 || type == SI_Q4_1) && x[0].g && cols >= 128) {
+        for (int t0 = 0; t0 < T; t0 += MULTI_T) {
+            const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
+            for (int r = 0; r < nrows; r++)
+                multi_q4g(type, w + (size_t)r * rb, x + t0, nt, cols / 32, y + t0 * ys + r, ys);
+        }
+        return;
+    }
     if (type == SI_Q4_0 || type == SI_Q4_1) {
         for (int t0 = 0; t0 < T; t0 += MULTI_T) {
             const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
@@ -917,90 +1123,27 @@ INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int n
 }
 
 #if SI_PAIRS
-/* The AVX-512 sparse kernel works Q4_0 rows in groups of 4 blocks (72 bytes, 128 weights). One
- * 64-byte load and one 16-byte load cover a group; a word permute (AVX512BW) gathers its 4 x 16
- * quant bytes into one vector and another its 4 scales, so a group costs two dpbusd against x
- * rearranged to match (q4_xgroups, once per token) where the 256-bit loop took 4 unpacks, 4 dot
- * products and 4 scale broadcasts. */
-typedef struct {
-    const int8_t *lo, *hi; /* [G][64]: elements 0..15 / 16..31 of the group's 4 x blocks */
-    const float *d;        /* [G][16]: lane l holds the scale of x's block 4g + l/4 */
-    const int32_t *z;      /* [G][16]: -8 times the sum of the 8 x bytes lane l multiplies */
-} si_xg;
-
-#define XG_BYTES(G) ((size_t)(G) * 256) /* lo, hi, d and z of G groups */
-
-/* x (nb blocks) rearranged for the first G = nb / 4 groups into buf (XG_BYTES(G) bytes). Lane l
- * of a group's dpbusd (bytes 4l..4l+3 of the 64) meets elements 4j..4j+3 (lo) and 16+4j..16+4j+3
- * (hi) of block k = l / 4, j = l % 4. */
-static si_xg q4_xgroups(const si_xq *x, int G, uint8_t *buf) {
-    int8_t *lo = (int8_t *)buf, *hi = lo + 64 * (size_t)G;
-    float *d = (float *)(buf + 128 * (size_t)G);
-    int32_t *z = (int32_t *)(buf + 192 * (size_t)G);
-    for (int g = 0; g < G; g++)
-        for (int k = 0; k < 4; k++) {
-            const int8_t *q = x->q + 32 * (size_t)(4 * g + k);
-            memcpy(lo + 64 * (size_t)g + 16 * k, q, 16);
-            memcpy(hi + 64 * (size_t)g + 16 * k, q + 16, 16);
-            for (int j = 0; j < 4; j++) {
-                int32_t sum = 0;
-                for (int e = 0; e < 4; e++) sum += q[4 * j + e] + q[16 + 4 * j + e];
-                z[16 * g + 4 * k + j] = -8 * sum;
-                d[16 * g + 4 * k + j] = x->d[4 * g + k];
-            }
-        }
-    return (si_xg){lo, hi, d, z};
-}
-
-/* Word indices of the group gathers: QIDX picks the 4 x 8 quant words (word 9k + 1 + m of the
- * group; words from 28 on come from the second, 16-byte load at byte 56: index 32 + word - 28),
- * DIDX the scale word 9 * (l / 4) for each of 16 lanes. */
-INLINE __m512i q4g_qidx(void) {
-    int16_t v[32];
-    for (int j = 0; j < 32; j++) {
-        const int w = 9 * (j / 8) + 1 + j % 8;
-        v[j] = (int16_t)(w < 32 ? w : 32 + w - 28);
-    }
-    return _mm512_loadu_si512((const void *)v);
-}
-INLINE __m512i q4g_didx(void) {
-    int16_t v[32];
-    for (int j = 0; j < 32; j++) v[j] = (int16_t)(9 * ((j % 16) / 4));
-    return _mm512_loadu_si512((const void *)v);
-}
-
-/* Group g of a Q4_0 row at p: its 64 quant bytes (block k's 16 at bytes 16k..16k+15) and its
- * 4 weight scales as 16 floats (lane l: block l / 4). */
-INLINE __m512i q4g_quants(const uint8_t *p, __m512i qidx, __m512 *dw, __m512i didx) {
-    const __m512i a = _mm512_loadu_si512((const void *)p);
-    const __m512i b = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + 56)));
-    *dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(didx, a)));
-    return _mm512_permutex2var_epi16(a, qidx, b);
-}
-
 /* y[r] = row_r . x for R Q4_0 rows (pointers), the first G groups from xg, the rest block by
  * block (q4_dots); the next bundles fetched as q4_dots does, a slice per group. */
-INLINE void q4_dots_g(const uint8_t *const *rp, const int R, const si_xg *xg, const si_xq *x,
-                      int nb, float *y, const uint8_t *const *pf, const int npf, size_t pf_bytes) {
+INLINE void q4_dots_g(const uint8_t *const *rp, const int R, const si_xq *x, int nb, float *y,
+                      const uint8_t *const *pf, const int npf, size_t pf_bytes) {
     const int G = nb / 4;
     const size_t slice = ((pf_bytes + (size_t)G - 1) / (size_t)G + 63) / 64 * 64;
-    const __m512i qidx = q4g_qidx(), didx = q4g_didx(), m4 = _mm512_set1_epi8(0x0F);
+    const __m512i qidx = q4g_qidx(18), didx = q4g_didx(18, 0), lb = lane_block();
     __m512 acc[8];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
-        const __m512i xl = _mm512_loadu_si512((const void *)(xg->lo + 64 * (size_t)g));
-        const __m512i xh = _mm512_loadu_si512((const void *)(xg->hi + 64 * (size_t)g));
-        const __m512i z = _mm512_loadu_si512((const void *)(xg->z + 16 * (size_t)g));
-        const __m512 xd = _mm512_loadu_ps(xg->d + 16 * (size_t)g);
+        const uint8_t *xg = xg_at(x, g);
+        const __m512i z = xg_z(xg);
+        const __m512 xd = xg_f4(xg, XG_D, lb);
         for (int n = 0; n < npf; n++)
             for (size_t o = slice * g; o < slice * (g + 1) && o < pf_bytes; o += 64)
                 _mm_prefetch((const char *)(pf[n] + o), _MM_HINT_T0);
         for (int r = 0; r < R; r++) {
-            __m512 dw;
-            const __m512i q = q4g_quants(rp[r] + 72 * (size_t)g, qidx, &dw, didx);
-            __m512i dot = _mm512_dpbusd_epi32(z, _mm512_and_si512(q, m4), xl);
-            dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), xh);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xd), acc[r]);
+            __m512i a;
+            const __m512i q = q4g_quants(rp[r] + 72 * (size_t)g, 18, qidx, &a);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4g_dot(nib_lo(q), nib_hi(q), z, xg)),
+                                     _mm512_mul_ps(q4g_halfs(a, didx), xd), acc[r]);
         }
     }
     float tail[8] = {0};
@@ -1040,15 +1183,15 @@ static void q4g_order(float *out, int G, int back) {
  * the scales. */
 INLINE void q4_axpy_g(const uint8_t *const *rp, const float *h, const int R, int nb, float *out) {
     const int G = nb / 4;
-    const __m512i qidx = q4g_qidx(), didx = q4g_didx(), m4 = _mm512_set1_epi32(0x0F);
+    const __m512i qidx = q4g_qidx(18), didx = q4g_didx(18, 0), m4 = _mm512_set1_epi32(0x0F);
     for (int g = 0; g < G; g++) {
         float *o = out + 128 * (size_t)g;
         __m512 acc[8], ssum = _mm512_setzero_ps();
         for (int n = 0; n < 8; n++) acc[n] = _mm512_loadu_ps(o + 16 * n);
         for (int r = 0; r < R; r++) {
-            __m512 dw;
-            const __m512i q = q4g_quants(rp[r] + 72 * (size_t)g, qidx, &dw, didx);
-            const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(h[r]));
+            __m512i a;
+            const __m512i q = q4g_quants(rp[r] + 72 * (size_t)g, 18, qidx, &a);
+            const __m512 s = _mm512_mul_ps(q4g_halfs(a, didx), _mm512_set1_ps(h[r]));
             ssum = _mm512_add_ps(ssum, s);
             acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, m4)), s, acc[0]);
 #define NIB(n)                                                                                 \
@@ -1089,16 +1232,11 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
     const int nb = d_model / 32;
 #if SI_PAIRS
     const int G = nb / 4;
-    uint8_t *xbuf = G ? aligned_alloc(64, XG_BYTES(G) * (size_t)T) : NULL;
-    si_xg *xg = G ? malloc(sizeof(si_xg) * (size_t)T) : NULL;
-    const int grouped = xbuf && xg; /* else (no memory, or rows under 4 blocks) block by block */
+    const int grouped = G && x[0].g; /* else (rows under 4 blocks) block by block */
     if (grouped)
-        for (int t = 0; t < T; t++) {
-            xg[t] = q4_xgroups(&x[t], G, xbuf + XG_BYTES(G) * (size_t)t);
-            q4g_order(out + (size_t)t * d_model, G, 0);
-        }
+        for (int t = 0; t < T; t++) q4g_order(out + (size_t)t * d_model, G, 0);
 #define DOTS(rp, R, t, y)                                                                      \
-    (grouped ? q4_dots_g(rp, R, &xg[t], &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes)             \
+    (grouped ? q4_dots_g(rp, R, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes)                     \
              : q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes))
 #define AXPY(rp, h, R, o) (grouped ? q4_axpy_g(rp, h, R, nb, o) : q4_axpy(rp, h, R, nb, o))
 #else
@@ -1149,8 +1287,6 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
 #if SI_PAIRS
     if (grouped)
         for (int t = 0; t < T; t++) q4g_order(out + (size_t)t * d_model, G, 1);
-    free(xbuf);
-    free(xg);
 #endif
 }
 

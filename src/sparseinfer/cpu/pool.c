@@ -45,6 +45,7 @@ int si_block_bytes(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_BYT
 
 typedef void (*rows_fn)(int, const uint8_t *, size_t, int, const si_xq *, int, float *);
 typedef void (*quant_fn)(const float *, int, int8_t *, float *, float *);
+typedef int (*xgroups_fn)(const si_xq *, int, uint8_t *);
 typedef void (*sparse_fn)(const uint8_t *, size_t, int, const int32_t *, int, const si_xq *, int,
                           int, int, int, const float *, float *);
 
@@ -55,6 +56,7 @@ typedef void (*rows_multi_fn)(int, const uint8_t *, size_t, int, const si_xq *, 
                               int64_t);
 static rows_multi_fn g_rows_multi;
 static quant_fn g_quant;
+static xgroups_fn g_xgroups;
 static sparse_fn g_sparse;
 typedef void (*attend_fn)(const float *, const float *, const float *, int, int, float, float *,
                           float *);
@@ -100,6 +102,7 @@ int si_set_isa(int isa) {
     g_rows = PICK(si_rows);
     g_rows_multi = PICK(si_rows_multi);
     g_quant = PICK(si_quantize_x);
+    g_xgroups = PICK(si_xgroups);
     g_sparse = PICK(si_sparse_q4);
     g_attend = PICK(si_attend_head);
     g_glu = PICK(si_glu);
@@ -279,11 +282,18 @@ static void pool_run(chunk_fn fn, const void *job, int64_t n_chunks) {
 static struct {
     int8_t *q;
     float *d, *s;
+    uint8_t *g; /* si_xgroups' rearranged copies */
     si_xq *xq;
-    size_t cap_q, cap_b, cap_t;
+    size_t cap_q, cap_b, cap_t, cap_g;
 } S;
 
-static int scratch(size_t nq, size_t nb, size_t nt) {
+static int scratch(size_t nq, size_t nb, size_t nt, size_t ng) {
+    if (ng > S.cap_g) {
+        free(S.g);
+        S.g = aligned_alloc(64, (ng + 63) / 64 * 64);
+        S.cap_g = S.g ? ng : 0;
+        if (!S.g) return ENOMEM;
+    }
     if (nq > S.cap_q) {
         free(S.q);
         S.q = aligned_alloc(64, (nq + 63) / 64 * 64);
@@ -309,8 +319,9 @@ static int scratch(size_t nq, size_t nb, size_t nt) {
 
 /* Quantize T rows of x [T, cols] into the scratch; S.xq[t] describes row t. */
 static int quantize_rows(const float *x, int64_t T, int cols, int need_q) {
-    const size_t nb = (size_t)cols / 32;
-    int err = scratch(need_q ? (size_t)T * cols : 1, need_q ? (size_t)T * nb : 1, (size_t)T);
+    const size_t nb = (size_t)cols / 32, ng = SI_XG_BYTES(cols / 128);
+    int err = scratch(need_q ? (size_t)T * cols : 1, need_q ? (size_t)T * nb : 1, (size_t)T,
+                      need_q && ng ? (size_t)T * ng : 1);
     if (err) return err;
     for (int64_t t = 0; t < T; t++) {
         si_xq *xq = &S.xq[t];
@@ -318,7 +329,11 @@ static int quantize_rows(const float *x, int64_t T, int cols, int need_q) {
         xq->q = S.q + t * (size_t)cols;
         xq->d = S.d + t * nb;
         xq->s = S.s + t * nb;
-        if (need_q) g_quant(xq->f, cols, S.q + t * (size_t)cols, S.d + t * nb, S.s + t * nb);
+        xq->g = NULL;
+        if (need_q) {
+            g_quant(xq->f, cols, S.q + t * (size_t)cols, S.d + t * nb, S.s + t * nb);
+            if (ng && g_xgroups(xq, cols, S.g + t * ng)) xq->g = S.g + t * ng;
+        }
     }
     return 0;
 }

@@ -26,13 +26,18 @@ enum si_type {
 };
 
 /* One quantized activation vector: q[cols] int8, d[cols/32], s[cols/32]; f the fp32 source (F16
- * weights use it directly). */
+ * weights use it directly); g the same blocks rearranged for the AVX-512 Q4_0/Q4_1 kernels
+ * (si_xgroups: SI_XG_BYTES(cols / 128) bytes), or NULL where the ISA has no use for it. */
 typedef struct {
     const int8_t *q;
     const float *d;
     const float *s;
     const float *f;
+    const uint8_t *g;
 } si_xq;
+
+/* Bytes of si_xgroups' output for G groups of 4 blocks (see kernels.c). */
+#define SI_XG_BYTES(G) ((size_t)(G) * 192)
 
 /* Per-ISA entry points (kernels.c compiled once per ISA with SI_ISA set). */
 #define SI_DECLARE(isa)                                                                        \
@@ -41,6 +46,7 @@ typedef struct {
     void si_rows_##isa(int type, const uint8_t *w, size_t row_bytes, int nrows, const si_xq *x, \
                        int cols, float *y);                                                    \
     void si_quantize_x_##isa(const float *x, int cols, int8_t *q, float *d, float *s);         \
+    int si_xgroups_##isa(const si_xq *x, int cols, uint8_t *out);                              \
     void si_sparse_q4_##isa(const uint8_t *bundles, size_t bundle_bytes, int gated,            \
                             const int32_t *idx, int k, const si_xq *x, int T, int d_model,     \
                             int ga, int ua, const float *bias, float *out);              \
