@@ -208,7 +208,7 @@ def child_llama(job: dict) -> dict:
 
         llama_cpp.llama_model_default_params = params
     t0 = time.perf_counter()
-    llm = Llama(job["path"], n_threads=job["threads"], n_ctx=job["ctx"], verbose=False)
+    llm = Llama(job["path"], n_threads=job["threads"], n_threads_batch=job["threads"], n_ctx=job["ctx"], verbose=False)
     t_load = time.perf_counter() - t0
     ids = llm.tokenize(PROMPT.encode())
     llm.reset()

@@ -152,7 +152,7 @@ def _llama_cpp(path: str, threads: int, n_tokens: int, n_ctx: int) -> dict:
     t_import = time.perf_counter() - t0
     rss0 = _rss_mb()
     t0 = time.perf_counter()
-    llm = Llama(path, n_threads=threads, n_ctx=n_ctx, verbose=False)
+    llm = Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False)
     t_load = time.perf_counter() - t0
     rss_loaded = _rss_mb()
     ids = llm.tokenize(PROMPT.encode())

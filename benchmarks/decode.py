@@ -132,7 +132,7 @@ def _llama_cpp(model, threads: int, n_tokens: int, ppl_chunks: int) -> dict:
     from sparseinfer.data import default_model_path
 
     path = model or default_model_path()
-    llm = Llama(str(path), n_threads=threads, n_ctx=1024, verbose=False,
+    llm = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False,
                 logits_all=bool(ppl_chunks))
     ids = llm.tokenize(PROMPT.encode())
     llm.create_completion(PROMPT[:40], max_tokens=8, temperature=0.0)  # warm-up

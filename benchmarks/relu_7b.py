@@ -308,7 +308,7 @@ def _llama_cpp(path: str, threads: int, n_tokens: int, n_ctx: int) -> dict:
     from sparseinfer.bench import time_llama_cpp
 
     t0 = time.perf_counter()
-    llm = Llama(path, n_threads=threads, n_ctx=n_ctx, verbose=False)
+    llm = Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False)
     t_load = time.perf_counter() - t0
     ids = llm.tokenize(PROMPT.encode())
     llm.eval(ids[:4])  # warm-up
