@@ -667,6 +667,71 @@ INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
     for (int r = 0; r < R; r++) y[r] = hsum(acc[r]);
 }
 
+#if SI_PAIRS
+/* Q6_K in 512-bit registers: per half h of a super-block, ql's 64 bytes give the 4-bit parts of
+ * weights 0..63 (low nibbles) and 64..127 (high nibbles) of the half in order, and qh's 32 bytes
+ * (broadcast to both 256-bit halves) their top 2 bits through a per-word shift (vpsrlvw: bits
+ * 0-1 and 2-3 for the low vector's two halves, 4-5 and 6-7 for the high one's). A vector of 64
+ * weights is then two dpbusd (q . x and 32 . x for the offset), one convert and one FMA with
+ * the lanes' scale products d * scale[16th] * xd[32nd], against four 32-weight steps of the
+ * 256-bit loop. */
+INLINE void rows_q6k_512(const uint8_t *w, size_t rb, const int R, const si_xq *x, int nsb,
+                         float *y, const uint8_t *pf, const int far) {
+    __m512 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
+    const __m512i k32 = _mm512_set1_epi8(32);
+    /* word shift counts: low vector (groups 0, 1) bits 0-1 / 2-3, high vector 4-5 / 6-7 */
+    const __m512i cnt_lo = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    const __m512i cnt_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    /* lane l of vector v (0: low, 1: high) of half h: scale 8h + 4v + l / 4, x block 4h + 2v + l / 8 */
+    __m512i sidx[4], xidx[4];
+    for (int hv = 0; hv < 4; hv++) {
+        int32_t a[16], b[16];
+        for (int l = 0; l < 16; l++) a[l] = 4 * hv + l / 4, b[l] = 2 * hv + l / 8;
+        sidx[hv] = _mm512_loadu_si512((const void *)a);
+        xidx[hv] = _mm512_loadu_si512((const void *)b);
+    }
+    for (int sb = 0; sb < nsb; sb++) {
+        if (pf) prefetch(pf + (size_t)sb * R * 210, R * 210, far);
+        const int8_t *xq = x->q + 256 * (size_t)sb;
+        const __m512 xd8 = _mm512_castps256_ps512(_mm256_loadu_ps(x->d + 8 * (size_t)sb));
+        __m512 xdv[4];
+        __m512i xm[4]; /* 32 * (sum of each lane's 4 x bytes), per vector */
+        for (int hv = 0; hv < 4; hv++) {
+            xdv[hv] = _mm512_permutexvar_ps(xidx[hv], xd8);
+            xm[hv] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k32,
+                                         _mm512_loadu_si512((const void *)(xq + 64 * hv)));
+        }
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (size_t)r * rb + (size_t)sb * 210;
+            const __m512 sc = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 192)))),
+                _mm512_set1_ps(f16(p + 208)));
+            for (int h = 0; h < 2; h++) {
+                const __m512i L = _mm512_loadu_si512((const void *)(p + 64 * h));
+                const __m512i QH = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h)));
+                const __m512i q0 = _mm512_or_si512(
+                    _mm512_and_si512(L, m4),
+                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(QH, cnt_lo), m2), 4));
+                const __m512i q1 = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(QH, cnt_hi), m2), 4));
+                for (int v = 0; v < 2; v++) {
+                    const int hv = 2 * h + v;
+                    const __m512i xv = _mm512_loadu_si512((const void *)(xq + 64 * hv));
+                    const __m512i dot = _mm512_sub_epi32(
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), v ? q1 : q0, xv), xm[hv]);
+                    const __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(sidx[hv], sc), xdv[hv]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
 /* ------------------------------------------------------------------ F16 rows, fp32 x */
 
 INLINE void rows_f16(const uint8_t *w, size_t rb, const int R, const si_xq *x, int cols, float *y,
@@ -747,8 +812,13 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
              rows_k45(1, w + r * rb, rb, 1, x, nsb, y + r, NULL, far));
         break;
     case SI_Q6_K:
+#if SI_PAIRS
+        WALK(rows_q6k_512(w + r * rb, rb, 4, x, nsb, y + r, NEXT, far),
+             rows_q6k_512(w + r * rb, rb, 1, x, nsb, y + r, NULL, far));
+#else
         WALK(rows_q6k(w + r * rb, rb, 4, x, nsb, y + r, NEXT, far),
              rows_q6k(w + r * rb, rb, 1, x, nsb, y + r, NULL, far));
+#endif
         break;
     case SI_F16:
         WALK(rows_f16(w + r * rb, rb, 4, x, cols, y + r, NEXT, far),
