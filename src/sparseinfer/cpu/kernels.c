@@ -586,6 +586,61 @@ INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, c
     for (int r = 0; r < R; r++) y[r] = hsum(_mm256_sub_ps(acc[r], accm[r]));
 }
 
+#if SI_PAIRS
+/* Q4_K/Q5_K in 512-bit registers: a pair of sub-blocks (2c, 2c+1: the low and high nibbles of
+ * qs[32c .. 32c+31]) is one vector of 64 weights in x's order: the 32 bytes broadcast to both
+ * halves, shifted per word by 0 or 4 (vpsrlvw) and masked; Q5_K's fifth bits likewise from qh
+ * (bits 2c, 2c+1). One dpbusd, one convert and one FMA per 64 weights, against two of each in
+ * the 256-bit loop. Scales and minima as rows_k45. */
+INLINE void rows_k45_512(const int five, const uint8_t *w, size_t rb, const int R, const si_xq *x,
+                         int nsb, float *y, const uint8_t *pf, const int far) {
+    const int bsize = five ? 176 : 144;
+    __m512 acc[4];
+    __m256 accm[4];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+        accm[r] = _mm256_setzero_ps();
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+    const __m512i cnt_nib = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(4), 1);
+    __m512i cnt_h[4], sidx[4]; /* lane l of pair c: fifth bit 2c + l / 32 (bytes), sub-block 2c + l / 8 */
+    for (int c = 0; c < 4; c++) {
+        cnt_h[c] = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
+        sidx[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
+    }
+    for (int sb = 0; sb < nsb; sb++) {
+        const __m256 xd = _mm256_loadu_ps(x->d + 8 * (size_t)sb);
+        const __m256 xs = _mm256_loadu_ps(x->s + 8 * (size_t)sb);
+        if (pf) prefetch(pf + (size_t)sb * R * bsize, R * bsize, far);
+        const int8_t *xq = x->q + 256 * (size_t)sb;
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (size_t)r * rb + (size_t)sb * bsize;
+            uint64_t sc8, m8;
+            scales_k(p + 4, &sc8, &m8);
+            const __m512 scale = _mm512_castps256_ps512(
+                _mm256_mul_ps(_mm256_mul_ps(bytes8_ps(sc8), xd), _mm256_set1_ps(f16(p))));
+            accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(p + 2))), xs,
+                                      accm[r]);
+            const uint8_t *qs = p + (five ? 48 : 16);
+            const __m512i QH = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16)))
+                                    : _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+                __m512i q = _mm512_and_si512(_mm512_srlv_epi16(v, cnt_nib), m4);
+                if (five)
+                    q = _mm512_or_si512(q, _mm512_slli_epi16(
+                                               _mm512_and_si512(_mm512_srlv_epi16(QH, cnt_h[c]), one), 4));
+                const __m512i dot = _mm512_dpbusd_epi32(
+                    _mm512_setzero_si512(), q, _mm512_loadu_si512((const void *)(xq + 64 * c)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(sidx[c], scale),
+                                         acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) - hsum(accm[r]);
+}
+#endif
+
 #if SI_NARROW
 /* The 8 block sums (sum over 32 weights of scale * (q - 32) * x) of one Q6_K super-block at p
  * against x's 256 bytes, as 8 floats, in 128-bit registers (one register = one 16-weight group,
@@ -803,14 +858,20 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
     case SI_Q5_0: B32(SI_Q5_0, 22); break;
     case SI_Q5_1: B32(SI_Q5_1, 24); break;
     case SI_Q8_0: B32(SI_Q8_0, 34); break;
+#if SI_PAIRS
+#define K45 rows_k45_512
+#else
+#define K45 rows_k45
+#endif
     case SI_Q4_K:
-        WALK(rows_k45(0, w + r * rb, rb, 4, x, nsb, y + r, NEXT, far),
-             rows_k45(0, w + r * rb, rb, 1, x, nsb, y + r, NULL, far));
+        WALK(K45(0, w + r * rb, rb, 4, x, nsb, y + r, NEXT, far),
+             K45(0, w + r * rb, rb, 1, x, nsb, y + r, NULL, far));
         break;
     case SI_Q5_K:
-        WALK(rows_k45(1, w + r * rb, rb, 4, x, nsb, y + r, NEXT, far),
-             rows_k45(1, w + r * rb, rb, 1, x, nsb, y + r, NULL, far));
+        WALK(K45(1, w + r * rb, rb, 4, x, nsb, y + r, NEXT, far),
+             K45(1, w + r * rb, rb, 1, x, nsb, y + r, NULL, far));
         break;
+#undef K45
     case SI_Q6_K:
 #if SI_PAIRS
         WALK(rows_q6k_512(w + r * rb, rb, 4, x, nsb, y + r, NEXT, far),
