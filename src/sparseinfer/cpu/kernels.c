@@ -424,16 +424,17 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
 }
 
 #if SI_PAIRS
-/* The last nb - 4G blocks of one Q4_0/Q4_1 row at p against x, one block at a time (as rows_b32's
- * tail): the part of the row's sum that the groups of 4 (rows_q4g, multi_q4g) leave. */
+/* The last nb - 4G blocks of one Q4_0/Q4_1/Q5_0 row at p against x, one block at a time (as
+ * rows_b32's tail): the part of the row's sum that the groups of 4 (rows_q4g, multi_q4g,
+ * rows_q50g) leave. */
 INLINE float q4g_tail(const int type, const uint8_t *p, const si_xq *x, const int G, const int nb) {
-    const int bsize = type == SI_Q4_0 ? 18 : 20;
+    const int bsize = type == SI_Q4_0 ? 18 : type == SI_Q4_1 ? 20 : 22;
     __m256 acc = _mm256_setzero_ps();
     float cs = 0.0f;
     for (int b = 4 * G; b < nb; b++) {
         const uint8_t *pb = p + (size_t)b * bsize;
         const float dw = f16(pb);
-        cs += (type == SI_Q4_1 ? f16(pb + 2) : -8.0f * dw) * x->s[b];
+        cs += (type == SI_Q4_1 ? f16(pb + 2) : (type == SI_Q5_0 ? -16.0f : -8.0f) * dw) * x->s[b];
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_b32(type, pb, loadx(x, b))),
                               _mm256_set1_ps(dw * x->d[b]), acc);
     }
@@ -467,6 +468,53 @@ INLINE void rows_q4g(const int type, const uint8_t *w, size_t rb, const int R, c
     for (int r = 0; r < R; r++)
         y[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(accm[r]) +
                q4g_tail(type, w + (size_t)r * rb, x, G, nb);
+}
+/* R Q5_0 rows against x (x->g set) in groups of 4 blocks (88 bytes): the quant bytes and
+ * scales gathered as for Q4_0 (the second load 32 bytes at byte 56), each block's 32 fifth bits
+ * turned into two byte masks (elements 0..15 and 16..31 of the 4 blocks) that add 16 where set;
+ * the zero point (16) through twice x's z. */
+INLINE void rows_q50g(const uint8_t *w, size_t rb, const int R, const si_xq *x, int nb, float *y,
+                      const uint8_t *pf, const int far) {
+    const int G = nb / 4;
+    int16_t qv[32], dv[32];
+    for (int j = 0; j < 32; j++) {
+        const int wd = 11 * (j / 8) + 3 + j % 8;
+        qv[j] = (int16_t)(wd < 32 ? wd : 32 + wd - 28);
+        const int dw = 11 * ((j % 16) / 4); /* block 3's scale (word 33) is in the second load */
+        dv[j] = (int16_t)(dw < 32 ? dw : 32 + dw - 28);
+    }
+    const __m512i qidx = _mm512_loadu_si512((const void *)qv), didx = _mm512_loadu_si512((const void *)dv);
+    const __m512i lb = lane_block(), k16 = _mm512_set1_epi8(16);
+    __m512 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        if (pf) prefetch(pf + (size_t)g * R * 88, R * 88, far);
+        const uint8_t *xg = xg_at(x, g);
+        const __m512i z = xg_z(xg), z16 = _mm512_add_epi32(z, z);
+        const __m512 xd = xg_f4(xg, XG_D, lb);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (size_t)r * rb + (size_t)g * 88;
+            const __m512i a = _mm512_loadu_si512((const void *)p);
+            const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 56)));
+            const __m512i q = _mm512_permutex2var_epi16(a, qidx, b);
+            uint64_t mlo = 0, mhi = 0;
+            for (int k = 0; k < 4; k++) {
+                uint32_t h;
+                memcpy(&h, p + 22 * k + 2, 4);
+                mlo |= (uint64_t)(h & 0xFFFFu) << (16 * k);
+                mhi |= (uint64_t)(h >> 16) << (16 * k);
+            }
+            __m512i lo = nib_lo(q), hi = nib_hi(q);
+            lo = _mm512_mask_add_epi8(lo, (__mmask64)mlo, lo, k16);
+            hi = _mm512_mask_add_epi8(hi, (__mmask64)mhi, hi, k16);
+            const __m512 dwv = _mm512_cvtph_ps(
+                _mm512_castsi512_si256(_mm512_permutex2var_epi16(a, didx, b)));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4g_dot(lo, hi, z16, xg)),
+                                     _mm512_mul_ps(dwv, xd), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        y[r] = _mm512_reduce_add_ps(acc[r]) + q4g_tail(SI_Q5_0, w + (size_t)r * rb, x, G, nb);
 }
 #endif
 
@@ -845,9 +893,13 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
 #define Q4G(T)                                                                                 \
     WALK(rows_q4g(T, w + r * rb, rb, 4, x, nb, y + r, NEXT, far),                              \
          rows_q4g(T, w + r * rb, rb, 1, x, nb, y + r, NULL, far))
-    if (x->g && nb >= 4 && (type == SI_Q4_0 || type == SI_Q4_1)) { /* groups of 4 blocks */
+    if (x->g && nb >= 4 && (type == SI_Q4_0 || type == SI_Q4_1 || type == SI_Q5_0)) {
+        /* groups of 4 blocks */
         if (type == SI_Q4_0) Q4G(SI_Q4_0);
-        else Q4G(SI_Q4_1);
+        else if (type == SI_Q4_1) Q4G(SI_Q4_1);
+        else
+            WALK(rows_q50g(w + r * rb, rb, 4, x, nb, y + r, NEXT, far),
+                 rows_q50g(w + r * rb, rb, 1, x, nb, y + r, NULL, far));
         return;
     }
 #undef Q4G
