@@ -28,7 +28,7 @@ ISAS = ["avx2", "avx2_128", "avx512"]
 # fp16 fields (byte offsets) of the K-quant blocks, set to small positive scales
 K_FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 GGUF_QUANTIZES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
-SHAPES_32 = [(1, 32), (3, 96), (7, 288), (37, 160), (130, 64)]
+SHAPES_32 = [(1, 32), (3, 96), (7, 288), (37, 160), (130, 64), (5, 1056)]  # 1056: 33 blocks
 SHAPES_256 = [(1, 256), (5, 512), (37, 256), (66, 768)]
 
 

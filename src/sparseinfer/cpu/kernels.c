@@ -516,6 +516,66 @@ INLINE void rows_q50g(const uint8_t *w, size_t rb, const int R, const si_xq *x, 
     for (int r = 0; r < R; r++)
         y[r] = _mm512_reduce_add_ps(acc[r]) + q4g_tail(SI_Q5_0, w + (size_t)r * rb, x, G, nb);
 }
+/* Q8_0 rows two blocks (68 bytes) per 512-bit step: a word permute gathers the pair's 64 quant
+ * bytes from a 64-byte and a 16-byte load, a sign flip (xor 0x80) makes them unsigned for one
+ * dpbusd, from which 128 times x's sums (one dpbusd per step, shared by the rows) is taken back;
+ * one convert and one FMA with the pair's scale products. The last block of an odd row as
+ * rows_b32 does it. */
+INLINE void rows_q8_512(const uint8_t *w, size_t rb, const int R, const si_xq *x, int nb,
+                        float *y, const uint8_t *pf, const int far) {
+    int16_t qv[32], dv[32];
+    for (int j = 0; j < 32; j++) {
+        const int wd = j < 16 ? 1 + j : 18 + j - 16; /* block 1's quants: words 18..33 */
+        qv[j] = (int16_t)(wd < 32 ? wd : 32 + wd - 26); /* the 16-byte load at byte 52: word 26 */
+        dv[j] = (int16_t)(j % 16 < 8 ? 0 : 17);
+    }
+    const __m512i qidx = _mm512_loadu_si512((const void *)qv), didx = _mm512_loadu_si512((const void *)dv);
+    const __m512i k80 = _mm512_set1_epi8((char)0x80);
+    __m512 acc[4];
+    __m256 acc8[4];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+        acc8[r] = _mm256_setzero_ps();
+    }
+#define Q8_PAIR(P, XV, ZX, XD, A)                                                              \
+    do {                                                                                       \
+        const __m512i a_ = _mm512_loadu_si512((const void *)(P));                             \
+        const __m512i c_ = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)((P) + 52))); \
+        const __m512i q_ = _mm512_xor_si512(_mm512_permutex2var_epi16(a_, qidx, c_), k80);    \
+        const __m512i d_ = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q_, XV), ZX); \
+        const __m512 w_ = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(didx, a_))); \
+        A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d_), _mm512_mul_ps(w_, XD), A);                 \
+    } while (0)
+#define Q8_X(b, XV, ZX, XD)                                                                    \
+    const __m512i XV = _mm512_loadu_si512((const void *)(x->q + 32 * (size_t)(b)));           \
+    const __m512i ZX = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k80, XV);                  \
+    const __m512 XD = _mm512_castpd_ps(_mm512_insertf64x4(                                     \
+        _mm512_castps_pd(_mm512_set1_ps(x->d[b])), _mm256_castps_pd(_mm256_set1_ps(x->d[(b) + 1])), 1))
+    int b = 0;
+    for (; b + 4 <= nb; b += 4) { /* 4 blocks of a row before the next row: longer runs per stream */
+        if (pf) prefetch(pf + (size_t)b * R * 34, 4 * R * 34, far);
+        Q8_X(b, x0, z0, d0);
+        Q8_X(b + 2, x1, z1, d1);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (size_t)r * rb + (size_t)b * 34;
+            Q8_PAIR(p, x0, z0, d0, acc[r]);
+            Q8_PAIR(p + 68, x1, z1, d1, acc[r]);
+        }
+    }
+    for (; b + 2 <= nb; b += 2) {
+        Q8_X(b, x0, z0, d0);
+        for (int r = 0; r < R; r++) Q8_PAIR(w + (size_t)r * rb + (size_t)b * 34, x0, z0, d0, acc[r]);
+    }
+#undef Q8_X
+#undef Q8_PAIR
+    if (b < nb)
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (size_t)r * rb + (size_t)b * 34;
+            acc8[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_b32(SI_Q8_0, p, loadx(x, b))),
+                                      _mm256_set1_ps(f16(p) * x->d[b]), acc8[r]);
+        }
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) + hsum(acc8[r]);
+}
 #endif
 
 /* ------------------------------------------------------------------ K-quants (256 weights) */
@@ -909,7 +969,19 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
     case SI_Q4_1: B32(SI_Q4_1, 20); break;
     case SI_Q5_0: B32(SI_Q5_0, 22); break;
     case SI_Q5_1: B32(SI_Q5_1, 24); break;
-    case SI_Q8_0: B32(SI_Q8_0, 34); break;
+    case SI_Q8_0:
+#if SI_PAIRS
+        /* rows of at most 1024 columns (Gemma's and SmolLM2's heads, SmolLM2's layers) go in
+         * pairs; longer ones streamed from memory by one thread ran 4-9% faster through the
+         * 256-bit loop (benchmarks/RESULTS.md, Zen 5) */
+        if (nb <= 32) {
+            WALK(rows_q8_512(w + r * rb, rb, 4, x, nb, y + r, NEXT, far),
+                 rows_q8_512(w + r * rb, rb, 1, x, nb, y + r, NULL, far));
+            break;
+        }
+#endif
+        B32(SI_Q8_0, 34);
+        break;
 #if SI_PAIRS
 #define K45 rows_k45_512
 #else
@@ -1333,7 +1405,7 @@ INLINE void q4_dots_g(const uint8_t *const *rp, const int R, const si_xq *x, int
     if (nb > 4 * G) {
         const uint8_t *tp[8];
         for (int r = 0; r < R; r++) tp[r] = rp[r] + 72 * (size_t)G;
-        const si_xq xt = {x->q + 128 * (size_t)G, x->d + 4 * (size_t)G, x->s + 4 * (size_t)G, NULL};
+        const si_xq xt = {x->q + 128 * (size_t)G, x->d + 4 * (size_t)G, x->s + 4 * (size_t)G, NULL, NULL};
         q4_dots(tp, R, &xt, nb - 4 * G, tail, NULL, 0, 0);
     }
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];
