@@ -1,10 +1,11 @@
 /* Row kernels over native GGUF blocks, compiled once per instruction set (SI_ISA = avx2,
- * avx512 or avx2_128; the build passes the matching -m flags). Most of it is 256-bit wide: the
- * AVX-512 build differs in its integer dot product (VNNI vpdpbusd on 256-bit registers,
- * AVX512-VL), which replaces the two-instruction AVX2 sequence (vpmaddubsw + vpmaddwd) and cannot
- * saturate, and in two 4-bit blocks per 512-bit step (SI_PAIRS); the avx2_128 build (SI_NARROW)
- * works the blocks in 128-bit registers, for CPUs whose vector units split 256-bit
- * instructions.
+ * avx512 or avx2_128; the build passes the matching -m flags). Most of it is 256-bit wide; the
+ * AVX-512 build (SI_PAIRS) has its integer dot product in VNNI vpdpbusd, which replaces the
+ * two-instruction AVX2 sequence (vpmaddubsw + vpmaddwd) and cannot saturate, and 512-bit kernels
+ * of its own: Q4_0/Q4_1/Q5_0 in groups of 4 blocks against x rearranged once per row
+ * (si_xgroups), Q4_K/Q5_K/Q6_K 64 weights per vector, short Q8_0 rows two blocks per step, and
+ * the sparse Q4_0 bundles in groups of 4; the avx2_128 build (SI_NARROW) works the blocks in
+ * 128-bit registers, for CPUs whose vector units split 256-bit instructions.
  *
  * A row kernel walks R rows (4, or 1 for the tail) side by side, block by block, so R weight
  * streams are in flight and each activation block is loaded once for all of them. Per block of
