@@ -162,7 +162,7 @@ INLINE void pairs_q4(const uint8_t *q, const int bsize, const int8_t *xq, __m256
  * the 8 x bytes lane l multiplies: Q4_0's zero point, put in the integer sums), d float[4] (the
  * blocks' scales), s4 float[4] (a quarter of the blocks' sum terms s: Q4_1's minima). One
  * contiguous stream per x row, 176 bytes of it read per group. */
-#define XG_STRIDE 192
+#define XG_STRIDE ((int)SI_XG_BYTES(1)) /* 192 */
 #define XG_LO 0
 #define XG_HI 64
 #define XG_Z 128
