@@ -28,7 +28,8 @@ ISAS = ["avx2", "avx2_128", "avx512"]
 # fp16 fields (byte offsets) of the K-quant blocks, set to small positive scales
 K_FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 GGUF_QUANTIZES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
-SHAPES_32 = [(1, 32), (3, 96), (7, 288), (37, 160), (130, 64), (5, 1056)]  # 1056: 33 blocks
+# 288, 160, 224, 1056: groups of 4 blocks and a last partial group of 1, 1, 3, 1 (AVX-512)
+SHAPES_32 = [(1, 32), (3, 96), (7, 288), (37, 160), (130, 64), (9, 224), (5, 1056)]
 SHAPES_256 = [(1, 256), (5, 512), (37, 256), (66, 768)]
 
 
@@ -145,11 +146,12 @@ def test_multi_matrix_call_shares_input(isa, threads):
                                pytest.param(17, marks=pytest.mark.slow)])
 def test_gemm_matches_reference(type_name, T, isa, threads):
     """Q4_0/Q4_1 rows take the AVX-512 kernel that gathers each group of 4 blocks once for up to
-    8 rows of x (576 columns: 4 groups and 2 blocks one at a time), Q4_0..Q5_1 the avx2_128 and
+    8 rows of x (576 columns: 4 groups and a partial one of 2 blocks), Q4_0..Q5_1 the avx2_128 and
     plain AVX2 ones that unpack each group of 8 blocks once (T = 8, 9, 17 cross their groups);
     every type gives each row of the batch exactly the GEMV of that token."""
     rng = np.random.default_rng(T)
-    rows, cols = 37, 512 if T % 2 else 576  # 576: 18 blocks, two past the last group of 8
+    # 576: 18 blocks, two past the last group of 8 (AVX-512: of 4); 224: 7 blocks, 3 past a group of 4
+    rows, cols = 37, 576 if T % 2 == 0 else 224 if T == 9 else 512
     if type_name in ("Q4_K", "Q6_K"):
         cols = 512
     mat = cpu.QuantMatrix(type_name, random_raw(type_name, rows, cols, rng), rows, cols)

@@ -211,6 +211,19 @@ INLINE __m512i q4g_quants(const uint8_t *p, const int bsize, __m512i qidx, __m51
     const __m512i b = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + 4 * bsize - 16)));
     return _mm512_permutex2var_epi16(*a, qidx, b);
 }
+/* The bytes [off, off + 64) of a partial group of n bytes at p, zero past n (masked: nothing
+ * past the row is read). */
+INLINE __m512i load_part(const uint8_t *p, const int off, const int n) {
+    const int k = n - off <= 0 ? 0 : n - off >= 64 ? 64 : n - off;
+    const __mmask64 m = k == 64 ? ~(__mmask64)0 : (((__mmask64)1 << k) - 1);
+    return _mm512_maskz_loadu_epi8(m, (const void *)(p + off));
+}
+/* q4g_quants for the last, partial group of a row: rem (1..3) blocks, the rest read as zero. */
+INLINE __m512i q4g_quants_part(const uint8_t *p, const int bsize, const int rem, __m512i qidx,
+                               __m512i *a) {
+    *a = load_part(p, 0, rem * bsize);
+    return _mm512_permutex2var_epi16(*a, qidx, load_part(p, 4 * bsize - 16, rem * bsize));
+}
 /* The int32 dot products of a group's quants q with x's group: 16 lanes, 4 per block, starting
  * from z (Q4_0: -8 * x's sums, so the zero point is in the integers; Q4_1: zero). */
 INLINE __m512i q4g_dot(__m512i lo, __m512i hi, __m512i z, const uint8_t *xg) {
@@ -224,15 +237,18 @@ INLINE __m512i nib_hi(__m512i q) {
 }
 #endif
 
-/* x's blocks rearranged for the groups of 4 (XG_STRIDE above) into out (SI_XG_BYTES(cols / 128)
- * bytes); returns 1, or 0 where this ISA does not use them. */
+/* x's blocks rearranged for the groups of 4 (XG_STRIDE above) into out (SI_XG_BYTES of
+ * ceil(cols / 128) groups: a last partial group is padded with zero blocks, whose products are
+ * zero); returns 1, or 0 where this ISA does not use them. */
 int FN(si_xgroups)(const si_xq *x, int cols, uint8_t *out) {
 #if SI_PAIRS
-    for (int g = 0; g < cols / 128; g++) {
+    const int nb = cols / 32;
+    for (int g = 0; g < (nb + 3) / 4; g++) { /* a last partial group padded with zero blocks */
         uint8_t *o = out + (size_t)XG_STRIDE * g;
-        int16_t z[16];
-        float d[4], s4[4];
-        for (int k = 0; k < 4; k++) {
+        int16_t z[16] = {0};
+        float d[4] = {0}, s4[4] = {0};
+        memset(o, 0, XG_Z);
+        for (int k = 0; k < 4 && 4 * g + k < nb; k++) {
             const int8_t *q = x->q + 32 * (size_t)(4 * g + k);
             memcpy(o + XG_LO + 16 * k, q, 16);
             memcpy(o + XG_HI + 16 * k, q + 16, 16);
@@ -425,50 +441,34 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
 }
 
 #if SI_PAIRS
-/* The last nb - 4G blocks of one Q4_0/Q4_1/Q5_0 row at p against x, one block at a time (as
- * rows_b32's tail): the part of the row's sum that the groups of 4 (rows_q4g, multi_q4g,
- * rows_q50g) leave. */
-INLINE float q4g_tail(const int type, const uint8_t *p, const si_xq *x, const int G, const int nb) {
-    const int bsize = type == SI_Q4_0 ? 18 : type == SI_Q4_1 ? 20 : 22;
-    __m256 acc = _mm256_setzero_ps();
-    float cs = 0.0f;
-    for (int b = 4 * G; b < nb; b++) {
-        const uint8_t *pb = p + (size_t)b * bsize;
-        const float dw = f16(pb);
-        cs += (type == SI_Q4_1 ? f16(pb + 2) : (type == SI_Q5_0 ? -16.0f : -8.0f) * dw) * x->s[b];
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_b32(type, pb, loadx(x, b))),
-                              _mm256_set1_ps(dw * x->d[b]), acc);
-    }
-    return hsum(acc) + cs;
-}
-
 /* R Q4_0/Q4_1 rows against x (x->g set) in groups of 4 blocks (see XG_STRIDE): per group and row
  * one gather, two dpbusd (Q4_0's zero point is in the integers: they start from x's z), one
  * convert and one FMA with the 16 lanes' scale products; Q4_1's minima go through x's s4. */
 INLINE void rows_q4g(const int type, const uint8_t *w, size_t rb, const int R, const si_xq *x,
                      int nb, float *y, const uint8_t *pf, const int far) {
-    const int bsize = type == SI_Q4_0 ? 18 : 20, G = nb / 4;
+    const int bsize = type == SI_Q4_0 ? 18 : 20, G = nb / 4, rem = nb % 4;
     const __m512i qidx = q4g_qidx(bsize), didx = q4g_didx(bsize, 0), midx = q4g_didx(bsize, 1);
     const __m512i lb = lane_block();
     __m512 acc[4], accm[4];
     for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm512_setzero_ps();
-    for (int g = 0; g < G; g++) {
+    for (int g = 0; g < G + (rem > 0); g++) {
         if (pf) prefetch(pf + (size_t)g * R * 4 * bsize, 4 * R * bsize, far);
         const uint8_t *xg = xg_at(x, g);
         const __m512i z = type == SI_Q4_0 ? xg_z(xg) : _mm512_setzero_si512();
         const __m512 xd = xg_f4(xg, XG_D, lb);
         const __m512 xs = type == SI_Q4_1 ? xg_f4(xg, XG_S4, lb) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (size_t)r * rb + (size_t)g * 4 * bsize;
             __m512i a;
-            const __m512i q = q4g_quants(w + (size_t)r * rb + (size_t)g * 4 * bsize, bsize, qidx, &a);
+            const __m512i q = g < G ? q4g_quants(p, bsize, qidx, &a)
+                                    : q4g_quants_part(p, bsize, rem, qidx, &a);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4g_dot(nib_lo(q), nib_hi(q), z, xg)),
                                      _mm512_mul_ps(q4g_halfs(a, didx), xd), acc[r]);
             if (type == SI_Q4_1) accm[r] = _mm512_fmadd_ps(q4g_halfs(a, midx), xs, accm[r]);
         }
     }
     for (int r = 0; r < R; r++)
-        y[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(accm[r]) +
-               q4g_tail(type, w + (size_t)r * rb, x, G, nb);
+        y[r] = _mm512_reduce_add_ps(type == SI_Q4_1 ? _mm512_add_ps(acc[r], accm[r]) : acc[r]);
 }
 /* R Q5_0 rows against x (x->g set) in groups of 4 blocks (88 bytes): the quant bytes and
  * scales gathered as for Q4_0 (the second load 32 bytes at byte 56), each block's 32 fifth bits
@@ -476,7 +476,7 @@ INLINE void rows_q4g(const int type, const uint8_t *w, size_t rb, const int R, c
  * the zero point (16) through twice x's z. */
 INLINE void rows_q50g(const uint8_t *w, size_t rb, const int R, const si_xq *x, int nb, float *y,
                       const uint8_t *pf, const int far) {
-    const int G = nb / 4;
+    const int G = nb / 4, rem = nb % 4;
     int16_t qv[32], dv[32];
     for (int j = 0; j < 32; j++) {
         const int wd = 11 * (j / 8) + 3 + j % 8;
@@ -488,18 +488,20 @@ INLINE void rows_q50g(const uint8_t *w, size_t rb, const int R, const si_xq *x, 
     const __m512i lb = lane_block(), k16 = _mm512_set1_epi8(16);
     __m512 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int g = 0; g < G; g++) {
+    for (int g = 0; g < G + (rem > 0); g++) { /* a last partial group read as zero past the row */
         if (pf) prefetch(pf + (size_t)g * R * 88, R * 88, far);
+        const int nk = g < G ? 4 : rem;
         const uint8_t *xg = xg_at(x, g);
         const __m512i z = xg_z(xg), z16 = _mm512_add_epi32(z, z);
         const __m512 xd = xg_f4(xg, XG_D, lb);
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)g * 88;
-            const __m512i a = _mm512_loadu_si512((const void *)p);
-            const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 56)));
+            const __m512i a = g < G ? _mm512_loadu_si512((const void *)p) : load_part(p, 0, 22 * rem);
+            const __m512i b = g < G ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 56)))
+                                    : load_part(p, 56, 22 * rem);
             const __m512i q = _mm512_permutex2var_epi16(a, qidx, b);
             uint64_t mlo = 0, mhi = 0;
-            for (int k = 0; k < 4; k++) {
+            for (int k = 0; k < nk; k++) {
                 uint32_t h;
                 memcpy(&h, p + 22 * k + 2, 4);
                 mlo |= (uint64_t)(h & 0xFFFFu) << (16 * k);
@@ -514,8 +516,7 @@ INLINE void rows_q50g(const uint8_t *w, size_t rb, const int R, const si_xq *x, 
                                      _mm512_mul_ps(dwv, xd), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++)
-        y[r] = _mm512_reduce_add_ps(acc[r]) + q4g_tail(SI_Q5_0, w + (size_t)r * rb, x, G, nb);
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]);
 }
 /* Q8_0 rows two blocks (68 bytes) per 512-bit step: a word permute gathers the pair's 64 quant
  * bytes from a 64-byte and a 16-byte load, a sign flip (xor 0x80) makes them unsigned for one
@@ -1098,14 +1099,16 @@ INLINE void multi_q4(const int type, const uint8_t *p, const si_xq *x, const int
  * y[t * ys] for t < nt. */
 INLINE void multi_q4g(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
                       float *y, const int64_t ys) {
-    const int bsize = type == SI_Q4_0 ? 18 : 20, G = nb / 4;
+    const int bsize = type == SI_Q4_0 ? 18 : 20, G = nb / 4, rem = nb % 4;
     const __m512i qidx = q4g_qidx(bsize), didx = q4g_didx(bsize, 0), midx = q4g_didx(bsize, 1);
     const __m512i lb = lane_block();
     __m512 acc[MULTI_T], accm[MULTI_T];
     for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
-    for (int g = 0; g < G; g++) {
+    for (int g = 0; g < G + (rem > 0); g++) {
         __m512i a;
-        const __m512i q = q4g_quants(p + (size_t)g * 4 * bsize, bsize, qidx, &a);
+        const uint8_t *pg = p + (size_t)g * 4 * bsize;
+        const __m512i q = g < G ? q4g_quants(pg, bsize, qidx, &a)
+                                : q4g_quants_part(pg, bsize, rem, qidx, &a);
         const __m512i lo = nib_lo(q), hi = nib_hi(q);
         const __m512 dw = q4g_halfs(a, didx);
         const __m512 mw = type == SI_Q4_1 ? q4g_halfs(a, midx) : _mm512_setzero_ps();
@@ -1118,8 +1121,7 @@ INLINE void multi_q4g(const int type, const uint8_t *p, const si_xq *x, const in
         }
     }
     for (int t = 0; t < nt; t++)
-        y[t * ys] = _mm512_reduce_add_ps(acc[t]) + _mm512_reduce_add_ps(accm[t]) +
-                    q4g_tail(type, p, &x[t], G, nb);
+        y[t * ys] = _mm512_reduce_add_ps(type == SI_Q4_1 ? _mm512_add_ps(acc[t], accm[t]) : acc[t]);
 }
 #endif
 

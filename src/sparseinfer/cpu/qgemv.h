@@ -27,7 +27,7 @@ enum si_type {
 
 /* One quantized activation vector: q[cols] int8, d[cols/32], s[cols/32]; f the fp32 source (F16
  * weights use it directly); g the same blocks rearranged in groups of 4 for the AVX-512
- * Q4_0/Q4_1/Q5_0 and sparse Q4_0 kernels (si_xgroups: SI_XG_BYTES(cols / 128) bytes), or NULL
+ * Q4_0/Q4_1/Q5_0 and sparse Q4_0 kernels (si_xgroups: SI_XG_BYTES of ceil(cols / 128) groups), or NULL
  * where the ISA has no use for it. */
 typedef struct {
     const int8_t *q;
