@@ -1125,6 +1125,53 @@ INLINE void multi_q4g(const int type, const uint8_t *p, const si_xq *x, const in
 }
 #endif
 
+#if SI_PAIRS
+/* One Q8_0 row of at most 1024 columns against nt <= MULTI_T x rows: each pair of blocks gathered
+ * once (as rows_q8_512) for every x row, every x row's result its GEMV's bit for bit (the same
+ * operations in the same order). y[t * ys] for t < nt. */
+INLINE void multi_q8(const uint8_t *p, const si_xq *x, const int nt, const int nb, float *y,
+                     const int64_t ys) {
+    int16_t qv[32], dv[32];
+    for (int j = 0; j < 32; j++) {
+        const int wd = j < 16 ? 1 + j : 18 + j - 16;
+        qv[j] = (int16_t)(wd < 32 ? wd : 32 + wd - 26);
+        dv[j] = (int16_t)(j % 16 < 8 ? 0 : 17);
+    }
+    const __m512i qidx = _mm512_loadu_si512((const void *)qv), didx = _mm512_loadu_si512((const void *)dv);
+    const __m512i k80 = _mm512_set1_epi8((char)0x80);
+    __m512 acc[MULTI_T];
+    __m256 acc8[MULTI_T];
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm512_setzero_ps();
+        acc8[t] = _mm256_setzero_ps();
+    }
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *pb = p + (size_t)b * 34;
+        const __m512i a = _mm512_loadu_si512((const void *)pb);
+        const __m512i c = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(pb + 52)));
+        const __m512i q = _mm512_xor_si512(_mm512_permutex2var_epi16(a, qidx, c), k80);
+        const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(didx, a)));
+        for (int t = 0; t < nt; t++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(x[t].q + 32 * (size_t)b));
+            const __m512i zx = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k80, xv);
+            const __m512 xd = _mm512_castpd_ps(_mm512_insertf64x4(
+                _mm512_castps_pd(_mm512_set1_ps(x[t].d[b])),
+                _mm256_castps_pd(_mm256_set1_ps(x[t].d[b + 1])), 1));
+            const __m512i dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv), zx);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xd), acc[t]);
+        }
+    }
+    if (b < nb)
+        for (int t = 0; t < nt; t++) {
+            const uint8_t *pb = p + (size_t)b * 34;
+            acc8[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_b32(SI_Q8_0, pb, loadx(&x[t], b))),
+                                      _mm256_set1_ps(f16(pb) * x[t].d[b]), acc8[t]);
+        }
+    for (int t = 0; t < nt; t++) y[t * ys] = _mm512_reduce_add_ps(acc[t]) + hsum(acc8[t]);
+}
+#endif
+
 #if !SI_PAIRS
 /* The end of a Q4_0..Q5_1 GEMM row (multi_b32_128, multi_b32_256), as rows_b32 ends: the last
  * nb % 8 blocks one at a time into acc[t], then y[t * ys] from acc[t] and the zero-point sums
@@ -1236,8 +1283,38 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
     if ((type == SI_Q4_0 || type == SI_Q4_1) && x[0].g && cols >= 128) {
         for (int t0 = 0; t0 < T; t0 += MULTI_T) {
             const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
-            for (int r = 0; r < nrows; r++)
-                multi_q4g(type, w + (size_t)r * rb, x + t0, nt, cols / 32, y + t0 * ys + r, ys);
+            /* the row count and the type as constants: a run-time count left the x-row loop
+             * rolled up with its accumulators on the stack (1.8x slower, benchmarks/RESULTS.md) */
+#define MQ(TY, N)                                                                              \
+    for (int r = 0; r < nrows; r++)                                                            \
+        multi_q4g(TY, w + (size_t)r * rb, x + t0, N, cols / 32, y + t0 * ys + r, ys)
+#define MQN(N)                                                                                 \
+    case N:                                                                                    \
+        if (type == SI_Q4_0) MQ(SI_Q4_0, N);                                                   \
+        else MQ(SI_Q4_1, N);                                                                   \
+        break
+            switch (nt) {
+                MQN(1); MQN(2); MQN(3); MQN(4); MQN(5); MQN(6); MQN(7); MQN(8);
+            default: MQ(type, nt); /* not reached: nt <= MULTI_T = 8 */
+            }
+#undef MQN
+#undef MQ
+        }
+        return;
+    }
+    if (type == SI_Q8_0 && cols <= 1024) { /* the rows si_rows takes two blocks at a time */
+        for (int t0 = 0; t0 < T; t0 += MULTI_T) {
+            const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
+#define M8(N)                                                                                  \
+    case N:                                                                                    \
+        for (int r = 0; r < nrows; r++)                                                        \
+            multi_q8(w + (size_t)r * rb, x + t0, N, cols / 32, y + t0 * ys + r, ys);           \
+        break
+            switch (nt) {
+                M8(1); M8(2); M8(3); M8(4); M8(5); M8(6); M8(7); M8(8);
+            default: break; /* nt <= MULTI_T = 8 */
+            }
+#undef M8
         }
         return;
     }
