@@ -237,9 +237,10 @@ INLINE __m512i nib_hi(__m512i q) {
 }
 #endif
 
-/* x's blocks rearranged for the groups of 4 (XG_STRIDE above) into out (SI_XG_BYTES of
- * ceil(cols / 128) groups: a last partial group is padded with zero blocks, whose products are
- * zero); returns 1, or 0 where this ISA does not use them. */
+/* x's blocks rearranged into out for this ISA's kernels: AVX-512, the groups of 4 (XG_STRIDE
+ * above; SI_XG_BYTES of ceil(cols / 128) groups, a last partial group padded with zero blocks,
+ * whose products are zero); plain AVX2, pairs of blocks (pair_q4 below; cols bytes). Returns 1,
+ * or 0 where this ISA does not use them (avx2_128). */
 int FN(si_xgroups)(const si_xq *x, int cols, uint8_t *out) {
 #if SI_PAIRS
     const int nb = cols / 32;
@@ -266,11 +267,44 @@ int FN(si_xgroups)(const si_xq *x, int cols, uint8_t *out) {
         memset(o + XG_S4 + sizeof s4, 0, XG_STRIDE - XG_S4 - sizeof s4);
     }
     return 1;
+#elif !SI_NARROW
+    /* plain AVX2: pairs of blocks (2p, 2p+1) as [x_2p[0..15], x_2p+1[0..15], x_2p[16..31],
+     * x_2p+1[16..31]] (see pair_q4), the first cols / 64 pairs; cols bytes */
+    for (int pr = 0; pr < cols / 64; pr++) {
+        const int8_t *q0 = x->q + 64 * (size_t)pr, *q1 = q0 + 32;
+        uint8_t *o = out + 64 * (size_t)pr;
+        memcpy(o, q0, 16);
+        memcpy(o + 16, q1, 16);
+        memcpy(o + 32, q0 + 16, 16);
+        memcpy(o + 48, q1 + 16, 16);
+    }
+    return 1;
 #else
     (void)x, (void)cols, (void)out;
     return 0;
 #endif
 }
+
+#if !SI_PAIRS && !SI_NARROW
+/* Plain AVX2, Q4_0/Q4_1: blocks k and k+1 of a row (quants at q, bsize apart) in one 256-bit
+ * step: their 16 quant bytes side by side in the two lanes (one load and one insert), the low
+ * nibbles against x's first halves and the high ones against its second halves (x->g's pair
+ * layout, at xp), the two int16 products added before one widening madd (at most
+ * 2 * 2 * 15 * 127: no overflow): 8 int32 sums, 4 per block. Half the work per block of the
+ * block-by-block loop, which unpacks each block with a lane insert and widens it alone. */
+INLINE __m256i pair_q4(const uint8_t *q, const int bsize, const int8_t *xp) {
+    const __m256i v = _mm256_loadu2_m128i((const __m128i *)(q + bsize), (const __m128i *)q);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xp)),
+                                       _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 32))));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+}
+/* The permute index that puts blocks k and k+1's scales on lanes 0..3 and 4..7. */
+INLINE __m256i pair_idx(const int k) {
+    return _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, k + 1);
+}
+#endif
 
 #ifndef SI_NARROW
 #define SI_NARROW 0
@@ -400,6 +434,18 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
                 NARROW(3, s0, 3, n1); NARROW(4, s1, 0, n0); NARROW(5, s1, 1, n1);
                 NARROW(6, s1, 2, n0); NARROW(7, s1, 3, n1);
 #undef NARROW
+                continue;
+            }
+#endif
+#if !SI_PAIRS && !SI_NARROW
+            if ((type == SI_Q4_0 || type == SI_Q4_1) && x->g) {
+                const int off = type == SI_Q4_0 ? 2 : 4;
+                for (int k = 0; k < 8; k += 2) {
+                    const __m256i dot = pair_q4(p + off + k * bsize, bsize,
+                                                (const int8_t *)x->g + 32 * (size_t)(b + k));
+                    const __m256 sk = _mm256_permutevar8x32_ps(scale, pair_idx(k));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sk, acc[r]);
+                }
                 continue;
             }
 #endif
@@ -1258,6 +1304,31 @@ INLINE void multi_b32_256(const int type, const int bsize, const uint8_t *p, con
         const uint8_t *pb = p + (size_t)b * bsize;
         const __m256 dw = f16x8(pb, bsize, 0);
         const __m256 mw = has_min ? f16x8(pb, bsize, 2) : dw;
+        if ((type == SI_Q4_0 || type == SI_Q4_1) && x[0].g) { /* as rows_b32: pairs */
+            const int off = type == SI_Q4_0 ? 2 : 4;
+            const __m256i m4 = _mm256_set1_epi8(0x0F);
+            __m256i lo[4], hi[4];
+            for (int k = 0; k < 8; k += 2) {
+                const uint8_t *q = pb + off + (size_t)k * bsize;
+                const __m256i v = _mm256_loadu2_m128i((const __m128i *)(q + bsize), (const __m128i *)q);
+                lo[k / 2] = _mm256_and_si256(v, m4);
+                hi[k / 2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+            for (int t = 0; t < nt; t++) {
+                const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(x[t].d + b));
+                accm[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(x[t].s + b), accm[t]);
+                for (int k = 0; k < 8; k += 2) {
+                    const int8_t *xp = (const int8_t *)x[t].g + 32 * (size_t)(b + k);
+                    const __m256i s16 = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo[k / 2], _mm256_loadu_si256((const __m256i *)xp)),
+                        _mm256_maddubs_epi16(hi[k / 2], _mm256_loadu_si256((const __m256i *)(xp + 32))));
+                    const __m256i dot = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+                    const __m256 sk = _mm256_permutevar8x32_ps(scale, pair_idx(k));
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sk, acc[t]);
+                }
+            }
+            continue;
+        }
         __m256i wv[8];
         for (int k = 0; k < 8; k++) wv[k] = unpack_b32(type, pb + (size_t)k * bsize);
         for (int t = 0; t < nt; t++) {

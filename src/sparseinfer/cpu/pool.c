@@ -319,8 +319,9 @@ static int scratch(size_t nq, size_t nb, size_t nt, size_t ng) {
 
 /* Quantize T rows of x [T, cols] into the scratch; S.xq[t] describes row t. */
 static int quantize_rows(const float *x, int64_t T, int cols, int need_q) {
-    /* the rearranged copies only where the ISA's kernels read them */
-    const size_t nb = (size_t)cols / 32, ng = g_isa == ISA_AVX512 ? SI_XG_BYTES((cols + 127) / 128) : 0;
+    /* the rearranged copies where the ISA's kernels read them (AVX-512: groups of 4 blocks,
+     * SI_XG_BYTES each; plain AVX2: pairs of blocks, cols bytes, less) */
+    const size_t nb = (size_t)cols / 32, ng = g_isa != ISA_AVX2_128 ? SI_XG_BYTES((cols + 127) / 128) : 0;
     int err = scratch(need_q ? (size_t)T * cols : 1, need_q ? (size_t)T * nb : 1, (size_t)T,
                       need_q && ng ? (size_t)T * ng : 1);
     if (err) return err;

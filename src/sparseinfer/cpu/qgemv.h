@@ -26,9 +26,10 @@ enum si_type {
 };
 
 /* One quantized activation vector: q[cols] int8, d[cols/32], s[cols/32]; f the fp32 source (F16
- * weights use it directly); g the same blocks rearranged in groups of 4 for the AVX-512
- * Q4_0/Q4_1/Q5_0 and sparse Q4_0 kernels (si_xgroups: SI_XG_BYTES of ceil(cols / 128) groups), or NULL
- * where the ISA has no use for it. */
+ * weights use it directly); g the same blocks rearranged for the kernels of one ISA
+ * (si_xgroups, at most SI_XG_BYTES of ceil(cols / 128) groups): in groups of 4 blocks for the
+ * AVX-512 Q4_0/Q4_1/Q5_0 and sparse Q4_0 kernels, in pairs for the plain AVX2 Q4_0/Q4_1 ones;
+ * NULL where the ISA has no use for it (avx2_128). */
 typedef struct {
     const int8_t *q;
     const float *d;
