@@ -114,35 +114,6 @@ INLINE __m256 f16x8(const uint8_t *p, const int bsize, const int off) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SI_PAIRS 1
-/* The two 256-bit halves of v added. */
-INLINE __m256 fold256(__m512 v) {
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    return _mm256_add_ps(_mm512_castps512_ps256(v), hi);
-}
-/* Eight 4-bit blocks of one row (quants at q, bsize apart), two per 512-bit step: the 16 nibble
- * bytes of blocks k and k+1 become one vector [k low, k high, k+1 low, k+1 high] (elements
- * 0..31 of each block in order), one dpbusd against x's blocks k, k+1 (64 contiguous bytes),
- * each half scaled by its block's scale (lanes k and k+1 of `scale`). Half the instructions of
- * the 256-bit loop per block. */
-INLINE void pairs_q4(const uint8_t *q, const int bsize, const int8_t *xq, __m256 scale,
-                     __m512 *acc) {
-    const __m512 sc = _mm512_castps256_ps512(scale);
-    const __m512i lo4 = _mm512_set1_epi8(0x0F);
-    for (int k = 0; k < 8; k += 2) {
-        const __m128i b0 = _mm_loadu_si128((const __m128i *)(q + k * bsize));
-        const __m128i b1 = _mm_loadu_si128((const __m128i *)(q + (k + 1) * bsize));
-        const __m256i raw = _mm256_set_m128i(b1, b0);
-        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw),
-                                                _mm256_srli_epi16(raw, 4), 1);
-        const __m512i wv = _mm512_and_si512(
-            _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), lo4);
-        const __m512i xv = _mm512_loadu_si512((const void *)(xq + 32 * k));
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
-        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(k)),
-                                               _mm256_set1_epi32(k + 1), 1);
-        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, sc), *acc);
-    }
-}
 #else
 #define SI_PAIRS 0
 #endif
@@ -153,8 +124,8 @@ INLINE void pairs_q4(const uint8_t *q, const int bsize, const int8_t *xq, __m256
 /* The AVX-512 Q4_0/Q4_1 kernels work a row in groups of 4 blocks (72 or 80 bytes, 128 weights).
  * One 64-byte load and one 16-byte load cover a group; a word permute (AVX512BW) gathers its
  * 4 x 16 quant bytes into one vector and another its 4 scales, so a group costs two dpbusd
- * against x rearranged to match (si_xgroups, once per x row: si_xq.g) where the pair loop
- * (pairs_q4) took two unpacks, two dot products and two scale permutes. Lane l of a group's
+ * against x rearranged to match (si_xgroups, once per x row: si_xq.g) where decoding two blocks
+ * per step took two unpacks, two dot products and two scale permutes. Lane l of a group's
  * dpbusd (bytes 4l..4l+3 of the 64) meets elements 4j..4j+3 (low nibbles) and 16+4j..16+4j+3
  * (high nibbles) of the group's block k = l / 4, j = l % 4. */
 /* x's part of group g (si_xgroups), XG_STRIDE bytes at x->g + XG_STRIDE * g: lo[64] (elements
@@ -389,10 +360,6 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
         accm[r] = _mm256_setzero_ps();
     }
     const int has_min = type == SI_Q4_1 || type == SI_Q5_1;
-#if SI_PAIRS
-    __m512 acc5[4];
-    for (int r = 0; r < R; r++) acc5[r] = _mm512_setzero_ps();
-#endif
 #if SI_NARROW
     __m128 n0[4], n1[4]; /* two chains: a block's FMA waits on the one before it but one */
     for (int r = 0; r < R; r++) n0[r] = n1[r] = _mm_setzero_ps();
@@ -407,13 +374,6 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
             const __m256 scale = _mm256_mul_ps(dw, xd);
             if (has_min) accm[r] = _mm256_fmadd_ps(f16x8(p, bsize, 2), xs, accm[r]);
             else if (type != SI_Q8_0) accm[r] = _mm256_fmadd_ps(dw, xs, accm[r]);
-#if SI_PAIRS
-            if (type == SI_Q4_0 || type == SI_Q4_1) {
-                pairs_q4(p + (type == SI_Q4_0 ? 2 : 4), bsize, x->q + 32 * (size_t)b, scale,
-                         &acc5[r]);
-                continue;
-            }
-#endif
 #if SI_NARROW
             {
                 const __m128 s0 = _mm256_castps256_ps128(scale), s1 = _mm256_extractf128_ps(scale, 1);
@@ -456,10 +416,6 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
             }
         }
     }
-#if SI_PAIRS
-    for (int r = 0; r < R; r++) /* fold the 512-bit sums into the 256-bit ones */
-        acc[r] = _mm256_add_ps(acc[r], fold256(acc5[r]));
-#endif
 #if SI_NARROW
     for (int r = 0; r < R; r++) /* the 128-bit sums into the 256-bit ones' low half */
         acc[r] = _mm256_add_ps(acc[r], _mm256_setr_m128(_mm_add_ps(n0[r], n1[r]), _mm_setzero_ps()));
@@ -1001,7 +957,7 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
 #define Q4G(T)                                                                                 \
     WALK(rows_q4g(T, w + r * rb, rb, 4, x, nb, y + r, NEXT, far),                              \
          rows_q4g(T, w + r * rb, rb, 1, x, nb, y + r, NULL, far))
-    if (x->g && nb >= 4 && (type == SI_Q4_0 || type == SI_Q4_1 || type == SI_Q5_0)) {
+    if (x->g && (type == SI_Q4_0 || type == SI_Q4_1 || type == SI_Q5_0)) {
         /* groups of 4 blocks */
         if (type == SI_Q4_0) Q4G(SI_Q4_0);
         else if (type == SI_Q4_1) Q4G(SI_Q4_1);
@@ -1068,75 +1024,6 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
 }
 
 #define MULTI_T 8 /* x rows per pass over a weight row (the GEMM kernels below) */
-
-#if SI_PAIRS
-/* One Q4_0/Q4_1 row against nt <= MULTI_T quantized x rows (nb blocks):
- * each pair of blocks is decoded once (as in pairs_q4) and multiplied with every x row, so a
- * prompt's or a batch's rows share the decoding. y[t * ys] for t < nt. */
-INLINE void multi_q4(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
-                     float *y, const int64_t ys) {
-    const int bsize = type == SI_Q4_0 ? 18 : 20, off = type == SI_Q4_0 ? 2 : 4;
-    __m512 acc[MULTI_T];
-    __m256 accm[MULTI_T];
-    for (int t = 0; t < nt; t++) {
-        acc[t] = _mm512_setzero_ps();
-        accm[t] = _mm256_setzero_ps();
-    }
-    const __m512i lo4 = _mm512_set1_epi8(0x0F);
-    __m512i idx[4];
-    for (int k = 0; k < 8; k += 2)
-        idx[k / 2] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(k)),
-                                        _mm256_set1_epi32(k + 1), 1);
-    for (int b = 0; b + 8 <= nb; b += 8) {
-        const uint8_t *pb = p + (size_t)b * bsize;
-        const __m256 dw = f16x8(pb, bsize, 0);
-        const __m256 mw = type == SI_Q4_1 ? f16x8(pb, bsize, 2) : dw;
-        __m512i wv[4];
-        for (int k = 0; k < 8; k += 2) {
-            const uint8_t *q = pb + off + (size_t)k * bsize;
-            const __m256i raw = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(q + bsize)),
-                                                 _mm_loadu_si128((const __m128i *)q));
-            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw),
-                                                    _mm256_srli_epi16(raw, 4), 1);
-            wv[k / 2] = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)),
-                                         lo4);
-        }
-        for (int t = 0; t < nt; t++) {
-            const __m256 xd = _mm256_loadu_ps(x[t].d + b), xs = _mm256_loadu_ps(x[t].s + b);
-            const __m512 sc = _mm512_castps256_ps512(_mm256_mul_ps(dw, xd));
-            accm[t] = _mm256_fmadd_ps(mw, xs, accm[t]);
-            for (int k = 0; k < 8; k += 2) {
-                const int8_t *xq = x[t].q + 32 * (size_t)(b + k);
-                const __m512i xv = _mm512_loadu_si512((const void *)xq);
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[k / 2], xv);
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                         _mm512_permutexvar_ps(idx[k / 2], sc), acc[t]);
-            }
-        }
-    }
-    /* as rows_b32 sums: the 512-bit sums folded to 256 bits, then the last nb % 8 blocks one
-     * at a time, so every x row's result equals its GEMV bit for bit */
-    __m256 acc8[MULTI_T];
-    float cs[MULTI_T];
-    for (int t = 0; t < nt; t++) {
-        acc8[t] = fold256(acc[t]);
-        cs[t] = 0.0f;
-    }
-    for (int b = nb - nb % 8; b < nb; b++) {
-        const uint8_t *pb = p + (size_t)b * bsize;
-        const float dwb = f16(pb), mwb = type == SI_Q4_1 ? f16(pb + 2) : dwb;
-        const __m256i wq = nib32(pb + off);
-        for (int t = 0; t < nt; t++) {
-            cs[t] += mwb * x[t].s[b];
-            const __m256i dot = dot_us(wq, loadx(&x[t], b));
-            acc8[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dwb * x[t].d[b]),
-                                      acc8[t]);
-        }
-    }
-    const float zk = type == SI_Q4_0 ? -8.0f : 1.0f;
-    for (int t = 0; t < nt; t++) y[t * ys] = hsum(acc8[t]) + zk * (hsum(accm[t]) + cs[t]);
-}
-#endif
 
 #if SI_PAIRS
 /* One Q4_0/Q4_1 row against nt <= MULTI_T x rows (each with x.g) in groups of 4 blocks: each
@@ -1345,13 +1232,13 @@ INLINE void multi_b32_256(const int type, const int bsize, const uint8_t *p, con
 }
 #endif
 
-/* y[t * y_stride + r] = row r of w times x[t], for t < T: the 4-bit rows decoded once per
- * MULTI_T x rows where the pair kernel exists (AVX-512 Q4_0/Q4_1) or the 8-block one
- * (avx2_128 and plain AVX2: Q4_0..Q5_1), else si_rows for each x row. */
+/* y[t * y_stride + r] = row r of w times x[t], for t < T: the rows decoded once per MULTI_T x
+ * rows where a GEMM kernel exists (AVX-512: Q4_0/Q4_1 groups of 4, short Q8_0 rows; avx2_128
+ * and plain AVX2: Q4_0..Q5_1 8 blocks at a time), else si_rows for each x row. */
 void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *x, int T,
                        int cols, float *y, int64_t ys) {
 #if SI_PAIRS
-    if ((type == SI_Q4_0 || type == SI_Q4_1) && x[0].g && cols >= 128) {
+    if ((type == SI_Q4_0 || type == SI_Q4_1) && x[0].g) {
         for (int t0 = 0; t0 < T; t0 += MULTI_T) {
             const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
             /* the row count and the type as constants: a run-time count left the x-row loop
@@ -1386,14 +1273,6 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
             default: break; /* nt <= MULTI_T = 8 */
             }
 #undef M8
-        }
-        return;
-    }
-    if (type == SI_Q4_0 || type == SI_Q4_1) {
-        for (int t0 = 0; t0 < T; t0 += MULTI_T) {
-            const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
-            for (int r = 0; r < nrows; r++)
-                multi_q4(type, w + (size_t)r * rb, x + t0, nt, cols / 32, y + t0 * ys + r, ys);
         }
         return;
     }
