@@ -1,6 +1,6 @@
 /* Row kernels over native GGUF blocks, compiled once per instruction set (SI_ISA = avx2,
  * avx512 or avx2_128; the build passes the matching -m flags). Most of it is 256-bit wide; the
- * AVX-512 build (SI_PAIRS) has its integer dot product in VNNI vpdpbusd, which replaces the
+ * AVX-512 build (SI_AVX512) has its integer dot product in VNNI vpdpbusd, which replaces the
  * two-instruction AVX2 sequence (vpmaddubsw + vpmaddwd) and cannot saturate, and 512-bit kernels
  * of its own: Q4_0/Q4_1/Q5_0 in groups of 4 blocks against x rearranged once per row
  * (si_xgroups), Q4_K/Q5_K/Q6_K 64 weights per vector, short Q8_0 rows two blocks per step, and
@@ -113,14 +113,14 @@ INLINE __m256 f16x8(const uint8_t *p, const int bsize, const int off) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define SI_PAIRS 1
+#define SI_AVX512 1
 #else
-#define SI_PAIRS 0
+#define SI_AVX512 0
 #endif
 
 /* ------------------------------------------------------------------ groups of 4 blocks */
 
-#if SI_PAIRS
+#if SI_AVX512
 /* The AVX-512 Q4_0/Q4_1 kernels work a row in groups of 4 blocks (72 or 80 bytes, 128 weights).
  * One 64-byte load and one 16-byte load cover a group; a word permute (AVX512BW) gathers its
  * 4 x 16 quant bytes into one vector and another its 4 scales, so a group costs two dpbusd
@@ -213,7 +213,7 @@ INLINE __m512i nib_hi(__m512i q) {
  * whose products are zero); plain AVX2, pairs of blocks (pair_q4 below; cols bytes). Returns 1,
  * or 0 where this ISA does not use them (avx2_128). */
 int FN(si_xgroups)(const si_xq *x, int cols, uint8_t *out) {
-#if SI_PAIRS
+#if SI_AVX512
     const int nb = cols / 32;
     for (int g = 0; g < (nb + 3) / 4; g++) { /* a last partial group padded with zero blocks */
         uint8_t *o = out + (size_t)XG_STRIDE * g;
@@ -256,7 +256,7 @@ int FN(si_xgroups)(const si_xq *x, int cols, uint8_t *out) {
 #endif
 }
 
-#if !SI_PAIRS && !SI_NARROW
+#if !SI_AVX512 && !SI_NARROW
 /* Plain AVX2, Q4_0/Q4_1: blocks k and k+1 of a row (quants at q, bsize apart) in one 256-bit
  * step: their 16 quant bytes side by side in the two lanes (one load and one insert), the low
  * nibbles against x's first halves and the high ones against its second halves (x->g's pair
@@ -397,7 +397,7 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
                 continue;
             }
 #endif
-#if !SI_PAIRS && !SI_NARROW
+#if !SI_AVX512 && !SI_NARROW
             if ((type == SI_Q4_0 || type == SI_Q4_1) && x->g) {
                 const int off = type == SI_Q4_0 ? 2 : 4;
                 for (int k = 0; k < 8; k += 2) {
@@ -442,7 +442,7 @@ INLINE void rows_b32(const int type, const int bsize, const uint8_t *w, size_t r
     }
 }
 
-#if SI_PAIRS
+#if SI_AVX512
 /* R Q4_0/Q4_1 rows against x (x->g set) in groups of 4 blocks (see XG_STRIDE): per group and row
  * one gather, two dpbusd (Q4_0's zero point is in the integers: they start from x's z), one
  * convert and one FMA with the 16 lanes' scale products; Q4_1's minima go through x's s4. */
@@ -698,7 +698,7 @@ INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, c
     for (int r = 0; r < R; r++) y[r] = hsum(_mm256_sub_ps(acc[r], accm[r]));
 }
 
-#if SI_PAIRS
+#if SI_AVX512
 /* Q4_K/Q5_K in 512-bit registers: a pair of sub-blocks (2c, 2c+1: the low and high nibbles of
  * qs[32c .. 32c+31]) is one vector of 64 weights in x's order: the 32 bytes broadcast to both
  * halves, shifted per word by 0 or 4 (vpsrlvw) and masked; Q5_K's fifth bits likewise from qh
@@ -834,7 +834,7 @@ INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
     for (int r = 0; r < R; r++) y[r] = hsum(acc[r]);
 }
 
-#if SI_PAIRS
+#if SI_AVX512
 /* Q6_K in 512-bit registers: per half h of a super-block, ql's 64 bytes give the 4-bit parts of
  * weights 0..63 (low nibbles) and 64..127 (high nibbles) of the half in order, and qh's 32 bytes
  * (broadcast to both 256-bit halves) their top 2 bits through a per-word shift (vpsrlvw: bits
@@ -953,7 +953,7 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
 #define B32(T, S)                                                                              \
     WALK(rows_b32(T, S, w + r * rb, rb, 4, x, nb, y + r, NEXT, far),                           \
          rows_b32(T, S, w + r * rb, rb, 1, x, nb, y + r, NULL, far))
-#if SI_PAIRS
+#if SI_AVX512
 #define Q4G(T)                                                                                 \
     WALK(rows_q4g(T, w + r * rb, rb, 4, x, nb, y + r, NEXT, far),                              \
          rows_q4g(T, w + r * rb, rb, 1, x, nb, y + r, NULL, far))
@@ -974,7 +974,7 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
     case SI_Q5_0: B32(SI_Q5_0, 22); break;
     case SI_Q5_1: B32(SI_Q5_1, 24); break;
     case SI_Q8_0:
-#if SI_PAIRS
+#if SI_AVX512
         /* rows of at most 1024 columns (Gemma's and SmolLM2's heads, SmolLM2's layers) go in
          * pairs; longer ones streamed from memory by one thread ran 4-9% faster through the
          * 256-bit loop (benchmarks/RESULTS.md, Zen 5) */
@@ -986,7 +986,7 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
 #endif
         B32(SI_Q8_0, 34);
         break;
-#if SI_PAIRS
+#if SI_AVX512
 #define K45 rows_k45_512
 #else
 #define K45 rows_k45
@@ -1001,7 +1001,7 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
         break;
 #undef K45
     case SI_Q6_K:
-#if SI_PAIRS
+#if SI_AVX512
         WALK(rows_q6k_512(w + r * rb, rb, 4, x, nsb, y + r, NEXT, far),
              rows_q6k_512(w + r * rb, rb, 1, x, nsb, y + r, NULL, far));
 #else
@@ -1025,7 +1025,7 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
 
 #define MULTI_T 8 /* x rows per pass over a weight row (the GEMM kernels below) */
 
-#if SI_PAIRS
+#if SI_AVX512
 /* One Q4_0/Q4_1 row against nt <= MULTI_T x rows (each with x.g) in groups of 4 blocks: each
  * group gathered and unpacked once for every x row; every x row's result is its GEMV's
  * (rows_q4g) bit for bit: the same integer sums and the same float operations in the same order.
@@ -1058,7 +1058,7 @@ INLINE void multi_q4g(const int type, const uint8_t *p, const si_xq *x, const in
 }
 #endif
 
-#if SI_PAIRS
+#if SI_AVX512
 /* One Q8_0 row of at most 1024 columns against nt <= MULTI_T x rows: each pair of blocks gathered
  * once (as rows_q8_512) for every x row, every x row's result its GEMV's bit for bit (the same
  * operations in the same order). y[t * ys] for t < nt. */
@@ -1105,7 +1105,7 @@ INLINE void multi_q8(const uint8_t *p, const si_xq *x, const int nt, const int n
 }
 #endif
 
-#if !SI_PAIRS
+#if !SI_AVX512
 /* The end of a Q4_0..Q5_1 GEMM row (multi_b32_128, multi_b32_256), as rows_b32 ends: the last
  * nb % 8 blocks one at a time into acc[t], then y[t * ys] from acc[t] and the zero-point sums
  * accm[t]. */
@@ -1177,7 +1177,7 @@ INLINE void multi_b32_128(const int type, const int bsize, const uint8_t *p, con
 }
 #endif
 
-#if !SI_PAIRS && !SI_NARROW
+#if !SI_AVX512 && !SI_NARROW
 /* The plain AVX2 build (Zen 2/3, Intel without AVX-512): one Q4_0/Q4_1/Q5_0/Q5_1 row against
  * nt <= MULTI_T quantized x rows (nb blocks), each group of 8 blocks unpacked once and
  * multiplied with every x row. The products are summed in rows_b32's order, so every x row's
@@ -1237,7 +1237,7 @@ INLINE void multi_b32_256(const int type, const int bsize, const uint8_t *p, con
  * and plain AVX2: Q4_0..Q5_1 8 blocks at a time), else si_rows for each x row. */
 void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *x, int T,
                        int cols, float *y, int64_t ys) {
-#if SI_PAIRS
+#if SI_AVX512
     if ((type == SI_Q4_0 || type == SI_Q4_1) && x[0].g) {
         for (int t0 = 0; t0 < T; t0 += MULTI_T) {
             const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
@@ -1277,7 +1277,7 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
         return;
     }
 #endif
-#if !SI_PAIRS
+#if !SI_AVX512
     if (type == SI_Q4_0 || type == SI_Q4_1 || type == SI_Q5_0 || type == SI_Q5_1) {
         const int bsize = (int)(rb / (size_t)(cols / 32)); /* bytes per block of 32 */
         for (int t0 = 0; t0 < T; t0 += MULTI_T) {
@@ -1407,7 +1407,7 @@ INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int n
     }
 }
 
-#if SI_PAIRS
+#if SI_AVX512
 /* y[r] = row_r . x for R Q4_0 rows (pointers), the first G groups from xg, the rest block by
  * block (q4_dots); the next bundles fetched as q4_dots does, a slice per group. */
 INLINE void q4_dots_g(const uint8_t *const *rp, const int R, const si_xq *x, int nb, float *y,
@@ -1515,7 +1515,7 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
                       float *out) {
     const size_t rb = (size_t)d_model / 32 * 18;
     const int nb = d_model / 32;
-#if SI_PAIRS
+#if SI_AVX512
     const int G = nb / 4;
     const int grouped = G && x[0].g; /* else (rows under 4 blocks) block by block */
     if (grouped)
@@ -1569,7 +1569,7 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
     }
 #undef DOTS
 #undef AXPY
-#if SI_PAIRS
+#if SI_AVX512
     if (grouped)
         for (int t = 0; t < T; t++) q4g_order(out + (size_t)t * d_model, G, 1);
 #endif
