@@ -153,22 +153,27 @@ INLINE __m512 xg_f4(const uint8_t *xg, const int off, __m512i lb) {
     return _mm512_permutexvar_ps(lb, _mm512_castps128_ps512(_mm_loadu_ps((const float *)(xg + off))));
 }
 
-/* Word indices of the group gathers for blocks of bsize bytes (18: Q4_0, 20: Q4_1): QIDX picks
- * the 4 x 8 quant words (word bsize/2 * k + bsize/2 - 8 + m of the group; words past the first
- * 64 bytes come from the second, 16-byte load at byte 4 * bsize - 16: index 32 + its word),
- * DIDX the scale word bsize/2 * (l / 4) + off for each of 16 lanes (off 1: Q4_1's minimum). */
+/* The byte of a group at which its second load starts, for blocks of bsize bytes (18: Q4_0,
+ * 20: Q4_1, 22: Q5_0): the last 16 bytes of a Q4_0/Q4_1 group; 32 bytes from byte 56 for Q5_0,
+ * whose block 2 has its last quant word at bytes 64..65. */
+INLINE int q4g_second(const int bsize) { return bsize == 22 ? 56 : 4 * bsize - 16; }
+
+/* Word indices of the group gathers: QIDX picks the 4 x 8 quant words (word bsize/2 * k +
+ * bsize/2 - 8 + m of the group), DIDX the fp16 word bsize/2 * (l / 4) + off for each of 16 lanes
+ * (off 0: the block's scale; 1: Q4_1's minimum). Words past the first 64 bytes come from the
+ * second load (q4g_second): index 32 + their word counted from its start. */
+INLINE int16_t q4g_word(const int bsize, const int w) {
+    return (int16_t)(w < 32 ? w : 32 + w - q4g_second(bsize) / 2);
+}
 INLINE __m512i q4g_qidx(const int bsize) {
-    const int h = bsize / 2, second = (4 * bsize - 16) / 2;
+    const int h = bsize / 2;
     int16_t v[32];
-    for (int j = 0; j < 32; j++) {
-        const int w = h * (j / 8) + h - 8 + j % 8;
-        v[j] = (int16_t)(w < 32 ? w : 32 + w - second);
-    }
+    for (int j = 0; j < 32; j++) v[j] = q4g_word(bsize, h * (j / 8) + h - 8 + j % 8);
     return _mm512_loadu_si512((const void *)v);
 }
 INLINE __m512i q4g_didx(const int bsize, const int off) {
     int16_t v[32];
-    for (int j = 0; j < 32; j++) v[j] = (int16_t)(bsize / 2 * ((j % 16) / 4) + off);
+    for (int j = 0; j < 32; j++) v[j] = q4g_word(bsize, bsize / 2 * ((j % 16) / 4) + off);
     return _mm512_loadu_si512((const void *)v);
 }
 /* The 16 fp16 words of the group (already loaded: a) that didx picks, as 16 floats. */
@@ -179,7 +184,7 @@ INLINE __m512 q4g_halfs(__m512i a, __m512i didx) {
  * bytes 16k..16k+15). */
 INLINE __m512i q4g_quants(const uint8_t *p, const int bsize, __m512i qidx, __m512i *a) {
     *a = _mm512_loadu_si512((const void *)p);
-    const __m512i b = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + 4 * bsize - 16)));
+    const __m512i b = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + q4g_second(bsize))));
     return _mm512_permutex2var_epi16(*a, qidx, b);
 }
 /* The bytes [off, off + 64) of a partial group of n bytes at p, zero past n (masked: nothing
@@ -193,7 +198,7 @@ INLINE __m512i load_part(const uint8_t *p, const int off, const int n) {
 INLINE __m512i q4g_quants_part(const uint8_t *p, const int bsize, const int rem, __m512i qidx,
                                __m512i *a) {
     *a = load_part(p, 0, rem * bsize);
-    return _mm512_permutex2var_epi16(*a, qidx, load_part(p, 4 * bsize - 16, rem * bsize));
+    return _mm512_permutex2var_epi16(*a, qidx, load_part(p, q4g_second(bsize), rem * bsize));
 }
 /* The int32 dot products of a group's quants q with x's group: 16 lanes, 4 per block, starting
  * from z (Q4_0: -8 * x's sums, so the zero point is in the integers; Q4_1: zero). */
@@ -479,14 +484,8 @@ INLINE void rows_q4g(const int type, const uint8_t *w, size_t rb, const int R, c
 INLINE void rows_q50g(const uint8_t *w, size_t rb, const int R, const si_xq *x, int nb, float *y,
                       const uint8_t *pf, const int far) {
     const int G = nb / 4, rem = nb % 4;
-    int16_t qv[32], dv[32];
-    for (int j = 0; j < 32; j++) {
-        const int wd = 11 * (j / 8) + 3 + j % 8;
-        qv[j] = (int16_t)(wd < 32 ? wd : 32 + wd - 28);
-        const int dw = 11 * ((j % 16) / 4); /* block 3's scale (word 33) is in the second load */
-        dv[j] = (int16_t)(dw < 32 ? dw : 32 + dw - 28);
-    }
-    const __m512i qidx = _mm512_loadu_si512((const void *)qv), didx = _mm512_loadu_si512((const void *)dv);
+    /* block 3's scale (word 33) is in the second load: the scales take a two-table permute */
+    const __m512i qidx = q4g_qidx(22), didx = q4g_didx(22, 0);
     const __m512i lb = lane_block(), k16 = _mm512_set1_epi8(16);
     __m512 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -499,8 +498,8 @@ INLINE void rows_q50g(const uint8_t *w, size_t rb, const int R, const si_xq *x, 
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)g * 88;
             const __m512i a = g < G ? _mm512_loadu_si512((const void *)p) : load_part(p, 0, 22 * rem);
-            const __m512i b = g < G ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 56)))
-                                    : load_part(p, 56, 22 * rem);
+            const __m512i b = g < G ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + q4g_second(22))))
+                                    : load_part(p, q4g_second(22), 22 * rem);
             const __m512i q = _mm512_permutex2var_epi16(a, qidx, b);
             uint64_t mlo = 0, mhi = 0;
             for (int k = 0; k < nk; k++) {
