@@ -519,64 +519,89 @@ INLINE void rows_q50g(const uint8_t *w, size_t rb, const int R, const si_xq *x, 
     }
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]);
 }
-/* Q8_0 rows two blocks (68 bytes) per 512-bit step: a word permute gathers the pair's 64 quant
- * bytes from a 64-byte and a 16-byte load, a sign flip (xor 0x80) makes them unsigned for one
- * dpbusd, from which 128 times x's sums (one dpbusd per step, shared by the rows) is taken back;
- * one convert and one FMA with the pair's scale products. The last block of an odd row as
- * rows_b32 does it. */
+/* Q8_0 two blocks (68 bytes) per 512-bit step: a word permute gathers the pair's 64 quant bytes
+ * from a 64-byte and a 16-byte load (at byte 52: word 26), a sign flip (xor 0x80) makes them
+ * unsigned for one dpbusd, from which 128 times x's sums (one dpbusd per step, shared by the
+ * rows) is taken back; one convert and one FMA with the pair's scale products. The last block
+ * of an odd row as rows_b32 does it. Shared by the GEMV (rows_q8_512) and the GEMM (multi_q8),
+ * which so give the same bits. */
+INLINE __m512i q8p_qidx(void) { /* block 0's quants: words 1..16, block 1's: 18..33 */
+    int16_t v[32];
+    for (int j = 0; j < 32; j++) {
+        const int wd = j < 16 ? 1 + j : 18 + j - 16;
+        v[j] = (int16_t)(wd < 32 ? wd : 32 + wd - 26);
+    }
+    return _mm512_loadu_si512((const void *)v);
+}
+INLINE __m512i q8p_didx(void) { /* lanes 0..7: block 0's scale (word 0), 8..15: block 1's (17) */
+    int16_t v[32];
+    for (int j = 0; j < 32; j++) v[j] = (int16_t)(j % 16 < 8 ? 0 : 17);
+    return _mm512_loadu_si512((const void *)v);
+}
+/* x's blocks b and b + 1: their 64 bytes, 128 times each dpbusd lane's 4-byte sum, and the
+ * lanes' scales. */
+typedef struct {
+    __m512i v, z;
+    __m512 d;
+} q8p_x;
+INLINE q8p_x q8p_xpair(const si_xq *x, const int b) {
+    const __m512i v = _mm512_loadu_si512((const void *)(x->q + 32 * (size_t)b));
+    const __m512i z = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), v);
+    const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(
+        _mm512_castps_pd(_mm512_set1_ps(x->d[b])), _mm256_castps_pd(_mm256_set1_ps(x->d[b + 1])), 1));
+    return (q8p_x){v, z, d};
+}
+/* The pair of blocks at p: its quants, sign-flipped, and (*dw) its scales on the lanes. */
+INLINE __m512i q8p_quants(const uint8_t *p, __m512i qidx, __m512i didx, __m512 *dw) {
+    const __m512i a = _mm512_loadu_si512((const void *)p);
+    const __m512i c = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + 52)));
+    *dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(didx, a)));
+    return _mm512_xor_si512(_mm512_permutex2var_epi16(a, qidx, c), _mm512_set1_epi8((char)0x80));
+}
+/* acc plus the pair (q, dw) times x's pair. */
+INLINE __m512 q8p_fma(__m512i q, __m512 dw, const q8p_x xp, __m512 acc) {
+    const __m512i dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xp.v), xp.z);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xp.d), acc);
+}
+/* acc plus the odd last block b of a row (p: its start) times x's block b. */
+INLINE __m256 q8_last(const uint8_t *p, const si_xq *x, const int b, __m256 acc) {
+    const uint8_t *pb = p + (size_t)b * 34;
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_b32(SI_Q8_0, pb, loadx(x, b))),
+                           _mm256_set1_ps(f16(pb) * x->d[b]), acc);
+}
+
+/* R Q8_0 rows against x two blocks per step (above). */
 INLINE void rows_q8_512(const uint8_t *w, size_t rb, const int R, const si_xq *x, int nb,
                         float *y, const uint8_t *pf, const int far) {
-    int16_t qv[32], dv[32];
-    for (int j = 0; j < 32; j++) {
-        const int wd = j < 16 ? 1 + j : 18 + j - 16; /* block 1's quants: words 18..33 */
-        qv[j] = (int16_t)(wd < 32 ? wd : 32 + wd - 26); /* the 16-byte load at byte 52: word 26 */
-        dv[j] = (int16_t)(j % 16 < 8 ? 0 : 17);
-    }
-    const __m512i qidx = _mm512_loadu_si512((const void *)qv), didx = _mm512_loadu_si512((const void *)dv);
-    const __m512i k80 = _mm512_set1_epi8((char)0x80);
+    const __m512i qidx = q8p_qidx(), didx = q8p_didx();
     __m512 acc[4];
     __m256 acc8[4];
     for (int r = 0; r < R; r++) {
         acc[r] = _mm512_setzero_ps();
         acc8[r] = _mm256_setzero_ps();
     }
-#define Q8_PAIR(P, XV, ZX, XD, A)                                                              \
-    do {                                                                                       \
-        const __m512i a_ = _mm512_loadu_si512((const void *)(P));                             \
-        const __m512i c_ = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)((P) + 52))); \
-        const __m512i q_ = _mm512_xor_si512(_mm512_permutex2var_epi16(a_, qidx, c_), k80);    \
-        const __m512i d_ = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q_, XV), ZX); \
-        const __m512 w_ = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(didx, a_))); \
-        A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d_), _mm512_mul_ps(w_, XD), A);                 \
-    } while (0)
-#define Q8_X(b, XV, ZX, XD)                                                                    \
-    const __m512i XV = _mm512_loadu_si512((const void *)(x->q + 32 * (size_t)(b)));           \
-    const __m512i ZX = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k80, XV);                  \
-    const __m512 XD = _mm512_castpd_ps(_mm512_insertf64x4(                                     \
-        _mm512_castps_pd(_mm512_set1_ps(x->d[b])), _mm256_castps_pd(_mm256_set1_ps(x->d[(b) + 1])), 1))
+    __m512 dw;
     int b = 0;
     for (; b + 4 <= nb; b += 4) { /* 4 blocks of a row before the next row: longer runs per stream */
         if (pf) prefetch(pf + (size_t)b * R * 34, 4 * R * 34, far);
-        Q8_X(b, x0, z0, d0);
-        Q8_X(b + 2, x1, z1, d1);
+        const q8p_x x0 = q8p_xpair(x, b), x1 = q8p_xpair(x, b + 2);
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)b * 34;
-            Q8_PAIR(p, x0, z0, d0, acc[r]);
-            Q8_PAIR(p + 68, x1, z1, d1, acc[r]);
+            __m512i q = q8p_quants(p, qidx, didx, &dw);
+            acc[r] = q8p_fma(q, dw, x0, acc[r]);
+            q = q8p_quants(p + 68, qidx, didx, &dw);
+            acc[r] = q8p_fma(q, dw, x1, acc[r]);
         }
     }
     for (; b + 2 <= nb; b += 2) {
-        Q8_X(b, x0, z0, d0);
-        for (int r = 0; r < R; r++) Q8_PAIR(w + (size_t)r * rb + (size_t)b * 34, x0, z0, d0, acc[r]);
-    }
-#undef Q8_X
-#undef Q8_PAIR
-    if (b < nb)
+        const q8p_x x0 = q8p_xpair(x, b);
         for (int r = 0; r < R; r++) {
-            const uint8_t *p = w + (size_t)r * rb + (size_t)b * 34;
-            acc8[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_b32(SI_Q8_0, p, loadx(x, b))),
-                                      _mm256_set1_ps(f16(p) * x->d[b]), acc8[r]);
+            const __m512i q = q8p_quants(w + (size_t)r * rb + (size_t)b * 34, qidx, didx, &dw);
+            acc[r] = q8p_fma(q, dw, x0, acc[r]);
         }
+    }
+    if (b < nb)
+        for (int r = 0; r < R; r++) acc8[r] = q8_last(w + (size_t)r * rb, x, b, acc8[r]);
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) + hsum(acc8[r]);
 }
 #endif
@@ -1063,14 +1088,7 @@ INLINE void multi_q4g(const int type, const uint8_t *p, const si_xq *x, const in
  * operations in the same order). y[t * ys] for t < nt. */
 INLINE void multi_q8(const uint8_t *p, const si_xq *x, const int nt, const int nb, float *y,
                      const int64_t ys) {
-    int16_t qv[32], dv[32];
-    for (int j = 0; j < 32; j++) {
-        const int wd = j < 16 ? 1 + j : 18 + j - 16;
-        qv[j] = (int16_t)(wd < 32 ? wd : 32 + wd - 26);
-        dv[j] = (int16_t)(j % 16 < 8 ? 0 : 17);
-    }
-    const __m512i qidx = _mm512_loadu_si512((const void *)qv), didx = _mm512_loadu_si512((const void *)dv);
-    const __m512i k80 = _mm512_set1_epi8((char)0x80);
+    const __m512i qidx = q8p_qidx(), didx = q8p_didx();
     __m512 acc[MULTI_T];
     __m256 acc8[MULTI_T];
     for (int t = 0; t < nt; t++) {
@@ -1079,27 +1097,12 @@ INLINE void multi_q8(const uint8_t *p, const si_xq *x, const int nt, const int n
     }
     int b = 0;
     for (; b + 2 <= nb; b += 2) {
-        const uint8_t *pb = p + (size_t)b * 34;
-        const __m512i a = _mm512_loadu_si512((const void *)pb);
-        const __m512i c = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(pb + 52)));
-        const __m512i q = _mm512_xor_si512(_mm512_permutex2var_epi16(a, qidx, c), k80);
-        const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(didx, a)));
-        for (int t = 0; t < nt; t++) {
-            const __m512i xv = _mm512_loadu_si512((const void *)(x[t].q + 32 * (size_t)b));
-            const __m512i zx = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k80, xv);
-            const __m512 xd = _mm512_castpd_ps(_mm512_insertf64x4(
-                _mm512_castps_pd(_mm512_set1_ps(x[t].d[b])),
-                _mm256_castps_pd(_mm256_set1_ps(x[t].d[b + 1])), 1));
-            const __m512i dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv), zx);
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xd), acc[t]);
-        }
+        __m512 dw;
+        const __m512i q = q8p_quants(p + (size_t)b * 34, qidx, didx, &dw);
+        for (int t = 0; t < nt; t++) acc[t] = q8p_fma(q, dw, q8p_xpair(&x[t], b), acc[t]);
     }
     if (b < nb)
-        for (int t = 0; t < nt; t++) {
-            const uint8_t *pb = p + (size_t)b * 34;
-            acc8[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_b32(SI_Q8_0, pb, loadx(&x[t], b))),
-                                      _mm256_set1_ps(f16(pb) * x[t].d[b]), acc8[t]);
-        }
+        for (int t = 0; t < nt; t++) acc8[t] = q8_last(p, &x[t], b, acc8[t]);
     for (int t = 0; t < nt; t++) y[t * ys] = _mm512_reduce_add_ps(acc[t]) + hsum(acc8[t]);
 }
 #endif
