@@ -268,13 +268,21 @@ int FN(si_xgroups)(const si_xq *x, int cols, uint8_t *out) {
  * layout, at xp), the two int16 products added before one widening madd (at most
  * 2 * 2 * 15 * 127: no overflow): 8 int32 sums, 4 per block. Half the work per block of the
  * block-by-block loop, which unpacks each block with a lane insert and widens it alone. */
-INLINE __m256i pair_q4(const uint8_t *q, const int bsize, const int8_t *xp) {
+INLINE void pair_unpack(const uint8_t *q, const int bsize, __m256i *lo, __m256i *hi) {
     const __m256i v = _mm256_loadu2_m128i((const __m128i *)(q + bsize), (const __m128i *)q);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    *lo = _mm256_and_si256(v, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+}
+INLINE __m256i pair_dot(__m256i lo, __m256i hi, const int8_t *xp) {
     const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xp)),
                                        _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 32))));
     return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+}
+INLINE __m256i pair_q4(const uint8_t *q, const int bsize, const int8_t *xp) {
+    __m256i lo, hi;
+    pair_unpack(q, bsize, &lo, &hi);
+    return pair_dot(lo, hi, xp);
 }
 /* The permute index that puts blocks k and k+1's scales on lanes 0..3 and 4..7. */
 INLINE __m256i pair_idx(const int k) {
@@ -1195,23 +1203,15 @@ INLINE void multi_b32_256(const int type, const int bsize, const uint8_t *p, con
         const __m256 mw = has_min ? f16x8(pb, bsize, 2) : dw;
         if ((type == SI_Q4_0 || type == SI_Q4_1) && x[0].g) { /* as rows_b32: pairs */
             const int off = type == SI_Q4_0 ? 2 : 4;
-            const __m256i m4 = _mm256_set1_epi8(0x0F);
             __m256i lo[4], hi[4];
-            for (int k = 0; k < 8; k += 2) {
-                const uint8_t *q = pb + off + (size_t)k * bsize;
-                const __m256i v = _mm256_loadu2_m128i((const __m128i *)(q + bsize), (const __m128i *)q);
-                lo[k / 2] = _mm256_and_si256(v, m4);
-                hi[k / 2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            }
+            for (int k = 0; k < 8; k += 2)
+                pair_unpack(pb + off + (size_t)k * bsize, bsize, &lo[k / 2], &hi[k / 2]);
             for (int t = 0; t < nt; t++) {
                 const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(x[t].d + b));
                 accm[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(x[t].s + b), accm[t]);
                 for (int k = 0; k < 8; k += 2) {
-                    const int8_t *xp = (const int8_t *)x[t].g + 32 * (size_t)(b + k);
-                    const __m256i s16 = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo[k / 2], _mm256_loadu_si256((const __m256i *)xp)),
-                        _mm256_maddubs_epi16(hi[k / 2], _mm256_loadu_si256((const __m256i *)(xp + 32))));
-                    const __m256i dot = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+                    const __m256i dot = pair_dot(lo[k / 2], hi[k / 2],
+                                                 (const int8_t *)x[t].g + 32 * (size_t)(b + k));
                     const __m256 sk = _mm256_permutevar8x32_ps(scale, pair_idx(k));
                     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sk, acc[t]);
                 }
