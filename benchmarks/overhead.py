@@ -23,21 +23,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
+from sparseinfer.bench import cpu_model
 
 
 def interleaved(fns: dict, n: int, threads: list[int], set_threads) -> dict:

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from overhead import cpu_model
+from sparseinfer.bench import cpu_model
 
 
 def main() -> None:

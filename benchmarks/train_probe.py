@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from overhead import cpu_model
+from sparseinfer.bench import cpu_model
 
 
 def main() -> None:
