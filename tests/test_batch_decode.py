@@ -88,6 +88,10 @@ def test_decode_step_equals_each_sequence_alone(arch_model_dir, name, kernel):
     lengths, slots = [3, 12, 20], [2, 0, 1]
     seqs = [torch.randint(3, lm.config.vocab_size, (n + 2,), generator=gen).tolist()
             for n in lengths]
+    # where the plan fuses the single-token decode, every block runs the rows in one C call
+    # (cpu.DecodeBlock.rows), else the block's torch code with the per-row attention ``kernel``
+    c_rows = [b.fused is not None and b.fused.takes_rows(i) for i, b in enumerate(model.layers)]
+    assert all(c_rows) == lm.plan.fused_decode and len(set(c_rows)) == 1, (name, c_rows)
     cache = model.new_cache(3, 32)
     alone = [model.new_cache(1, 32) for _ in seqs]
     with torch.inference_mode():
@@ -104,3 +108,30 @@ def test_decode_step_equals_each_sequence_alone(arch_model_dir, name, kernel):
                 want = model(torch.tensor([[seq[pos]]]), pos, own)[0, -1]
                 err = float((got[row] - want).abs().max() / want.abs().max())
                 assert err < 1e-4, (name, row, step, err)
+
+
+def test_smollm2_rows_equal_each_sequence_alone(smollm2_path):
+    """The real Q4_1 file on the C kernels: a step over four sequences (each block one
+    ``DecodeBlock.rows`` call, the head one GEMM) gives every row the logits of its sequence
+    decoded alone on the single-token path, bit for bit: the GEMM rows are their GEMVs', so a
+    sequence's tokens do not depend on what else is in the batch."""
+    from sparseinfer.fused.decode import attend_rows
+    from sparseinfer.models.build import load
+
+    model = load(smollm2_path, "auto", fused=True).model
+    assert all(b.fused.takes_rows(i) for i, b in enumerate(model.layers))
+    gen = torch.Generator().manual_seed(5)
+    lengths, slots = [4, 9, 1, 30], [3, 0, 2, 1]
+    seqs = [torch.randint(3, 40000, (n + 1,), generator=gen).tolist() for n in lengths]
+    cache = model.new_cache(4, 48)
+    alone = [model.new_cache(1, 48) for _ in seqs]
+    with torch.inference_mode():
+        for seq, slot, own in zip(seqs, slots, alone):
+            model(torch.tensor([seq[:-1]]), 0, slot_cache(cache, slot))
+            model(torch.tensor([seq[:-1]]), 0, own)
+        tokens = torch.tensor([s[-1] for s in seqs])
+        positions = torch.tensor([len(s) - 1 for s in seqs])
+        got = decode_step(model, tokens, positions, cache, torch.tensor(slots), attend_rows)
+        for row, (seq, own) in enumerate(zip(seqs, alone)):
+            want = model(torch.tensor([[seq[-1]]]), len(seq) - 1, own)[0, -1]
+            assert torch.equal(got[row], want), row

@@ -126,6 +126,66 @@ def test_gemma_and_qwen3_options(isa, threads, opts, pos):
     check(kw, pos)
 
 
+def rope_tables(hd: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [rope_row(hd, p) for p in range(n)]
+    return torch.stack([c for c, _ in rows]), torch.stack([s for _, s in rows])
+
+
+@pytest.mark.parametrize("opts", ["plain", "gemma", "bias"])
+@pytest.mark.parametrize("B", [2, 5, 8])
+def test_rows_equal_one_row_calls(isa, threads, opts, B):
+    """``DecodeBlock.rows`` (one token of B sequences, the weights read once: a GEMM over the
+    rows) gives every row exactly what a one-row call gives it (itself compared with the
+    reference above): same outputs and cache rows, bit for bit, whatever the other rows are.
+    Rows at different positions (short and long contexts, a window), in slots out of order."""
+    rng = np.random.default_rng(B)
+    kw = make(rng, d=128, nh=4, nkv=2, hd=32, d_ff=160, bias=opts == "bias",
+              types=("Q4_1", "Q8_0") if opts == "bias" else ("Q4_0", "Q8_0"))
+    if opts == "gemma":
+        def vec(n):
+            return torch.from_numpy(rng.uniform(0.5, 1.5, n).astype(np.float32))
+
+        kw.update(q_norm=vec(32), k_norm=vec(32), attn_post_norm=vec(128),
+                  ffn_post_norm=vec(128), window=8, scale=0.1)
+    n_slots, S = 10, 64
+    g = torch.Generator().manual_seed(B)
+    kc, vc = torch.randn(n_slots, 2, S, 32, generator=g), torch.randn(n_slots, 2, S, 32, generator=g)
+    cos, sin = rope_tables(32, S)
+    slots = torch.tensor([9, 2, 0, 5, 7, 1, 3, 8][:B], dtype=torch.int32)
+    positions = torch.tensor([0, 63, 5, 40, 1, 12, 30, 7][:B], dtype=torch.int32)
+    x = torch.randn(B, 128, generator=g)
+    block = cpu.DecodeBlock(**kw)
+    k1, v1, want = kc.clone(), vc.clone(), x.clone()
+    for i in range(B):
+        p, s = int(positions[i]), int(slots[i])
+        block(want[i], p, k1[s], v1[s], cos[p], sin[p])
+    got = x.clone()
+    assert block.rows(got, positions, slots, kc, vc, cos, sin) is got
+    assert torch.equal(got, want)
+    assert torch.equal(kc, k1) and torch.equal(vc, v1)
+    block(x[0].clone(), 3, kc[0].clone(), vc[0].clone(), cos[3], sin[3])  # one row after many
+
+
+def test_rows_bad_arguments_say_what_was_expected():
+    block = cpu.DecodeBlock(**make(np.random.default_rng(1)))
+    kc = torch.zeros(3, 2, 8, 16)
+    cos, sin = rope_tables(16, 8)
+    i32 = torch.int32
+    x = torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="positions: expected values in"):
+        block.rows(x, torch.tensor([0, 8], dtype=i32), torch.tensor([0, 1], dtype=i32), kc,
+                   kc.clone(), cos, sin)
+    with pytest.raises(ValueError, match="slots: expected values in"):
+        block.rows(x, torch.tensor([0, 1], dtype=i32), torch.tensor([0, 3], dtype=i32), kc,
+                   kc.clone(), cos, sin)
+    with pytest.raises(ValueError, match="positions: expected contiguous int32"):
+        block.rows(x, torch.tensor([0, 1]), torch.tensor([0, 1], dtype=i32), kc, kc.clone(),
+                   cos, sin)
+    with pytest.raises(ValueError, match="cos: expected at least 8 rows"):
+        block.rows(x, torch.tensor([0, 1], dtype=i32), torch.tensor([0, 1], dtype=i32), kc,
+                   kc.clone(), cos[:4], sin)
+
+
 def test_bad_options_say_what_was_expected():
     kw = make(np.random.default_rng(1))
     with pytest.raises(ValueError, match="window"):

@@ -51,6 +51,13 @@ INLINE float hsum(__m256 v) {
     return _mm_cvtss_f32(a);
 }
 
+INLINE float hmax(__m256 v) {
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_max_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
 /* 16 bytes of nibbles -> 32 bytes 0..15: low nibbles are elements 0..15, high ones 16..31. */
 INLINE __m256i nib32(const uint8_t *p) {
     __m128i v = _mm_loadu_si128((const __m128i *)p);
@@ -1234,6 +1241,15 @@ INLINE void multi_b32_256(const int type, const int bsize, const uint8_t *p, con
 }
 #endif
 
+/* GEMM rows (si_rows_multi) are walked one at a time, each against up to MULTI_T x rows: row
+ * r + GEMM_PF_ROWS of the chunk is fetched while row r is multiplied (a chunk is too short a run
+ * for the hardware prefetcher to ramp up); into L2 only when those rows are long. */
+#define GEMM_PF_ROWS 4
+INLINE void prefetch_row(const uint8_t *w, const size_t rb, const int r, const int nrows) {
+    if (r + GEMM_PF_ROWS < nrows)
+        prefetch(w + (size_t)(r + GEMM_PF_ROWS) * rb, (int)rb, GEMM_PF_ROWS * rb > PF_NEAR_BYTES);
+}
+
 /* y[t * y_stride + r] = row r of w times x[t], for t < T: the rows decoded once per MULTI_T x
  * rows where a GEMM kernel exists (AVX-512: Q4_0/Q4_1 groups of 4, short Q8_0 rows; avx2_128
  * and plain AVX2: Q4_0..Q5_1 8 blocks at a time), else si_rows for each x row. */
@@ -1246,8 +1262,12 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
             /* the row count and the type as constants: a run-time count left the x-row loop
              * rolled up with its accumulators on the stack (1.8x slower, benchmarks/RESULTS.md) */
 #define MQ(TY, N)                                                                              \
-    for (int r = 0; r < nrows; r++)                                                            \
-        multi_q4g(TY, w + (size_t)r * rb, x + t0, N, cols / 32, y + t0 * ys + r, ys)
+    do {                                                                                       \
+        for (int r = 0; r < nrows; r++) {                                                      \
+            prefetch_row(w, rb, r, nrows);                                                     \
+            multi_q4g(TY, w + (size_t)r * rb, x + t0, N, cols / 32, y + t0 * ys + r, ys);      \
+        }                                                                                      \
+    } while (0)
 #define MQN(N)                                                                                 \
     case N:                                                                                    \
         if (type == SI_Q4_0) MQ(SI_Q4_0, N);                                                   \
@@ -1267,8 +1287,10 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
             const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
 #define M8(N)                                                                                  \
     case N:                                                                                    \
-        for (int r = 0; r < nrows; r++)                                                        \
+        for (int r = 0; r < nrows; r++) {                                                      \
+            prefetch_row(w, rb, r, nrows);                                                     \
             multi_q8(w + (size_t)r * rb, x + t0, N, cols / 32, y + t0 * ys + r, ys);           \
+        }                                                                                      \
         break
             switch (nt) {
                 M8(1); M8(2); M8(3); M8(4); M8(5); M8(6); M8(7); M8(8);
@@ -1284,7 +1306,8 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
         const int bsize = (int)(rb / (size_t)(cols / 32)); /* bytes per block of 32 */
         for (int t0 = 0; t0 < T; t0 += MULTI_T) {
             const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
-            for (int r = 0; r < nrows; r++)
+            for (int r = 0; r < nrows; r++) {
+                prefetch_row(w, rb, r, nrows);
 #if SI_NARROW
                 multi_b32_128(type, bsize, w + (size_t)r * rb, x + t0, nt, cols / 32,
                               y + t0 * ys + r, ys);
@@ -1292,6 +1315,7 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
                 multi_b32_256(type, bsize, w + (size_t)r * rb, x + t0, nt, cols / 32,
                               y + t0 * ys + r, ys);
 #endif
+            }
         }
         return;
     }
@@ -1636,25 +1660,57 @@ void FN(si_glu)(int gated, int ga, int ua, const float *in, const float *bias, i
     }
 }
 
+/* The 8 sums of a[0..7]'s lanes: [sum a[0], ..., sum a[7]]. */
+INLINE __m256 hsum8x8(const __m256 *a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 /* One head's attention for one token over positions 0..n-1: out = softmax(scale · K q) · V, with
- * kc/vc this head's K/V rows (hd floats apart); scores: n floats of scratch. */
+ * kc/vc this head's K/V rows (hd floats apart); scores: n floats of scratch. Scores 8 keys at a
+ * time (8 independent dot products, one transposing sum); the weighted sum of V in registers,
+ * 64 columns at a time. */
 void FN(si_attend_head)(const float *q, const float *kc, const float *vc, int n, int hd,
                         float scale, float *scores, float *out) {
-    float m = -INFINITY;
-    for (int s = 0; s < n; s++) {
+    const int hd8 = hd & ~7;
+    const __m256 sc = _mm256_set1_ps(scale);
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int s = 0;
+    for (; s + 8 <= n; s += 8) {
         const float *k = kc + (size_t)s * hd;
-        float acc;
-        int j = 0;
-        __m256 a = _mm256_setzero_ps();
-        for (; j + 8 <= hd; j += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j), a);
-        acc = hsum(a);
-        for (; j < hd; j++) acc += q[j] * k[j];
+        __m256 a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+        for (int j = 0; j < hd8; j += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + j);
+            for (int i = 0; i < 8; i++)
+                a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (size_t)i * hd + j), a[i]);
+        }
+        __m256 r = hsum8x8(a);
+        if (hd8 < hd) {
+            float t[8];
+            for (int i = 0; i < 8; i++) {
+                t[i] = 0.0f;
+                for (int j = hd8; j < hd; j++) t[i] += q[j] * k[(size_t)i * hd + j];
+            }
+            r = _mm256_add_ps(r, _mm256_loadu_ps(t));
+        }
+        r = _mm256_mul_ps(r, sc);
+        _mm256_storeu_ps(scores + s, r);
+        mv = _mm256_max_ps(mv, r);
+    }
+    float m = hmax(mv);
+    for (; s < n; s++) {
+        const float *k = kc + (size_t)s * hd;
+        float acc = 0.0f;
+        for (int j = 0; j < hd; j++) acc += q[j] * k[j];
         acc *= scale;
         scores[s] = acc;
         m = acc > m ? acc : m;
     }
     float tot = 0.0f;
-    int s = 0;
+    s = 0;
     __m256 tv = _mm256_setzero_ps();
     for (; s + 8 <= n; s += 8) {
         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + s), _mm256_set1_ps(m)));
@@ -1668,13 +1724,27 @@ void FN(si_attend_head)(const float *q, const float *kc, const float *vc, int n,
         tot += e;
     }
     const float inv = 1.0f / tot;
-    for (int j = 0; j < hd; j++) out[j] = 0.0f;
-    for (s = 0; s < n; s++) { /* out += p_s v_s, row by row (V is read in order) */
-        const float *v = vc + (size_t)s * hd;
-        const __m256 p = _mm256_set1_ps(scores[s] * inv);
-        int j = 0;
-        for (; j + 8 <= hd; j += 8)
-            _mm256_storeu_ps(out + j, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + j), _mm256_loadu_ps(out + j)));
-        for (; j < hd; j++) out[j] += scores[s] * inv * v[j];
+    for (s = 0; s < n; s++) scores[s] *= inv;
+    int j0 = 0;
+    for (; j0 + 64 <= hd; j0 += 64) { /* out[j0, j0 + 64) = sum_s p_s v_s, in 8 registers */
+        __m256 o[8];
+        for (int i = 0; i < 8; i++) o[i] = _mm256_setzero_ps();
+        for (s = 0; s < n; s++) {
+            const float *v = vc + (size_t)s * hd + j0;
+            const __m256 p = _mm256_set1_ps(scores[s]);
+            for (int i = 0; i < 8; i++) o[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), o[i]);
+        }
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + j0 + 8 * i, o[i]);
+    }
+    if (j0 < hd) { /* the last hd % 64 columns, row by row (V is read in order) */
+        for (int j = j0; j < hd; j++) out[j] = 0.0f;
+        for (s = 0; s < n; s++) {
+            const float *v = vc + (size_t)s * hd;
+            const __m256 p = _mm256_set1_ps(scores[s]);
+            int j = j0;
+            for (; j + 8 <= hd; j += 8)
+                _mm256_storeu_ps(out + j, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + j), _mm256_loadu_ps(out + j)));
+            for (; j < hd; j++) out[j] += scores[s] * v[j];
+        }
     }
 }

@@ -53,7 +53,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "F32": (9, 1, 4),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 
 class CpuLibraryError(SparseInferError):
@@ -388,6 +388,11 @@ _lib.si_block_free.argtypes = [ctypes.c_void_p]
 _lib.si_block_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
 _block_decode = _lib.si_block_decode
+_lib.si_block_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_int]
+_block_decode_rows = _lib.si_block_decode_rows
 
 
 class DecodeBlock:
@@ -479,6 +484,44 @@ class DecodeBlock:
         rc = _block_decode(self._handle, x_ptr, pos, k_ptr, v_ptr, cos_ptr, sin_ptr, max_seq)
         if rc:
             _check(rc, "block_decode")
+
+    def run_rows(self, x_ptr: int, B: int, pos_ptr: int, slots_ptr: int, k_ptr: int, v_ptr: int,
+                 slot_stride: int, cos_ptr: int, sin_ptr: int, max_seq: int) -> None:
+        """``rows`` on raw addresses, unchecked (the batched decode step's path)."""
+        rc = _block_decode_rows(self._handle, x_ptr, B, pos_ptr, slots_ptr, k_ptr, v_ptr,
+                                slot_stride, cos_ptr, sin_ptr, max_seq)
+        if rc:
+            _check(rc, "block_decode_rows")
+
+    def rows(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> torch.Tensor:
+        """One token of each of B sequences (continuous batching): ``x`` float32 [B, d_model],
+        updated in place and returned; row i is the sequence in cache slot ``slots[i]`` at
+        ``positions[i]`` (int32 [B]); caches [slots, n_kv_heads, max_seq, head_dim]; ``cos``/
+        ``sin`` the rope tables [>= max_seq, head_dim]. Each row's numbers equal a one-row call's
+        (the weights are read once for all rows)."""
+        B = x.shape[0] if x.dim() == 2 else 0
+        _check_f32(x, (B, self.d_model), "x")
+        if B < 1:
+            raise ValueError("x: expected at least one row")
+        n_slots, max_seq = (k_cache.shape[0], k_cache.shape[2]) if k_cache.dim() == 4 else (0, 0)
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            _check_f32(t, (n_slots, self.nkv, max_seq, self.hd), name)
+        for name, t in (("cos", cos), ("sin", sin)):
+            _check_f32(t, (t.shape[0] if t.dim() == 2 else 0, self.hd), name)
+            if t.shape[0] < max_seq:
+                raise ValueError(f"{name}: expected at least {max_seq} rows, got {t.shape[0]}")
+        for name, t, hi in (("positions", positions, max_seq), ("slots", slots, n_slots)):
+            if t.dtype != torch.int32 or not t.is_contiguous() or tuple(t.shape) != (B,):
+                raise ValueError(f"{name}: expected contiguous int32 [{B}], got {t.dtype} "
+                                 f"{list(t.shape)}")
+            if B and not (0 <= int(t.min()) and int(t.max()) < hi):
+                raise ValueError(f"{name}: expected values in [0, {hi}), got {t.tolist()}")
+        self.run_rows(x.data_ptr(), B, positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
+                      v_cache.data_ptr(), k_cache.stride(0), cos.data_ptr(), sin.data_ptr(),
+                      max_seq)
+        return x
 
     def __call__(self, x: torch.Tensor, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

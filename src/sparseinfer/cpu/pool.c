@@ -28,9 +28,10 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 6
+#define SI_ABI_VERSION 7
 #define MAX_THREADS 256
 #define MAX_MATS 16
+#define GEMM_MIN_ROWS 128
 
 /* ------------------------------------------------------------------ types */
 
@@ -410,7 +411,9 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
     const int64_t min_rows = (int64_t)((32768 + rb_max - 1) / rb_max);
     ch = ch < min_rows ? min_rows : ch;
     ch = ch < 16 ? 16 : (ch + 3) & ~3LL;
-    if (T > 1) ch = 16;
+    /* a GEMM (T > 1) takes longer per row: chunks of at least 128 rows (16 ran 1.5-2x slower on
+     * SmolLM2's matrices from memory: the threads' interleaved short runs, benchmarks/RESULTS.md) */
+    if (T > 1 && ch < GEMM_MIN_ROWS) ch = GEMM_MIN_ROWS;
     j->ch = (int)ch;
     j->first[0] = 0;
     for (int i = 0; i < nmat; i++) j->first[i + 1] = j->first[i] + (rows[i] + j->ch - 1) / j->ch;
@@ -550,22 +553,36 @@ int si_predict_f16(const void *fc1, const void *fc2, int r, int d_model, int d_f
     return 0;
 }
 
-/* ------------------------------------------------------------------ one-token llama block */
+/* ------------------------------------------------------------------ llama block, one token per row */
 
+/* A block decodes one token of each of B sequences per call (B = 1: si_block_decode; B > 1:
+ * si_block_decode_rows, continuous batching). Each weight is read once per call: one row takes
+ * the prebuilt GEMV jobs, several rows a GEMM over all of them (every GEMM row is its GEMV bit for
+ * bit, so a sequence's numbers do not depend on the batch). */
 typedef struct {
     si_block_desc d;
-    int nt;                 /* the thread count the jobs were chunked for */
-    job_t jobs[4];          /* qkv, wo, w_in, down */
-    int64_t out_rows[4];
-    float *h, *qkv, *att, *a, *f, *act; /* scratch */
-    float *scores;
-    int scores_cap;
-    /* the attention job of the current call */
-    const float *kc, *vc;
-    int start, n, max_seq; /* keys [start, start + n) of the cache */
+    int nt;                 /* the thread count the one-row jobs were chunked for */
+    unsigned gen;           /* the scratch generation they write into */
+    job_t jobs[4];          /* one row: qkv, wo, w_in, down */
+    size_t nq, na, nf, nm;  /* per-row sizes: q/k/v, attention out, w_in out, GEMM staging */
+    /* the current call's views of the shared scratch (R) */
+    float *h, *qkv, *att, *a, *f, *act, *m, *scores;
+    float **kc, **vc;       /* per row: this layer's cache of the row's sequence */
+    const float **cs, **sn; /* per row: rope rows */
+    int *pos, *start, *n;
+    int max_seq;
     float scale;
     attend_fn attend;
 } block_t;
+
+/* Scratch shared by every block (calls are serialised by g_call_lock): activations of B rows,
+ * per-row pointers, attention scores. gen changes when buf moves (the one-row jobs point into it). */
+static struct {
+    float *buf, *scores;
+    void *rows;
+    size_t cap, rows_cap, scores_cap;
+    unsigned gen;
+} R;
 
 static int64_t linear_rows(const si_linear *l) {
     int64_t r = 0;
@@ -573,20 +590,32 @@ static int64_t linear_rows(const si_linear *l) {
     return r;
 }
 
-static int block_jobs(block_t *b) {
+static const si_linear *block_linear(const block_t *b, int k) {
     const si_linear *ls[4] = {&b->d.qkv, &b->d.wo, &b->d.w_in, &b->d.down};
+    return ls[k];
+}
+
+static int block_cols(const block_t *b, int k) {
     const int cols[4] = {b->d.d_model, b->d.n_heads * b->d.head_dim, b->d.d_model, b->d.d_ff};
+    return cols[k];
+}
+
+/* weight k's output for row 0 (row t: + t * its total rows) */
+static float *block_out(const block_t *b, int k) {
     float *outs[4] = {b->qkv, b->a, b->f, b->a};
+    return outs[k];
+}
+
+static int block_jobs(block_t *b) {
     for (int k = 0; k < 4; k++) {
-        const si_linear *l = ls[k];
-        if (l->n < 1 || l->n > SI_LINEAR_MATS) return EINVAL;
+        const si_linear *l = block_linear(b, k);
         float *o[SI_LINEAR_MATS];
         int64_t off = 0;
         for (int i = 0; i < l->n; i++) {
-            o[i] = outs[k] + off;
+            o[i] = block_out(b, k) + off;
             off += l->rows[i];
         }
-        int err = setup_job(&b->jobs[k], l->n, l->type, l->w, l->rows, cols[k], 1, o);
+        int err = setup_job(&b->jobs[k], l->n, l->type, l->w, l->rows, block_cols(b, k), 1, o);
         if (err) return err;
     }
     b->nt = P.n_workers + 1;
@@ -596,13 +625,53 @@ static int block_jobs(block_t *b) {
 void si_block_free(void *p) {
     block_t *b = p;
     if (!b) return;
-    free(b->h);
-    free(b->scores);
     free(b);
 }
 
-/* A block for si_block_decode from its description (pointers are kept, not copied: the weights
- * and norms must outlive the block). Returns NULL and sets *err (EINVAL, ENOMEM, ENODEV). */
+static int grow(void **p, size_t *cap, size_t need) {
+    if (need <= *cap) return 0;
+    free(*p);
+    *p = aligned_alloc(64, (need + 63) / 64 * 64);
+    *cap = *p ? need : 0;
+    return *p ? 0 : ENOMEM;
+}
+
+/* Point b's views into the shared scratch for B rows of max_seq positions (growing it); the
+ * one-row jobs are rebuilt when the scratch moved or the thread count changed. */
+static int block_scratch(block_t *b, int B, int max_seq) {
+    const size_t D = (size_t)b->d.d_model;
+    const size_t per_row = 3 * D + b->nq + b->na + b->nf + (size_t)b->d.d_ff + b->nm;
+    float *old = R.buf;
+    int err = grow((void **)&R.buf, &R.cap, (size_t)B * per_row * sizeof(float));
+    if (!err) err = grow(&R.rows, &R.rows_cap, (size_t)B * (4 * sizeof(void *) + 3 * sizeof(int)));
+    if (!err) err = grow((void **)&R.scores, &R.scores_cap,
+                         (size_t)B * b->d.n_heads * max_seq * sizeof(float));
+    if (err) return err;
+    if (R.buf != old) R.gen++;
+    b->h = R.buf;
+    b->qkv = b->h + B * D;
+    b->att = b->qkv + B * b->nq;
+    b->a = b->att + B * b->na;
+    b->f = b->a + B * D;
+    b->act = b->f + B * b->nf;
+    b->m = b->act + (size_t)B * b->d.d_ff;
+    b->scores = R.scores;
+    b->kc = R.rows;
+    b->vc = b->kc + B;
+    b->cs = (const float **)(b->vc + B);
+    b->sn = b->cs + B;
+    b->pos = (int *)(b->sn + B);
+    b->start = b->pos + B;
+    b->n = b->start + B;
+    if (B == 1 && (b->gen != R.gen || b->nt != P.n_workers + 1)) {
+        if ((err = block_jobs(b))) return err;
+        b->gen = R.gen;
+    }
+    return 0;
+}
+
+/* A block for si_block_decode(_rows) from its description (pointers are kept, not copied: the
+ * weights and norms must outlive the block). Returns NULL and sets *err (EINVAL, ENOMEM, ENODEV). */
 void *si_block_new(const si_block_desc *desc, int *err) {
     const si_block_desc *d = desc;
     *err = EINVAL;
@@ -616,30 +685,30 @@ void *si_block_new(const si_block_desc *desc, int *err) {
         linear_rows(&d->w_in) != (int64_t)(d->gated ? 2 : 1) * d->d_ff ||
         linear_rows(&d->down) != d->d_model)
         return NULL;
+    const si_linear *ls[4] = {&d->qkv, &d->wo, &d->w_in, &d->down};
+    const int cols[4] = {d->d_model, d->n_heads * d->head_dim, d->d_model, d->d_ff};
+    for (int k = 0; k < 4; k++) {
+        if (ls[k]->n < 1 || ls[k]->n > SI_LINEAR_MATS) return NULL;
+        for (int i = 0; i < ls[k]->n; i++)
+            if (check_mat(ls[k]->type[i], ls[k]->rows[i], cols[k])) return NULL;
+    }
+    if (g_isa < 0) {
+        *err = ENODEV;
+        return NULL;
+    }
     block_t *b = calloc(1, sizeof(block_t));
     if (!b) {
         *err = ENOMEM;
         return NULL;
     }
     b->d = *d;
-    const size_t nq = (size_t)qkv_rows, na = (size_t)d->n_heads * d->head_dim;
-    const size_t nf = (size_t)(d->gated ? 2 : 1) * d->d_ff;
-    const size_t total = 3 * (size_t)d->d_model + nq + na + nf + (size_t)d->d_ff;
-    b->h = malloc(total * sizeof(float));
-    if (!b->h) {
-        si_block_free(b);
-        *err = ENOMEM;
-        return NULL;
-    }
-    b->qkv = b->h + d->d_model;
-    b->att = b->qkv + nq;
-    b->a = b->att + na;
-    b->f = b->a + d->d_model;
-    b->act = b->f + nf;
-    if ((*err = block_jobs(b))) {
-        si_block_free(b);
-        return NULL;
-    }
+    b->nq = (size_t)qkv_rows;
+    b->na = (size_t)d->n_heads * d->head_dim;
+    b->nf = (size_t)(d->gated ? 2 : 1) * d->d_ff;
+    b->nm = b->nq > b->nf ? b->nq : b->nf;
+    b->nm = b->nm > (size_t)d->d_model ? b->nm : (size_t)d->d_model;
+    b->nt = -1; /* jobs built on the first call */
+    *err = 0;
     return b;
 }
 
@@ -651,12 +720,14 @@ static void rms_norm(const float *x, const float *w, int n, float eps, float *ou
     for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
-static void attend_chunk(const void *jp, int64_t h) {
+/* chunk c: row c / n_heads, head c % n_heads */
+static void attend_chunk(const void *jp, int64_t c) {
     const block_t *b = jp;
-    const int hd = b->d.head_dim, g = (int)h / (b->d.n_heads / b->d.n_kv_heads);
-    const size_t kv = ((size_t)g * b->max_seq + b->start) * hd;
-    b->attend(b->qkv + h * hd, b->kc + kv, b->vc + kv, b->n, hd, b->scale,
-              b->scores + h * (size_t)b->max_seq, b->att + h * hd);
+    const int nh = b->d.n_heads, hd = b->d.head_dim;
+    const int t = (int)(c / nh), h = (int)(c % nh), g = h / (nh / b->d.n_kv_heads);
+    const size_t kv = ((size_t)g * b->max_seq + b->start[t]) * hd;
+    b->attend(b->qkv + t * b->nq + (size_t)h * hd, b->kc[t] + kv, b->vc[t] + kv, b->n[t], hd,
+              b->scale, b->scores + (size_t)c * b->max_seq, b->att + t * b->na + (size_t)h * hd);
 }
 
 static void add_bias(float *y, const float *bias, int64_t n) {
@@ -664,77 +735,152 @@ static void add_bias(float *y, const float *bias, int64_t n) {
         for (int64_t i = 0; i < n; i++) y[i] += bias[i];
 }
 
-/* One token through block b at position pos, x [d_model] the residual stream (updated in place):
+/* Weight k over B rows of x (each cols wide) into its output buffer, row t at t * total rows:
+ * the one-row GEMV job, or a GEMM whose per-matrix outputs [B, rows_i] are staged in b->m and
+ * interleaved back when the weight is several matrices. */
+static int block_product(block_t *b, int k, int B, const float *x) {
+    if (B == 1) return exec_job(&b->jobs[k], x);
+    const si_linear *l = block_linear(b, k);
+    const int64_t total = linear_rows(l);
+    float *dst = block_out(b, k), *o[SI_LINEAR_MATS];
+    int64_t off = 0;
+    for (int i = 0; i < l->n; i++) {
+        o[i] = l->n == 1 ? dst : b->m + (size_t)B * off;
+        off += l->rows[i];
+    }
+    job_t j;
+    int err = setup_job(&j, l->n, l->type, l->w, l->rows, block_cols(b, k), B, o);
+    if (!err) err = exec_job(&j, x);
+    if (err || l->n == 1) return err;
+    off = 0;
+    for (int i = 0; i < l->n; i++) {
+        for (int t = 0; t < B; t++)
+            memcpy(dst + t * total + off, o[i] + t * l->rows[i], l->rows[i] * sizeof(float));
+        off += l->rows[i];
+    }
+    return 0;
+}
+
+/* One token of each of B rows through block b, x [B, d_model] the residual streams (updated in
+ * place); row t at b->pos[t] with its own caches b->kc/vc[t] and rope rows b->cs/sn[t]:
  *   x += wo(attention(rope(qkv(rmsnorm(x)))));  x += down(glu(w_in(rmsnorm(x))))
  * (with the desc's optional q/k norms, post-norms, window and scale: see qgemv.h)
- * kc/vc: this layer's caches [n_kv_heads, max_seq, head_dim] (the new key/value written at pos);
- * cos/sin: the rope row of pos [head_dim] (rotate-half tables; adjacent pairs when interleaved).
- * Five pool dispatches (four matrix products and the heads), nothing in between. */
-int si_block_decode(void *p, float *x, int pos, float *kc, float *vc, const float *cos,
-                    const float *sin, int max_seq) {
-    block_t *b = p;
+ * Five pool dispatches (four matrix products and the heads), nothing in between.
+ * The caller holds g_call_lock, has called block_scratch(b, B, max_seq) and filled the rows. */
+static int block_rows(block_t *b, float *x, int B, int max_seq) {
     const si_block_desc *d = &b->d;
-    if (pos < 0 || pos >= max_seq) return ERANGE;
     const int nh = d->n_heads, nkv = d->n_kv_heads, hd = d->head_dim, half = hd / 2;
-    pthread_mutex_lock(&g_call_lock);
+    const int D = d->d_model;
     int err = 0;
-    if (b->nt != P.n_workers + 1) err = block_jobs(b);
-    const size_t need = (size_t)nh * max_seq;
-    if (!err && need > (size_t)b->scores_cap) {
-        free(b->scores);
-        b->scores = malloc(need * sizeof(float));
-        b->scores_cap = b->scores ? (int)need : 0;
-        if (!b->scores) err = ENOMEM;
-    }
-    if (err) goto out;
     /* attention */
-    rms_norm(x, d->attn_norm, d->d_model, d->eps, b->h);
-    if ((err = exec_job(&b->jobs[0], b->h))) goto out;
-    add_bias(b->qkv, d->qkv.bias, (int64_t)(nh + 2 * nkv) * hd);
-    for (int h = 0; h < nh + nkv; h++) { /* q/k heads' norms, in place, before rope */
-        const float *w = h < nh ? d->q_norm : d->k_norm;
-        if (w) rms_norm(b->qkv + (size_t)h * hd, w, hd, d->eps, b->qkv + (size_t)h * hd);
-    }
-    for (int h = 0; h < nh + nkv; h++) { /* rope on the q and k heads */
-        float *v = b->qkv + (size_t)h * hd;
-        for (int j = 0; j < half; j++) {
-            const int i0 = d->interleaved ? 2 * j : j, i1 = d->interleaved ? 2 * j + 1 : half + j;
-            const float a0 = v[i0], a1 = v[i1];
-            v[i0] = a0 * cos[j] - a1 * sin[j];
-            v[i1] = a1 * cos[half + j] + a0 * sin[half + j];
-        }
-    }
-    for (int g = 0; g < nkv; g++) {
-        memcpy(kc + ((size_t)g * max_seq + pos) * hd, b->qkv + (size_t)(nh + g) * hd, hd * sizeof(float));
-        memcpy(vc + ((size_t)g * max_seq + pos) * hd, b->qkv + (size_t)(nh + nkv + g) * hd, hd * sizeof(float));
-    }
-    b->kc = kc;
-    b->vc = vc;
-    b->start = d->window > 0 && pos + 1 > d->window ? pos + 1 - d->window : 0;
-    b->n = pos + 1 - b->start;
+    for (int t = 0; t < B; t++) rms_norm(x + (size_t)t * D, d->attn_norm, D, d->eps, b->h + (size_t)t * D);
+    if ((err = block_product(b, 0, B, b->h))) return err;
     b->max_seq = max_seq;
     b->scale = d->scale > 0.0f ? d->scale : 1.0f / sqrtf((float)hd);
     b->attend = g_attend;
-    if ((size_t)b->n * nh * hd >= 16384) {
-        pool_run(attend_chunk, b, nh); /* one head per chunk */
-    } else { /* a short context: less work than waking the pool */
-        for (int h = 0; h < nh; h++) attend_chunk(b, h);
+    size_t work = 0;
+    for (int t = 0; t < B; t++) {
+        float *qkv = b->qkv + t * b->nq;
+        const int pos = b->pos[t];
+        add_bias(qkv, d->qkv.bias, (int64_t)b->nq);
+        for (int h = 0; h < nh + nkv; h++) { /* q/k heads' norms, in place, before rope */
+            const float *w = h < nh ? d->q_norm : d->k_norm;
+            if (w) rms_norm(qkv + (size_t)h * hd, w, hd, d->eps, qkv + (size_t)h * hd);
+        }
+        const float *cos = b->cs[t], *sin = b->sn[t];
+        for (int h = 0; h < nh + nkv; h++) { /* rope on the q and k heads */
+            float *v = qkv + (size_t)h * hd;
+            for (int j = 0; j < half; j++) {
+                const int i0 = d->interleaved ? 2 * j : j, i1 = d->interleaved ? 2 * j + 1 : half + j;
+                const float a0 = v[i0], a1 = v[i1];
+                v[i0] = a0 * cos[j] - a1 * sin[j];
+                v[i1] = a1 * cos[half + j] + a0 * sin[half + j];
+            }
+        }
+        for (int g = 0; g < nkv; g++) {
+            memcpy(b->kc[t] + ((size_t)g * max_seq + pos) * hd, qkv + (size_t)(nh + g) * hd, hd * sizeof(float));
+            memcpy(b->vc[t] + ((size_t)g * max_seq + pos) * hd, qkv + (size_t)(nh + nkv + g) * hd, hd * sizeof(float));
+        }
+        b->start[t] = d->window > 0 && pos + 1 > d->window ? pos + 1 - d->window : 0;
+        b->n[t] = pos + 1 - b->start[t];
+        work += (size_t)b->n[t] * nh * hd;
     }
-    if ((err = exec_job(&b->jobs[1], b->att))) goto out;
-    add_bias(b->a, d->wo.bias, d->d_model);
-    if (d->attn_post_norm) rms_norm(b->a, d->attn_post_norm, d->d_model, d->eps, b->a);
-    for (int i = 0; i < d->d_model; i++) x[i] += b->a[i];
+    if (work >= 16384) {
+        pool_run(attend_chunk, b, (int64_t)B * nh); /* one head of one row per chunk */
+    } else { /* a short context: less work than waking the pool */
+        for (int c = 0; c < B * nh; c++) attend_chunk(b, c);
+    }
+    if ((err = block_product(b, 1, B, b->att))) return err;
+    for (int t = 0; t < B; t++) {
+        float *a = b->a + (size_t)t * D, *xt = x + (size_t)t * D;
+        add_bias(a, d->wo.bias, D);
+        if (d->attn_post_norm) rms_norm(a, d->attn_post_norm, D, d->eps, a);
+        for (int i = 0; i < D; i++) xt[i] += a[i];
+        rms_norm(xt, d->ffn_norm, D, d->eps, b->h + (size_t)t * D);
+    }
     /* FFN */
-    rms_norm(x, d->ffn_norm, d->d_model, d->eps, b->h);
-    if ((err = exec_job(&b->jobs[2], b->h))) goto out;
+    if ((err = block_product(b, 2, B, b->h))) return err;
     glu_fn glu = g_glu;
-    if (d->gated) add_bias(b->f, d->w_in.bias, 2 * (int64_t)d->d_ff);
-    glu(d->gated, d->gate_act, d->up_act, b->f, d->gated ? NULL : d->w_in.bias, d->d_ff, b->act);
-    if ((err = exec_job(&b->jobs[3], b->act))) goto out;
-    add_bias(b->a, d->down.bias, d->d_model);
-    if (d->ffn_post_norm) rms_norm(b->a, d->ffn_post_norm, d->d_model, d->eps, b->a);
-    for (int i = 0; i < d->d_model; i++) x[i] += b->a[i];
-out:
+    for (int t = 0; t < B; t++) {
+        float *f = b->f + t * b->nf;
+        if (d->gated) add_bias(f, d->w_in.bias, (int64_t)b->nf);
+        glu(d->gated, d->gate_act, d->up_act, f, d->gated ? NULL : d->w_in.bias, d->d_ff,
+            b->act + (size_t)t * d->d_ff);
+    }
+    if ((err = block_product(b, 3, B, b->act))) return err;
+    for (int t = 0; t < B; t++) {
+        float *a = b->a + (size_t)t * D, *xt = x + (size_t)t * D;
+        add_bias(a, d->down.bias, D);
+        if (d->ffn_post_norm) rms_norm(a, d->ffn_post_norm, D, d->eps, a);
+        for (int i = 0; i < D; i++) xt[i] += a[i];
+    }
+    return 0;
+}
+
+/* One token through block b at position pos, x [d_model] the residual stream (updated in place).
+ * kc/vc: this layer's caches [n_kv_heads, max_seq, head_dim] (the new key/value written at pos);
+ * cos/sin: the rope row of pos [head_dim] (rotate-half tables; adjacent pairs when interleaved). */
+int si_block_decode(void *p, float *x, int pos, float *kc, float *vc, const float *cos,
+                    const float *sin, int max_seq) {
+    block_t *b = p;
+    if (pos < 0 || pos >= max_seq) return ERANGE;
+    pthread_mutex_lock(&g_call_lock);
+    int err = block_scratch(b, 1, max_seq);
+    if (!err) {
+        b->pos[0] = pos;
+        b->kc[0] = kc;
+        b->vc[0] = vc;
+        b->cs[0] = cos;
+        b->sn[0] = sin;
+        err = block_rows(b, x, 1, max_seq);
+    }
+    pthread_mutex_unlock(&g_call_lock);
+    return err;
+}
+
+/* One token of each of B sequences, x [B, d_model]: row t at pos[t] in cache slot slots[t].
+ * kc/vc: this layer's caches of slot 0, [slots, n_kv_heads, max_seq, head_dim], slot_stride
+ * floats apart; cos/sin: the rope tables [max_seq, head_dim] (row t uses row pos[t]). */
+int si_block_decode_rows(void *p, float *x, int B, const int32_t *pos, const int32_t *slots,
+                         float *kc, float *vc, int64_t slot_stride, const float *cos,
+                         const float *sin, int max_seq) {
+    block_t *b = p;
+    if (B < 1) return EINVAL;
+    for (int t = 0; t < B; t++)
+        if (pos[t] < 0 || pos[t] >= max_seq || slots[t] < 0) return ERANGE;
+    pthread_mutex_lock(&g_call_lock);
+    int err = block_scratch(b, B, max_seq);
+    if (!err) {
+        const int hd = b->d.head_dim;
+        for (int t = 0; t < B; t++) {
+            b->pos[t] = pos[t];
+            b->kc[t] = kc + slots[t] * slot_stride;
+            b->vc[t] = vc + slots[t] * slot_stride;
+            b->cs[t] = cos + (size_t)pos[t] * hd;
+            b->sn[t] = sin + (size_t)pos[t] * hd;
+        }
+        err = block_rows(b, x, B, max_seq);
+    }
     pthread_mutex_unlock(&g_call_lock);
     return err;
 }

@@ -158,8 +158,15 @@ class FusedDecode:
         x1 += y.reshape(-1)
         return x1.view(1, 1, -1)
 
-    def _c_call(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
-        """The whole block in one C call (``sparseinfer.cpu.DecodeBlock``)."""
+    def takes_rows(self, layer: int) -> bool:
+        """Whether several sequences' tokens (``Rows``) go through ``rows``: when the block is on
+        the C library; else the block's own torch code runs them."""
+        if not self._ready:
+            self._prepare(layer)
+        return self._c is not None
+
+    def _rope_addresses(self, rope) -> tuple[int, int, int]:
+        """(cos, sin, positions) of the rope tables, checked once per table."""
         if self._rope_key is not rope[0]:
             cos, sin = rope
             if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
@@ -169,19 +176,44 @@ class FusedDecode:
                                  f"{cos.dtype} {list(cos.shape)}")
             self._rope_ptrs = (cos.data_ptr(), sin.data_ptr(), cos.shape[0])
             self._rope_key = cos
-        cos_p, sin_p, n_rope = self._rope_ptrs
-        if pos >= n_rope:
-            raise ValueError(f"position {pos} is past the rope tables ({n_rope} positions)")
+        return self._rope_ptrs
+
+    @staticmethod
+    def _layer_cache(cache: KVCache, layer: int) -> tuple[int, int]:
+        """Addresses of ``layer``'s keys and values, slot 0 (float32 (L, slots, nkv, S, hd))."""
         k, v = cache.k, cache.v
         if cache.k_np is None:
             raise ValueError(f"the fused decode needs a float32 CPU KV cache, got {k.dtype} on "
                              f"{k.device}")
-        off = layer * k.stride(0) * 4  # float32 (L, B, nkv, S, hd); batch row 0
+        off = layer * k.stride(0) * 4
+        return k.data_ptr() + off, v.data_ptr() + off
+
+    def _c_call(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
+        """The whole block in one C call (``sparseinfer.cpu.DecodeBlock``)."""
+        cos_p, sin_p, n_rope = self._rope_addresses(rope)
+        if pos >= n_rope:
+            raise ValueError(f"position {pos} is past the rope tables ({n_rope} positions)")
+        k, v = self._layer_cache(cache, layer)
         ro = pos * self.hd * 4
         x1 = x.reshape(-1).clone()  # the residual stream, updated in place
-        self._c.run(x1.data_ptr(), pos, k.data_ptr() + off, v.data_ptr() + off, cos_p + ro,
-                    sin_p + ro, cache.max_seq)
+        self._c.run(x1.data_ptr(), pos, k, v, cos_p + ro, sin_p + ro, cache.max_seq)
         return x1.view(1, 1, -1)
+
+    def rows(self, x: Tensor, layer: int, rows, cache: KVCache, rope) -> Tensor:
+        """One token of each of B sequences (``Rows``; x (B, 1, D)) in one C call
+        (``DecodeBlock.rows``: the weights read once, each row's numbers those of a lone
+        sequence); needs ``takes_rows``. The cache is the batch's (slots in dimension 1)."""
+        cos_p, sin_p, n_rope = self._rope_addresses(rope)
+        if rows.max_position >= n_rope:
+            raise ValueError(f"position {rows.max_position} is past the rope tables ({n_rope} "
+                             "positions)")
+        k, v = self._layer_cache(cache, layer)
+        B = x.shape[0]
+        x1 = x.reshape(B, -1).clone()  # the residual streams, updated in place
+        pos32, slots32 = rows.c_positions, rows.c_slots
+        self._c.run_rows(x1.data_ptr(), B, pos32.data_ptr(), slots32.data_ptr(), k, v,
+                         cache.k.stride(1), cos_p, sin_p, cache.max_seq)
+        return x1.view(B, 1, -1)
 
 
 def _c_block(block: Block, layer: int):

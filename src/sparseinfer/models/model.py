@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -122,11 +122,18 @@ class Rows:
     positions: Tensor  # (B,) int64
     slots: Tensor  # (B,) int64
     kernel: Callable[..., Tensor] | None = None
+    # the same as int32 and the largest position, for the C block (fused/decode.py); derived
+    c_positions: Tensor = field(init=False, repr=False)
+    c_slots: Tensor = field(init=False, repr=False)
+    max_position: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.positions.shape != self.slots.shape or self.positions.dim() != 1:
             raise ValueError(f"Rows: expected positions and slots of one shape (B,), got "
                              f"{list(self.positions.shape)} and {list(self.slots.shape)}")
+        object.__setattr__(self, "c_positions", self.positions.to("cpu", torch.int32).contiguous())
+        object.__setattr__(self, "c_slots", self.slots.to("cpu", torch.int32).contiguous())
+        object.__setattr__(self, "max_position", int(self.positions.max()))
 
 
 class DenseModules:
@@ -315,9 +322,12 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, layer: int, pos: int | Rows, cache: KVCache, rope) -> Tensor:
         """x (B, T, D) at ``pos``; or, with ``Rows``, (B, 1, D): one token of B sequences."""
-        if self.fused is not None and x.shape[0] == 1 and x.shape[1] == 1 \
-                and not isinstance(pos, Rows):
-            return self.fused(x, layer, pos, cache, rope)
+        if self.fused is not None:
+            if isinstance(pos, Rows):
+                if self.fused.takes_rows(layer):  # one C call for every row
+                    return self.fused.rows(x, layer, pos, cache, rope)
+            elif x.shape[0] == 1 and x.shape[1] == 1:
+                return self.fused(x, layer, pos, cache, rope)
         if self.post_norm:  # OPT-350m: norm after each residual add
             x = self.attn_norm(x + self.attn(x, layer, pos, cache, rope))
             return self.ffn_norm(x + self.ffn(x, x))
