@@ -720,14 +720,17 @@ static void rms_norm(const float *x, const float *w, int n, float eps, float *ou
     for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
-/* chunk c: row c / n_heads, head c % n_heads */
+/* chunk c: row c / n_kv_heads, the query heads of its kv head c % n_kv_heads one after the
+ * other (their keys and values stay in this core's cache for the next head) */
 static void attend_chunk(const void *jp, int64_t c) {
     const block_t *b = jp;
-    const int nh = b->d.n_heads, hd = b->d.head_dim;
-    const int t = (int)(c / nh), h = (int)(c % nh), g = h / (nh / b->d.n_kv_heads);
+    const int nh = b->d.n_heads, nkv = b->d.n_kv_heads, hd = b->d.head_dim, group = nh / nkv;
+    const int t = (int)(c / nkv), g = (int)(c % nkv);
     const size_t kv = ((size_t)g * b->max_seq + b->start[t]) * hd;
-    b->attend(b->qkv + t * b->nq + (size_t)h * hd, b->kc[t] + kv, b->vc[t] + kv, b->n[t], hd,
-              b->scale, b->scores + (size_t)c * b->max_seq, b->att + t * b->na + (size_t)h * hd);
+    for (int h = g * group; h < (g + 1) * group; h++)
+        b->attend(b->qkv + t * b->nq + (size_t)h * hd, b->kc[t] + kv, b->vc[t] + kv, b->n[t], hd,
+                  b->scale, b->scores + ((size_t)t * nh + h) * b->max_seq,
+                  b->att + t * b->na + (size_t)h * hd);
 }
 
 static void add_bias(float *y, const float *bias, int64_t n) {
@@ -806,9 +809,9 @@ static int block_rows(block_t *b, float *x, int B, int max_seq) {
         work += (size_t)b->n[t] * nh * hd;
     }
     if (work >= 16384) {
-        pool_run(attend_chunk, b, (int64_t)B * nh); /* one head of one row per chunk */
+        pool_run(attend_chunk, b, (int64_t)B * nkv); /* one kv head of one row per chunk */
     } else { /* a short context: less work than waking the pool */
-        for (int c = 0; c < B * nh; c++) attend_chunk(b, c);
+        for (int c = 0; c < B * nkv; c++) attend_chunk(b, c);
     }
     if ((err = block_product(b, 1, B, b->att))) return err;
     for (int t = 0; t < B; t++) {
