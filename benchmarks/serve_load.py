@@ -87,6 +87,9 @@ class SyntheticEngine:
 
 def _server_process(conn, engine_kind: str, n_ctx: int, threads: int, max_queue: int,
                     parallel: int, prefill_chunk: int) -> None:
+    from sparseinfer.threads import passive_wait
+
+    passive_wait()  # as `sparseinfer serve` does, before torch and numba start their pools
     from sparseinfer.server.app import ServerThread, create_app
 
     if engine_kind == "real":
