@@ -15,6 +15,7 @@ q8_0) and each block of weights is an integer dot product with it (F16 and F32 u
     k = cpu.predict_f16(cpu.F16Predictor(fc1, fc2, thr), x, idx)  # a predictor's active set
     blk = cpu.DecodeBlock(d_model=..., qkv=[wq, wk, wv], wo=[wo], w_in=[wg, wu], down=[wd], ...)
     blk(x, pos, k_cache, v_cache, cos, sin)              # one token through a whole llama block
+    blk.rows(X, positions, slots, k_caches, v_caches, cos_table, sin_table)  # one per sequence
 
 Variants: AVX2+FMA; the same in 128-bit registers (``"avx2_128"``, for CPUs whose vector units
 split 256-bit instructions: AMD Zen and Zen+); and AVX-512 (F/BW/VL) with VNNI. ``best_isa()``

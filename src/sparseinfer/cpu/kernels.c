@@ -1287,7 +1287,7 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
             const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
 #define M8(N)                                                                                  \
     case N:                                                                                    \
-        for (int r = 0; r < nrows; r++) { /* at most 4 x rows a call: 8 spill (2x slower) */  \
+        for (int r = 0; r < nrows; r++) { /* at most 4 x rows a call: 8 ran slower per row */ \
             prefetch_row(w, rb, r, nrows);                                                     \
             multi_q8(w + (size_t)r * rb, x + t0, N < 4 ? N : 4, cols / 32, y + t0 * ys + r, ys); \
             if (N > 4)                                                                         \

@@ -411,8 +411,8 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
     const int64_t min_rows = (int64_t)((32768 + rb_max - 1) / rb_max);
     ch = ch < min_rows ? min_rows : ch;
     ch = ch < 16 ? 16 : (ch + 3) & ~3LL;
-    /* a GEMM (T > 1) takes longer per row: chunks of at least 128 rows (16 ran 1.5-2x slower on
-     * SmolLM2's matrices from memory: the threads' interleaved short runs, benchmarks/RESULTS.md) */
+    /* a GEMM (T > 1) takes longer per row: chunks of at least GEMM_MIN_ROWS rows (16-row chunks
+     * ran much slower from memory: the two threads' short interleaved runs; benchmarks/RESULTS.md) */
     if (T > 1 && ch < GEMM_MIN_ROWS) ch = GEMM_MIN_ROWS;
     j->ch = (int)ch;
     j->first[0] = 0;

@@ -15,7 +15,8 @@ plan) by:
 When the block's four weights are on the C kernels (``GGMLLinear``, or fp32 ``FloatLinear``)
 and its FFN is dense, the whole block is one call into the C library instead
 (``sparseinfer.cpu.DecodeBlock``: the same steps, the products on its thread pool with no Python
-between them).
+between them). That block also takes one token of each of several sequences (continuous
+batching: ``Rows``, ``FusedDecode.rows``) in one call, the weights read once for all of them.
 
 Everything else (prompts, batches, LayerNorm models, learned positions, non-CPU or non-fp32
 models) runs the block's torch code unchanged. ``rms_norm_ref`` / ``attend_ref`` are the plain
