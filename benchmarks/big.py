@@ -3,12 +3,17 @@
 
     python benchmarks/big.py --shape 7b --out /tmp/big          # writes /tmp/big/llama-7b.q4_0.gguf
     python benchmarks/big.py --shape 13b --out /tmp/big --tokens 8
+    python benchmarks/big.py --shape 7b --out /tmp/big --rounds 5
 
 The file holds random weights (a few random matrices reused across layers: bytes are what
 matter for speed and memory, not values) and SmolLM2's tokenizer. Each engine runs in its own
 subprocess, one after the other: load seconds, peak RSS, RSS after load, prefill and decode
 tokens/s, and the GB/s of weights read per decoded token against the measured read bandwidth
-(the physical floor). Machines are noisy: compare the ratios of one run.
+(the physical floor). Machines are noisy: compare the ratios of one run. With ``--rounds N``
+the two engines run alternately N times more (each round: ours, then llama.cpp, fresh
+processes) and every round's decode and prefill ratio is printed with their median: a virtual
+machine's memory bandwidth drifts over seconds to minutes, and one pair can land in two
+different phases.
 """
 
 from __future__ import annotations
@@ -176,6 +181,8 @@ def main() -> int:
     ap.add_argument("-n", "--tokens", type=int, default=16)
     ap.add_argument("-c", "--ctx", type=int, default=512)
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="then run the two engines alternately this many times more")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -229,6 +236,26 @@ def main() -> int:
               f"MiB: {'within' if ours['peak_rss_mb'] <= bound else 'OVER'}")
     if "plan" in ours:
         print(ours["plan"])
+    if cpp and args.rounds > 0:
+        print(f"\nrounds (ours, then llama.cpp, each in a fresh process; {args.tokens} tokens):")
+        print(f"{'round':>5} {'ours dec':>9} {'cpp dec':>8} {'ratio':>6} {'ours pre':>9} "
+              f"{'cpp pre':>8} {'ratio':>6}")
+        dec, pre = [], []
+        for i in range(args.rounds):
+            a, b = run_isolated(_ours, **common), run_isolated(_llama_cpp, **common)
+            if "error" in a or "error" in b:
+                print(f"{i + 1:5d} error: {a.get('error') or b.get('error')}")
+                continue
+            dec.append(a["decode_tok_s"] / b["decode_tok_s"])
+            pre.append(a["prefill_tok_s"] / b["prefill_tok_s"])
+            print(f"{i + 1:5d} {a['decode_tok_s']:9.2f} {b['decode_tok_s']:8.2f} {dec[-1]:5.2f}x "
+                  f"{a['prefill_tok_s']:9.2f} {b['prefill_tok_s']:8.2f} {pre[-1]:5.2f}x")
+        if dec:
+            import statistics
+
+            print(f"median decode {statistics.median(dec):.2f}x (min {min(dec):.2f}x, max "
+                  f"{max(dec):.2f}x, {sum(r >= 1.0 for r in dec)} of {len(dec)} >= 1.0x); median "
+                  f"prefill {statistics.median(pre):.2f}x")
     if args.json:
         print(json.dumps(rows, indent=1, default=str))
     return 0
