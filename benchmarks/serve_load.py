@@ -1,12 +1,12 @@
 """Load benchmark of the OpenAI-compatible server: concurrent streaming clients over loopback.
 
-    python benchmarks/serve_load.py [--engine real|synthetic] [--clients 1,4,8,16]
+    python benchmarks/serve_load.py [--engine real|synthetic] [--model PATH] [--clients 1,4,8,16]
                                     [--parallel 1,8] [--requests-per-client 2]
                                     [--max-tokens 32] [--max-queue 16] [--budget 120]
 
 The server runs in a child process (its own GIL) on 127.0.0.1, port 0, over the real Engine on
-the embedded default model (SmolLM2-135M) unless ``--engine synthetic`` (a fixed-rate fake that
-measures the server alone). For each concurrency level C, C clients (official ``openai`` async
+the embedded default model (SmolLM2-135M; ``--model``: another file, e.g. a sparse one) unless
+``--engine synthetic`` (a fixed-rate fake that measures the server alone). For each concurrency level C, C clients (official ``openai`` async
 client, streaming chat) share ``--requests-per-client`` x C requests; no new request starts after
 ``--budget`` seconds, and every started one is awaited. Reported per level: completed / failed /
 rejected (429) / lost (must be 0: every request ends in a full answer or an explicit error),
@@ -86,7 +86,7 @@ class SyntheticEngine:
 
 
 def _server_process(conn, engine_kind: str, n_ctx: int, threads: int, max_queue: int,
-                    parallel: int, prefill_chunk: int) -> None:
+                    parallel: int, prefill_chunk: int, model: str | None) -> None:
     from sparseinfer.threads import passive_wait
 
     passive_wait()  # as `sparseinfer serve` does, before torch and numba start their pools
@@ -95,7 +95,7 @@ def _server_process(conn, engine_kind: str, n_ctx: int, threads: int, max_queue:
     if engine_kind == "real":
         from sparseinfer.engine import Engine
 
-        engine = Engine.load(n_ctx=n_ctx, threads=threads)
+        engine = Engine.load(model, n_ctx=n_ctx, threads=threads)
         if parallel > 1:
             from sparseinfer.server.batching import BatchEngine
 
@@ -240,7 +240,7 @@ def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list
         target=_server_process,
         daemon=True,
         args=(child, kind, args.ctx_size, args.threads, args.max_queue, parallel,
-              args.prefill_chunk),
+              args.prefill_chunk, args.model),
     )
     proc.start()
     if not parent.poll(600):
@@ -300,6 +300,9 @@ def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=["auto", "real", "synthetic"], default="auto")
+    p.add_argument("--model", default=None,
+                   help="a model file for the real engine (default: the embedded SmolLM2), "
+                        "e.g. a sparse GGUF from `sparseinfer convert`")
     p.add_argument("--clients", default="1,4,8,16", help="comma-separated concurrency levels")
     p.add_argument("--parallel", default="1,8",
                    help="comma-separated --parallel values, each its own server")

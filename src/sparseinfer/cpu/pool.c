@@ -888,6 +888,51 @@ int si_block_decode_rows(void *p, float *x, int B, const int32_t *pos, const int
     return err;
 }
 
+/* ------------------------------------------------------------------ top-k (sampling) */
+
+/* The k largest of x[0..n) in descending order (equal values: lower index first) into vals/ids,
+ * 1 <= k <= n. One pass: a sorted buffer of the best k so far and its smallest value as the
+ * threshold; four values at a time are compared with it (SSE, the baseline) and only those above
+ * it are inserted, so after the first few hundred values almost none are. NaN never enters. */
+int si_topk(const float *x, int64_t n, int k, float *vals, int64_t *ids) {
+    if (k < 1 || n < k) return EINVAL;
+    int m = 0; /* values in the buffer */
+    float thr = -INFINITY;
+    int64_t i = 0;
+    for (;;) {
+        if (m == k) { /* skip runs of four at or below the threshold */
+            const __m128 t = _mm_set1_ps(thr);
+            while (i + 4 <= n && !_mm_movemask_ps(_mm_cmpgt_ps(_mm_loadu_ps(x + i), t))) i += 4;
+        }
+        if (i >= n) break;
+        const float v = x[i];
+        if (m < k ? v == v : v > thr) { /* insert after the values >= v (earlier indices) */
+            int lo = 0, hi = m;
+            while (lo < hi) {
+                const int mid = (lo + hi) / 2;
+                if (vals[mid] >= v) lo = mid + 1;
+                else hi = mid;
+            }
+            const int last = m < k ? m : k - 1; /* the slot freed: past the end, or the smallest */
+            memmove(vals + lo + 1, vals + lo, (size_t)(last - lo) * sizeof(float));
+            memmove(ids + lo + 1, ids + lo, (size_t)(last - lo) * sizeof(int64_t));
+            vals[lo] = v;
+            ids[lo] = i;
+            if (m < k) m++;
+            if (m == k) thr = vals[k - 1];
+        }
+        i++;
+    }
+    if (m < k) { /* fewer than k non-NaN values: the rest as NaN, in index order */
+        for (int64_t j = 0; j < n && m < k; j++)
+            if (x[j] != x[j]) {
+                vals[m] = x[j];
+                ids[m++] = j;
+            }
+    }
+    return 0;
+}
+
 /* The activation quantization alone (for tests: x -> q, d, s as the kernels see it). */
 int si_quantize_x(const float *x, int cols, int8_t *q, float *d, float *s) {
     if (g_isa < 0) return ENODEV;
