@@ -123,9 +123,9 @@ class Rows:
     slots: Tensor  # (B,) int64
     kernel: Callable[..., Tensor] | None = None
     # the same as int32 and the largest position, for the C block (fused/decode.py); derived
-    c_positions: Tensor = field(init=False, repr=False)
-    c_slots: Tensor = field(init=False, repr=False)
-    max_position: int = field(init=False, repr=False)
+    c_positions: Tensor = field(init=False, repr=False, compare=False)
+    c_slots: Tensor = field(init=False, repr=False, compare=False)
+    max_position: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.positions.shape != self.slots.shape or self.positions.dim() != 1:
