@@ -139,17 +139,20 @@ def rows_view(src, layer: int, start: int, stop: int, lay: BundleLayout | None =
 
 
 def copy_neurons(src, layer: int, start: int, stop: int, out: np.ndarray,
-                 reader=None) -> None:
+                 reader=None, lay: BundleLayout | None = None) -> None:
     """Copy neurons ``[start, stop)`` of ``layer`` (wherever the file holds them) into ``out``
     (``[n, n_mats, row_width]``, contiguous) without keeping the file's pages: a neuron-order
     file through the map, whose pages are then dropped from the process and the page cache;
     rows in another order with O_DIRECT reads (through a map, scattered rows would fault in
     most of the layer) by ``reader`` (a ``NeuronReader`` of this file; None: one made for the
-    call)."""
+    call; ``lay``: ``layout_of(src)`` if already made, used when ``reader`` is None)."""
     from ..fileio import drop_pages
     from .reader import NeuronReader, drop_file_cache
 
-    lay = layout_of(src) if reader is None else reader.layout
+    if reader is not None:
+        lay = reader.layout
+    elif lay is None:
+        lay = layout_of(src)
     if stop <= start:
         return
     if lay.positions is None:
@@ -170,13 +173,16 @@ def copy_neurons(src, layer: int, start: int, stop: int, out: np.ndarray,
             reader.close()
 
 
-def read_packed(src, layer: int, start: int, stop: int, up_bias=None) -> PackedFFN:
-    """Neurons ``[start, stop)`` as a ``PackedFFN`` in memory (``copy_neurons``)."""
+def read_packed(src, layer: int, start: int, stop: int, up_bias=None,
+                lay: BundleLayout | None = None) -> PackedFFN:
+    """Neurons ``[start, stop)`` as a ``PackedFFN`` in memory (``copy_neurons``); ``lay``:
+    ``layout_of(src)`` if already made (a model's layers share one: it reads every layer's
+    offsets and position map)."""
     from ..sparse.packed import empty_hugepages
 
-    lay = layout_of(src)
+    lay = layout_of(src) if lay is None else lay
     rows = empty_hugepages((stop - start, lay.n_mats, lay.row_width), DTYPES[lay.dtype])
-    copy_neurons(src, layer, start, stop, rows.numpy())
+    copy_neurons(src, layer, start, stop, rows.numpy(), lay=lay)
     bias = None if up_bias is None else up_bias[start:stop].contiguous()
     return PackedFFN(lay.kind, lay.dtype, lay.d_model, stop - start, rows, None, 0, bias)
 

@@ -317,6 +317,7 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
                 norm.weight.add_(src.norm_shift)
             if norm.bias is not None:
                 float_param(norm, "bias", path + ".bias")
+    bundle_layout = None  # a bundled file's layout, read once for every layer
     for i, blk in enumerate(model.layers):
         p = f"layers.{i}."
         if isinstance(blk.ffn, SparseFFN):
@@ -339,9 +340,11 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
                 fill_disk_ffn(model, i, src, plan, up_bias, down_bias)
                 continue
             if plan.sparse.bundled is not None:
-                from ..disk.layout import read_packed
+                from ..disk.layout import layout_of, read_packed
 
-                packed = read_packed(src, i, 0, cfg.d_ff, up_bias)
+                if bundle_layout is None:
+                    bundle_layout = layout_of(src)
+                packed = read_packed(src, i, 0, cfg.d_ff, up_bias, bundle_layout)
             else:
                 packed = _packed_ffn(src, wp.sources, cfg.ffn_kind, plan.sparse.ffn_dtype,
                                      up_bias)
