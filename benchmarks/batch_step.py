@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    from sparseinfer.bench import timeit
+
+    fn()  # warm-up
+    return statistics.median(timeit(fn, repeats)) * 1e3
 
 
 def main() -> None:

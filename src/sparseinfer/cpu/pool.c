@@ -738,6 +738,18 @@ static void add_bias(float *y, const float *bias, int64_t n) {
         for (int64_t i = 0; i < n; i++) y[i] += bias[i];
 }
 
+/* x[t] += post_norm(b->a[t] + bias) for each of B rows (bias, post_norm: NULL when not used) */
+static void add_residual(const block_t *b, float *x, int B, const float *bias,
+                         const float *post_norm) {
+    const int D = b->d.d_model;
+    for (int t = 0; t < B; t++) {
+        float *a = b->a + (size_t)t * D, *xt = x + (size_t)t * D;
+        add_bias(a, bias, D);
+        if (post_norm) rms_norm(a, post_norm, D, b->d.eps, a);
+        for (int i = 0; i < D; i++) xt[i] += a[i];
+    }
+}
+
 /* Weight k over B rows of x (each cols wide) into its output buffer, row t at t * total rows:
  * the one-row GEMV job, or a GEMM whose per-matrix outputs [B, rows_i] are staged in b->m and
  * interleaved back when the weight is several matrices. */
@@ -814,14 +826,9 @@ static int block_rows(block_t *b, float *x, int B, int max_seq) {
         for (int c = 0; c < B * nkv; c++) attend_chunk(b, c);
     }
     if ((err = block_product(b, 1, B, b->att))) return err;
-    for (int t = 0; t < B; t++) {
-        float *a = b->a + (size_t)t * D, *xt = x + (size_t)t * D;
-        add_bias(a, d->wo.bias, D);
-        if (d->attn_post_norm) rms_norm(a, d->attn_post_norm, D, d->eps, a);
-        for (int i = 0; i < D; i++) xt[i] += a[i];
-        rms_norm(xt, d->ffn_norm, D, d->eps, b->h + (size_t)t * D);
-    }
+    add_residual(b, x, B, d->wo.bias, d->attn_post_norm);
     /* FFN */
+    for (int t = 0; t < B; t++) rms_norm(x + (size_t)t * D, d->ffn_norm, D, d->eps, b->h + (size_t)t * D);
     if ((err = block_product(b, 2, B, b->h))) return err;
     glu_fn glu = g_glu;
     for (int t = 0; t < B; t++) {
@@ -831,12 +838,7 @@ static int block_rows(block_t *b, float *x, int B, int max_seq) {
             b->act + (size_t)t * d->d_ff);
     }
     if ((err = block_product(b, 3, B, b->act))) return err;
-    for (int t = 0; t < B; t++) {
-        float *a = b->a + (size_t)t * D, *xt = x + (size_t)t * D;
-        add_bias(a, d->down.bias, D);
-        if (d->ffn_post_norm) rms_norm(a, d->ffn_post_norm, D, d->eps, a);
-        for (int i = 0; i < D; i++) xt[i] += a[i];
-    }
+    add_residual(b, x, B, d->down.bias, d->ffn_post_norm);
     return 0;
 }
 
