@@ -166,6 +166,37 @@ def test_rows_equal_one_row_calls(isa, threads, opts, B):
     block(x[0].clone(), 3, kc[0].clone(), vc[0].clone(), cos[3], sin[3])  # one row after many
 
 
+def test_blocks_of_different_sizes_share_the_scratch(threads):
+    """The blocks' scratch is one buffer (calls are serialised) that grows with the largest block,
+    row count and cache seen: interleaving a small and a large block, one row and several, gives
+    each call what it gives alone (the one-row jobs follow the buffer when it moves)."""
+    rng = np.random.default_rng(7)
+    small = cpu.DecodeBlock(**make(rng, d=64, nh=4, nkv=2, hd=16, d_ff=96))
+    large = cpu.DecodeBlock(**make(rng, d=256, nh=8, nkv=4, hd=32, d_ff=512))
+    g = torch.Generator().manual_seed(1)
+    cases = []  # (block, d, hd, nkv, rows, S)
+    for block, d, hd, nkv in ((small, 64, 16, 2), (large, 256, 32, 4)):
+        for B, S in ((1, 16), (6, 40)):
+            cases.append((block, d, hd, nkv, B, S))
+
+    def run(case, x, kc, vc):
+        block, d, hd, nkv, B, S = case
+        cos, sin = rope_tables(hd, S)
+        if B == 1:
+            return block(x[0], 5, kc[0], vc[0], cos[5], sin[5]).clone()
+        pos = torch.arange(B, dtype=torch.int32) * 3 + 1
+        return block.rows(x, pos, torch.arange(B, dtype=torch.int32), kc, vc, cos, sin).clone()
+
+    inputs = []
+    for _, d, hd, nkv, B, S in cases:
+        inputs.append((torch.randn(B, d, generator=g), torch.randn(B, nkv, S, hd, generator=g),
+                       torch.randn(B, nkv, S, hd, generator=g)))
+    alone = [run(c, x.clone(), k.clone(), v.clone()) for c, (x, k, v) in zip(cases, inputs)]
+    for i in [0, 3, 1, 2, 0, 1, 3, 0]:  # interleaved: the buffer moves, the jobs must follow
+        x, k, v = inputs[i]
+        assert torch.equal(run(cases[i], x.clone(), k.clone(), v.clone()), alone[i]), i
+
+
 def test_rows_bad_arguments_say_what_was_expected():
     block = cpu.DecodeBlock(**make(np.random.default_rng(1)))
     kc = torch.zeros(3, 2, 8, 16)
