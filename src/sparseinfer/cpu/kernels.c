@@ -833,12 +833,22 @@ INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
     __m256 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const __m256i lo4 = _mm256_set1_epi8(0x0F), lo2 = _mm256_set1_epi8(0x03);
-    const __m256i k32 = _mm256_set1_epi8(32);
+    const __m256i k32 = _mm256_set1_epi8(32), one16 = _mm256_set1_epi16(1);
+    /* group g's 8 lanes (after the widening madd: lanes 0-3 its first 16 weights, 4-7 the
+     * rest) take sub-block scales 2g and 2g+1 of a super-block's 8-float half (g % 4) */
+    __m256i gidx[4];
+    for (int g = 0; g < 4; g++)
+        gidx[g] = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1);
+    const __m256i xlo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), xhi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
     for (int sb = 0; sb < nsb; sb++) {
         if (pf) prefetch(pf + (size_t)sb * R * 210, R * 210, far);
+#if !SI_NARROW
+        /* x's block scales per sub-block (two sub-blocks of 16 weights a block of 32) */
+        const __m256 xd8 = _mm256_loadu_ps(x->d + 8 * (size_t)sb);
+        const __m256 xd_lo = _mm256_permutevar8x32_ps(xd8, xlo), xd_hi = _mm256_permutevar8x32_ps(xd8, xhi);
+#endif
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)sb * 210;
-            const int8_t *sc = (const int8_t *)(p + 192);
             const float d = f16(p + 208);
 #if SI_NARROW
             {
@@ -846,7 +856,13 @@ INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
                 acc[r] = _mm256_fmadd_ps(q6k_sums_128(p, x->q + 256 * (size_t)sb), dx, acc[r]);
                 continue;
             }
-#endif
+#else
+            /* the 16 sub-block scales as floats times d and x's scales: one permute per group */
+            const __m128i sc16 = _mm_loadu_si128((const __m128i *)(p + 192));
+            const __m256 dv = _mm256_set1_ps(d);
+            const __m256 s_lo = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc16)), dv), xd_lo);
+            const __m256 s_hi = _mm256_mul_ps(
+                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8))), dv), xd_hi);
             for (int h = 0; h < 2; h++) {
                 const __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
                 const __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
@@ -861,13 +877,11 @@ INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
                     const __m256i xv = loadx(x, 8 * sb + g);
                     const __m256i p16 =
                         _mm256_sub_epi16(_mm256_maddubs_epi16(q, xv), _mm256_maddubs_epi16(k32, xv));
-                    const __m256i scv =
-                        _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
-                    const __m256i p32 = _mm256_madd_epi16(p16, scv);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32),
-                                             _mm256_set1_ps(d * x->d[8 * sb + g]), acc[r]);
+                    const __m256 sc = _mm256_permutevar8x32_ps(h ? s_hi : s_lo, gidx[s]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, one16)), sc, acc[r]);
                 }
             }
+#endif
         }
     }
     for (int r = 0; r < R; r++) y[r] = hsum(acc[r]);
