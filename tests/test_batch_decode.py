@@ -135,3 +135,37 @@ def test_smollm2_rows_equal_each_sequence_alone(smollm2_path):
         for row, (seq, own) in enumerate(zip(seqs, alone)):
             want = model(torch.tensor([[seq[-1]]]), len(seq) - 1, own)[0, -1]
             assert torch.equal(got[row], want), row
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "gemma3", "mistral"])
+def test_fused_stack_equals_the_blocks_one_by_one(arch_model_dir, name):
+    """``Transformer.blocks`` runs a model whose blocks are all on the C library as one C call
+    (``fused.decode.FusedStack``): a single token and a step of several sequences give exactly
+    what calling the blocks one by one gives (Gemma 3: windowed layers with their own rope
+    tables; Mistral: a window)."""
+    from sparseinfer.fused.decode import FusedStack
+    from sparseinfer.models.build import load
+    from sparseinfer.models.model import Rows
+
+    model = load(arch_model_dir(name), "fp32", fused=True).model
+    assert isinstance(model._fused_stack(), FusedStack), name
+
+    def one_by_one(x, pos, cache):
+        for i, block in enumerate(model.layers):
+            local = model.rope_local is not None and model.cfg.window(i)
+            x = block(x, i, pos, cache, model.rope_local if local else model.rope)
+        return x
+
+    gen = torch.Generator().manual_seed(2)
+    D = model.cfg.d_model
+    with torch.inference_mode():
+        for B, positions in ((1, None), (3, [4, 11, 0])):
+            ca, cb = model.new_cache(B, 32), model.new_cache(B, 32)
+            cb.k.copy_(ca.k.normal_(generator=gen))
+            cb.v.copy_(ca.v.normal_(generator=gen))
+            x = torch.randn(B, 1, D, generator=gen)
+            pos = 13 if positions is None else Rows(torch.tensor(positions),
+                                                    torch.tensor([2, 0, 1]))
+            got = model._fused_stack()(x, pos, ca)
+            want = one_by_one(x, pos, cb)
+            assert torch.equal(got, want) and torch.equal(ca.k, cb.k) and torch.equal(ca.v, cb.v)

@@ -17,6 +17,7 @@ q8_0) and each block of weights is an integer dot product with it (F16 and F32 u
     blk = cpu.DecodeBlock(d_model=..., qkv=[wq, wk, wv], wo=[wo], w_in=[wg, wu], down=[wd], ...)
     blk(x, pos, k_cache, v_cache, cos, sin)              # one token through a whole llama block
     blk.rows(X, positions, slots, k_caches, v_caches, cos_table, sin_table)  # one per sequence
+    cpu.DecodeStack([blk0, blk1, ...])(X, positions, slots, k, v, ropes)  # every block, one call
 
 Variants: AVX2+FMA; the same in 128-bit registers (``"avx2_128"``, for CPUs whose vector units
 split 256-bit instructions: AMD Zen and Zen+); and AVX-512 (F/BW/VL) with VNNI. ``best_isa()``
@@ -40,6 +41,7 @@ __all__ = [
     "TYPES",
     "CpuLibraryError",
     "DecodeBlock",
+    "DecodeStack",
     "GemvPlan",
     "QuantMatrix",
     "available_isas",

@@ -21,6 +21,7 @@ __all__ = [
     "TYPES",
     "CpuLibraryError",
     "DecodeBlock",
+    "DecodeStack",
     "GemvPlan",
     "QuantMatrix",
     "available_isas",
@@ -54,7 +55,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "F32": (9, 1, 4),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 
 class CpuLibraryError(SparseInferError):
@@ -409,6 +410,11 @@ _lib.si_block_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int]
 _block_decode_rows = _lib.si_block_decode_rows
+_lib.si_stack_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+_stack_decode_rows = _lib.si_stack_decode_rows
 
 
 class DecodeBlock:
@@ -554,4 +560,75 @@ class DecodeBlock:
             raise ValueError(f"pos: expected 0 <= pos < {max_seq}, got {pos}")
         self.run(x.data_ptr(), pos, k_cache.data_ptr(), v_cache.data_ptr(), cos.data_ptr(),
                  sin.data_ptr(), max_seq)
+        return x
+
+
+class DecodeStack:
+    """A model's ``DecodeBlock`` s in order, run over one decode step in one call: every block on
+    the same B rows (``DecodeBlock.rows``; B = 1 with slot 0 is a single sequence's token), each
+    block with its own layer of the KV cache and its own rope tables. The same numbers as calling
+    the blocks one by one, without a Python call (and a lock) per block."""
+
+    def __init__(self, blocks: Sequence[DecodeBlock]):
+        if not blocks:
+            raise ValueError("blocks: expected at least one DecodeBlock")
+        self.blocks = list(blocks)  # held: the handles must outlive this object
+        self.n = len(self.blocks)
+        self.d_model, self.hd, self.nkv = blocks[0].d_model, blocks[0].hd, blocks[0].nkv
+        if any((b.d_model, b.hd, b.nkv) != (self.d_model, self.hd, self.nkv) for b in blocks):
+            raise ValueError("blocks: expected one d_model, head_dim and kv-head count for all")
+        self._handles = (ctypes.c_void_p * self.n)(*[b._handle for b in self.blocks])
+        self._ropes = None
+
+    def rope_tables(self, tables: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+        """Per-block (cos, sin) tables [positions, head_dim] as the address arrays ``run`` takes
+        (kept with this object: build once per set of tables)."""
+        if len(tables) != self.n:
+            raise ValueError(f"rope tables: expected {self.n} (one per block), got {len(tables)}")
+        for cos, sin in tables:
+            for name, t in (("cos", cos), ("sin", sin)):
+                _check_f32(t, (t.shape[0] if t.dim() == 2 else 0, self.hd), name)
+        keep = [t for pair in tables for t in pair]
+        cos_a = (ctypes.c_void_p * self.n)(*[c.data_ptr() for c, _ in tables])
+        sin_a = (ctypes.c_void_p * self.n)(*[s.data_ptr() for _, s in tables])
+        return keep, cos_a, sin_a, min(c.shape[0] for c, _ in tables)
+
+    def run(self, x_ptr: int, B: int, pos_ptr: int, slots_ptr: int, k_ptr: int, v_ptr: int,
+            layer_stride: int, slot_stride: int, ropes, max_seq: int) -> None:
+        """Every block over B rows at raw addresses, unchecked (the decode step's path); ``ropes``
+        from ``rope_tables``; ``k_ptr``/``v_ptr`` the caches' first layer, slot 0."""
+        _, cos_a, sin_a, _ = ropes
+        rc = _stack_decode_rows(self._handles, self.n, x_ptr, B, pos_ptr, slots_ptr, k_ptr, v_ptr,
+                                layer_stride, slot_stride, cos_a, sin_a, max_seq)
+        if rc:
+            _check(rc, "stack_decode_rows")
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 tables: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """``x`` float32 [B, d_model] through every block, updated in place and returned; caches
+        [n_blocks, slots, n_kv_heads, max_seq, head_dim]; ``positions``/``slots`` int32 [B] as
+        ``DecodeBlock.rows``; ``tables``: one (cos, sin) per block."""
+        B = x.shape[0] if x.dim() == 2 else 0
+        _check_f32(x, (B, self.d_model), "x")
+        if B < 1:
+            raise ValueError("x: expected at least one row")
+        shape = tuple(k_cache.shape)
+        if len(shape) != 5 or shape[0] != self.n:
+            raise ValueError(f"k_cache: expected [{self.n}, slots, {self.nkv}, max_seq, {self.hd}]"
+                             f", got {list(shape)}")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            _check_f32(t, shape, name)
+        max_seq, n_slots = shape[3], shape[1]
+        ropes = self.rope_tables(tables)
+        if ropes[3] < max_seq:
+            raise ValueError(f"rope tables: expected at least {max_seq} positions, got {ropes[3]}")
+        for name, t, hi in (("positions", positions, max_seq), ("slots", slots, n_slots)):
+            if t.dtype != torch.int32 or not t.is_contiguous() or tuple(t.shape) != (B,):
+                raise ValueError(f"{name}: expected contiguous int32 [{B}], got {t.dtype} "
+                                 f"{list(t.shape)}")
+            if not (0 <= int(t.min()) and int(t.max()) < hi):
+                raise ValueError(f"{name}: expected values in [0, {hi}), got {t.tolist()}")
+        self.run(x.data_ptr(), B, positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
+                 v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), ropes, max_seq)
         return x

@@ -28,7 +28,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 7
+#define SI_ABI_VERSION 8
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
@@ -866,26 +866,56 @@ int si_block_decode(void *p, float *x, int pos, float *kc, float *vc, const floa
 /* One token of each of B sequences, x [B, d_model]: row t at pos[t] in cache slot slots[t].
  * kc/vc: this layer's caches of slot 0, [slots, n_kv_heads, max_seq, head_dim], slot_stride
  * floats apart; cos/sin: the rope tables [max_seq, head_dim] (row t uses row pos[t]). */
-int si_block_decode_rows(void *p, float *x, int B, const int32_t *pos, const int32_t *slots,
-                         float *kc, float *vc, int64_t slot_stride, const float *cos,
-                         const float *sin, int max_seq) {
-    block_t *b = p;
+/* One call of block b over B rows (the caller holds g_call_lock and has checked the rows). */
+static int rows_call(block_t *b, float *x, int B, const int32_t *pos, const int32_t *slots,
+                     float *kc, float *vc, int64_t slot_stride, const float *cos,
+                     const float *sin, int max_seq) {
+    int err = block_scratch(b, B, max_seq);
+    if (err) return err;
+    const int hd = b->d.head_dim;
+    for (int t = 0; t < B; t++) {
+        b->pos[t] = pos[t];
+        b->kc[t] = kc + slots[t] * slot_stride;
+        b->vc[t] = vc + slots[t] * slot_stride;
+        b->cs[t] = cos + (size_t)pos[t] * hd;
+        b->sn[t] = sin + (size_t)pos[t] * hd;
+    }
+    return block_rows(b, x, B, max_seq);
+}
+
+static int check_rows(int B, const int32_t *pos, const int32_t *slots, int max_seq) {
     if (B < 1) return EINVAL;
     for (int t = 0; t < B; t++)
         if (pos[t] < 0 || pos[t] >= max_seq || slots[t] < 0) return ERANGE;
+    return 0;
+}
+
+int si_block_decode_rows(void *p, float *x, int B, const int32_t *pos, const int32_t *slots,
+                         float *kc, float *vc, int64_t slot_stride, const float *cos,
+                         const float *sin, int max_seq) {
+    int err = check_rows(B, pos, slots, max_seq);
+    if (err) return err;
     pthread_mutex_lock(&g_call_lock);
-    int err = block_scratch(b, B, max_seq);
-    if (!err) {
-        const int hd = b->d.head_dim;
-        for (int t = 0; t < B; t++) {
-            b->pos[t] = pos[t];
-            b->kc[t] = kc + slots[t] * slot_stride;
-            b->vc[t] = vc + slots[t] * slot_stride;
-            b->cs[t] = cos + (size_t)pos[t] * hd;
-            b->sn[t] = sin + (size_t)pos[t] * hd;
-        }
-        err = block_rows(b, x, B, max_seq);
-    }
+    err = rows_call(p, x, B, pos, slots, kc, vc, slot_stride, cos, sin, max_seq);
+    pthread_mutex_unlock(&g_call_lock);
+    return err;
+}
+
+/* Every block of a model, in order, over the same B rows (x [B, d_model], updated in place): block
+ * l's caches at kc/vc + l * layer_stride (slot s at + s * slot_stride, as si_block_decode_rows),
+ * its rope tables cos[l]/sin[l] (a model may give windowed layers their own). One call, one lock,
+ * for a whole decode step. */
+int si_stack_decode_rows(void *const *blocks, int n, float *x, int B, const int32_t *pos,
+                         const int32_t *slots, float *kc, float *vc, int64_t layer_stride,
+                         int64_t slot_stride, const float *const *cos, const float *const *sin,
+                         int max_seq) {
+    int err = check_rows(B, pos, slots, max_seq);
+    if (err) return err;
+    if (n < 1) return EINVAL;
+    pthread_mutex_lock(&g_call_lock);
+    for (int l = 0; l < n && !err; l++)
+        err = rows_call(blocks[l], x, B, pos, slots, kc + l * layer_stride, vc + l * layer_stride,
+                        slot_stride, cos[l], sin[l], max_seq);
     pthread_mutex_unlock(&g_call_lock);
     return err;
 }

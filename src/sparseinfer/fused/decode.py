@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..models.model import Block, KVCache, apply_rope
+from ..models.model import Block, KVCache, Rows, apply_rope
 
 
 def _rms_norm(*args):  # numba's kernel (fused/kernels.py), bound on first use
@@ -215,6 +215,67 @@ class FusedDecode:
         self._c.run_rows(x1.data_ptr(), B, pos32.data_ptr(), slots32.data_ptr(), k, v,
                          cache.k.stride(1), cos_p, sin_p, cache.max_seq)
         return x1.view(B, 1, -1)
+
+
+class FusedStack:
+    """Every block of a model whose blocks are all on the C library (``FusedDecode.takes_rows``)
+    as one call per decode step (``cpu.DecodeStack``): a single sequence's token (its slot 0) or
+    one token of each of several sequences (``Rows``). The same numbers as the blocks called one
+    by one, without a Python call and a lock per block. ``Transformer.blocks`` makes it on first
+    use (``stack_of``), when the blocks' C objects exist."""
+
+    def __init__(self, model, blocks):
+        from .. import cpu
+
+        self._model = [model]  # a list: no module registration, no reference cycle in repr
+        self._stack = cpu.DecodeStack(blocks)
+        self._ropes_key = None
+        self._one = np.zeros(2, dtype=np.int32)  # a single token: [position, slot 0]
+        self._one_ptr = self._one.__array_interface__["data"][0]
+
+    def __repr__(self) -> str:
+        return f"FusedStack({self._stack.n} blocks in one C call per decode step)"
+
+    def _ropes(self):
+        model = self._model[0]
+        key = (model.rope[0], None if model.rope_local is None else model.rope_local[0])
+        if self._ropes_key is None or any(a is not b for a, b in zip(key, self._ropes_key)):
+            cfg = model.cfg
+            tables = [model.rope_local if model.rope_local is not None and cfg.window(i)
+                      else model.rope for i in range(cfg.n_layers)]
+            self._ropes_arrays = self._stack.rope_tables(tables)
+            self._ropes_key = key
+        return self._ropes_arrays
+
+    def __call__(self, x: Tensor, pos, cache: KVCache) -> Tensor:
+        ropes = self._ropes()
+        k, v = cache.k, cache.v
+        if cache.k_np is None:
+            raise ValueError(f"the fused decode needs a float32 CPU KV cache, got {k.dtype} on "
+                             f"{k.device}")
+        if isinstance(pos, Rows):
+            B, last = x.shape[0], pos.max_position
+            pos_ptr, slots_ptr = pos.c_positions.data_ptr(), pos.c_slots.data_ptr()
+        else:  # one token of the cache's sequence 0
+            B, last = 1, int(pos)
+            self._one[0] = last
+            pos_ptr, slots_ptr = self._one_ptr, self._one_ptr + 4
+        if last >= ropes[3]:
+            raise ValueError(f"position {last} is past the rope tables ({ropes[3]} positions)")
+        x1 = x.reshape(B, -1).clone()  # the residual streams, updated in place
+        self._stack.run(x1.data_ptr(), B, pos_ptr, slots_ptr, k.data_ptr(), v.data_ptr(),
+                        k.stride(0), k.stride(1), ropes, cache.max_seq)
+        return x1.view(B, 1, -1)
+
+
+def stack_of(model) -> FusedStack | None:
+    """``FusedStack`` of ``model`` when every block is on the C library, else None."""
+    blocks = []
+    for i, block in enumerate(model.layers):
+        if block.fused is None or not block.fused.takes_rows(i):
+            return None
+        blocks.append(block.fused._c)
+    return FusedStack(model, blocks)
 
 
 def _c_block(block: Block, layer: int):

@@ -363,6 +363,7 @@ class Transformer(nn.Module):
         self.rope_local: tuple[Tensor, Tensor] | None = None  # windowed layers' own base
         self.emb_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
         self._dtype = dtype  # activations, norms, KV cache
+        self._stack = None  # fused.decode.FusedStack, made on first use (see blocks)
         self.requires_grad_(False)
 
     @property
@@ -439,12 +440,33 @@ class Transformer(nn.Module):
         return x
 
     def blocks(self, x: Tensor, pos: int | Rows, cache: KVCache) -> Tensor:
-        """Every block over ``x`` (B, T, D), then the final norm (and OPT-350m's projection)."""
-        for i, block in enumerate(self.layers):
-            local = self.rope_local is not None and self.cfg.window(i)
-            x = block(x, i, pos, cache, self.rope_local if local else self.rope)
+        """Every block over ``x`` (B, T, D), then the final norm (and OPT-350m's projection).
+        One token per sequence (a single token, or ``Rows``) on a model whose blocks are all on
+        the C library goes through all of them in one C call (``fused.decode.FusedStack``: the
+        same numbers as the loop)."""
+        stack = None
+        if isinstance(pos, Rows) or (x.shape[0] == 1 and x.shape[1] == 1):
+            stack = self._fused_stack()
+        if stack is not None:
+            x = stack(x, pos, cache)
+        else:
+            for i, block in enumerate(self.layers):
+                local = self.rope_local is not None and self.cfg.window(i)
+                x = block(x, i, pos, cache, self.rope_local if local else self.rope)
         x = self.norm(x)
         return self.project_out(x) if self.project_out is not None else x
+
+    def _fused_stack(self):
+        """The blocks' ``FusedStack``, or None; decided on first use (the blocks' C objects exist
+        once the model is filled) when the plan fused the single-token decode."""
+        if self._stack is None:
+            if self.layers[0].fused is None:
+                self._stack = False
+            else:
+                from ..fused.decode import stack_of
+
+                self._stack = stack_of(self) or False
+        return self._stack or None
 
     def softcap(self, logits: Tensor) -> Tensor:
         """The final soft-capping of float32 ``logits`` (Gemma 2/3), if any."""
