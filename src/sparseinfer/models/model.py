@@ -456,6 +456,12 @@ class Transformer(nn.Module):
         x = self.norm(x)
         return self.project_out(x) if self.project_out is not None else x
 
+    def extra_repr(self) -> str:
+        if self.layers[0].fused is None:
+            return ""
+        return ("one token per sequence: fused decode (fused/decode.py; every block in one C "
+                "call when all are on the C library)")
+
     def _fused_stack(self):
         """The blocks' ``FusedStack``, or None; decided on first use (the blocks' C objects exist
         once the model is filled) when the plan fused the single-token decode."""
