@@ -280,42 +280,30 @@ static void pool_run(chunk_fn fn, const void *job, int64_t n_chunks) {
 
 /* ------------------------------------------------------------------ activation scratch */
 
+/* *p holds at least `need` bytes (64-byte aligned; its contents are not kept when it grows). */
+static int grow(void **p, size_t *cap, size_t need) {
+    if (need <= *cap) return 0;
+    free(*p);
+    *p = aligned_alloc(64, (need + 63) / 64 * 64);
+    *cap = *p ? need : 0;
+    return *p ? 0 : ENOMEM;
+}
+
 static struct {
     int8_t *q;
     float *d, *s;
     uint8_t *g; /* si_xgroups' rearranged copies */
     si_xq *xq;
-    size_t cap_q, cap_b, cap_t, cap_g;
+    size_t cap_q, cap_d, cap_s, cap_t, cap_g; /* bytes */
 } S;
 
 static int scratch(size_t nq, size_t nb, size_t nt, size_t ng) {
-    if (ng > S.cap_g) {
-        free(S.g);
-        S.g = aligned_alloc(64, (ng + 63) / 64 * 64);
-        S.cap_g = S.g ? ng : 0;
-        if (!S.g) return ENOMEM;
-    }
-    if (nq > S.cap_q) {
-        free(S.q);
-        S.q = aligned_alloc(64, (nq + 63) / 64 * 64);
-        S.cap_q = S.q ? nq : 0;
-        if (!S.q) return ENOMEM;
-    }
-    if (nb > S.cap_b) {
-        free(S.d);
-        free(S.s);
-        S.d = malloc(nb * sizeof(float));
-        S.s = malloc(nb * sizeof(float));
-        S.cap_b = S.d && S.s ? nb : 0;
-        if (!S.cap_b) return ENOMEM;
-    }
-    if (nt > S.cap_t) {
-        free(S.xq);
-        S.xq = malloc(nt * sizeof(si_xq));
-        S.cap_t = S.xq ? nt : 0;
-        if (!S.xq) return ENOMEM;
-    }
-    return 0;
+    int err = grow((void **)&S.g, &S.cap_g, ng);
+    if (!err) err = grow((void **)&S.q, &S.cap_q, nq);
+    if (!err) err = grow((void **)&S.d, &S.cap_d, nb * sizeof(float));
+    if (!err) err = grow((void **)&S.s, &S.cap_s, nb * sizeof(float));
+    if (!err) err = grow((void **)&S.xq, &S.cap_t, nt * sizeof(si_xq));
+    return err;
 }
 
 /* Quantize T rows of x [T, cols] into the scratch; S.xq[t] describes row t. */
@@ -590,13 +578,14 @@ static int64_t linear_rows(const si_linear *l) {
     return r;
 }
 
-static const si_linear *block_linear(const block_t *b, int k) {
-    const si_linear *ls[4] = {&b->d.qkv, &b->d.wo, &b->d.w_in, &b->d.down};
+/* weight k (0..3: qkv, wo, w_in, down) of a block and its input width */
+static const si_linear *block_linear(const si_block_desc *d, int k) {
+    const si_linear *ls[4] = {&d->qkv, &d->wo, &d->w_in, &d->down};
     return ls[k];
 }
 
-static int block_cols(const block_t *b, int k) {
-    const int cols[4] = {b->d.d_model, b->d.n_heads * b->d.head_dim, b->d.d_model, b->d.d_ff};
+static int block_cols(const si_block_desc *d, int k) {
+    const int cols[4] = {d->d_model, d->n_heads * d->head_dim, d->d_model, d->d_ff};
     return cols[k];
 }
 
@@ -608,14 +597,14 @@ static float *block_out(const block_t *b, int k) {
 
 static int block_jobs(block_t *b) {
     for (int k = 0; k < 4; k++) {
-        const si_linear *l = block_linear(b, k);
+        const si_linear *l = block_linear(&b->d, k);
         float *o[SI_LINEAR_MATS];
         int64_t off = 0;
         for (int i = 0; i < l->n; i++) {
             o[i] = block_out(b, k) + off;
             off += l->rows[i];
         }
-        int err = setup_job(&b->jobs[k], l->n, l->type, l->w, l->rows, block_cols(b, k), 1, o);
+        int err = setup_job(&b->jobs[k], l->n, l->type, l->w, l->rows, block_cols(&b->d, k), 1, o);
         if (err) return err;
     }
     b->nt = P.n_workers + 1;
@@ -626,14 +615,6 @@ void si_block_free(void *p) {
     block_t *b = p;
     if (!b) return;
     free(b);
-}
-
-static int grow(void **p, size_t *cap, size_t need) {
-    if (need <= *cap) return 0;
-    free(*p);
-    *p = aligned_alloc(64, (need + 63) / 64 * 64);
-    *cap = *p ? need : 0;
-    return *p ? 0 : ENOMEM;
 }
 
 /* Point b's views into the shared scratch for B rows of max_seq positions (growing it); the
@@ -685,12 +666,11 @@ void *si_block_new(const si_block_desc *desc, int *err) {
         linear_rows(&d->w_in) != (int64_t)(d->gated ? 2 : 1) * d->d_ff ||
         linear_rows(&d->down) != d->d_model)
         return NULL;
-    const si_linear *ls[4] = {&d->qkv, &d->wo, &d->w_in, &d->down};
-    const int cols[4] = {d->d_model, d->n_heads * d->head_dim, d->d_model, d->d_ff};
     for (int k = 0; k < 4; k++) {
-        if (ls[k]->n < 1 || ls[k]->n > SI_LINEAR_MATS) return NULL;
-        for (int i = 0; i < ls[k]->n; i++)
-            if (check_mat(ls[k]->type[i], ls[k]->rows[i], cols[k])) return NULL;
+        const si_linear *l = block_linear(d, k);
+        if (l->n < 1 || l->n > SI_LINEAR_MATS) return NULL;
+        for (int i = 0; i < l->n; i++)
+            if (check_mat(l->type[i], l->rows[i], block_cols(d, k))) return NULL;
     }
     if (g_isa < 0) {
         *err = ENODEV;
@@ -755,7 +735,7 @@ static void add_residual(const block_t *b, float *x, int B, const float *bias,
  * interleaved back when the weight is several matrices. */
 static int block_product(block_t *b, int k, int B, const float *x) {
     if (B == 1) return exec_job(&b->jobs[k], x);
-    const si_linear *l = block_linear(b, k);
+    const si_linear *l = block_linear(&b->d, k);
     const int64_t total = linear_rows(l);
     float *dst = block_out(b, k), *o[SI_LINEAR_MATS];
     int64_t off = 0;
@@ -764,7 +744,7 @@ static int block_product(block_t *b, int k, int B, const float *x) {
         off += l->rows[i];
     }
     job_t j;
-    int err = setup_job(&j, l->n, l->type, l->w, l->rows, block_cols(b, k), B, o);
+    int err = setup_job(&j, l->n, l->type, l->w, l->rows, block_cols(&b->d, k), B, o);
     if (!err) err = exec_job(&j, x);
     if (err || l->n == 1) return err;
     off = 0;
@@ -863,9 +843,6 @@ int si_block_decode(void *p, float *x, int pos, float *kc, float *vc, const floa
     return err;
 }
 
-/* One token of each of B sequences, x [B, d_model]: row t at pos[t] in cache slot slots[t].
- * kc/vc: this layer's caches of slot 0, [slots, n_kv_heads, max_seq, head_dim], slot_stride
- * floats apart; cos/sin: the rope tables [max_seq, head_dim] (row t uses row pos[t]). */
 /* One call of block b over B rows (the caller holds g_call_lock and has checked the rows). */
 static int rows_call(block_t *b, float *x, int B, const int32_t *pos, const int32_t *slots,
                      float *kc, float *vc, int64_t slot_stride, const float *cos,
@@ -890,6 +867,9 @@ static int check_rows(int B, const int32_t *pos, const int32_t *slots, int max_s
     return 0;
 }
 
+/* One token of each of B sequences, x [B, d_model]: row t at pos[t] in cache slot slots[t].
+ * kc/vc: this layer's caches of slot 0, [slots, n_kv_heads, max_seq, head_dim], slot_stride
+ * floats apart; cos/sin: the rope tables [max_seq, head_dim] (row t uses row pos[t]). */
 int si_block_decode_rows(void *p, float *x, int B, const int32_t *pos, const int32_t *slots,
                          float *kc, float *vc, int64_t slot_stride, const float *cos,
                          const float *sin, int max_seq) {
