@@ -58,6 +58,12 @@ INLINE float hmax(__m256 v) {
     return _mm_cvtss_f32(a);
 }
 
+/* The permute index that puts scales k and k+1 on lanes 0..3 and 4..7 (two blocks of a pair, two
+ * sub-blocks of a Q6_K group). */
+INLINE __m256i pair_idx(const int k) {
+    return _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, k + 1);
+}
+
 /* 16 bytes of nibbles -> 32 bytes 0..15: low nibbles are elements 0..15, high ones 16..31. */
 INLINE __m256i nib32(const uint8_t *p) {
     __m128i v = _mm_loadu_si128((const __m128i *)p);
@@ -290,10 +296,6 @@ INLINE __m256i pair_q4(const uint8_t *q, const int bsize, const int8_t *xp) {
     __m256i lo, hi;
     pair_unpack(q, bsize, &lo, &hi);
     return pair_dot(lo, hi, xp);
-}
-/* The permute index that puts blocks k and k+1's scales on lanes 0..3 and 4..7. */
-INLINE __m256i pair_idx(const int k) {
-    return _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, k + 1);
 }
 #endif
 
@@ -837,8 +839,7 @@ INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
     /* group g's 8 lanes (after the widening madd: lanes 0-3 its first 16 weights, 4-7 the
      * rest) take sub-block scales 2g and 2g+1 of a super-block's 8-float half (g % 4) */
     __m256i gidx[4];
-    for (int g = 0; g < 4; g++)
-        gidx[g] = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1);
+    for (int g = 0; g < 4; g++) gidx[g] = pair_idx(2 * g);
     const __m256i xlo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), xhi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
     for (int sb = 0; sb < nsb; sb++) {
         if (pf) prefetch(pf + (size_t)sb * R * 210, R * 210, far);
