@@ -149,7 +149,8 @@ def test_rows_equal_one_row_calls(isa, threads, opts, B):
                   ffn_post_norm=vec(128), window=8, scale=0.1)
     n_slots, S = 10, 64
     g = torch.Generator().manual_seed(B)
-    kc, vc = torch.randn(n_slots, 2, S, 32, generator=g), torch.randn(n_slots, 2, S, 32, generator=g)
+    kc = torch.randn(n_slots, 2, S, 32, generator=g)
+    vc = torch.randn(n_slots, 2, S, 32, generator=g)
     cos, sin = rope_tables(32, S)
     slots = torch.tensor([9, 2, 0, 5, 7, 1, 3, 8][:B], dtype=torch.int32)
     positions = torch.tensor([0, 63, 5, 40, 1, 12, 30, 7][:B], dtype=torch.int32)
@@ -195,6 +196,36 @@ def test_blocks_of_different_sizes_share_the_scratch(threads):
     for i in [0, 3, 1, 2, 0, 1, 3, 0]:  # interleaved: the buffer moves, the jobs must follow
         x, k, v = inputs[i]
         assert torch.equal(run(cases[i], x.clone(), k.clone(), v.clone()), alone[i]), i
+
+
+def test_stack_equals_its_blocks_one_by_one(threads):
+    """``cpu.DecodeStack``: every block over the same rows in one call, each block with its own
+    cache layer and its own rope tables, gives what ``DecodeBlock.rows`` gives block by block."""
+    rng = np.random.default_rng(4)
+    blocks = [cpu.DecodeBlock(**make(rng), window=w) for w in (0, 6, 0)]
+    g = torch.Generator().manual_seed(4)
+    L, n_slots, S, B = len(blocks), 4, 24, 3
+    kc = torch.randn(L, n_slots, 2, S, 16, generator=g)
+    vc = torch.randn(L, n_slots, 2, S, 16, generator=g)
+    tables = [rope_tables(16, S), rope_tables(16, S + 8), rope_tables(16, S)]
+    positions = torch.tensor([3, 20, 9], dtype=torch.int32)
+    slots = torch.tensor([1, 3, 0], dtype=torch.int32)
+    x = torch.randn(B, 64, generator=g)
+    want, k1, v1 = x.clone(), kc.clone(), vc.clone()
+    for layer, (block, (cos, sin)) in enumerate(zip(blocks, tables)):
+        block.rows(want, positions, slots, k1[layer], v1[layer], cos, sin)
+    stack = cpu.DecodeStack(blocks)
+    got = x.clone()
+    assert stack(got, positions, slots, kc, vc, tables) is got
+    assert torch.equal(got, want) and torch.equal(kc, k1) and torch.equal(vc, v1)
+    with pytest.raises(ValueError, match="k_cache: expected \\[3, slots"):
+        stack(got, positions, slots, kc[:2], vc[:2], tables)
+    with pytest.raises(ValueError, match="rope tables: expected 3"):
+        stack(got, positions, slots, kc, vc, tables[:2])
+    with pytest.raises(ValueError, match="rope tables: expected at least 24 positions"):
+        stack(got, positions, slots, kc, vc, [rope_tables(16, 8)] * 3)
+    with pytest.raises(ValueError, match="slots: expected values in"):
+        stack(got, positions, torch.tensor([1, 4, 0], dtype=torch.int32), kc, vc, tables)
 
 
 def test_rows_bad_arguments_say_what_was_expected():

@@ -169,6 +169,33 @@ def _check_f32(a: torch.Tensor | np.ndarray, shape: tuple[int, ...], what: str) 
                          f"{list(a.shape)}")
 
 
+def _check_rows_x(x: torch.Tensor, d_model: int) -> int:
+    """The row count B of ``x``, float32 [B >= 1, d_model] (one token per sequence)."""
+    B = x.shape[0] if x.dim() == 2 else 0
+    _check_f32(x, (B, d_model), "x")
+    if B < 1:
+        raise ValueError("x: expected at least one row")
+    return B
+
+
+def _check_rope(t: torch.Tensor, name: str, hd: int, min_rows: int = 0) -> None:
+    """A rope table: contiguous float32 [positions >= min_rows, hd]."""
+    _check_f32(t, (t.shape[0] if t.dim() == 2 else 0, hd), name)
+    if t.shape[0] < min_rows:
+        raise ValueError(f"{name}: expected at least {min_rows} rows, got {t.shape[0]}")
+
+
+def _check_rows_at(positions: torch.Tensor, slots: torch.Tensor, B: int, max_seq: int,
+                   n_slots: int) -> None:
+    """Each row's position and cache slot: contiguous int32 [B], within the cache."""
+    for name, t, hi in (("positions", positions, max_seq), ("slots", slots, n_slots)):
+        if t.dtype != torch.int32 or not t.is_contiguous() or tuple(t.shape) != (B,):
+            raise ValueError(f"{name}: expected contiguous int32 [{B}], got {t.dtype} "
+                             f"{list(t.shape)}")
+        if not (0 <= int(t.min()) and int(t.max()) < hi):
+            raise ValueError(f"{name}: expected values in [0, {hi}), got {t.tolist()}")
+
+
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(x, k)`` of a 1-D contiguous float32 CPU tensor: (values, int64 indices),
     largest first; equal values lower index first; NaN only when fewer than k other values.
@@ -523,23 +550,13 @@ class DecodeBlock:
         ``positions[i]`` (int32 [B]); caches [slots, n_kv_heads, max_seq, head_dim]; ``cos``/
         ``sin`` the rope tables [>= max_seq, head_dim]. Each row's numbers equal a one-row call's
         (the weights are read once for all rows)."""
-        B = x.shape[0] if x.dim() == 2 else 0
-        _check_f32(x, (B, self.d_model), "x")
-        if B < 1:
-            raise ValueError("x: expected at least one row")
+        B = _check_rows_x(x, self.d_model)
         n_slots, max_seq = (k_cache.shape[0], k_cache.shape[2]) if k_cache.dim() == 4 else (0, 0)
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             _check_f32(t, (n_slots, self.nkv, max_seq, self.hd), name)
         for name, t in (("cos", cos), ("sin", sin)):
-            _check_f32(t, (t.shape[0] if t.dim() == 2 else 0, self.hd), name)
-            if t.shape[0] < max_seq:
-                raise ValueError(f"{name}: expected at least {max_seq} rows, got {t.shape[0]}")
-        for name, t, hi in (("positions", positions, max_seq), ("slots", slots, n_slots)):
-            if t.dtype != torch.int32 or not t.is_contiguous() or tuple(t.shape) != (B,):
-                raise ValueError(f"{name}: expected contiguous int32 [{B}], got {t.dtype} "
-                                 f"{list(t.shape)}")
-            if B and not (0 <= int(t.min()) and int(t.max()) < hi):
-                raise ValueError(f"{name}: expected values in [0, {hi}), got {t.tolist()}")
+            _check_rope(t, name, self.hd, max_seq)
+        _check_rows_at(positions, slots, B, max_seq, n_slots)
         self.run_rows(x.data_ptr(), B, positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
                       v_cache.data_ptr(), k_cache.stride(0), cos.data_ptr(), sin.data_ptr(),
                       max_seq)
@@ -578,7 +595,6 @@ class DecodeStack:
         if any((b.d_model, b.hd, b.nkv) != (self.d_model, self.hd, self.nkv) for b in blocks):
             raise ValueError("blocks: expected one d_model, head_dim and kv-head count for all")
         self._handles = (ctypes.c_void_p * self.n)(*[b._handle for b in self.blocks])
-        self._ropes = None
 
     def rope_tables(self, tables: Sequence[tuple[torch.Tensor, torch.Tensor]]):
         """Per-block (cos, sin) tables [positions, head_dim] as the address arrays ``run`` takes
@@ -586,8 +602,8 @@ class DecodeStack:
         if len(tables) != self.n:
             raise ValueError(f"rope tables: expected {self.n} (one per block), got {len(tables)}")
         for cos, sin in tables:
-            for name, t in (("cos", cos), ("sin", sin)):
-                _check_f32(t, (t.shape[0] if t.dim() == 2 else 0, self.hd), name)
+            _check_rope(cos, "cos", self.hd)
+            _check_rope(sin, "sin", self.hd)
         keep = [t for pair in tables for t in pair]
         cos_a = (ctypes.c_void_p * self.n)(*[c.data_ptr() for c, _ in tables])
         sin_a = (ctypes.c_void_p * self.n)(*[s.data_ptr() for _, s in tables])
@@ -609,10 +625,7 @@ class DecodeStack:
         """``x`` float32 [B, d_model] through every block, updated in place and returned; caches
         [n_blocks, slots, n_kv_heads, max_seq, head_dim]; ``positions``/``slots`` int32 [B] as
         ``DecodeBlock.rows``; ``tables``: one (cos, sin) per block."""
-        B = x.shape[0] if x.dim() == 2 else 0
-        _check_f32(x, (B, self.d_model), "x")
-        if B < 1:
-            raise ValueError("x: expected at least one row")
+        B = _check_rows_x(x, self.d_model)
         shape = tuple(k_cache.shape)
         if len(shape) != 5 or shape[0] != self.n:
             raise ValueError(f"k_cache: expected [{self.n}, slots, {self.nkv}, max_seq, {self.hd}]"
@@ -623,12 +636,7 @@ class DecodeStack:
         ropes = self.rope_tables(tables)
         if ropes[3] < max_seq:
             raise ValueError(f"rope tables: expected at least {max_seq} positions, got {ropes[3]}")
-        for name, t, hi in (("positions", positions, max_seq), ("slots", slots, n_slots)):
-            if t.dtype != torch.int32 or not t.is_contiguous() or tuple(t.shape) != (B,):
-                raise ValueError(f"{name}: expected contiguous int32 [{B}], got {t.dtype} "
-                                 f"{list(t.shape)}")
-            if not (0 <= int(t.min()) and int(t.max()) < hi):
-                raise ValueError(f"{name}: expected values in [0, {hi}), got {t.tolist()}")
+        _check_rows_at(positions, slots, B, max_seq, n_slots)
         self.run(x.data_ptr(), B, positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
                  v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), ropes, max_seq)
         return x
