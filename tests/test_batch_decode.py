@@ -152,8 +152,7 @@ def test_fused_stack_equals_the_blocks_one_by_one(arch_model_dir, name):
 
     def one_by_one(x, pos, cache):
         for i, block in enumerate(model.layers):
-            local = model.rope_local is not None and model.cfg.window(i)
-            x = block(x, i, pos, cache, model.rope_local if local else model.rope)
+            x = block(x, i, pos, cache, model.rope_of(i))
         return x
 
     gen = torch.Generator().manual_seed(2)

@@ -240,19 +240,14 @@ class FusedStack:
         model = self._model[0]
         key = (model.rope[0], None if model.rope_local is None else model.rope_local[0])
         if self._ropes_key is None or any(a is not b for a, b in zip(key, self._ropes_key)):
-            cfg = model.cfg
-            tables = [model.rope_local if model.rope_local is not None and cfg.window(i)
-                      else model.rope for i in range(cfg.n_layers)]
+            tables = [model.rope_of(i) for i in range(model.cfg.n_layers)]
             self._ropes_arrays = self._stack.rope_tables(tables)
             self._ropes_key = key
         return self._ropes_arrays
 
     def __call__(self, x: Tensor, pos, cache: KVCache) -> Tensor:
         ropes = self._ropes()
-        k, v = cache.k, cache.v
-        if cache.k_np is None:
-            raise ValueError(f"the fused decode needs a float32 CPU KV cache, got {k.dtype} on "
-                             f"{k.device}")
+        k_ptr, v_ptr = FusedDecode._layer_cache(cache, 0)
         if isinstance(pos, Rows):
             B, last = x.shape[0], pos.max_position
             pos_ptr, slots_ptr = pos.c_positions.data_ptr(), pos.c_slots.data_ptr()
@@ -263,8 +258,8 @@ class FusedStack:
         if last >= ropes[3]:
             raise ValueError(f"position {last} is past the rope tables ({ropes[3]} positions)")
         x1 = x.reshape(B, -1).clone()  # the residual streams, updated in place
-        self._stack.run(x1.data_ptr(), B, pos_ptr, slots_ptr, k.data_ptr(), v.data_ptr(),
-                        k.stride(0), k.stride(1), ropes, cache.max_seq)
+        self._stack.run(x1.data_ptr(), B, pos_ptr, slots_ptr, k_ptr, v_ptr, cache.k.stride(0),
+                        cache.k.stride(1), ropes, cache.max_seq)
         return x1.view(B, 1, -1)
 
 

@@ -451,10 +451,15 @@ class Transformer(nn.Module):
             x = stack(x, pos, cache)
         else:
             for i, block in enumerate(self.layers):
-                local = self.rope_local is not None and self.cfg.window(i)
-                x = block(x, i, pos, cache, self.rope_local if local else self.rope)
+                x = block(x, i, pos, cache, self.rope_of(i))
         x = self.norm(x)
         return self.project_out(x) if self.project_out is not None else x
+
+    def rope_of(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        """The rope tables (cos, sin) ``layer`` uses: windowed layers of a model with a local
+        base have their own."""
+        local = self.rope_local is not None and self.cfg.window(layer)
+        return self.rope_local if local else self.rope
 
     def extra_repr(self) -> str:
         if self.layers[0].fused is None:
