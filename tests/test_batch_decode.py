@@ -67,6 +67,18 @@ def test_fused_attend_rows_matches_reference(tiny_model_dir, slots):
     assert torch.allclose(caches[1].v, caches[0].v, atol=1e-6)
 
 
+def prompts_in_slots(model, prompts, slots, n_slots, max_seq):
+    """A batch cache of ``n_slots`` with each prompt prefilled into its slot, and for each prompt
+    a cache of its own holding it alone."""
+    cache = model.new_cache(n_slots, max_seq)
+    alone = [model.new_cache(1, max_seq) for _ in prompts]
+    with torch.inference_mode():
+        for prompt, slot, own in zip(prompts, slots, alone):
+            model(torch.tensor([prompt]), 0, slot_cache(cache, slot))
+            model(torch.tensor([prompt]), 0, own)
+    return cache, alone
+
+
 # every architecture of the model file (q/k norms, windows, soft-capping, custom scales,
 # post-norms, parallel blocks, learned positions with post-norm blocks, tied heads)
 ARCHS = ["qwen2", "qwen3", "llama3", "mistral", "phi3", "falcon", "falcon40", "opt350m",
@@ -92,12 +104,8 @@ def test_decode_step_equals_each_sequence_alone(arch_model_dir, name, kernel):
     # (cpu.DecodeBlock.rows), else the block's torch code with the per-row attention ``kernel``
     c_rows = [b.fused is not None and b.fused.takes_rows(i) for i, b in enumerate(model.layers)]
     assert all(c_rows) == lm.plan.fused_decode and len(set(c_rows)) == 1, (name, c_rows)
-    cache = model.new_cache(3, 32)
-    alone = [model.new_cache(1, 32) for _ in seqs]
+    cache, alone = prompts_in_slots(model, [s[:-2] for s in seqs], slots, 3, 32)
     with torch.inference_mode():
-        for seq, slot, own in zip(seqs, slots, alone):
-            model(torch.tensor([seq[:-2]]), 0, slot_cache(cache, slot))
-            model(torch.tensor([seq[:-2]]), 0, own)
         for step in (2, 1):
             tokens = torch.tensor([s[-step] for s in seqs])
             positions = torch.tensor([len(s) - step for s in seqs])
@@ -123,12 +131,8 @@ def test_smollm2_rows_equal_each_sequence_alone(smollm2_path):
     gen = torch.Generator().manual_seed(5)
     lengths, slots = [4, 9, 1, 30], [3, 0, 2, 1]
     seqs = [torch.randint(3, 40000, (n + 1,), generator=gen).tolist() for n in lengths]
-    cache = model.new_cache(4, 48)
-    alone = [model.new_cache(1, 48) for _ in seqs]
+    cache, alone = prompts_in_slots(model, [s[:-1] for s in seqs], slots, 4, 48)
     with torch.inference_mode():
-        for seq, slot, own in zip(seqs, slots, alone):
-            model(torch.tensor([seq[:-1]]), 0, slot_cache(cache, slot))
-            model(torch.tensor([seq[:-1]]), 0, own)
         tokens = torch.tensor([s[-1] for s in seqs])
         positions = torch.tensor([len(s) - 1 for s in seqs])
         got = decode_step(model, tokens, positions, cache, torch.tensor(slots), attend_rows)
