@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -52,7 +53,9 @@ def _topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
 def sample(logits: Tensor, p: SamplingParams, rng: torch.Generator | None) -> int:
     """Pick the next token from 1-D float logits: greedy when temperature <= 0 (or too small for
     float32 to divide by), else top-k -> top-p -> min-p -> temperature -> draw (llama.cpp's
-    order)."""
+    order). After top-k the few candidates are worked in numpy (float64) and the draw is one
+    uniform from ``rng`` against their cumulative weights: a dozen torch ops on 40 values cost
+    ~10x more than the top-k itself."""
     if p.temperature < torch.finfo(torch.float32).tiny:
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
             return int(logits.numpy().argmax())  # same first-maximum rule, ~20x faster
@@ -61,18 +64,19 @@ def sample(logits: Tensor, p: SamplingParams, rng: torch.Generator | None) -> in
         vals, ids = _topk(logits, p.top_k)
     else:
         vals, ids = torch.sort(logits, descending=True)
-    probs = torch.softmax(vals, dim=-1)
-    keep = probs.numel()
+    v = vals.detach().to("cpu", torch.float64).numpy()
+    probs = np.exp(v - v[0])  # softmax of the candidates (the best first)
+    probs /= probs.sum()
+    keep = len(v)
     if p.top_p < 1.0:
-        cum = torch.cumsum(probs, dim=-1)
-        keep = min(keep, int(torch.searchsorted(cum, torch.tensor(p.top_p))) + 1)
+        keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
     if p.min_p > 0.0:
-        keep = min(keep, max(1, int((probs >= p.min_p * probs[0]).sum())))
-    vals, ids = vals[:keep], ids[:keep]
-    # shift the best logit to 0 before dividing: a tiny temperature then sends the others to
-    # -inf (greedy) instead of overflowing every logit to inf (softmax -> nan)
-    probs = torch.softmax((vals - vals[0]) / p.temperature, dim=-1)
-    return int(ids[torch.multinomial(probs, 1, generator=rng)])
+        keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
+    # the best logit shifted to 0 before dividing: a tiny temperature then sends the others to
+    # weight 0 (greedy) instead of overflowing every logit to inf
+    cum = np.cumsum(np.exp((v[:keep] - v[0]) / p.temperature))
+    u = float(torch.rand((), generator=rng, dtype=torch.float64)) * cum[-1]
+    return int(ids[min(int(np.searchsorted(cum, u, side="right")), keep - 1)])
 
 
 def prefill(model: Transformer, ids: Sequence[int], pos: int, cache: KVCache) -> Tensor:

@@ -14,6 +14,7 @@ ordinary ``Transformer.forward``.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .model import KVCache, Rows, Transformer
@@ -37,12 +38,17 @@ def slot_cache(cache: KVCache, slot: int) -> SlotCache:
 
 
 def decode_step(model: Transformer, tokens: Tensor, positions: Tensor, cache: KVCache,
-                slots: Tensor, kernel=None) -> Tensor:
+                slots: Tensor, kernel=None, logit_rows: Tensor | None = None) -> Tensor:
     """Logits (B, V) in float32 for ``tokens`` (B,) at ``positions`` (B,) of cache ``slots`` (B,);
     each row's key/value is written into its slot at its position. The model's own blocks run
     with ``Rows`` in place of a position (every architecture the model file has); ``kernel``
     is ``Rows.kernel``: a per-row attention for plain layers (``fused.decode.attend_rows``), or
-    None for the torch one (``Attention.attend_rows``)."""
+    None for the torch one (``Attention.attend_rows``).
+
+    Several rows may be one sequence at consecutive positions (a prompt chunk riding along with
+    the decoding rows, in position order): every row's key and value are in the cache before any
+    row attends, and each row sees its slot only up to its own position. ``logit_rows`` (R,):
+    the rows whose logits are wanted (the others skip the output head); returns (R, V)."""
     B = tokens.shape[0]
     if int(positions.max()) >= cache.max_seq:
         raise ValueError(f"positions up to {int(positions.max())} exceed the cache size "
@@ -50,6 +56,11 @@ def decode_step(model: Transformer, tokens: Tensor, positions: Tensor, cache: KV
     rows = Rows(positions, slots, kernel)
     x = model.embed(tokens.to(model.device).view(B, 1), rows)  # (B, 1, D)
     h = model.blocks(x, rows, cache).view(B, -1)  # (B, D)
+    if logit_rows is not None:
+        h = h[logit_rows.to(h.device)]
+        B = h.shape[0]
+        if B == 0:  # no row picks a token (a prompt chunk that does not end its prompt)
+            return h.new_empty(0, model.cfg.vocab_size, dtype=torch.float32)
     head = getattr(model.lm_head, "forward_rows", None)  # a kernel made for a few rows
     if head is not None:
         return model.softcap(head(h).float())  # (B, V)

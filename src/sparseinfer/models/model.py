@@ -15,6 +15,7 @@ gate/up are fused for fewer calls per token.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -250,9 +251,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         B = qkv.shape[0]
         hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-        group = nh // nkv
         positions, slots = rows.positions, rows.slots
-        S = int(positions.max()) + 1  # keys to look at: the longest sequence's
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, k, v = q.reshape(B, nh, hd), k.reshape(B, nkv, hd), v.reshape(B, nkv, hd)
         if self.q_norm is not None:
@@ -263,20 +262,56 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin, il), apply_rope(k, cos, sin, il)
         cache.k[layer, slots, :, positions] = k.to(cache.k.dtype)  # (B, nkv, hd) into the slots
         cache.v[layer, slots, :, positions] = v.to(cache.v.dtype)
-        first = int(slots[0])
-        if slots.tolist() == list(range(first, first + B)):  # consecutive slots: a view
+        where = slots.tolist()
+        if len(set(where)) == B:  # one row per sequence (a decode step)
+            return self._attend_slots(q, layer, positions, slots, where, cache)
+        # a prompt chunk rides along: rows alone in their slot as above, each shared slot's
+        # rows against that slot's keys once (not a copy of them per row)
+        out = q.new_empty(B, nh * hd)
+        count = Counter(where)
+        lone = [i for i, s in enumerate(where) if count[s] == 1]
+        if lone:
+            i = torch.tensor(lone, device=q.device)
+            out[i] = self._attend_slots(q[i], layer, positions[i], slots[i],
+                                        [where[j] for j in lone], cache)
+        for slot in (s for s in dict.fromkeys(where) if count[s] > 1):
+            i = torch.tensor([j for j, s in enumerate(where) if s == slot], device=q.device)
+            out[i] = self._attend_slot(q[i], layer, positions[i], slot, cache)
+        return out
+
+    def _attend_slots(self, q: Tensor, layer: int, positions: Tensor, slots: Tensor,
+                      where: list[int], cache: KVCache) -> Tensor:
+        """Attention of rows (B, nh, hd) each in its own slot (``where``: the slots as ints)."""
+        B = q.shape[0]
+        S = int(positions.max()) + 1  # keys to look at: the longest sequence's
+        first = where[0]
+        if where == list(range(first, first + B)):  # consecutive slots: a view
             keys = cache.k[layer, first : first + B, :, :S]  # (B, nkv, S, hd)
             values = cache.v[layer, first : first + B, :, :S]
         else:  # gather only the first S positions of each slot
             keys = cache.k[layer, :, :, :S].index_select(0, slots)
             values = cache.v[layer, :, :, :S].index_select(0, slots)
-        allowed = self.allowed(layer, positions.to(qkv.device), S)  # (B, S)
-        qg = q.view(B, nkv, group, hd)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # (B, nkv, group, S)
+        return self._weigh(q, keys, values, self.allowed(layer, positions.to(q.device), S))
+
+    def _attend_slot(self, q: Tensor, layer: int, positions: Tensor, slot: int,
+                     cache: KVCache) -> Tensor:
+        """Attention of rows (n, nh, hd) of one sequence (slot ``slot``), each up to its own
+        position: the slot's keys (nkv, S, hd) are read once for all of them."""
+        S = int(positions.max()) + 1
+        keys, values = cache.k[layer, slot, :, :S], cache.v[layer, slot, :, :S]
+        return self._weigh(q, keys, values, self.allowed(layer, positions.to(q.device), S))
+
+    def _weigh(self, q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor) -> Tensor:
+        """softmax(q k^T * scale, soft-capped, masked by ``allowed`` (n, S)) v for rows q (n, nh,
+        hd) against keys/values (n, nkv, S, hd), or (nkv, S, hd) shared by the rows."""
+        cfg = self.cfg
+        n, S = q.shape[0], allowed.shape[1]
+        qg = q.view(n, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # (n, nkv, group, S)
         scores = soft_cap(scores, self.softcap)
-        scores = scores.masked_fill(~allowed.view(B, 1, 1, S), float("-inf"))
+        scores = scores.masked_fill(~allowed.view(n, 1, 1, S), float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).reshape(B, nh * hd)
+        return torch.matmul(probs, values).reshape(n, cfg.n_heads * cfg.head_dim)
 
 
 class FFN(nn.Module):

@@ -6,17 +6,21 @@ One loop thread owns the model. Each of its iterations, at a token boundary:
 1. admits waiting sequences into free slots of one KV cache (N slots, one per sequence);
 2. drops sequences whose consumer stopped (stop string, cancelled, client gone): the slot is
    free for the next one;
-3. prefills one chunk (``prefill_chunk`` tokens) of the oldest sequence still reading its
-   prompt, so a newcomer's long prompt never stalls the others for more than a chunk;
-4. runs one ``models.batch.decode_step`` over every sequence that is generating: the weights are
-   read once for all of them, each row attends to its own slot;
-5. samples each row with its own RNG, penalties, logits processors and logprobs, and hands the
-   token to that sequence's consumer.
+3. takes one chunk (``prefill_chunk`` tokens) of the oldest sequence still reading its prompt,
+   so a newcomer's long prompt never stalls the others for more than a chunk;
+4. runs one ``models.batch.decode_step`` over the next token of every sequence that is
+   generating and the prompt chunk's tokens (as llama.cpp's server mixes them in one batch):
+   the weights are read once for all rows, each row attends to its own slot up to its own
+   position; only the rows that pick a token go through the output head;
+5. samples each generating row (and the prompt's last, when its chunk ends it) with its own
+   RNG, penalties, logits processors and logprobs, and hands the token to that sequence's
+   consumer.
 
 ``stream()`` runs on the caller's thread (the server's workers, one per running request): it
 queues the sequence, then turns the loop's token ids into text (incremental decoding, stop
-strings) exactly like ``Engine.stream``. A sequence always decodes through ``decode_step``, alone
-or not, so its numbers do not depend on the fused single-token path.
+strings) exactly like ``Engine.stream``. A sequence's prompt and tokens always go through
+``decode_step``, alone or not, so its numbers do not depend on the fused single-token path, the
+one-sequence prefill or what else runs in its steps.
 """
 
 from __future__ import annotations
@@ -249,28 +253,34 @@ class BatchEngine:
     def _iterate(self) -> None:
         for seq in [s for s in self._active if s.done]:  # 2. drop finished consumers
             self._release(seq)
+        decoding = [s for s in self._active if s.pending is not None and s.slot is not None]
+        decoding.sort(key=lambda s: s.slot)
+        tokens = [s.pending for s in decoding]
+        positions = [s.pos for s in decoding]
+        slots = [s.slot for s in decoding]
+        takers = list(decoding)  # the sequences that get a logits row, in row order
         prefilling = [s for s in self._active if s.prefilled < len(s.prompt)]
-        if prefilling:  # 3. one chunk of the oldest prompt
+        if prefilling:  # 3. one chunk of the oldest prompt, as more rows of the same step
             seq = prefilling[0]
             start = seq.prefilled
             chunk = seq.prompt[start:start + self.prefill_chunk]
-            logits = self.model(torch.tensor([chunk]), start, self._views[seq.slot],
-                                last_only=True)[0, -1]
+            tokens += chunk
+            positions += range(start, start + len(chunk))
+            slots += [seq.slot] * len(chunk)
             seq.prefilled += len(chunk)
             if seq.prefilled == len(seq.prompt):
-                self._sampled(seq, logits)
-        decoding = [s for s in self._active if s.pending is not None and s.slot is not None]
-        if not decoding:
+                takers.append(seq)
+        if not tokens:
             return
-        decoding.sort(key=lambda s: s.slot)
-        tokens = torch.tensor([s.pending for s in decoding])
-        positions = torch.tensor([s.pos for s in decoding])
-        slots = torch.tensor([s.slot for s in decoding])
-        logits = decode_step(self.model, tokens, positions, self.cache, slots,  # 4. one step
-                             self._kernel)
+        logit_rows = list(range(len(decoding)))
+        if len(takers) > len(decoding):  # the prompt's last row: its first token
+            logit_rows.append(len(tokens) - 1)
+        logits = decode_step(self.model, torch.tensor(tokens), torch.tensor(positions),  # 4.
+                             self.cache, torch.tensor(slots), self._kernel,
+                             torch.tensor(logit_rows, dtype=torch.long))
         self.steps += 1
-        self.max_batch = max(self.max_batch, len(decoding))
-        for row, seq in enumerate(decoding):  # 5. sample each row
+        self.max_batch = max(self.max_batch, len(decoding) + bool(prefilling))
+        for row, seq in enumerate(takers):  # 5. sample each sequence's row
             self._sampled(seq, logits[row])
 
     def _sampled(self, seq: _Seq, logits: torch.Tensor) -> None:
