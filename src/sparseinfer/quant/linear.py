@@ -299,6 +299,12 @@ class GGMLLinear(torch.nn.Module):
             y += self.bias
         return y.view(*lead, self.out_features)
 
+    def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, in] -> [B, out] for a few sequences decoded together: ``forward`` (a lone row
+        takes the GEMV, several the GEMM, whose every row is its GEMV bit for bit, so a row's
+        result does not depend on B)."""
+        return self.forward(x)
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weights (gguf-py's dequantization of the same bytes)."""
         from gguf import GGMLQuantizationType, quants
