@@ -401,7 +401,13 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
     ch = ch < 16 ? 16 : (ch + 3) & ~3LL;
     /* a GEMM (T > 1) takes longer per row: chunks of at least GEMM_MIN_ROWS rows (16-row chunks
      * ran much slower from memory: the two threads' short interleaved runs; benchmarks/RESULTS.md) */
-    if (T > 1 && ch < GEMM_MIN_ROWS) ch = GEMM_MIN_ROWS;
+    if (T > 1 && ch < GEMM_MIN_ROWS) {
+        /* a whole number of such chunks per thread (576 rows on 2 threads: 4 of 144, not 4 of
+         * 128 and one of 64 that leaves a thread idle for a fifth of the product) */
+        int64_t n = total_rows / GEMM_MIN_ROWS;
+        n = n < nt ? nt : (n + nt - 1) / nt * nt;
+        ch = ((total_rows + n - 1) / n + 3) & ~3LL;
+    }
     j->ch = (int)ch;
     j->first[0] = 0;
     for (int i = 0; i < nmat; i++) j->first[i + 1] = j->first[i] + (rows[i] + j->ch - 1) / j->ch;
