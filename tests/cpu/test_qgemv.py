@@ -20,6 +20,7 @@ from sparseinfer import cpu
 from sparseinfer.cpu import build as cpu_build
 from sparseinfer.cpu import ops
 from sparseinfer.cpu import reference as ref
+from sparseinfer.cpu.panels import FILE_TYPES, to_panels
 
 gguf = pytest.importorskip("gguf")
 
@@ -31,11 +32,16 @@ GGUF_QUANTIZES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
 # 288, 160, 224, 1056: groups of 4 blocks and a last partial group of 1, 1, 3, 1 (AVX-512)
 SHAPES_32 = [(1, 32), (3, 96), (7, 288), (37, 160), (130, 64), (9, 224), (5, 1056)]
 SHAPES_256 = [(1, 256), (5, 512), (37, 256), (66, 768)]
+# panels of 16 rows (Q4_0x16, Q4_1x16): one or several panels, 1 to 33 blocks per row
+SHAPES_PANEL = [(16, 32), (32, 96), (48, 288), (16, 160), (144, 64), (32, 1056)]
 
 
 def random_raw(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Valid random blocks: quantized by gguf-py where it can, else random bytes with sane fp16
     scale fields (K-quants: gguf-py only dequantizes them)."""
+    if type_name in FILE_TYPES:  # the file's blocks, rearranged
+        base = FILE_TYPES[type_name]
+        return to_panels(random_raw(base, rows, cols, rng), base, rows, cols)
     if type_name in ("F16", "F32"):
         w = rng.standard_normal((rows, cols)).astype(np.float16 if type_name == "F16" else np.float32)
         return w.view(np.uint8).reshape(-1)
@@ -51,6 +57,8 @@ def random_raw(type_name: str, rows: int, cols: int, rng: np.random.Generator) -
 
 
 def shapes_for(type_name: str) -> list[tuple[int, int]]:
+    if type_name in FILE_TYPES:
+        return SHAPES_PANEL
     return SHAPES_256 if cpu.TYPES[type_name][1] == 256 else SHAPES_32
 
 
@@ -124,7 +132,8 @@ def test_multi_matrix_call_shares_input(isa, threads):
     """q, k, v of different types and heights in one call: each as if computed alone."""
     rng = np.random.default_rng(1)
     cols = 512
-    specs = [("Q4_K", 64), ("Q6_K", 21), ("Q8_0", 21), ("Q4_0", 130), ("F16", 5), ("F32", 3)]
+    specs = [("Q4_K", 64), ("Q6_K", 21), ("Q8_0", 21), ("Q4_0", 130), ("F16", 5), ("F32", 3),
+             ("Q4_1x16", 32)]
     mats = [cpu.QuantMatrix(t, random_raw(t, r, cols, rng), r, cols) for t, r in specs]
     x = torch.from_numpy(rng.standard_normal(cols).astype(np.float32))
     outs = [torch.empty(m.rows) for m in mats]
@@ -140,18 +149,21 @@ def test_multi_matrix_call_shares_input(isa, threads):
         assert torch.all((o.double() - want.double()).abs() <= summation_bound(m, x))
 
 
-@pytest.mark.parametrize("type_name",
-                         ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "F16", "F32"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K",
+                                       "F16", "F32", "Q4_0x16", "Q4_1x16"])
 @pytest.mark.parametrize("T", [1, pytest.param(3, marks=pytest.mark.slow), 8, 9,
                                pytest.param(17, marks=pytest.mark.slow)])
 def test_gemm_matches_reference(type_name, T, isa, threads):
     """Q4_0/Q4_1 rows take the AVX-512 kernel that gathers each group of 4 blocks once for up to
     8 rows of x (576 columns: 4 groups and a partial one of 2 blocks), Q4_0..Q5_1 the avx2_128 and
     plain AVX2 ones that unpack each group of 8 blocks once (T = 8, 9, 17 cross their groups);
-    every type gives each row of the batch exactly the GEMV of that token."""
+    every type gives each row of the batch exactly the GEMV of that token (panels: 8 x rows per
+    pass over 3 panels)."""
     rng = np.random.default_rng(T)
     # 576: 18 blocks, two past the last group of 8 (AVX-512: of 4); 224: 7 blocks, 3 past a group of 4
     rows, cols = 37, 576 if T % 2 == 0 else 224 if T == 9 else 512
+    if type_name in FILE_TYPES:
+        rows = 48
     if type_name in ("Q4_K", "Q6_K"):
         cols = 512
     mat = cpu.QuantMatrix(type_name, random_raw(type_name, rows, cols, rng), rows, cols)

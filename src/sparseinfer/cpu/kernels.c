@@ -990,6 +990,124 @@ INLINE void rows_f32(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
     for (int r = 0; r < R; r++) y[r] = hsum(_mm256_add_ps(acc[r], acc2[r]));
 }
 
+/* ------------------------------------------------------------------ panels of 16 rows */
+
+/* Q4_0 / Q4_1 in panels (SI_Q4_0P / SI_Q4_1P, qgemv.h): a block column of a panel is 16 rows x
+ * 4 quant words, so one integer dot product takes 4 bytes of x (broadcast) against 4 weights of
+ * each of 16 rows, and a block costs 8 of them per x row with no horizontal sums: every lane is
+ * a row. Per x row and block: y_r += d_r * x_d * sum_r + m_r * x_s (Q4_0: m_r = -8 d_r), the
+ * two terms in separate accumulators added at the end. The GEMV is the same function with one
+ * x row, so every GEMM row is its GEMV bit for bit; the AVX2 build computes the same integer
+ * sums and the same float operations per row, so the ISAs agree bit for bit too. */
+#define PANEL_T 8 /* x rows per pass over a panel */
+#ifndef PANEL_AHEAD
+#define PANEL_AHEAD 8192 /* bytes: the panel rows' stream fetched this far ahead */
+#endif
+INLINE int panel_bytes(const int type) { return type == SI_Q4_0P ? 16 * 18 : 16 * 20; }
+
+INLINE int32_t x_word(const si_xq *x, const int b, const int c) {
+    int32_t v;
+    memcpy(&v, x->q + 32 * (size_t)b + 4 * c, 4);
+    return v;
+}
+
+#if SI_AVX512
+/* 16 rows (the panel at p, nb block columns) against nt <= PANEL_T x rows: y[t * ys + r]. */
+INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
+                     float *y, const int64_t ys) {
+    const int bb = panel_bytes(type), qoff = type == SI_Q4_0P ? 32 : 64;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[PANEL_T], accm[PANEL_T];
+    for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *pb = p + (size_t)b * bb;
+        for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
+        const __m512 m = type == SI_Q4_0P ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f))
+                                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32)));
+        __m512i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) {
+            const __m512i q = _mm512_loadu_si512((const void *)(pb + qoff + 64 * c));
+            lo[c] = _mm512_and_si512(q, m4);
+            hi[c] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+        }
+        for (int t = 0; t < nt; t++) {
+            __m512i sum = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++)
+                sum = _mm512_dpbusd_epi32(sum, lo[c], _mm512_set1_epi32(x_word(&x[t], b, c)));
+            for (int c = 0; c < 4; c++)
+                sum = _mm512_dpbusd_epi32(sum, hi[c], _mm512_set1_epi32(x_word(&x[t], b, 4 + c)));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x[t].d[b])),
+                                     acc[t]);
+            accm[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[t].s[b]), accm[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) _mm512_storeu_ps(y + t * ys, _mm512_add_ps(acc[t], accm[t]));
+}
+#else
+/* The same in two 256-bit halves (rows 0..7, 8..15): the 8 byte products per row and block
+ * summed in int16 by maddubs (at most 8 x 2 x 15 x 127 = 30480: no saturation), widened once. */
+INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
+                     float *y, const int64_t ys) {
+    const int bb = panel_bytes(type), qoff = type == SI_Q4_0P ? 32 : 64;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[PANEL_T], accm[PANEL_T];
+        for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *pb = p + (size_t)b * bb;
+            if (h == 0)
+                for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16 * h)));
+            const __m256 m = type == SI_Q4_0P ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f))
+                                              : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 32 + 16 * h)));
+            __m256i lo[4], hi[4];
+            for (int c = 0; c < 4; c++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(pb + qoff + 64 * c + 32 * h));
+                lo[c] = _mm256_and_si256(q, m4);
+                hi[c] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            }
+            for (int t = 0; t < nt; t++) {
+                __m256i s16 = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++)
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(x_word(&x[t], b, c))));
+                for (int c = 0; c < 4; c++)
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(x_word(&x[t], b, 4 + c))));
+                const __m256i sum = _mm256_madd_epi16(s16, one);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])),
+                                         acc[t]);
+                accm[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[t].s[b]), accm[t]);
+            }
+        }
+        for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * h, _mm256_add_ps(acc[t], accm[t]));
+    }
+}
+#endif
+
+/* nrows (a multiple of 16) panel rows at w against x rows x[0..T): y[t * ys + r]; x rows
+ * PANEL_T at a time (the count a constant, so the accumulators stay in registers). */
+static void panel_rows(const int type, const uint8_t *w, const int nrows, const si_xq *x,
+                       const int T, const int nb, float *y, const int64_t ys) {
+    const size_t pb = (size_t)nb * panel_bytes(type);
+    for (int t0 = 0; t0 < T; t0 += PANEL_T) {
+        const int nt = T - t0 < PANEL_T ? T - t0 : PANEL_T;
+#define PR(TY, N)                                                                              \
+    for (int r = 0; r < nrows; r += SI_PANEL)                                                  \
+        panel_q4(TY, w + (size_t)(r / SI_PANEL) * pb, x + t0, N, nb, y + t0 * ys + r, ys)
+#define PRN(N)                                                                                 \
+    case N:                                                                                    \
+        if (type == SI_Q4_0P) PR(SI_Q4_0P, N);                                                 \
+        else PR(SI_Q4_1P, N);                                                                  \
+        break
+        switch (nt) {
+            PRN(1); PRN(2); PRN(3); PRN(4); PRN(5); PRN(6); PRN(7); PRN(8);
+        default: break; /* nt <= PANEL_T = 8 */
+        }
+#undef PRN
+#undef PR
+    }
+}
+
 /* ------------------------------------------------------------------ entry points */
 
 #define WALK(call4, call1)                                                                     \
@@ -1003,6 +1121,10 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
                  float *y) {
     const int nb = cols / 32, nsb = cols / 256;
     const int far = 4 * rb > PF_NEAR_BYTES;
+    if (type == SI_Q4_0P || type == SI_Q4_1P) {
+        panel_rows(type, w, nrows, x, 1, nb, y, 0);
+        return;
+    }
 #define NEXT (w + (r + 4) * rb)
 #define B32(T, S)                                                                              \
     WALK(rows_b32(T, S, w + r * rb, rb, 4, x, nb, y + r, NEXT, far),                           \
@@ -1270,6 +1392,10 @@ INLINE void prefetch_row(const uint8_t *w, const size_t rb, const int r, const i
  * and plain AVX2: Q4_0..Q5_1 8 blocks at a time), else si_rows for each x row. */
 void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *x, int T,
                        int cols, float *y, int64_t ys) {
+    if (type == SI_Q4_0P || type == SI_Q4_1P) {
+        panel_rows(type, w, nrows, x, T, cols / 32, y, ys);
+        return;
+    }
 #if SI_AVX512
     if ((type == SI_Q4_0 || type == SI_Q4_1) && x[0].g) {
         for (int t0 = 0; t0 < T; t0 += MULTI_T) {

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import SparseInferError
 from . import build as _build
+from .panels import FILE_TYPES, PANEL, from_panels
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,12 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q6_K": (7, 256, 210),
     "F16": (8, 1, 2),
     "F32": (9, 1, 4),
+    # Q4_0 / Q4_1 in panels of 16 rows (cpu/panels.py): the same bytes, rearranged
+    "Q4_0x16": (10, 32, 18),
+    "Q4_1x16": (11, 32, 20),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 
 class CpuLibraryError(SparseInferError):
@@ -228,6 +232,9 @@ class QuantMatrix:
         if rows < 1 or cols < step or cols % step:
             raise ValueError(f"{type_name} matrix: expected rows >= 1 and cols a multiple of "
                              f"{step}, got rows={rows} cols={cols}")
+        if type_name in FILE_TYPES and rows % PANEL:
+            raise ValueError(f"{type_name} matrix: expected rows a multiple of {PANEL}, got "
+                             f"{rows}")
         if isinstance(raw, torch.Tensor):
             ok = raw.dtype == torch.uint8 and raw.is_contiguous() and raw.device.type == "cpu"
         elif isinstance(raw, np.ndarray):
@@ -246,6 +253,18 @@ class QuantMatrix:
 
     def __repr__(self) -> str:
         return f"QuantMatrix({self.type_name}, rows={self.rows}, cols={self.cols})"
+
+    @property
+    def file_type(self) -> str:
+        """The GGUF type of the blocks (a panel type's source type)."""
+        return FILE_TYPES.get(self.type_name, self.type_name)
+
+    def file_rows(self) -> np.ndarray:
+        """The blocks as the file lays them out: uint8 [rows, row bytes] (panels undone)."""
+        raw = self.raw.numpy() if isinstance(self.raw, torch.Tensor) else np.asarray(self.raw)
+        if self.type_name in FILE_TYPES:
+            return from_panels(raw, FILE_TYPES[self.type_name], self.rows, self.cols)
+        return raw.reshape(self.rows, -1)
 
 
 class GemvPlan:

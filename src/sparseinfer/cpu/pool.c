@@ -28,15 +28,17 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 8
+#define SI_ABI_VERSION 9
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
 
 /* ------------------------------------------------------------------ types */
 
-static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1};
-static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4};
+static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32};
+static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20};
+
+static int is_panel(int type) { return type == SI_Q4_0P || type == SI_Q4_1P; }
 
 int si_abi_version(void) { return SI_ABI_VERSION; }
 int si_block_elems(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_ELEMS[type] : 0; }
@@ -360,7 +362,7 @@ static void gemv_chunk(const void *jp, int64_t c) {
 
 static int check_mat(int type, int64_t rows, int cols) {
     if (type < 0 || type >= SI_N_TYPES || rows < 0 || cols <= 0 || cols % 32 ||
-        cols % BLOCK_ELEMS[type])
+        cols % BLOCK_ELEMS[type] || (is_panel(type) && rows % SI_PANEL))
         return EINVAL;
     return 0;
 }
@@ -377,7 +379,9 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
     j->rows_kernel = g_rows;
     j->need_q = 0;
     int64_t total_rows = 0;
+    int panels = 0;
     for (int i = 0; i < nmat; i++) {
+        panels |= is_panel(types[i]);
         int err = check_mat(types[i], rows[i], cols);
         if (err) return err;
         j->type[i] = types[i];
@@ -408,6 +412,7 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
         n = n < nt ? nt : (n + nt - 1) / nt * nt;
         ch = ((total_rows + n - 1) / n + 3) & ~3LL;
     }
+    if (panels) ch = (ch + SI_PANEL - 1) / SI_PANEL * SI_PANEL; /* chunks of whole panels */
     j->ch = (int)ch;
     j->first[0] = 0;
     for (int i = 0; i < nmat; i++) j->first[i + 1] = j->first[i] + (rows[i] + j->ch - 1) / j->ch;

@@ -22,8 +22,16 @@ enum si_type {
     SI_Q6_K = 7,
     SI_F16 = 8,
     SI_F32 = 9,
-    SI_N_TYPES = 10,
+    /* Q4_0 / Q4_1 blocks rearranged in panels of 16 rows (cpu/panels.py makes them from the
+     * file's rows): per panel, per block column b, the 16 rows' block b as [d x 16 (fp16),
+     * Q4_1: m x 16 (fp16), quants: 4 x (16 rows x 4 bytes)], where quant word c of row r is
+     * bytes 4c..4c+3 of its block (elements 4c..4c+3 in the low nibbles, 16+4c.. in the high).
+     * The same bytes per row as the file; a panel is 16 rows' bytes, rows % 16 == 0. */
+    SI_Q4_0P = 10,
+    SI_Q4_1P = 11,
+    SI_N_TYPES = 12,
 };
+#define SI_PANEL 16 /* rows per panel of SI_Q4_0P / SI_Q4_1P */
 
 /* One quantized activation vector: q[cols] int8, d[cols/32], s[cols/32]; f the fp32 source (F16
  * weights use it directly); g the same blocks rearranged for the kernels of one ISA

@@ -19,9 +19,8 @@ from .ops import QuantMatrix
 
 def dequantize_ref(mat: QuantMatrix) -> torch.Tensor:
     """The float32 weights [rows, cols] of ``mat``, decoded by gguf-py."""
-    raw = mat.raw.numpy() if isinstance(mat.raw, torch.Tensor) else np.asarray(mat.raw)
-    qtype = gguf.GGMLQuantizationType[mat.type_name]
-    w = gguf.quants.dequantize(raw.reshape(mat.rows, -1), qtype)
+    qtype = gguf.GGMLQuantizationType[mat.file_type]
+    w = gguf.quants.dequantize(mat.file_rows(), qtype)
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(mat.rows, mat.cols)
 
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..cpu.panels import FILE_TYPES, PANEL, PANEL_TYPES, to_panels
 from ..errors import ModelFileError, SparseInferError
 from ..quant import blocks as qb
 from ..quant.linear import FloatLinear, GGMLLinear, Int4Linear, Int8Linear
@@ -171,19 +172,24 @@ class WeightSource:
         return parts[0] if len(parts) == 1 else qb.Q4Blocks.cat(parts)
 
     def ggml_parts(self) -> list[tuple[str, np.ndarray, int]]:
-        """(type, bytes, rows) of each source as stored: views of the mapped file, except Q/K
-        rows that llama.cpp permuted, which are copied back into rotate-half order."""
+        """(type, bytes, rows) of each source: views of the mapped file as stored, except Q/K
+        rows that llama.cpp permuted, copied back into rotate-half order, and Q4_0 / Q4_1
+        matrices of whole panels, rearranged into panels of 16 rows (``cpu/panels.py``: the
+        C kernels' fastest layout for several input rows). A copy's mapped pages are released."""
         parts = []
         for canon in self.names:
             t = self.src.tensors[canon]
-            raw = np.asarray(t.raw())
-            raw = raw.reshape(t.shape[0], -1)
+            kind, rows = t.kind, t.shape[0]
+            raw = np.asarray(t.raw()).reshape(rows, -1)
             heads = self._qk_heads(canon)
             if heads:
-                raw = np.ascontiguousarray(raw[unpermute_qk(torch.arange(t.shape[0]),
-                                                            heads).numpy()])
+                raw = np.ascontiguousarray(raw[unpermute_qk(torch.arange(rows), heads).numpy()])
+            if kind in PANEL_TYPES and rows % PANEL == 0:
+                raw = to_panels(raw, kind, rows, t.shape[1])
+                kind = PANEL_TYPES[kind]
+            if heads or kind in FILE_TYPES:  # a copy: the file's pages are not needed
                 t.release()
-            parts.append((t.kind, raw, t.shape[0]))
+            parts.append((kind, raw, rows))
         return parts
 
     def bias(self) -> torch.Tensor | None:

@@ -66,8 +66,8 @@ def column_norms(linear, block_rows: int = 256) -> Tensor:
 
         sq = np.zeros(mats[0].cols, dtype=np.float64)
         for m in mats:
-            raw = np.asarray(m.raw).reshape(m.rows, -1)
-            qtype = GGMLQuantizationType[m.type_name]
+            raw = m.file_rows()  # the file's rows (a view, or panels undone)
+            qtype = GGMLQuantizationType[m.file_type]
             for r in range(0, m.rows, block_rows):
                 w = quants.dequantize(raw[r: r + block_rows], qtype).reshape(-1, m.cols)
                 sq += np.square(w, dtype=np.float64).sum(0)

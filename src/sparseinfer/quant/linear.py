@@ -309,8 +309,8 @@ class GGMLLinear(torch.nn.Module):
         """The float32 weights (gguf-py's dequantization of the same bytes)."""
         from gguf import GGMLQuantizationType, quants
 
-        parts = [quants.dequantize(np.asarray(m.raw).reshape(m.rows, -1),
-                                   GGMLQuantizationType[m.type_name]).reshape(m.rows, m.cols)
+        parts = [quants.dequantize(m.file_rows(),
+                                   GGMLQuantizationType[m.file_type]).reshape(m.rows, m.cols)
                  for m in self.mats]
         return torch.from_numpy(np.concatenate(parts).astype(np.float32))
 

@@ -1,0 +1,59 @@
+"""Q4_0 / Q4_1 weights rearranged in panels of 16 rows for the C kernels (types ``Q4_0x16`` /
+``Q4_1x16``; layout in ``qgemv.h``): one integer dot product then multiplies 4 bytes of the input
+with 4 weights of each of 16 rows, and the products stay in one lane per row, so a GEMM over a
+few input rows does about a third of the instructions of the row-major kernels (a batched decode
+step, a prompt). The bytes per row are the file's; the rearranged copy replaces the mapped rows
+(``models/build.py`` releases their pages).
+
+    raw16 = to_panels(raw, "Q4_1", rows, cols)      # file rows -> panels (a new array)
+    raw = from_panels(raw16, "Q4_1", rows, cols)    # and back (the references decode that)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PANEL = 16  # rows per panel
+# the file's type -> its panel type (cpu.TYPES); (scale words per row and block, block bytes)
+PANEL_TYPES = {"Q4_0": "Q4_0x16", "Q4_1": "Q4_1x16"}
+FILE_TYPES = {v: k for k, v in PANEL_TYPES.items()}
+_FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20)}
+
+
+def _check(raw: np.ndarray, type_name: str, rows: int, cols: int) -> tuple[int, int, int]:
+    if type_name not in _FIELDS:
+        raise ValueError(f"type: expected one of {list(_FIELDS)}, got {type_name!r}")
+    if rows < 1 or rows % PANEL or cols < 32 or cols % 32:
+        raise ValueError(f"{type_name} panels: expected rows a multiple of {PANEL} and cols of "
+                         f"32, got rows={rows} cols={cols}")
+    words, bsize = _FIELDS[type_name]
+    nb = cols // 32
+    if raw.size != rows * nb * bsize:
+        raise ValueError(f"{type_name} [{rows}, {cols}]: expected {rows * nb * bsize} bytes, "
+                         f"got {raw.size}")
+    return words, bsize, nb
+
+
+def to_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
+    """The file's rows of ``type_name`` blocks (uint8, rows x row bytes) as panels: per panel
+    and block column, the 16 rows' scales (and Q4_1's minima), then their 4 quant words."""
+    words, bsize, nb = _check(raw, type_name, rows, cols)
+    blk = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, bsize)
+    scales = blk[..., : 2 * words].reshape(-1, PANEL, nb, words, 2)  # (P, 16, nb, words, 2)
+    quants = blk[..., 2 * words :].reshape(-1, PANEL, nb, 4, 4)  # (P, 16, nb, word, 4)
+    out = np.empty((rows // PANEL, nb, bsize * PANEL), dtype=np.uint8)
+    out[..., : 2 * words * PANEL] = scales.transpose(0, 2, 3, 1, 4).reshape(-1, nb, 2 * words * PANEL)
+    out[..., 2 * words * PANEL :] = quants.transpose(0, 2, 3, 1, 4).reshape(-1, nb, 64 * 4)
+    return out.reshape(-1)
+
+
+def from_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
+    """``to_panels`` undone: the file's rows (uint8, rows x row bytes)."""
+    words, bsize, nb = _check(raw, type_name, rows, cols)
+    pan = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, nb, bsize * PANEL)
+    scales = pan[..., : 2 * words * PANEL].reshape(-1, nb, words, PANEL, 2)
+    quants = pan[..., 2 * words * PANEL :].reshape(-1, nb, 4, PANEL, 4)
+    out = np.empty((rows // PANEL, PANEL, nb, bsize), dtype=np.uint8)
+    out[..., : 2 * words] = scales.transpose(0, 3, 1, 2, 4).reshape(-1, PANEL, nb, 2 * words)
+    out[..., 2 * words :] = quants.transpose(0, 3, 1, 2, 4).reshape(-1, PANEL, nb, 16)
+    return out.reshape(rows, nb * bsize)

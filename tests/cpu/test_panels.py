@@ -1,0 +1,89 @@
+"""Q4_0 / Q4_1 in panels of 16 rows (cpu/panels.py, the Q4_0x16 / Q4_1x16 kernels): the
+rearrangement round-trips and gguf-py decodes the rows it gives back; every ISA computes the
+same bits; a loaded model holds its Q4 matrices as panels and still decodes what the file's rows
+decode (tests/cpu/test_qgemv.py compares the kernels with the references over shapes, threads
+and batch sizes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sparseinfer import cpu
+from sparseinfer.cpu import reference as ref
+from sparseinfer.cpu.panels import from_panels, to_panels
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_round_trip_and_layout(type_name):
+    rng = np.random.default_rng(0)
+    rows, cols = 48, 96
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])  # (rows, row bytes)
+    pan = to_panels(raw, type_name, rows, cols)
+    assert pan.shape == (raw.size,)
+    assert np.array_equal(from_panels(pan, type_name, rows, cols), raw)
+    # the layout qgemv.h states: panel 1, block column 2: 16 scales, then quant word c of row r
+    words, bsize = (1, 18) if type_name == "Q4_0" else (2, 20)
+    blk = pan.reshape(rows // 16, cols // 32, 16 * bsize)[1, 2]
+    assert np.array_equal(blk[:32].view(np.uint16), raw[16:32, 2 * bsize:2 * bsize + 2]
+                          .copy().view(np.uint16).reshape(-1))
+    q = blk[32 * words:].reshape(4, 16, 4)
+    for c in range(4):
+        assert np.array_equal(q[c], raw[16:32, 2 * bsize + 2 * words + 4 * c:
+                                        2 * bsize + 2 * words + 4 * c + 4])
+
+
+def test_isas_agree_bit_for_bit():
+    """The AVX-512 and AVX2 panel kernels: the same integer sums and float operations per row."""
+    isas = [i for i in ("avx512", "avx2", "avx2_128") if i in cpu.available_isas()]
+    if len(isas) < 2:
+        pytest.skip("one instruction set on this CPU")
+    rng = np.random.default_rng(1)
+    rows, cols = 64, 576
+    raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
+                               gguf.GGMLQuantizationType.Q4_1)
+    mat = cpu.QuantMatrix("Q4_1x16", to_panels(raw, "Q4_1", rows, cols), rows, cols)
+    X = torch.randn(5, cols, generator=torch.Generator().manual_seed(0))
+    got = {}
+    try:
+        for isa in isas:
+            cpu.set_isa(isa)
+            got[isa] = cpu.gemm(mat, X)
+    finally:
+        cpu.set_isa("auto")
+    for isa in isas[1:]:
+        assert torch.equal(got[isa], got[isas[0]]), isa
+
+
+def test_errors_name_expected_and_found():
+    raw = np.zeros(20 * 20, dtype=np.uint8)
+    with pytest.raises(ValueError, match="rows a multiple of 16"):
+        to_panels(raw, "Q4_1", 20, 32)
+    with pytest.raises(ValueError, match="expected one of"):
+        to_panels(raw, "Q8_0", 16, 32)
+    with pytest.raises(ValueError, match="expected 320 bytes, got 400"):
+        to_panels(raw, "Q4_1", 16, 32)
+    with pytest.raises(ValueError, match="rows a multiple of 16, got 20"):
+        cpu.QuantMatrix("Q4_1x16", raw, 20, 32)
+
+
+def test_loaded_model_holds_panels(smollm2_path):
+    """SmolLM2's Q4_1 projections load as panels (its Q8_0 head as stored); a layer's down
+    projection decodes to what gguf-py decodes from the file's own rows."""
+    from sparseinfer.engine import Engine
+    from sparseinfer.quant.linear import GGMLLinear
+
+    model = Engine.load(smollm2_path, n_ctx=64).model
+    lins = [m for m in model.modules() if isinstance(m, GGMLLinear)]
+    kinds = {m.type_name for lin in lins for m in lin.mats}
+    assert "Q4_1x16" in kinds and "Q4_1" not in kinds and "Q8_0" in kinds
+    down = next(m for m in lins if (m.out_features, m.in_features) == (576, 1536))  # layer 0
+    t = next(t for t in gguf.GGUFReader(str(smollm2_path)).tensors
+             if t.name == "blk.0.ffn_down.weight")
+    want = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType.Q4_1).reshape(576, 1536)
+    assert np.array_equal(down.dequantized().numpy(), want)
+    assert np.array_equal(ref.dequantize_ref(down.mats[0]).numpy(), want)
