@@ -12,19 +12,28 @@ import torch
 
 from sparseinfer import cpu
 from sparseinfer.cpu import reference as ref
-from sparseinfer.cpu.panels import from_panels, to_panels
+from sparseinfer.cpu.panels import from_panels, to_panels, to_panels_ref
 
 gguf = pytest.importorskip("gguf")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
-def test_round_trip_and_layout(type_name):
+def test_round_trip_and_layout(type_name, threads):
+    """The C rearrangement equals the numpy one (over 35 panels: several pool chunks), both
+    undo exactly, and the bytes sit where qgemv.h says."""
     rng = np.random.default_rng(0)
-    rows, cols = 48, 96
+    rows, cols = 560, 96
     w = rng.standard_normal((rows, cols)).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])  # (rows, row bytes)
-    pan = to_panels(raw, type_name, rows, cols)
+    before = cpu.get_threads()
+    cpu.set_threads(threads)
+    try:
+        pan = to_panels(raw, type_name, rows, cols)
+    finally:
+        cpu.set_threads(before)
     assert pan.shape == (raw.size,)
+    assert np.array_equal(pan, to_panels_ref(raw, type_name, rows, cols))
     assert np.array_equal(from_panels(pan, type_name, rows, cols), raw)
     # the layout qgemv.h states: panel 1, block column 2: 16 scales, then quant word c of row r
     words, bsize = (1, 18) if type_name == "Q4_0" else (2, 20)
@@ -63,6 +72,8 @@ def test_errors_name_expected_and_found():
     raw = np.zeros(20 * 20, dtype=np.uint8)
     with pytest.raises(ValueError, match="rows a multiple of 16"):
         to_panels(raw, "Q4_1", 20, 32)
+    with pytest.raises(ValueError, match="rows a multiple of 16"):
+        to_panels_ref(raw, "Q4_1", 20, 32)
     with pytest.raises(ValueError, match="expected one of"):
         to_panels(raw, "Q8_0", 16, 32)
     with pytest.raises(ValueError, match="expected 320 bytes, got 400"):

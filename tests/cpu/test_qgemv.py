@@ -20,7 +20,7 @@ from sparseinfer import cpu
 from sparseinfer.cpu import build as cpu_build
 from sparseinfer.cpu import ops
 from sparseinfer.cpu import reference as ref
-from sparseinfer.cpu.panels import FILE_TYPES, to_panels
+from sparseinfer.cpu.panels import FILE_TYPES, to_panels_ref
 
 gguf = pytest.importorskip("gguf")
 
@@ -41,7 +41,7 @@ def random_raw(type_name: str, rows: int, cols: int, rng: np.random.Generator) -
     scale fields (K-quants: gguf-py only dequantizes them)."""
     if type_name in FILE_TYPES:  # the file's blocks, rearranged
         base = FILE_TYPES[type_name]
-        return to_panels(random_raw(base, rows, cols, rng), base, rows, cols)
+        return to_panels_ref(random_raw(base, rows, cols, rng), base, rows, cols)
     if type_name in ("F16", "F32"):
         w = rng.standard_normal((rows, cols)).astype(np.float16 if type_name == "F16" else np.float32)
         return w.view(np.uint8).reshape(-1)

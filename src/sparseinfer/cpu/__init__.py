@@ -1,13 +1,17 @@
 """Quantized GEMV/GEMM over GGUF's own blocks, in a small C library (``libsicpu.so``).
 
-The weights are the tensor's bytes exactly as the GGUF file stores them (row-major rows of
-blocks; e.g. ``gguf.GGUFReader`` tensor ``t.data`` viewed as uint8, a read-only memmap: nothing
-is copied or repacked). Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16 and F32. The input
+The weights are the tensor's bytes as the GGUF file stores them (row-major rows of blocks; e.g.
+``gguf.GGUFReader`` tensor ``t.data`` viewed as uint8, a read-only memmap: not copied). Types:
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16 and F32, and Q4_0x16 / Q4_1x16: Q4_0 / Q4_1
+rearranged in panels of 16 rows (``panels.to_panels``; the loader does it for every such matrix
+whose rows are a multiple of 16: a GEMM over a few rows of x then takes a third of the
+instructions, and the GEMV is faster too). The input
 vector is quantized once per call to int8 blocks of 32 (scale ``max|x|/127``, as llama.cpp's
 q8_0) and each block of weights is an integer dot product with it (F16 and F32 use fp32 ``x`` as is).
 
     from sparseinfer import cpu
     wq = cpu.QuantMatrix("Q4_K", raw, rows, cols)         # raw: uint8 bytes, not copied
+    wp = cpu.QuantMatrix("Q4_1x16", panels.to_panels(raw1, "Q4_1", rows, cols), rows, cols)
     cpu.gemv([wq, wk, wv], x, [q, k, v])                 # x quantized once, one pool dispatch
     plan = cpu.GemvPlan([wg, wu], [g, u]); plan(x)        # the same with per-call work hoisted
     y = cpu.gemm(wq, X)                                  # X [T, cols] -> [T, rows]

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import SparseInferError
 from . import build as _build
-from .panels import FILE_TYPES, PANEL, from_panels
+from .panels import FILE_TYPES, PANEL, check_panel_shape, from_panels
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ def _load() -> ctypes.CDLL:
     lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, ci, vp, ci, ci, ci, ci, vp, vp]
     lib.si_predict_f16.argtypes = [vp, vp, ci, ci, ci, vp, vp, vp, vp, vp, vp]
     lib.si_topk.argtypes = [vp, i64, ci, vp, vp]
+    lib.si_to_panels.argtypes = [ci, vp, i64, ci, vp]
     if lib.si_get_isa() < 0:
         raise CpuLibraryError("this CPU has neither AVX2+FMA nor AVX-512: the C kernels need one")
     return lib
@@ -198,6 +199,17 @@ def _check_rows_at(positions: torch.Tensor, slots: torch.Tensor, B: int, max_seq
                              f"{list(t.shape)}")
         if not (0 <= int(t.min()) and int(t.max()) < hi):
             raise ValueError(f"{name}: expected values in [0, {hi}), got {t.tolist()}")
+
+
+def to_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
+    """``panels.to_panels_ref`` on the library's pool: Q4_0 / Q4_1 rows as the file stores them
+    -> the same bytes in panels of 16 rows (a new array; qgemv.h has the layout)."""
+    src = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8)).reshape(-1)
+    check_panel_shape(src, type_name, rows, cols)
+    out = np.empty(src.size, dtype=np.uint8)
+    _check(_lib.si_to_panels(TYPES[type_name][0], src.ctypes.data, rows, cols, out.ctypes.data),
+           "to_panels")
+    return out
 
 
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

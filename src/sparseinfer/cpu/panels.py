@@ -5,7 +5,8 @@ few input rows does about a third of the instructions of the row-major kernels (
 step, a prompt). The bytes per row are the file's; the rearranged copy replaces the mapped rows
 (``models/build.py`` releases their pages).
 
-    raw16 = to_panels(raw, "Q4_1", rows, cols)      # file rows -> panels (a new array)
+    raw16 = to_panels(raw, "Q4_1", rows, cols)      # file rows -> panels (a new array, C)
+    raw16 = to_panels_ref(raw, "Q4_1", rows, cols)  # the same in numpy
     raw = from_panels(raw16, "Q4_1", rows, cols)    # and back (the references decode that)
 """
 
@@ -20,7 +21,10 @@ FILE_TYPES = {v: k for k, v in PANEL_TYPES.items()}
 _FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20)}
 
 
-def _check(raw: np.ndarray, type_name: str, rows: int, cols: int) -> tuple[int, int, int]:
+def check_panel_shape(raw: np.ndarray, type_name: str, rows: int, cols: int
+                      ) -> tuple[int, int, int]:
+    """(scale words per row and block, block bytes, blocks per row) of a ``type_name`` matrix
+    of ``rows`` x ``cols`` held in ``raw``; ValueError saying what was expected otherwise."""
     if type_name not in _FIELDS:
         raise ValueError(f"type: expected one of {list(_FIELDS)}, got {type_name!r}")
     if rows < 1 or rows % PANEL or cols < 32 or cols % 32:
@@ -35,9 +39,17 @@ def _check(raw: np.ndarray, type_name: str, rows: int, cols: int) -> tuple[int, 
 
 
 def to_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
-    """The file's rows of ``type_name`` blocks (uint8, rows x row bytes) as panels: per panel
-    and block column, the 16 rows' scales (and Q4_1's minima), then their 4 quant words."""
-    words, bsize, nb = _check(raw, type_name, rows, cols)
+    """The file's rows of ``type_name`` blocks (uint8, rows x row bytes) as panels, a new flat
+    array, rearranged by the C library on its pool (``to_panels_ref``: the same in numpy)."""
+    from .ops import to_panels as on_pool  # the library loads on first use
+
+    return on_pool(raw, type_name, rows, cols)
+
+
+def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
+    """``to_panels`` in numpy: per panel and block column, the 16 rows' scales (and Q4_1's
+    minima), then their 4 quant words."""
+    words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
     blk = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, bsize)
     scales = blk[..., : 2 * words].reshape(-1, PANEL, nb, words, 2)  # (P, 16, nb, words, 2)
     quants = blk[..., 2 * words :].reshape(-1, PANEL, nb, 4, 4)  # (P, 16, nb, word, 4)
@@ -49,7 +61,7 @@ def to_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarr
 
 def from_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
     """``to_panels`` undone: the file's rows (uint8, rows x row bytes)."""
-    words, bsize, nb = _check(raw, type_name, rows, cols)
+    words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
     pan = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, nb, bsize * PANEL)
     scales = pan[..., : 2 * words * PANEL].reshape(-1, nb, words, PANEL, 2)
     quants = pan[..., 2 * words * PANEL :].reshape(-1, nb, 4, PANEL, 4)

@@ -911,6 +911,47 @@ int si_stack_decode_rows(void *const *blocks, int n, float *x, int B, const int3
     return err;
 }
 
+/* ------------------------------------------------------------------ panels (layout) */
+
+typedef struct {
+    const uint8_t *src;
+    uint8_t *dst;
+    int words, bsize, nb;
+    int64_t panels_per_chunk, n_panels;
+} panel_job;
+
+static void panel_chunk(const void *jp, int64_t c) {
+    const panel_job *j = jp;
+    const size_t rb = (size_t)j->nb * j->bsize, pb = (size_t)SI_PANEL * j->bsize;
+    const int64_t p1 = (c + 1) * j->panels_per_chunk < j->n_panels ? (c + 1) * j->panels_per_chunk
+                                                                     : j->n_panels;
+    for (int64_t p = c * j->panels_per_chunk; p < p1; p++)
+        for (int r = 0; r < SI_PANEL; r++) { /* each source row read front to back */
+            const uint8_t *q = j->src + ((size_t)p * SI_PANEL + r) * rb;
+            uint8_t *o = j->dst + (size_t)p * j->nb * pb;
+            for (int b = 0; b < j->nb; b++, q += j->bsize, o += pb) {
+                for (int w = 0; w < j->words; w++) memcpy(o + 32 * w + 2 * r, q + 2 * w, 2);
+                for (int k = 0; k < 4; k++)
+                    memcpy(o + 32 * j->words + 64 * k + 4 * r, q + 2 * j->words + 4 * k, 4);
+            }
+        }
+}
+
+/* Q4_0 / Q4_1 rows (src: rows x cols / 32 blocks, as the file stores them) into panels of 16
+ * rows (dst, the same size; layout of SI_Q4_0P / SI_Q4_1P in qgemv.h), on the pool. */
+int si_to_panels(int type, const uint8_t *src, int64_t rows, int cols, uint8_t *dst) {
+    if ((type != SI_Q4_0 && type != SI_Q4_1) || rows < SI_PANEL || rows % SI_PANEL || cols < 32 ||
+        cols % 32)
+        return EINVAL;
+    panel_job j = {src, dst, type == SI_Q4_0 ? 1 : 2, BLOCK_BYTES[type], cols / 32, 0,
+                   rows / SI_PANEL};
+    j.panels_per_chunk = (j.n_panels + 31) / 32; /* 32 chunks: the threads stay even */
+    pthread_mutex_lock(&g_call_lock);
+    pool_run(panel_chunk, &j, (j.n_panels + j.panels_per_chunk - 1) / j.panels_per_chunk);
+    pthread_mutex_unlock(&g_call_lock);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ top-k (sampling) */
 
 /* The k largest of x[0..n) in descending order (equal values: lower index first) into vals/ids,

@@ -1,6 +1,7 @@
 /* sparseinfer CPU kernels: shared declarations.
  *
- * Weights are GGUF blocks exactly as the file stores them (row-major, each row a run of blocks).
+ * Weights are GGUF blocks as the file stores them (row-major, each row a run of blocks), or Q4_0 /
+ * Q4_1 blocks rearranged in panels of 16 rows (SI_Q4_0P / SI_Q4_1P below).
  * The activation vector is quantized once per call into blocks of 32 int8 values with a float
  * scale d and s = d * sum(q) (the offset term of Q4_1/Q5_1/K-quant minima and Q4_0/Q5_0/Q6_K
  * zero points uses s).
