@@ -1018,6 +1018,7 @@ INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int
     const int bb = panel_bytes(type), qoff = type == SI_Q4_0P ? 32 : 64;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 acc[PANEL_T], accm[PANEL_T];
+#pragma GCC unroll 8
     for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *pb = p + (size_t)b * bb;
@@ -1031,6 +1032,7 @@ INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int
             lo[c] = _mm512_and_si512(q, m4);
             hi[c] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
         }
+#pragma GCC unroll 8
         for (int t = 0; t < nt; t++) {
             __m512i sum = _mm512_setzero_si512();
             for (int c = 0; c < 4; c++)
@@ -1042,6 +1044,7 @@ INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int
             accm[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[t].s[b]), accm[t]);
         }
     }
+#pragma GCC unroll 8
     for (int t = 0; t < nt; t++) _mm512_storeu_ps(y + t * ys, _mm512_add_ps(acc[t], accm[t]));
 }
 #else
@@ -1053,6 +1056,7 @@ INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int
     const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++) {
         __m256 acc[PANEL_T], accm[PANEL_T];
+#pragma GCC unroll 8
         for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
         for (int b = 0; b < nb; b++) {
             const uint8_t *pb = p + (size_t)b * bb;
@@ -1067,7 +1071,8 @@ INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int
                 lo[c] = _mm256_and_si256(q, m4);
                 hi[c] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
             }
-            for (int t = 0; t < nt; t++) {
+    #pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) {
                 __m256i s16 = _mm256_setzero_si256();
                 for (int c = 0; c < 4; c++)
                     s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(x_word(&x[t], b, c))));
@@ -1079,6 +1084,7 @@ INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int
                 accm[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[t].s[b]), accm[t]);
             }
         }
+#pragma GCC unroll 8
         for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * h, _mm256_add_ps(acc[t], accm[t]));
     }
 }
