@@ -98,3 +98,17 @@ def test_loaded_model_holds_panels(smollm2_path):
     want = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType.Q4_1).reshape(576, 1536)
     assert np.array_equal(down.dequantized().numpy(), want)
     assert np.array_equal(ref.dequantize_ref(down.mats[0]).numpy(), want)
+
+
+def test_weight_source_gives_panels_or_the_files_rows(smollm2_path):
+    """``ggml_parts``: a Q4_1 matrix of whole panels rearranged (its mapped pages released), or
+    with panels off (a disk tier's plan) the file's rows, mapped and uncopied."""
+    from sparseinfer.models.build import WeightSource
+    from sparseinfer.models.loading import open_source
+
+    src = open_source(smollm2_path)
+    ws = WeightSource(src, ("layers.0.ffn.down.weight",))
+    [(kind, raw, rows)], [(kind0, raw0, _)] = ws.ggml_parts(), ws.ggml_parts(panels=False)
+    assert (kind, kind0, rows) == ("Q4_1x16", "Q4_1", 576)
+    assert not raw0.flags.writeable  # the read-only map itself
+    assert np.array_equal(from_panels(raw, "Q4_1", 576, 1536), raw0)

@@ -196,6 +196,16 @@ def test_fused_decode_and_generation_match(bundled):
     assert len(a) == 12 and a == b
 
 
+def test_disk_tier_keeps_mapped_weights_pageable(bundled):
+    """Under a disk tier the file's Q4_0 / Q4_1 matrices stay mapped (the budget lets those it
+    does not lock be paged); all in RAM they go into panels (cpu/panels.py)."""
+    from sparseinfer.models.plan import make_plan
+
+    assert make_plan(open_source(bundled["q4"]), "auto", n_ctx=64).panels
+    assert not make_plan(open_source(bundled["q4"]), "auto", ram_budget=1.0, n_ctx=64,
+                         disk_options=DiskOptions(process_bytes=0)).panels
+
+
 def test_ram_budget_counts_every_part(bundled):
     src = open_source(bundled["q4"])
     lay = layout_of(src)

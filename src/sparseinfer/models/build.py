@@ -171,11 +171,12 @@ class WeightSource:
             parts.append(b)
         return parts[0] if len(parts) == 1 else qb.Q4Blocks.cat(parts)
 
-    def ggml_parts(self) -> list[tuple[str, np.ndarray, int]]:
+    def ggml_parts(self, panels: bool = True) -> list[tuple[str, np.ndarray, int]]:
         """(type, bytes, rows) of each source: views of the mapped file as stored, except Q/K
-        rows that llama.cpp permuted, copied back into rotate-half order, and Q4_0 / Q4_1
-        matrices of whole panels, rearranged into panels of 16 rows (``cpu/panels.py``: the
-        C kernels' fastest layout for several input rows). A copy's mapped pages are released."""
+        rows that llama.cpp permuted, copied back into rotate-half order, and (``panels``)
+        Q4_0 / Q4_1 matrices of whole panels, rearranged into panels of 16 rows
+        (``cpu/panels.py``: the C kernels' fastest layout for several input rows). A copy's
+        mapped pages are released."""
         parts = []
         for canon in self.names:
             t = self.src.tensors[canon]
@@ -184,7 +185,7 @@ class WeightSource:
             heads = self._qk_heads(canon)
             if heads:
                 raw = np.ascontiguousarray(raw[unpermute_qk(torch.arange(rows), heads).numpy()])
-            if kind in PANEL_TYPES and rows % PANEL == 0:
+            if panels and kind in PANEL_TYPES and rows % PANEL == 0:
                 raw = to_panels(raw, kind, rows, t.shape[1])
                 kind = PANEL_TYPES[kind]
             if heads or kind in FILE_TYPES:  # a copy: the file's pages are not needed
@@ -220,10 +221,10 @@ def _ungroup_qkv(w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
                       g[:, -1].reshape(-1, *w.shape[1:])])
 
 
-def _fill_linear(module: nn.Module, ws: WeightSource, origin: str, shape) -> None:
+def _fill_linear(module: nn.Module, ws: WeightSource, origin: str, shape, panels: bool) -> None:
     bias = ws.bias() if getattr(module, "bias", None) is not None else None
     if isinstance(module, GGMLLinear):
-        module.fill(ws.ggml_parts(), bias)
+        module.fill(ws.ggml_parts(panels), bias)
     elif isinstance(module, Int4Linear):
         blocks = ws.blocks() if origin == "file blocks" else qb.quantize(ws.float())
         module.fill(blocks, bias)
@@ -315,7 +316,7 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
             n = m.num_embeddings
             float_param(m, "weight", wp.sources[0], n if wp.module == "pos_emb" else None)
         else:
-            _fill_linear(m, WeightSource(src, wp.sources), wp.origin, wp.shape)
+            _fill_linear(m, WeightSource(src, wp.sources), wp.origin, wp.shape, plan.panels)
     for path, norm in modules.items():  # every norm, by its module path
         if isinstance(norm, Norm):
             float_param(norm, "weight", path + ".weight")

@@ -109,6 +109,13 @@ class Plan:
         return sum(w.nbytes for w in self.weights)
 
     @property
+    def panels(self) -> bool:
+        """Whether the C library's Q4_0 / Q4_1 matrices are copied into panels of 16 rows
+        (``cpu/panels.py``, the same bytes): always, except under a disk tier, whose budget
+        counts on the mapped weights it does not lock staying pageable."""
+        return self.sparse is None or self.sparse.disk is None
+
+    @property
     def label(self) -> str:
         """What the weights are, in one word (shown by the CLI as "weights: ...")."""
         kinds = {w.storage for w in self.weights if w.module.startswith("layers.")}
