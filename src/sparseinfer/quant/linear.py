@@ -280,8 +280,9 @@ class GGMLLinear(torch.nn.Module):
         return sum(m.nbytes for m in self.mats)
 
     def extra_repr(self) -> str:
-        kinds = "+".join(m.type_name for m in self.mats) or "?"
-        return f"in={self.in_features}, out={self.out_features}, {kinds} blocks as stored"
+        kinds = "+".join(m.file_type + (" in 16-row panels" if m.file_type != m.type_name
+                                        else " as stored") for m in self.mats) or "?"
+        return f"in={self.in_features}, out={self.out_features}, {kinds}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
