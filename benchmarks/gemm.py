@@ -1,0 +1,83 @@
+"""GEMM over a few rows of x (a batched decode step, a prompt chunk): Q4_1 as the file stores it
+against the same blocks in 16-row panels (``cpu/panels.py``), in one run.
+
+    python benchmarks/gemm.py [--threads 1] [--rows-of-x 1,8,32]
+
+Two measurements per thread count: (1) hot: one matrix of each SmolLM2/7B shape called again
+and again (its weights stay in cache: the arithmetic rate, GMAC/s); (2) from memory: 30 layers
+of SmolLM2's four projection shapes as distinct matrices (~70 MB, past the last-level cache),
+all of them per pass, the time of one pass (what a decode step's products cost). Weights are
+gguf-py-quantized random values; the CPU model is printed beside the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def best_of(fn, n: int, rounds: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--rows-of-x", default="1,8,32")
+    a = p.parse_args()
+    import gguf
+    import numpy as np
+    import torch
+
+    from sparseinfer import cpu
+    from sparseinfer.bench import cpu_model
+    from sparseinfer.cpu.panels import to_panels
+
+    Ts = [int(t) for t in a.rows_of_x.split(",")]
+    rng = np.random.default_rng(0)
+
+    def pair(rows: int, cols: int):
+        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
+                                   gguf.GGMLQuantizationType.Q4_1)
+        return (cpu.QuantMatrix("Q4_1", raw.reshape(-1), rows, cols),
+                cpu.QuantMatrix("Q4_1x16", to_panels(raw, "Q4_1", rows, cols), rows, cols))
+
+    def product(m, X: torch.Tensor, out: torch.Tensor):
+        if X.shape[0] == 1:
+            return lambda: cpu.gemv([m], X[0], [out])
+        return lambda: cpu.gemm(m, X)
+
+    print(f"# {cpu_model()}; Q4_1, best of 3 rounds")
+    hot = {s: pair(*s) for s in ((1536, 576), (576, 1536), (4096, 4096))}
+    shapes = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, wo, gate+up, down
+    cold = [pair(r, c) for _ in range(30) for r, c in shapes]
+    for nt in a.threads:
+        cpu.set_threads(nt)
+        print(f"\n{nt} thread(s), hot (one matrix again and again), GMAC/s as stored / in panels")
+        for (rows, cols), (f, pn) in hot.items():
+            line = f"  {rows:>5}x{cols:<5}"
+            for T in Ts:
+                X, out = torch.randn(T, cols), torch.empty(rows)
+                n = max(20, int(1e9 / (rows * cols * T)))
+                tf, tp = best_of(product(f, X, out), n), best_of(product(pn, X, out), n)
+                line += f"  x{T}: {rows * cols * T / tf / 1e9:5.0f} / {rows * cols * T / tp / 1e9:5.0f}"
+            print(line)
+        print(f"{nt} thread(s), 30 SmolLM2 layers from memory, ms per pass as stored / in panels")
+        for T in Ts:
+            Xs = {c: torch.randn(T, c) for c in (576, 1536)}
+            outs = {r: torch.empty(r) for r, _ in shapes}
+            for k, name in ((0, "as stored"), (1, "panels")):
+                fns = [product(m[k], Xs[m[k].cols], outs[m[k].rows]) for m in cold]
+                t = best_of(lambda: [f() for f in fns], 5)
+                print(f"  x{T}: {name:>9} {t * 1e3:6.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
