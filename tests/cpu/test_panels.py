@@ -18,7 +18,7 @@ gguf = pytest.importorskip("gguf")
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_round_trip_and_layout(type_name, threads):
     """The C rearrangement equals the numpy one (over 35 panels: several pool chunks), both
     undo exactly, and the bytes sit where qgemv.h says."""
@@ -36,26 +36,30 @@ def test_round_trip_and_layout(type_name, threads):
     assert np.array_equal(pan, to_panels_ref(raw, type_name, rows, cols))
     assert np.array_equal(from_panels(pan, type_name, rows, cols), raw)
     # the layout qgemv.h states: panel 1, block column 2: 16 scales, then quant word c of row r
-    words, bsize = (1, 18) if type_name == "Q4_0" else (2, 20)
+    words, bsize = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34)}[type_name]
     blk = pan.reshape(rows // 16, cols // 32, 16 * bsize)[1, 2]
     assert np.array_equal(blk[:32].view(np.uint16), raw[16:32, 2 * bsize:2 * bsize + 2]
                           .copy().view(np.uint16).reshape(-1))
-    q = blk[32 * words:].reshape(4, 16, 4)
-    for c in range(4):
+    nq = (bsize - 2 * words) // 4
+    q = blk[32 * words:].reshape(nq, 16, 4)
+    for c in range(nq):
         assert np.array_equal(q[c], raw[16:32, 2 * bsize + 2 * words + 4 * c:
                                         2 * bsize + 2 * words + 4 * c + 4])
 
 
-def test_isas_agree_bit_for_bit():
-    """The AVX-512 and AVX2 panel kernels: the same integer sums and float operations per row."""
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_isas_agree(type_name):
+    """Q4 panels: the AVX-512 and AVX2 kernels do the same integer sums and float operations
+    per row, bit for bit. Q8_0: the AVX-512 kernel adds 128 to every weight and takes it back
+    in float, so the ISAs agree to float rounding."""
     isas = [i for i in ("avx512", "avx2", "avx2_128") if i in cpu.available_isas()]
     if len(isas) < 2:
         pytest.skip("one instruction set on this CPU")
     rng = np.random.default_rng(1)
     rows, cols = 64, 576
     raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
-                               gguf.GGMLQuantizationType.Q4_1)
-    mat = cpu.QuantMatrix("Q4_1x16", to_panels(raw, "Q4_1", rows, cols), rows, cols)
+                               gguf.GGMLQuantizationType[type_name])
+    mat = cpu.QuantMatrix(type_name + "x16", to_panels(raw, type_name, rows, cols), rows, cols)
     X = torch.randn(5, cols, generator=torch.Generator().manual_seed(0))
     got = {}
     try:
@@ -65,7 +69,10 @@ def test_isas_agree_bit_for_bit():
     finally:
         cpu.set_isa("auto")
     for isa in isas[1:]:
-        assert torch.equal(got[isa], got[isas[0]]), isa
+        if type_name == "Q8_0":
+            torch.testing.assert_close(got[isa], got[isas[0]], rtol=1e-5, atol=1e-4)
+        else:
+            assert torch.equal(got[isa], got[isas[0]]), isa
 
 
 def test_errors_name_expected_and_found():
@@ -75,7 +82,7 @@ def test_errors_name_expected_and_found():
     with pytest.raises(ValueError, match="rows a multiple of 16"):
         to_panels_ref(raw, "Q4_1", 20, 32)
     with pytest.raises(ValueError, match="expected one of"):
-        to_panels(raw, "Q8_0", 16, 32)
+        to_panels(raw, "Q5_0", 16, 32)
     with pytest.raises(ValueError, match="expected 320 bytes, got 400"):
         to_panels(raw, "Q4_1", 16, 32)
     with pytest.raises(ValueError, match="rows a multiple of 16, got 20"):
@@ -83,15 +90,15 @@ def test_errors_name_expected_and_found():
 
 
 def test_loaded_model_holds_panels(smollm2_path):
-    """SmolLM2's Q4_1 projections load as panels (its Q8_0 head as stored); a layer's down
-    projection decodes to what gguf-py decodes from the file's own rows."""
+    """SmolLM2's Q4_1 projections and Q8_0 head load as panels; a layer's down projection
+    decodes to what gguf-py decodes from the file's own rows."""
     from sparseinfer.engine import Engine
     from sparseinfer.quant.linear import GGMLLinear
 
     model = Engine.load(smollm2_path, n_ctx=64).model
     lins = [m for m in model.modules() if isinstance(m, GGMLLinear)]
     kinds = {m.type_name for lin in lins for m in lin.mats}
-    assert "Q4_1x16" in kinds and "Q4_1" not in kinds and "Q8_0" in kinds
+    assert kinds == {"Q4_1x16", "Q8_0x16"}
     down = next(m for m in lins if (m.out_features, m.in_features) == (576, 1536))  # layer 0
     t = next(t for t in gguf.GGUFReader(str(smollm2_path)).tensors
              if t.name == "blk.0.ffn_down.weight")

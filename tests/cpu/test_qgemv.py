@@ -150,7 +150,7 @@ def test_multi_matrix_call_shares_input(isa, threads):
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K",
-                                       "F16", "F32", "Q4_0x16", "Q4_1x16"])
+                                       "F16", "F32", "Q4_0x16", "Q4_1x16", "Q8_0x16"])
 @pytest.mark.parametrize("T", [1, pytest.param(3, marks=pytest.mark.slow), 8, 9,
                                pytest.param(17, marks=pytest.mark.slow)])
 def test_gemm_matches_reference(type_name, T, isa, threads):

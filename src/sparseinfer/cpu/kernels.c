@@ -1003,7 +1003,9 @@ INLINE void rows_f32(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
 #ifndef PANEL_AHEAD
 #define PANEL_AHEAD 8192 /* bytes: the panel rows' stream fetched this far ahead */
 #endif
-INLINE int panel_bytes(const int type) { return type == SI_Q4_0P ? 16 * 18 : 16 * 20; }
+INLINE int panel_bytes(const int type) {
+    return type == SI_Q4_0P ? 16 * 18 : type == SI_Q4_1P ? 16 * 20 : 16 * 34;
+}
 
 INLINE int32_t x_word(const si_xq *x, const int b, const int c) {
     int32_t v;
@@ -1039,6 +1041,36 @@ INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int
                 sum = _mm512_dpbusd_epi32(sum, lo[c], _mm512_set1_epi32(x_word(&x[t], b, c)));
             for (int c = 0; c < 4; c++)
                 sum = _mm512_dpbusd_epi32(sum, hi[c], _mm512_set1_epi32(x_word(&x[t], b, 4 + c)));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x[t].d[b])),
+                                     acc[t]);
+            accm[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[t].s[b]), accm[t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; t++) _mm512_storeu_ps(y + t * ys, _mm512_add_ps(acc[t], accm[t]));
+}
+/* Q8_0 panels: the 8 quant words of a block column made unsigned (+128: xor 0x80) for dpbusd,
+ * the 128 x sum(x) that adds taken back in float with the minima's FMA (m = -128 d, x's s). */
+INLINE void panel_q8(const uint8_t *p, const si_xq *x, const int nt, const int nb, float *y,
+                     const int64_t ys) {
+    const int bb = panel_bytes(SI_Q8_0P);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[PANEL_T], accm[PANEL_T];
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *pb = p + (size_t)b * bb;
+        for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
+        const __m512 m = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
+        __m512i q[8];
+        for (int c = 0; c < 8; c++)
+            q[c] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(pb + 32 + 64 * c)), flip);
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) {
+            __m512i sum = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c++)
+                sum = _mm512_dpbusd_epi32(sum, q[c], _mm512_set1_epi32(x_word(&x[t], b, c)));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x[t].d[b])),
                                      acc[t]);
             accm[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[t].s[b]), accm[t]);
@@ -1088,6 +1120,43 @@ INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int
         for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * h, _mm256_add_ps(acc[t], accm[t]));
     }
 }
+/* Q8_0 panels in two 256-bit halves: signed x signed as |w| times x with w's sign (maddubs,
+ * at most 2 x 127 x 127 per int16: no saturation), widened per word. The integer sums are
+ * exact, so no 128 x sum(x) to take back: these bits differ from the AVX-512 kernel's by
+ * float rounding (Q4 panels agree bit for bit across the ISAs). */
+INLINE void panel_q8(const uint8_t *p, const si_xq *x, const int nt, const int nb, float *y,
+                     const int64_t ys) {
+    const int bb = panel_bytes(SI_Q8_0P);
+    const __m256i one = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[PANEL_T];
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *pb = p + (size_t)b * bb;
+            if (h == 0)
+                for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16 * h)));
+            __m256i w[8], aw[8];
+            for (int c = 0; c < 8; c++) {
+                w[c] = _mm256_loadu_si256((const __m256i *)(pb + 32 + 64 * c + 32 * h));
+                aw[c] = _mm256_abs_epi8(w[c]);
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < nt; t++) {
+                __m256i sum = _mm256_setzero_si256();
+                for (int c = 0; c < 8; c++) {
+                    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x_word(&x[t], b, c)), w[c]);
+                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(aw[c], xs), one));
+                }
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])),
+                                         acc[t]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * h, acc[t]);
+    }
+}
 #endif
 
 /* nrows (a multiple of 16) panel rows at w against x rows x[0..T): y[t * ys + r]; x rows
@@ -1103,7 +1172,10 @@ static void panel_rows(const int type, const uint8_t *w, const int nrows, const 
 #define PRN(N)                                                                                 \
     case N:                                                                                    \
         if (type == SI_Q4_0P) PR(SI_Q4_0P, N);                                                 \
-        else PR(SI_Q4_1P, N);                                                                  \
+        else if (type == SI_Q4_1P) PR(SI_Q4_1P, N);                                            \
+        else                                                                                   \
+            for (int r = 0; r < nrows; r += SI_PANEL)                                          \
+                panel_q8(w + (size_t)(r / SI_PANEL) * pb, x + t0, N, nb, y + t0 * ys + r, ys); \
         break
         switch (nt) {
             PRN(1); PRN(2); PRN(3); PRN(4); PRN(5); PRN(6); PRN(7); PRN(8);
@@ -1127,7 +1199,7 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
                  float *y) {
     const int nb = cols / 32, nsb = cols / 256;
     const int far = 4 * rb > PF_NEAR_BYTES;
-    if (type == SI_Q4_0P || type == SI_Q4_1P) {
+    if (type == SI_Q4_0P || type == SI_Q4_1P || type == SI_Q8_0P) {
         panel_rows(type, w, nrows, x, 1, nb, y, 0);
         return;
     }
@@ -1398,7 +1470,7 @@ INLINE void prefetch_row(const uint8_t *w, const size_t rb, const int r, const i
  * and plain AVX2: Q4_0..Q5_1 8 blocks at a time), else si_rows for each x row. */
 void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *x, int T,
                        int cols, float *y, int64_t ys) {
-    if (type == SI_Q4_0P || type == SI_Q4_1P) {
+    if (type == SI_Q4_0P || type == SI_Q4_1P || type == SI_Q8_0P) {
         panel_rows(type, w, nrows, x, T, cols / 32, y, ys);
         return;
     }

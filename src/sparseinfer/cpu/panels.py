@@ -1,8 +1,8 @@
-"""Q4_0 / Q4_1 weights rearranged in panels of 16 rows for the C kernels (types ``Q4_0x16`` /
-``Q4_1x16``; layout in ``qgemv.h``): one integer dot product then multiplies 4 bytes of the input
-with 4 weights of each of 16 rows, and the products stay in one lane per row, so a GEMM over a
-few input rows does about a third of the instructions of the row-major kernels (a batched decode
-step, a prompt). The bytes per row are the file's; the rearranged copy replaces the mapped rows
+"""Q4_0 / Q4_1 / Q8_0 weights rearranged in panels of 16 rows for the C kernels (types
+``Q4_0x16`` / ``Q4_1x16`` / ``Q8_0x16``; layout in ``qgemv.h``): one integer dot product then
+multiplies 4 bytes of the input with 4 weights of each of 16 rows, and the products stay in one
+lane per row, so a GEMM over a few input rows does a third to half of the instructions of the
+row-major kernels (a batched decode step, a prompt). The bytes per row are the file's; the rearranged copy replaces the mapped rows
 (``models/build.py`` releases their pages).
 
     raw16 = to_panels(raw, "Q4_1", rows, cols)      # file rows -> panels (a new array, C)
@@ -16,9 +16,9 @@ import numpy as np
 
 PANEL = 16  # rows per panel
 # the file's type -> its panel type (cpu.TYPES); (scale words per row and block, block bytes)
-PANEL_TYPES = {"Q4_0": "Q4_0x16", "Q4_1": "Q4_1x16"}
+PANEL_TYPES = {"Q4_0": "Q4_0x16", "Q4_1": "Q4_1x16", "Q8_0": "Q8_0x16"}
 FILE_TYPES = {v: k for k, v in PANEL_TYPES.items()}
-_FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20)}
+_FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34)}
 
 
 def check_panel_shape(raw: np.ndarray, type_name: str, rows: int, cols: int
@@ -50,22 +50,24 @@ def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.n
     """``to_panels`` in numpy: per panel and block column, the 16 rows' scales (and Q4_1's
     minima), then their 4 quant words."""
     words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
+    nq = (bsize - 2 * words) // 4  # quant words per block
     blk = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, bsize)
     scales = blk[..., : 2 * words].reshape(-1, PANEL, nb, words, 2)  # (P, 16, nb, words, 2)
-    quants = blk[..., 2 * words :].reshape(-1, PANEL, nb, 4, 4)  # (P, 16, nb, word, 4)
+    quants = blk[..., 2 * words :].reshape(-1, PANEL, nb, nq, 4)  # (P, 16, nb, word, 4)
     out = np.empty((rows // PANEL, nb, bsize * PANEL), dtype=np.uint8)
     out[..., : 2 * words * PANEL] = scales.transpose(0, 2, 3, 1, 4).reshape(-1, nb, 2 * words * PANEL)
-    out[..., 2 * words * PANEL :] = quants.transpose(0, 2, 3, 1, 4).reshape(-1, nb, 64 * 4)
+    out[..., 2 * words * PANEL :] = quants.transpose(0, 2, 3, 1, 4).reshape(-1, nb, 64 * nq)
     return out.reshape(-1)
 
 
 def from_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
     """``to_panels`` undone: the file's rows (uint8, rows x row bytes)."""
     words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
+    nq = (bsize - 2 * words) // 4
     pan = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, nb, bsize * PANEL)
     scales = pan[..., : 2 * words * PANEL].reshape(-1, nb, words, PANEL, 2)
-    quants = pan[..., 2 * words * PANEL :].reshape(-1, nb, 4, PANEL, 4)
+    quants = pan[..., 2 * words * PANEL :].reshape(-1, nb, nq, PANEL, 4)
     out = np.empty((rows // PANEL, PANEL, nb, bsize), dtype=np.uint8)
     out[..., : 2 * words] = scales.transpose(0, 3, 1, 2, 4).reshape(-1, PANEL, nb, 2 * words)
-    out[..., 2 * words :] = quants.transpose(0, 3, 1, 2, 4).reshape(-1, PANEL, nb, 16)
+    out[..., 2 * words :] = quants.transpose(0, 3, 1, 2, 4).reshape(-1, PANEL, nb, 4 * nq)
     return out.reshape(rows, nb * bsize)

@@ -35,10 +35,10 @@
 
 /* ------------------------------------------------------------------ types */
 
-static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32};
-static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20};
+static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32};
+static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34};
 
-static int is_panel(int type) { return type == SI_Q4_0P || type == SI_Q4_1P; }
+static int is_panel(int type) { return type == SI_Q4_0P || type == SI_Q4_1P || type == SI_Q8_0P; }
 
 int si_abi_version(void) { return SI_ABI_VERSION; }
 int si_block_elems(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_ELEMS[type] : 0; }
@@ -916,7 +916,7 @@ int si_stack_decode_rows(void *const *blocks, int n, float *x, int B, const int3
 typedef struct {
     const uint8_t *src;
     uint8_t *dst;
-    int words, bsize, nb;
+    int words, nq, bsize, nb; /* fp16 words, quant words (4 bytes) per block; bytes; blocks */
     int64_t panels_per_chunk, n_panels;
 } panel_job;
 
@@ -931,20 +931,22 @@ static void panel_chunk(const void *jp, int64_t c) {
             uint8_t *o = j->dst + (size_t)p * j->nb * pb;
             for (int b = 0; b < j->nb; b++, q += j->bsize, o += pb) {
                 for (int w = 0; w < j->words; w++) memcpy(o + 32 * w + 2 * r, q + 2 * w, 2);
-                for (int k = 0; k < 4; k++)
+                for (int k = 0; k < j->nq; k++)
                     memcpy(o + 32 * j->words + 64 * k + 4 * r, q + 2 * j->words + 4 * k, 4);
             }
         }
 }
 
-/* Q4_0 / Q4_1 rows (src: rows x cols / 32 blocks, as the file stores them) into panels of 16
- * rows (dst, the same size; layout of SI_Q4_0P / SI_Q4_1P in qgemv.h), on the pool. */
+/* Q4_0 / Q4_1 / Q8_0 rows (src: rows x cols / 32 blocks, as the file stores them) into panels
+ * of 16 rows (dst, the same size; layout of SI_Q4_0P / SI_Q4_1P / SI_Q8_0P in qgemv.h), on the
+ * pool. */
 int si_to_panels(int type, const uint8_t *src, int64_t rows, int cols, uint8_t *dst) {
-    if ((type != SI_Q4_0 && type != SI_Q4_1) || rows < SI_PANEL || rows % SI_PANEL || cols < 32 ||
-        cols % 32)
+    if ((type != SI_Q4_0 && type != SI_Q4_1 && type != SI_Q8_0) || rows < SI_PANEL ||
+        rows % SI_PANEL || cols < 32 || cols % 32)
         return EINVAL;
-    panel_job j = {src, dst, type == SI_Q4_0 ? 1 : 2, BLOCK_BYTES[type], cols / 32, 0,
-                   rows / SI_PANEL};
+    const int words = type == SI_Q4_1 ? 2 : 1;
+    panel_job j = {src, dst, words, (BLOCK_BYTES[type] - 2 * words) / 4, BLOCK_BYTES[type],
+                   cols / 32, 0, rows / SI_PANEL};
     j.panels_per_chunk = (j.n_panels + 31) / 32; /* 32 chunks: the threads stay even */
     pthread_mutex_lock(&g_call_lock);
     pool_run(panel_chunk, &j, (j.n_panels + j.panels_per_chunk - 1) / j.panels_per_chunk);

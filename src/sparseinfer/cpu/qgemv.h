@@ -1,7 +1,7 @@
 /* sparseinfer CPU kernels: shared declarations.
  *
  * Weights are GGUF blocks as the file stores them (row-major, each row a run of blocks), or Q4_0 /
- * Q4_1 blocks rearranged in panels of 16 rows (SI_Q4_0P / SI_Q4_1P below).
+ * Q4_1 / Q8_0 blocks rearranged in panels of 16 rows (SI_Q4_0P / SI_Q4_1P / SI_Q8_0P below).
  * The activation vector is quantized once per call into blocks of 32 int8 values with a float
  * scale d and s = d * sum(q) (the offset term of Q4_1/Q5_1/K-quant minima and Q4_0/Q5_0/Q6_K
  * zero points uses s).
@@ -23,14 +23,16 @@ enum si_type {
     SI_Q6_K = 7,
     SI_F16 = 8,
     SI_F32 = 9,
-    /* Q4_0 / Q4_1 blocks rearranged in panels of 16 rows (cpu/panels.py makes them from the
-     * file's rows): per panel, per block column b, the 16 rows' block b as [d x 16 (fp16),
-     * Q4_1: m x 16 (fp16), quants: 4 x (16 rows x 4 bytes)], where quant word c of row r is
-     * bytes 4c..4c+3 of its block (elements 4c..4c+3 in the low nibbles, 16+4c.. in the high).
-     * The same bytes per row as the file; a panel is 16 rows' bytes, rows % 16 == 0. */
+    /* Q4_0 / Q4_1 / Q8_0 blocks rearranged in panels of 16 rows (cpu/panels.py makes them from
+     * the file's rows): per panel, per block column b, the 16 rows' block b as [d x 16 (fp16),
+     * Q4_1: m x 16 (fp16), quants: W x (16 rows x 4 bytes)], where quant word c of row r is
+     * bytes 4c..4c+3 of its block's quants (Q4: W = 4, elements 4c..4c+3 in the low nibbles,
+     * 16+4c.. in the high; Q8_0: W = 8, elements 4c..4c+3). The same bytes per row as the file;
+     * a panel is 16 rows' bytes, rows % 16 == 0. */
     SI_Q4_0P = 10,
     SI_Q4_1P = 11,
-    SI_N_TYPES = 12,
+    SI_Q8_0P = 12,
+    SI_N_TYPES = 13,
 };
 #define SI_PANEL 16 /* rows per panel of SI_Q4_0P / SI_Q4_1P */
 
