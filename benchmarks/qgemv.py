@@ -43,7 +43,7 @@ SHAPES = {  # rows x cols
     "llama-7b": [(4096, 4096), (11008, 4096), (4096, 11008)],
     "smollm2-135m": [(576, 576), (1536, 576), (576, 1536)],
 }
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0x16", "Q4_1x16"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0x16", "Q4_1x16", "Q8_0x16"]
 POOL_BYTES = 768 * 2**20  # larger than the (reported) last-level cache of these machines
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
              "amx_int8")
