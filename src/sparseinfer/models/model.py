@@ -111,6 +111,9 @@ def soft_cap(x: Tensor, cap: float | None) -> Tensor:
     return torch.tanh(x / cap) * cap if cap else x
 
 
+PROMPT_ROWS = 64  # a prompt's tokens per C call on a fused-stack model (Transformer._prompt_rows)
+
+
 @dataclass(frozen=True)
 class Rows:
     """Several sequences in one decode step (continuous batching, ``models/batch.py``): row i of
@@ -476,19 +479,38 @@ class Transformer(nn.Module):
 
     def blocks(self, x: Tensor, pos: int | Rows, cache: KVCache) -> Tensor:
         """Every block over ``x`` (B, T, D), then the final norm (and OPT-350m's projection).
-        One token per sequence (a single token, or ``Rows``) on a model whose blocks are all on
-        the C library goes through all of them in one C call (``fused.decode.FusedStack``: the
-        same numbers as the loop)."""
+        On a model whose blocks are all on the C library, one token per sequence (a single
+        token, or ``Rows``) goes through all of them in one C call (``fused.decode.FusedStack``:
+        the same numbers as the loop), and so does one sequence's prompt, its tokens as rows at
+        consecutive positions (``_prompt_rows``): each token's numbers are then those it gets
+        decoded alone."""
         stack = None
-        if isinstance(pos, Rows) or (x.shape[0] == 1 and x.shape[1] == 1):
+        if isinstance(pos, Rows) or x.shape[0] == 1:
             stack = self._fused_stack()
-        if stack is not None:
+        if stack is not None and not isinstance(pos, Rows) and x.shape[1] > 1:
+            x = self._prompt_rows(stack, x, pos, cache)
+        elif stack is not None:
             x = stack(x, pos, cache)
         else:
             for i, block in enumerate(self.layers):
                 x = block(x, i, pos, cache, self.rope_of(i))
         x = self.norm(x)
         return self.project_out(x) if self.project_out is not None else x
+
+    def _prompt_rows(self, stack, x: Tensor, pos: int, cache: KVCache) -> Tensor:
+        """``x`` (1, T, D), one sequence's tokens at positions pos.., through ``stack`` as rows
+        of slot 0, a chunk per C call: every row's key and value are in the cache before any row
+        attends, each up to its own position. A chunk's rows are bounded so that the C block's
+        attention scores (rows x heads x cache positions) stay within 32 MiB."""
+        T, D = x.shape[1], x.shape[2]
+        per_row = self.cfg.n_heads * cache.max_seq * 4
+        n = max(1, min(PROMPT_ROWS, (32 << 20) // per_row))
+        out = []
+        for s in range(0, T, n):
+            rows = torch.arange(pos + s, pos + min(s + n, T))
+            chunk = x[0, s : s + len(rows)].reshape(-1, 1, D)
+            out.append(stack(chunk, Rows(rows, torch.zeros_like(rows)), cache))
+        return torch.cat(out).view(1, T, D)
 
     def rope_of(self, layer: int) -> tuple[Tensor, Tensor] | None:
         """The rope tables (cos, sin) ``layer`` uses: windowed layers of a model with a local
