@@ -992,13 +992,14 @@ INLINE void rows_f32(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
 
 /* ------------------------------------------------------------------ panels of 16 rows */
 
-/* Q4_0 / Q4_1 in panels (SI_Q4_0P / SI_Q4_1P, qgemv.h): a block column of a panel is 16 rows x
- * 4 quant words, so one integer dot product takes 4 bytes of x (broadcast) against 4 weights of
- * each of 16 rows, and a block costs 8 of them per x row with no horizontal sums: every lane is
- * a row. Per x row and block: y_r += d_r * x_d * sum_r + m_r * x_s (Q4_0: m_r = -8 d_r), the
- * two terms in separate accumulators added at the end. The GEMV is the same function with one
- * x row, so every GEMM row is its GEMV bit for bit; the AVX2 build computes the same integer
- * sums and the same float operations per row, so the ISAs agree bit for bit too. */
+/* Q4_0 / Q4_1 / Q8_0 in panels (SI_Q4_0P / SI_Q4_1P / SI_Q8_0P, qgemv.h): a block column of a
+ * panel is 16 rows x 4 (Q8_0: 8) quant words, so one integer dot product takes 4 bytes of x
+ * (broadcast) against 4 weights of each of 16 rows, and a block costs 8 of them per x row with
+ * no horizontal sums: every lane is a row. Per x row and block: y_r += d_r * x_d * sum_r +
+ * m_r * x_s (Q4_0: m_r = -8 d_r), the two terms in separate accumulators added at the end. The
+ * GEMV is the same function with one x row, so every GEMM row is its GEMV bit for bit. For Q4
+ * the AVX2 build computes the same integer sums and float operations per row, so the ISAs agree
+ * bit for bit too (Q8_0: to float rounding, see panel_q8). */
 #define PANEL_T 8 /* x rows per pass over a panel */
 #ifndef PANEL_AHEAD
 #define PANEL_AHEAD 8192 /* bytes: the panel rows' stream fetched this far ahead */
@@ -1014,11 +1015,15 @@ INLINE int32_t x_word(const si_xq *x, const int b, const int c) {
 }
 
 #if SI_AVX512
-/* 16 rows (the panel at p, nb block columns) against nt <= PANEL_T x rows: y[t * ys + r]. */
-INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
-                     float *y, const int64_t ys) {
-    const int bb = panel_bytes(type), qoff = type == SI_Q4_0P ? 32 : 64;
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
+/* 16 rows (the panel at p, nb block columns) against nt <= PANEL_T x rows: y[t * ys + r]. Per
+ * block column, 8 vectors of unsigned weight bytes, word c of the x block against vector c:
+ * Q4's low nibbles (elements 4c..) then high ones (16 + 4c..); Q8_0's bytes made unsigned
+ * (+128: xor 0x80), the 128 x sum(x) that adds taken back in float with the minima's FMA
+ * (m = -128 d; Q4_0: -8 d; Q4_1: the block's m), against x's s. */
+INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
+                  float *y, const int64_t ys) {
+    const int bb = panel_bytes(type), qoff = type == SI_Q4_1P ? 64 : 32;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[PANEL_T], accm[PANEL_T];
 #pragma GCC unroll 8
     for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
@@ -1026,51 +1031,24 @@ INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int
         const uint8_t *pb = p + (size_t)b * bb;
         for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
-        const __m512 m = type == SI_Q4_0P ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f))
-                                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32)));
-        __m512i lo[4], hi[4];
+        const __m512 m = type == SI_Q4_1P ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32)))
+                                          : _mm512_mul_ps(d, _mm512_set1_ps(type == SI_Q4_0P ? -8.0f : -128.0f));
+        __m512i w[8];
         for (int c = 0; c < 4; c++) {
-            const __m512i q = _mm512_loadu_si512((const void *)(pb + qoff + 64 * c));
-            lo[c] = _mm512_and_si512(q, m4);
-            hi[c] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+            if (type == SI_Q8_0P) {
+                w[c] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(pb + qoff + 64 * c)), flip);
+                w[4 + c] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(pb + qoff + 256 + 64 * c)), flip);
+            } else {
+                const __m512i q = _mm512_loadu_si512((const void *)(pb + qoff + 64 * c));
+                w[c] = _mm512_and_si512(q, m4);
+                w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+            }
         }
-#pragma GCC unroll 8
-        for (int t = 0; t < nt; t++) {
-            __m512i sum = _mm512_setzero_si512();
-            for (int c = 0; c < 4; c++)
-                sum = _mm512_dpbusd_epi32(sum, lo[c], _mm512_set1_epi32(x_word(&x[t], b, c)));
-            for (int c = 0; c < 4; c++)
-                sum = _mm512_dpbusd_epi32(sum, hi[c], _mm512_set1_epi32(x_word(&x[t], b, 4 + c)));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x[t].d[b])),
-                                     acc[t]);
-            accm[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[t].s[b]), accm[t]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int t = 0; t < nt; t++) _mm512_storeu_ps(y + t * ys, _mm512_add_ps(acc[t], accm[t]));
-}
-/* Q8_0 panels: the 8 quant words of a block column made unsigned (+128: xor 0x80) for dpbusd,
- * the 128 x sum(x) that adds taken back in float with the minima's FMA (m = -128 d, x's s). */
-INLINE void panel_q8(const uint8_t *p, const si_xq *x, const int nt, const int nb, float *y,
-                     const int64_t ys) {
-    const int bb = panel_bytes(SI_Q8_0P);
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[PANEL_T], accm[PANEL_T];
-#pragma GCC unroll 8
-    for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *pb = p + (size_t)b * bb;
-        for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
-        const __m512 m = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
-        __m512i q[8];
-        for (int c = 0; c < 8; c++)
-            q[c] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(pb + 32 + 64 * c)), flip);
 #pragma GCC unroll 8
         for (int t = 0; t < nt; t++) {
             __m512i sum = _mm512_setzero_si512();
             for (int c = 0; c < 8; c++)
-                sum = _mm512_dpbusd_epi32(sum, q[c], _mm512_set1_epi32(x_word(&x[t], b, c)));
+                sum = _mm512_dpbusd_epi32(sum, w[c], _mm512_set1_epi32(x_word(&x[t], b, c)));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x[t].d[b])),
                                      acc[t]);
             accm[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[t].s[b]), accm[t]);
@@ -1157,6 +1135,11 @@ INLINE void panel_q8(const uint8_t *p, const si_xq *x, const int nt, const int n
         for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * h, acc[t]);
     }
 }
+INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
+                  float *y, const int64_t ys) {
+    if (type == SI_Q8_0P) panel_q8(p, x, nt, nb, y, ys);
+    else panel_q4(type, p, x, nt, nb, y, ys);
+}
 #endif
 
 /* nrows (a multiple of 16) panel rows at w against x rows x[0..T): y[t * ys + r]; x rows
@@ -1168,14 +1151,12 @@ static void panel_rows(const int type, const uint8_t *w, const int nrows, const 
         const int nt = T - t0 < PANEL_T ? T - t0 : PANEL_T;
 #define PR(TY, N)                                                                              \
     for (int r = 0; r < nrows; r += SI_PANEL)                                                  \
-        panel_q4(TY, w + (size_t)(r / SI_PANEL) * pb, x + t0, N, nb, y + t0 * ys + r, ys)
+        panel(TY, w + (size_t)(r / SI_PANEL) * pb, x + t0, N, nb, y + t0 * ys + r, ys)
 #define PRN(N)                                                                                 \
     case N:                                                                                    \
         if (type == SI_Q4_0P) PR(SI_Q4_0P, N);                                                 \
         else if (type == SI_Q4_1P) PR(SI_Q4_1P, N);                                            \
-        else                                                                                   \
-            for (int r = 0; r < nrows; r += SI_PANEL)                                          \
-                panel_q8(w + (size_t)(r / SI_PANEL) * pb, x + t0, N, nb, y + t0 * ys + r, ys); \
+        else PR(SI_Q8_0P, N);                                                                  \
         break
         switch (nt) {
             PRN(1); PRN(2); PRN(3); PRN(4); PRN(5); PRN(6); PRN(7); PRN(8);
