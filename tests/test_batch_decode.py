@@ -141,6 +141,23 @@ def test_smollm2_rows_equal_each_sequence_alone(smollm2_path):
             assert torch.equal(got[row], want), row
 
 
+def test_smollm2_prompt_equals_its_tokens_one_by_one(smollm2_path):
+    """A prompt run in one forward on a fused-stack model (``Transformer._prompt_rows``: its
+    tokens as rows, here 70 of them, two C calls of at most 64) leaves the cache and gives the
+    last logits that feeding the tokens one at a time does, bit for bit."""
+    from sparseinfer.models.build import load
+
+    model = load(smollm2_path, "auto", fused=True).model
+    ids = torch.randint(3, 40000, (70,), generator=torch.Generator().manual_seed(7))
+    together, alone = model.new_cache(1, 96), model.new_cache(1, 96)
+    with torch.inference_mode():
+        got = model(ids.view(1, -1), 0, together, last_only=True)[0, -1]
+        for pos, tok in enumerate(ids.tolist()):
+            want = model(torch.tensor([[tok]]), pos, alone)[0, -1]
+    assert torch.equal(got, want)
+    assert torch.equal(together.k, alone.k) and torch.equal(together.v, alone.v)
+
+
 @pytest.mark.parametrize("name", ["llama3", "qwen3", "gemma3", "mistral"])
 def test_fused_stack_equals_the_blocks_one_by_one(arch_model_dir, name):
     """``Transformer.blocks`` runs a model whose blocks are all on the C library as one C call

@@ -203,8 +203,8 @@ def _check_rows_at(positions: torch.Tensor, slots: torch.Tensor, B: int, max_seq
 
 
 def to_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
-    """``panels.to_panels_ref`` on the library's pool: Q4_0 / Q4_1 / Q8_0 rows as the file stores them
-    -> the same bytes in panels of 16 rows (a new array; qgemv.h has the layout)."""
+    """``panels.to_panels_ref`` on the library's pool: Q4_0 / Q4_1 / Q8_0 rows as the file
+    stores them -> the same bytes in panels of 16 rows (a new array; qgemv.h has the layout)."""
     src = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8)).reshape(-1)
     check_panel_shape(src, type_name, rows, cols)
     out = np.empty(src.size, dtype=np.uint8)

@@ -2,8 +2,8 @@
 ``Q4_0x16`` / ``Q4_1x16`` / ``Q8_0x16``; layout in ``qgemv.h``): one integer dot product then
 multiplies 4 bytes of the input with 4 weights of each of 16 rows, and the products stay in one
 lane per row, so a GEMM over a few input rows does a third to half of the instructions of the
-row-major kernels (a batched decode step, a prompt). The bytes per row are the file's; the rearranged copy replaces the mapped rows
-(``models/build.py`` releases their pages).
+row-major kernels (a batched decode step, a prompt). The bytes per row are the file's; the
+rearranged copy replaces the mapped rows (``models/build.py`` releases their pages).
 
     raw16 = to_panels(raw, "Q4_1", rows, cols)      # file rows -> panels (a new array, C)
     raw16 = to_panels_ref(raw, "Q4_1", rows, cols)  # the same in numpy
@@ -15,9 +15,10 @@ from __future__ import annotations
 import numpy as np
 
 PANEL = 16  # rows per panel
-# the file's type -> its panel type (cpu.TYPES); (scale words per row and block, block bytes)
+# the file's type -> its panel type (cpu.TYPES)
 PANEL_TYPES = {"Q4_0": "Q4_0x16", "Q4_1": "Q4_1x16", "Q8_0": "Q8_0x16"}
 FILE_TYPES = {v: k for k, v in PANEL_TYPES.items()}
+# fp16 words (scale, Q4_1's minimum) per block, block bytes; the rest are 4-byte quant words
 _FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34)}
 
 
@@ -48,7 +49,7 @@ def to_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarr
 
 def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
     """``to_panels`` in numpy: per panel and block column, the 16 rows' scales (and Q4_1's
-    minima), then their 4 quant words."""
+    minima), then their quant words (4 per Q4 block, 8 per Q8_0), word by word."""
     words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
     nq = (bsize - 2 * words) // 4  # quant words per block
     blk = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, bsize)

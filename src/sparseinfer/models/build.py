@@ -174,7 +174,7 @@ class WeightSource:
     def ggml_parts(self, panels: bool = True) -> list[tuple[str, np.ndarray, int]]:
         """(type, bytes, rows) of each source: views of the mapped file as stored, except Q/K
         rows that llama.cpp permuted, copied back into rotate-half order, and (``panels``)
-        Q4_0 / Q4_1 matrices of whole panels, rearranged into panels of 16 rows
+        Q4_0 / Q4_1 / Q8_0 matrices of whole panels, rearranged into panels of 16 rows
         (``cpu/panels.py``: the C kernels' fastest layout for several input rows). A copy's
         mapped pages are released."""
         parts = []

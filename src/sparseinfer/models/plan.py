@@ -110,7 +110,7 @@ class Plan:
 
     @property
     def panels(self) -> bool:
-        """Whether the C library's Q4_0 / Q4_1 matrices are copied into panels of 16 rows
+        """Whether the C library's Q4_0 / Q4_1 / Q8_0 matrices are copied into panels of 16 rows
         (``cpu/panels.py``, the same bytes): always, except under a disk tier, whose budget
         counts on the mapped weights it does not lock staying pageable."""
         return self.sparse is None or self.sparse.disk is None

@@ -248,9 +248,9 @@ class FloatLinear(torch.nn.Module):
 
 class GGMLLinear(torch.nn.Module):
     """``y = x @ W.T (+ b)`` with ``W`` held as GGUF blocks (Q4_0 ... Q6_K, F16) as the file
-    stores them, usually a read-only view of the mapped file, or (Q4_0 / Q4_1 of whole 16-row
-    panels) the same blocks rearranged in panels (``cpu.panels``). A fused weight (q/k/v, gate/up) is several such matrices sharing one input: one
-    token is one ``sparseinfer.cpu`` GEMV call (the input quantized once, one pool dispatch);
+    stores them, usually a read-only view of the mapped file, or (Q4_0 / Q4_1 / Q8_0 of whole
+    16-row panels) the same blocks rearranged in panels (``cpu.panels``). A fused weight
+    (q/k/v, gate/up) is several such matrices sharing one input: one token is one ``sparseinfer.cpu`` GEMV call (the input quantized once, one pool dispatch);
     batches go through its blocked GEMM. ``dequantized`` (gguf-py) is the reference."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
