@@ -373,7 +373,8 @@ def cmd_serve(args) -> int:
     if args.parallel > 1:
         from .server.batching import BatchEngine
 
-        engine = BatchEngine(engine, args.parallel, prefill_chunk=args.batch_prefill_chunk)
+        engine = BatchEngine(engine, args.parallel, prefill_chunk=args.batch_prefill_chunk,
+                             cache_prompt=not args.no_cache_prompt)
     logging.getLogger("sparseinfer.server").setLevel(logging.INFO)  # the bound address, requests
     print(f"serving {engine.name} (Ctrl-C to stop)", file=sys.stderr)
     try:
@@ -452,8 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve up to N requests at once by continuous batching (default 1: one "
                         "at a time, on the fused single-token path)")
     s.add_argument("--batch-prefill-chunk", type=int, default=64, metavar="N",
-                   help="with --parallel: prompt tokens prefilled between two decode steps "
+                   help="with --parallel: prompt tokens run with each decode step "
                         "(smaller: steadier inter-token latency, slower first tokens)")
+    s.add_argument("--no-cache-prompt", action="store_true",
+                   help="with --parallel: run every prompt in full, even where a free slot's "
+                        "cache holds its beginning (a shared system prompt, earlier turns)")
     s.add_argument("--default-max-tokens", type=int, default=1024, metavar="N",
                    help="tokens generated for a request that sets no max_tokens (0: until end "
                         "of text or the context is full; default 1024)")

@@ -34,6 +34,39 @@ def batched(real_engine_server):
     be.close()
 
 
+def test_prompt_prefix_is_reused_and_changes_nothing(batched):
+    """A prompt that starts with what a free slot's cache holds (the previous request's prompt
+    and answer) runs only the rest: the slot is chosen for it and the shared tokens are not run
+    again; the answer is the one a batch engine that reuses nothing gives, token for token
+    (seeded sampling: the reused keys and values are the bits a fresh run computes)."""
+    from sparseinfer.config import SamplingParams
+    from sparseinfer.engine import TokenEvent
+    from sparseinfer.server.batching import BatchEngine
+
+    _, be = batched
+    eng = be.engine
+    base = eng.encode("The history of the city of London begins")
+    first = base + eng.encode(" with the Romans, who", add_bos=False)
+    second = base + eng.encode(" in the year", add_bos=False)
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True)
+
+    def answer(engine, ids):
+        return [e.token_id for e in engine.stream(ids, params)
+                if isinstance(e, TokenEvent) and e.token_id >= 0]
+
+    fresh = BatchEngine(eng, parallel=2, prefill_chunk=16, cache_prompt=False)
+    try:
+        want = answer(fresh, second)
+        assert fresh.reused_tokens == 0
+    finally:
+        fresh.close()
+    answer(be, first)
+    before = be.reused_tokens
+    got = answer(be, second)
+    assert be.reused_tokens - before == len(base)
+    assert got == want and len(got) == 12
+
+
 @pytest.mark.slow
 def test_concurrent_answers_equal_alone(batched):
     srv, be = batched

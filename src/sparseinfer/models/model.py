@@ -512,6 +512,12 @@ class Transformer(nn.Module):
             out.append(stack(chunk, Rows(rows, torch.zeros_like(rows)), cache))
         return torch.cat(out).view(1, T, D)
 
+    def rows_exact(self) -> bool:
+        """Whether a token's numbers do not depend on what else is in its batch or its prompt
+        chunk (every block on the C library as one stack: GEMM rows are their GEMVs, attention
+        is per row): the keys and values a sequence left in a cache then equal a fresh run's."""
+        return self._fused_stack() is not None
+
     def rope_of(self, layer: int) -> tuple[Tensor, Tensor] | None:
         """The rope tables (cos, sin) ``layer`` uses: windowed layers of a model with a local
         base have their own."""

@@ -3,7 +3,10 @@
 
 One loop thread owns the model. Each of its iterations, at a token boundary:
 
-1. admits waiting sequences into free slots of one KV cache (N slots, one per sequence);
+1. admits waiting sequences into free slots of one KV cache (N slots, one per sequence): the
+   free slot whose cache already holds the longest prefix of the prompt (a shared system prompt,
+   the previous turns of a chat; llama.cpp's ``cache_prompt``), whose tokens are then not run
+   again — only where that changes no number (``Transformer.rows_exact``);
 2. drops sequences whose consumer stopped (stop string, cancelled, client gone): the slot is
    free for the next one;
 3. takes one chunk (``prefill_chunk`` tokens) of the oldest sequence still reading its prompt,
@@ -47,6 +50,15 @@ logger = logging.getLogger(__name__)
 _POLL = 0.05  # seconds a consumer waits for a token before looking at its cancel event
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The number of leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 @dataclass(eq=False)
 class _Seq:
     prompt: list[int]
@@ -74,7 +86,8 @@ class BatchEngine:
     """Serves up to ``parallel`` generations at once over ``engine``'s model; see the module
     docstring. Tokenizing and templating are delegated to ``engine`` (thread-safe)."""
 
-    def __init__(self, engine: Engine, parallel: int, prefill_chunk: int = 64) -> None:
+    def __init__(self, engine: Engine, parallel: int, prefill_chunk: int = 64,
+                 cache_prompt: bool = True) -> None:
         if parallel < 1:
             raise ValueError(f"parallel: expected >= 1, got {parallel}")
         if prefill_chunk < 1:
@@ -94,6 +107,11 @@ class BatchEngine:
         self._kernel = attend_rows if supports(self.model) else None
         self._views = [slot_cache(self.cache, s) for s in range(parallel)]  # kept: stable ids
         self._free = list(range(parallel))
+        # per slot, the tokens whose keys and values its cache holds at positions 0.. (reused by
+        # the next prompt that starts with them, when that changes no number)
+        self._held: list[list[int]] = [[] for _ in range(parallel)]
+        self._reuse = cache_prompt and self.model.rows_exact()
+        self.reused_tokens = 0  # prompt tokens not run again (for tests and benchmarks)
         self._cv = threading.Condition()
         self._incoming: deque[_Seq] = deque()
         self._active: list[_Seq] = []
@@ -225,9 +243,7 @@ class BatchEngine:
                 tasks = list(self._tasks)
                 self._tasks.clear()
                 while self._incoming and self._free:  # 1. admit
-                    seq = self._incoming.popleft()
-                    seq.slot = self._free.pop(0)
-                    self._active.append(seq)
+                    self._admit(self._incoming.popleft())
             try:
                 with torch.inference_mode():
                     for task, done in tasks:
@@ -238,14 +254,38 @@ class BatchEngine:
                     self._iterate()
             except Exception as exc:  # a bug or an engine failure: fail every active stream
                 logger.error("batch step failed", exc_info=exc)
-                for seq in self._active:
+                for seq in list(self._active):
                     seq.out.put(("error", exc))
                     self._release(seq)
+                self._held = [[] for _ in range(self.parallel)]  # a step cut short: unknown
+
+    def _admit(self, seq: _Seq) -> None:
+        """Give ``seq`` the free slot holding the longest prefix of its prompt (the lowest
+        free slot when none does, or without reuse); those tokens count as prefilled (all but
+        the last: its logits pick the first token)."""
+        slot, shared = self._free[0], 0
+        if self._reuse:
+            for s in self._free:
+                n = common_prefix(self._held[s], seq.prompt)
+                if n > shared:
+                    slot, shared = s, n
+        self._free.remove(slot)
+        seq.slot = slot
+        seq.prefilled = min(shared, len(seq.prompt) - 1)
+        self.reused_tokens += seq.prefilled
+        self._held[slot] = []  # rewritten from position seq.prefilled on; recorded at release
+        self._active.append(seq)
 
     def _release(self, seq: _Seq) -> None:
         if seq in self._active:
             self._active.remove(seq)
         if seq.slot is not None:
+            # its cache holds the prompt it ran and every generated token but the last (sampled,
+            # not yet run through the model)
+            ran = seq.prompt[:seq.prefilled]
+            if seq.prefilled == len(seq.prompt):
+                ran = ran + seq.generated[:-1]
+            self._held[seq.slot] = ran
             self._free.append(seq.slot)
             self._free.sort()  # lowest slots first: active slots stay consecutive more often
             seq.slot = None
@@ -317,7 +357,11 @@ class BatchEngine:
         """Prompt logprobs in a free slot (or, with none free, a temporary cache)."""
         from ..generate import score
 
-        cache = self._views[self._free[0]] if self._free else self.model.new_cache(1, self.n_ctx)
+        if self._free:
+            cache = self._views[self._free[0]]
+            self._held[self._free[0]] = []  # overwritten below
+        else:
+            cache = self.model.new_cache(1, self.n_ctx)
         lp, top_lp, top_ids = score(self.model, ids, cache, top)
         out = [TokenScore(ids[0], None, ())]
         for i, tok in enumerate(ids[1:]):
