@@ -5,7 +5,9 @@
  * of its own: Q4_0/Q4_1/Q5_0 in groups of 4 blocks against x rearranged once per row
  * (si_xgroups), Q4_K/Q5_K/Q6_K 64 weights per vector, short Q8_0 rows two blocks per step, and
  * the sparse Q4_0 bundles in groups of 4; the avx2_128 build (SI_NARROW) works the blocks in
- * 128-bit registers, for CPUs whose vector units split 256-bit instructions.
+ * 128-bit registers, for CPUs whose vector units split 256-bit instructions. Q4_0/Q4_1/Q8_0 in
+ * panels of 16 rows (the loader's layout for them) have kernels of their own ("panels of 16
+ * rows" below), one per ISA family, shared by the GEMV and the GEMM.
  *
  * A row kernel walks R rows (4, or 1 for the tail) side by side, block by block, so R weight
  * streams are in flight and each activation block is loaded once for all of them. Per block of
@@ -1081,8 +1083,8 @@ INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int
                 lo[c] = _mm256_and_si256(q, m4);
                 hi[c] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
             }
-    #pragma GCC unroll 8
-        for (int t = 0; t < nt; t++) {
+#pragma GCC unroll 8
+            for (int t = 0; t < nt; t++) {
                 __m256i s16 = _mm256_setzero_si256();
                 for (int c = 0; c < 4; c++)
                     s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(x_word(&x[t], b, c))));
