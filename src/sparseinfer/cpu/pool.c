@@ -308,11 +308,13 @@ static int scratch(size_t nq, size_t nb, size_t nt, size_t ng) {
     return err;
 }
 
-/* Quantize T rows of x [T, cols] into the scratch; S.xq[t] describes row t. */
-static int quantize_rows(const float *x, int64_t T, int cols, int need_q) {
+/* Quantize T rows of x [T, cols] into the scratch (need_q), with the rearranged copies (need_g:
+ * only the row-major Q4_0/Q4_1/Q5_0 and sparse kernels read them); S.xq[t] describes row t. */
+static int quantize_rows(const float *x, int64_t T, int cols, int need_q, int need_g) {
     /* the rearranged copies where the ISA's kernels read them (AVX-512: groups of 4 blocks,
      * SI_XG_BYTES each; plain AVX2: pairs of blocks, cols bytes, less) */
-    const size_t nb = (size_t)cols / 32, ng = g_isa != ISA_AVX2_128 ? SI_XG_BYTES((cols + 127) / 128) : 0;
+    const size_t nb = (size_t)cols / 32,
+                 ng = need_g && g_isa != ISA_AVX2_128 ? SI_XG_BYTES((cols + 127) / 128) : 0;
     int err = scratch(need_q ? (size_t)T * cols : 1, need_q ? (size_t)T * nb : 1, (size_t)T,
                       need_q && ng ? (size_t)T * ng : 1);
     if (err) return err;
@@ -334,7 +336,7 @@ static int quantize_rows(const float *x, int64_t T, int cols, int need_q) {
 /* ------------------------------------------------------------------ GEMV / GEMM jobs */
 
 typedef struct {
-    int nmat, cols, ch, need_q;
+    int nmat, cols, ch, need_q, need_g;
     int64_t T;
     int type[MAX_MATS];
     const uint8_t *w[MAX_MATS];
@@ -377,7 +379,7 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
     j->cols = cols;
     j->T = T;
     j->rows_kernel = g_rows;
-    j->need_q = 0;
+    j->need_q = j->need_g = 0;
     int64_t total_rows = 0;
     int panels = 0;
     for (int i = 0; i < nmat; i++) {
@@ -390,6 +392,7 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
         j->rb[i] = (size_t)cols / BLOCK_ELEMS[types[i]] * BLOCK_BYTES[types[i]];
         j->out[i] = outs[i];
         j->need_q |= types[i] != SI_F16 && types[i] != SI_F32;
+        j->need_g |= types[i] == SI_Q4_0 || types[i] == SI_Q4_1 || types[i] == SI_Q5_0;
         total_rows += rows[i];
     }
     /* chunk rows: a multiple of 4, about 8 chunks per thread (enough to even out a thread that
@@ -421,7 +424,7 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
 
 /* Run a filled job on x [T, cols] (the caller holds g_call_lock). */
 static int exec_job(job_t *j, const float *x) {
-    int err = quantize_rows(x, j->T, j->cols, j->need_q);
+    int err = quantize_rows(x, j->T, j->cols, j->need_q, j->need_g);
     if (err) return err;
     j->rows_kernel = g_rows;
     j->xq = S.xq;
@@ -502,7 +505,7 @@ int si_sparse_q4(const void *bundles, size_t bundle_bytes, int gated, const int3
         j.n_chunks = T < 4 * nt ? T : 4 * nt;
     }
     pthread_mutex_lock(&g_call_lock);
-    int err = quantize_rows(x, T, d_model, 1);
+    int err = quantize_rows(x, T, d_model, 1, 1);
     if (!err && T == 1 && j.n_chunks > 1) {
         const size_t need = (size_t)j.n_chunks * d_model;
         if (need > SP.cap) {
