@@ -218,12 +218,12 @@ def test_serve_flags_parse():
 
     args = build_parser().parse_args(
         ["serve", "-np", "4", "--default-max-tokens", "8", "--max-tokens-limit", "16",
-         "--max-generation-seconds", "2.5"])
+         "--max-generation-seconds", "2.5", "--no-cache-prompt"])
     assert (args.parallel, args.default_max_tokens, args.max_tokens_limit,
-            args.max_generation_seconds) == (4, 8, 16, 2.5)
+            args.max_generation_seconds, args.no_cache_prompt) == (4, 8, 16, 2.5, True)
     args = build_parser().parse_args(["serve"])
     assert (args.parallel, args.default_max_tokens, args.max_tokens_limit,
-            args.max_generation_seconds) == (1, 1024, 0, 300.0)
+            args.max_generation_seconds, args.no_cache_prompt) == (1, 1024, 0, 300.0, False)
 
 
 def test_stream_options_obfuscation(http):
