@@ -3,6 +3,7 @@
     python benchmarks/serve_load.py [--engine real|synthetic] [--model PATH] [--clients 1,4,8,16]
                                     [--parallel 1,8] [--requests-per-client 2]
                                     [--max-tokens 32] [--max-queue 16] [--budget 120]
+                                    [--prefill-chunk 64] [--no-cache-prompt]
 
 The server runs in a child process (its own GIL) on 127.0.0.1, port 0, over the real Engine on
 the embedded default model (SmolLM2-135M; ``--model``: another file, e.g. a sparse one) unless
@@ -86,7 +87,8 @@ class SyntheticEngine:
 
 
 def _server_process(conn, engine_kind: str, n_ctx: int, threads: int, max_queue: int,
-                    parallel: int, prefill_chunk: int, model: str | None) -> None:
+                    parallel: int, prefill_chunk: int, model: str | None,
+                    cache_prompt: bool = True) -> None:
     from sparseinfer.threads import passive_wait
 
     passive_wait()  # as `sparseinfer serve` does, before torch and numba start their pools
@@ -99,7 +101,8 @@ def _server_process(conn, engine_kind: str, n_ctx: int, threads: int, max_queue:
         if parallel > 1:
             from sparseinfer.server.batching import BatchEngine
 
-            engine = BatchEngine(engine, parallel, prefill_chunk=prefill_chunk)
+            engine = BatchEngine(engine, parallel, prefill_chunk=prefill_chunk,
+                                 cache_prompt=cache_prompt)
     else:
         engine = SyntheticEngine(n_ctx=n_ctx)
     with ServerThread(create_app(engine, max_queue=max_queue)) as srv:
@@ -240,7 +243,7 @@ def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list
         target=_server_process,
         daemon=True,
         args=(child, kind, args.ctx_size, args.threads, args.max_queue, parallel,
-              args.prefill_chunk, args.model),
+              args.prefill_chunk, args.model, not args.no_cache_prompt),
     )
     proc.start()
     if not parent.poll(600):
@@ -253,6 +256,7 @@ def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list
         f"(ready in {ready:.1f} s) max_tokens={args.max_tokens} max_queue={args.max_queue} "
         f"requests/level={args.requests_per_client} x clients threads={args.threads}"
         + (f" prefill_chunk={args.prefill_chunk}" if parallel > 1 else "")
+        + (" no_cache_prompt" if parallel > 1 and args.no_cache_prompt else "")
     )
     results: list[Level] = []
     try:
@@ -309,6 +313,8 @@ def main() -> int:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--prefill-chunk", type=int, default=64,
                    help="--parallel N > 1: prompt tokens prefilled between two decode steps")
+    p.add_argument("--no-cache-prompt", action="store_true",
+                   help="--parallel N > 1: run every prompt in full (serve --no-cache-prompt)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-queue", type=int, default=16)
     p.add_argument("--ctx-size", type=int, default=512)
