@@ -1,8 +1,8 @@
-"""Q4_0 / Q4_1 in panels of 16 rows (cpu/panels.py, the Q4_0x16 / Q4_1x16 kernels): the
-rearrangement round-trips and gguf-py decodes the rows it gives back; every ISA computes the
-same bits; a loaded model holds its Q4 matrices as panels and still decodes what the file's rows
-decode (tests/cpu/test_qgemv.py compares the kernels with the references over shapes, threads
-and batch sizes)."""
+"""Q4_0 / Q4_1 / Q8_0 in panels of 16 rows (cpu/panels.py, the Q4_0x16 / Q4_1x16 / Q8_0x16
+kernels): the rearrangement (C, against numpy) round-trips and puts the bytes where qgemv.h says;
+the ISAs agree (Q4 bit for bit); a loaded model holds its matrices as panels and still decodes
+what the file's rows decode (tests/cpu/test_qgemv.py compares the kernels with the references
+over shapes, ISAs, threads and batch sizes)."""
 
 from __future__ import annotations
 
