@@ -17,11 +17,6 @@ import threading
 import time
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2)")
@@ -35,6 +30,7 @@ def main() -> None:
 
     passive_wait()  # as the CLI does, before torch and numba start their pools
     from sparseinfer.bench import cpu_model
+    from sparseinfer.bench import percentile as pct
     from sparseinfer.config import SamplingParams
     from sparseinfer.engine import Engine, TokenEvent
     from sparseinfer.server.batching import BatchEngine

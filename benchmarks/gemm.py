@@ -13,18 +13,14 @@ gguf-py-quantized random values; the CPU model is printed beside the figures.
 from __future__ import annotations
 
 import argparse
-import time
 
 
 def best_of(fn, n: int, rounds: int = 3) -> float:
+    """Seconds per call of ``fn``: the best of ``rounds`` runs of ``n`` calls, after one more."""
+    from sparseinfer.bench import timeit
+
     fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t) / n)
-    return best
+    return min(timeit(fn, repeats=rounds, number=n))
 
 
 def main() -> None:

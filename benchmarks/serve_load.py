@@ -143,13 +143,6 @@ class Level:
         return self.issued - self.completed - self.failed - self.rejected - self.truncated
 
 
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
-
-
 async def one_request(client, model: str, i: int, max_tokens: int, level: Level) -> None:
     import openai
 
@@ -236,6 +229,10 @@ async def run_level(
 
 
 def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list[Level]:
+    # imported here, not at the top: the server process re-imports this module and must set its
+    # OpenMP wait policy before numba (which sparseinfer.bench loads) starts
+    from sparseinfer.bench import percentile as pct
+
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     t_load = time.perf_counter()
@@ -302,6 +299,8 @@ def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list
 
 
 def main() -> int:
+    from sparseinfer.bench import percentile as pct
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=["auto", "real", "synthetic"], default="auto")
     p.add_argument("--model", default=None,

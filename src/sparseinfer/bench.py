@@ -77,6 +77,14 @@ def timeit(fn: Callable[[], object], repeats: int = 5, number: int = 1) -> list[
     return out
 
 
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``xs``, the nearest sample (nan when empty)."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
 def cpu_model() -> str:
     """The CPU's name and the vector instruction sets that matter here (benchmarks print it
     beside every figure: machines of this project differ)."""
