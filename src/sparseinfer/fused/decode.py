@@ -219,8 +219,9 @@ class FusedDecode:
 
 class FusedStack:
     """Every block of a model whose blocks are all on the C library (``FusedDecode.takes_rows``)
-    as one call per decode step (``cpu.DecodeStack``): a single sequence's token (its slot 0) or
-    one token of each of several sequences (``Rows``). The same numbers as the blocks called one
+    as one call per decode step (``cpu.DecodeStack``): a single sequence's token (its slot 0), or
+    ``Rows``: one token of each of several sequences, or a prompt's tokens as rows of its slot
+    (``Transformer._prompt_rows``). The same numbers as the blocks called one
     by one, without a Python call and a lock per block. ``Transformer.blocks`` makes it on first
     use (``stack_of``), when the blocks' C objects exist."""
 

@@ -118,7 +118,8 @@ PROMPT_ROWS = 64  # a prompt's tokens per C call on a fused-stack model (Transfo
 class Rows:
     """Several sequences in one decode step (continuous batching, ``models/batch.py``): row i of
     the input (B, 1, D) is the sequence in cache slot ``slots[i]`` at ``positions[i]``, and
-    attends to that slot's keys 0..positions[i]. Passed to ``Block`` / ``Attention`` in place of
+    attends to that slot's keys 0..positions[i]; rows of one slot at consecutive positions are
+    a prompt's tokens (every row's key and value are written before any row attends). Passed to ``Block`` / ``Attention`` in place of
     the single-sequence ``pos``. ``kernel``: a per-row attention kernel for the layers where
     ``Attention.plain`` holds (``fused.decode.attend_rows``), or None: ``Attention.attend_rows``
     (torch) everywhere."""
