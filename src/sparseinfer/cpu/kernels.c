@@ -1182,7 +1182,7 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
                  float *y) {
     const int nb = cols / 32, nsb = cols / 256;
     const int far = 4 * rb > PF_NEAR_BYTES;
-    if (type == SI_Q4_0P || type == SI_Q4_1P || type == SI_Q8_0P) {
+    if (si_is_panel(type)) {
         panel_rows(type, w, nrows, x, 1, nb, y, 0);
         return;
     }
@@ -1453,7 +1453,7 @@ INLINE void prefetch_row(const uint8_t *w, const size_t rb, const int r, const i
  * and plain AVX2: Q4_0..Q5_1 8 blocks at a time), else si_rows for each x row. */
 void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *x, int T,
                        int cols, float *y, int64_t ys) {
-    if (type == SI_Q4_0P || type == SI_Q4_1P || type == SI_Q8_0P) {
+    if (si_is_panel(type)) {
         panel_rows(type, w, nrows, x, T, cols / 32, y, ys);
         return;
     }

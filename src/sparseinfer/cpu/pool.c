@@ -38,8 +38,6 @@
 static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32};
 static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34};
 
-static int is_panel(int type) { return type == SI_Q4_0P || type == SI_Q4_1P || type == SI_Q8_0P; }
-
 int si_abi_version(void) { return SI_ABI_VERSION; }
 int si_block_elems(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_ELEMS[type] : 0; }
 int si_block_bytes(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_BYTES[type] : 0; }
@@ -364,7 +362,7 @@ static void gemv_chunk(const void *jp, int64_t c) {
 
 static int check_mat(int type, int64_t rows, int cols) {
     if (type < 0 || type >= SI_N_TYPES || rows < 0 || cols <= 0 || cols % 32 ||
-        cols % BLOCK_ELEMS[type] || (is_panel(type) && rows % SI_PANEL))
+        cols % BLOCK_ELEMS[type] || (si_is_panel(type) && rows % SI_PANEL))
         return EINVAL;
     return 0;
 }
@@ -383,7 +381,7 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
     int64_t total_rows = 0;
     int panels = 0;
     for (int i = 0; i < nmat; i++) {
-        panels |= is_panel(types[i]);
+        panels |= si_is_panel(types[i]);
         int err = check_mat(types[i], rows[i], cols);
         if (err) return err;
         j->type[i] = types[i];

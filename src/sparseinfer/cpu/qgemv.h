@@ -34,7 +34,11 @@ enum si_type {
     SI_Q8_0P = 12,
     SI_N_TYPES = 13,
 };
-#define SI_PANEL 16 /* rows per panel of SI_Q4_0P / SI_Q4_1P */
+#define SI_PANEL 16 /* rows per panel of SI_Q4_0P / SI_Q4_1P / SI_Q8_0P */
+
+static inline int si_is_panel(int type) {
+    return type == SI_Q4_0P || type == SI_Q4_1P || type == SI_Q8_0P;
+}
 
 /* One quantized activation vector: q[cols] int8, d[cols/32], s[cols/32]; f the fp32 source (F16
  * weights use it directly); g the same blocks rearranged for the kernels of one ISA
