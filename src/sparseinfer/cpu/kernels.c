@@ -999,7 +999,7 @@ INLINE void rows_f32(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
  * (broadcast) against 4 weights of each of 16 rows, and a block costs 8 of them per x row with
  * no horizontal sums: every lane is a row. Per x row and block: y_r += d_r * x_d * sum_r +
  * m_r * x_s (Q4_0: m_r = -8 d_r), the two terms in separate accumulators added at the end. The
- * GEMV is the same function with one x row, so every GEMM row is its GEMV bit for bit. For Q4
+ * GEMV is the same arithmetic with one x row, so every GEMM row is its GEMV bit for bit. For Q4
  * the AVX2 build computes the same integer sums and float operations per row, so the ISAs agree
  * bit for bit too (Q8_0: to float rounding, see panel_q8). */
 #define PANEL_T 8 /* x rows per pass over a panel */
@@ -1061,11 +1061,34 @@ INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt
 }
 #else
 /* The same in two 256-bit halves (rows 0..7, 8..15): the 8 byte products per row and block
- * summed in int16 by maddubs (at most 8 x 2 x 15 x 127 = 30480: no saturation), widened once. */
+ * summed in int16 by maddubs (at most 8 x 2 x 15 x 127 = 30480: no saturation), widened once.
+ * q4_half: half h of a Q4 block column as unsigned bytes (lo[c]: low nibbles of word c, hi[c]:
+ * high ones); q4_half_dot: their 8 rows' integer sums against x block b. */
+INLINE void q4_half(const uint8_t *pb, const int qoff, const int h, __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(pb + qoff + 64 * c + 32 * h));
+        lo[c] = _mm256_and_si256(q, m4);
+        hi[c] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    }
+}
+INLINE __m256i q4_half_dot(const __m256i *lo, const __m256i *hi, const si_xq *x, const int b) {
+    __m256i s16 = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++)
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(x_word(x, b, c))));
+    for (int c = 0; c < 4; c++)
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(x_word(x, b, 4 + c))));
+    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+}
+/* Half h's scales d and minima m (Q4_0: -8 d). */
+INLINE void q4_half_dm(const int type, const uint8_t *pb, const int h, __m256 *d, __m256 *m) {
+    *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16 * h)));
+    *m = type == SI_Q4_0P ? _mm256_mul_ps(*d, _mm256_set1_ps(-8.0f))
+                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 32 + 16 * h)));
+}
 INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
                      float *y, const int64_t ys) {
     const int bb = panel_bytes(type), qoff = type == SI_Q4_0P ? 32 : 64;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++) {
         __m256 acc[PANEL_T], accm[PANEL_T];
 #pragma GCC unroll 8
@@ -1074,23 +1097,13 @@ INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int
             const uint8_t *pb = p + (size_t)b * bb;
             if (h == 0)
                 for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16 * h)));
-            const __m256 m = type == SI_Q4_0P ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f))
-                                              : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 32 + 16 * h)));
+            __m256 d, m;
             __m256i lo[4], hi[4];
-            for (int c = 0; c < 4; c++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(pb + qoff + 64 * c + 32 * h));
-                lo[c] = _mm256_and_si256(q, m4);
-                hi[c] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            }
+            q4_half_dm(type, pb, h, &d, &m);
+            q4_half(pb, qoff, h, lo, hi);
 #pragma GCC unroll 8
             for (int t = 0; t < nt; t++) {
-                __m256i s16 = _mm256_setzero_si256();
-                for (int c = 0; c < 4; c++)
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(x_word(&x[t], b, c))));
-                for (int c = 0; c < 4; c++)
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(x_word(&x[t], b, 4 + c))));
-                const __m256i sum = _mm256_madd_epi16(s16, one);
+                const __m256i sum = q4_half_dot(lo, hi, &x[t], b);
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])),
                                          acc[t]);
                 accm[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[t].s[b]), accm[t]);
@@ -1100,14 +1113,48 @@ INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int
         for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * h, _mm256_add_ps(acc[t], accm[t]));
     }
 }
+/* panel_q4 for one x row (the GEMV): both halves of a block column in one pass, so the stream
+ * is read once and x's words broadcast once per block (1.15-1.25x the two-pass GEMV from memory
+ * on a Zen 3, benchmarks/RESULTS.md); the same operations per lane (the same bits). Prefetching
+ * ahead, as panel_q4 does for its several x rows, was no faster here. */
+INLINE void panel_q4_1(const int type, const uint8_t *p, const si_xq *x, const int nb, float *y) {
+    const int bb = panel_bytes(type), qoff = type == SI_Q4_0P ? 32 : 64;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {acc[0], acc[1]};
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *pb = p + (size_t)b * bb;
+        for (int h = 0; h < 2; h++) {
+            __m256 d, m;
+            __m256i lo[4], hi[4];
+            q4_half_dm(type, pb, h, &d, &m);
+            q4_half(pb, qoff, h, lo, hi);
+            const __m256i sum = q4_half_dot(lo, hi, x, b);
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x->d[b])), acc[h]);
+            accm[h] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->s[b]), accm[h]);
+        }
+    }
+    for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + 8 * h, _mm256_add_ps(acc[h], accm[h]));
+}
 /* Q8_0 panels in two 256-bit halves: signed x signed as |w| times x with w's sign (maddubs,
  * at most 2 x 127 x 127 per int16: no saturation), widened per word. The integer sums are
  * exact, so no 128 x sum(x) to take back: these bits differ from the AVX-512 kernel's by
- * float rounding (Q4 panels agree bit for bit across the ISAs). */
+ * float rounding (Q4 panels agree bit for bit across the ISAs). q8_half_dot: half h of block
+ * column pb, its 8 rows' integer sums against x block b. */
+INLINE __m256i q8_half_dot(const uint8_t *pb, const int h, const si_xq *x, const int b) {
+    __m256i sum = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(pb + 32 + 64 * c + 32 * h));
+        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x_word(x, b, c)), w);
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), xs),
+                                                      _mm256_set1_epi16(1)));
+    }
+    return sum;
+}
+INLINE __m256 q8_half_d(const uint8_t *pb, const int h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16 * h)));
+}
 INLINE void panel_q8(const uint8_t *p, const si_xq *x, const int nt, const int nb, float *y,
                      const int64_t ys) {
     const int bb = panel_bytes(SI_Q8_0P);
-    const __m256i one = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++) {
         __m256 acc[PANEL_T];
 #pragma GCC unroll 8
@@ -1116,31 +1163,38 @@ INLINE void panel_q8(const uint8_t *p, const si_xq *x, const int nt, const int n
             const uint8_t *pb = p + (size_t)b * bb;
             if (h == 0)
                 for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16 * h)));
-            __m256i w[8], aw[8];
-            for (int c = 0; c < 8; c++) {
-                w[c] = _mm256_loadu_si256((const __m256i *)(pb + 32 + 64 * c + 32 * h));
-                aw[c] = _mm256_abs_epi8(w[c]);
-            }
+            const __m256 d = q8_half_d(pb, h);
 #pragma GCC unroll 8
-            for (int t = 0; t < nt; t++) {
-                __m256i sum = _mm256_setzero_si256();
-                for (int c = 0; c < 8; c++) {
-                    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x_word(&x[t], b, c)), w[c]);
-                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(aw[c], xs), one));
-                }
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])),
-                                         acc[t]);
-            }
+            for (int t = 0; t < nt; t++)
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_half_dot(pb, h, &x[t], b)),
+                                         _mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])), acc[t]);
         }
 #pragma GCC unroll 8
         for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * h, acc[t]);
     }
 }
+/* panel_q8 for one x row: both halves per block column in one pass (the same bits). */
+INLINE void panel_q8_1(const uint8_t *p, const si_xq *x, const int nb, float *y) {
+    const int bb = panel_bytes(SI_Q8_0P);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *pb = p + (size_t)b * bb;
+        for (int h = 0; h < 2; h++)
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_half_dot(pb, h, x, b)),
+                                     _mm256_mul_ps(q8_half_d(pb, h), _mm256_set1_ps(x->d[b])), acc[h]);
+    }
+    for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + 8 * h, acc[h]);
+}
 INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
                   float *y, const int64_t ys) {
-    if (type == SI_Q8_0P) panel_q8(p, x, nt, nb, y, ys);
-    else panel_q4(type, p, x, nt, nb, y, ys);
+    if (type == SI_Q8_0P) {
+        if (nt == 1) panel_q8_1(p, x, nb, y);
+        else panel_q8(p, x, nt, nb, y, ys);
+    } else if (nt == 1) {
+        panel_q4_1(type, p, x, nb, y);
+    } else {
+        panel_q4(type, p, x, nt, nb, y, ys);
+    }
 }
 #endif
 
