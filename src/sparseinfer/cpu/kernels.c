@@ -643,6 +643,31 @@ INLINE void scales_k(const uint8_t *s, uint64_t *sc, uint64_t *m) {
     *m = (uint64_t)(b & lo6) | ((uint64_t)m_hi << 32);
 }
 
+/* The 8 lane sums of 8 vectors (v[j]'s 8 int32 lanes summed into lane j): horizontal adds
+ * within 128-bit halves, then the halves added. */
+INLINE __m256i sums8(const __m256i *v) {
+    const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+}
+
+/* The same from 8 vectors of 16 int16 sums of 2 products of 4-bit weights (each at most
+ * 2 x 15 x 127 = 3810): two levels of horizontal adds stay in int16 (8 products: at most
+ * 30480), then widened. */
+INLINE __m256i sums8_16(const __m256i *v) {
+    const __m256i one = _mm256_set1_epi16(1);
+    const __m256i q0 = _mm256_madd_epi16(
+        _mm256_hadd_epi16(_mm256_hadd_epi16(v[0], v[1]), _mm256_hadd_epi16(v[2], v[3])), one);
+    const __m256i q1 = _mm256_madd_epi16(
+        _mm256_hadd_epi16(_mm256_hadd_epi16(v[4], v[5]), _mm256_hadd_epi16(v[6], v[7])), one);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+}
+
+/* v's 16-bit lanes shifted left by n (right by -n when n < 0); n a constant after inlining. */
+INLINE __m256i shift16(const __m256i v, const int n) {
+    return n >= 0 ? _mm256_slli_epi16(v, n) : _mm256_srli_epi16(v, -n);
+}
+
 INLINE __m256 bytes8_ps(uint64_t v) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v)));
 }
@@ -714,28 +739,28 @@ INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, c
                 continue;
             }
 #endif
-            __m256i qh = _mm256_setzero_si256();
+            __m256i qh = _mm256_setzero_si256(), ps[8];
             if (five) qh = _mm256_loadu_si256((const __m256i *)(p + 16));
             for (int c = 0; c < 4; c++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
                 __m256i lo = _mm256_and_si256(v, lo4);
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
                 const int j0 = 2 * c, j1 = 2 * c + 1;
-                if (five) {
-                    const __m256i b0 = _mm256_set1_epi8((char)(1 << j0));
-                    const __m256i b1 = _mm256_set1_epi8((char)(1 << j1));
-                    const __m256i h0 = _mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0);
-                    const __m256i h1 = _mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1);
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(h0, _mm256_set1_epi8(0x10)));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(h1, _mm256_set1_epi8(0x10)));
+                if (five) { /* bit j of each qh byte to bit 4 of sub-block j's bytes */
+                    const __m256i b5 = _mm256_set1_epi8(0x10);
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(qh, 4 - j0), b5));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(qh, 4 - j1), b5));
                 }
-                const __m256i p0 = dot_us(lo, loadx(x, 8 * sb + j0));
-                const __m256i p1 = dot_us(hi, loadx(x, 8 * sb + j1));
-                const __m256 s0 = _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(j0));
-                const __m256 s1 = _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(j1));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), s0, acc[r]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), s1, acc[r]);
+                /* int16 sums of 2 products; Q4_K's reduced in int16 (see sums8_16) */
+                ps[j0] = _mm256_maddubs_epi16(lo, loadx(x, 8 * sb + j0));
+                ps[j1] = _mm256_maddubs_epi16(hi, loadx(x, 8 * sb + j1));
+                if (five) {
+                    ps[j0] = _mm256_madd_epi16(ps[j0], _mm256_set1_epi16(1));
+                    ps[j1] = _mm256_madd_epi16(ps[j1], _mm256_set1_epi16(1));
+                }
             }
+            const __m256i sums = five ? sums8(ps) : sums8_16(ps);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
         }
     }
     for (int r = 0; r < R; r++) y[r] = hsum(_mm256_sub_ps(acc[r], accm[r]));
@@ -836,7 +861,7 @@ INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
                      const int far) {
     __m256 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), lo2 = _mm256_set1_epi8(0x03);
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
     const __m256i k32 = _mm256_set1_epi8(32), one16 = _mm256_set1_epi16(1);
     /* group g's 8 lanes (after the widening madd: lanes 0-3 its first 16 weights, 4-7 the
      * rest) take sub-block scales 2g and 2g+1 of a super-block's 8-float half (g % 4) */
@@ -849,6 +874,11 @@ INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
         /* x's block scales per sub-block (two sub-blocks of 16 weights a block of 32) */
         const __m256 xd8 = _mm256_loadu_ps(x->d + 8 * (size_t)sb);
         const __m256 xd_lo = _mm256_permutevar8x32_ps(xd8, xlo), xd_hi = _mm256_permutevar8x32_ps(xd8, xhi);
+#endif
+#if !SI_NARROW
+        /* 32 x sum(x) per pair of bytes for each group: the q - 32 offset, the same for every row */
+        __m256i x32[8];
+        for (int g = 0; g < 8; g++) x32[g] = _mm256_maddubs_epi16(k32, loadx(x, 8 * sb + g));
 #endif
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)sb * 210;
@@ -875,11 +905,9 @@ INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
                     __m256i l = (s & 1) ? l1 : l0;
                     l = (s >> 1) ? _mm256_srli_epi16(l, 4) : l;
                     l = _mm256_and_si256(l, lo4);
-                    __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), lo2);
-                    const __m256i q = _mm256_or_si256(l, _mm256_slli_epi16(hb, 4));
-                    const __m256i xv = loadx(x, 8 * sb + g);
-                    const __m256i p16 =
-                        _mm256_sub_epi16(_mm256_maddubs_epi16(q, xv), _mm256_maddubs_epi16(k32, xv));
+                    /* bits 2s, 2s+1 of qh to bits 4, 5 */
+                    const __m256i q = _mm256_or_si256(l, _mm256_and_si256(shift16(qh, 4 - 2 * s), hi2));
+                    const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q, loadx(x, 8 * sb + g)), x32[g]);
                     const __m256 sc = _mm256_permutevar8x32_ps(h ? s_hi : s_lo, gidx[s]);
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, one16)), sc, acc[r]);
                 }
