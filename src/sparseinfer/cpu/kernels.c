@@ -1689,30 +1689,50 @@ INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int n
     for (int r = 0; r < R; r++) y[r] = hsum(acc[r]) + cs[r];
 }
 
-/* out += sum_r h[r] * row_r for R Q4_0 rows of nb blocks. */
+/* out += sum_r h[r] * row_r for R Q4_0 rows of nb blocks. AVX2: a block's bytes 0..7 and 8..15
+ * widened to int32 straight from memory, their low nibbles (elements 0..15) and high ones
+ * (16..31) a mask or a shift away; w = d*(q - 8): the -8 applied once per block through the sum
+ * of the rows' scales (as the AVX-512 q4_axpy_g does per group). */
 INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int nb, float *out) {
+#if SI_NARROW
     const __m256i k8 = _mm256_set1_epi8(8);
+#else
+    const __m256i m4 = _mm256_set1_epi32(0x0F);
+#endif
     for (int b = 0; b < nb; b++) {
         float *o = out + 32 * (size_t)b;
         __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8);
         __m256 o2 = _mm256_loadu_ps(o + 16), o3 = _mm256_loadu_ps(o + 24);
+#if !SI_NARROW
+        float ssum = 0.0f;
+#endif
         for (int r = 0; r < R; r++) {
             const uint8_t *p = rp[r] + (size_t)b * 18;
-            const __m256 s = _mm256_set1_ps(h[r] * f16(p));
+            const float sr = h[r] * f16(p);
+            const __m256 s = _mm256_set1_ps(sr);
 #if SI_NARROW /* the two nibble halves straight into 128-bit registers */
             const __m128i v = load128(p + 2), m4 = _mm_set1_epi8(0x0F);
             const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m4), _mm256_castsi256_si128(k8));
             const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4),
                                             _mm256_castsi256_si128(k8));
-#else
-            const __m256i q = _mm256_sub_epi8(nib32(p + 2), k8);
-            const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-#endif
             o0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), s, o0);
             o1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), s, o1);
             o2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), s, o2);
             o3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), s, o3);
+#else
+            ssum += sr;
+            const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 2)));
+            const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 10)));
+            o0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, m4)), s, o0);
+            o1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, m4)), s, o1);
+            o2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), s, o2);
+            o3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), s, o3);
+#endif
         }
+#if !SI_NARROW
+        const __m256 z = _mm256_set1_ps(-8.0f * ssum);
+        o0 = _mm256_add_ps(o0, z), o1 = _mm256_add_ps(o1, z), o2 = _mm256_add_ps(o2, z), o3 = _mm256_add_ps(o3, z);
+#endif
         _mm256_storeu_ps(o, o0);
         _mm256_storeu_ps(o + 8, o1);
         _mm256_storeu_ps(o + 16, o2);
