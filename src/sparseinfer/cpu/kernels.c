@@ -1521,6 +1521,91 @@ INLINE void multi_b32_256(const int type, const int bsize, const uint8_t *p, con
 }
 #endif
 
+#if !SI_AVX512 && !SI_NARROW
+/* Plain AVX2 GEMM rows of Q4_K/Q5_K (multi_k45) and Q6_K (multi_q6k): one row against nt <=
+ * MULTI_T x rows, each super-block's weights unpacked (and its scales decoded) once for all of
+ * them; per x row the same operations as rows_k45 / rows_q6k, so each is its GEMV bit for bit.
+ * y[t * ys] for t < nt. */
+INLINE void multi_k45(const int five, const uint8_t *p, const si_xq *x, const int nt, const int nsb,
+                      float *y, const int64_t ys) {
+    const int bsize = five ? 176 : 144;
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10);
+    __m256 acc[MULTI_T], accm[MULTI_T];
+    for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *pb = p + (size_t)sb * bsize;
+        uint64_t sc8, m8;
+        scales_k(pb + 4, &sc8, &m8);
+        const __m256 scf = bytes8_ps(sc8), dv = _mm256_set1_ps(f16(pb));
+        const __m256 mdm = _mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(pb + 2)));
+        const uint8_t *qs = pb + (five ? 48 : 16);
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(pb + 16)) : _mm256_setzero_si256();
+        __m256i wq[8];
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            wq[2 * c] = _mm256_and_si256(v, lo4);
+            wq[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+            if (five) {
+                wq[2 * c] = _mm256_or_si256(wq[2 * c], _mm256_and_si256(shift16(qh, 4 - 2 * c), b5));
+                wq[2 * c + 1] = _mm256_or_si256(wq[2 * c + 1], _mm256_and_si256(shift16(qh, 3 - 2 * c), b5));
+            }
+        }
+        for (int t = 0; t < nt; t++) {
+            const __m256 scale = _mm256_mul_ps(_mm256_mul_ps(scf, _mm256_loadu_ps(x[t].d + 8 * (size_t)sb)), dv);
+            accm[t] = _mm256_fmadd_ps(mdm, _mm256_loadu_ps(x[t].s + 8 * (size_t)sb), accm[t]);
+            __m256i ps[8];
+            for (int j = 0; j < 8; j++) {
+                ps[j] = _mm256_maddubs_epi16(wq[j], loadx(&x[t], 8 * sb + j));
+                if (five) ps[j] = _mm256_madd_epi16(ps[j], _mm256_set1_epi16(1));
+            }
+            const __m256i sums = five ? sums8(ps) : sums8_16(ps);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) y[t * ys] = hsum(_mm256_sub_ps(acc[t], accm[t]));
+}
+INLINE void multi_q6k(const uint8_t *p, const si_xq *x, const int nt, const int nsb, float *y,
+                      const int64_t ys) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
+    const __m256i k32 = _mm256_set1_epi8(32), one16 = _mm256_set1_epi16(1);
+    __m256i gidx[4];
+    for (int g = 0; g < 4; g++) gidx[g] = pair_idx(2 * g);
+    const __m256i xlo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), xhi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    __m256 acc[MULTI_T];
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *pb = p + (size_t)sb * 210;
+        const __m256 dv = _mm256_set1_ps(f16(pb + 208));
+        const __m128i sc16 = _mm_loadu_si128((const __m128i *)(pb + 192));
+        const __m256 sd_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc16)), dv);
+        const __m256 sd_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8))), dv);
+        __m256i wq[8];
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(pb + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(pb + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(pb + 128 + 32 * h));
+            for (int s = 0; s < 4; s++) {
+                __m256i l = (s & 1) ? l1 : l0;
+                l = _mm256_and_si256((s >> 1) ? _mm256_srli_epi16(l, 4) : l, lo4);
+                wq[4 * h + s] = _mm256_or_si256(l, _mm256_and_si256(shift16(qh, 4 - 2 * s), hi2));
+            }
+        }
+        for (int t = 0; t < nt; t++) {
+            const __m256 xd8 = _mm256_loadu_ps(x[t].d + 8 * (size_t)sb);
+            const __m256 s_lo = _mm256_mul_ps(sd_lo, _mm256_permutevar8x32_ps(xd8, xlo));
+            const __m256 s_hi = _mm256_mul_ps(sd_hi, _mm256_permutevar8x32_ps(xd8, xhi));
+            for (int g = 0; g < 8; g++) {
+                const __m256i xv = loadx(&x[t], 8 * sb + g);
+                const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(wq[g], xv), _mm256_maddubs_epi16(k32, xv));
+                const __m256 sc = _mm256_permutevar8x32_ps(g < 4 ? s_lo : s_hi, gidx[g % 4]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, one16)), sc, acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) y[t * ys] = hsum(acc[t]);
+}
+#endif
+
 /* GEMM rows (si_rows_multi) are walked one at a time, each against up to MULTI_T x rows: row
  * r + GEMM_PF_ROWS of the chunk is fetched while row r is multiplied (a chunk is too short a run
  * for the hardware prefetcher to ramp up); into L2 only when those rows are long. */
@@ -1606,6 +1691,19 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
         }
         return;
     }
+#if !SI_NARROW
+    if (type == SI_Q4_K || type == SI_Q5_K || type == SI_Q6_K) {
+        for (int t0 = 0; t0 < T; t0 += MULTI_T) {
+            const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
+            for (int r = 0; r < nrows; r++) {
+                prefetch_row(w, rb, r, nrows);
+                if (type == SI_Q6_K) multi_q6k(w + (size_t)r * rb, x + t0, nt, cols / 256, y + t0 * ys + r, ys);
+                else multi_k45(type == SI_Q5_K, w + (size_t)r * rb, x + t0, nt, cols / 256, y + t0 * ys + r, ys);
+            }
+        }
+        return;
+    }
+#endif
 #endif
     for (int t = 0; t < T; t++) FN(si_rows)(type, w, rb, nrows, &x[t], cols, y + t * ys);
 }
