@@ -40,30 +40,37 @@ def apply_penalties(logits: Tensor, history: Sequence[int], p: SamplingParams) -
     return logits
 
 
-def _topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """``torch.topk``; a contiguous float32 CPU vector goes through the C library's one-pass
-    top-k (``cpu.topk``: the same values and order, a few µs instead of tens per token)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
-        from . import cpu
-
-        return cpu.topk(logits, k)
-    return torch.topk(logits, k)
+def _c_vector(logits: Tensor) -> bool:
+    """A contiguous float32 CPU vector: what the C library's top-k and sampler take."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()
 
 
 def sample(logits: Tensor, p: SamplingParams, rng: torch.Generator | None) -> int:
     """Pick the next token from 1-D float logits: greedy when temperature <= 0 (or too small for
     float32 to divide by), else top-k -> top-p -> min-p -> temperature -> draw (llama.cpp's
-    order). After top-k the few candidates are worked in numpy (float64) and the draw is one
-    uniform from ``rng`` against their cumulative weights: a dozen torch ops on 40 values cost
-    ~10x more than the top-k itself."""
+    order), the draw one uniform from ``rng``. With top-k on a float32 CPU vector the chain after
+    the uniform is one C call (``cpu.sample_topk``; the numpy and torch calls it replaces cost a
+    few times the top-k itself, once per token and sequence: benchmarks/RESULTS.md);
+    ``sample_ref`` is the same chain in numpy, its reference."""
     if p.temperature < torch.finfo(torch.float32).tiny:
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
             return int(logits.numpy().argmax())  # same first-maximum rule, ~20x faster
         return int(torch.argmax(logits))
-    if 0 < p.top_k < logits.numel():
-        vals, ids = _topk(logits, p.top_k)
-    else:
-        vals, ids = torch.sort(logits, descending=True)
+    u = float(torch.rand((), generator=rng, dtype=torch.float64))
+    if 0 < p.top_k < logits.numel() and _c_vector(logits):
+        from . import cpu
+
+        return cpu.sample_topk(logits, p.top_k, p.top_p, p.min_p, p.temperature, u)
+    return sample_ref(logits, p, u)
+
+
+def sample_ref(logits: Tensor, p: SamplingParams, u: float) -> int:
+    """``sample``'s chain for temperature > 0 given its uniform ``u`` in [0, 1): a stable sort of
+    the logits in torch, then numpy (float64) over the candidates. The reference of
+    ``cpu.sample_topk``, and the path without a top-k or off the CPU."""
+    vals, ids = torch.sort(logits, descending=True, stable=True)  # equal logits lower id first,
+    if 0 < p.top_k < logits.numel():                                 # as cpu.topk takes them
+        vals, ids = vals[: p.top_k], ids[: p.top_k]
     v = vals.detach().to("cpu", torch.float64).numpy()
     probs = np.exp(v - v[0])  # softmax of the candidates (the best first)
     probs /= probs.sum()
@@ -75,8 +82,7 @@ def sample(logits: Tensor, p: SamplingParams, rng: torch.Generator | None) -> in
     # the best logit shifted to 0 before dividing: a tiny temperature then sends the others to
     # weight 0 (greedy) instead of overflowing every logit to inf
     cum = np.cumsum(np.exp((v[:keep] - v[0]) / p.temperature))
-    u = float(torch.rand((), generator=rng, dtype=torch.float64)) * cum[-1]
-    return int(ids[min(int(np.searchsorted(cum, u, side="right")), keep - 1)])
+    return int(ids[min(int(np.searchsorted(cum, u * cum[-1], side="right")), keep - 1)])
 
 
 def prefill(model: Transformer, ids: Sequence[int], pos: int, cache: KVCache) -> Tensor:

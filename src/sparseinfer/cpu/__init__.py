@@ -18,6 +18,7 @@ q8_0) and each block of weights is an integer dot product with it (F16 and F32 u
     cpu.sparse_ffn_q4(rows, gated, idx, X, out, ga, ua)   # sparse FFN over Q4_0 neuron bundles
     k = cpu.predict_f16(cpu.F16Predictor(fc1, fc2, thr), x, idx)  # a predictor's active set
     vals, ids = cpu.topk(logits, 40)                      # torch.topk of a float32 vector
+    i = cpu.sample_topk(logits, 40, 0.95, 0.05, 0.8, u)   # top-k/p, min-p, temperature, draw u
     blk = cpu.DecodeBlock(d_model=..., qkv=[wq, wk, wv], wo=[wo], w_in=[wg, wu], down=[wd], ...)
     blk(x, pos, k_cache, v_cache, cos, sin)              # one token through a whole llama block
     blk.rows(X, positions, slots, k_caches, v_caches, cos_table, sin_table)  # one per sequence
@@ -63,6 +64,7 @@ __all__ = [
     "predict_f16",
     "pool_stats",
     "topk",
+    "sample_topk",
 ]
 
 if TYPE_CHECKING:

@@ -60,7 +60,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q8_0x16": (12, 32, 34),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 
 class CpuLibraryError(SparseInferError):
@@ -87,6 +87,8 @@ def _load() -> ctypes.CDLL:
     lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, ci, vp, ci, ci, ci, ci, vp, vp]
     lib.si_predict_f16.argtypes = [vp, vp, ci, ci, ci, vp, vp, vp, vp, vp, vp]
     lib.si_topk.argtypes = [vp, i64, ci, vp, vp]
+    dbl = ctypes.c_double
+    lib.si_sample.argtypes = [vp, i64, ci, dbl, dbl, dbl, dbl, vp]
     lib.si_to_panels.argtypes = [ci, vp, i64, ci, vp]
     if lib.si_get_isa() < 0:
         raise CpuLibraryError("this CPU has neither AVX2+FMA nor AVX-512: the C kernels need one")
@@ -225,6 +227,23 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     vals, ids = torch.empty(k), torch.empty(k, dtype=torch.int64)
     _check(_lib.si_topk(x.data_ptr(), n, k, vals.data_ptr(), ids.data_ptr()), "topk")
     return vals, ids
+
+
+def sample_topk(x: torch.Tensor, k: int, top_p: float, min_p: float, temperature: float,
+                u: float) -> int:
+    """``generate.sample_ref``'s draw after top-k in one C call: the k best of a 1-D contiguous
+    float32 CPU tensor, top-p, min-p, temperature, and the candidate that uniform ``u`` in
+    [0, 1) picks. Returns its index into ``x``."""
+    n = x.shape[0] if x.dim() == 1 else 0
+    _check_f32(x, (n,), "x")
+    if not 1 <= k <= n:
+        raise ValueError(f"k: expected 1 <= k <= {n}, got {k}")
+    if not temperature > 0.0 or not 0.0 <= u < 1.0:
+        raise ValueError(f"expected temperature > 0 and 0 <= u < 1, got {temperature} and {u}")
+    out = ctypes.c_int64()
+    _check(_lib.si_sample(x.data_ptr(), n, k, top_p, min_p, temperature, u, ctypes.byref(out)),
+           "sample_topk")
+    return out.value
 
 
 class QuantMatrix:

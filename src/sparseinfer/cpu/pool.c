@@ -28,7 +28,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 9
+#define SI_ABI_VERSION 10
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
@@ -997,6 +997,59 @@ int si_topk(const float *x, int64_t n, int k, float *vals, int64_t *ids) {
                 ids[m++] = j;
             }
     }
+    return 0;
+}
+
+/* A draw after top-k (generate.sample's chain, llama.cpp's order), with u in [0, 1) drawn by the
+ * caller: the k best of x (si_topk), their softmax in double; top-p keeps the shortest prefix
+ * whose cumulative probability reaches top_p (top_p >= 1: all); min-p keeps those with at least
+ * min_p times the best one's probability (min_p <= 0: all); over the kept ones, weights
+ * exp((v - v_best) / temperature) and the first whose cumulative weight exceeds u times their
+ * sum. *out = the chosen index into x. temperature > 0, 1 <= k <= n. */
+int si_sample(const float *x, int64_t n, int k, double top_p, double min_p, double temperature,
+              double u, int64_t *out) {
+    if (k < 1 || n < k || !(temperature > 0.0) || !(u >= 0.0 && u < 1.0)) return EINVAL;
+    float *vals = malloc(sizeof(float) * (size_t)k);
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)k);
+    double *w = malloc(sizeof(double) * (size_t)k);
+    if (!vals || !ids || !w) {
+        free(vals), free(ids), free(w);
+        return ENOMEM;
+    }
+    si_topk(x, n, k, vals, ids);
+    const double best = vals[0];
+    double sum = 0.0;
+    for (int i = 0; i < k; i++) sum += w[i] = exp((double)vals[i] - best);
+    int keep = k;
+    if (top_p < 1.0) { /* the first i whose cumulative probability reaches top_p, kept with it */
+        double c = 0.0;
+        int i = 0;
+        for (; i < k; i++) {
+            c += w[i] / sum;
+            if (c >= top_p) break;
+        }
+        if (i + 1 < keep) keep = i + 1;
+    }
+    if (min_p > 0.0) {
+        int m = 0;
+        for (int i = 0; i < k; i++) m += w[i] / sum >= min_p * (w[0] / sum);
+        if (m < 1) m = 1;
+        if (m < keep) keep = m;
+    }
+    double c = 0.0;
+    for (int i = 0; i < keep; i++) c += w[i] = exp(((double)vals[i] - best) / temperature);
+    const double target = u * c;
+    int pick = keep - 1;
+    c = 0.0;
+    for (int i = 0; i < keep; i++) {
+        c += w[i];
+        if (c > target) {
+            pick = i;
+            break;
+        }
+    }
+    *out = ids[pick];
+    free(vals), free(ids), free(w);
     return 0;
 }
 
