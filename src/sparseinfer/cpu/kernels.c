@@ -1142,9 +1142,9 @@ INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int
     }
 }
 /* panel_q4 for one x row (the GEMV): both halves of a block column in one pass, so the stream
- * is read once and x's words broadcast once per block (1.15-1.25x the two-pass GEMV from memory
- * on a Zen 3, benchmarks/RESULTS.md); the same operations per lane (the same bits). Prefetching
- * ahead, as panel_q4 does for its several x rows, was no faster here. */
+ * is read once and x's words broadcast once per block (faster from memory on a Zen 3:
+ * benchmarks/RESULTS.md); the same operations per lane (the same bits). Prefetching ahead, as
+ * panel_q4 does for its several x rows, was no faster here. */
 INLINE void panel_q4_1(const int type, const uint8_t *p, const si_xq *x, const int nb, float *y) {
     const int bb = panel_bytes(type), qoff = type == SI_Q4_0P ? 32 : 64;
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {acc[0], acc[1]};
@@ -1526,7 +1526,8 @@ INLINE void multi_b32_256(const int type, const int bsize, const uint8_t *p, con
  * MULTI_T x rows, each super-block's weights unpacked (and its scales decoded) once for all of
  * them; per x row the same operations as rows_k45 / rows_q6k, so each is its GEMV bit for bit.
  * The unpacking repeats the GEMV's on purpose: helpers shared by both, with the GEMV unpacking
- * ahead of its products, cost the GEMV 4-7% on a Zen 3. y[t * ys] for t < nt. */
+ * ahead of its products, made the GEMV slower on a Zen 3 (benchmarks/RESULTS.md). y[t * ys]
+ * for t < nt. */
 INLINE void multi_k45(const int five, const uint8_t *p, const si_xq *x, const int nt, const int nsb,
                       float *y, const int64_t ys) {
     const int bsize = five ? 176 : 144;
@@ -1618,7 +1619,8 @@ INLINE void prefetch_row(const uint8_t *w, const size_t rb, const int r, const i
 
 /* y[t * y_stride + r] = row r of w times x[t], for t < T: the rows decoded once per MULTI_T x
  * rows where a GEMM kernel exists (AVX-512: Q4_0/Q4_1 groups of 4, short Q8_0 rows; avx2_128
- * and plain AVX2: Q4_0..Q5_1 8 blocks at a time), else si_rows for each x row. */
+ * and plain AVX2: Q4_0..Q5_1 8 blocks at a time; plain AVX2: Q4_K/Q5_K/Q6_K super-blocks;
+ * every build: panels), else si_rows for each x row. */
 void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *x, int T,
                        int cols, float *y, int64_t ys) {
     if (si_is_panel(type)) {
