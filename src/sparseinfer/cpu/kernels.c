@@ -1750,6 +1750,50 @@ void FN(si_quantize_x)(const float *x, int cols, int8_t *q, float *d, float *s) 
 /* Dot products of R Q4_0 rows (pointers) with x: y[r] = row_r · x. The next neurons' bundles
  * (pf[0..npf), pf_bytes each) are fetched a slice per block while these rows are walked: a
  * bundle is a few KB, over before the hardware prefetcher ramps up. */
+#if !SI_AVX512 && !SI_NARROW
+/* q4_dots for 8 rows in plain AVX2, each lane a row as in the panels: per block the 8 rows'
+ * quant words are transposed in registers (rows r and r + 4 in one load, then 32- and 64-bit
+ * unpacks), so lane r of vector c holds word c of row r; one maddubs per word and nibble half
+ * against x's word broadcast, the int16 sums widened once, one FMA per block for all 8 rows
+ * with their scales (8 halves gathered through memory, one convert). */
+INLINE void q4_dots8(const uint8_t *const *rp, const si_xq *x, int nb, float *y,
+                     const uint8_t *const *pf, const int npf, size_t pf_bytes) {
+    const size_t slice = ((pf_bytes + (size_t)nb - 1) / (size_t)nb + 63) / 64 * 64;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        for (int n = 0; n < npf; n++)
+            for (size_t o = slice * b; o < slice * (b + 1) && o < pf_bytes; o += 64)
+                _mm_prefetch((const char *)(pf[n] + o), _MM_HINT_T0);
+        __m256i a[4];
+        uint16_t h[8];
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *p0 = rp[r] + (size_t)b * 18, *p4 = rp[r + 4] + (size_t)b * 18;
+            a[r] = _mm256_loadu2_m128i((const __m128i *)(p4 + 2), (const __m128i *)(p0 + 2));
+            memcpy(&h[r], p0, 2);
+            memcpy(&h[r + 4], p4, 2);
+        }
+        const __m256i t0 = _mm256_unpacklo_epi32(a[0], a[1]), t1 = _mm256_unpackhi_epi32(a[0], a[1]);
+        const __m256i t2 = _mm256_unpacklo_epi32(a[2], a[3]), t3 = _mm256_unpackhi_epi32(a[2], a[3]);
+        const __m256i w[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                              _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+        __m256i s16 = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(w[c], m4),
+                                                             _mm256_set1_epi32(x_word(x, b, c))));
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w[c], 4), m4),
+                                                             _mm256_set1_epi32(x_word(x, b, 4 + c))));
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1))),
+                              _mm256_mul_ps(d, _mm256_set1_ps(x->d[b])), acc);
+        accm = _mm256_fmadd_ps(d, _mm256_set1_ps(x->s[b]), accm);
+    }
+    /* w = d (q - 8): the zero point through x's block sums */
+    _mm256_storeu_ps(y, _mm256_fmadd_ps(accm, _mm256_set1_ps(-8.0f), acc));
+}
+#endif
+
 INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int nb, float *y,
                     const uint8_t *const *pf, const int npf, size_t pf_bytes) {
     const size_t slice = ((pf_bytes + (size_t)nb - 1) / (size_t)nb + 63) / 64 * 64;
@@ -1958,6 +2002,11 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
     (grouped ? q4_dots_g(rp, R, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes)                     \
              : q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes))
 #define AXPY(rp, h, R, o) (grouped ? q4_axpy_g(rp, h, R, nb, o) : q4_axpy(rp, h, R, nb, o))
+#elif !SI_NARROW
+#define DOTS(rp, R, t, y)                                                                      \
+    ((R) == 8 ? q4_dots8(rp, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes)                       \
+              : q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes))
+#define AXPY(rp, h, R, o) q4_axpy(rp, h, R, nb, o)
 #else
 #define DOTS(rp, R, t, y) q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes)
 #define AXPY(rp, h, R, o) q4_axpy(rp, h, R, nb, o)
