@@ -1747,15 +1747,12 @@ void FN(si_quantize_x)(const float *x, int cols, int8_t *q, float *d, float *s) 
 
 /* ------------------------------------------------------------------ sparse FFN, Q4_0 bundles */
 
-/* Dot products of R Q4_0 rows (pointers) with x: y[r] = row_r · x. The next neurons' bundles
- * (pf[0..npf), pf_bytes each) are fetched a slice per block while these rows are walked: a
- * bundle is a few KB, over before the hardware prefetcher ramps up. */
 #if !SI_AVX512 && !SI_NARROW
-/* q4_dots for 8 rows in plain AVX2, each lane a row as in the panels: per block the 8 rows'
- * quant words are transposed in registers (rows r and r + 4 in one load, then 32- and 64-bit
- * unpacks), so lane r of vector c holds word c of row r; one maddubs per word and nibble half
- * against x's word broadcast, the int16 sums widened once, one FMA per block for all 8 rows
- * with their scales (8 halves gathered through memory, one convert). */
+/* q4_dots (below) for 8 rows in plain AVX2, each lane a row as in the panels: per block the 8
+ * rows' quant words are transposed in registers (rows r and r + 4 in one load, then 32- and
+ * 64-bit unpacks), so lane r of vector c holds word c of row r; one maddubs per word and nibble
+ * half against x's word broadcast, the int16 sums widened once, one FMA per block for all 8
+ * rows with their scales (8 halves gathered through memory, one convert). */
 INLINE void q4_dots8(const uint8_t *const *rp, const si_xq *x, int nb, float *y,
                      const uint8_t *const *pf, const int npf, size_t pf_bytes) {
     const size_t slice = ((pf_bytes + (size_t)nb - 1) / (size_t)nb + 63) / 64 * 64;
@@ -1794,6 +1791,9 @@ INLINE void q4_dots8(const uint8_t *const *rp, const si_xq *x, int nb, float *y,
 }
 #endif
 
+/* Dot products of R Q4_0 rows (pointers) with x: y[r] = row_r · x. The next neurons' bundles
+ * (pf[0..npf), pf_bytes each) are fetched a slice per block while these rows are walked: a
+ * bundle is a few KB, over before the hardware prefetcher ramps up. */
 INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int nb, float *y,
                     const uint8_t *const *pf, const int npf, size_t pf_bytes) {
     const size_t slice = ((pf_bytes + (size_t)nb - 1) / (size_t)nb + 63) / 64 * 64;
