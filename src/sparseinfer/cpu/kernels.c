@@ -1747,6 +1747,19 @@ void FN(si_quantize_x)(const float *x, int cols, int8_t *q, float *d, float *s) 
 
 /* ------------------------------------------------------------------ sparse FFN, Q4_0 bundles */
 
+/* The next neurons' bundles (pf[0..npf), pf_bytes each) are fetched a slice per step while the
+ * current rows are walked in `parts` steps: slice_bytes is a slice's size (whole cache lines),
+ * prefetch_slice fetches slice i of each. */
+INLINE size_t slice_bytes(const size_t pf_bytes, const int parts) {
+    return ((pf_bytes + (size_t)parts - 1) / (size_t)parts + 63) / 64 * 64;
+}
+INLINE void prefetch_slice(const uint8_t *const *pf, const int npf, const size_t pf_bytes,
+                           const size_t slice, const int i) {
+    for (int n = 0; n < npf; n++)
+        for (size_t o = slice * i; o < slice * (i + 1) && o < pf_bytes; o += 64)
+            _mm_prefetch((const char *)(pf[n] + o), _MM_HINT_T0);
+}
+
 #if !SI_AVX512 && !SI_NARROW
 /* q4_dots (below) for 8 rows in plain AVX2, each lane a row as in the panels: per block the 8
  * rows' quant words are transposed in registers (rows r and r + 4 in one load, then 32- and
@@ -1755,13 +1768,11 @@ void FN(si_quantize_x)(const float *x, int cols, int8_t *q, float *d, float *s) 
  * rows with their scales (8 halves gathered through memory, one convert). */
 INLINE void q4_dots8(const uint8_t *const *rp, const si_xq *x, int nb, float *y,
                      const uint8_t *const *pf, const int npf, size_t pf_bytes) {
-    const size_t slice = ((pf_bytes + (size_t)nb - 1) / (size_t)nb + 63) / 64 * 64;
+    const size_t slice = slice_bytes(pf_bytes, nb);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        for (int n = 0; n < npf; n++)
-            for (size_t o = slice * b; o < slice * (b + 1) && o < pf_bytes; o += 64)
-                _mm_prefetch((const char *)(pf[n] + o), _MM_HINT_T0);
+        prefetch_slice(pf, npf, pf_bytes, slice, b);
         __m256i a[4];
         uint16_t h[8];
         for (int r = 0; r < 4; r++) {
@@ -1796,7 +1807,7 @@ INLINE void q4_dots8(const uint8_t *const *rp, const si_xq *x, int nb, float *y,
  * bundle is a few KB, over before the hardware prefetcher ramps up. */
 INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int nb, float *y,
                     const uint8_t *const *pf, const int npf, size_t pf_bytes) {
-    const size_t slice = ((pf_bytes + (size_t)nb - 1) / (size_t)nb + 63) / 64 * 64;
+    const size_t slice = slice_bytes(pf_bytes, nb);
     __m256 acc[8];
     float cs[8];
 #if SI_NARROW
@@ -1810,9 +1821,7 @@ INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int n
     for (int b = 0; b < nb; b++) {
         const __m256i xv = loadx(x, b);
         const float xd = x->d[b], xs = x->s[b];
-        for (int n = 0; n < npf; n++)
-            for (size_t o = slice * b; o < slice * (b + 1) && o < pf_bytes; o += 64)
-                _mm_prefetch((const char *)(pf[n] + o), _MM_HINT_T0);
+        prefetch_slice(pf, npf, pf_bytes, slice, b);
         for (int r = 0; r < R; r++) {
             const uint8_t *p = rp[r] + (size_t)b * 18;
             const float dw = f16(p);
@@ -1891,7 +1900,7 @@ INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int n
 INLINE void q4_dots_g(const uint8_t *const *rp, const int R, const si_xq *x, int nb, float *y,
                       const uint8_t *const *pf, const int npf, size_t pf_bytes) {
     const int G = nb / 4;
-    const size_t slice = ((pf_bytes + (size_t)G - 1) / (size_t)G + 63) / 64 * 64;
+    const size_t slice = slice_bytes(pf_bytes, G);
     const __m512i qidx = q4g_qidx(18), didx = q4g_didx(18, 0), lb = lane_block();
     __m512 acc[8];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -1899,9 +1908,7 @@ INLINE void q4_dots_g(const uint8_t *const *rp, const int R, const si_xq *x, int
         const uint8_t *xg = xg_at(x, g);
         const __m512i z = xg_z(xg);
         const __m512 xd = xg_f4(xg, XG_D, lb);
-        for (int n = 0; n < npf; n++)
-            for (size_t o = slice * g; o < slice * (g + 1) && o < pf_bytes; o += 64)
-                _mm_prefetch((const char *)(pf[n] + o), _MM_HINT_T0);
+        prefetch_slice(pf, npf, pf_bytes, slice, g);
         for (int r = 0; r < R; r++) {
             __m512i a;
             const __m512i q = q4g_quants(rp[r] + 72 * (size_t)g, 18, qidx, &a);

@@ -215,15 +215,21 @@ def to_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarr
     return out
 
 
+def _check_vector_k(x: torch.Tensor, k: int) -> int:
+    """x a 1-D contiguous float32 CPU tensor of n >= k >= 1 values; returns n."""
+    n = x.shape[0] if x.dim() == 1 else 0
+    _check_f32(x, (n,), "x")
+    if not 1 <= k <= n:
+        raise ValueError(f"k: expected 1 <= k <= {n}, got {k}")
+    return n
+
+
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(x, k)`` of a 1-D contiguous float32 CPU tensor: (values, int64 indices),
     largest first; equal values lower index first; NaN only when fewer than k other values.
     One pass that skips, four at a time, whatever is below the k-th best so far (sampling's
     top-k over a vocabulary: a few µs instead of torch's tens)."""
-    n = x.shape[0] if x.dim() == 1 else 0
-    _check_f32(x, (n,), "x")
-    if not 1 <= k <= n:
-        raise ValueError(f"k: expected 1 <= k <= {n}, got {k}")
+    n = _check_vector_k(x, k)
     vals, ids = torch.empty(k), torch.empty(k, dtype=torch.int64)
     _check(_lib.si_topk(x.data_ptr(), n, k, vals.data_ptr(), ids.data_ptr()), "topk")
     return vals, ids
@@ -234,10 +240,7 @@ def sample_topk(x: torch.Tensor, k: int, top_p: float, min_p: float, temperature
     """``generate.sample_ref``'s draw after top-k in one C call: the k best of a 1-D contiguous
     float32 CPU tensor, top-p, min-p, temperature, and the candidate that uniform ``u`` in
     [0, 1) picks. Returns its index into ``x``."""
-    n = x.shape[0] if x.dim() == 1 else 0
-    _check_f32(x, (n,), "x")
-    if not 1 <= k <= n:
-        raise ValueError(f"k: expected 1 <= k <= {n}, got {k}")
+    n = _check_vector_k(x, k)
     if not temperature > 0.0 or not 0.0 <= u < 1.0:
         raise ValueError(f"expected temperature > 0 and 0 <= u < 1, got {temperature} and {u}")
     out = ctypes.c_int64()
