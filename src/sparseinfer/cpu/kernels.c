@@ -2065,6 +2065,124 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
 #endif
 }
 
+/* ------------------------------------------------------------------ sparse FFN, int8 bundles */
+
+/* int8 rows with float32 scales per block of `block` weights (PackedFFN dtype "int8"; block and
+ * d_model multiples of 8, so is a short last block). x stays float32: weights are widened from
+ * memory 8 at a time and converted, the arithmetic of the numba kernel (sparse/kernels.py) in
+ * another summation order. */
+
+/* 8 int8 weights at p as floats */
+INLINE __m256 i8_ps(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* y[r] = sum_b s_r[b] (row_r . x over block b) for R <= 4 rows. */
+INLINE void i8_dots(const int8_t *const *rp, const float *const *sp, const int R, const float *x,
+                    const int d, const int block, float *y) {
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const int nbk = (d + block - 1) / block;
+    for (int b = 0; b < nbk; b++) {
+        const int j1 = (b + 1) * block < d ? (b + 1) * block : d;
+        __m256 p[4], q[4]; /* two partial sums per row (even and odd steps of 8): shorter chains */
+        for (int r = 0; r < R; r++) p[r] = q[r] = _mm256_setzero_ps();
+        int j = b * block;
+        for (; j + 16 <= j1; j += 16) {
+            const __m256 x0 = _mm256_loadu_ps(x + j), x1 = _mm256_loadu_ps(x + j + 8);
+            for (int r = 0; r < R; r++) {
+                p[r] = _mm256_fmadd_ps(i8_ps(rp[r] + j), x0, p[r]);
+                q[r] = _mm256_fmadd_ps(i8_ps(rp[r] + j + 8), x1, q[r]);
+            }
+        }
+        if (j < j1) { /* a block of 8 (mod 16) */
+            const __m256 x0 = _mm256_loadu_ps(x + j);
+            for (int r = 0; r < R; r++) p[r] = _mm256_fmadd_ps(i8_ps(rp[r] + j), x0, p[r]);
+        }
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_add_ps(p[r], q[r]), _mm256_set1_ps(sp[r][b]), acc[r]);
+    }
+    for (int r = 0; r < R; r++) y[r] = hsum(acc[r]);
+}
+
+/* out += sum_r h[r] s_r[b] row_r over each block b, for R <= 4 rows. */
+INLINE void i8_axpy(const int8_t *const *rp, const float *const *sp, const float *h, const int R,
+                    const int d, const int block, float *out) {
+    const int nbk = (d + block - 1) / block;
+    for (int b = 0; b < nbk; b++) {
+        __m256 c[4];
+        for (int r = 0; r < R; r++) c[r] = _mm256_set1_ps(h[r] * sp[r][b]);
+        const int j1 = (b + 1) * block < d ? (b + 1) * block : d;
+        int j = b * block;
+        for (; j + 16 <= j1; j += 16) {
+            __m256 o0 = _mm256_loadu_ps(out + j), o1 = _mm256_loadu_ps(out + j + 8);
+            for (int r = 0; r < R; r++) {
+                o0 = _mm256_fmadd_ps(i8_ps(rp[r] + j), c[r], o0);
+                o1 = _mm256_fmadd_ps(i8_ps(rp[r] + j + 8), c[r], o1);
+            }
+            _mm256_storeu_ps(out + j, o0);
+            _mm256_storeu_ps(out + j + 8, o1);
+        }
+        if (j < j1) {
+            __m256 o = _mm256_loadu_ps(out + j);
+            for (int r = 0; r < R; r++) o = _mm256_fmadd_ps(i8_ps(rp[r] + j), c[r], o);
+            _mm256_storeu_ps(out + j, o);
+        }
+    }
+}
+
+/* Neurons idx[0..k) of int8 bundles (bundle_bytes apart; each: [gate row,] up row, down column
+ * of d_model) with their scales (nbk per row, [gate,] up, down per neuron), for T tokens x
+ * [T, d_model]: out[t] += sum_i h_i(x_t) * down_i. 4 neurons at a time, as si_sparse_q4; a
+ * group whose 4 h come out 0 (ReLU-family neurons not firing) skips its down rows. No software
+ * prefetch: a bundle of int8 rows is long enough for the hardware's (prefetching the next
+ * bundles as si_sparse_q4 does was slower, from memory and from cache: benchmarks/RESULTS.md). */
+void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
+                      int block, int gated, const int32_t *idx, int k, const float *x, int T,
+                      int d_model, int ga, int ua, const float *bias, float *out) {
+    const int nm = gated ? 3 : 2;
+    for (int i = 0; i < k; i += 4) {
+        const int R = k - i < 4 ? k - i : 4;
+        const int8_t *gr[4], *ur[4], *dr[4];
+        const float *gs[4], *us[4], *ds[4];
+        for (int n = 0; n < R; n++) {
+            const int8_t *base = rows + (size_t)idx[i + n] * bundle_bytes;
+            const float *sb = scales + (size_t)idx[i + n] * nm * nbk;
+            gr[n] = base, gs[n] = sb; /* (not read when ungated) */
+            ur[n] = base + (gated ? d_model : 0), us[n] = sb + (gated ? nbk : 0);
+            dr[n] = ur[n] + d_model, ds[n] = us[n] + nbk;
+        }
+        /* R a constant in each call (4, or 1 per neuron of a last short group): the rows'
+         * accumulators stay in registers */
+#define DOTS(rp, sp, R, y) i8_dots(rp, sp, R, xt, d_model, block, y)
+        for (int t = 0; t < T; t++) {
+            const float *xt = x + (size_t)t * d_model;
+            float zg[4], zu[4], h[4];
+            int live = 0;
+            if (R == 4) {
+                if (gated) DOTS(gr, gs, 4, zg);
+                DOTS(ur, us, 4, zu);
+            } else {
+                for (int n = 0; n < R; n++) {
+                    if (gated) DOTS(&gr[n], &gs[n], 1, &zg[n]);
+                    DOTS(&ur[n], &us[n], 1, &zu[n]);
+                }
+            }
+            for (int n = 0; n < R; n++) {
+                h[n] = gated ? act(ga, zg[n]) * act(ua, zu[n])
+                             : act(ua, zu[n] + (bias ? bias[idx[i + n]] : 0.0f));
+                live |= h[n] != 0.0f;
+            }
+            float *o = out + (size_t)t * d_model;
+            if (!live) continue;
+            if (R == 4) i8_axpy(dr, ds, h, 4, d_model, block, o);
+            else
+                for (int n = 0; n < R; n++) i8_axpy(&dr[n], &ds[n], &h[n], 1, d_model, block, o);
+        }
+#undef DOTS
+    }
+}
+
 /* ------------------------------------------------------------------ one-token block helpers */
 
 /* exp(x) for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial; relative

@@ -36,6 +36,7 @@ __all__ = [
     "set_spin_us",
     "set_threads",
     "sparse_ffn_q4",
+    "sparse_ffn_i8",
     "F16Predictor",
     "predict_f16",
     "pool_stats",
@@ -60,7 +61,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q8_0x16": (12, 32, 34),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 
 class CpuLibraryError(SparseInferError):
@@ -85,6 +86,7 @@ def _load() -> ctypes.CDLL:
     lib.si_gemm.argtypes = [ci, vp, i64, ci, vp, i64, vp]
     lib.si_quantize_x.argtypes = [vp, ci, vp, vp, vp]
     lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, ci, vp, ci, ci, ci, ci, vp, vp]
+    lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, vp, ci, ci, vp, ci, ci, ci, ci, vp, vp]
     lib.si_predict_f16.argtypes = [vp, vp, ci, ci, ci, vp, vp, vp, vp, vp, vp]
     lib.si_topk.argtypes = [vp, i64, ci, vp, vp]
     dbl = ctypes.c_double
@@ -410,6 +412,39 @@ def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.T
     _check(_lib.si_sparse_q4(rows.data_ptr(), n_mats * width, int(gated), idx.data_ptr(),
                              idx.shape[0], d_ff, x.data_ptr(), T, d_model, gate_act, up_act,
                              bias or None, out.data_ptr()), "sparse_ffn_q4")
+    return out
+
+
+def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: bool,
+                  idx: torch.Tensor, x: torch.Tensor, out: torch.Tensor, gate_act: int,
+                  up_act: int, up_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``sparse_ffn_q4`` over int8 neuron bundles (``PackedFFN`` dtype "int8"): ``rows`` int8
+    ``[d_ff, n_mats, d_model]``, ``scales`` float32 ``[d_ff, n_mats, ceil(d_model / block)]``
+    (one per ``block`` weights of a row; ``block`` and ``d_model`` multiples of 8). ``x`` stays
+    float32: the weights are converted, not ``x`` rounded. (Reference:
+    ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN`` of dtype "int8".)"""
+    d_ff, n_mats, d_model = rows.shape
+    if x.dim() != 2 or x.shape[1] != d_model:
+        raise ValueError(f"x: expected float32 [T, {d_model}], got {list(x.shape)}")
+    T = x.shape[0]
+    _check_f32(x, (T, d_model), "x")
+    _check_f32(out, (T, d_model), "out")
+    if rows.dtype != torch.int8 or not rows.is_contiguous() or n_mats != (3 if gated else 2):
+        raise ValueError(f"rows: expected contiguous int8 [d_ff, {3 if gated else 2}, d_model], "
+                         f"got {rows.dtype} {list(rows.shape)}")
+    if d_model % 8 or block <= 0 or block % 8 or block > d_model:
+        raise ValueError(f"block, d_model: expected multiples of 8 with block <= d_model, got "
+                         f"{block}, {d_model}")
+    _check_f32(scales, (d_ff, n_mats, -(-d_model // block)), "scales")
+    if idx.dtype != torch.int32 or not idx.is_contiguous():
+        raise ValueError(f"idx: expected contiguous int32, got {idx.dtype}")
+    bias = 0
+    if up_bias is not None:
+        _check_f32(up_bias, (d_ff,), "up_bias")
+        bias = up_bias.data_ptr()
+    _check(_lib.si_sparse_i8(rows.data_ptr(), scales.data_ptr(), block, int(gated),
+                             idx.data_ptr(), idx.shape[0], d_ff, x.data_ptr(), T, d_model,
+                             gate_act, up_act, bias or None, out.data_ptr()), "sparse_ffn_i8")
     return out
 
 

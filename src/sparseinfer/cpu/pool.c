@@ -28,7 +28,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 10
+#define SI_ABI_VERSION 11
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
@@ -59,6 +59,9 @@ static rows_multi_fn g_rows_multi;
 static quant_fn g_quant;
 static xgroups_fn g_xgroups;
 static sparse_fn g_sparse;
+typedef void (*sparse_i8_fn)(const int8_t *, size_t, const float *, int, int, int, const int32_t *,
+                             int, const float *, int, int, int, int, const float *, float *);
+static sparse_i8_fn g_sparse_i8;
 typedef void (*attend_fn)(const float *, const float *, const float *, int, int, float, float *,
                           float *);
 typedef void (*glu_fn)(int, int, int, const float *, const float *, int, float *);
@@ -105,6 +108,7 @@ int si_set_isa(int isa) {
     g_quant = PICK(si_quantize_x);
     g_xgroups = PICK(si_xgroups);
     g_sparse = PICK(si_sparse_q4);
+    g_sparse_i8 = PICK(si_sparse_i8);
     g_attend = PICK(si_attend_head);
     g_glu = PICK(si_glu);
 #undef PICK
@@ -450,7 +454,7 @@ int si_gemm(int type, const void *w, int64_t rows, int cols, const float *x, int
     return run(1, &type, &w, &rows, cols, x, T, &out);
 }
 
-/* ------------------------------------------------------------------ sparse FFN (Q4_0 bundles) */
+/* ------------------------------------------------------------------ sparse FFN (Q4_0 or int8 bundles) */
 
 typedef struct {
     const uint8_t *bundles;
@@ -460,6 +464,10 @@ typedef struct {
     const float *bias;
     float *out;  /* [T, d_model] */
     float *part; /* one token: [n_chunks, d_model] partial sums, one per neuron range */
+    /* int8 bundles (scales != NULL): their scales, nbk per row of `block` weights, and x as is
+     * (Q4_0 bundles take x quantized, S.xq) */
+    const float *scales, *x;
+    int nbk, block;
 } sparse_job_t;
 
 static struct {
@@ -467,65 +475,102 @@ static struct {
     size_t cap;
 } SP;
 
+/* neurons idx[0..k) for tokens t0..t0 + T into o */
+static void sparse_part(const sparse_job_t *j, const int32_t *idx, int k, int t0, int T, float *o) {
+    memset(o, 0, sizeof(float) * j->d_model * (size_t)T);
+    if (j->scales)
+        g_sparse_i8((const int8_t *)j->bundles, j->bundle_bytes, j->scales, j->nbk, j->block,
+                    j->gated, idx, k, j->x + (size_t)t0 * j->d_model, T, j->d_model, j->ga, j->ua,
+                    j->bias, o);
+    else
+        g_sparse(j->bundles, j->bundle_bytes, j->gated, idx, k, S.xq + t0, T, j->d_model, j->ga,
+                 j->ua, j->bias, o);
+}
+
 static void sparse_chunk(const void *jp, int64_t c) {
     const sparse_job_t *j = jp;
     if (j->T == 1) { /* neuron range c of one token, into its own partial sum */
         const int i0 = (int)(c * j->k / j->n_chunks), i1 = (int)((c + 1) * j->k / j->n_chunks);
-        float *o = j->n_chunks == 1 ? j->out : j->part + c * (size_t)j->d_model;
-        memset(o, 0, sizeof(float) * j->d_model);
-        g_sparse(j->bundles, j->bundle_bytes, j->gated, j->idx + i0, i1 - i0, S.xq, 1, j->d_model,
-                 j->ga, j->ua, j->bias, o);
+        sparse_part(j, j->idx + i0, i1 - i0, 0, 1,
+                    j->n_chunks == 1 ? j->out : j->part + c * (size_t)j->d_model);
     } else { /* token range c, every neuron */
         const int t0 = (int)(c * j->T / j->n_chunks), t1 = (int)((c + 1) * j->T / j->n_chunks);
-        float *o = j->out + (size_t)t0 * j->d_model;
-        memset(o, 0, sizeof(float) * j->d_model * (size_t)(t1 - t0));
-        g_sparse(j->bundles, j->bundle_bytes, j->gated, j->idx, j->k, S.xq + t0, t1 - t0,
-                 j->d_model, j->ga, j->ua, j->bias, o);
+        sparse_part(j, j->idx, j->k, t0, t1 - t0, j->out + (size_t)t0 * j->d_model);
     }
 }
 
-/* out[t] = sum_{i in idx} h_i(x[t]) * down_i for T tokens x [T, d_model] (see kernels.c). */
-int si_sparse_q4(const void *bundles, size_t bundle_bytes, int gated, const int32_t *idx, int k,
-                 int d_ff, const float *x, int T, int d_model, int ga, int ua, const float *bias,
-                 float *out) {
-    if (g_isa < 0) return ENODEV;
-    if (d_model <= 0 || d_model % 32 || T < 1 || k < 0 || ga < 0 || ga > 4 || ua < 0 || ua > 4)
-        return EINVAL;
-    for (int i = 0; i < k; i++)
-        if (idx[i] < 0 || idx[i] >= d_ff) return ERANGE;
-    sparse_job_t j = {bundles, bundle_bytes, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx, bias,
-                      out, NULL};
+/* Split job j over the pool (T == 1: neuron ranges into partial sums, added at the end; else
+ * token ranges), after quantizing x for Q4_0 bundles. Under the call lock. */
+static int sparse_run(sparse_job_t *j, const float *x) {
     const int nt = P.n_workers + 1;
-    if (T == 1) {
-        int n = (k + 31) / 32;
-        j.n_chunks = n < 1 ? 1 : n > 4 * nt ? 4 * nt : n;
+    if (j->T == 1) {
+        int n = (j->k + 31) / 32;
+        j->n_chunks = n < 1 ? 1 : n > 4 * nt ? 4 * nt : n;
     } else {
-        j.n_chunks = T < 4 * nt ? T : 4 * nt;
+        j->n_chunks = j->T < 4 * nt ? j->T : 4 * nt;
     }
     pthread_mutex_lock(&g_call_lock);
-    int err = quantize_rows(x, T, d_model, 1, 1);
-    if (!err && T == 1 && j.n_chunks > 1) {
-        const size_t need = (size_t)j.n_chunks * d_model;
+    int err = j->scales ? 0 : quantize_rows(x, j->T, j->d_model, 1, 1);
+    if (!err && j->T == 1 && j->n_chunks > 1) {
+        const size_t need = (size_t)j->n_chunks * j->d_model;
         if (need > SP.cap) {
             free(SP.p);
             SP.p = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
             SP.cap = SP.p ? need : 0;
             if (!SP.p) err = ENOMEM;
         }
-        j.part = SP.p;
+        j->part = SP.p;
     }
     if (!err) {
-        pool_run(sparse_chunk, &j, j.n_chunks);
-        if (T == 1 && j.n_chunks > 1) {
-            for (int d = 0; d < d_model; d++) {
+        pool_run(sparse_chunk, j, j->n_chunks);
+        if (j->T == 1 && j->n_chunks > 1) {
+            for (int d = 0; d < j->d_model; d++) {
                 float acc = 0.0f;
-                for (int c = 0; c < j.n_chunks; c++) acc += j.part[(size_t)c * d_model + d];
-                out[d] = acc;
+                for (int c = 0; c < j->n_chunks; c++) acc += j->part[(size_t)c * j->d_model + d];
+                j->out[d] = acc;
             }
         }
     }
     pthread_mutex_unlock(&g_call_lock);
     return err;
+}
+
+/* The arguments both sparse calls check: d_model a multiple of `mult`, activation codes, indices
+ * in range. */
+static int sparse_args(int d_model, int mult, int T, int k, int ga, int ua, const int32_t *idx,
+                       int d_ff) {
+    if (g_isa < 0) return ENODEV;
+    if (d_model <= 0 || d_model % mult || T < 1 || k < 0 || ga < 0 || ga > 4 || ua < 0 || ua > 4)
+        return EINVAL;
+    for (int i = 0; i < k; i++)
+        if (idx[i] < 0 || idx[i] >= d_ff) return ERANGE;
+    return 0;
+}
+
+/* out[t] = sum_{i in idx} h_i(x[t]) * down_i for T tokens x [T, d_model] (see kernels.c). */
+int si_sparse_q4(const void *bundles, size_t bundle_bytes, int gated, const int32_t *idx, int k,
+                 int d_ff, const float *x, int T, int d_model, int ga, int ua, const float *bias,
+                 float *out) {
+    const int err = sparse_args(d_model, 32, T, k, ga, ua, idx, d_ff);
+    if (err) return err;
+    sparse_job_t j = {bundles, bundle_bytes, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx, bias,
+                      out, NULL, NULL, NULL, 0, 0};
+    return sparse_run(&j, x);
+}
+
+/* The same over int8 bundles (PackedFFN dtype "int8"): rows int8 [d_ff, n_mats, d_model], scales
+ * float32 [d_ff, n_mats, nbk] per block of `block` weights (a multiple of 8, as d_model);
+ * x float32 [T, d_model] as is. */
+int si_sparse_i8(const void *rows, const float *scales, int block, int gated, const int32_t *idx,
+                 int k, int d_ff, const float *x, int T, int d_model, int ga, int ua,
+                 const float *bias, float *out) {
+    const int err = sparse_args(d_model, 8, T, k, ga, ua, idx, d_ff);
+    if (err) return err;
+    if (block <= 0 || block % 8 || block > d_model) return EINVAL;
+    const int nm = gated ? 3 : 2;
+    sparse_job_t j = {rows, (size_t)nm * d_model, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx,
+                      bias, out, NULL, scales, x, (d_model + block - 1) / block, block};
+    return sparse_run(&j, x);
 }
 
 /* ------------------------------------------------------------------ predictor (F16 weights) */

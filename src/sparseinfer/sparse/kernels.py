@@ -1,5 +1,7 @@
 """Fused numba kernels for the neuron-aware operators; references with the same signatures are in
-``reference.py``.
+``reference.py``. q4 rows, and int8 rows whose blocks are a multiple of 8 long, run in the C
+library instead (``sparseinfer.cpu.sparse_ffn_q4`` / ``sparse_ffn_i8``, see ``_in_c``; the C int8
+kernel against numba's: benchmarks/RESULTS.md).
 
 The sparse FFN splits the active list into one chunk per thread (``prange`` over chunks); each
 chunk walks its neurons four at a time (the 4 neurons' gate and up dot products in one loop, 8
@@ -10,15 +12,11 @@ widened by ``<< 16`` into float32 bits; int8 rows are multiplied by their scale 
 Everything accumulates in float32. Small calls (< ``SERIAL_BYTES`` of weights) run on the calling
 thread only.
 
-Threads: ``set_threads(n)`` (numba's setting for the calling thread, plus the chunk count).
-Scratch buffers are cached per calling thread and grown on demand; no call allocates in the
-steady state. Compiled code is cached on disk by numba (``cache=True``): the first import on a
-fresh checkout compiles for ~10-20 s, later ones load in well under a second.
-
-Measured (benchmarks/kernels.py, 2 threads, Llama-7B FFN at 10%): fp32 ~50 GB/s of active
-weights when a streaming read reaches ~60-70 GB/s (a read-only pass over the same bundles, no
-arithmetic, reaches ~51), i.e. at the access pattern's limit; int8 is compute-bound at ~33 GB/s
-(per row) and ~20 GB/s (blocks of 32: one horizontal reduction per block and row).
+Threads: ``set_threads(n)`` (numba's setting for the calling thread, plus the chunk count; the C
+kernels use the C library's pool, ``cpu.set_threads``). Scratch buffers are cached per calling
+thread and grown on demand; no call allocates in the steady state. Compiled code is cached on
+disk by numba (``cache=True``): the first import on a fresh checkout compiles for ~10-20 s, later
+ones load in well under a second.
 """
 
 from __future__ import annotations
@@ -464,9 +462,17 @@ class _one_thread:
             numba.set_num_threads(self.nt)
 
 
-def _run_q4(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """q4 rows: the C kernel (``sparseinfer.cpu.sparse_ffn_q4``) on [T, d] x and out."""
-    from .. import cpu  # the C library: loaded (or reported missing) on first use of q4
+def _in_c(ffn: PackedFFN) -> bool:
+    """Rows the C library's kernels take: q4, and int8 whose blocks and rows are multiples of 8
+    (``cpu.sparse_ffn_i8``; other int8 blocks stay in numba)."""
+    return ffn.dtype == "q4" or (ffn.dtype == "int8" and ffn.d_model % 8 == 0
+                                 and ffn.block % 8 == 0)
+
+
+def _run_c(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """q4 or int8 rows (``_in_c``): the C kernels (``sparseinfer.cpu.sparse_ffn_q4`` /
+    ``sparse_ffn_i8``) on [T, d] x and out, in the C library's thread pool."""
+    from .. import cpu  # the C library: loaded (or reported missing) on first use
 
     if ffn.rows.device.type != "cpu":
         raise ValueError(f"ffn.rows: expected a CPU tensor, got one on {ffn.rows.device}")
@@ -475,8 +481,12 @@ def _run_q4(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tenso
     if idx.dtype != torch.int32 or not idx.is_contiguous():
         idx = idx.to(torch.int32).contiguous()
     try:
-        cpu.sparse_ffn_q4(ffn.rows, kind.gated, idx, x.contiguous(), out, ga,
-                          ACT_CODES[kind.up_act], ffn.up_bias)
+        if ffn.dtype == "q4":
+            cpu.sparse_ffn_q4(ffn.rows, kind.gated, idx, x.contiguous(), out, ga,
+                              ACT_CODES[kind.up_act], ffn.up_bias)
+        else:
+            cpu.sparse_ffn_i8(ffn.rows, ffn.scales, ffn.block, kind.gated, idx, x.contiguous(),
+                              out, ga, ACT_CODES[kind.up_act], ffn.up_bias)
     except RuntimeError as e:
         if "out of range" in str(e):
             raise IndexError(f"idx: expected neuron indices in [0, {ffn.d_ff})") from e
@@ -521,8 +531,8 @@ def sparse_ffn(
     check_ffn_args(x, ffn, idx, out)
     if idx.shape[0] == 0:
         return out.zero_()
-    if ffn.dtype == "q4":
-        _run_q4(x.reshape(1, -1), ffn, idx, out.view(1, -1))
+    if _in_c(ffn):
+        _run_c(x.reshape(1, -1), ffn, idx, out.view(1, -1))
         return out
     xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
     _run_ffn(xn.reshape(1, -1), ffn, _idx_numpy(idx), out.numpy().reshape(1, -1))
@@ -539,8 +549,8 @@ def sparse_ffn_batch(
     few hundred tokens, over int8 rows it did not by 256 (benchmarks/prefill.py).
     """
     check_batch_args(x, ffn, idx, out)
-    if ffn.dtype == "q4":
-        return _run_q4(x, ffn, idx, out)
+    if _in_c(ffn):
+        return _run_c(x, ffn, idx, out)
     xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
     _run_ffn(xn, ffn, _idx_numpy(idx), out.numpy())
     return out

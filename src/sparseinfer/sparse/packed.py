@@ -7,7 +7,8 @@ float32 symmetric absmax scales per block of ``block`` consecutive weights of on
 (``block == d_model`` means one scale per row; a last block shorter than ``block`` is allowed).
 q4 rows are GGUF Q4_0 blocks (per 32 weights: an fp16 scale ``d`` and 16 bytes of nibbles,
 ``w = d · (q − 8)``), so ``rows`` is uint8 ``[d_ff, n_mats, d_model / 32 · 18]``; they run in the
-C kernel ``sparseinfer.cpu.sparse_ffn_q4``.
+C kernel ``sparseinfer.cpu.sparse_ffn_q4`` (int8 rows with blocks a multiple of 8 in
+``sparse_ffn_i8``, other storage in numba: ``kernels.py``).
 
 The kernels (``kernels.py``) and the torch references (``reference.py``) read only this layout.
 """
