@@ -236,6 +236,11 @@ def test_int8_rows_take_bf16_predictors(tiny_model_dir, with_predictors):
     lm, info = load_sparse(with_predictors(tiny_model_dir("reglu"), seed=7), ffn_dtype="int8")
     ffn = info.modules[0]
     assert ffn.predictor.fc1.dtype == torch.bfloat16 == ffn.predictor.fc2.dtype
+    # one float32 scale per 32 weights of a row (per row when d_model is not a multiple of 32)
+    d = lm.config.d_model
+    packed = ffn.packed
+    assert packed.block == (32 if d % 32 == 0 else d)
+    assert tuple(packed.scales.shape) == (lm.config.d_ff, 3, d // packed.block)
     x = torch.randn(lm.config.d_model)
     want = torch.empty(lm.config.d_ff, dtype=torch.int32)
     k = predict_active_ref(x, ffn.predictor.fc1, ffn.predictor.fc2, ffn.predictor.threshold, want,

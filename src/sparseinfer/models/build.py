@@ -30,8 +30,8 @@ from ..quant import blocks as qb
 from ..quant.linear import FloatLinear, GGMLLinear, Int4Linear, Int8Linear
 from ..sparse.ffn import SparseFFN
 from ..sparse.packed import DTYPES as PACKED_DTYPES
-from ..sparse.packed import (Q4_BYTES, Q4_GROUP, PackedFFN, empty_hugepages, quantize_int8,
-                             quantize_q4_0)
+from ..sparse.packed import (Q4_BYTES, Q4_GROUP, PackedFFN, empty_hugepages, int8_block,
+                             quantize_int8, quantize_q4_0)
 from .loading import FileTensor, ModelSource, open_source, unpermute_qk
 from .model import FFN, Norm, Transformer
 from .plan import Plan, make_plan
@@ -255,7 +255,8 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
     n_mats = len(mats)
     width = D // Q4_GROUP * Q4_BYTES if dtype == "q4" else D
     rows = empty_hugepages((F, n_mats, width), PACKED_DTYPES[dtype])
-    scales = torch.empty(F, n_mats, 1) if dtype == "int8" else None
+    block = int8_block(D) if dtype == "int8" else 0
+    scales = torch.empty(F, n_mats, D // block) if dtype == "int8" else None
     for m, (canon, half) in enumerate(mats):
         t = src.tensors[canon]
         if dtype == "q4" and t.kind == "Q4_0" and not canon.endswith("ffn.down.weight"):
@@ -276,13 +277,13 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
             raise ModelFileError(f"{src.path}: tensor {t.name!r}: expected shape {(F, D)} as "
                                  f"neuron rows, found {tuple(w.shape)}")
         if dtype == "int8":
-            rows[:, m], scales[:, m] = quantize_int8(w, D)
+            rows[:, m], scales[:, m] = quantize_int8(w, block)
         elif dtype == "q4":
             rows[:, m] = quantize_q4_0(w)
         else:
             rows[:, m] = w
         del w
-    return PackedFFN(kind, dtype, D, F, rows, scales, D if dtype == "int8" else 0, up_bias)
+    return PackedFFN(kind, dtype, D, F, rows, scales, block, up_bias)
 
 
 def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:

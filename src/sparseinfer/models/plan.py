@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 GIB = 1 << 30
 DTYPE_CHOICES = ("auto", "fp32", "bf16", "q4")
 FFN_DTYPES = ("auto", "fp32", "bf16", "int8", "q4")
-ROW_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "q4": 18 / 32}  # per weight of a sparse row
+# per weight of a sparse row, scales included (int8: float32 per 32 weights, sparse.packed.int8_block)
+ROW_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4 / 32, "q4": 18 / 32}
 SELECTORS = ("predictor", "oracle", "all")
 FLOAT_KINDS = ("F32", "F16", "BF16", "float32", "float16", "bfloat16", "F64", "float64")
 
@@ -319,8 +320,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                 check(s)
             n_mats = 3 if cfg.ffn.gated else 2
             elt = ROW_BYTES[sparse.ffn_dtype]
-            nbytes = int(n_mats * F * D * elt) + (n_mats * F * 4 if sparse.ffn_dtype == "int8"
-                                                  else 0)
+            nbytes = int(n_mats * F * D * elt)
             fc1 = src.extras.get(f"blk.{i}.fc1.weight")
             fc2 = src.extras.get(f"blk.{i}.fc2.weight")
             if sparse.selector == "predictor" and (fc1 is None or fc2 is None):

@@ -31,6 +31,14 @@ log = logging.getLogger(__name__)
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8,
                                    "q4": torch.uint8}
 INT8_MAX = 127.0
+INT8_BLOCK = 32  # weights per scale in the int8 bundles a model is built with
+
+
+def int8_block(d_model: int) -> int:
+    """The scale block of a model's int8 bundles: ``INT8_BLOCK`` weights, or the whole row when
+    ``d_model`` is not a multiple of it. (One scale per row cost SmolLM2 4.6% perplexity, the
+    down projection's transposed columns having outliers: benchmarks/RESULTS.md.)"""
+    return INT8_BLOCK if d_model % INT8_BLOCK == 0 else d_model
 Q4_GROUP, Q4_BYTES = 32, 18  # Q4_0: weights and bytes per block
 
 
