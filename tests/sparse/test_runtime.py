@@ -228,24 +228,47 @@ def test_gemv_matches_torch_mv():
         assert torch.allclose(gemv(w, x, torch.empty(n)), torch.mv(w, x), rtol=1e-5, atol=1e-5)
 
 
-def test_int8_rows_take_bf16_predictors(tiny_model_dir, with_predictors):
-    """--ffn-dtype bf16/int8 also halves the predictors (bf16); their kernel selects what the
-    torch reference selects, and the model still decodes with it."""
+def test_bf16_rows_take_bf16_predictors(tiny_model_dir, with_predictors):
+    """--ffn-dtype bf16 also halves the predictors (bf16); their kernel selects what the torch
+    reference selects, and the model still decodes with it."""
     from sparseinfer.sparse.reference import predict_active_ref
 
-    lm, info = load_sparse(with_predictors(tiny_model_dir("reglu"), seed=7), ffn_dtype="int8")
+    lm, info = load_sparse(with_predictors(tiny_model_dir("reglu"), seed=7), ffn_dtype="bf16")
     ffn = info.modules[0]
     assert ffn.predictor.fc1.dtype == torch.bfloat16 == ffn.predictor.fc2.dtype
-    # one float32 scale per 32 weights of a row (per row when d_model is not a multiple of 32)
-    d = lm.config.d_model
-    packed = ffn.packed
-    assert packed.block == (32 if d % 32 == 0 else d)
-    assert tuple(packed.scales.shape) == (lm.config.d_ff, 3, d // packed.block)
     x = torch.randn(lm.config.d_model)
     want = torch.empty(lm.config.d_ff, dtype=torch.int32)
     k = predict_active_ref(x, ffn.predictor.fc1, ffn.predictor.fc2, ffn.predictor.threshold, want,
                            neuron_thresholds=ffn.selector._neuron_thr)
     assert torch.equal(ffn.active(x), want[:k])
+    logits = _decode_logits(lm, IDS)
+    assert torch.isfinite(logits).all() and 0.0 < info.density() < 1.0
+
+
+def test_int8_rows_blocks_and_predictors(tiny_model_dir, with_predictors):
+    """--ffn-dtype int8: rows with a float32 scale per 32 weights and float16 predictors, both on
+    the C library (as q4 rows); the predictor selects what the torch reference selects on the
+    same float16 values (but for neurons within float32 rounding of their threshold), and the
+    model still decodes."""
+    from sparseinfer.sparse.reference import predict_active_ref
+
+    lm, info = load_sparse(with_predictors(tiny_model_dir("reglu"), seed=7), ffn_dtype="int8")
+    ffn = info.modules[0]
+    d, f = lm.config.d_model, lm.config.d_ff
+    assert d % 32 == 0 and ffn.packed.block == 32
+    assert tuple(ffn.packed.scales.shape) == (f, 3, d // 32)
+    p = ffn.predictor
+    assert p.fc1.dtype == torch.float16 == p.fc2.dtype and ffn.selector._c is not None
+    x = torch.randn(d)
+    want = torch.empty(f, dtype=torch.int32)
+    k = predict_active_ref(x, p.fc1.float(), p.fc2.float(), p.threshold, want,
+                           neuron_thresholds=ffn.selector._neuron_thr)
+    got = set(ffn.active(x).tolist())
+    logits = p.fc2.double() @ torch.relu(p.fc1.double() @ x.double())
+    thr = ffn.selector._neuron_thr
+    thr = torch.full((f,), p.threshold) if thr is None else thr
+    margin = (logits - thr.double()).abs()
+    assert all(margin[i] <= 1e-5 * (1 + logits.abs().max()) for i in got ^ set(want[:k].tolist()))
     logits = _decode_logits(lm, IDS)
     assert torch.isfinite(logits).all() and 0.0 < info.density() < 1.0
 

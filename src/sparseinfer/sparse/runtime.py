@@ -75,7 +75,8 @@ def make_selector(sp, layer: int) -> Selector:
 def predictor_of(sp, layer: int, extra) -> Predictor:
     """Layer ``layer``'s predictor from the file; ``extra(name)`` reads a non-model tensor."""
     fc1, fc2 = extra(f"blk.{layer}.fc1.weight"), extra(f"blk.{layer}.fc2.weight")
-    if sp.ffn_dtype == "q4":  # 4-bit rows run in the C library: its float16 predictor kernel
+    if sp.ffn_dtype == "q4" or (sp.ffn_dtype == "int8" and fc1.shape[1] % 32 == 0):
+        # rows that run in the C library: its float16 predictor kernel, on the same thread pool
         fc1, fc2 = fc1.half(), fc2.half()
     elif sp.ffn_dtype != "fp32":  # smaller rows, smaller predictors: bf16 halves their bytes
         fc1, fc2 = fc1.bfloat16(), fc2.bfloat16()
