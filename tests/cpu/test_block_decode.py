@@ -41,15 +41,6 @@ def make(rng, *, d=64, nh=4, nkv=2, hd=16, d_ff=96, gated=True, gate_act="silu",
             "down": [qmat(t0, d, d_ff, rng)], "biases": biases}
 
 
-@pytest.fixture(params=["avx2", "avx2_128", "avx512"])
-def isa(request):
-    if request.param not in cpu.available_isas():
-        pytest.skip(f"this CPU has no {request.param}")
-    cpu.set_isa(request.param)
-    yield request.param
-    cpu.set_isa("auto")
-
-
 @pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thr")
 def threads(request):
     before = cpu.get_threads()

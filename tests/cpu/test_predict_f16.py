@@ -18,15 +18,6 @@ def case(d_model: int, d_ff: int, r: int, seed: int):
     return fc1, fc2, x
 
 
-@pytest.fixture(params=["avx2", "avx2_128", "avx512"])
-def isa(request):
-    if request.param not in cpu.available_isas():
-        pytest.skip(f"this CPU has no {request.param}")
-    cpu.set_isa(request.param)
-    yield request.param
-    cpu.set_isa("auto")
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("d_model,d_ff,r", [(64, 100, 16), (256, 1000, 48), (512, 777, 64),
                                             (4096, 11008, 32)])

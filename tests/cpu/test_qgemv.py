@@ -25,7 +25,6 @@ from sparseinfer.cpu.panels import FILE_TYPES, to_panels_ref
 gguf = pytest.importorskip("gguf")
 
 EPS = torch.finfo(torch.float32).eps
-ISAS = ["avx2", "avx2_128", "avx512"]
 # fp16 fields (byte offsets) of the K-quant blocks, set to small positive scales
 K_FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 GGUF_QUANTIZES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
@@ -66,16 +65,6 @@ def cases():
     for t in cpu.TYPES:
         for rows, cols in shapes_for(t):
             yield pytest.param(t, rows, cols, id=f"{t}-{rows}x{cols}")
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    if request.param not in cpu.available_isas():
-        pytest.skip(f"this CPU has no {request.param}")
-    cpu.set_isa(request.param)
-    assert cpu.get_isa() == request.param
-    yield request.param
-    cpu.set_isa("auto")
 
 
 @pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thr")

@@ -4,8 +4,6 @@ over every instruction set this CPU has, 1 and 2 threads, one token and several.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -15,17 +13,11 @@ from sparseinfer.sparse import kernels
 from sparseinfer.sparse.packed import PackedFFN
 from sparseinfer.sparse.reference import sparse_ffn_batch_ref, sparse_ffn_ref
 
-ISAS = ["avx2", "avx2_128", "avx512"]
+from .ffn_cases import random_ffn
 
 
 def make_ffn(kind: str, d_model: int, d_ff: int, block: int, seed: int) -> PackedFFN:
-    g = torch.Generator().manual_seed(seed)
-    gated = FFN_KINDS[kind].gated
-    gate = torch.randn(d_ff, d_model, generator=g) / math.sqrt(d_model) if gated else None
-    up = torch.randn(d_ff, d_model, generator=g) / math.sqrt(d_model)
-    down = torch.randn(d_model, d_ff, generator=g) / math.sqrt(d_ff)
-    bias = None if gated else torch.randn(d_ff, generator=g) * 0.1
-    return PackedFFN.from_dense(kind, gate, up, down, up_bias=bias, dtype="int8", block=block)
+    return random_ffn(kind, d_model, d_ff, seed, "int8", block)
 
 
 def active_set(d_ff: int, density: float, seed: int) -> torch.Tensor:
@@ -41,15 +33,6 @@ def tolerance(ffn: PackedFFN, x: torch.Tensor, idx: torch.Tensor) -> float:
     h = z.prod(dim=1) if FFN_KINDS[ffn.kind].gated else z[:, 0] + 1.0
     mag = float((h @ rows[:, -1].abs()).max()) if idx.numel() else 0.0
     return 64 * torch.finfo(torch.float32).eps * (mag + 1.0)
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    if request.param not in cpu.available_isas():
-        pytest.skip(f"this CPU has no {request.param}")
-    cpu.set_isa(request.param)
-    yield request.param
-    cpu.set_isa("auto")
 
 
 @pytest.fixture(params=[1, 2], ids=["t1", "t2"])

@@ -3,8 +3,6 @@ reference on the same blocks, and the q4 codec vs gguf-py's Q4_0."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -16,18 +14,14 @@ from sparseinfer.sparse import kernels
 from sparseinfer.sparse.packed import PackedFFN, dequantize_q4_0, quantize_q4_0
 from sparseinfer.sparse.reference import neuron_coefs, sparse_ffn_batch_ref, sparse_ffn_ref
 
+from .ffn_cases import random_ffn
+
 gguf = pytest.importorskip("gguf")
 EPS = torch.finfo(torch.float32).eps
 
 
 def make_ffn(kind: str, d_model: int, d_ff: int, seed: int) -> PackedFFN:
-    g = torch.Generator().manual_seed(seed)
-    gated = FFN_KINDS[kind].gated
-    gate = torch.randn(d_ff, d_model, generator=g) / math.sqrt(d_model) if gated else None
-    up = torch.randn(d_ff, d_model, generator=g) / math.sqrt(d_model)
-    down = torch.randn(d_model, d_ff, generator=g) / math.sqrt(d_ff)
-    bias = None if gated else torch.randn(d_ff, generator=g) * 0.1
-    return PackedFFN.from_dense(kind, gate, up, down, up_bias=bias, dtype="q4")
+    return random_ffn(kind, d_model, d_ff, seed, "q4")
 
 
 def active_set(d_ff: int, density: float, seed: int) -> torch.Tensor:

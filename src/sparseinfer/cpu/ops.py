@@ -384,6 +384,17 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return q, d, s
 
 
+def _check_idx_bias(idx: torch.Tensor, up_bias: torch.Tensor | None, d_ff: int) -> int | None:
+    """The sparse FFN calls' neuron list (contiguous int32) and bias (float32 [d_ff] or None);
+    returns the bias pointer (None for no bias)."""
+    if idx.dtype != torch.int32 or not idx.is_contiguous():
+        raise ValueError(f"idx: expected contiguous int32, got {idx.dtype}")
+    if up_bias is None:
+        return None
+    _check_f32(up_bias, (d_ff,), "up_bias")
+    return up_bias.data_ptr()
+
+
 def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.Tensor,
                   out: torch.Tensor, gate_act: int, up_act: int,
                   up_bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -403,15 +414,10 @@ def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.T
     if rows.dtype != torch.uint8 or not rows.is_contiguous() or width != d_model // 32 * 18:
         raise ValueError(f"rows: expected contiguous uint8 [d_ff, n_mats, {d_model // 32 * 18}], "
                          f"got {rows.dtype} {list(rows.shape)}")
-    if idx.dtype != torch.int32 or not idx.is_contiguous():
-        raise ValueError(f"idx: expected contiguous int32, got {idx.dtype}")
-    bias = 0
-    if up_bias is not None:
-        _check_f32(up_bias, (d_ff,), "up_bias")
-        bias = up_bias.data_ptr()
+    bias = _check_idx_bias(idx, up_bias, d_ff)
     _check(_lib.si_sparse_q4(rows.data_ptr(), n_mats * width, int(gated), idx.data_ptr(),
                              idx.shape[0], d_ff, x.data_ptr(), T, d_model, gate_act, up_act,
-                             bias or None, out.data_ptr()), "sparse_ffn_q4")
+                             bias, out.data_ptr()), "sparse_ffn_q4")
     return out
 
 
@@ -436,15 +442,10 @@ def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: b
         raise ValueError(f"block, d_model: expected multiples of 8 with block <= d_model, got "
                          f"{block}, {d_model}")
     _check_f32(scales, (d_ff, n_mats, -(-d_model // block)), "scales")
-    if idx.dtype != torch.int32 or not idx.is_contiguous():
-        raise ValueError(f"idx: expected contiguous int32, got {idx.dtype}")
-    bias = 0
-    if up_bias is not None:
-        _check_f32(up_bias, (d_ff,), "up_bias")
-        bias = up_bias.data_ptr()
+    bias = _check_idx_bias(idx, up_bias, d_ff)
     _check(_lib.si_sparse_i8(rows.data_ptr(), scales.data_ptr(), block, int(gated),
                              idx.data_ptr(), idx.shape[0], d_ff, x.data_ptr(), T, d_model,
-                             gate_act, up_act, bias or None, out.data_ptr()), "sparse_ffn_i8")
+                             gate_act, up_act, bias, out.data_ptr()), "sparse_ffn_i8")
     return out
 
 

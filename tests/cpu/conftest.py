@@ -1,0 +1,18 @@
+"""Fixtures of the C library's tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparseinfer import cpu
+
+
+@pytest.fixture(params=["avx2", "avx2_128", "avx512"])
+def isa(request):
+    """Each kernel variant this CPU can run (the others skip), restored to "auto" after."""
+    if request.param not in cpu.available_isas():
+        pytest.skip(f"this CPU has no {request.param}")
+    cpu.set_isa(request.param)
+    assert cpu.get_isa() == request.param
+    yield request.param
+    cpu.set_isa("auto")

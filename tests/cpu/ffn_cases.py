@@ -1,0 +1,23 @@
+"""Random FFN weights bundled for the sparse kernels' tests."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sparseinfer.config import FFN_KINDS
+from sparseinfer.sparse.packed import PackedFFN
+
+
+def random_ffn(kind: str, d_model: int, d_ff: int, seed: int, dtype: str,
+               block: int = 0) -> PackedFFN:
+    """Gate (gated kinds), up and down of unit-variance outputs, an up bias for ungated kinds,
+    bundled as ``dtype`` rows (int8: a scale per ``block`` weights, 0 = per row)."""
+    g = torch.Generator().manual_seed(seed)
+    gated = FFN_KINDS[kind].gated
+    gate = torch.randn(d_ff, d_model, generator=g) / math.sqrt(d_model) if gated else None
+    up = torch.randn(d_ff, d_model, generator=g) / math.sqrt(d_model)
+    down = torch.randn(d_model, d_ff, generator=g) / math.sqrt(d_ff)
+    bias = None if gated else torch.randn(d_ff, generator=g) * 0.1
+    return PackedFFN.from_dense(kind, gate, up, down, up_bias=bias, dtype=dtype, block=block)
