@@ -52,7 +52,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                          "of a run with a fast device (ignored with a warning on CPU only)")
     sp.add_argument("--ffn-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "q4"],
                     help="storage of the sparse FFN rows (int8: a scale per 32 weights; q4: Q4_0 "
-                         "blocks of 32, C kernels, the fastest; auto: bf16 for a quantized "
+                         "blocks of 32, C kernels, the fastest; auto: int8 for a quantized "
                          "file, else fp32)")
     sp.add_argument("--ram-budget", type=float, default=None,
                     help="GiB this process may hold, page cache of the model file included: "

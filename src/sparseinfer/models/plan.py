@@ -385,15 +385,19 @@ def _c_blocks(cfg: ModelConfig, weights: list[WeightPlan], sparse) -> bool:
 
 def _auto_ffn_dtype(src: ModelSource, dtype: str) -> str:
     """``--ffn-dtype auto``: with ``--dtype fp32``/``bf16`` the rows are in that float type;
-    otherwise a quantized file's FFN rows become bf16 (half of fp32; the transposed down
-    projection cannot keep the file's blocks) and a float file's stay fp32. int8 rows with one
-    scale per row were the default before: on SmolLM2 (Q4_1) they raised held-out perplexity by
-    4.6% over fp32 rows where bf16 adds 0.1% (benchmarks/RESULTS.md), so they are asked for,
-    like ``q4`` (4-bit bundles, the fastest, the down projection rounded to 4 bits again)."""
+    otherwise a quantized file's FFN rows become int8 with a scale per 32 weights (the transposed
+    down projection cannot keep the file's blocks; rows and float16 predictors on the C
+    kernels), or bf16 where d_model is not a multiple of 32, and a float file's stay fp32. On
+    SmolLM2 and Gemma-3-270M int8 rows gave bf16's perplexity (+0.2% / -0.1%) and decoded 1.3-1.6x
+    as fast (benchmarks/RESULTS.md); int8 with one scale per row, the default once, had cost
+    4.6%. ``q4`` (4-bit bundles, the fastest, the down projection rounded to 4 bits again) is
+    asked for."""
     if dtype in ("fp32", "bf16"):
         return dtype
     gate = src.tensors.get("layers.0.ffn.gate.weight") or src.tensors.get("layers.0.ffn.up.weight")
-    return "bf16" if gate is not None and gate.quantized else "fp32"
+    if gate is None or not gate.quantized:
+        return "fp32"
+    return "int8" if src.config.d_model % 32 == 0 else "bf16"
 
 
 def _sparse_plan(src: ModelSource, mode, ffn_dtype, threshold, device, vram_budget,
