@@ -500,7 +500,7 @@ static void sparse_chunk(const void *jp, int64_t c) {
 }
 
 /* Split job j over the pool (T == 1: neuron ranges into partial sums, added at the end; else
- * token ranges), after quantizing x for Q4_0 bundles. Under the call lock. */
+ * token ranges), after quantizing x for Q4_0 bundles; holds the call lock throughout. */
 static int sparse_run(sparse_job_t *j, const float *x) {
     const int nt = P.n_workers + 1;
     if (j->T == 1) {

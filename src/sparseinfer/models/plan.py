@@ -388,10 +388,9 @@ def _auto_ffn_dtype(src: ModelSource, dtype: str) -> str:
     otherwise a quantized file's FFN rows become int8 with a scale per 32 weights (the transposed
     down projection cannot keep the file's blocks; rows and float16 predictors on the C
     kernels), or bf16 where d_model is not a multiple of 32, and a float file's stay fp32. On
-    SmolLM2 and Gemma-3-270M int8 rows gave bf16's perplexity (+0.2% / -0.1%) and decoded 1.3-1.6x
-    as fast (benchmarks/RESULTS.md); int8 with one scale per row, the default once, had cost
-    4.6%. ``q4`` (4-bit bundles, the fastest, the down projection rounded to 4 bits again) is
-    asked for."""
+    SmolLM2 and Gemma-3-270M int8 rows so gave bf16 rows' perplexity and decoded faster; one
+    scale per row, the default once, cost perplexity (benchmarks/RESULTS.md). ``q4`` (4-bit
+    bundles, the fastest, the down projection rounded to 4 bits again) is asked for."""
     if dtype in ("fp32", "bf16"):
         return dtype
     gate = src.tensors.get("layers.0.ffn.gate.weight") or src.tensors.get("layers.0.ffn.up.weight")

@@ -36,8 +36,8 @@ INT8_BLOCK = 32  # weights per scale in the int8 bundles a model is built with
 
 def int8_block(d_model: int) -> int:
     """The scale block of a model's int8 bundles: ``INT8_BLOCK`` weights, or the whole row when
-    ``d_model`` is not a multiple of it. (One scale per row cost SmolLM2 4.6% perplexity, the
-    down projection's transposed columns having outliers: benchmarks/RESULTS.md.)"""
+    ``d_model`` is not a multiple of it. (One scale per row cost SmolLM2 perplexity, the down
+    projection's transposed columns having outliers: benchmarks/RESULTS.md.)"""
     return INT8_BLOCK if d_model % INT8_BLOCK == 0 else d_model
 Q4_GROUP, Q4_BYTES = 32, 18  # Q4_0: weights and bytes per block
 
