@@ -1,6 +1,7 @@
 """Sparse FFN kernels vs the dense FFN and vs the memory-bandwidth floor.
 
     python benchmarks/kernels.py [-t THREADS] [--quick] [--shape S] [--dtypes q4 int8/32] [--isa avx2]
+                                [--kind reglu]
 
 For a Llama-7B FFN (4096 x 11008, SwiGLU) and SmolLM2-135M's (576 x 1536, SwiGLU), each storage
 dtype and density: time of ``kernels.sparse_ffn`` on a random active set, the effective bandwidth
@@ -82,14 +83,14 @@ def time_dense(base: PackedFFN, x: torch.Tensor, weights: str, n_calls: int) -> 
 
 
 def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: int,
-        dtypes: tuple[tuple[str, int], ...] = DTYPES) -> None:
+        dtypes: tuple[tuple[str, int], ...] = DTYPES, kind: str = "swiglu") -> None:
     torch.set_num_threads(threads)
     kernels.set_threads(threads)
     cpu.set_threads(threads)  # q4 rows run in the C library's own pool
     kernels.warmup()
     bws = [measure_read_bandwidth(threads)]
     print(f"# CPU: {cpu_model()}; C kernels: {cpu.get_isa()} (of {cpu.available_isas()})")
-    print(f"# {threads} threads; measured read bandwidth {bws[0]:.1f} GB/s; "
+    print(f"# {threads} threads; {kind} FFN; measured read bandwidth {bws[0]:.1f} GB/s; "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     print("# times: best call (p50 in brackets) of calls cycling over a pool of layer copies "
           f">= {POOL_BYTES >> 20} MiB and 16 random active sets")
@@ -110,7 +111,7 @@ def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: 
         out = torch.empty(d)
         dense_fp32 = None
         for dtype, block in dtypes:
-            base = PackedFFN.from_dense("swiglu", gate, up, down, dtype=dtype, block=block)
+            base = PackedFFN.from_dense(kind, gate, up, down, dtype=dtype, block=block)
             # dense baseline: torch's fastest path for these weights, measured now
             paths = {"F.linear fp32": "fp32"}
             if dtype == "bf16":
@@ -168,6 +169,10 @@ def main() -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), action="append", help="default: all")
     names = {dtype_name(dt, b, 4096): (dt, b) for dt, b in DTYPES}
     p.add_argument("--dtypes", nargs="+", choices=list(names), help="default: all")
+    p.add_argument("--kind", default="swiglu", choices=["swiglu", "reglu"],
+                   help="reglu: half the neurons' h come out 0 (random gates), whose down rows "
+                        "the kernels may skip: GB/s is then of the active set's bytes, not of "
+                        "the bytes read")
     p.add_argument("--isa", choices=cpu.available_isas(),
                    help="the C kernels' instruction set (q4 rows); default: the best here")
     a = p.parse_args()
@@ -177,7 +182,7 @@ def main() -> None:
     densities = (0.10,) if a.quick else DENSITIES
     dtypes = tuple(names[n] for n in a.dtypes) if a.dtypes else DTYPES
     run(a.threads, a.shape or list(SHAPES), densities, n_calls=32 if a.quick else 96,
-        dtypes=dtypes)
+        dtypes=dtypes, kind=a.kind)
 
 
 if __name__ == "__main__":

@@ -1994,7 +1994,9 @@ static inline float act(int code, float z) {
 /* Neurons idx[0..k) of bundles (bundle_bytes apart; each: [gate row,] up row, down column, all
  * Q4_0 rows of d_model), for T tokens: out[t] += sum_i h_i(x_t) * down_i. Neurons are walked 4 at
  * a time (gate and up of 4 neurons: 8 streams; then their 4 down rows in one pass over out), each
- * group reused from cache for every token. */
+ * group reused from cache for every token. One token (decode) skips the down rows of neurons
+ * whose h comes out 0 (ReLU-family neurons predicted active that did not fire): the others are
+ * queued and added 4 at a time, in the same groups as without skipping when none is 0. */
 void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, const int32_t *idx,
                       int k, const si_xq *x, int T, int d_model, int ga, int ua, const float *bias,
                       float *out) {
@@ -2018,6 +2020,9 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
 #define DOTS(rp, R, t, y) q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes)
 #define AXPY(rp, h, R, o) q4_axpy(rp, h, R, nb, o)
 #endif
+    const uint8_t *qd[4]; /* T == 1: down rows queued with their h */
+    float qh[4];
+    int nq = 0;
     for (int i = 0; i < k; i += 4) {
         const int R = k - i < 4 ? k - i : 4;
         const uint8_t *in[8], *down[4];
@@ -2052,11 +2057,20 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
                 h[n] = gated ? act(ga, z[n]) * act(ua, z[4 + n])
                              : act(ua, z[n] + (bias ? bias[idx[i + n]] : 0.0f));
             float *o = out + (size_t)t * d_model;
-            if (R == 4) AXPY(down, h, 4, o);
-            else
+            if (T == 1) { /* queue the down rows whose h is not 0, add them 4 at a time */
+                for (int n = 0; n < R; n++) {
+                    if (h[n] == 0.0f) continue;
+                    qd[nq] = down[n], qh[nq] = h[n];
+                    if (++nq == 4) AXPY(qd, qh, 4, o), nq = 0;
+                }
+            } else if (R == 4) {
+                AXPY(down, h, 4, o);
+            } else {
                 for (int n = 0; n < R; n++) AXPY(&down[n], &h[n], 1, o);
+            }
         }
     }
+    for (int n = 0; n < nq; n++) AXPY(&qd[n], &qh[n], 1, out);
 #undef DOTS
 #undef AXPY
 #if SI_AVX512
@@ -2133,14 +2147,19 @@ INLINE void i8_axpy(const int8_t *const *rp, const float *const *sp, const float
 
 /* Neurons idx[0..k) of int8 bundles (bundle_bytes apart; each: [gate row,] up row, down column
  * of d_model) with their scales (nbk per row, [gate,] up, down per neuron), for T tokens x
- * [T, d_model]: out[t] += sum_i h_i(x_t) * down_i. 4 neurons at a time, as si_sparse_q4; a
- * group whose 4 h come out 0 (ReLU-family neurons not firing) skips its down rows. No software
+ * [T, d_model]: out[t] += sum_i h_i(x_t) * down_i. 4 neurons at a time, as si_sparse_q4, and
+ * as there the down rows of neurons whose h is 0 skipped (one token: each such row; several: a
+ * group whose 4 h are all 0). No software
  * prefetch: a bundle of int8 rows is long enough for the hardware's (prefetching the next
  * bundles as si_sparse_q4 does was slower, from memory and from cache: benchmarks/RESULTS.md). */
 void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
                       int block, int gated, const int32_t *idx, int k, const float *x, int T,
                       int d_model, int ga, int ua, const float *bias, float *out) {
     const int nm = gated ? 3 : 2;
+    const int8_t *qd[4]; /* T == 1: down rows queued with their scales and h */
+    const float *qs[4];
+    float qh[4];
+    int nq = 0;
     for (int i = 0; i < k; i += 4) {
         const int R = k - i < 4 ? k - i : 4;
         const int8_t *gr[4], *ur[4], *dr[4];
@@ -2174,13 +2193,23 @@ void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scal
                 live |= h[n] != 0.0f;
             }
             float *o = out + (size_t)t * d_model;
-            if (!live) continue;
-            if (R == 4) i8_axpy(dr, ds, h, 4, d_model, block, o);
-            else
+            if (T == 1) { /* queue the down rows whose h is not 0, add them 4 at a time */
+                for (int n = 0; n < R; n++) {
+                    if (h[n] == 0.0f) continue;
+                    qd[nq] = dr[n], qs[nq] = ds[n], qh[nq] = h[n];
+                    if (++nq == 4) i8_axpy(qd, qs, qh, 4, d_model, block, o), nq = 0;
+                }
+            } else if (!live) {
+                continue;
+            } else if (R == 4) {
+                i8_axpy(dr, ds, h, 4, d_model, block, o);
+            } else {
                 for (int n = 0; n < R; n++) i8_axpy(&dr[n], &ds[n], &h[n], 1, d_model, block, o);
+            }
         }
 #undef DOTS
     }
+    for (int n = 0; n < nq; n++) i8_axpy(&qd[n], &qs[n], &qh[n], 1, d_model, block, out);
 }
 
 /* ------------------------------------------------------------------ one-token block helpers */
