@@ -487,23 +487,28 @@ static void sparse_part(const sparse_job_t *j, const int32_t *idx, int k, int t0
                  j->ua, j->bias, o);
 }
 
+/* Up to this many tokens a call splits its neurons between the threads (each neuron's rows read
+ * once for all the tokens, into per-chunk partial sums); more, its tokens. */
+#define SPARSE_BY_NEURON_T 8
+
 static void sparse_chunk(const void *jp, int64_t c) {
     const sparse_job_t *j = jp;
-    if (j->T == 1) { /* neuron range c of one token, into its own partial sum */
+    if (j->T <= SPARSE_BY_NEURON_T) { /* neuron range c of every token, into its partial sums */
         const int i0 = (int)(c * j->k / j->n_chunks), i1 = (int)((c + 1) * j->k / j->n_chunks);
-        sparse_part(j, j->idx + i0, i1 - i0, 0, 1,
-                    j->n_chunks == 1 ? j->out : j->part + c * (size_t)j->d_model);
+        sparse_part(j, j->idx + i0, i1 - i0, 0, j->T,
+                    j->n_chunks == 1 ? j->out : j->part + c * (size_t)j->T * j->d_model);
     } else { /* token range c, every neuron */
         const int t0 = (int)(c * j->T / j->n_chunks), t1 = (int)((c + 1) * j->T / j->n_chunks);
         sparse_part(j, j->idx, j->k, t0, t1 - t0, j->out + (size_t)t0 * j->d_model);
     }
 }
 
-/* Split job j over the pool (T == 1: neuron ranges into partial sums, added at the end; else
- * token ranges), after quantizing x for Q4_0 bundles; holds the call lock throughout. */
+/* Split job j over the pool (up to SPARSE_BY_NEURON_T tokens: neuron ranges into partial sums,
+ * added at the end; else token ranges), after quantizing x for Q4_0 bundles; holds the call
+ * lock throughout. */
 static int sparse_run(sparse_job_t *j, const float *x) {
     const int nt = P.n_workers + 1;
-    if (j->T == 1) {
+    if (j->T <= SPARSE_BY_NEURON_T) {
         int n = (j->k + 31) / 32;
         j->n_chunks = n < 1 ? 1 : n > 4 * nt ? 4 * nt : n;
     } else {
@@ -511,8 +516,9 @@ static int sparse_run(sparse_job_t *j, const float *x) {
     }
     pthread_mutex_lock(&g_call_lock);
     int err = j->scales ? 0 : quantize_rows(x, j->T, j->d_model, 1, 1);
-    if (!err && j->T == 1 && j->n_chunks > 1) {
-        const size_t need = (size_t)j->n_chunks * j->d_model;
+    const size_t dt = (size_t)j->T * j->d_model; /* one chunk's partial sums */
+    if (!err && j->T <= SPARSE_BY_NEURON_T && j->n_chunks > 1) {
+        const size_t need = (size_t)j->n_chunks * dt;
         if (need > SP.cap) {
             free(SP.p);
             SP.p = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
@@ -523,11 +529,11 @@ static int sparse_run(sparse_job_t *j, const float *x) {
     }
     if (!err) {
         pool_run(sparse_chunk, j, j->n_chunks);
-        if (j->T == 1 && j->n_chunks > 1) {
-            for (int d = 0; d < j->d_model; d++) {
+        if (j->T <= SPARSE_BY_NEURON_T && j->n_chunks > 1) {
+            for (size_t e = 0; e < dt; e++) {
                 float acc = 0.0f;
-                for (int c = 0; c < j->n_chunks; c++) acc += j->part[(size_t)c * j->d_model + d];
-                j->out[d] = acc;
+                for (int c = 0; c < j->n_chunks; c++) acc += j->part[(size_t)c * dt + e];
+                j->out[e] = acc;
             }
         }
     }
