@@ -463,7 +463,8 @@ typedef struct {
     const int32_t *idx;
     const float *bias;
     float *out;  /* [T, d_model] */
-    float *part; /* one token: [n_chunks, d_model] partial sums, one per neuron range */
+    float *part; /* up to SPARSE_BY_NEURON_T tokens: [n_chunks, T, d_model] partial sums, one
+                  * per neuron range */
     /* int8 bundles (scales != NULL): their scales, nbk per row of `block` weights, and x as is
      * (Q4_0 bundles take x quantized, S.xq) */
     const float *scales, *x;
