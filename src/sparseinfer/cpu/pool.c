@@ -465,9 +465,9 @@ typedef struct {
     float *out;  /* [T, d_model] */
     float *part; /* up to SPARSE_BY_NEURON_T tokens: [n_chunks, T, d_model] partial sums, one
                   * per neuron range */
-    /* int8 bundles (scales != NULL): their scales, nbk per row of `block` weights, and x as is
-     * (Q4_0 bundles take x quantized, S.xq) */
-    const float *scales, *x;
+    const float *x; /* [T, d_model]: as is for int8 bundles, quantized into S.xq for Q4_0 ones */
+    /* int8 bundles (scales != NULL): their scales, nbk per row of `block` weights */
+    const float *scales;
     int nbk, block;
 } sparse_job_t;
 
@@ -507,7 +507,7 @@ static void sparse_chunk(const void *jp, int64_t c) {
 /* Split job j over the pool (up to SPARSE_BY_NEURON_T tokens: neuron ranges into partial sums,
  * added at the end; else token ranges), after quantizing x for Q4_0 bundles; holds the call
  * lock throughout. */
-static int sparse_run(sparse_job_t *j, const float *x) {
+static int sparse_run(sparse_job_t *j) {
     const int nt = P.n_workers + 1;
     if (j->T <= SPARSE_BY_NEURON_T) {
         int n = (j->k + 31) / 32;
@@ -516,7 +516,7 @@ static int sparse_run(sparse_job_t *j, const float *x) {
         j->n_chunks = j->T < 4 * nt ? j->T : 4 * nt;
     }
     pthread_mutex_lock(&g_call_lock);
-    int err = j->scales ? 0 : quantize_rows(x, j->T, j->d_model, 1, 1);
+    int err = j->scales ? 0 : quantize_rows(j->x, j->T, j->d_model, 1, 1);
     const size_t dt = (size_t)j->T * j->d_model; /* one chunk's partial sums */
     if (!err && j->T <= SPARSE_BY_NEURON_T && j->n_chunks > 1) {
         const size_t need = (size_t)j->n_chunks * dt;
@@ -561,8 +561,8 @@ int si_sparse_q4(const void *bundles, size_t bundle_bytes, int gated, const int3
     const int err = sparse_args(d_model, 32, T, k, ga, ua, idx, d_ff);
     if (err) return err;
     sparse_job_t j = {bundles, bundle_bytes, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx, bias,
-                      out, NULL, NULL, NULL, 0, 0};
-    return sparse_run(&j, x);
+                      out, NULL, x, NULL, 0, 0};
+    return sparse_run(&j);
 }
 
 /* The same over int8 bundles (PackedFFN dtype "int8"): rows int8 [d_ff, n_mats, d_model], scales
@@ -576,8 +576,8 @@ int si_sparse_i8(const void *rows, const float *scales, int block, int gated, co
     if (block <= 0 || block % 8 || block > d_model) return EINVAL;
     const int nm = gated ? 3 : 2;
     sparse_job_t j = {rows, (size_t)nm * d_model, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx,
-                      bias, out, NULL, scales, x, (d_model + block - 1) / block, block};
-    return sparse_run(&j, x);
+                      bias, out, NULL, x, scales, (d_model + block - 1) / block, block};
+    return sparse_run(&j);
 }
 
 /* ------------------------------------------------------------------ predictor (F16 weights) */

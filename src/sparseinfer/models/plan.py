@@ -33,6 +33,7 @@ from ..config import ModelConfig
 from ..errors import ModelFileError, SparseInferError
 from ..fileio import available_memory
 from ..quant.linear import ggml_kernels_available
+from ..sparse.packed import INT8_BLOCK
 from .loading import ModelSource
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,8 @@ log = logging.getLogger(__name__)
 GIB = 1 << 30
 DTYPE_CHOICES = ("auto", "fp32", "bf16", "q4")
 FFN_DTYPES = ("auto", "fp32", "bf16", "int8", "q4")
-# per weight of a sparse row, scales included (int8: float32 per 32 weights, sparse.packed.int8_block)
-ROW_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4 / 32, "q4": 18 / 32}
+# per weight of a sparse row, scales included (int8: a float32 per INT8_BLOCK weights)
+ROW_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4 / INT8_BLOCK, "q4": 18 / 32}
 SELECTORS = ("predictor", "oracle", "all")
 FLOAT_KINDS = ("F32", "F16", "BF16", "float32", "float16", "bfloat16", "F64", "float64")
 
@@ -396,7 +397,7 @@ def _auto_ffn_dtype(src: ModelSource, dtype: str) -> str:
     gate = src.tensors.get("layers.0.ffn.gate.weight") or src.tensors.get("layers.0.ffn.up.weight")
     if gate is None or not gate.quantized:
         return "fp32"
-    return "int8" if src.config.d_model % 32 == 0 else "bf16"
+    return "int8" if src.config.d_model % INT8_BLOCK == 0 else "bf16"
 
 
 def _sparse_plan(src: ModelSource, mode, ffn_dtype, threshold, device, vram_budget,
