@@ -72,6 +72,7 @@ def test_unknown_model_with_client(client):
         (chat_body(top_logprobs=3), "top_logprobs"),  # without logprobs: true
         (chat_body(logprobs=True, top_logprobs=21), "top_logprobs"),
         (chat_body(logit_bias={"x": 1}), "logit_bias"),
+        (chat_body(logit_bias={"\u00b9": 1}), "logit_bias"),  # a superscript one: not a token id
         (chat_body(logit_bias={"5": 101}), "logit_bias"),
         (chat_body(logit_bias={"999999": 1}), "logit_bias"),
         (chat_body(tool_choice="required"), "tool_choice"),  # without tools

@@ -154,7 +154,9 @@ class _SamplingRequest(_Request):
         bias outside [-100, 100] (OpenAI's range)."""
         out: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit() or (vocab_size is not None and int(key) >= vocab_size):
+            # ASCII digits only: str.isdigit() also takes "¹" or "²", which int() refuses
+            if not (key.isascii() and key.isdigit()) or (vocab_size is not None
+                                                         and int(key) >= vocab_size):
                 where = f" [0, {vocab_size})" if vocab_size is not None else ""
                 raise APIError(
                     400,
