@@ -355,7 +355,7 @@ class OpenAIServer:
         directly: an oversized body is drained (up to _DRAIN_LIMIT) but never kept."""
         limit = self.max_body_bytes
         declared = request.headers.get("content-length", "")
-        too_big = declared.isdigit() and int(declared) > limit
+        too_big = declared.isascii() and declared.isdigit() and int(declared) > limit
         if too_big and int(declared) > _DRAIN_LIMIT:
             raise self._too_large(int(declared), close=True)
         chunks: list[bytes] = []
