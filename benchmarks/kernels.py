@@ -1,7 +1,7 @@
 """Sparse FFN kernels vs the dense FFN and vs the memory-bandwidth floor.
 
     python benchmarks/kernels.py [-t THREADS] [--quick] [--shape S] [--dtypes q4 int8/32] [--isa avx2]
-                                [--kind reglu]
+                                [--kind reglu] [--float-x]
 
 For a Llama-7B FFN (4096 x 11008, SwiGLU) and SmolLM2-135M's (576 x 1536, SwiGLU), each storage
 dtype and density: time of ``kernels.sparse_ffn`` on a random active set, the effective bandwidth
@@ -175,10 +175,15 @@ def main() -> None:
                         "the bytes read")
     p.add_argument("--isa", choices=cpu.available_isas(),
                    help="the C kernels' instruction set (q4 rows); default: the best here")
+    p.add_argument("--float-x", action="store_true",
+                   help="int8 rows: gate/up products on float32 x with converted weights (the "
+                        "kernel before x was rounded to int8 per 32), for an A/B")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if a.isa:
         cpu.set_isa(a.isa)
+    if a.float_x:
+        kernels.rounds_x = lambda ffn: False  # _run_c looks it up at each call
     densities = (0.10,) if a.quick else DENSITIES
     dtypes = tuple(names[n] for n in a.dtypes) if a.dtypes else DTYPES
     run(a.threads, a.shape or list(SHAPES), densities, n_calls=32 if a.quick else 96,

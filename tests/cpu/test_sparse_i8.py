@@ -1,6 +1,8 @@
 """Sparse FFN over int8 neuron bundles in the C library (``cpu.sparse_ffn_i8``, ``PackedFFN``
 dtype "int8" with blocks a multiple of 8) vs the pure-torch reference on the same stored weights,
-over every instruction set this CPU has, 1 and 2 threads, one token and several."""
+over every instruction set this CPU has, 1 and 2 threads, one token and several. Where blocks and
+rows are multiples of 32 the kernel rounds x to int8 per 32 for the gate/up products (as the Q4
+GEMV does): the reference then takes that rounded x (``cpu.reference.quantize_x_ref``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 
 from sparseinfer import cpu
 from sparseinfer.config import FFN_KINDS
+from sparseinfer.cpu import reference as cpu_ref
 from sparseinfer.sparse import kernels
 from sparseinfer.sparse.packed import PackedFFN
 from sparseinfer.sparse.reference import sparse_ffn_batch_ref, sparse_ffn_ref
@@ -35,6 +38,10 @@ def tolerance(ffn: PackedFFN, x: torch.Tensor, idx: torch.Tensor) -> float:
     return 64 * torch.finfo(torch.float32).eps * (mag + 1.0)
 
 
+def ref_x(ffn: PackedFFN, x: torch.Tensor) -> torch.Tensor:
+    return cpu_ref.rounded_x(x) if kernels.rounds_x(ffn) else x
+
+
 @pytest.fixture(params=[1, 2], ids=["t1", "t2"])
 def threads(request):
     before = cpu.get_threads()
@@ -56,13 +63,13 @@ def test_sparse_i8_matches_reference(kind, density, d_model, block, isa, threads
         x = torch.randn(d_model, generator=torch.Generator().manual_seed(seed))
         out, want = torch.full((d_model,), float("nan")), torch.empty(d_model)
         assert kernels.sparse_ffn(x, ffn, idx, out) is out
-        sparse_ffn_ref(x, ffn, idx, want)
+        sparse_ffn_ref(ref_x(ffn, x), ffn, idx, want)
         torch.testing.assert_close(out, want, rtol=0, atol=tolerance(ffn, x, idx))
         # several tokens, one (union) active set: each row as the reference's
         X = torch.randn(5, d_model, generator=torch.Generator().manual_seed(seed + 7))
         got, want_b = torch.full((5, d_model), float("nan")), torch.empty(5, d_model)
         kernels.sparse_ffn_batch(X, ffn, idx, got)
-        sparse_ffn_batch_ref(X, ffn, idx, want_b)
+        sparse_ffn_batch_ref(ref_x(ffn, X), ffn, idx, want_b)
         for t in range(5):
             torch.testing.assert_close(got[t], want_b[t], rtol=0, atol=tolerance(ffn, X[t], idx))
 
@@ -86,8 +93,28 @@ def test_other_blocks_stay_in_numba_and_agree():
     idx, x = active_set(30, 0.5, 0), torch.randn(64)
     c_out, nb_out = torch.empty(64), torch.empty(64)
     kernels.sparse_ffn(x, ffn, idx, c_out)
-    kernels._run_ffn(x.numpy().reshape(1, -1), ffn, idx.numpy(), nb_out.numpy().reshape(1, -1))
+    kernels._run_ffn(ref_x(ffn, x).numpy().reshape(1, -1), ffn, idx.numpy(),
+                     nb_out.numpy().reshape(1, -1))
     torch.testing.assert_close(c_out, nb_out, rtol=0, atol=tolerance(ffn, x, idx))
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "reglu"])
+def test_round_x_chooses_the_products(kind, isa):
+    """round_x=False keeps x in float32 where blocks of 32 would round it: the float reference
+    then, and the rounded one with round_x=True (the default for these blocks)."""
+    ffn = make_ffn(kind, 128, 40, 32, seed=5)
+    kc = FFN_KINDS[kind]
+    ga = kernels.ACT_CODES[kc.gate_act] if kc.gated else 0
+    idx = active_set(40, 0.5, 1)
+    X = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    for round_x, xr in ((False, X), (True, ref_x(ffn, X)), (None, ref_x(ffn, X))):
+        got, want = torch.empty(3, 128), torch.empty(3, 128)
+        cpu.sparse_ffn_i8(ffn.rows, ffn.scales, 32, kc.gated, idx, X, got, ga,
+                          kernels.ACT_CODES[kc.up_act], ffn.up_bias, round_x=round_x)
+        sparse_ffn_batch_ref(xr, ffn, idx, want)
+        for t in range(3):
+            torch.testing.assert_close(got[t], want[t], rtol=0, atol=tolerance(ffn, X[t], idx))
+    assert kernels.rounds_x(ffn) and not torch.equal(ref_x(ffn, X), X)  # two paths told apart
 
 
 def test_sparse_i8_errors():
@@ -103,5 +130,8 @@ def test_sparse_i8_errors():
         cpu.sparse_ffn_i8(ffn.rows, ffn.scales, 16, True, idx, x, out, 2, 0)
     with pytest.raises(ValueError, match=r"rows: expected contiguous int8 \[d_ff, 2, d_model\]"):
         cpu.sparse_ffn_i8(ffn.rows, ffn.scales, 32, False, idx, x, out, 0, 1)
+    with pytest.raises(ValueError, match="round_x: block and d_model must be multiples of 32"):
+        cpu.sparse_ffn_i8(ffn.rows, torch.ones(8, 3, 8), 8, True, idx, x, out, 2, 0,
+                          round_x=True)
     with pytest.raises(ValueError, match=r"x: expected float32 \[T, 64\]"):
         cpu.sparse_ffn_i8(ffn.rows, ffn.scales, 32, True, idx, torch.zeros(64), out, 2, 0)

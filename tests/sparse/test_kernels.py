@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from sparseinfer.config import FFN_KINDS
+from sparseinfer.cpu import reference as cpu_ref
 from sparseinfer.sparse import kernels, reference
 from sparseinfer.sparse.packed import PackedFFN, empty_hugepages, expand_scales, quantize_int8
 
@@ -120,7 +121,9 @@ def test_sparse_ffn_matches_reference(kind, dtype, block, shape, density, seed, 
     ffn = packed(kind, dtype, block, d, f, seed)
     x = inputs(d, seed)
     idx = active_set(f, density, seed)
-    want = reference.sparse_ffn_ref(x, ffn, idx, torch.empty(d))
+    # (int8 rows in blocks of 32: the C kernel's gate/up products take x rounded to int8)
+    xr = cpu_ref.rounded_x(x) if kernels.rounds_x(ffn) else x
+    want = reference.sparse_ffn_ref(xr, ffn, idx, torch.empty(d))
     out = torch.full((d,), float("nan"))  # must be overwritten, not accumulated into
     got = kernels.sparse_ffn(x, ffn, idx, out)
     assert got is out
@@ -218,6 +221,8 @@ def test_batch_matches_reference(kind, dtype, block, T, threads):
     for t in range(T):  # the batched reference is the per-token one, row by row
         row = reference.sparse_ffn_ref(x[t], ffn, idx, torch.empty(d))
         torch.testing.assert_close(want[t], row, rtol=1e-5, atol=1e-5)
+    if kernels.rounds_x(ffn):  # what the C kernel's gate/up products take
+        want = reference.sparse_ffn_batch_ref(cpu_ref.rounded_x(x), ffn, idx, torch.empty(T, d))
     got = kernels.sparse_ffn_batch(x, ffn, idx, torch.full((T, d), float("nan")))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

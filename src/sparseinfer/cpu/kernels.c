@@ -2119,6 +2119,36 @@ INLINE void i8_dots(const int8_t *const *rp, const float *const *sp, const int R
     for (int r = 0; r < R; r++) y[r] = hsum(acc[r]);
 }
 
+/* i8_dots with x rounded to int8 per 32 (xq: si_quantize_x's blocks; block a multiple of 32):
+ * each 32 weights times x's 32 in one integer dot product (|w| times x with w's sign, maddubs:
+ * at most 2 x 127 x 127 per int16, no saturation), y[r] = sum_b s_r[b] sum_c d_x[c] (w . q)_c
+ * over the 32-blocks c of block b. Four times the multiplies per instruction of the float
+ * path, and no conversion of the weights. */
+INLINE void i8_dots_q(const int8_t *const *rp, const float *const *sp, const int R,
+                      const si_xq *xq, const int d, const int block, float *y) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const int nbk = (d + block - 1) / block;
+    for (int b = 0; b < nbk; b++) {
+        const int j1 = (b + 1) * block < d ? (b + 1) * block : d;
+        __m256 p[4];
+        for (int r = 0; r < R; r++) p[r] = _mm256_setzero_ps();
+        for (int j = b * block; j < j1; j += 32) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq->q + j));
+            const __m256 xd = _mm256_set1_ps(xq->d[j / 32]);
+            for (int r = 0; r < R; r++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(rp[r] + j));
+                const __m256i dot = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), ones);
+                p[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), xd, p[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(p[r], _mm256_set1_ps(sp[r][b]), acc[r]);
+    }
+    for (int r = 0; r < R; r++) y[r] = hsum(acc[r]);
+}
+
 /* out += sum_r h[r] s_r[b] row_r over each block b, for R <= 4 rows. */
 INLINE void i8_axpy(const int8_t *const *rp, const float *const *sp, const float *h, const int R,
                     const int d, const int block, float *out) {
@@ -2153,8 +2183,9 @@ INLINE void i8_axpy(const int8_t *const *rp, const float *const *sp, const float
  * prefetch: a bundle of int8 rows is long enough for the hardware's (prefetching the next
  * bundles as si_sparse_q4 does was slower, from memory and from cache: benchmarks/RESULTS.md). */
 void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
-                      int block, int gated, const int32_t *idx, int k, const float *x, int T,
-                      int d_model, int ga, int ua, const float *bias, float *out) {
+                      int block, int gated, const int32_t *idx, int k, const float *x,
+                      const si_xq *xq, int T, int d_model, int ga, int ua, const float *bias,
+                      float *out) {
     const int nm = gated ? 3 : 2;
     const int8_t *qd[4]; /* T == 1: down rows queued with their scales and h */
     const float *qs[4];
@@ -2173,7 +2204,8 @@ void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scal
         }
         /* R a constant in each call (4, or 1 per neuron of a last short group): the rows'
          * accumulators stay in registers */
-#define DOTS(rp, sp, R, y) i8_dots(rp, sp, R, xt, d_model, block, y)
+#define DOTS(rp, sp, R, y)                                                                     \
+    (xq ? i8_dots_q(rp, sp, R, &xq[t], d_model, block, y) : i8_dots(rp, sp, R, xt, d_model, block, y))
         for (int t = 0; t < T; t++) {
             const float *xt = x + (size_t)t * d_model;
             float zg[4], zu[4], h[4];

@@ -61,7 +61,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q8_0x16": (12, 32, 34),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 
 class CpuLibraryError(SparseInferError):
@@ -86,7 +86,7 @@ def _load() -> ctypes.CDLL:
     lib.si_gemm.argtypes = [ci, vp, i64, ci, vp, i64, vp]
     lib.si_quantize_x.argtypes = [vp, ci, vp, vp, vp]
     lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, ci, vp, ci, ci, ci, ci, vp, vp]
-    lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, vp, ci, ci, vp, ci, ci, ci, ci, vp, vp]
+    lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, vp, ci, ci, vp, ci, ci, ci, ci, ci, vp, vp]
     lib.si_predict_f16.argtypes = [vp, vp, ci, ci, ci, vp, vp, vp, vp, vp, vp]
     lib.si_topk.argtypes = [vp, i64, ci, vp, vp]
     dbl = ctypes.c_double
@@ -423,12 +423,16 @@ def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.T
 
 def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: bool,
                   idx: torch.Tensor, x: torch.Tensor, out: torch.Tensor, gate_act: int,
-                  up_act: int, up_bias: torch.Tensor | None = None) -> torch.Tensor:
+                  up_act: int, up_bias: torch.Tensor | None = None,
+                  round_x: bool | None = None) -> torch.Tensor:
     """``sparse_ffn_q4`` over int8 neuron bundles (``PackedFFN`` dtype "int8"): ``rows`` int8
     ``[d_ff, n_mats, d_model]``, ``scales`` float32 ``[d_ff, n_mats, ceil(d_model / block)]``
-    (one per ``block`` weights of a row; ``block`` and ``d_model`` multiples of 8). ``x`` stays
-    float32: the weights are converted, not ``x`` rounded. (Reference:
-    ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN`` of dtype "int8".)"""
+    (one per ``block`` weights of a row; ``block`` and ``d_model`` multiples of 8).
+    ``round_x``: the gate/up dot products take ``x`` rounded to int8 per 32 as ``gemv`` does
+    (integer products; needs ``block`` and ``d_model`` multiples of 32, the default where they
+    are), else ``x`` stays float32 and the weights are converted. The down rows always take the
+    float coefficients. (Reference: ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN`` of
+    dtype "int8", on ``cpu.reference.quantize_x_ref``'s x where rounded.)"""
     d_ff, n_mats, d_model = rows.shape
     if x.dim() != 2 or x.shape[1] != d_model:
         raise ValueError(f"x: expected float32 [T, {d_model}], got {list(x.shape)}")
@@ -441,11 +445,16 @@ def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: b
     if d_model % 8 or block <= 0 or block % 8 or block > d_model:
         raise ValueError(f"block, d_model: expected multiples of 8 with block <= d_model, got "
                          f"{block}, {d_model}")
+    if round_x is None:
+        round_x = block % 32 == 0 and d_model % 32 == 0
+    elif round_x and (block % 32 or d_model % 32):
+        raise ValueError(f"round_x: block and d_model must be multiples of 32, got {block}, "
+                         f"{d_model}")
     _check_f32(scales, (d_ff, n_mats, -(-d_model // block)), "scales")
     bias = _check_idx_bias(idx, up_bias, d_ff)
     _check(_lib.si_sparse_i8(rows.data_ptr(), scales.data_ptr(), block, int(gated),
-                             idx.data_ptr(), idx.shape[0], d_ff, x.data_ptr(), T, d_model,
-                             gate_act, up_act, bias, out.data_ptr()), "sparse_ffn_i8")
+                             idx.data_ptr(), idx.shape[0], d_ff, x.data_ptr(), int(round_x), T,
+                             d_model, gate_act, up_act, bias, out.data_ptr()), "sparse_ffn_i8")
     return out
 
 

@@ -28,7 +28,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 11
+#define SI_ABI_VERSION 12
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
@@ -60,7 +60,8 @@ static quant_fn g_quant;
 static xgroups_fn g_xgroups;
 static sparse_fn g_sparse;
 typedef void (*sparse_i8_fn)(const int8_t *, size_t, const float *, int, int, int, const int32_t *,
-                             int, const float *, int, int, int, int, const float *, float *);
+                             int, const float *, const si_xq *, int, int, int, int, const float *,
+                             float *);
 static sparse_i8_fn g_sparse_i8;
 typedef void (*attend_fn)(const float *, const float *, const float *, int, int, float, float *,
                           float *);
@@ -466,9 +467,10 @@ typedef struct {
     float *part; /* up to SPARSE_BY_NEURON_T tokens: [n_chunks, T, d_model] partial sums, one
                   * per neuron range */
     const float *x; /* [T, d_model]: as is for int8 bundles, quantized into S.xq for Q4_0 ones */
-    /* int8 bundles (scales != NULL): their scales, nbk per row of `block` weights */
+    /* int8 bundles (scales != NULL): their scales, nbk per row of `block` weights; round_x:
+     * x rounded to int8 per 32 into S.xq too (integer dot products; block a multiple of 32) */
     const float *scales;
-    int nbk, block;
+    int nbk, block, round_x;
 } sparse_job_t;
 
 static struct {
@@ -481,8 +483,8 @@ static void sparse_part(const sparse_job_t *j, const int32_t *idx, int k, int t0
     memset(o, 0, sizeof(float) * j->d_model * (size_t)T);
     if (j->scales)
         g_sparse_i8((const int8_t *)j->bundles, j->bundle_bytes, j->scales, j->nbk, j->block,
-                    j->gated, idx, k, j->x + (size_t)t0 * j->d_model, T, j->d_model, j->ga, j->ua,
-                    j->bias, o);
+                    j->gated, idx, k, j->x + (size_t)t0 * j->d_model, j->round_x ? S.xq + t0 : NULL,
+                    T, j->d_model, j->ga, j->ua, j->bias, o);
     else
         g_sparse(j->bundles, j->bundle_bytes, j->gated, idx, k, S.xq + t0, T, j->d_model, j->ga,
                  j->ua, j->bias, o);
@@ -516,7 +518,8 @@ static int sparse_run(sparse_job_t *j) {
         j->n_chunks = j->T < 4 * nt ? j->T : 4 * nt;
     }
     pthread_mutex_lock(&g_call_lock);
-    int err = j->scales ? 0 : quantize_rows(j->x, j->T, j->d_model, 1, 1);
+    int err = !j->scales ? quantize_rows(j->x, j->T, j->d_model, 1, 1)
+              : j->round_x ? quantize_rows(j->x, j->T, j->d_model, 1, 0) : 0;
     const size_t dt = (size_t)j->T * j->d_model; /* one chunk's partial sums */
     if (!err && j->T <= SPARSE_BY_NEURON_T && j->n_chunks > 1) {
         const size_t need = (size_t)j->n_chunks * dt;
@@ -561,22 +564,24 @@ int si_sparse_q4(const void *bundles, size_t bundle_bytes, int gated, const int3
     const int err = sparse_args(d_model, 32, T, k, ga, ua, idx, d_ff);
     if (err) return err;
     sparse_job_t j = {bundles, bundle_bytes, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx, bias,
-                      out, NULL, x, NULL, 0, 0};
+                      out, NULL, x, NULL, 0, 0, 0};
     return sparse_run(&j);
 }
 
 /* The same over int8 bundles (PackedFFN dtype "int8"): rows int8 [d_ff, n_mats, d_model], scales
  * float32 [d_ff, n_mats, nbk] per block of `block` weights (a multiple of 8, as d_model);
- * x float32 [T, d_model] as is. */
+ * x float32 [T, d_model], as is (round_x 0) or rounded to int8 per 32 for the gate/up dot
+ * products (round_x 1: block and d_model multiples of 32). */
 int si_sparse_i8(const void *rows, const float *scales, int block, int gated, const int32_t *idx,
-                 int k, int d_ff, const float *x, int T, int d_model, int ga, int ua,
+                 int k, int d_ff, const float *x, int round_x, int T, int d_model, int ga, int ua,
                  const float *bias, float *out) {
-    const int err = sparse_args(d_model, 8, T, k, ga, ua, idx, d_ff);
+    const int err = sparse_args(d_model, round_x ? 32 : 8, T, k, ga, ua, idx, d_ff);
     if (err) return err;
-    if (block <= 0 || block % 8 || block > d_model) return EINVAL;
+    if (block <= 0 || block % (round_x ? 32 : 8) || block > d_model) return EINVAL;
     const int nm = gated ? 3 : 2;
     sparse_job_t j = {rows, (size_t)nm * d_model, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx,
-                      bias, out, NULL, x, scales, (d_model + block - 1) / block, block};
+                      bias, out, NULL, x, scales, (d_model + block - 1) / block, block,
+                      round_x ? 1 : 0};
     return sparse_run(&j);
 }
 

@@ -69,7 +69,8 @@ typedef struct {
                             int ga, int ua, const float *bias, float *out);              \
     void si_sparse_i8_##isa(const int8_t *rows, size_t bundle_bytes, const float *scales,      \
                             int nbk, int block, int gated, const int32_t *idx, int k,          \
-                            const float *x, int T, int d_model, int ga, int ua,                \
+                            const float *x, const si_xq *xq, int T, int d_model, int ga,      \
+                            int ua,                                                            \
                             const float *bias, float *out);                                    \
     void si_attend_head_##isa(const float *q, const float *kc, const float *vc, int n, int hd,  \
                               float scale, float *scores, float *out);                         \

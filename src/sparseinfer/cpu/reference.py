@@ -35,6 +35,12 @@ def quantize_x_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return q.to(torch.int8).reshape(-1), d, s
 
 
+def rounded_x(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` [..., cols] as the kernels see it after ``quantize_x_ref``: q · d per row."""
+    rows = x.float().reshape(-1, x.shape[-1])
+    return torch.stack([_xq_float(r).float() for r in rows]).reshape(x.shape)
+
+
 def _xq_float(x: torch.Tensor) -> torch.Tensor:
     q, d, _ = quantize_x_ref(x)
     return (q.double().reshape(-1, 32) * d.double()[:, None]).reshape(-1)

@@ -469,6 +469,13 @@ def _in_c(ffn: PackedFFN) -> bool:
                                  and ffn.block % 8 == 0)
 
 
+def rounds_x(ffn: PackedFFN) -> bool:
+    """int8 rows whose gate/up products the C kernel takes with x rounded to int8 per 32 (as the
+    Q4 kernels do): blocks and rows multiples of 32. The reference of such a call is the float
+    FFN on ``cpu.reference``'s rounded x."""
+    return ffn.dtype == "int8" and ffn.d_model % 32 == 0 and ffn.block % 32 == 0
+
+
 def _run_c(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """q4 or int8 rows (``_in_c``): the C kernels (``sparseinfer.cpu.sparse_ffn_q4`` /
     ``sparse_ffn_i8``) on [T, d] x and out, in the C library's thread pool."""
@@ -486,7 +493,7 @@ def _run_c(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor
                               ACT_CODES[kind.up_act], ffn.up_bias)
         else:
             cpu.sparse_ffn_i8(ffn.rows, ffn.scales, ffn.block, kind.gated, idx, x.contiguous(),
-                              out, ga, ACT_CODES[kind.up_act], ffn.up_bias)
+                              out, ga, ACT_CODES[kind.up_act], ffn.up_bias, rounds_x(ffn))
     except RuntimeError as e:
         if "out of range" in str(e):
             raise IndexError(f"idx: expected neuron indices in [0, {ffn.d_ff})") from e
