@@ -1994,9 +1994,11 @@ static inline float act(int code, float z) {
 /* Neurons idx[0..k) of bundles (bundle_bytes apart; each: [gate row,] up row, down column, all
  * Q4_0 rows of d_model), for T tokens: out[t] += sum_i h_i(x_t) * down_i. Neurons are walked 4 at
  * a time (gate and up of 4 neurons: 8 streams; then their 4 down rows in one pass over out), each
- * group reused from cache for every token. One token (decode) skips the down rows of neurons
- * whose h comes out 0 (ReLU-family neurons predicted active that did not fire): the others are
- * queued and added 4 at a time, in the same groups as without skipping when none is 0. */
+ * group reused from cache for every token (Q4_TOKENS tokens at a time). Each token skips the
+ * down rows of its neurons whose h comes out 0 (ReLU-family neurons selected that did not fire):
+ * the others are queued and added 4 at a time (the same groups as without skipping when none is
+ * 0), so a token's operations are those of a call for it alone, whatever the other tokens. */
+#define Q4_TOKENS 16
 void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, const int32_t *idx,
                       int k, const si_xq *x, int T, int d_model, int ga, int ua, const float *bias,
                       float *out) {
@@ -2020,57 +2022,55 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
 #define DOTS(rp, R, t, y) q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes)
 #define AXPY(rp, h, R, o) q4_axpy(rp, h, R, nb, o)
 #endif
-    const uint8_t *qd[4]; /* T == 1: down rows queued with their h */
-    float qh[4];
-    int nq = 0;
-    for (int i = 0; i < k; i += 4) {
-        const int R = k - i < 4 ? k - i : 4;
-        const uint8_t *in[8], *down[4];
-        /* the next 4 neurons' bundles, fetched while these are walked (two groups ahead was no
-         * faster: benchmarks/RESULTS.md) */
-        const uint8_t *pf[4];
-        const int npf = k - i - R < 4 ? k - i - R : 4;
-        for (int n = 0; n < npf; n++) pf[n] = bundles + (size_t)idx[i + R + n] * bundle_bytes;
-        for (int n = 0; n < R; n++) {
-            const uint8_t *base = bundles + (size_t)idx[i + n] * bundle_bytes;
-            if (gated) {
-                in[n] = base;          /* gate */
-                in[4 + n] = base + rb; /* up */
-                down[n] = base + 2 * rb;
-            } else {
-                in[n] = base; /* up */
-                down[n] = base + rb;
-            }
-        }
-        for (int t = 0; t < T; t++) {
-            float z[8], h[4];
-            if (R == 4) {
-                if (gated) DOTS(in, 8, t, z);
-                else DOTS(in, 4, t, z);
-            } else {
-                for (int n = 0; n < R; n++) {
-                    DOTS(&in[n], 1, t, &z[n]);
-                    if (gated) DOTS(&in[4 + n], 1, t, &z[4 + n]);
+    for (int t0 = 0; t0 < T; t0 += Q4_TOKENS) {
+        const int t1 = T - t0 < Q4_TOKENS ? T : t0 + Q4_TOKENS;
+        const uint8_t *qd[Q4_TOKENS][4]; /* per token: down rows queued with their h */
+        float qh[Q4_TOKENS][4];
+        int nq[Q4_TOKENS] = {0};
+        for (int i = 0; i < k; i += 4) {
+            const int R = k - i < 4 ? k - i : 4;
+            const uint8_t *in[8], *down[4];
+            /* the next 4 neurons' bundles, fetched while these are walked (two groups ahead
+             * was no faster: benchmarks/RESULTS.md) */
+            const uint8_t *pf[4];
+            const int npf = k - i - R < 4 ? k - i - R : 4;
+            for (int n = 0; n < npf; n++) pf[n] = bundles + (size_t)idx[i + R + n] * bundle_bytes;
+            for (int n = 0; n < R; n++) {
+                const uint8_t *base = bundles + (size_t)idx[i + n] * bundle_bytes;
+                if (gated) {
+                    in[n] = base;          /* gate */
+                    in[4 + n] = base + rb; /* up */
+                    down[n] = base + 2 * rb;
+                } else {
+                    in[n] = base; /* up */
+                    down[n] = base + rb;
                 }
             }
-            for (int n = 0; n < R; n++)
-                h[n] = gated ? act(ga, z[n]) * act(ua, z[4 + n])
-                             : act(ua, z[n] + (bias ? bias[idx[i + n]] : 0.0f));
-            float *o = out + (size_t)t * d_model;
-            if (T == 1) { /* queue the down rows whose h is not 0, add them 4 at a time */
-                for (int n = 0; n < R; n++) {
-                    if (h[n] == 0.0f) continue;
-                    qd[nq] = down[n], qh[nq] = h[n];
-                    if (++nq == 4) AXPY(qd, qh, 4, o), nq = 0;
+            for (int t = t0; t < t1; t++) {
+                float z[8];
+                if (R == 4) {
+                    if (gated) DOTS(in, 8, t, z);
+                    else DOTS(in, 4, t, z);
+                } else {
+                    for (int n = 0; n < R; n++) {
+                        DOTS(&in[n], 1, t, &z[n]);
+                        if (gated) DOTS(&in[4 + n], 1, t, &z[4 + n]);
+                    }
                 }
-            } else if (R == 4) {
-                AXPY(down, h, 4, o);
-            } else {
-                for (int n = 0; n < R; n++) AXPY(&down[n], &h[n], 1, o);
+                const int q = t - t0;
+                for (int n = 0; n < R; n++) {
+                    const float h = gated ? act(ga, z[n]) * act(ua, z[4 + n])
+                                          : act(ua, z[n] + (bias ? bias[idx[i + n]] : 0.0f));
+                    if (h == 0.0f) continue;
+                    qd[q][nq[q]] = down[n], qh[q][nq[q]] = h;
+                    if (++nq[q] == 4) AXPY(qd[q], qh[q], 4, out + (size_t)t * d_model), nq[q] = 0;
+                }
             }
         }
+        for (int t = t0; t < t1; t++)
+            for (int n = 0; n < nq[t - t0]; n++)
+                AXPY(&qd[t - t0][n], &qh[t - t0][n], 1, out + (size_t)t * d_model);
     }
-    for (int n = 0; n < nq; n++) AXPY(&qd[n], &qh[n], 1, out);
 #undef DOTS
 #undef AXPY
 #if SI_AVX512
@@ -2177,71 +2177,71 @@ INLINE void i8_axpy(const int8_t *const *rp, const float *const *sp, const float
 
 /* Neurons idx[0..k) of int8 bundles (bundle_bytes apart; each: [gate row,] up row, down column
  * of d_model) with their scales (nbk per row, [gate,] up, down per neuron), for T tokens x
- * [T, d_model]: out[t] += sum_i h_i(x_t) * down_i. 4 neurons at a time, as si_sparse_q4, and
- * as there the down rows of neurons whose h is 0 skipped (one token: each such row; several: a
- * group whose 4 h are all 0). No software
- * prefetch: a bundle of int8 rows is long enough for the hardware's (prefetching the next
- * bundles as si_sparse_q4 does was slower, from memory and from cache: benchmarks/RESULTS.md). */
+ * [T, d_model]: out[t] += sum_i h_i(x_t) * down_i. 4 neurons at a time, as si_sparse_q4. Each
+ * token queues the down rows of its neurons whose h is not 0 (ReLU-family neurons selected that
+ * did not fire add nothing) and adds them 4 at a time: a token's operations are those of a call
+ * for it alone (the same bits), whatever the other tokens. Tokens are taken I8_TOKENS at a time
+ * (each group of rows read once for them). No software prefetch: a bundle of int8 rows is long
+ * enough for the hardware's (prefetching the next bundles as si_sparse_q4 does was slower, from
+ * memory and from cache: benchmarks/RESULTS.md). */
+#define I8_TOKENS 16
 void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
                       int block, int gated, const int32_t *idx, int k, const float *x,
                       const si_xq *xq, int T, int d_model, int ga, int ua, const float *bias,
                       float *out) {
     const int nm = gated ? 3 : 2;
-    const int8_t *qd[4]; /* T == 1: down rows queued with their scales and h */
-    const float *qs[4];
-    float qh[4];
-    int nq = 0;
-    for (int i = 0; i < k; i += 4) {
-        const int R = k - i < 4 ? k - i : 4;
-        const int8_t *gr[4], *ur[4], *dr[4];
-        const float *gs[4], *us[4], *ds[4];
-        for (int n = 0; n < R; n++) {
-            const int8_t *base = rows + (size_t)idx[i + n] * bundle_bytes;
-            const float *sb = scales + (size_t)idx[i + n] * nm * nbk;
-            gr[n] = base, gs[n] = sb; /* (not read when ungated) */
-            ur[n] = base + (gated ? d_model : 0), us[n] = sb + (gated ? nbk : 0);
-            dr[n] = ur[n] + d_model, ds[n] = us[n] + nbk;
-        }
-        /* R a constant in each call (4, or 1 per neuron of a last short group): the rows'
-         * accumulators stay in registers */
+    for (int t0 = 0; t0 < T; t0 += I8_TOKENS) {
+        const int t1 = T - t0 < I8_TOKENS ? T : t0 + I8_TOKENS;
+        const int8_t *qd[I8_TOKENS][4]; /* per token: down rows queued with their scales and h */
+        const float *qs[I8_TOKENS][4];
+        float qh[I8_TOKENS][4];
+        int nq[I8_TOKENS] = {0};
+        for (int i = 0; i < k; i += 4) {
+            const int R = k - i < 4 ? k - i : 4;
+            const int8_t *gr[4], *ur[4], *dr[4];
+            const float *gs[4], *us[4], *ds[4];
+            for (int n = 0; n < R; n++) {
+                const int8_t *base = rows + (size_t)idx[i + n] * bundle_bytes;
+                const float *sb = scales + (size_t)idx[i + n] * nm * nbk;
+                gr[n] = base, gs[n] = sb; /* (not read when ungated) */
+                ur[n] = base + (gated ? d_model : 0), us[n] = sb + (gated ? nbk : 0);
+                dr[n] = ur[n] + d_model, ds[n] = us[n] + nbk;
+            }
+            /* R a constant in each call (4, or 1 per neuron of a last short group): the rows'
+             * accumulators stay in registers */
 #define DOTS(rp, sp, R, y)                                                                     \
     (xq ? i8_dots_q(rp, sp, R, &xq[t], d_model, block, y) : i8_dots(rp, sp, R, xt, d_model, block, y))
-        for (int t = 0; t < T; t++) {
-            const float *xt = x + (size_t)t * d_model;
-            float zg[4], zu[4], h[4];
-            int live = 0;
-            if (R == 4) {
-                if (gated) DOTS(gr, gs, 4, zg);
-                DOTS(ur, us, 4, zu);
-            } else {
+            for (int t = t0; t < t1; t++) {
+                const float *xt = x + (size_t)t * d_model;
+                float zg[4], zu[4];
+                if (R == 4) {
+                    if (gated) DOTS(gr, gs, 4, zg);
+                    DOTS(ur, us, 4, zu);
+                } else {
+                    for (int n = 0; n < R; n++) {
+                        if (gated) DOTS(&gr[n], &gs[n], 1, &zg[n]);
+                        DOTS(&ur[n], &us[n], 1, &zu[n]);
+                    }
+                }
+                const int q = t - t0;
                 for (int n = 0; n < R; n++) {
-                    if (gated) DOTS(&gr[n], &gs[n], 1, &zg[n]);
-                    DOTS(&ur[n], &us[n], 1, &zu[n]);
+                    const float h = gated ? act(ga, zg[n]) * act(ua, zu[n])
+                                          : act(ua, zu[n] + (bias ? bias[idx[i + n]] : 0.0f));
+                    if (h == 0.0f) continue;
+                    qd[q][nq[q]] = dr[n], qs[q][nq[q]] = ds[n], qh[q][nq[q]] = h;
+                    if (++nq[q] == 4) {
+                        i8_axpy(qd[q], qs[q], qh[q], 4, d_model, block, out + (size_t)t * d_model);
+                        nq[q] = 0;
+                    }
                 }
             }
-            for (int n = 0; n < R; n++) {
-                h[n] = gated ? act(ga, zg[n]) * act(ua, zu[n])
-                             : act(ua, zu[n] + (bias ? bias[idx[i + n]] : 0.0f));
-                live |= h[n] != 0.0f;
-            }
-            float *o = out + (size_t)t * d_model;
-            if (T == 1) { /* queue the down rows whose h is not 0, add them 4 at a time */
-                for (int n = 0; n < R; n++) {
-                    if (h[n] == 0.0f) continue;
-                    qd[nq] = dr[n], qs[nq] = ds[n], qh[nq] = h[n];
-                    if (++nq == 4) i8_axpy(qd, qs, qh, 4, d_model, block, o), nq = 0;
-                }
-            } else if (!live) {
-                continue;
-            } else if (R == 4) {
-                i8_axpy(dr, ds, h, 4, d_model, block, o);
-            } else {
-                for (int n = 0; n < R; n++) i8_axpy(&dr[n], &ds[n], &h[n], 1, d_model, block, o);
-            }
-        }
 #undef DOTS
+        }
+        for (int t = t0; t < t1; t++)
+            for (int n = 0; n < nq[t - t0]; n++)
+                i8_axpy(&qd[t - t0][n], &qs[t - t0][n], &qh[t - t0][n], 1, d_model, block,
+                        out + (size_t)t * d_model);
     }
-    for (int n = 0; n < nq; n++) i8_axpy(&qd[n], &qs[n], &qh[n], 1, d_model, block, out);
 }
 
 /* ------------------------------------------------------------------ one-token block helpers */

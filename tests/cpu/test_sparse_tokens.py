@@ -1,0 +1,68 @@
+"""Several tokens through one sparse C call (a continuous-batching step over the union of the
+rows' active sets) give each token the bits of a call for that token alone: each token skips the
+down rows of its own neurons whose h is 0 and adds the rest in its own groups of 4, whatever the
+other tokens. Both bundle kinds (Q4_0 and int8 rows), gated and ReLU-family FFNs, 1 and 2 threads,
+every instruction set this CPU has."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseinfer import cpu
+from sparseinfer.cpu import reference as cpu_ref
+from sparseinfer.sparse import kernels
+from sparseinfer.sparse.reference import sparse_ffn_batch_ref
+
+from .ffn_cases import random_ffn
+
+ROWS = [("q4", 0), ("int8", 32), ("int8", 0)]
+
+
+@pytest.fixture(params=[1, 2], ids=["t1", "t2"])
+def threads(request):
+    before = cpu.get_threads()
+    cpu.set_threads(request.param)
+    yield request.param
+    cpu.set_threads(before)
+
+
+def one_by_one(ffn, x, idx):
+    out = torch.empty_like(x)
+    for t in range(x.shape[0]):
+        kernels.sparse_ffn(x[t], ffn, idx, out[t])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "reglu", "relu"])
+@pytest.mark.parametrize("dtype,block", ROWS, ids=["q4", "int8-32", "int8-row"])
+@pytest.mark.parametrize("T", [2, 5, 8])
+def test_tokens_of_a_batch_are_their_own_calls(kind, dtype, block, T, isa, threads):
+    d_model, d_ff = 128, 160
+    ffn = random_ffn(kind, d_model, d_ff, seed=T, dtype=dtype, block=block)
+    idx = torch.sort(torch.randperm(d_ff, generator=torch.Generator().manual_seed(T))[:100])[0]
+    idx = idx.to(torch.int32)
+    x = torch.randn(T, d_model, generator=torch.Generator().manual_seed(1))
+    got = kernels.sparse_ffn_batch(x, ffn, idx, torch.full((T, d_model), float("nan")))
+    assert torch.equal(got, one_by_one(ffn, x, idx))
+    if kind != "swiglu":  # the case the per-token skip is for: h = 0 for some tokens, not all
+        g = ffn.rows_fp32(idx.long())
+        z = torch.einsum("kd,td->tk", g[:, 0], x)
+        if ffn.up_bias is not None:
+            z = z + ffn.up_bias[idx.long()]
+        fired = z > 0
+        assert fired.any(dim=0).sum() > fired.all(dim=0).sum()
+
+
+@pytest.mark.parametrize("dtype,block", ROWS, ids=["q4", "int8-32", "int8-row"])
+def test_more_tokens_than_a_pass_holds(dtype, block, threads):
+    """40 tokens: more than one pass of the kernels' per-token queues (16), split between the
+    threads by tokens (one call for a token splits its neurons instead, so the sums' order, not
+    the terms, differs); each row as the reference's (on the x the kernel rounds)."""
+    ffn = random_ffn("reglu", 64, 90, seed=0, dtype=dtype, block=block)
+    idx = torch.arange(0, 90, 2, dtype=torch.int32)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(2))
+    got = kernels.sparse_ffn_batch(x, ffn, idx, torch.full((40, 64), float("nan")))
+    xr = cpu_ref.rounded_x(x) if dtype == "q4" or kernels.rounds_x(ffn) else x
+    want = sparse_ffn_batch_ref(xr, ffn, idx, torch.empty(40, 64))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
