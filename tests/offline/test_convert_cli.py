@@ -4,6 +4,7 @@ cases: exit status 1, one message, no output file."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +35,8 @@ def test_convert_end_to_end(tiny_model_dir, tmp_path, capsys, caplog):
     assert out.is_file() and _files(tmp_path) == ["sparse.gguf", "sparse.report.html"]
     text = captured.out
     assert "held-out perplexity" in text and f"report: {tmp_path / 'sparse.report.html'}" in text
+    computed = float(re.search(r"([\d.]+)% of FFN neurons computed per token", text)[1])
+    assert ("note: " in text) == (computed > 50)  # the dense source is then likely faster
     page = (tmp_path / "sparse.report.html").read_text()
     assert page.count("<img") == 3 and "Which neurons fire" in page and "Placement" in page
     assert "measured density" in page and "perplexity" in page
@@ -176,3 +179,15 @@ def test_stopped_convert_leaves_no_temporary_files(tiny_model_dir, tmp_path, sig
     rest = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130, "".join(lines) + rest
     assert os.listdir(tmp) == [] and not out.exists()
+
+
+def test_density_note():
+    """convert's note when the sparse run computed most neurons anyway (gated FFNs like
+    SmolLM2's: its sparse file decodes slower than its source)."""
+    from sparseinfer.offline.report import Evaluation, density_note
+
+    e = Evaluation("t", 64, 2, 20.0, 20.2, 0.942, 1.0)
+    note = density_note(e, "m.gguf")
+    assert note.startswith("note: 94% of the FFN neurons are computed per token")
+    assert "`sparseinfer run -m m.gguf`" in note
+    assert density_note(Evaluation("t", 64, 2, 20.0, 20.2, 0.12, 1.0), "m.gguf") is None

@@ -121,9 +121,12 @@ def cmd_convert(args) -> int:
           f"{report.output.n_tensors} tensors) in {sum(report.seconds.values()):.1f} s "
           f"({steps})")
     if report.evaluation is not None:
-        from .report import ppl_line
+        from .report import density_note, ppl_line
 
         print(ppl_line(report.evaluation))
+        note = density_note(report.evaluation, args.model or "<the default model>")
+        if note:
+            print(note)
     if report.report_path is not None:
         print(f"report: {report.report_path}")
     if report.work_dir is not None:
