@@ -66,3 +66,39 @@ def test_more_tokens_than_a_pass_holds(dtype, block, threads):
     xr = cpu_ref.rounded_x(x) if dtype == "q4" or kernels.rounds_x(ffn) else x
     want = sparse_ffn_batch_ref(xr, ffn, idx, torch.empty(40, 64))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "reglu"])
+@pytest.mark.parametrize("dtype,block", ROWS, ids=["q4", "int8-32", "int8-row"])
+@pytest.mark.parametrize("T", [3, 8, 20])
+def test_mask_gives_each_token_its_own_set(kind, dtype, block, T, isa, threads):
+    """mask[t, i]: token t takes neuron idx[i] only where set (its own set within the union);
+    each row as the reference over that token's own neurons (on the x the kernel rounds)."""
+    d_model, d_ff = 96, 120
+    ffn = random_ffn(kind, d_model, d_ff, seed=T, dtype=dtype, block=block)
+    g = torch.Generator().manual_seed(T)
+    idx = torch.sort(torch.randperm(d_ff, generator=g)[:90])[0].to(torch.int32)
+    mask = torch.rand(T, 90, generator=g) < 0.4
+    mask[0] = True  # a token with every neuron of the union, and one with none
+    mask[1] = False
+    x = torch.randn(T, d_model, generator=g)
+    got = kernels.sparse_ffn_batch(x, ffn, idx, torch.full((T, d_model), float("nan")), mask)
+    xr = cpu_ref.rounded_x(x) if dtype == "q4" or kernels.rounds_x(ffn) else x
+    for t in range(T):
+        want = sparse_ffn_batch_ref(xr[t:t + 1], ffn, idx[mask[t]], torch.empty(1, d_model))[0]
+        torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], torch.zeros(d_model))
+    full = kernels.sparse_ffn_batch(x, ffn, idx, torch.empty(T, d_model))
+    assert torch.equal(got[0], full[0])  # every bit as without a mask
+
+
+def test_mask_errors():
+    ffn = random_ffn("swiglu", 64, 10, seed=0, dtype="int8", block=32)
+    idx, x = torch.arange(4, dtype=torch.int32), torch.zeros(2, 64)
+    with pytest.raises(ValueError, match=r"mask: expected contiguous bool or uint8 \[2, 4\]"):
+        kernels.sparse_ffn_batch(x, ffn, idx, torch.empty(2, 64), torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"mask: expected contiguous bool or uint8"):
+        kernels.sparse_ffn_batch(x, ffn, idx, torch.empty(2, 64), torch.ones(2, 4))
+    fp32 = random_ffn("swiglu", 64, 10, seed=0, dtype="fp32")
+    with pytest.raises(ValueError, match="mask: per-token sets need rows the C kernels take"):
+        kernels.sparse_ffn_batch(x, fp32, idx, torch.empty(2, 64), torch.ones(2, 4, dtype=torch.bool))

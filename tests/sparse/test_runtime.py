@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sparseinfer.models.build import load
+from sparseinfer.sparse import kernels
 from sparseinfer.sparse.runtime import sparse_info
 
 RELU_KINDS = ("reglu", "drelu", "opt")
@@ -174,6 +175,58 @@ def test_masked_batch_equals_token_by_token(tiny_model_dir, with_predictors, kin
     union = _prefill_logits(lm, IDS)
     info.set_batch_mode("union")
     assert torch.equal(_prefill_logits(lm, IDS), union) and not _close(union, dense, 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["reglu", "swiglu"])
+@pytest.mark.parametrize("ffn_dtype", ["int8", "q4"])
+def test_masked_batch_in_c_equals_token_by_token(tiny_model_dir, with_predictors, kind,
+                                                 ffn_dtype):
+    """Rows the C kernels take: a masked batch of a few tokens (a continuous-batching step)
+    reads the union's bundles once and gives each token its own set, as decoding it alone;
+    a union batch gives each token more neurons, so other logits."""
+    lm, info = load_sparse(with_predictors(tiny_model_dir(kind), seed=3), ffn_dtype=ffn_dtype)
+    assert info.ffn_dtype == ffn_dtype
+    step = _decode_logits(lm, IDS)
+    d_step = info.density()
+    info.reset_stats()
+    info.set_batch_mode("masked")
+    calls = []
+    real = kernels.sparse_ffn_batch
+    with pytest.MonkeyPatch.context() as mp:  # through the C kernel with a mask, not torch
+        mp.setattr(kernels, "sparse_ffn_batch", lambda *a: calls.append(a[4]) or real(*a))
+        batch = _prefill_logits(lm, IDS)
+    assert calls and all(m is not None and m.shape[0] == len(IDS) for m in calls)
+    assert _close(batch, step, 1e-5)
+    assert abs(info.density() - d_step) < 1e-9 and 0.0 < d_step < 1.0
+    info.set_batch_mode("union")
+    assert not _close(_prefill_logits(lm, IDS), step, 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["reglu", "swiglu"])
+def test_batched_decode_rows_keep_their_own_sets(tiny_model_dir, with_predictors, kind):
+    """A continuous-batching step ("auto") gives each sequence the neurons it would get decoded
+    alone (its own predicted set, through the C kernel's mask), so the same logits whatever
+    else is in the batch."""
+    from sparseinfer.models.batch import decode_step, slot_cache
+
+    lm, info = load_sparse(with_predictors(tiny_model_dir(kind), seed=3), ffn_dtype="int8")
+    seqs = [IDS[:4], IDS[3:9], IDS[6:9]]
+    alone = [_decode_logits(lm, s)[-1] for s in seqs]
+    cache = lm.model.new_cache(len(seqs), 16)
+    with torch.inference_mode():
+        for j, s in enumerate(seqs):
+            for t, tok in enumerate(s[:-1]):
+                lm.model(torch.tensor([[tok]]), t, slot_cache(cache, j))
+        calls = []
+        real = kernels.sparse_ffn_batch
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kernels, "sparse_ffn_batch", lambda *a: calls.append(a[4]) or real(*a))
+            got = decode_step(lm.model, torch.tensor([s[-1] for s in seqs]),
+                              torch.tensor([len(s) - 1 for s in seqs]), cache,
+                              torch.arange(len(seqs)))
+    assert calls and all(m is not None for m in calls)
+    for j in range(len(seqs)):
+        assert _close(got[j], alone[j], 1e-5)
 
 
 @pytest.mark.parametrize("kind", RELU_KINDS)

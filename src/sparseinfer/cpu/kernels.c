@@ -1997,11 +1997,13 @@ static inline float act(int code, float z) {
  * group reused from cache for every token (Q4_TOKENS tokens at a time). Each token skips the
  * down rows of its neurons whose h comes out 0 (ReLU-family neurons selected that did not fire):
  * the others are queued and added 4 at a time (the same groups as without skipping when none is
- * 0), so a token's operations are those of a call for it alone, whatever the other tokens. */
+ * 0), so a token's operations are those of a call for it alone, whatever the other tokens.
+ * mask (NULL: every token every neuron): token t computes neuron idx[i] only where
+ * mask[t * mstride + i] is not 0 (its own set within the union idx). */
 #define Q4_TOKENS 16
 void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, const int32_t *idx,
-                      int k, const si_xq *x, int T, int d_model, int ga, int ua, const float *bias,
-                      float *out) {
+                      int k, const uint8_t *mask, size_t mstride, const si_xq *x, int T,
+                      int d_model, int ga, int ua, const float *bias, float *out) {
     const size_t rb = (size_t)d_model / 32 * 18;
     const int nb = d_model / 32;
 #if SI_AVX512
@@ -2022,55 +2024,71 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
 #define DOTS(rp, R, t, y) q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes)
 #define AXPY(rp, h, R, o) q4_axpy(rp, h, R, nb, o)
 #endif
+    /* R neurons of token t at positions pos[0..R) of idx (R a constant: 4, or 1): their dot
+     * products, h, and their down rows whose h is not 0 queued in the token's queue */
+#define NEURONS(R, pos, t)                                                                     \
+    do {                                                                                       \
+        const uint8_t *in[8], *down[4];                                                        \
+        float z[8];                                                                            \
+        const int q_ = (t) - t0;                                                               \
+        for (int n_ = 0; n_ < (R); n_++) {                                                     \
+            const uint8_t *base = bundles + (size_t)idx[(pos)[n_]] * bundle_bytes;             \
+            in[n_] = base; /* gate, or up when ungated */                                      \
+            in[4 + n_] = base + rb;                                                            \
+            down[n_] = base + (gated ? 2 : 1) * rb;                                            \
+        }                                                                                      \
+        if ((R) == 4) {                                                                        \
+            if (gated) DOTS(in, 8, t, z);                                                      \
+            else DOTS(in, 4, t, z);                                                            \
+        } else {                                                                               \
+            DOTS(&in[0], 1, t, &z[0]);                                                         \
+            if (gated) DOTS(&in[4], 1, t, &z[4]);                                              \
+        }                                                                                      \
+        for (int n_ = 0; n_ < (R); n_++) {                                                     \
+            const float h = gated ? act(ga, z[n_]) * act(ua, z[4 + n_])                        \
+                                  : act(ua, z[n_] + (bias ? bias[idx[(pos)[n_]]] : 0.0f));     \
+            if (h == 0.0f) continue;                                                           \
+            qd[q_][nq[q_]] = down[n_], qh[q_][nq[q_]] = h;                                     \
+            if (++nq[q_] == 4) AXPY(qd[q_], qh[q_], 4, out + (size_t)(t) * d_model), nq[q_] = 0; \
+        }                                                                                      \
+    } while (0)
     for (int t0 = 0; t0 < T; t0 += Q4_TOKENS) {
         const int t1 = T - t0 < Q4_TOKENS ? T : t0 + Q4_TOKENS;
-        const uint8_t *qd[Q4_TOKENS][4]; /* per token: down rows queued with their h */
+        /* per token: its neurons waiting for their dot products (positions in idx, 4 at a time:
+         * a mask's scattered neurons still go 4 to a pass), and its down rows queued with h */
+        int dq[Q4_TOKENS][4], ndq[Q4_TOKENS] = {0};
+        const uint8_t *qd[Q4_TOKENS][4];
         float qh[Q4_TOKENS][4];
         int nq[Q4_TOKENS] = {0};
         for (int i = 0; i < k; i += 4) {
             const int R = k - i < 4 ? k - i : 4;
-            const uint8_t *in[8], *down[4];
             /* the next 4 neurons' bundles, fetched while these are walked (two groups ahead
              * was no faster: benchmarks/RESULTS.md) */
             const uint8_t *pf[4];
             const int npf = k - i - R < 4 ? k - i - R : 4;
             for (int n = 0; n < npf; n++) pf[n] = bundles + (size_t)idx[i + R + n] * bundle_bytes;
-            for (int n = 0; n < R; n++) {
-                const uint8_t *base = bundles + (size_t)idx[i + n] * bundle_bytes;
-                if (gated) {
-                    in[n] = base;          /* gate */
-                    in[4 + n] = base + rb; /* up */
-                    down[n] = base + 2 * rb;
-                } else {
-                    in[n] = base; /* up */
-                    down[n] = base + rb;
-                }
-            }
             for (int t = t0; t < t1; t++) {
-                float z[8];
-                if (R == 4) {
-                    if (gated) DOTS(in, 8, t, z);
-                    else DOTS(in, 4, t, z);
-                } else {
-                    for (int n = 0; n < R; n++) {
-                        DOTS(&in[n], 1, t, &z[n]);
-                        if (gated) DOTS(&in[4 + n], 1, t, &z[4 + n]);
-                    }
-                }
+                const uint8_t *mt = mask ? mask + (size_t)t * mstride + i : NULL;
                 const int q = t - t0;
                 for (int n = 0; n < R; n++) {
-                    const float h = gated ? act(ga, z[n]) * act(ua, z[4 + n])
-                                          : act(ua, z[n] + (bias ? bias[idx[i + n]] : 0.0f));
-                    if (h == 0.0f) continue;
-                    qd[q][nq[q]] = down[n], qh[q][nq[q]] = h;
-                    if (++nq[q] == 4) AXPY(qd[q], qh[q], 4, out + (size_t)t * d_model), nq[q] = 0;
+                    if (mt && !mt[n]) continue; /* not in this token's own set */
+                    dq[q][ndq[q]++] = i + n;
+                    if (ndq[q] == 4) {
+                        NEURONS(4, dq[q], t);
+                        ndq[q] = 0;
+                    }
                 }
             }
         }
-        for (int t = t0; t < t1; t++)
-            for (int n = 0; n < nq[t - t0]; n++)
-                AXPY(&qd[t - t0][n], &qh[t - t0][n], 1, out + (size_t)t * d_model);
+        const uint8_t *pf[4];
+        const int npf = 0;
+        for (int t = t0; t < t1; t++) {
+            const int q = t - t0;
+            for (int n = 0; n < ndq[q]; n++) NEURONS(1, &dq[q][n], t);
+            for (int n = 0; n < nq[q]; n++) AXPY(&qd[q][n], &qh[q][n], 1, out + (size_t)t * d_model);
+        }
     }
+#undef NEURONS
 #undef DOTS
 #undef AXPY
 #if SI_AVX512
@@ -2181,66 +2199,82 @@ INLINE void i8_axpy(const int8_t *const *rp, const float *const *sp, const float
  * token queues the down rows of its neurons whose h is not 0 (ReLU-family neurons selected that
  * did not fire add nothing) and adds them 4 at a time: a token's operations are those of a call
  * for it alone (the same bits), whatever the other tokens. Tokens are taken I8_TOKENS at a time
- * (each group of rows read once for them). No software prefetch: a bundle of int8 rows is long
+ * (each group of rows read once for them); mask as si_sparse_q4's. No software prefetch: a bundle of int8 rows is long
  * enough for the hardware's (prefetching the next bundles as si_sparse_q4 does was slower, from
  * memory and from cache: benchmarks/RESULTS.md). */
 #define I8_TOKENS 16
-void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
-                      int block, int gated, const int32_t *idx, int k, const float *x,
-                      const si_xq *xq, int T, int d_model, int ga, int ua, const float *bias,
-                      float *out) {
+/* R neurons of one token (their positions pos[0..R) in idx; R a constant at each call, so the
+ * rows' accumulators stay in registers): gate/up dot products, h, and the down rows whose h is
+ * not 0 queued in the token's queue (qd, qs, qh, *nq), added to o 4 at a time. */
+INLINE void i8_neurons(const int R, const int *pos, const int32_t *idx, const int8_t *rows,
+                       size_t bundle_bytes, const float *scales, int nbk, int block, int gated,
+                       int ga, int ua, const float *bias, const float *xt, const si_xq *xqt,
+                       int d_model, const int8_t **qd, const float **qs, float *qh, int *nq,
+                       float *o) {
     const int nm = gated ? 3 : 2;
+    const int8_t *gr[4], *ur[4], *dr[4];
+    const float *gs[4], *us[4], *ds[4];
+    for (int n = 0; n < R; n++) {
+        const int8_t *base = rows + (size_t)idx[pos[n]] * bundle_bytes;
+        const float *sb = scales + (size_t)idx[pos[n]] * nm * nbk;
+        gr[n] = base, gs[n] = sb; /* (not read when ungated) */
+        ur[n] = base + (gated ? d_model : 0), us[n] = sb + (gated ? nbk : 0);
+        dr[n] = ur[n] + d_model, ds[n] = us[n] + nbk;
+    }
+    float zg[4], zu[4];
+    if (xqt) {
+        if (gated) i8_dots_q(gr, gs, R, xqt, d_model, block, zg);
+        i8_dots_q(ur, us, R, xqt, d_model, block, zu);
+    } else {
+        if (gated) i8_dots(gr, gs, R, xt, d_model, block, zg);
+        i8_dots(ur, us, R, xt, d_model, block, zu);
+    }
+    for (int n = 0; n < R; n++) {
+        const float h = gated ? act(ga, zg[n]) * act(ua, zu[n])
+                              : act(ua, zu[n] + (bias ? bias[idx[pos[n]]] : 0.0f));
+        if (h == 0.0f) continue;
+        qd[*nq] = dr[n], qs[*nq] = ds[n], qh[*nq] = h;
+        if (++*nq == 4) i8_axpy(qd, qs, qh, 4, d_model, block, o), *nq = 0;
+    }
+}
+
+void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
+                      int block, int gated, const int32_t *idx, int k, const uint8_t *mask,
+                      size_t mstride, const float *x, const si_xq *xq, int T, int d_model, int ga,
+                      int ua, const float *bias, float *out) {
     for (int t0 = 0; t0 < T; t0 += I8_TOKENS) {
         const int t1 = T - t0 < I8_TOKENS ? T : t0 + I8_TOKENS;
-        const int8_t *qd[I8_TOKENS][4]; /* per token: down rows queued with their scales and h */
+        /* per token: its neurons waiting for their dot products (positions in idx, 4 computed
+         * at a time: a mask's scattered neurons still go 4 rows to a pass), and its down rows
+         * queued with their scales and h */
+        int dq[I8_TOKENS][4], ndq[I8_TOKENS] = {0};
+        const int8_t *qd[I8_TOKENS][4];
         const float *qs[I8_TOKENS][4];
         float qh[I8_TOKENS][4];
         int nq[I8_TOKENS] = {0};
+#define NEURONS(R, pos, t)                                                                     \
+    i8_neurons(R, pos, idx, rows, bundle_bytes, scales, nbk, block, gated, ga, ua, bias,         \
+               x + (size_t)(t) * d_model, xq ? &xq[t] : NULL, d_model, qd[(t) - t0],            \
+               qs[(t) - t0], qh[(t) - t0], &nq[(t) - t0], out + (size_t)(t) * d_model)
         for (int i = 0; i < k; i += 4) {
             const int R = k - i < 4 ? k - i : 4;
-            const int8_t *gr[4], *ur[4], *dr[4];
-            const float *gs[4], *us[4], *ds[4];
-            for (int n = 0; n < R; n++) {
-                const int8_t *base = rows + (size_t)idx[i + n] * bundle_bytes;
-                const float *sb = scales + (size_t)idx[i + n] * nm * nbk;
-                gr[n] = base, gs[n] = sb; /* (not read when ungated) */
-                ur[n] = base + (gated ? d_model : 0), us[n] = sb + (gated ? nbk : 0);
-                dr[n] = ur[n] + d_model, ds[n] = us[n] + nbk;
-            }
-            /* R a constant in each call (4, or 1 per neuron of a last short group): the rows'
-             * accumulators stay in registers */
-#define DOTS(rp, sp, R, y)                                                                     \
-    (xq ? i8_dots_q(rp, sp, R, &xq[t], d_model, block, y) : i8_dots(rp, sp, R, xt, d_model, block, y))
             for (int t = t0; t < t1; t++) {
-                const float *xt = x + (size_t)t * d_model;
-                float zg[4], zu[4];
-                if (R == 4) {
-                    if (gated) DOTS(gr, gs, 4, zg);
-                    DOTS(ur, us, 4, zu);
-                } else {
-                    for (int n = 0; n < R; n++) {
-                        if (gated) DOTS(&gr[n], &gs[n], 1, &zg[n]);
-                        DOTS(&ur[n], &us[n], 1, &zu[n]);
-                    }
-                }
+                const uint8_t *mt = mask ? mask + (size_t)t * mstride + i : NULL;
                 const int q = t - t0;
                 for (int n = 0; n < R; n++) {
-                    const float h = gated ? act(ga, zg[n]) * act(ua, zu[n])
-                                          : act(ua, zu[n] + (bias ? bias[idx[i + n]] : 0.0f));
-                    if (h == 0.0f) continue;
-                    qd[q][nq[q]] = dr[n], qs[q][nq[q]] = ds[n], qh[q][nq[q]] = h;
-                    if (++nq[q] == 4) {
-                        i8_axpy(qd[q], qs[q], qh[q], 4, d_model, block, out + (size_t)t * d_model);
-                        nq[q] = 0;
-                    }
+                    if (mt && !mt[n]) continue; /* not in this token's own set */
+                    dq[q][ndq[q]++] = i + n;
+                    if (ndq[q] == 4) NEURONS(4, dq[q], t), ndq[q] = 0;
                 }
             }
-#undef DOTS
         }
-        for (int t = t0; t < t1; t++)
-            for (int n = 0; n < nq[t - t0]; n++)
-                i8_axpy(&qd[t - t0][n], &qs[t - t0][n], &qh[t - t0][n], 1, d_model, block,
-                        out + (size_t)t * d_model);
+        for (int t = t0; t < t1; t++) {
+            const int q = t - t0;
+            for (int n = 0; n < ndq[q]; n++) NEURONS(1, &dq[q][n], t);
+            for (int n = 0; n < nq[q]; n++)
+                i8_axpy(&qd[q][n], &qs[q][n], &qh[q][n], 1, d_model, block, out + (size_t)t * d_model);
+        }
+#undef NEURONS
     }
 }
 

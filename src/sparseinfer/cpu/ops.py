@@ -61,7 +61,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q8_0x16": (12, 32, 34),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 
 class CpuLibraryError(SparseInferError):
@@ -85,8 +85,9 @@ def _load() -> ctypes.CDLL:
     lib.si_gemv.argtypes = [ci, vp, vp, vp, ci, vp, vp]
     lib.si_gemm.argtypes = [ci, vp, i64, ci, vp, i64, vp]
     lib.si_quantize_x.argtypes = [vp, ci, vp, vp, vp]
-    lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, ci, vp, ci, ci, ci, ci, vp, vp]
-    lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, vp, ci, ci, vp, ci, ci, ci, ci, ci, vp, vp]
+    lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, vp,
+                                 vp]
+    lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, ci, vp, vp]
     lib.si_predict_f16.argtypes = [vp, vp, ci, ci, ci, vp, vp, vp, vp, vp, vp]
     lib.si_topk.argtypes = [vp, i64, ci, vp, vp]
     dbl = ctypes.c_double
@@ -384,26 +385,35 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return q, d, s
 
 
-def _check_idx_bias(idx: torch.Tensor, up_bias: torch.Tensor | None, d_ff: int) -> int | None:
-    """The sparse FFN calls' neuron list (contiguous int32) and bias (float32 [d_ff] or None);
-    returns the bias pointer (None for no bias)."""
+def _check_idx_bias(idx: torch.Tensor, up_bias: torch.Tensor | None, d_ff: int,
+                    mask: torch.Tensor | None = None, T: int = 1) -> tuple[int | None, int | None]:
+    """The sparse FFN calls' neuron list (contiguous int32), bias (float32 [d_ff] or None) and
+    per-token mask (contiguous bool or uint8 [T, len(idx)], or None); returns the bias and mask
+    pointers (None for none)."""
     if idx.dtype != torch.int32 or not idx.is_contiguous():
         raise ValueError(f"idx: expected contiguous int32, got {idx.dtype}")
-    if up_bias is None:
-        return None
-    _check_f32(up_bias, (d_ff,), "up_bias")
-    return up_bias.data_ptr()
+    if mask is not None and (mask.dtype not in (torch.bool, torch.uint8)
+                             or not mask.is_contiguous() or tuple(mask.shape) != (T, idx.numel())):
+        raise ValueError(f"mask: expected contiguous bool or uint8 [{T}, {idx.numel()}], got "
+                         f"{mask.dtype} {list(mask.shape)}")
+    if up_bias is not None:
+        _check_f32(up_bias, (d_ff,), "up_bias")
+    return (None if up_bias is None else up_bias.data_ptr(),
+            None if mask is None else mask.data_ptr())
 
 
 def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.Tensor,
                   out: torch.Tensor, gate_act: int, up_act: int,
-                  up_bias: torch.Tensor | None = None) -> torch.Tensor:
+                  up_bias: torch.Tensor | None = None,
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
     """Sparse FFN over neuron bundles of Q4_0 rows: ``out[t] = sum_{i in idx} h_i(x[t]) ·
     down_i`` with ``h_i = act_g(gate_i · x) · act_u(up_i · x)`` (gated) or ``act_u(up_i · x +
     b_i)``. ``rows``: uint8 ``[d_ff, n_mats, d_model / 32 · 18]`` (per neuron: [gate,] up, down
     column, each Q4_0 blocks); ``idx`` int32 [k]; ``x``, ``out`` float32 [T, d_model]; activation
     codes as ``sparse.kernels.ACT_CODES`` (0 identity, 1 relu, 2 silu, 3 gelu, 4 gelu-tanh). Only the active
     neurons' bytes are read, 4 neurons at a time; ``x`` is rounded to int8 blocks as in ``gemv``.
+    ``mask`` (bool or uint8 [T, k], optional): token t takes only the neurons ``idx[i]`` with
+    ``mask[t, i]`` (its own set within the union ``idx``: each bundle still read once for all).
     (Reference: ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN`` of dtype "q4".)"""
     d_ff, n_mats, width = rows.shape
     if x.dim() != 2:
@@ -414,9 +424,9 @@ def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.T
     if rows.dtype != torch.uint8 or not rows.is_contiguous() or width != d_model // 32 * 18:
         raise ValueError(f"rows: expected contiguous uint8 [d_ff, n_mats, {d_model // 32 * 18}], "
                          f"got {rows.dtype} {list(rows.shape)}")
-    bias = _check_idx_bias(idx, up_bias, d_ff)
+    bias, mk = _check_idx_bias(idx, up_bias, d_ff, mask, T)
     _check(_lib.si_sparse_q4(rows.data_ptr(), n_mats * width, int(gated), idx.data_ptr(),
-                             idx.shape[0], d_ff, x.data_ptr(), T, d_model, gate_act, up_act,
+                             idx.shape[0], mk, d_ff, x.data_ptr(), T, d_model, gate_act, up_act,
                              bias, out.data_ptr()), "sparse_ffn_q4")
     return out
 
@@ -424,15 +434,16 @@ def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.T
 def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: bool,
                   idx: torch.Tensor, x: torch.Tensor, out: torch.Tensor, gate_act: int,
                   up_act: int, up_bias: torch.Tensor | None = None,
-                  round_x: bool | None = None) -> torch.Tensor:
+                  round_x: bool | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """``sparse_ffn_q4`` over int8 neuron bundles (``PackedFFN`` dtype "int8"): ``rows`` int8
     ``[d_ff, n_mats, d_model]``, ``scales`` float32 ``[d_ff, n_mats, ceil(d_model / block)]``
     (one per ``block`` weights of a row; ``block`` and ``d_model`` multiples of 8).
     ``round_x``: the gate/up dot products take ``x`` rounded to int8 per 32 as ``gemv`` does
     (integer products; needs ``block`` and ``d_model`` multiples of 32, the default where they
     are), else ``x`` stays float32 and the weights are converted. The down rows always take the
-    float coefficients. (Reference: ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN`` of
-    dtype "int8", on ``cpu.reference.quantize_x_ref``'s x where rounded.)"""
+    float coefficients. ``mask`` as ``sparse_ffn_q4``'s. (Reference:
+    ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN`` of dtype "int8", on
+    ``cpu.reference.quantize_x_ref``'s x where rounded.)"""
     d_ff, n_mats, d_model = rows.shape
     if x.dim() != 2 or x.shape[1] != d_model:
         raise ValueError(f"x: expected float32 [T, {d_model}], got {list(x.shape)}")
@@ -451,10 +462,11 @@ def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: b
         raise ValueError(f"round_x: block and d_model must be multiples of 32, got {block}, "
                          f"{d_model}")
     _check_f32(scales, (d_ff, n_mats, -(-d_model // block)), "scales")
-    bias = _check_idx_bias(idx, up_bias, d_ff)
+    bias, mk = _check_idx_bias(idx, up_bias, d_ff, mask, T)
     _check(_lib.si_sparse_i8(rows.data_ptr(), scales.data_ptr(), block, int(gated),
-                             idx.data_ptr(), idx.shape[0], d_ff, x.data_ptr(), int(round_x), T,
-                             d_model, gate_act, up_act, bias, out.data_ptr()), "sparse_ffn_i8")
+                             idx.data_ptr(), idx.shape[0], mk, d_ff, x.data_ptr(), int(round_x),
+                             T, d_model, gate_act, up_act, bias, out.data_ptr()),
+           "sparse_ffn_i8")
     return out
 
 

@@ -28,7 +28,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 12
+#define SI_ABI_VERSION 13
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
@@ -47,8 +47,8 @@ int si_block_bytes(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_BYT
 typedef void (*rows_fn)(int, const uint8_t *, size_t, int, const si_xq *, int, float *);
 typedef void (*quant_fn)(const float *, int, int8_t *, float *, float *);
 typedef int (*xgroups_fn)(const si_xq *, int, uint8_t *);
-typedef void (*sparse_fn)(const uint8_t *, size_t, int, const int32_t *, int, const si_xq *, int,
-                          int, int, int, const float *, float *);
+typedef void (*sparse_fn)(const uint8_t *, size_t, int, const int32_t *, int, const uint8_t *,
+                          size_t, const si_xq *, int, int, int, int, const float *, float *);
 
 enum { ISA_AVX2 = 0, ISA_AVX512 = 1, ISA_AVX2_128 = 2 };
 static int g_isa = -1;
@@ -60,8 +60,8 @@ static quant_fn g_quant;
 static xgroups_fn g_xgroups;
 static sparse_fn g_sparse;
 typedef void (*sparse_i8_fn)(const int8_t *, size_t, const float *, int, int, int, const int32_t *,
-                             int, const float *, const si_xq *, int, int, int, int, const float *,
-                             float *);
+                             int, const uint8_t *, size_t, const float *, const si_xq *, int, int,
+                             int, int, const float *, float *);
 static sparse_i8_fn g_sparse_i8;
 typedef void (*attend_fn)(const float *, const float *, const float *, int, int, float, float *,
                           float *);
@@ -462,6 +462,7 @@ typedef struct {
     size_t bundle_bytes;
     int gated, k, T, d_model, ga, ua, n_chunks;
     const int32_t *idx;
+    const uint8_t *mask; /* NULL, or [T, k]: token t computes idx[i] where mask[t * k + i] */
     const float *bias;
     float *out;  /* [T, d_model] */
     float *part; /* up to SPARSE_BY_NEURON_T tokens: [n_chunks, T, d_model] partial sums, one
@@ -478,16 +479,18 @@ static struct {
     size_t cap;
 } SP;
 
-/* neurons idx[0..k) for tokens t0..t0 + T into o */
-static void sparse_part(const sparse_job_t *j, const int32_t *idx, int k, int t0, int T, float *o) {
+/* neurons idx[i0..i0 + k) for tokens t0..t0 + T into o */
+static void sparse_part(const sparse_job_t *j, int i0, int k, int t0, int T, float *o) {
     memset(o, 0, sizeof(float) * j->d_model * (size_t)T);
+    const int32_t *idx = j->idx + i0;
+    const uint8_t *mask = j->mask ? j->mask + (size_t)t0 * j->k + i0 : NULL;
     if (j->scales)
         g_sparse_i8((const int8_t *)j->bundles, j->bundle_bytes, j->scales, j->nbk, j->block,
-                    j->gated, idx, k, j->x + (size_t)t0 * j->d_model, j->round_x ? S.xq + t0 : NULL,
-                    T, j->d_model, j->ga, j->ua, j->bias, o);
+                    j->gated, idx, k, mask, (size_t)j->k, j->x + (size_t)t0 * j->d_model,
+                    j->round_x ? S.xq + t0 : NULL, T, j->d_model, j->ga, j->ua, j->bias, o);
     else
-        g_sparse(j->bundles, j->bundle_bytes, j->gated, idx, k, S.xq + t0, T, j->d_model, j->ga,
-                 j->ua, j->bias, o);
+        g_sparse(j->bundles, j->bundle_bytes, j->gated, idx, k, mask, (size_t)j->k, S.xq + t0, T,
+                 j->d_model, j->ga, j->ua, j->bias, o);
 }
 
 /* Up to this many tokens a call splits its neurons between the threads (each neuron's rows read
@@ -498,11 +501,11 @@ static void sparse_chunk(const void *jp, int64_t c) {
     const sparse_job_t *j = jp;
     if (j->T <= SPARSE_BY_NEURON_T) { /* neuron range c of every token, into its partial sums */
         const int i0 = (int)(c * j->k / j->n_chunks), i1 = (int)((c + 1) * j->k / j->n_chunks);
-        sparse_part(j, j->idx + i0, i1 - i0, 0, j->T,
+        sparse_part(j, i0, i1 - i0, 0, j->T,
                     j->n_chunks == 1 ? j->out : j->part + c * (size_t)j->T * j->d_model);
     } else { /* token range c, every neuron */
         const int t0 = (int)(c * j->T / j->n_chunks), t1 = (int)((c + 1) * j->T / j->n_chunks);
-        sparse_part(j, j->idx, j->k, t0, t1 - t0, j->out + (size_t)t0 * j->d_model);
+        sparse_part(j, 0, j->k, t0, t1 - t0, j->out + (size_t)t0 * j->d_model);
     }
 }
 
@@ -557,14 +560,15 @@ static int sparse_args(int d_model, int mult, int T, int k, int ga, int ua, cons
     return 0;
 }
 
-/* out[t] = sum_{i in idx} h_i(x[t]) * down_i for T tokens x [T, d_model] (see kernels.c). */
+/* out[t] = sum_{i in idx} h_i(x[t]) * down_i for T tokens x [T, d_model] (see kernels.c); with
+ * mask (uint8 [T, k], else NULL) the sum takes only the idx[i] where mask[t * k + i] != 0. */
 int si_sparse_q4(const void *bundles, size_t bundle_bytes, int gated, const int32_t *idx, int k,
-                 int d_ff, const float *x, int T, int d_model, int ga, int ua, const float *bias,
-                 float *out) {
+                 const uint8_t *mask, int d_ff, const float *x, int T, int d_model, int ga, int ua,
+                 const float *bias, float *out) {
     const int err = sparse_args(d_model, 32, T, k, ga, ua, idx, d_ff);
     if (err) return err;
-    sparse_job_t j = {bundles, bundle_bytes, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx, bias,
-                      out, NULL, x, NULL, 0, 0, 0};
+    sparse_job_t j = {bundles, bundle_bytes, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx, mask,
+                      bias, out, NULL, x, NULL, 0, 0, 0};
     return sparse_run(&j);
 }
 
@@ -573,14 +577,14 @@ int si_sparse_q4(const void *bundles, size_t bundle_bytes, int gated, const int3
  * x float32 [T, d_model], as is (round_x 0) or rounded to int8 per 32 for the gate/up dot
  * products (round_x 1: block and d_model multiples of 32). */
 int si_sparse_i8(const void *rows, const float *scales, int block, int gated, const int32_t *idx,
-                 int k, int d_ff, const float *x, int round_x, int T, int d_model, int ga, int ua,
-                 const float *bias, float *out) {
+                 int k, const uint8_t *mask, int d_ff, const float *x, int round_x, int T,
+                 int d_model, int ga, int ua, const float *bias, float *out) {
     const int err = sparse_args(d_model, round_x ? 32 : 8, T, k, ga, ua, idx, d_ff);
     if (err) return err;
     if (block <= 0 || block % (round_x ? 32 : 8) || block > d_model) return EINVAL;
     const int nm = gated ? 3 : 2;
     sparse_job_t j = {rows, (size_t)nm * d_model, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx,
-                      bias, out, NULL, x, scales, (d_model + block - 1) / block, block,
+                      mask, bias, out, NULL, x, scales, (d_model + block - 1) / block, block,
                       round_x ? 1 : 0};
     return sparse_run(&j);
 }

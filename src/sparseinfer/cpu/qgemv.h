@@ -65,12 +65,13 @@ typedef struct {
     void si_quantize_x_##isa(const float *x, int cols, int8_t *q, float *d, float *s);         \
     int si_xgroups_##isa(const si_xq *x, int cols, uint8_t *out);                              \
     void si_sparse_q4_##isa(const uint8_t *bundles, size_t bundle_bytes, int gated,            \
-                            const int32_t *idx, int k, const si_xq *x, int T, int d_model,     \
-                            int ga, int ua, const float *bias, float *out);              \
+                            const int32_t *idx, int k, const uint8_t *mask, size_t mstride,   \
+                            const si_xq *x, int T, int d_model, int ga, int ua,               \
+                            const float *bias, float *out);                                    \
     void si_sparse_i8_##isa(const int8_t *rows, size_t bundle_bytes, const float *scales,      \
                             int nbk, int block, int gated, const int32_t *idx, int k,          \
-                            const float *x, const si_xq *xq, int T, int d_model, int ga,      \
-                            int ua,                                                            \
+                            const uint8_t *mask, size_t mstride, const float *x,              \
+                            const si_xq *xq, int T, int d_model, int ga, int ua,              \
                             const float *bias, float *out);                                    \
     void si_attend_head_##isa(const float *q, const float *kc, const float *vc, int n, int hd,  \
                               float scale, float *scores, float *out);                         \

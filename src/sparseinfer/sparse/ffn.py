@@ -286,9 +286,16 @@ class SparseFFN(nn.Module):
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         B, T, D = x.shape
         if B * T > 1:
+            one_tier = not self.split and x.device.type == "cpu"
+            own_in_c = (one_tier and B * T <= UNION_MAX_TOKENS
+                        and _kernels()._in_c(self.packed))
+            # each token its own set: "masked"; "auto" for the rows of a continuous-batching
+            # step (B sequences, one token each), in C for a few tokens (a mask over the union)
+            if self.batch_mode == "masked" or (self.batch_mode == "auto" and T == 1 and own_in_c):
+                return self._union(x, residual, own=True) if own_in_c else self._dense(x, residual)
             union = self.batch_mode == "union" or (self.batch_mode == "auto" and (
                 B * T <= UNION_MAX_TOKENS or self.cold.dtype != "fp32"))  # (cold: the CPU rows)
-            if union and not self.split and x.device.type == "cpu":
+            if union and one_tier:
                 return self._union(x, residual)
             return self._dense(x, residual)
         xv = x.reshape(D).float()
@@ -316,22 +323,26 @@ class SparseFFN(nn.Module):
         cold = _kernels().sparse_ffn(x_cpu, self.cold, cold_idx.cpu(), self._out_cold)
         return out + cold.to(self.fast, non_blocking=True)
 
-    def _union(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+    def _union(self, x: Tensor, residual: Tensor | None = None, own: bool = False) -> Tensor:
         """A batch of tokens over the union of their active sets (one read of each active
-        neuron's bundle for all tokens: ``kernels.sparse_ffn_batch``)."""
+        neuron's bundle for all tokens: ``kernels.sparse_ffn_batch``); ``own``: each token
+        computes only its own set within the union (C rows), as it would alone."""
         B, T, D = x.shape
         xf = x.float().reshape(B * T, D).contiguous()
+        rows = None
         if isinstance(self.selector, AllNeurons):
             idx = self._all
         else:
             r = None if residual is None else residual.float().reshape(B * T, D)
-            mask = self.selector.mask(self, xf, r).any(dim=0)
-            idx = torch.nonzero(mask).reshape(-1).to(torch.int32)
+            rows = self.selector.mask(self, xf, r)  # [B*T, d_ff]
+            idx = torch.nonzero(rows.any(dim=0)).reshape(-1).to(torch.int32)
+        own = own and rows is not None
+        mask = rows[:, idx.long()].contiguous() if own else None
         self.stats.tokens += B * T
-        self.stats.active += int(idx.numel()) * B * T
+        self.stats.active += int(mask.sum()) if own else int(idx.numel()) * B * T
         out = torch.empty(B * T, D, dtype=torch.float32)
         if idx.numel():
-            _kernels().sparse_ffn_batch(xf, self.packed, idx, out)
+            _kernels().sparse_ffn_batch(xf, self.packed, idx, out, mask)
         else:
             out.zero_()
         if self.down_bias is not None:

@@ -476,9 +476,11 @@ def rounds_x(ffn: PackedFFN) -> bool:
     return ffn.dtype == "int8" and ffn.d_model % 32 == 0 and ffn.block % 32 == 0
 
 
-def _run_c(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _run_c(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor,
+           mask: torch.Tensor | None = None) -> torch.Tensor:
     """q4 or int8 rows (``_in_c``): the C kernels (``sparseinfer.cpu.sparse_ffn_q4`` /
-    ``sparse_ffn_i8``) on [T, d] x and out, in the C library's thread pool."""
+    ``sparse_ffn_i8``) on [T, d] x and out (``mask``: each token's own neurons among idx), in
+    the C library's thread pool."""
     from .. import cpu  # the C library: loaded (or reported missing) on first use
 
     if ffn.rows.device.type != "cpu":
@@ -490,10 +492,10 @@ def _run_c(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor
     try:
         if ffn.dtype == "q4":
             cpu.sparse_ffn_q4(ffn.rows, kind.gated, idx, x.contiguous(), out, ga,
-                              ACT_CODES[kind.up_act], ffn.up_bias)
+                              ACT_CODES[kind.up_act], ffn.up_bias, mask)
         else:
             cpu.sparse_ffn_i8(ffn.rows, ffn.scales, ffn.block, kind.gated, idx, x.contiguous(),
-                              out, ga, ACT_CODES[kind.up_act], ffn.up_bias, rounds_x(ffn))
+                              out, ga, ACT_CODES[kind.up_act], ffn.up_bias, rounds_x(ffn), mask)
     except RuntimeError as e:
         if "out of range" in str(e):
             raise IndexError(f"idx: expected neuron indices in [0, {ffn.d_ff})") from e
@@ -547,17 +549,23 @@ def sparse_ffn(
 
 
 def sparse_ffn_batch(
-    x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor
+    x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batched ``sparse_ffn``: x, out ``[T, d_model]``, one (union) active set for all T tokens.
 
     Each group of 4 neurons is read from memory once and reused from cache for every token, so
     it pays off while the union stays small; over fp32 rows torch's dense FFN catches up at a
-    few hundred tokens, over int8 rows it did not by 256 (benchmarks/prefill.py).
+    few hundred tokens, over int8 rows it did not by 256 (benchmarks/prefill.py). ``mask``
+    (bool [T, len(idx)], rows the C kernels take only: ``_in_c``): token t computes only the
+    neurons ``idx[i]`` with ``mask[t, i]``, its own set (the union's bundles still read once).
     """
     check_batch_args(x, ffn, idx, out)
     if _in_c(ffn):
-        return _run_c(x, ffn, idx, out)
+        return _run_c(x, ffn, idx, out, mask)
+    if mask is not None:
+        raise ValueError(f"mask: per-token sets need rows the C kernels take (q4, or int8 in "
+                         f"blocks of a multiple of 8), got {ffn.dtype} rows of block {ffn.block}")
     xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
     _run_ffn(xn, ffn, _idx_numpy(idx), out.numpy())
     return out

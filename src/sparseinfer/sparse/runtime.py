@@ -37,10 +37,13 @@ class SparseInfo:
         return sum(m.stats.active for m in self.modules) / tok if tok else float("nan")
 
     def set_batch_mode(self, mode: str) -> None:
-        """"auto" (the default, as measured by benchmarks/prefill.py: "union" up to
-        ``ffn.UNION_MAX_TOKENS`` tokens and at any length for bf16/int8 rows, else "dense"),
-        "dense" (every neuron), "union" (the union of the tokens' predicted sets, batched-sparse
-        kernel) or "masked" (each token its own active set: perplexity of the sparse model)."""
+        """"auto" (the default: the rows of a continuous-batching step each their own set, as
+        "masked", where the C kernels take them; prompts as measured by benchmarks/prefill.py:
+        "union" up to ``ffn.UNION_MAX_TOKENS`` tokens and at any length for bf16/int8 rows, else
+        "dense"), "dense" (every neuron), "union" (the union of the tokens' predicted sets,
+        batched-sparse kernel) or "masked" (each token its own active set, as decoding it alone:
+        in the C kernels over the union's rows for up to ``UNION_MAX_TOKENS`` tokens, else
+        torch; the perplexity of the sparse model)."""
         if mode not in BATCH_MODES:
             raise ValueError(f"batch mode: expected one of {list(BATCH_MODES)}, got {mode!r}")
         for m in self.modules:
