@@ -287,12 +287,16 @@ class SparseFFN(nn.Module):
         B, T, D = x.shape
         if B * T > 1:
             one_tier = not self.split and x.device.type == "cpu"
-            own_in_c = (one_tier and B * T <= UNION_MAX_TOKENS
-                        and _kernels()._in_c(self.packed))
-            # each token its own set: "masked"; "auto" for the rows of a continuous-batching
-            # step (B sequences, one token each), in C for a few tokens (a mask over the union)
-            if self.batch_mode == "masked" or (self.batch_mode == "auto" and T == 1 and own_in_c):
-                return self._union(x, residual, own=True) if own_in_c else self._dense(x, residual)
+            own_in_c = one_tier and _kernels()._in_c(self.packed)
+            # each token its own set. "auto": the rows of a continuous-batching step (B
+            # sequences, one token each, prompt rows riding along included) in C, a mask over
+            # the union's bundles (the only batched path of these rows: "union" at any length)
+            if self.batch_mode == "auto" and T == 1 and own_in_c:
+                return self._union(x, residual, own=True)
+            if self.batch_mode == "masked":  # (perplexity's long chunks: torch's dense product)
+                if own_in_c and B * T <= UNION_MAX_TOKENS:
+                    return self._union(x, residual, own=True)
+                return self._dense(x, residual)
             union = self.batch_mode == "union" or (self.batch_mode == "auto" and (
                 B * T <= UNION_MAX_TOKENS or self.cold.dtype != "fp32"))  # (cold: the CPU rows)
             if union and one_tier:
