@@ -16,3 +16,12 @@ def isa(request):
     assert cpu.get_isa() == request.param
     yield request.param
     cpu.set_isa("auto")
+
+
+@pytest.fixture(params=[1, 2], ids=["t1", "t2"])
+def threads(request):
+    """The C library's pool at 1 and 2 threads, restored after."""
+    before = cpu.get_threads()
+    cpu.set_threads(request.param)
+    yield request.param
+    cpu.set_threads(before)

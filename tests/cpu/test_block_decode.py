@@ -41,14 +41,6 @@ def make(rng, *, d=64, nh=4, nkv=2, hd=16, d_ff=96, gated=True, gate_act="silu",
             "down": [qmat(t0, d, d_ff, rng)], "biases": biases}
 
 
-@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thr")
-def threads(request):
-    before = cpu.get_threads()
-    cpu.set_threads(request.param)
-    yield request.param
-    cpu.set_threads(before)
-
-
 def rope_row(hd: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
     half = hd // 2
     inv = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float64) / half))

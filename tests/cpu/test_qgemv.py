@@ -67,14 +67,6 @@ def cases():
             yield pytest.param(t, rows, cols, id=f"{t}-{rows}x{cols}")
 
 
-@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thr")
-def threads(request):
-    before = cpu.get_threads()
-    cpu.set_threads(request.param)
-    yield request.param
-    cpu.set_threads(before)
-
-
 def x_rounding_bound(mat: cpu.QuantMatrix, x: torch.Tensor) -> torch.Tensor:
     """Per output row: the most the int8 rounding of x can move it (|x - q·d| <= d/2 per element)
     plus float32 summation slack."""

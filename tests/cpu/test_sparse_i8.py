@@ -42,14 +42,6 @@ def ref_x(ffn: PackedFFN, x: torch.Tensor) -> torch.Tensor:
     return cpu_ref.rounded_x(x) if kernels.rounds_x(ffn) else x
 
 
-@pytest.fixture(params=[1, 2], ids=["t1", "t2"])
-def threads(request):
-    before = cpu.get_threads()
-    cpu.set_threads(request.param)
-    yield request.param
-    cpu.set_threads(before)
-
-
 @pytest.mark.parametrize("kind", ["swiglu", "geglu_tanh", "relu", "reglu"])
 @pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
 # (d_model, block): one scale per row (block 0), blocks of 32, 16, 8 and 24 with a short last one

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseinfer import cpu
 from sparseinfer.cpu import reference as cpu_ref
 from sparseinfer.sparse import kernels
 from sparseinfer.sparse.reference import sparse_ffn_batch_ref
@@ -17,14 +16,6 @@ from sparseinfer.sparse.reference import sparse_ffn_batch_ref
 from .ffn_cases import random_ffn
 
 ROWS = [("q4", 0), ("int8", 32), ("int8", 0)]
-
-
-@pytest.fixture(params=[1, 2], ids=["t1", "t2"])
-def threads(request):
-    before = cpu.get_threads()
-    cpu.set_threads(request.param)
-    yield request.param
-    cpu.set_threads(before)
 
 
 def one_by_one(ffn, x, idx):
