@@ -2100,9 +2100,11 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
 /* ------------------------------------------------------------------ sparse FFN, int8 bundles */
 
 /* int8 rows with float32 scales per block of `block` weights (PackedFFN dtype "int8"; block and
- * d_model multiples of 8, so is a short last block). x stays float32: weights are widened from
- * memory 8 at a time and converted, the arithmetic of the numba kernel (sparse/kernels.py) in
- * another summation order. */
+ * d_model multiples of 8, so is a short last block). The gate/up dot products take x rounded to
+ * int8 per 32 where blocks and rows are multiples of 32 (i8_dots_q); else x stays float32 and
+ * the weights are widened from memory 8 at a time and converted (i8_dots: the arithmetic of the
+ * numba kernel, sparse/kernels.py, in another summation order). The down rows always take the
+ * float coefficients (i8_axpy). */
 
 /* 8 int8 weights at p as floats */
 INLINE __m256 i8_ps(const int8_t *p) {
@@ -2199,9 +2201,9 @@ INLINE void i8_axpy(const int8_t *const *rp, const float *const *sp, const float
  * token queues the down rows of its neurons whose h is not 0 (ReLU-family neurons selected that
  * did not fire add nothing) and adds them 4 at a time: a token's operations are those of a call
  * for it alone (the same bits), whatever the other tokens. Tokens are taken I8_TOKENS at a time
- * (each group of rows read once for them); mask as si_sparse_q4's. No software prefetch: a bundle of int8 rows is long
- * enough for the hardware's (prefetching the next bundles as si_sparse_q4 does was slower, from
- * memory and from cache: benchmarks/RESULTS.md). */
+ * (each group of rows read once for them); mask as si_sparse_q4's. No software prefetch: a
+ * bundle of int8 rows is long enough for the hardware's (prefetching the next bundles as
+ * si_sparse_q4 does was slower, from memory and from cache: benchmarks/RESULTS.md). */
 #define I8_TOKENS 16
 /* R neurons of one token (their positions pos[0..R) in idx; R a constant at each call, so the
  * rows' accumulators stay in registers): gate/up dot products, h, and the down rows whose h is

@@ -467,7 +467,8 @@ typedef struct {
     float *out;  /* [T, d_model] */
     float *part; /* up to SPARSE_BY_NEURON_T tokens: [n_chunks, T, d_model] partial sums, one
                   * per neuron range */
-    const float *x; /* [T, d_model]: as is for int8 bundles, quantized into S.xq for Q4_0 ones */
+    const float *x; /* [T, d_model]: quantized into S.xq for Q4_0 bundles (and int8 ones with
+                     * round_x); int8 bundles read it as is otherwise */
     /* int8 bundles (scales != NULL): their scales, nbk per row of `block` weights; round_x:
      * x rounded to int8 per 32 into S.xq too (integer dot products; block a multiple of 32) */
     const float *scales;
