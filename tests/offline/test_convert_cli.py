@@ -191,3 +191,4 @@ def test_density_note():
     assert note.startswith("note: 94% of the FFN neurons are computed per token")
     assert "`sparseinfer run -m m.gguf`" in note
     assert density_note(Evaluation("t", 64, 2, 20.0, 20.2, 0.12, 1.0), "m.gguf") is None
+    assert "compare `sparseinfer run` with" in density_note(e, None)  # the default model

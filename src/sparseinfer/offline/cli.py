@@ -124,7 +124,7 @@ def cmd_convert(args) -> int:
         from .report import density_note, ppl_line
 
         print(ppl_line(report.evaluation))
-        note = density_note(report.evaluation, args.model or "<the default model>")
+        note = density_note(report.evaluation, args.model)
         if note:
             print(note)
     if report.report_path is not None:

@@ -275,17 +275,19 @@ def ppl_line(e: Evaluation) -> str:
             f"({e.n_chunks} x {e.n_ctx} tokens, {e.seconds:.1f} s)")
 
 
-def density_note(e: Evaluation, source: str) -> str | None:
+def density_note(e: Evaluation, source: str | None) -> str | None:
     """What to tell the user when the sparse run computed most of the neurons anyway (None when
-    it did not): the dense source is then likely the faster file."""
+    it did not): the dense source (a path, or None for the default model) is then likely the
+    faster file."""
     from .defaults import NOT_SPARSE_DENSITY
 
     if not e.measured_density > NOT_SPARSE_DENSITY:
         return None
+    run = "sparseinfer run" + (f" -m {source}" if source else "")
     return (f"note: {e.measured_density:.0%} of the FFN neurons are computed per token. Sparse "
             f"decoding pays where few neurons fire (ReLU-family FFNs); with this many the "
-            f"source is likely to decode faster: compare `sparseinfer run -m {source}` with "
-            f"the sparse file (both print tokens/s)")
+            f"source is likely to decode faster: compare `{run}` with the sparse file (both "
+            f"print tokens/s)")
 
 
 def file_summary(metadata: dict, path: str | Path | None = None) -> str | None:
