@@ -2,6 +2,7 @@
 
     python benchmarks/batch_step.py [--model PATH] [--threads 2] [--rows 1,8] [--positions 2,100,400]
                                     [--repeats 30] [--batch-mode auto,union,masked,dense]
+                                    [--ffn-dtype q4]
 
 For each row count B and position, the median time of a step of B sequences (all at that position,
 in slots 0..B-1, random tokens) on the default model (or ``--model``), and the same for one token
@@ -34,6 +35,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--batch-mode", default="auto",
                    help="sparse files: comma-separated FFN batch modes (auto, union, masked, dense)")
+    p.add_argument("--ffn-dtype", default="auto",
+                   help="sparse files: the FFN rows (as `run --ffn-dtype`: auto, q4, int8, ...)")
     a = p.parse_args()
     from sparseinfer.threads import passive_wait
 
@@ -48,7 +51,8 @@ def main() -> None:
     rows = [int(r) for r in a.rows.split(",")]
     positions = [int(q) for q in a.positions.split(",")]
     n_ctx = max(positions) + 1
-    engine = Engine.load(a.model, n_ctx=n_ctx, threads=a.threads)
+    opts = {} if a.ffn_dtype == "auto" else {"ffn_dtype": a.ffn_dtype}
+    engine = Engine.load(a.model, n_ctx=n_ctx, threads=a.threads, **opts)
     model = engine.model
     cache, single = model.new_cache(max(rows), n_ctx), model.new_cache(1, n_ctx)
     modes = a.batch_mode.split(",")
