@@ -7,6 +7,8 @@ import math
 import torch
 
 from sparseinfer.config import FFN_KINDS
+from sparseinfer.cpu import reference as cpu_ref
+from sparseinfer.sparse import kernels
 from sparseinfer.sparse.packed import PackedFFN
 
 
@@ -21,3 +23,9 @@ def random_ffn(kind: str, d_model: int, d_ff: int, seed: int, dtype: str,
     down = torch.randn(d_model, d_ff, generator=g) / math.sqrt(d_ff)
     bias = None if gated else torch.randn(d_ff, generator=g) * 0.1
     return PackedFFN.from_dense(kind, gate, up, down, up_bias=bias, dtype=dtype, block=block)
+
+
+def ref_x(ffn: PackedFFN, x: torch.Tensor) -> torch.Tensor:
+    """The x whose products the C kernel sums for ``ffn``'s gate/up rows: rounded to int8 per 32
+    where it rounds (``kernels.rounds_x``), else as is."""
+    return cpu_ref.rounded_x(x) if kernels.rounds_x(ffn) else x

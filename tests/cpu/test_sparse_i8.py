@@ -11,12 +11,11 @@ import torch
 
 from sparseinfer import cpu
 from sparseinfer.config import FFN_KINDS
-from sparseinfer.cpu import reference as cpu_ref
 from sparseinfer.sparse import kernels
 from sparseinfer.sparse.packed import PackedFFN
 from sparseinfer.sparse.reference import sparse_ffn_batch_ref, sparse_ffn_ref
 
-from .ffn_cases import random_ffn
+from .ffn_cases import random_ffn, ref_x
 
 
 def make_ffn(kind: str, d_model: int, d_ff: int, block: int, seed: int) -> PackedFFN:
@@ -36,10 +35,6 @@ def tolerance(ffn: PackedFFN, x: torch.Tensor, idx: torch.Tensor) -> float:
     h = z.prod(dim=1) if FFN_KINDS[ffn.kind].gated else z[:, 0] + 1.0
     mag = float((h @ rows[:, -1].abs()).max()) if idx.numel() else 0.0
     return 64 * torch.finfo(torch.float32).eps * (mag + 1.0)
-
-
-def ref_x(ffn: PackedFFN, x: torch.Tensor) -> torch.Tensor:
-    return cpu_ref.rounded_x(x) if kernels.rounds_x(ffn) else x
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "geglu_tanh", "relu", "reglu"])

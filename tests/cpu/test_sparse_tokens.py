@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseinfer.cpu import reference as cpu_ref
 from sparseinfer.sparse import kernels
 from sparseinfer.sparse.reference import sparse_ffn_batch_ref
 
-from .ffn_cases import random_ffn
+from .ffn_cases import random_ffn, ref_x
 
 ROWS = [("q4", 0), ("int8", 32), ("int8", 0)]
 
@@ -54,8 +53,7 @@ def test_more_tokens_than_a_pass_holds(dtype, block, threads):
     idx = torch.arange(0, 90, 2, dtype=torch.int32)
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(2))
     got = kernels.sparse_ffn_batch(x, ffn, idx, torch.full((40, 64), float("nan")))
-    xr = cpu_ref.rounded_x(x) if dtype == "q4" or kernels.rounds_x(ffn) else x
-    want = sparse_ffn_batch_ref(xr, ffn, idx, torch.empty(40, 64))
+    want = sparse_ffn_batch_ref(ref_x(ffn, x), ffn, idx, torch.empty(40, 64))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -74,7 +72,7 @@ def test_mask_gives_each_token_its_own_set(kind, dtype, block, T, isa, threads):
     mask[1] = False
     x = torch.randn(T, d_model, generator=g)
     got = kernels.sparse_ffn_batch(x, ffn, idx, torch.full((T, d_model), float("nan")), mask)
-    xr = cpu_ref.rounded_x(x) if dtype == "q4" or kernels.rounds_x(ffn) else x
+    xr = ref_x(ffn, x)
     for t in range(T):
         want = sparse_ffn_batch_ref(xr[t:t + 1], ffn, idx[mask[t]], torch.empty(1, d_model))[0]
         torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)

@@ -1994,13 +1994,14 @@ static inline float act(int code, float z) {
 /* Neurons idx[0..k) of bundles (bundle_bytes apart; each: [gate row,] up row, down column, all
  * Q4_0 rows of d_model), for T tokens: out[t] += sum_i h_i(x_t) * down_i. Neurons are walked 4 at
  * a time (gate and up of 4 neurons: 8 streams; then their 4 down rows in one pass over out), each
- * group reused from cache for every token (Q4_TOKENS tokens at a time). Each token skips the
- * down rows of its neurons whose h comes out 0 (ReLU-family neurons selected that did not fire):
- * the others are queued and added 4 at a time (the same groups as without skipping when none is
- * 0), so a token's operations are those of a call for it alone, whatever the other tokens.
+ * group reused from cache for every token (SPARSE_TOKENS tokens at a time). Each token skips
+ * the down rows of its neurons whose h comes out 0 (ReLU-family neurons selected that did not
+ * fire): the others are queued and added 4 at a time (the same groups as without skipping when
+ * none is 0), so a token's operations are those of a call for it alone, whatever the other
+ * tokens.
  * mask (NULL: every token every neuron): token t computes neuron idx[i] only where
  * mask[t * mstride + i] is not 0 (its own set within the union idx). */
-#define Q4_TOKENS 16
+#define SPARSE_TOKENS 16 /* both sparse kernels: tokens a pass holds queues for */
 void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, const int32_t *idx,
                       int k, const uint8_t *mask, size_t mstride, const si_xq *x, int T,
                       int d_model, int ga, int ua, const float *bias, float *out) {
@@ -2052,14 +2053,14 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
             if (++nq[q_] == 4) AXPY(qd[q_], qh[q_], 4, out + (size_t)(t) * d_model), nq[q_] = 0; \
         }                                                                                      \
     } while (0)
-    for (int t0 = 0; t0 < T; t0 += Q4_TOKENS) {
-        const int t1 = T - t0 < Q4_TOKENS ? T : t0 + Q4_TOKENS;
+    for (int t0 = 0; t0 < T; t0 += SPARSE_TOKENS) {
+        const int t1 = T - t0 < SPARSE_TOKENS ? T : t0 + SPARSE_TOKENS;
         /* per token: its neurons waiting for their dot products (positions in idx, 4 at a time:
          * a mask's scattered neurons still go 4 to a pass), and its down rows queued with h */
-        int dq[Q4_TOKENS][4], ndq[Q4_TOKENS] = {0};
-        const uint8_t *qd[Q4_TOKENS][4];
-        float qh[Q4_TOKENS][4];
-        int nq[Q4_TOKENS] = {0};
+        int dq[SPARSE_TOKENS][4], ndq[SPARSE_TOKENS] = {0};
+        const uint8_t *qd[SPARSE_TOKENS][4];
+        float qh[SPARSE_TOKENS][4];
+        int nq[SPARSE_TOKENS] = {0};
         for (int i = 0; i < k; i += 4) {
             const int R = k - i < 4 ? k - i : 4;
             /* the next 4 neurons' bundles, fetched while these are walked (two groups ahead
@@ -2200,11 +2201,10 @@ INLINE void i8_axpy(const int8_t *const *rp, const float *const *sp, const float
  * [T, d_model]: out[t] += sum_i h_i(x_t) * down_i. 4 neurons at a time, as si_sparse_q4. Each
  * token queues the down rows of its neurons whose h is not 0 (ReLU-family neurons selected that
  * did not fire add nothing) and adds them 4 at a time: a token's operations are those of a call
- * for it alone (the same bits), whatever the other tokens. Tokens are taken I8_TOKENS at a time
- * (each group of rows read once for them); mask as si_sparse_q4's. No software prefetch: a
+ * for it alone (the same bits), whatever the other tokens. Tokens are taken SPARSE_TOKENS at a
+ * time (each group of rows read once for them); mask as si_sparse_q4's. No software prefetch: a
  * bundle of int8 rows is long enough for the hardware's (prefetching the next bundles as
  * si_sparse_q4 does was slower, from memory and from cache: benchmarks/RESULTS.md). */
-#define I8_TOKENS 16
 /* R neurons of one token (their positions pos[0..R) in idx; R a constant at each call, so the
  * rows' accumulators stay in registers): gate/up dot products, h, and the down rows whose h is
  * not 0 queued in the token's queue (qd, qs, qh, *nq), added to o 4 at a time. */
@@ -2244,16 +2244,16 @@ void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scal
                       int block, int gated, const int32_t *idx, int k, const uint8_t *mask,
                       size_t mstride, const float *x, const si_xq *xq, int T, int d_model, int ga,
                       int ua, const float *bias, float *out) {
-    for (int t0 = 0; t0 < T; t0 += I8_TOKENS) {
-        const int t1 = T - t0 < I8_TOKENS ? T : t0 + I8_TOKENS;
+    for (int t0 = 0; t0 < T; t0 += SPARSE_TOKENS) {
+        const int t1 = T - t0 < SPARSE_TOKENS ? T : t0 + SPARSE_TOKENS;
         /* per token: its neurons waiting for their dot products (positions in idx, 4 computed
          * at a time: a mask's scattered neurons still go 4 rows to a pass), and its down rows
          * queued with their scales and h */
-        int dq[I8_TOKENS][4], ndq[I8_TOKENS] = {0};
-        const int8_t *qd[I8_TOKENS][4];
-        const float *qs[I8_TOKENS][4];
-        float qh[I8_TOKENS][4];
-        int nq[I8_TOKENS] = {0};
+        int dq[SPARSE_TOKENS][4], ndq[SPARSE_TOKENS] = {0};
+        const int8_t *qd[SPARSE_TOKENS][4];
+        const float *qs[SPARSE_TOKENS][4];
+        float qh[SPARSE_TOKENS][4];
+        int nq[SPARSE_TOKENS] = {0};
 #define NEURONS(R, pos, t)                                                                     \
     i8_neurons(R, pos, idx, rows, bundle_bytes, scales, nbk, block, gated, ga, ua, bias,         \
                x + (size_t)(t) * d_model, xq ? &xq[t] : NULL, d_model, qd[(t) - t0],            \

@@ -431,6 +431,12 @@ def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.T
     return out
 
 
+def i8_rounds_x(block: int, d_model: int) -> bool:
+    """Whether ``sparse_ffn_i8`` can round x to int8 per 32 for int8 rows of this scale block
+    and width (its default where it can)."""
+    return block % 32 == 0 and d_model % 32 == 0
+
+
 def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: bool,
                   idx: torch.Tensor, x: torch.Tensor, out: torch.Tensor, gate_act: int,
                   up_act: int, up_bias: torch.Tensor | None = None,
@@ -457,8 +463,8 @@ def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: b
         raise ValueError(f"block, d_model: expected multiples of 8 with block <= d_model, got "
                          f"{block}, {d_model}")
     if round_x is None:
-        round_x = block % 32 == 0 and d_model % 32 == 0
-    elif round_x and (block % 32 or d_model % 32):
+        round_x = i8_rounds_x(block, d_model)
+    elif round_x and not i8_rounds_x(block, d_model):
         raise ValueError(f"round_x: block and d_model must be multiples of 32, got {block}, "
                          f"{d_model}")
     _check_f32(scales, (d_ff, n_mats, -(-d_model // block)), "scales")

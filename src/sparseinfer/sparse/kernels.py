@@ -470,10 +470,12 @@ def _in_c(ffn: PackedFFN) -> bool:
 
 
 def rounds_x(ffn: PackedFFN) -> bool:
-    """int8 rows whose gate/up products the C kernel takes with x rounded to int8 per 32 (as the
-    Q4 kernels do): blocks and rows multiples of 32. The reference of such a call is the float
-    FFN on ``cpu.reference``'s rounded x."""
-    return ffn.dtype == "int8" and ffn.d_model % 32 == 0 and ffn.block % 32 == 0
+    """Rows whose gate/up products the C kernels take with x rounded to int8 per 32: q4 rows
+    always, int8 rows whose blocks and width are multiples of 32 (``cpu.ops.i8_rounds_x``). The
+    reference of such a call is the float FFN on ``cpu.reference``'s rounded x."""
+    from ..cpu.ops import i8_rounds_x  # (ops loads the C library only when called)
+
+    return ffn.dtype == "q4" or (ffn.dtype == "int8" and i8_rounds_x(ffn.block, ffn.d_model))
 
 
 def _run_c(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor,
