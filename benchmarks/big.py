@@ -1,9 +1,10 @@
 """Models of PowerInfer's size: load time, peak memory, prefill and decode of a Llama-2-7B (or
-13B) shaped Q4_0 GGUF, sparseinfer against llama.cpp on the same file, in one run.
+13B) shaped Q4_0 (or Q4_K_M) GGUF, sparseinfer against llama.cpp on the same file, in one run.
 
     python benchmarks/big.py --shape 7b --out /tmp/big          # writes /tmp/big/llama-7b.q4_0.gguf
     python benchmarks/big.py --shape 13b --out /tmp/big --tokens 8
     python benchmarks/big.py --shape 7b --out /tmp/big --rounds 5
+    python benchmarks/big.py --shape 7b --out /tmp/big --qtype q4_k_m   # the Q4_K_M mix
 
 The file holds random weights (a few random matrices reused across layers: bytes are what
 matter for speed and memory, not values) and SmolLM2's tokenizer. Each engine runs in its own
@@ -97,6 +98,23 @@ def write_model(path: Path, shape: str) -> Path:
     return path
 
 
+def requantize(src: Path, dst: Path, ftype: str, threads: int) -> Path:
+    """``src`` requantized to llama.cpp's ``ftype`` mix (e.g. Q4_K_M: Q4_K, with Q6_K for some
+    attn_v/ffn_down and the head) by llama.cpp's own quantizer: gguf-py cannot write K-quants."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}")
+    params.nthread = threads
+    params.allow_requantize = True
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({src} -> {ftype}) returned {rc}, expected 0")
+    return dst
+
+
 def _rss_mb() -> float:
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
@@ -183,6 +201,9 @@ def main() -> int:
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--rounds", type=int, default=0,
                     help="then run the two engines alternately this many times more")
+    ap.add_argument("--qtype", default="q4_0", choices=["q4_0", "q4_k_m"],
+                    help="q4_k_m: the Q4_0 file requantized by llama.cpp's quantizer to its "
+                         "Q4_K_M mix (needs llama-cpp-python; the mix most GGUF downloads use)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -195,6 +216,13 @@ def main() -> int:
         write_model(path, args.shape)
         print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in "
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    if args.qtype != "q4_0":
+        src, path = path, args.out / f"llama-{args.shape}.{args.qtype}.gguf"
+        if not path.exists():
+            t0 = time.perf_counter()
+            requantize(src, path, args.qtype, args.threads)
+            print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
     size = path.stat().st_size
     print(f"CPU: {cpu_model()}; {args.threads} threads; file {size / 2**30:.2f} GiB",
           file=sys.stderr)

@@ -130,22 +130,23 @@ def test_multi_matrix_call_shares_input(isa, threads):
         assert torch.all((o.double() - want.double()).abs() <= summation_bound(m, x))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K",
-                                       "F16", "F32", "Q4_0x16", "Q4_1x16", "Q8_0x16"])
-@pytest.mark.parametrize("T", [1, pytest.param(3, marks=pytest.mark.slow), 8, 9,
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
+                                       "Q6_K", "F16", "F32", "Q4_0x16", "Q4_1x16", "Q8_0x16"])
+@pytest.mark.parametrize("T", [1, pytest.param(3, marks=pytest.mark.slow), 8, 9, 13,
                                pytest.param(17, marks=pytest.mark.slow)])
 def test_gemm_matches_reference(type_name, T, isa, threads):
     """Q4_0/Q4_1 rows take the AVX-512 kernel that gathers each group of 4 blocks once for up to
     8 rows of x (576 columns: 4 groups and a partial one of 2 blocks), Q4_0..Q5_1 the avx2_128 and
-    plain AVX2 ones that unpack each group of 8 blocks once (T = 8, 9, 17 cross their groups);
-    every type gives each row of the batch exactly the GEMV of that token (panels: 8 x rows per
-    pass over 3 panels)."""
+    plain AVX2 ones that unpack each group of 8 blocks once (T = 8, 9, 13, 17 cross their groups);
+    plain AVX2 Q4_K/Q5_K passes of 4 to 8 x rows put the rows in lanes (T = 8, 13: 8 and 5 rows,
+    the last lanes empty), shorter ones do not (T = 1, 3, 9's last row); every type gives each
+    row of the batch exactly the GEMV of that token (panels: 8 x rows per pass over 3 panels)."""
     rng = np.random.default_rng(T)
     # 576: 18 blocks, two past the last group of 8 (AVX-512: of 4); 224: 7 blocks, 3 past a group of 4
     rows, cols = 37, 576 if T % 2 == 0 else 224 if T == 9 else 512
     if type_name in FILE_TYPES:
         rows = 48
-    if type_name in ("Q4_K", "Q6_K"):
+    if type_name in ("Q4_K", "Q5_K", "Q6_K"):
         cols = 512
     mat = cpu.QuantMatrix(type_name, random_raw(type_name, rows, cols, rng), rows, cols)
     X = torch.from_numpy(rng.standard_normal((T, cols)).astype(np.float32))

@@ -18,6 +18,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "qgemv.h"
@@ -1343,6 +1344,9 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
 }
 
 #define MULTI_T 8 /* x rows per pass over a weight row (the GEMM kernels below) */
+#ifndef KT_MIN_T
+#define KT_MIN_T 6 /* K-quant GEMM: x rows in lanes (multi_k45t) from this many rows of a pass */
+#endif
 
 #if SI_AVX512
 /* One Q4_0/Q4_1 row against nt <= MULTI_T x rows (each with x.g) in groups of 4 blocks: each
@@ -1606,6 +1610,106 @@ INLINE void multi_q6k(const uint8_t *p, const si_xq *x, const int nt, const int 
     }
     for (int t = 0; t < nt; t++) y[t * ys] = hsum(acc[t]);
 }
+
+/* x rows in lanes for the K-quant GEMM below (kt_x): for MULTI_T rows of x (zeros past nt),
+ * per sub-block j of 32 and word c (4 bytes) the 8 rows' words side by side (one vector, lane t
+ * = row t), and x's block scales and sums (d, s) likewise, 8 rows to a vector per sub-block. */
+typedef struct {
+    __m256i *q; /* [nsb * 8 sub-blocks][8 words] */
+    __m256 *d, *s; /* [nsb * 8] */
+} kt_x;
+
+static int kt_x_make(const si_xq *x, const int nt, const int nsb, kt_x *xt) {
+    const size_t nj = (size_t)nsb * 8;
+    void *mem = NULL;
+    if (posix_memalign(&mem, 64, nj * (8 * 32 + 2 * 32))) return -1;
+    xt->q = (__m256i *)mem;
+    xt->d = (__m256 *)((uint8_t *)mem + nj * 8 * 32);
+    xt->s = xt->d + nj;
+    for (size_t j = 0; j < nj; j++) {
+        int32_t w[8][8] = {{0}};
+        float d[8] = {0}, sm[8] = {0};
+        for (int t = 0; t < nt; t++) {
+            for (int c = 0; c < 8; c++) memcpy(&w[c][t], x[t].q + 32 * j + 4 * c, 4);
+            d[t] = x[t].d[j], sm[t] = x[t].s[j];
+        }
+        for (int c = 0; c < 8; c++) xt->q[8 * j + c] = _mm256_loadu_si256((const __m256i *)w[c]);
+        xt->d[j] = _mm256_loadu_ps(d);
+        xt->s[j] = _mm256_loadu_ps(sm);
+    }
+    return 0;
+}
+
+/* One Q4_K/Q5_K row against MULTI_T x rows in lanes (kt_x): per sub-block j, each of its 8
+ * weight words (4 unpacked bytes, broadcast) times the 8 rows' words in one maddubs, so one
+ * vector holds sub-block j's integer sum for every row, without the horizontal adds of
+ * multi_k45; then one convert and one FMA per sub-block for all rows. Lane t computes what
+ * multi_k45 / rows_k45 compute in lane j of row t (the same integer sums, the same scale
+ * product and FMA chain per sub-block, the minima's FMA chain, then the same subtraction and
+ * horizontal sum), so each row is still its GEMV bit for bit. y[t * ys] for t < nt. */
+INLINE void multi_k45t(const int five, const uint8_t *p, const kt_x *xt, const int nt, const int nsb,
+                       float *y, const int64_t ys) {
+    const int bsize = five ? 176 : 144;
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10), one = _mm256_set1_epi16(1);
+    __m256 acc[8], accm[8];
+    for (int j = 0; j < 8; j++) acc[j] = accm[j] = _mm256_setzero_ps();
+    uint8_t wb[256] __attribute__((aligned(32)));
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *pb = p + (size_t)sb * bsize;
+        uint64_t sc8, m8;
+        scales_k(pb + 4, &sc8, &m8);
+        float scf[8], mdm[8];
+        _mm256_storeu_ps(scf, bytes8_ps(sc8));
+        _mm256_storeu_ps(mdm, _mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(pb + 2))));
+        const __m256 dv = _mm256_set1_ps(f16(pb));
+        const uint8_t *qs = pb + (five ? 48 : 16);
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(pb + 16)) : _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i lo = _mm256_and_si256(v, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+            if (five) {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(qh, 4 - 2 * c), b5));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(qh, 3 - 2 * c), b5));
+            }
+            _mm256_store_si256((__m256i *)(wb + 64 * c), lo);
+            _mm256_store_si256((__m256i *)(wb + 64 * c + 32), hi);
+        }
+        const __m256i *xq = xt->q + 64 * (size_t)sb;
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *wj = wb + 32 * j;
+            __m256i s32;
+            if (five) { /* two products of 5-bit weights reach 7874: 4 words in int16, then widen */
+                __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) {
+                    int32_t wa, wc;
+                    memcpy(&wa, wj + 4 * c, 4);
+                    memcpy(&wc, wj + 16 + 4 * c, 4);
+                    a = _mm256_add_epi16(a, _mm256_maddubs_epi16(_mm256_set1_epi32(wa), xq[8 * j + c]));
+                    b = _mm256_add_epi16(b, _mm256_maddubs_epi16(_mm256_set1_epi32(wc), xq[8 * j + 4 + c]));
+                }
+                s32 = _mm256_add_epi32(_mm256_madd_epi16(a, one), _mm256_madd_epi16(b, one));
+            } else { /* 8 words in int16: at most 8 x 3810 (sums8_16) */
+                __m256i a = _mm256_setzero_si256();
+                for (int c = 0; c < 8; c++) {
+                    int32_t wa;
+                    memcpy(&wa, wj + 4 * c, 4);
+                    a = _mm256_add_epi16(a, _mm256_maddubs_epi16(_mm256_set1_epi32(wa), xq[8 * j + c]));
+                }
+                s32 = _mm256_madd_epi16(a, one);
+            }
+            const __m256 scale = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(scf[j]), xt->d[8 * (size_t)sb + j]), dv);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), scale, acc[j]);
+            accm[j] = _mm256_fmadd_ps(_mm256_set1_ps(mdm[j]), xt->s[8 * (size_t)sb + j], accm[j]);
+        }
+    }
+    float a[8][8], m[8][8];
+    for (int j = 0; j < 8; j++) _mm256_storeu_ps(a[j], acc[j]), _mm256_storeu_ps(m[j], accm[j]);
+    for (int t = 0; t < nt; t++) {
+        float v[8];
+        for (int j = 0; j < 8; j++) v[j] = a[j][t] - m[j][t];
+        y[t * ys] = hsum(_mm256_loadu_ps(v));
+    }
+}
 #endif
 
 /* GEMM rows (si_rows_multi) are walked one at a time, each against up to MULTI_T x rows: row
@@ -1619,8 +1723,9 @@ INLINE void prefetch_row(const uint8_t *w, const size_t rb, const int r, const i
 
 /* y[t * y_stride + r] = row r of w times x[t], for t < T: the rows decoded once per MULTI_T x
  * rows where a GEMM kernel exists (AVX-512: Q4_0/Q4_1 groups of 4, short Q8_0 rows; avx2_128
- * and plain AVX2: Q4_0..Q5_1 8 blocks at a time; plain AVX2: Q4_K/Q5_K/Q6_K super-blocks;
- * every build: panels), else si_rows for each x row. */
+ * and plain AVX2: Q4_0..Q5_1 8 blocks at a time; plain AVX2: Q4_K/Q5_K/Q6_K super-blocks, and
+ * Q4_K/Q5_K passes of KT_MIN_T or more x rows with the rows in lanes, whose fixed cost of 8 lanes
+ * only pays from there; every build: panels), else si_rows for each x row. */
 void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *x, int T,
                        int cols, float *y, int64_t ys) {
     if (si_is_panel(type)) {
@@ -1698,6 +1803,15 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
     if (type == SI_Q4_K || type == SI_Q5_K || type == SI_Q6_K) {
         for (int t0 = 0; t0 < T; t0 += MULTI_T) {
             const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
+            kt_x xt;
+            if (type != SI_Q6_K && nt >= KT_MIN_T && !kt_x_make(x + t0, nt, cols / 256, &xt)) {
+                for (int r = 0; r < nrows; r++) {
+                    prefetch_row(w, rb, r, nrows);
+                    multi_k45t(type == SI_Q5_K, w + (size_t)r * rb, &xt, nt, cols / 256, y + t0 * ys + r, ys);
+                }
+                free(xt.q);
+                continue;
+            }
             for (int r = 0; r < nrows; r++) {
                 prefetch_row(w, rb, r, nrows);
                 if (type == SI_Q6_K) multi_q6k(w + (size_t)r * rb, x + t0, nt, cols / 256, y + t0 * ys + r, ys);
