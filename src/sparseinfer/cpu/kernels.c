@@ -1570,13 +1570,15 @@ INLINE void multi_k45(const int five, const uint8_t *p, const si_xq *x, const in
     }
     for (int t = 0; t < nt; t++) y[t * ys] = hsum(_mm256_sub_ps(acc[t], accm[t]));
 }
-INLINE void multi_q6k(const uint8_t *p, const si_xq *x, const int nt, const int nsb, float *y,
-                      const int64_t ys) {
+/* x32 (NULL: made here): per x row and block of 32, 32 x sum of each pair of x's bytes (Q6_K's
+ * q - 32), made once per pass for every row. */
+INLINE void multi_q6k(const uint8_t *p, const si_xq *x, const __m256i *x32, const int nt,
+                      const int nsb, float *y, const int64_t ys) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
-    const __m256i k32 = _mm256_set1_epi8(32), one16 = _mm256_set1_epi16(1);
+    const __m256i one16 = _mm256_set1_epi16(1);
     __m256i gidx[4];
     for (int g = 0; g < 4; g++) gidx[g] = pair_idx(2 * g);
-    const __m256i xlo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), xhi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    const int nb = 8 * nsb;
     __m256 acc[MULTI_T];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
@@ -1586,6 +1588,7 @@ INLINE void multi_q6k(const uint8_t *p, const si_xq *x, const int nt, const int 
         const __m256 sd_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc16)), dv);
         const __m256 sd_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8))), dv);
         __m256i wq[8];
+        __m256 sdg[8]; /* group g's lanes: scales 2g (lanes 0-3) and 2g + 1 (4-7) times d */
         for (int h = 0; h < 2; h++) {
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)(pb + 64 * h));
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(pb + 64 * h + 32));
@@ -1594,16 +1597,17 @@ INLINE void multi_q6k(const uint8_t *p, const si_xq *x, const int nt, const int 
                 __m256i l = (s & 1) ? l1 : l0;
                 l = _mm256_and_si256((s >> 1) ? _mm256_srli_epi16(l, 4) : l, lo4);
                 wq[4 * h + s] = _mm256_or_si256(l, _mm256_and_si256(shift16(qh, 4 - 2 * s), hi2));
+                sdg[4 * h + s] = _mm256_permutevar8x32_ps(h ? sd_hi : sd_lo, gidx[s]);
             }
         }
         for (int t = 0; t < nt; t++) {
-            const __m256 xd8 = _mm256_loadu_ps(x[t].d + 8 * (size_t)sb);
-            const __m256 s_lo = _mm256_mul_ps(sd_lo, _mm256_permutevar8x32_ps(xd8, xlo));
-            const __m256 s_hi = _mm256_mul_ps(sd_hi, _mm256_permutevar8x32_ps(xd8, xhi));
+            const float *xd = x[t].d + 8 * (size_t)sb;
+            const __m256i *xk = x32 ? x32 + (size_t)t * nb + 8 * (size_t)sb : NULL;
             for (int g = 0; g < 8; g++) {
                 const __m256i xv = loadx(&x[t], 8 * sb + g);
-                const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(wq[g], xv), _mm256_maddubs_epi16(k32, xv));
-                const __m256 sc = _mm256_permutevar8x32_ps(g < 4 ? s_lo : s_hi, gidx[g % 4]);
+                const __m256i k = xk ? xk[g] : _mm256_maddubs_epi16(_mm256_set1_epi8(32), xv);
+                const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(wq[g], xv), k);
+                const __m256 sc = _mm256_mul_ps(sdg[g], _mm256_set1_ps(xd[g]));
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, one16)), sc, acc[t]);
             }
         }
@@ -1812,11 +1816,19 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
                 free(xt.q);
                 continue;
             }
+            __m256i *x32 = NULL; /* Q6_K: 32 x sum of x per pair of bytes (its q - 32), once per pass */
+            if (type == SI_Q6_K) {
+                if (posix_memalign((void **)&x32, 32, (size_t)nt * (cols / 32) * sizeof(__m256i))) x32 = NULL;
+                for (int t = 0; x32 && t < nt; t++)
+                    for (int b = 0; b < cols / 32; b++)
+                        x32[(size_t)t * (cols / 32) + b] = _mm256_maddubs_epi16(_mm256_set1_epi8(32), loadx(&x[t0 + t], b));
+            }
             for (int r = 0; r < nrows; r++) {
                 prefetch_row(w, rb, r, nrows);
-                if (type == SI_Q6_K) multi_q6k(w + (size_t)r * rb, x + t0, nt, cols / 256, y + t0 * ys + r, ys);
+                if (type == SI_Q6_K) multi_q6k(w + (size_t)r * rb, x + t0, x32, nt, cols / 256, y + t0 * ys + r, ys);
                 else multi_k45(type == SI_Q5_K, w + (size_t)r * rb, x + t0, nt, cols / 256, y + t0 * ys + r, ys);
             }
+            free(x32);
         }
         return;
     }
