@@ -154,7 +154,7 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int) -> dict:
     ids = engine.encode(PROMPT)
     params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     list(engine.stream(ids[:4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
-    engine._cached_ids = []
+    engine.forget_prefix()
     fin = [e for e in engine.stream(ids, params) if isinstance(e, FinishEvent)][0]
     plan = engine.loaded.plan
     per_tok = sum(w.nbytes for w in plan.weights if w.module != "tok_emb")

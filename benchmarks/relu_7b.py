@@ -219,6 +219,7 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, sparse: bool) -> d
         fin = [e for e in engine.stream(ids, SamplingParams(max_tokens=1, temperature=0.0))
                if isinstance(e, FinishEvent)][0]
         info.reset_stats()
+        engine.forget_prefix()  # else the prompt's keys are reused and its prefill not timed
     fin = [e for e in engine.stream(ids, params) if isinstance(e, FinishEvent)][0]
     gen_density = info.density() if info is not None else None
     # the same decode step fed held-out text, token by token (the tokens a reader would send)

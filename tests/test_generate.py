@@ -155,6 +155,25 @@ def test_prefix_cache_reuse_gives_same_result(tiny_engine):
     assert first == again == ref
 
 
+def test_forget_prefix_prefills_the_whole_prompt(tiny_engine):
+    """Reuse prefills only the new tail; after forget_prefix the whole prompt runs again."""
+    p = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    ids = tiny_engine.encode("Emma was handsome, clever and rich")
+    fed = []
+    hook = tiny_engine.model.register_forward_pre_hook(lambda m, args: fed.append(args[0].shape[1]))
+    try:
+        _run_ids(tiny_engine, ids, p)
+        fed.clear()
+        _run_ids(tiny_engine, ids, p)
+        reused = fed[0]
+        fed.clear()
+        tiny_engine.forget_prefix()
+        _run_ids(tiny_engine, ids, p)
+    finally:
+        hook.remove()
+    assert reused < len(ids) and fed[0] == len(ids)
+
+
 def test_context_overflow(tiny_engine):
     with pytest.raises(ContextOverflowError, match="128"):
         list(tiny_engine.stream(list(range(3, 200)), SamplingParams()))

@@ -183,6 +183,11 @@ class Engine:
         log.info("warm-up: %.0f ms", dt * 1e3)
         return dt
 
+    def forget_prefix(self) -> None:
+        """Forget which tokens the KV cache holds: the next request prefills its whole prompt
+        (a benchmark timing prefill after a warm-up run of the same prompt)."""
+        self._cached_ids = []
+
     def check_fits(self, n_prompt: int) -> None:
         if n_prompt == 0:
             raise SparseInferError("the prompt is empty: expected at least one token")

@@ -24,7 +24,7 @@ def real(real_engine_server):
     # every test starts without prefix reuse: the reference text was prefilled whole, and a
     # prompt token decoded instead of prefilled rounds differently (near-ties flip the argmax
     # of a tiny model)
-    real_engine_server[1]._cached_ids = []
+    real_engine_server[1].forget_prefix()
     return real_engine_server
 
 
