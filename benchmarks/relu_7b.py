@@ -200,7 +200,7 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, sparse: bool) -> d
     passive_wait()  # as the CLI does, before torch and numba start their pools
     from sparseinfer import cpu
     from sparseinfer.config import SamplingParams
-    from sparseinfer.engine import Engine, FinishEvent
+    from sparseinfer.engine import Engine, FinishEvent, TokenEvent
 
     cpu.set_threads(threads)
     t0 = time.perf_counter()
@@ -210,18 +210,24 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, sparse: bool) -> d
     ids = engine.encode(PROMPT)
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     list(engine.stream(ids[:4], warm))
-    engine._cached_ids = []
+    engine.forget_prefix()  # the whole prompt is prefilled (and timed) below
     info = engine.sparse_info
-    if info is not None:
-        info.reset_stats()
+
+    def selected() -> tuple[int, int]:  # neurons computed, neurons there were (all tokens)
+        return (sum(m.stats.active for m in info.modules),
+                sum(m.stats.tokens * m.d_ff for m in info.modules))
+
     params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
-    if info is not None:  # the prompt's batch would count in the density: decode only
-        fin = [e for e in engine.stream(ids, SamplingParams(max_tokens=1, temperature=0.0))
-               if isinstance(e, FinishEvent)][0]
-        info.reset_stats()
-        engine.forget_prefix()  # else the prompt's keys are reused and its prefill not timed
-    fin = [e for e in engine.stream(ids, params) if isinstance(e, FinishEvent)][0]
-    gen_density = info.density() if info is not None else None
+    at_first = None  # the counts once the prompt is in: the density is the decode steps' only
+    for ev in engine.stream(ids, params):
+        if info is not None and at_first is None and isinstance(ev, TokenEvent):
+            at_first = selected()
+        if isinstance(ev, FinishEvent):
+            fin = ev
+    gen_density = None
+    if info is not None:
+        active, total = selected()
+        gen_density = (active - at_first[0]) / (total - at_first[1])
     # the same decode step fed held-out text, token by token (the tokens a reader would send)
     import torch
 

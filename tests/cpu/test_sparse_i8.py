@@ -44,7 +44,7 @@ def tolerance(ffn: PackedFFN, x: torch.Tensor, idx: torch.Tensor) -> float:
 def test_sparse_i8_matches_reference(kind, density, d_model, block, isa, threads):
     d_ff = 150  # 0.3 of it is 45 neurons: two chunks for two threads, and a last group of 1
     ffn = make_ffn(kind, d_model, d_ff, block, seed=d_model + block)
-    assert kernels._in_c(ffn)  # the C kernel, not numba
+    assert kernels.in_c(ffn)  # the C kernel, not numba
     for seed in range(2):
         idx = active_set(d_ff, density, seed)
         x = torch.randn(d_model, generator=torch.Generator().manual_seed(seed))
@@ -75,7 +75,7 @@ def test_relu_groups_that_do_not_fire_add_nothing():
 def test_other_blocks_stay_in_numba_and_agree():
     """Blocks that are not a multiple of 8 take the numba kernel; both agree where both run."""
     odd = make_ffn("swiglu", 60, 30, 12, seed=0)
-    assert not kernels._in_c(odd)
+    assert not kernels.in_c(odd)
     ffn = make_ffn("swiglu", 64, 30, 32, seed=0)
     idx, x = active_set(30, 0.5, 0), torch.randn(64)
     c_out, nb_out = torch.empty(64), torch.empty(64)

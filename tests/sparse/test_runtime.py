@@ -326,17 +326,39 @@ def test_int8_rows_blocks_and_predictors(tiny_model_dir, with_predictors):
     assert torch.isfinite(logits).all() and 0.0 < info.density() < 1.0
 
 
-@pytest.mark.parametrize("ffn_dtype,want", [("fp32", "dense"), ("int8", "union")])
-def test_auto_prefill_of_long_prompts(tiny_model_dir, with_predictors, ffn_dtype, want):
-    """Past UNION_MAX_TOKENS, "auto" prefills densely over fp32 rows but keeps the union
-    kernel over int8 rows (the dense path would dequantize every row first; measured)."""
+def test_auto_prefill_of_long_prompts_over_fp32_rows(tiny_model_dir, with_predictors):
+    """Past UNION_MAX_TOKENS, "auto" prefills densely over fp32 rows (no C kernel for them)."""
+    from sparseinfer.sparse.ffn import UNION_MAX_TOKENS
+
+    lm, info = load_sparse(with_predictors(tiny_model_dir("reglu"), seed=9), ffn_dtype="fp32")
+    ids = (IDS * 4)[: UNION_MAX_TOKENS + 8]
+    auto = _prefill_logits(lm, ids)
+    info.set_batch_mode("dense")
+    assert torch.equal(_prefill_logits(lm, ids), auto)
+
+
+@pytest.mark.parametrize("ffn_dtype", ["int8", "q4"])
+def test_auto_prefill_gives_each_prompt_token_its_own_set(tiny_model_dir, with_predictors,
+                                                          ffn_dtype):
+    """Rows the C kernels take: "auto" prefills a prompt, short or past UNION_MAX_TOKENS, with
+    each token's own set through the kernel's mask, so each position's logits are those of
+    the prompt decoded token by token, at the decode's density."""
     from sparseinfer.sparse.ffn import UNION_MAX_TOKENS
 
     lm, info = load_sparse(with_predictors(tiny_model_dir("reglu"), seed=9), ffn_dtype=ffn_dtype)
-    ids = (IDS * 4)[: UNION_MAX_TOKENS + 8]
-    auto = _prefill_logits(lm, ids)
-    info.set_batch_mode(want)
-    assert torch.equal(_prefill_logits(lm, ids), auto)
+    for ids in (IDS, (IDS * 4)[: UNION_MAX_TOKENS + 8]):
+        info.reset_stats()
+        step = _decode_logits(lm, ids)
+        d_step = info.density()
+        info.reset_stats()
+        calls = []
+        real = kernels.sparse_ffn_batch
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kernels, "sparse_ffn_batch", lambda *a: calls.append(a[4]) or real(*a))
+            got = _prefill_logits(lm, ids)
+        assert calls and all(m is not None and m.shape[0] == len(ids) for m in calls)
+        assert _close(got, step, 1e-5)
+        assert abs(info.density() - d_step) < 1e-9 and 0.0 < d_step < 1.0
 
 
 @pytest.mark.parametrize("arch,fused", [("qwen2", True), ("llama3", True), ("gemma3", True),

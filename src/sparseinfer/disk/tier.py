@@ -143,8 +143,9 @@ class DiskFFN(SparseFFN):
     # ---- several tokens ------------------------------------------------------------------------
 
     def _batch(self, x: Tensor, residual: Tensor | None) -> Tensor:
-        """The union of the tokens' active sets (or each token's own set, ``masked``; every
-        neuron, ``dense`` or ``AllNeurons``), hot rows from RAM, cold ones through the cache."""
+        """Each token's own active set (``masked``, and ``auto`` where the C kernels take the
+        rows, as SparseFFN), else the union of the sets (every neuron: ``dense`` or
+        ``AllNeurons``); hot rows from RAM, cold ones through the cache."""
         B, T, D = x.shape
         xf = x.float().reshape(B * T, D).contiguous()
         mask = None
@@ -154,7 +155,8 @@ class DiskFFN(SparseFFN):
             r = None if residual is None else residual.float().reshape(B * T, D)
             mask = self.selector.mask(self, xf, r)
             idx = torch.nonzero(mask.any(dim=0)).reshape(-1).to(torch.int32)
-        masked = self.batch_mode == "masked" and mask is not None
+        masked = mask is not None and (self.batch_mode == "masked" or (
+            self.batch_mode == "auto" and kernels.in_c(self.rows)))
         self.stats.tokens += B * T
         self.stats.active += int(mask.sum()) if masked else int(idx.numel()) * B * T
         cut = int(torch.searchsorted(idx, torch.tensor(self.n_ram, dtype=idx.dtype)))
@@ -164,7 +166,10 @@ class DiskFFN(SparseFFN):
         def run(packed: PackedFFN, rows_idx: Tensor, neurons: Tensor) -> None:
             if rows_idx.numel() == 0:
                 return
-            if masked:
+            if masked and kernels.in_c(packed):  # the C kernels take each token's mask
+                m = mask[:, neurons.long()].contiguous()
+                out.add_(kernels.sparse_ffn_batch(xf, packed, rows_idx.to(torch.int32), tmp, m))
+            elif masked:
                 rows = packed.rows_fp32(rows_idx.long())
                 bias = None if packed.up_bias is None else packed.up_bias[rows_idx.long()]
                 h = neuron_coefs(xf, packed, rows, bias) * mask[:, neurons.long()]

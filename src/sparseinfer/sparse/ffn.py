@@ -3,9 +3,10 @@
 Per decoded token: the predictor (or, in oracle mode, the true activations) gives the active set;
 only those neurons' bundled rows are read. Neurons are stored hot-first, so the fast tier holds
 neurons ``[0, n_hot)`` and the slow tier (always the CPU) ``[n_hot, d_ff)``; each tier computes its
-own active neurons and the results merge on the fast device. Prefill (several tokens at once)
-runs the batched sparse kernel over the union of the tokens' active sets, or the dense product
-on the same bundled rows (``batch_mode``, ``UNION_MAX_TOKENS``).
+own active neurons and the results merge on the fast device. Several tokens at once (a prompt,
+a batched step) run each token's own set over the bundles of their union in the C kernels (Q4_0
+and int8 rows), else the batched kernel over the union, or the dense product on the same bundled
+rows (``batch_mode``, ``UNION_MAX_TOKENS``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class FFNStats:
 
 
 BATCH_MODES = ("auto", "dense", "union", "masked")
-# "auto" prefill: the union kernel up to this many tokens, dense above. Measured with
+# "auto" prefill of rows the C kernels do not take (fp32, bf16): the union kernel up to this
+# many tokens, dense above. Measured with
 # benchmarks/prefill.py (benchmarks/RESULTS.md): on a 7B-shaped ReLU-like FFN the union kernel
 # beats torch's dense FFN 38x at 1 token, 5.7x at 8, 2.6x at 16 and 1.07x at 64 (union density
 # 97%); on SmolLM2 (union density 100%) 1.2-1.6x up to 64 tokens, 0.96x at 256 with fp32 rows.
@@ -287,11 +289,12 @@ class SparseFFN(nn.Module):
         B, T, D = x.shape
         if B * T > 1:
             one_tier = not self.split and x.device.type == "cpu"
-            own_in_c = one_tier and _kernels()._in_c(self.packed)
-            # each token its own set. "auto": the rows of a continuous-batching step (B
-            # sequences, one token each, prompt rows riding along included) in C, a mask over
-            # the union's bundles (the only batched path of these rows: "union" at any length)
-            if self.batch_mode == "auto" and T == 1 and own_in_c:
+            own_in_c = one_tier and _kernels().in_c(self.packed)
+            # each token its own set. "auto": wherever the C kernels take the rows (Q4_0 and
+            # int8), a mask over the union's bundles, each bundle read once per pass of tokens:
+            # the rows of a continuous-batching step and prompts alike (faster than the union at
+            # every length measured: benchmarks/RESULTS.md)
+            if self.batch_mode == "auto" and own_in_c:
                 return self._union(x, residual, own=True)
             if self.batch_mode == "masked":  # (perplexity's long chunks: torch's dense product)
                 if own_in_c and B * T <= UNION_MAX_TOKENS:

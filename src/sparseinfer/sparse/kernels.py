@@ -1,6 +1,6 @@
 """Fused numba kernels for the neuron-aware operators; references with the same signatures are in
 ``reference.py``. q4 rows, and int8 rows whose blocks are a multiple of 8 long, run in the C
-library instead (``sparseinfer.cpu.sparse_ffn_q4`` / ``sparse_ffn_i8``, see ``_in_c``; the C int8
+library instead (``sparseinfer.cpu.sparse_ffn_q4`` / ``sparse_ffn_i8``, see ``in_c``; the C int8
 kernel against numba's: benchmarks/RESULTS.md).
 
 The sparse FFN splits the active list into one chunk per thread (``prange`` over chunks); each
@@ -462,7 +462,7 @@ class _one_thread:
             numba.set_num_threads(self.nt)
 
 
-def _in_c(ffn: PackedFFN) -> bool:
+def in_c(ffn: PackedFFN) -> bool:
     """Rows the C library's kernels take: q4, and int8 whose blocks and rows are multiples of 8
     (``cpu.sparse_ffn_i8``; other int8 blocks stay in numba)."""
     return ffn.dtype == "q4" or (ffn.dtype == "int8" and ffn.d_model % 8 == 0
@@ -480,7 +480,7 @@ def rounds_x(ffn: PackedFFN) -> bool:
 
 def _run_c(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor,
            mask: torch.Tensor | None = None) -> torch.Tensor:
-    """q4 or int8 rows (``_in_c``): the C kernels (``sparseinfer.cpu.sparse_ffn_q4`` /
+    """q4 or int8 rows (``in_c``): the C kernels (``sparseinfer.cpu.sparse_ffn_q4`` /
     ``sparse_ffn_i8``) on [T, d] x and out (``mask``: each token's own neurons among idx), in
     the C library's thread pool."""
     from .. import cpu  # the C library: loaded (or reported missing) on first use
@@ -542,7 +542,7 @@ def sparse_ffn(
     check_ffn_args(x, ffn, idx, out)
     if idx.shape[0] == 0:
         return out.zero_()
-    if _in_c(ffn):
+    if in_c(ffn):
         _run_c(x.reshape(1, -1), ffn, idx, out.view(1, -1))
         return out
     xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
@@ -559,11 +559,11 @@ def sparse_ffn_batch(
     Each group of 4 neurons is read from memory once and reused from cache for every token, so
     it pays off while the union stays small; over fp32 rows torch's dense FFN catches up at a
     few hundred tokens, over int8 rows it did not by 256 (benchmarks/prefill.py). ``mask``
-    (bool [T, len(idx)], rows the C kernels take only: ``_in_c``): token t computes only the
+    (bool [T, len(idx)], rows the C kernels take only: ``in_c``): token t computes only the
     neurons ``idx[i]`` with ``mask[t, i]``, its own set (the union's bundles still read once).
     """
     check_batch_args(x, ffn, idx, out)
-    if _in_c(ffn):
+    if in_c(ffn):
         return _run_c(x, ffn, idx, out, mask)
     if mask is not None:
         raise ValueError(f"mask: per-token sets need rows the C kernels take (q4, or int8 in "

@@ -37,10 +37,11 @@ class SparseInfo:
         return sum(m.stats.active for m in self.modules) / tok if tok else float("nan")
 
     def set_batch_mode(self, mode: str) -> None:
-        """"auto" (the default: the rows of a continuous-batching step each their own set, as
-        "masked", where the C kernels take them; prompts as measured by benchmarks/prefill.py:
-        "union" up to ``ffn.UNION_MAX_TOKENS`` tokens and at any length for bf16/int8 rows, else
-        "dense"), "dense" (every neuron), "union" (the union of the tokens' predicted sets,
+        """"auto" (the default: where the C kernels take the rows (Q4_0, int8), every token of
+        a prompt or a batched step its own set, as "masked" but at any length; other rows as
+        measured by benchmarks/prefill.py: "union" up to ``ffn.UNION_MAX_TOKENS`` tokens and at
+        any length for bf16 rows, else "dense"), "dense" (every neuron), "union" (the union of
+        the tokens' predicted sets,
         batched-sparse kernel) or "masked" (each token its own active set, as decoding it alone:
         in the C kernels over the union's rows for up to ``ffn.UNION_MAX_TOKENS`` tokens, else
         torch; the perplexity of the sparse model)."""
