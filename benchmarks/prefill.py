@@ -1,13 +1,16 @@
 """Prefill of the sparse runtime: dense (every neuron) vs batched-sparse (the union of the
-tokens' predicted active sets), measured to pick the default.
+tokens' predicted active sets) vs "auto" (over q4/int8 rows: each token its own set through the
+C kernels' mask), measured to pick the default.
 
     python benchmarks/prefill.py --sparse out/smollm2.sparse.gguf [-t 2]
     python benchmarks/prefill.py --sparse out/smollm2.sparse.gguf --ffn-dtype int8 --repeats 3
+    python benchmarks/prefill.py --sparse /work/r7b/sparse.gguf --dtype auto --ffn-dtype q4 \
+        --lengths 32,128 --repeats 2 --no-synthetic
     python benchmarks/prefill.py --synthetic-only
 
 1. The real model (a sparse GGUF from ``sparseinfer convert``): for prompts of T tokens of
-   held-out text, the time of the whole prefill with ``batch_mode`` "dense" and "union", and the
-   union's density (share of neurons computed for every token).
+   held-out text, the time of the whole prefill with ``batch_mode`` "dense", "union" and
+   "auto", and the density of each (share of the neurons computed per token).
 2. A Llama-7B-shaped fp32 FFN (4096 x 11008) with ReLU-like sparsity that no model here has:
    each token's active set drawn from skewed per-neuron frequencies averaging 10% (a few hot
    neurons fire for most tokens, most rarely), so the union grows with T as on ReLU models.
@@ -37,34 +40,36 @@ def best(fn, repeats: int) -> float:
     return min(ts)
 
 
-def real_model(path: str, threads: int, repeats: int, ffn_dtype: str = "fp32") -> None:
+def real_model(path: str, threads: int, repeats: int, ffn_dtype: str = "fp32",
+               dtype: str = "fp32", lengths: tuple[int, ...] = LENGTHS) -> None:
     from sparseinfer.data import HELDOUT_TEXT
     from sparseinfer.engine import Engine
 
-    engine = Engine.load(path, n_ctx=1024, threads=threads, dtype="fp32", ffn_dtype=ffn_dtype)
+    engine = Engine.load(path, n_ctx=1024, threads=threads, dtype=dtype, ffn_dtype=ffn_dtype)
     info = engine.sparse_info
     if info is None:
         raise SystemExit(f"{path}: no predictors (expected a file from `sparseinfer convert`)")
     ids = engine.tokenizer.encode(HELDOUT_TEXT.read_text(encoding="utf-8")[:20000])
     m = engine.model
-    print(f"# {path}: prefill, FFN rows {ffn_dtype}, {threads} threads, best of {repeats}")
-    print(f"{'T':>5} {'dense':>10} {'union':>10} {'union density':>14} {'dense/union':>12}")
-    for T in LENGTHS:
+    print(f"# {path}: prefill, FFN rows {info.ffn_dtype}, {threads} threads, best of {repeats}")
+    print(f"{'T':>5} {'dense':>10} {'union':>10} {'auto':>10} {'union dens':>11} "
+          f"{'auto dens':>10} {'dense/union':>12} {'union/auto':>11}")
+    for T in lengths:
         tokens = torch.tensor([ids[:T]])
-        times, dens = {}, 0.0
-        for mode in ("dense", "union"):
+        times, dens = {}, {}
+        for mode in ("dense", "union", "auto"):
             info.set_batch_mode(mode)
-            info.reset_stats()
 
             def run():
+                info.reset_stats()
                 with torch.inference_mode():
                     m(tokens, 0, m.new_cache(1, T), last_only=True)
 
             times[mode] = best(run, repeats)
-            if mode == "union":
-                dens = info.density()
+            dens[mode] = info.density()
         print(f"{T:>5} {times['dense'] * 1e3:>8.1f}ms {times['union'] * 1e3:>8.1f}ms "
-              f"{dens:>14.1%} {times['dense'] / times['union']:>11.2f}x")
+              f"{times['auto'] * 1e3:>8.1f}ms {dens['union']:>11.1%} {dens['auto']:>10.1%} "
+              f"{times['dense'] / times['union']:>11.2f}x {times['union'] / times['auto']:>10.2f}x")
     info.set_batch_mode("auto")
 
 
@@ -106,7 +111,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sparse", default=None, help="sparse GGUF from `sparseinfer convert`")
     ap.add_argument("--synthetic-only", action="store_true")
-    ap.add_argument("--ffn-dtype", default="fp32", choices=["fp32", "bf16", "int8"])
+    ap.add_argument("--ffn-dtype", default="fp32", choices=["fp32", "bf16", "int8", "q4", "auto"])
+    ap.add_argument("--dtype", default="fp32", help="the dense parts (as `run --dtype`)")
+    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
+                    help="comma-separated prompt lengths")
+    ap.add_argument("--no-synthetic", action="store_true", help="the real model only")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
@@ -115,8 +124,10 @@ def main() -> None:
 
     kernels.set_threads(a.threads)
     if a.sparse and not a.synthetic_only:
-        real_model(a.sparse, a.threads, a.repeats, a.ffn_dtype)
-    synthetic(a.threads, a.repeats)
+        real_model(a.sparse, a.threads, a.repeats, a.ffn_dtype, a.dtype,
+                   tuple(int(v) for v in a.lengths.split(",")))
+    if not a.no_synthetic:
+        synthetic(a.threads, a.repeats)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ __all__ = [
     "pool_stats",
     "topk",
     "sample_topk",
+    "bundle_rows",
 ]
 
 if TYPE_CHECKING:

@@ -61,7 +61,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q8_0x16": (12, 32, 34),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
-ABI_VERSION = 13
+ABI_VERSION = 14
 
 
 class CpuLibraryError(SparseInferError):
@@ -93,6 +93,7 @@ def _load() -> ctypes.CDLL:
     dbl = ctypes.c_double
     lib.si_sample.argtypes = [vp, i64, ci, dbl, dbl, dbl, dbl, vp]
     lib.si_to_panels.argtypes = [ci, vp, i64, ci, vp]
+    lib.si_bundle_rows.argtypes = [ci, vp, i64, i64, ci, ci, vp, i64, vp, i64]
     if lib.si_get_isa() < 0:
         raise CpuLibraryError("this CPU has neither AVX2+FMA nor AVX-512: the C kernels need one")
     return lib
@@ -216,6 +217,41 @@ def to_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarr
     _check(_lib.si_to_panels(TYPES[type_name][0], src.ctypes.data, rows, cols, out.ctypes.data),
            "to_panels")
     return out
+
+
+def bundle_rows(raw: np.ndarray, type_name: str, rows: int, cols: int, transpose: bool,
+                out: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+    """Neuron rows from a Q4_0 or F16 matrix ``raw`` (the file's bytes, [rows, cols]) into
+    ``out``: its rows (gate/up, a converted file's down_t) or, ``transpose``, its columns (a Q4_0
+    down), quantized per 32 as ``sparse.packed``'s ``quantize_q4_0`` (``out`` uint8
+    [n, L / 32 · 18]) or ``quantize_int8`` with block 32 (``out`` int8 [n, L], ``scales`` float32
+    [n, L / 32]) quantize the float weights, bit for bit, on the library's pool. ``out`` and
+    ``scales`` may be views with a row stride (``PackedFFN.rows[:, m]``); their rows must be
+    contiguous."""
+    if type_name not in ("Q4_0", "F16"):
+        raise ValueError(f"bundle_rows: expected a Q4_0 or F16 matrix, got {type_name}")
+    src = np.ascontiguousarray(np.asarray(raw).view(np.uint8)).reshape(-1)
+    row_bytes = 2 * cols if type_name == "F16" else cols // 32 * 18
+    if rows < 1 or cols % 32 or src.size != rows * row_bytes or (transpose and rows % 32):
+        raise ValueError(f"bundle_rows: expected a {type_name} matrix of {rows} x {cols} (cols, "
+                         f"and rows when transposed, multiples of 32) in {rows * row_bytes} "
+                         f"bytes, got {src.size} bytes")
+    n, length = (cols, rows) if transpose else (rows, cols)
+    i8 = out.dtype == torch.int8
+    width = length if i8 else length // 32 * 18
+    if out.dtype not in (torch.int8, torch.uint8) or tuple(out.shape) != (n, width) or (
+            out.stride(1) != 1):
+        raise ValueError(f"bundle_rows: expected out int8 or uint8 of shape {(n, width)} with "
+                         f"contiguous rows, got {out.dtype} {tuple(out.shape)} strides "
+                         f"{out.stride()}")
+    if i8 and (scales is None or scales.dtype != torch.float32 or tuple(scales.shape) != (
+            n, length // 32) or scales.stride(1) != 1):
+        raise ValueError(f"bundle_rows: int8 rows need scales float32 of shape {(n, length // 32)}"
+                         f" with contiguous rows, got {None if scales is None else scales.shape}")
+    sp, ss = (scales.data_ptr(), scales.stride(0)) if i8 else (None, 0)
+    _check(_lib.si_bundle_rows(TYPES[type_name][0], src.ctypes.data, rows, cols, int(transpose),
+                               int(i8), out.data_ptr(), out.stride(0) * out.element_size(), sp,
+                               ss), "bundle_rows")
 
 
 def _check_vector_k(x: torch.Tensor, k: int) -> int:

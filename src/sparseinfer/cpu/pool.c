@@ -28,7 +28,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 13
+#define SI_ABI_VERSION 14
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
@@ -1013,6 +1013,126 @@ int si_to_panels(int type, const uint8_t *src, int64_t rows, int cols, uint8_t *
     j.panels_per_chunk = (j.n_panels + 31) / 32; /* 32 chunks: the threads stay even */
     pthread_mutex_lock(&g_call_lock);
     pool_run(panel_chunk, &j, (j.n_panels + j.panels_per_chunk - 1) / j.panels_per_chunk);
+    pthread_mutex_unlock(&g_call_lock);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ neuron rows from Q4_0 */
+
+/* A sparse model's neuron rows (PackedFFN: Q4_0 or int8 with a scale per 32) from a Q4_0 or F16
+ * matrix of the file, at load, without a float32 copy of it: gate/up rows (and a converted
+ * file's F16 down_t) as they are, a Q4_0 down matrix's columns transposed. Each output row's blocks of 32 are quantized as sparse/packed.py's torch
+ * references do (quantize_q4_0, quantize_int8 with block 32), bit for bit: the same float
+ * operations, no FMA (this file is built for baseline x86-64), fp16 scales rounded to nearest
+ * even (F16C). The source weights (d (q - 8), or fp16) are exact in float32. */
+typedef struct {
+    const uint8_t *src;
+    int64_t rows, cols, row_bytes; /* the matrix [rows, cols] */
+    int f16, transpose, out_i8;     /* f16: F16 weights, else Q4_0 blocks */
+    uint8_t *dst; /* output row o at dst + o * dst_stride: Q4_0 blocks, or int8 values */
+    int64_t dst_stride;
+    float *scales; /* int8: output row o's scales at scales + o * scales_stride */
+    int64_t scales_stride;
+} bundle_job;
+
+__attribute__((target("f16c"))) static uint16_t to_f16(float v) {
+    return (uint16_t)_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* 32 weights -> one Q4_0 block: d = v[argmax |v|] / -8 (first of equal maxima), q =
+ * min(15, trunc(v / d + 8.5)) through 1 / d, as quantize_q4_0. */
+static void q4_0_block(const float *v, uint8_t *out) {
+    int imax = 0;
+    float amax = fabsf(v[0]);
+    for (int i = 1; i < 32; i++)
+        if (fabsf(v[i]) > amax) amax = fabsf(v[i]), imax = i;
+    const float d = v[imax] / -8.0f;
+    const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+    uint8_t q[32];
+    for (int i = 0; i < 32; i++) {
+        const float t = v[i] * inv, z = t + 8.5f; /* |t| <= 8: z in [0, 16.5], trunc = (int) */
+        const int qi = z < 0.0f ? 0 : (int)z;
+        q[i] = (uint8_t)(qi > 15 ? 15 : qi);
+    }
+    const uint16_t h = to_f16(d);
+    memcpy(out, &h, 2);
+    for (int i = 0; i < 16; i++) out[2 + i] = (uint8_t)(q[i] | q[i + 16] << 4);
+}
+
+/* 32 weights -> int8 with s = max |v| / 127, q = round-half-even(v / s) (1 where s is 0),
+ * clamped to +-127, as quantize_int8. */
+static float i8_block(const float *v, int8_t *out) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+    const float s = amax / 127.0f, safe = s > 0.0f ? s : 1.0f;
+    for (int i = 0; i < 32; i++) {
+        /* |v / safe| <= 127: adding and taking back 1.5 x 2^23 rounds half to even */
+        float z = (v[i] / safe + 12582912.0f) - 12582912.0f;
+        z = z < -127.0f ? -127.0f : z > 127.0f ? 127.0f : z;
+        out[i] = (int8_t)z;
+    }
+    return s;
+}
+
+/* Source block (r, b)'s 32 weights. */
+__attribute__((target("f16c"))) static void src_weights(const bundle_job *j, int64_t r, int64_t b,
+                                                        float *v) {
+    const uint8_t *p = j->src + r * j->row_bytes + b * (j->f16 ? 64 : 18);
+    uint16_t h;
+    if (j->f16) {
+        for (int i = 0; i < 32; i++) memcpy(&h, p + 2 * i, 2), v[i] = _cvtsh_ss(h);
+        return;
+    }
+    memcpy(&h, p, 2);
+    const float d = _cvtsh_ss(h);
+    for (int i = 0; i < 16; i++) {
+        v[i] = d * (float)((p[2 + i] & 0x0F) - 8);
+        v[i + 16] = d * (float)((p[2 + i] >> 4) - 8);
+    }
+}
+
+static void bundle_out(const bundle_job *j, int64_t o, int64_t b, const float *v) {
+    if (j->out_i8)
+        j->scales[o * j->scales_stride + b] = i8_block(v, (int8_t *)(j->dst + o * j->dst_stride + 32 * b));
+    else
+        q4_0_block(v, j->dst + o * j->dst_stride + 18 * b);
+}
+
+/* Chunk c: output rows 32c .. 32c + 31 (transposed: one column of source blocks, read as 32 x 32
+ * tiles; else 32 source rows). */
+static void bundle_chunk(const void *jp, int64_t c) {
+    const bundle_job *j = jp;
+    float v[32], tile[32][32];
+    if (!j->transpose) {
+        const int64_t o1 = 32 * c + 32 < j->rows ? 32 * c + 32 : j->rows;
+        for (int64_t o = 32 * c; o < o1; o++)
+            for (int64_t b = 0; b < j->cols / 32; b++) {
+                src_weights(j, o, b, v);
+                bundle_out(j, o, b, v);
+            }
+        return;
+    }
+    for (int64_t rb = 0; rb < j->rows / 32; rb++) { /* output block rb: source rows 32 rb .. */
+        for (int i = 0; i < 32; i++) {
+            src_weights(j, 32 * rb + i, c, v);
+            for (int k = 0; k < 32; k++) tile[k][i] = v[k];
+        }
+        for (int k = 0; k < 32; k++) bundle_out(j, 32 * c + k, rb, tile[k]);
+    }
+}
+
+int si_bundle_rows(int type, const uint8_t *src, int64_t rows, int64_t cols, int transpose,
+                   int out_i8, uint8_t *dst, int64_t dst_stride, float *scales,
+                   int64_t scales_stride) {
+    if ((type != SI_Q4_0 && type != SI_F16) || rows < 1 || cols < 32 || cols % 32 ||
+        (transpose && rows % 32) || (out_i8 && !scales))
+        return EINVAL;
+    const int f16 = type == SI_F16;
+    bundle_job j = {src, rows, cols, f16 ? 2 * cols : cols / 32 * 18, f16, transpose, out_i8, dst,
+                    dst_stride, scales, scales_stride};
+    const int64_t n_out = transpose ? cols : rows;
+    pthread_mutex_lock(&g_call_lock);
+    pool_run(bundle_chunk, &j, (n_out + 31) / 32);
     pthread_mutex_unlock(&g_call_lock);
     return 0;
 }

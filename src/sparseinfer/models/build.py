@@ -259,10 +259,27 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
     scales = torch.empty(F, n_mats, D // block) if dtype == "int8" else None
     for m, (canon, half) in enumerate(mats):
         t = src.tensors[canon]
-        if dtype == "q4" and t.kind == "Q4_0" and not canon.endswith("ffn.down.weight"):
+        down = canon.endswith("ffn.down.weight")
+        if dtype == "q4" and t.kind == "Q4_0" and not down:
             # the file's own Q4_0 blocks are the rows' layout: copied, never rounded twice
             raw = np.asarray(t.raw()).reshape(-1, width)  # (read-only map)
             rows[:, m].numpy()[...] = raw if half is None else raw[half]
+            if half is None or half.start:
+                t.release()
+            continue
+        stored = (D, F) if down else (F if half is None else 2 * F, D)
+        if (t.kind in ("Q4_0", "F16") and tuple(t.shape) == stored and D % Q4_GROUP == 0
+                and (dtype == "q4" or (dtype == "int8" and block == Q4_GROUP))):
+            # rows made from the file's Q4_0 or F16 weights in C (a down matrix's columns, a
+            # converted file's F16 down_t rows), as the torch quantizers below would from the
+            # float weights, without that float copy
+            from ..cpu.ops import bundle_rows
+
+            raw = np.asarray(t.raw()).reshape(stored[0], -1)
+            if half is not None:
+                raw = raw[half]
+            bundle_rows(raw, t.kind, *((D, F) if down else (F, D)), down, rows[:, m],
+                        scales[:, m] if dtype == "int8" else None)
             if half is None or half.start:
                 t.release()
             continue
