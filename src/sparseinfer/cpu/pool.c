@@ -1021,10 +1021,11 @@ int si_to_panels(int type, const uint8_t *src, int64_t rows, int cols, uint8_t *
 
 /* A sparse model's neuron rows (PackedFFN: Q4_0 or int8 with a scale per 32) from a Q4_0 or F16
  * matrix of the file, at load, without a float32 copy of it: gate/up rows (and a converted
- * file's F16 down_t) as they are, a Q4_0 down matrix's columns transposed. Each output row's blocks of 32 are quantized as sparse/packed.py's torch
- * references do (quantize_q4_0, quantize_int8 with block 32), bit for bit: the same float
- * operations, no FMA (this file is built for baseline x86-64), fp16 scales rounded to nearest
- * even (F16C). The source weights (d (q - 8), or fp16) are exact in float32. */
+ * file's F16 down_t) as they are, a down matrix's columns transposed. Each output row's blocks
+ * of 32 are quantized as sparse/packed.py's torch references do (quantize_q4_0, quantize_int8
+ * with block 32), bit for bit: the same float operations in AVX2 vectors, no FMA (these
+ * functions add avx2 and f16c to this file's baseline x86-64, not fma), fp16 scales rounded to
+ * nearest even. The source weights (d (q - 8), or fp16) are exact in float32. */
 typedef struct {
     const uint8_t *src;
     int64_t rows, cols, row_bytes; /* the matrix [rows, cols] */
@@ -1035,63 +1036,87 @@ typedef struct {
     int64_t scales_stride;
 } bundle_job;
 
-__attribute__((target("f16c"))) static uint16_t to_f16(float v) {
-    return (uint16_t)_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+/* The four vectors of 32 weights, their absolute values, and the largest of these. */
+__attribute__((target("avx2"))) static float abs32(const float *v, __m256 *x, __m256 *a) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++) {
+        x[k] = _mm256_loadu_ps(v + 8 * k);
+        a[k] = _mm256_andnot_ps(sign, x[k]);
+        m = _mm256_max_ps(m, a[k]);
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 }
 
-/* 32 weights -> one Q4_0 block: d = v[argmax |v|] / -8 (first of equal maxima), q =
+/* Four vectors of 8 int32 (each fitting int8) as 32 bytes in order. */
+__attribute__((target("avx2"))) static __m256i bytes32(const __m256i *q) {
+    const __m256i c = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    return _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* 32 weights -> one Q4_0 block: d = v[argmax |v|] / -8 (the first of equal maxima), q =
  * min(15, trunc(v / d + 8.5)) through 1 / d, as quantize_q4_0. */
-static void q4_0_block(const float *v, uint8_t *out) {
-    int imax = 0;
-    float amax = fabsf(v[0]);
-    for (int i = 1; i < 32; i++)
-        if (fabsf(v[i]) > amax) amax = fabsf(v[i]), imax = i;
-    const float d = v[imax] / -8.0f;
-    const float inv = d != 0.0f ? 1.0f / d : 0.0f;
-    uint8_t q[32];
-    for (int i = 0; i < 32; i++) {
-        const float t = v[i] * inv, z = t + 8.5f; /* |t| <= 8: z in [0, 16.5], trunc = (int) */
-        const int qi = z < 0.0f ? 0 : (int)z;
-        q[i] = (uint8_t)(qi > 15 ? 15 : qi);
+__attribute__((target("avx2,f16c"))) static void q4_0_block(const float *v, uint8_t *out) {
+    __m256 x[4], a[4];
+    const float amax = abs32(v, x, a);
+    uint32_t at = 0; /* bit 8k + l: |v[8k + l]| is the largest */
+    for (int k = 0; k < 4; k++)
+        at |= (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a[k], _mm256_set1_ps(amax), _CMP_EQ_OQ)) << (8 * k);
+    const float d = v[__builtin_ctz(at)] / -8.0f;
+    const __m256 inv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f), half = _mm256_set1_ps(8.5f);
+    __m256i q[4];
+    for (int k = 0; k < 4; k++) { /* |v / d| <= 8: truncation in [0, 16.5], then at most 15 */
+        const __m256i t = _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(x[k], inv), half));
+        q[k] = _mm256_min_epi32(_mm256_max_epi32(t, _mm256_setzero_si256()), _mm256_set1_epi32(15));
     }
-    const uint16_t h = to_f16(d);
+    const __m256i b = bytes32(q); /* q[i] | q[i + 16] << 4 (each at most 15: no carry) */
+    const __m128i packed = _mm_or_si128(_mm256_castsi256_si128(b), _mm_slli_epi16(_mm256_extracti128_si256(b, 1), 4));
+    const uint16_t h = (uint16_t)_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
     memcpy(out, &h, 2);
-    for (int i = 0; i < 16; i++) out[2 + i] = (uint8_t)(q[i] | q[i + 16] << 4);
+    _mm_storeu_si128((__m128i *)(out + 2), packed);
 }
 
 /* 32 weights -> int8 with s = max |v| / 127, q = round-half-even(v / s) (1 where s is 0),
  * clamped to +-127, as quantize_int8. */
-static float i8_block(const float *v, int8_t *out) {
-    float amax = 0.0f;
-    for (int i = 0; i < 32; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
-    const float s = amax / 127.0f, safe = s > 0.0f ? s : 1.0f;
-    for (int i = 0; i < 32; i++) {
-        /* |v / safe| <= 127: adding and taking back 1.5 x 2^23 rounds half to even */
-        float z = (v[i] / safe + 12582912.0f) - 12582912.0f;
-        z = z < -127.0f ? -127.0f : z > 127.0f ? 127.0f : z;
-        out[i] = (int8_t)z;
+__attribute__((target("avx2"))) static float i8_block(const float *v, int8_t *out) {
+    __m256 x[4], a[4];
+    const float s = abs32(v, x, a) / 127.0f, safe = s > 0.0f ? s : 1.0f;
+    /* |v / safe| <= 127: adding and taking back 1.5 x 2^23 rounds half to even */
+    const __m256 sv = _mm256_set1_ps(safe), magic = _mm256_set1_ps(12582912.0f);
+    const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    __m256i q[4];
+    for (int k = 0; k < 4; k++) {
+        const __m256 z = _mm256_sub_ps(_mm256_add_ps(_mm256_div_ps(x[k], sv), magic), magic);
+        q[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(z, lo), hi));
     }
+    _mm256_storeu_si256((__m256i *)out, bytes32(q));
     return s;
 }
 
-/* Source block (r, b)'s 32 weights. */
-__attribute__((target("f16c"))) static void src_weights(const bundle_job *j, int64_t r, int64_t b,
-                                                        float *v) {
+/* Source block (r, b)'s 32 weights (exact: fp16 values, or d (q - 8)). */
+__attribute__((target("avx2,f16c"))) static void src_weights(const bundle_job *j, int64_t r,
+                                                             int64_t b, float *v) {
     const uint8_t *p = j->src + r * j->row_bytes + b * (j->f16 ? 64 : 18);
-    uint16_t h;
     if (j->f16) {
-        for (int i = 0; i < 32; i++) memcpy(&h, p + 2 * i, 2), v[i] = _cvtsh_ss(h);
+        for (int k = 0; k < 4; k++)
+            _mm256_storeu_ps(v + 8 * k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * k))));
         return;
     }
+    uint16_t h;
     memcpy(&h, p, 2);
-    const float d = _cvtsh_ss(h);
-    for (int i = 0; i < 16; i++) {
-        v[i] = d * (float)((p[2 + i] & 0x0F) - 8);
-        v[i + 16] = d * (float)((p[2 + i] >> 4) - 8);
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(h));
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(p + 2)), m4 = _mm_set1_epi8(0x0F);
+    const __m128i nib[2] = {_mm_and_si128(qs, m4), _mm_and_si128(_mm_srli_epi16(qs, 4), m4)};
+    for (int k = 0; k < 4; k++) {
+        const __m128i by = k & 1 ? _mm_srli_si128(nib[k / 2], 8) : nib[k / 2];
+        const __m256i q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(by), _mm256_set1_epi32(8));
+        _mm256_storeu_ps(v + 8 * k, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
     }
 }
 
-static void bundle_out(const bundle_job *j, int64_t o, int64_t b, const float *v) {
+__attribute__((target("avx2,f16c"))) static void bundle_out(const bundle_job *j, int64_t o, int64_t b, const float *v) {
     if (j->out_i8)
         j->scales[o * j->scales_stride + b] = i8_block(v, (int8_t *)(j->dst + o * j->dst_stride + 32 * b));
     else
@@ -1100,7 +1125,7 @@ static void bundle_out(const bundle_job *j, int64_t o, int64_t b, const float *v
 
 /* Chunk c: output rows 32c .. 32c + 31 (transposed: one column of source blocks, read as 32 x 32
  * tiles; else 32 source rows). */
-static void bundle_chunk(const void *jp, int64_t c) {
+__attribute__((target("avx2,f16c"))) static void bundle_chunk(const void *jp, int64_t c) {
     const bundle_job *j = jp;
     float v[32], tile[32][32];
     if (!j->transpose) {
@@ -1127,6 +1152,7 @@ int si_bundle_rows(int type, const uint8_t *src, int64_t rows, int64_t cols, int
     if ((type != SI_Q4_0 && type != SI_F16) || rows < 1 || cols < 32 || cols % 32 ||
         (transpose && rows % 32) || (out_i8 && !scales))
         return EINVAL;
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c")) return ENOSYS;
     const int f16 = type == SI_F16;
     bundle_job j = {src, rows, cols, f16 ? 2 * cols : cols / 32 * 18, f16, transpose, out_i8, dst,
                     dst_stride, scales, scales_stride};
