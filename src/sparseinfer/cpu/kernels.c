@@ -1631,13 +1631,23 @@ static int kt_x_make(const si_xq *x, const int nt, const int nsb, kt_x *xt) {
     xt->d = (__m256 *)((uint8_t *)mem + nj * 8 * 32);
     xt->s = xt->d + nj;
     for (size_t j = 0; j < nj; j++) {
-        int32_t w[8][8] = {{0}};
+        /* the 8 rows' 32 bytes as an 8 x 8 matrix of words, transposed in registers */
+        __m256i r[8], u[8];
         float d[8] = {0}, sm[8] = {0};
-        for (int t = 0; t < nt; t++) {
-            for (int c = 0; c < 8; c++) memcpy(&w[c][t], x[t].q + 32 * j + 4 * c, 4);
-            d[t] = x[t].d[j], sm[t] = x[t].s[j];
+        for (int t = 0; t < 8; t++)
+            r[t] = t < nt ? _mm256_loadu_si256((const __m256i *)(x[t].q + 32 * j)) : _mm256_setzero_si256();
+        for (int t = 0; t < nt; t++) d[t] = x[t].d[j], sm[t] = x[t].s[j];
+        for (int h = 0; h < 2; h++) { /* rows 4h .. 4h + 3: words c and c + 4 of each 4 rows */
+            const __m256i *q = r + 4 * h;
+            const __m256i t0 = _mm256_unpacklo_epi32(q[0], q[1]), t1 = _mm256_unpackhi_epi32(q[0], q[1]);
+            const __m256i t2 = _mm256_unpacklo_epi32(q[2], q[3]), t3 = _mm256_unpackhi_epi32(q[2], q[3]);
+            u[4 * h] = _mm256_unpacklo_epi64(t0, t2), u[4 * h + 1] = _mm256_unpackhi_epi64(t0, t2);
+            u[4 * h + 2] = _mm256_unpacklo_epi64(t1, t3), u[4 * h + 3] = _mm256_unpackhi_epi64(t1, t3);
         }
-        for (int c = 0; c < 8; c++) xt->q[8 * j + c] = _mm256_loadu_si256((const __m256i *)w[c]);
+        for (int c = 0; c < 4; c++) {
+            xt->q[8 * j + c] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x20);
+            xt->q[8 * j + 4 + c] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x31);
+        }
         xt->d[j] = _mm256_loadu_ps(d);
         xt->s[j] = _mm256_loadu_ps(sm);
     }
