@@ -103,7 +103,11 @@ def requantize(src: Path, dst: Path, ftype: str, threads: int) -> Path:
     attn_v/ffn_down and the head) by llama.cpp's own quantizer: gguf-py cannot write K-quants."""
     import ctypes
 
-    import llama_cpp
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise SystemExit(f"--qtype {ftype}: llama.cpp's quantizer is needed (llama-cpp-python is "
+                         f"not installed: {e})") from e
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}")
