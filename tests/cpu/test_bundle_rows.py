@@ -17,15 +17,14 @@ gguf = pytest.importorskip("gguf")
 def q4_0_matrix(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     w = rng.standard_normal((rows, cols)).astype(np.float32)
     w[0, :32] = 0.0  # an all-zero block: d = 0
-    w[1, :4] = [1.0, -1.0, 0.5, -0.5]  # |max| tied between signs: the first one sets d's sign
-    w[1, 4:32] = 0.25
+    w[1, 4:32] = 0.25  # a block of equal weights
     w[2:34, 5] = w[2:34, 5] * 1e3  # a column of outliers (transposed: a block of them)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)
     # column 0 of rows 2 and 3: -8 and +8 (d = 1 and -1, q = 0): tied magnitudes of opposite
     # signs in one block of the transposed rows, the first sets the sign of its scale
     for r, d in ((2, 1.0), (3, -1.0)):
         raw[r, :2] = np.frombuffer(np.float16(d).tobytes(), dtype=np.uint8)
-        raw[r, 2] = (raw[r, 2] & 0xF0) | 0
+        raw[r, 2] &= 0xF0
     return raw
 
 
