@@ -102,7 +102,7 @@ def _load() -> ctypes.CDLL:
 _lib = _load()
 _gemv = _lib.si_gemv
 _ERRORS = {22: "invalid argument", 12: "out of memory", 19: "no instruction set selected",
-           34: "a neuron index out of range"}
+           34: "a neuron index out of range", 38: "this CPU lacks AVX2 or F16C"}
 
 
 def _check(rc: int, what: str) -> None:

@@ -1017,7 +1017,7 @@ int si_to_panels(int type, const uint8_t *src, int64_t rows, int cols, uint8_t *
     return 0;
 }
 
-/* ------------------------------------------------------------------ neuron rows from Q4_0 */
+/* ------------------------------------------------------------------ neuron rows from Q4_0 or F16 */
 
 /* A sparse model's neuron rows (PackedFFN: Q4_0 or int8 with a scale per 32) from a Q4_0 or F16
  * matrix of the file, at load, without a float32 copy of it: gate/up rows (and a converted
@@ -1064,7 +1064,7 @@ __attribute__((target("avx2,f16c"))) static void q4_0_block(const float *v, uint
     uint32_t at = 0; /* bit 8k + l: |v[8k + l]| is the largest */
     for (int k = 0; k < 4; k++)
         at |= (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a[k], _mm256_set1_ps(amax), _CMP_EQ_OQ)) << (8 * k);
-    const float d = v[__builtin_ctz(at)] / -8.0f;
+    const float d = v[at ? __builtin_ctz(at) : 0] / -8.0f; /* (no bit: NaN weights) */
     const __m256 inv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f), half = _mm256_set1_ps(8.5f);
     __m256i q[4];
     for (int k = 0; k < 4; k++) { /* |v / d| <= 8: truncation in [0, 16.5], then at most 15 */
