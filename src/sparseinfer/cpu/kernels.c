@@ -1526,6 +1526,24 @@ INLINE void multi_b32_256(const int type, const int bsize, const uint8_t *p, con
 #endif
 
 #if !SI_AVX512 && !SI_NARROW
+/* The 8 sub-blocks of Q4_K/Q5_K super-block pb as unsigned bytes (wq[j]: sub-block j's 32
+ * weights, Q5_K's fifth bits included), for the GEMM kernels below
+ * (multi_k45, multi_k45t). */
+INLINE void k45_unpack(const int five, const uint8_t *pb, __m256i *wq) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10);
+    const uint8_t *qs = pb + (five ? 48 : 16);
+    const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(pb + 16)) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        wq[2 * c] = _mm256_and_si256(v, lo4);
+        wq[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        if (five) {
+            wq[2 * c] = _mm256_or_si256(wq[2 * c], _mm256_and_si256(shift16(qh, 4 - 2 * c), b5));
+            wq[2 * c + 1] = _mm256_or_si256(wq[2 * c + 1], _mm256_and_si256(shift16(qh, 3 - 2 * c), b5));
+        }
+    }
+}
+
 /* Plain AVX2 GEMM rows of Q4_K/Q5_K (multi_k45) and Q6_K (multi_q6k): one row against nt <=
  * MULTI_T x rows, each super-block's weights unpacked (and its scales decoded) once for all of
  * them; per x row the same operations as rows_k45 / rows_q6k, so each is its GEMV bit for bit.
@@ -1535,7 +1553,6 @@ INLINE void multi_b32_256(const int type, const int bsize, const uint8_t *p, con
 INLINE void multi_k45(const int five, const uint8_t *p, const si_xq *x, const int nt, const int nsb,
                       float *y, const int64_t ys) {
     const int bsize = five ? 176 : 144;
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10);
     __m256 acc[MULTI_T], accm[MULTI_T];
     for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
@@ -1544,18 +1561,8 @@ INLINE void multi_k45(const int five, const uint8_t *p, const si_xq *x, const in
         scales_k(pb + 4, &sc8, &m8);
         const __m256 scf = bytes8_ps(sc8), dv = _mm256_set1_ps(f16(pb));
         const __m256 mdm = _mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(pb + 2)));
-        const uint8_t *qs = pb + (five ? 48 : 16);
-        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(pb + 16)) : _mm256_setzero_si256();
         __m256i wq[8];
-        for (int c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            wq[2 * c] = _mm256_and_si256(v, lo4);
-            wq[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-            if (five) {
-                wq[2 * c] = _mm256_or_si256(wq[2 * c], _mm256_and_si256(shift16(qh, 4 - 2 * c), b5));
-                wq[2 * c + 1] = _mm256_or_si256(wq[2 * c + 1], _mm256_and_si256(shift16(qh, 3 - 2 * c), b5));
-            }
-        }
+        k45_unpack(five, pb, wq);
         for (int t = 0; t < nt; t++) {
             const __m256 scale = _mm256_mul_ps(_mm256_mul_ps(scf, _mm256_loadu_ps(x[t].d + 8 * (size_t)sb)), dv);
             accm[t] = _mm256_fmadd_ps(mdm, _mm256_loadu_ps(x[t].s + 8 * (size_t)sb), accm[t]);
@@ -1664,7 +1671,7 @@ static int kt_x_make(const si_xq *x, const int nt, const int nsb, kt_x *xt) {
 INLINE void multi_k45t(const int five, const uint8_t *p, const kt_x *xt, const int nt, const int nsb,
                        float *y, const int64_t ys) {
     const int bsize = five ? 176 : 144;
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10), one = _mm256_set1_epi16(1);
+    const __m256i one = _mm256_set1_epi16(1);
     __m256 acc[8], accm[8];
     for (int j = 0; j < 8; j++) acc[j] = accm[j] = _mm256_setzero_ps();
     uint8_t wb[256] __attribute__((aligned(32)));
@@ -1676,18 +1683,9 @@ INLINE void multi_k45t(const int five, const uint8_t *p, const kt_x *xt, const i
         _mm256_storeu_ps(scf, bytes8_ps(sc8));
         _mm256_storeu_ps(mdm, _mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(pb + 2))));
         const __m256 dv = _mm256_set1_ps(f16(pb));
-        const uint8_t *qs = pb + (five ? 48 : 16);
-        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(pb + 16)) : _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            __m256i lo = _mm256_and_si256(v, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-            if (five) {
-                lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(qh, 4 - 2 * c), b5));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(qh, 3 - 2 * c), b5));
-            }
-            _mm256_store_si256((__m256i *)(wb + 64 * c), lo);
-            _mm256_store_si256((__m256i *)(wb + 64 * c + 32), hi);
-        }
+        __m256i wq[8];
+        k45_unpack(five, pb, wq);
+        for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(wb + 32 * j), wq[j]);
         const __m256i *xq = xt->q + 64 * (size_t)sb;
         for (int j = 0; j < 8; j++) {
             const uint8_t *wj = wb + 32 * j;

@@ -41,10 +41,9 @@ class SparseInfo:
         a prompt or a batched step its own set, as "masked" but at any length; other rows as
         measured by benchmarks/prefill.py: "union" up to ``ffn.UNION_MAX_TOKENS`` tokens and at
         any length for bf16 rows, else "dense"), "dense" (every neuron), "union" (the union of
-        the tokens' predicted sets,
-        batched-sparse kernel) or "masked" (each token its own active set, as decoding it alone:
-        in the C kernels over the union's rows for up to ``ffn.UNION_MAX_TOKENS`` tokens, else
-        torch; the perplexity of the sparse model)."""
+        the tokens' predicted sets, batched-sparse kernel) or "masked" (each token its own
+        active set, as decoding it alone: in the C kernels over the union's rows for up to
+        ``ffn.UNION_MAX_TOKENS`` tokens, else torch; the perplexity of the sparse model)."""
         if mode not in BATCH_MODES:
             raise ValueError(f"batch mode: expected one of {list(BATCH_MODES)}, got {mode!r}")
         for m in self.modules:
