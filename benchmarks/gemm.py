@@ -1,7 +1,7 @@
-"""GEMM over a few rows of x (a batched decode step, a prompt chunk): Q4_1 as the file stores it
-against the same blocks in 16-row panels (``cpu/panels.py``), in one run.
+"""GEMM over a few rows of x (a batched decode step, a prompt chunk): Q4_1 (or ``--type``) as
+the file stores it against the same blocks in 16-row panels (``cpu/panels.py``), in one run.
 
-    python benchmarks/gemm.py [--threads 1] [--rows-of-x 1,8,32]
+    python benchmarks/gemm.py [--threads 1] [--rows-of-x 1,8,32] [--type Q5_0]
     python benchmarks/gemm.py --k-quants --rows-of-x 1,4,6,8     # Q4_K / Q5_K / Q6_K, hot only
 
 Two measurements per thread count: (1) hot: one matrix of each SmolLM2/7B shape called again
@@ -30,6 +30,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rows-of-x", default="1,8,32")
+    p.add_argument("--type", default="Q4_1", choices=["Q4_0", "Q4_1", "Q5_0", "Q8_0"],
+                   help="the block type of the stored / panel pair (default Q4_1, SmolLM2's)")
     p.add_argument("--k-quants", action="store_true", help="Q4_K/Q5_K/Q6_K GEMM, hot")
     a = p.parse_args()
     import gguf
@@ -38,16 +40,16 @@ def main() -> None:
 
     from sparseinfer import cpu
     from sparseinfer.bench import cpu_model
-    from sparseinfer.cpu.panels import to_panels
+    from sparseinfer.cpu.panels import PANEL_TYPES, to_panels
 
     Ts = [int(t) for t in a.rows_of_x.split(",")]
     rng = np.random.default_rng(0)
 
     def pair(rows: int, cols: int):
         raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
-                                   gguf.GGMLQuantizationType.Q4_1)
-        return (cpu.QuantMatrix("Q4_1", raw.reshape(-1), rows, cols),
-                cpu.QuantMatrix("Q4_1x16", to_panels(raw, "Q4_1", rows, cols), rows, cols))
+                                   gguf.GGMLQuantizationType[a.type])
+        return (cpu.QuantMatrix(a.type, raw.reshape(-1), rows, cols),
+                cpu.QuantMatrix(PANEL_TYPES[a.type], to_panels(raw, a.type, rows, cols), rows, cols))
 
     def product(m, X: torch.Tensor, out: torch.Tensor):
         if X.shape[0] == 1:
@@ -57,7 +59,7 @@ def main() -> None:
     if a.k_quants:
         k_quants(a.threads, Ts, rng, cpu_model(), product)
         return
-    print(f"# {cpu_model()}; Q4_1, best of 3 rounds")
+    print(f"# {cpu_model()}; {a.type}, best of 3 rounds")
     hot = {s: pair(*s) for s in ((1536, 576), (576, 1536), (4096, 4096))}
     shapes = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, wo, gate+up, down
     cold = [pair(r, c) for _ in range(30) for r, c in shapes]

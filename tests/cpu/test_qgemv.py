@@ -31,7 +31,7 @@ GGUF_QUANTIZES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
 # 288, 160, 224, 1056: groups of 4 blocks and a last partial group of 1, 1, 3, 1 (AVX-512)
 SHAPES_32 = [(1, 32), (3, 96), (7, 288), (37, 160), (130, 64), (9, 224), (5, 1056)]
 SHAPES_256 = [(1, 256), (5, 512), (37, 256), (66, 768)]
-# panels of 16 rows (Q4_0x16, Q4_1x16): one or several panels, 1 to 33 blocks per row
+# panels of 16 rows (Q4_0x16 ... Q5_0x16): one or several panels, 1 to 33 blocks per row
 SHAPES_PANEL = [(16, 32), (32, 96), (48, 288), (16, 160), (144, 64), (32, 1056)]
 
 
@@ -114,7 +114,7 @@ def test_multi_matrix_call_shares_input(isa, threads):
     rng = np.random.default_rng(1)
     cols = 512
     specs = [("Q4_K", 64), ("Q6_K", 21), ("Q8_0", 21), ("Q4_0", 130), ("F16", 5), ("F32", 3),
-             ("Q4_1x16", 32)]
+             ("Q4_1x16", 32), ("Q5_0x16", 16)]
     mats = [cpu.QuantMatrix(t, random_raw(t, r, cols, rng), r, cols) for t, r in specs]
     x = torch.from_numpy(rng.standard_normal(cols).astype(np.float32))
     outs = [torch.empty(m.rows) for m in mats]
@@ -131,7 +131,8 @@ def test_multi_matrix_call_shares_input(isa, threads):
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
-                                       "Q6_K", "F16", "F32", "Q4_0x16", "Q4_1x16", "Q8_0x16"])
+                                       "Q6_K", "F16", "F32", "Q4_0x16", "Q4_1x16", "Q8_0x16",
+                                       "Q5_0x16"])
 @pytest.mark.parametrize("T", [1, pytest.param(3, marks=pytest.mark.slow), 8, 9, 13,
                                pytest.param(17, marks=pytest.mark.slow)])
 def test_gemm_matches_reference(type_name, T, isa, threads):

@@ -143,3 +143,26 @@ def test_gemma3_270m_batched_step_equals_alone(gemma_path):
                 pos = len(seq) - step
                 want = model(torch.tensor([[seq[pos]]]), pos, own)[0, -1]
                 assert float((got[row] - want).abs().max() / want.abs().max()) < 1e-4
+
+
+def test_gemma3_270m_q5_0_matrices_load_as_panels(gemma_path):
+    """Gemma's Q4_K_M file stores most block weights as Q5_0 (640-wide rows, not a multiple of
+    256): they load as Q5_0 panels (``Q5_0x16``), and layer 0's up projection decodes to what
+    gguf-py decodes from the file's own rows."""
+    import gguf
+    import numpy as np
+
+    from sparseinfer.cpu import reference as ref
+    from sparseinfer.models.build import load
+    from sparseinfer.quant.linear import GGMLLinear
+
+    model = load(gemma_path, "auto", max_seq_len=64).model
+    mats = [m for lin in model.modules() if isinstance(lin, GGMLLinear) for m in lin.mats]
+    assert "Q5_0x16" in {m.type_name for m in mats}
+    q5 = {t.name: t for t in gguf.GGUFReader(str(gemma_path)).tensors
+          if t.tensor_type == gguf.GGMLQuantizationType.Q5_0}
+    up = q5["blk.0.ffn_up.weight"]
+    cols, rows = (int(n) for n in up.shape)
+    want = gguf.quants.dequantize(up.data, gguf.GGMLQuantizationType.Q5_0).reshape(rows, cols)
+    got = [m for m in mats if m.type_name == "Q5_0x16" and (m.rows, m.cols) == (rows, cols)]
+    assert got and any(np.array_equal(ref.dequantize_ref(m).numpy(), want) for m in got)

@@ -5,7 +5,7 @@
  * of its own: Q4_0/Q4_1/Q5_0 in groups of 4 blocks against x rearranged once per row
  * (si_xgroups), Q4_K/Q5_K/Q6_K 64 weights per vector, short Q8_0 rows two blocks per step, and
  * the sparse Q4_0 bundles in groups of 4; the avx2_128 build (SI_NARROW) works the blocks in
- * 128-bit registers, for CPUs whose vector units split 256-bit instructions. Q4_0/Q4_1/Q8_0 in
+ * 128-bit registers, for CPUs whose vector units split 256-bit instructions. Q4_0/Q4_1/Q5_0/Q8_0 in
  * panels of 16 rows (the loader's layout for them) have kernels of their own ("panels of 16
  * rows" below), one per ISA family, shared by the GEMV and the GEMM.
  *
@@ -1023,7 +1023,7 @@ INLINE void rows_f32(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
 
 /* ------------------------------------------------------------------ panels of 16 rows */
 
-/* Q4_0 / Q4_1 / Q8_0 in panels (SI_Q4_0P / SI_Q4_1P / SI_Q8_0P, qgemv.h): a block column of a
+/* Q4_0 / Q4_1 / Q8_0 in panels (SI_Q4_0P / SI_Q4_1P / SI_Q8_0P, qgemv.h; Q5_0 below): a block column of a
  * panel is 16 rows x 4 (Q8_0: 8) quant words, so one integer dot product takes 4 bytes of x
  * (broadcast) against 4 weights of each of 16 rows, and a block costs 8 of them per x row with
  * no horizontal sums: every lane is a row. Per x row and block: y_r += d_r * x_d * sum_r +
@@ -1036,13 +1036,86 @@ INLINE void rows_f32(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
 #define PANEL_AHEAD 8192 /* bytes: the panel rows' stream fetched this far ahead */
 #endif
 INLINE int panel_bytes(const int type) {
-    return type == SI_Q4_0P ? 16 * 18 : type == SI_Q4_1P ? 16 * 20 : 16 * 34;
+    return type == SI_Q4_0P ? 16 * 18 : type == SI_Q4_1P ? 16 * 20 : type == SI_Q5_0P ? 16 * 22 : 16 * 34;
 }
 
 INLINE int32_t x_word(const si_xq *x, const int b, const int c) {
     int32_t v;
     memcpy(&v, x->q + 32 * (size_t)b + 4 * c, 4);
     return v;
+}
+
+/* Q5_0 panels (SI_Q5_0P) in two 256-bit halves (rows 0..7, 8..15) on every ISA, so the ISAs
+ * agree bit for bit. q5_half: half h of block column pb as unsigned 5-bit bytes, lo[c] / hi[c]
+ * as q4_half's with the fifth bits or'ed in: the transposed bit words (qgemv.h) put word c's
+ * bits of the low nibbles at bit c of each byte and those of the high nibbles at bit 4 + c, so
+ * one 16-bit shift per word moves them to bit 4 (no bit crosses a byte). q5_half_dot: the 8
+ * rows' integer sums against x block b, low and high nibbles in two int16 chains of 4 words
+ * (at most 4 x 2 x 31 x 127 = 31496 each: no saturation), widened once each. */
+INLINE void q5_half(const uint8_t *pb, const int h, __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(pb + 32 + 32 * h));
+    for (int c = 0; c < 4; c++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(pb + 96 + 64 * c + 32 * h));
+        lo[c] = _mm256_or_si256(_mm256_and_si256(q, m4), _mm256_and_si256(shift16(qh, 4 - c), b5));
+        hi[c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
+                                _mm256_and_si256(shift16(qh, -c), b5));
+    }
+}
+INLINE __m256i q5_half_dot(const __m256i *lo, const __m256i *hi, const si_xq *x, const int b) {
+    __m256i sl = _mm256_setzero_si256(), sh = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(x_word(x, b, c))));
+        sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(x_word(x, b, 4 + c))));
+    }
+    const __m256i one = _mm256_set1_epi16(1);
+    return _mm256_add_epi32(_mm256_madd_epi16(sl, one), _mm256_madd_epi16(sh, one));
+}
+/* Per x row and block: y_r += d_r * x_d * sum_r + (-16 d_r) * x_s, the two terms in separate
+ * accumulators added at the end (as the Q4 panels). */
+INLINE void panel_q5(const uint8_t *p, const si_xq *x, const int nt, const int nb, float *y,
+                     const int64_t ys) {
+    const int bb = 16 * 22;
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[PANEL_T], accm[PANEL_T];
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *pb = p + (size_t)b * bb;
+            if (h == 0)
+                for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16 * h)));
+            const __m256 m = _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
+            __m256i lo[4], hi[4];
+            q5_half(pb, h, lo, hi);
+#pragma GCC unroll 8
+            for (int t = 0; t < nt; t++) {
+                const __m256i sum = q5_half_dot(lo, hi, &x[t], b);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])),
+                                         acc[t]);
+                accm[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[t].s[b]), accm[t]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * h, _mm256_add_ps(acc[t], accm[t]));
+    }
+}
+/* panel_q5 for one x row (the GEMV): both halves of a block column in one pass (the same bits). */
+INLINE void panel_q5_1(const uint8_t *p, const si_xq *x, const int nb, float *y) {
+    const int bb = 16 * 22;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {acc[0], acc[1]};
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *pb = p + (size_t)b * bb;
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16 * h)));
+            __m256i lo[4], hi[4];
+            q5_half(pb, h, lo, hi);
+            const __m256i sum = q5_half_dot(lo, hi, x, b);
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x->d[b])), acc[h]);
+            accm[h] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(-16.0f)), _mm256_set1_ps(x->s[b]), accm[h]);
+        }
+    }
+    for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + 8 * h, _mm256_add_ps(acc[h], accm[h]));
 }
 
 #if SI_AVX512
@@ -1053,6 +1126,11 @@ INLINE int32_t x_word(const si_xq *x, const int b, const int c) {
  * (m = -128 d; Q4_0: -8 d; Q4_1: the block's m), against x's s. */
 INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
                   float *y, const int64_t ys) {
+    if (type == SI_Q5_0P) {
+        if (nt == 1) panel_q5_1(p, x, nb, y);
+        else panel_q5(p, x, nt, nb, y, ys);
+        return;
+    }
     const int bb = panel_bytes(type), qoff = type == SI_Q4_1P ? 64 : 32;
     const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[PANEL_T], accm[PANEL_T];
@@ -1219,6 +1297,9 @@ INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt
     if (type == SI_Q8_0P) {
         if (nt == 1) panel_q8_1(p, x, nb, y);
         else panel_q8(p, x, nt, nb, y, ys);
+    } else if (type == SI_Q5_0P) {
+        if (nt == 1) panel_q5_1(p, x, nb, y);
+        else panel_q5(p, x, nt, nb, y, ys);
     } else if (nt == 1) {
         panel_q4_1(type, p, x, nb, y);
     } else {
@@ -1241,6 +1322,7 @@ static void panel_rows(const int type, const uint8_t *w, const int nrows, const 
     case N:                                                                                    \
         if (type == SI_Q4_0P) PR(SI_Q4_0P, N);                                                 \
         else if (type == SI_Q4_1P) PR(SI_Q4_1P, N);                                            \
+        else if (type == SI_Q5_0P) PR(SI_Q5_0P, N);                                            \
         else PR(SI_Q8_0P, N);                                                                  \
         break
         switch (nt) {

@@ -1,5 +1,6 @@
-"""Q4_0 / Q4_1 / Q8_0 weights rearranged in panels of 16 rows for the C kernels (types
-``Q4_0x16`` / ``Q4_1x16`` / ``Q8_0x16``; layout in ``qgemv.h``): one integer dot product then
+"""Q4_0 / Q4_1 / Q8_0 / Q5_0 weights rearranged in panels of 16 rows for the C kernels (types
+``Q4_0x16`` / ``Q4_1x16`` / ``Q8_0x16`` / ``Q5_0x16``; layout in ``qgemv.h``; Q5_0's fifth bits
+transposed within their word): one integer dot product then
 multiplies 4 bytes of the input with 4 weights of each of 16 rows, and the products stay in one
 lane per row, so a GEMM over a few input rows does a third to half of the instructions of the
 row-major kernels (a batched decode step, a prompt). The bytes per row are the file's; the
@@ -16,10 +17,24 @@ import numpy as np
 
 PANEL = 16  # rows per panel
 # the file's type -> its panel type (cpu.TYPES)
-PANEL_TYPES = {"Q4_0": "Q4_0x16", "Q4_1": "Q4_1x16", "Q8_0": "Q8_0x16"}
+PANEL_TYPES = {"Q4_0": "Q4_0x16", "Q4_1": "Q4_1x16", "Q8_0": "Q8_0x16", "Q5_0": "Q5_0x16"}
 FILE_TYPES = {v: k for k, v in PANEL_TYPES.items()}
 # fp16 words (scale, Q4_1's minimum) per block, block bytes; the rest are 4-byte quant words
-_FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34)}
+_FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34), "Q5_0": (1, 22)}
+# Q5_0's first 4-byte word (its 32 fifth bits) is stored transposed: bit 8k + s <- bit 4s + k
+# (bit order within the little-endian word), so a shift lines up one quant word's bits
+_BITS_T = np.array([4 * (b % 8) + b // 8 for b in range(32)])
+
+
+def _transpose_bits(words: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """Q5_0 fifth-bit words (uint8 [..., 4]) as the panels store them, or back."""
+    bits = np.unpackbits(words, axis=-1, bitorder="little")
+    if inverse:
+        out = np.empty_like(bits)
+        out[..., _BITS_T] = bits
+    else:
+        out = bits[..., _BITS_T]
+    return np.packbits(out, axis=-1, bitorder="little")
 
 
 def check_panel_shape(raw: np.ndarray, type_name: str, rows: int, cols: int
@@ -49,13 +64,17 @@ def to_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarr
 
 def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
     """``to_panels`` in numpy: per panel and block column, the 16 rows' scales (and Q4_1's
-    minima), then their quant words (4 per Q4 block, 8 per Q8_0), word by word."""
+    minima), then their quant words (4 per Q4 block, 8 per Q8_0; Q5_0: its fifth-bit word,
+    transposed, then 4), word by word."""
     words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
     nq = (bsize - 2 * words) // 4  # quant words per block
     blk = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, bsize)
     scales = blk[..., : 2 * words].reshape(-1, PANEL, nb, words, 2)  # (P, 16, nb, words, 2)
     quants = blk[..., 2 * words :].reshape(-1, PANEL, nb, nq, 4)  # (P, 16, nb, word, 4)
     out = np.empty((rows // PANEL, nb, bsize * PANEL), dtype=np.uint8)
+    if type_name == "Q5_0":
+        quants = quants.copy()
+        quants[..., 0, :] = _transpose_bits(quants[..., 0, :])
     out[..., : 2 * words * PANEL] = scales.transpose(0, 2, 3, 1, 4).reshape(-1, nb, 2 * words * PANEL)
     out[..., 2 * words * PANEL :] = quants.transpose(0, 2, 3, 1, 4).reshape(-1, nb, 64 * nq)
     return out.reshape(-1)
@@ -71,4 +90,6 @@ def from_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.nda
     out = np.empty((rows // PANEL, PANEL, nb, bsize), dtype=np.uint8)
     out[..., : 2 * words] = scales.transpose(0, 3, 1, 2, 4).reshape(-1, PANEL, nb, 2 * words)
     out[..., 2 * words :] = quants.transpose(0, 3, 1, 2, 4).reshape(-1, PANEL, nb, 4 * nq)
+    if type_name == "Q5_0":
+        out[..., 2:6] = _transpose_bits(out[..., 2:6], inverse=True)
     return out.reshape(rows, nb * bsize)

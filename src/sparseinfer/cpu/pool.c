@@ -28,15 +28,15 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 14
+#define SI_ABI_VERSION 15
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
 
 /* ------------------------------------------------------------------ types */
 
-static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32};
-static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34};
+static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32, 32};
+static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34, 22};
 
 int si_abi_version(void) { return SI_ABI_VERSION; }
 int si_block_elems(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_ELEMS[type] : 0; }
@@ -980,8 +980,17 @@ typedef struct {
     const uint8_t *src;
     uint8_t *dst;
     int words, nq, bsize, nb; /* fp16 words, quant words (4 bytes) per block; bytes; blocks */
+    int bits; /* Q5_0: quant word 0 is the fifth bits, stored transposed (bits_t) */
     int64_t panels_per_chunk, n_panels;
 } panel_job;
+
+/* A Q5_0 block's 32 fifth bits as SI_Q5_0P stores them: bit 8k + s = bit 4s + k. */
+static uint32_t bits_t(uint32_t h) {
+    uint32_t o = 0;
+    for (int k = 0; k < 4; k++)
+        for (int s = 0; s < 8; s++) o |= ((h >> (4 * s + k)) & 1u) << (8 * k + s);
+    return o;
+}
 
 static void panel_chunk(const void *jp, int64_t c) {
     const panel_job *j = jp;
@@ -996,20 +1005,26 @@ static void panel_chunk(const void *jp, int64_t c) {
                 for (int w = 0; w < j->words; w++) memcpy(o + 32 * w + 2 * r, q + 2 * w, 2);
                 for (int k = 0; k < j->nq; k++)
                     memcpy(o + 32 * j->words + 64 * k + 4 * r, q + 2 * j->words + 4 * k, 4);
+                if (j->bits) {
+                    uint32_t h;
+                    memcpy(&h, q + 2 * j->words, 4);
+                    h = bits_t(h);
+                    memcpy(o + 32 * j->words + 4 * r, &h, 4);
+                }
             }
         }
 }
 
-/* Q4_0 / Q4_1 / Q8_0 rows (src: rows x cols / 32 blocks, as the file stores them) into panels
- * of 16 rows (dst, the same size; layout of SI_Q4_0P / SI_Q4_1P / SI_Q8_0P in qgemv.h), on the
+/* Q4_0 / Q4_1 / Q5_0 / Q8_0 rows (src: rows x cols / 32 blocks, as the file stores them) into
+ * panels of 16 rows (dst, the same size; layout of SI_Q4_0P ... SI_Q5_0P in qgemv.h), on the
  * pool. */
 int si_to_panels(int type, const uint8_t *src, int64_t rows, int cols, uint8_t *dst) {
-    if ((type != SI_Q4_0 && type != SI_Q4_1 && type != SI_Q8_0) || rows < SI_PANEL ||
-        rows % SI_PANEL || cols < 32 || cols % 32)
+    if ((type != SI_Q4_0 && type != SI_Q4_1 && type != SI_Q5_0 && type != SI_Q8_0) ||
+        rows < SI_PANEL || rows % SI_PANEL || cols < 32 || cols % 32)
         return EINVAL;
     const int words = type == SI_Q4_1 ? 2 : 1;
     panel_job j = {src, dst, words, (BLOCK_BYTES[type] - 2 * words) / 4, BLOCK_BYTES[type],
-                   cols / 32, 0, rows / SI_PANEL};
+                   cols / 32, type == SI_Q5_0, 0, rows / SI_PANEL};
     j.panels_per_chunk = (j.n_panels + 31) / 32; /* 32 chunks: the threads stay even */
     pthread_mutex_lock(&g_call_lock);
     pool_run(panel_chunk, &j, (j.n_panels + j.panels_per_chunk - 1) / j.panels_per_chunk);

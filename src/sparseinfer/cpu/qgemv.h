@@ -1,7 +1,7 @@
 /* sparseinfer CPU kernels: shared declarations.
  *
  * Weights are GGUF blocks as the file stores them (row-major, each row a run of blocks), or Q4_0 /
- * Q4_1 / Q8_0 blocks rearranged in panels of 16 rows (SI_Q4_0P / SI_Q4_1P / SI_Q8_0P below).
+ * Q4_1 / Q5_0 / Q8_0 blocks rearranged in panels of 16 rows (SI_Q4_0P ... SI_Q5_0P below).
  * The activation vector is quantized once per call into blocks of 32 int8 values with a float
  * scale d and s = d * sum(q) (the offset term of Q4_1/Q5_1/K-quant minima and Q4_0/Q5_0/Q6_K
  * zero points uses s).
@@ -32,12 +32,18 @@ enum si_type {
     SI_Q4_0P = 10,
     SI_Q4_1P = 11,
     SI_Q8_0P = 12,
-    SI_N_TYPES = 13,
+    /* Q5_0 in panels: per block column [d x 16 (fp16), fifth bits: 16 rows x 4 bytes, quants:
+     * 4 x (16 rows x 4 bytes) as Q4_0P]; a row's 32 fifth bits are stored transposed (bit 8k + s
+     * of its word = the file's bit 4s + k), so byte k's bit s belongs to quant word s % 4's byte
+     * k, low nibble for s < 4, high for s >= 4: one shift puts the bits of all 4 bytes of a word
+     * at bit 4 of their bytes. */
+    SI_Q5_0P = 13,
+    SI_N_TYPES = 14,
 };
-#define SI_PANEL 16 /* rows per panel of SI_Q4_0P / SI_Q4_1P / SI_Q8_0P */
+#define SI_PANEL 16 /* rows per panel of SI_Q4_0P / SI_Q4_1P / SI_Q8_0P / SI_Q5_0P */
 
 static inline int si_is_panel(int type) {
-    return type == SI_Q4_0P || type == SI_Q4_1P || type == SI_Q8_0P;
+    return type == SI_Q4_0P || type == SI_Q4_1P || type == SI_Q8_0P || type == SI_Q5_0P;
 }
 
 /* One quantized activation vector: q[cols] int8, d[cols/32], s[cols/32]; f the fp32 source (F16
