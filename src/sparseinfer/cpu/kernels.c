@@ -1045,13 +1045,14 @@ INLINE int32_t x_word(const si_xq *x, const int b, const int c) {
     return v;
 }
 
-/* Q5_0 panels (SI_Q5_0P) in two 256-bit halves (rows 0..7, 8..15) on every ISA, so the ISAs
- * agree bit for bit. q5_half: half h of block column pb as unsigned 5-bit bytes, lo[c] / hi[c]
- * as q4_half's with the fifth bits or'ed in: the transposed bit words (qgemv.h) put word c's
- * bits of the low nibbles at bit c of each byte and those of the high nibbles at bit 4 + c, so
- * one 16-bit shift per word moves them to bit 4 (no bit crosses a byte). q5_half_dot: the 8
- * rows' integer sums against x block b, low and high nibbles in two int16 chains of 4 words
- * (at most 4 x 2 x 31 x 127 = 31496 each: no saturation), widened once each. */
+/* Q5_0 panels (SI_Q5_0P) in two 256-bit halves (rows 0..7, 8..15), by panel_q4 below in every
+ * build, so the ISAs agree bit for bit. q5_half: half h of block column pb as unsigned 5-bit
+ * bytes, lo[c] / hi[c] as q4_half's with the fifth bits or'ed in: the transposed bit words
+ * (qgemv.h) put word c's bits of the low nibbles at bit c of each byte and those of the high
+ * nibbles at bit 4 + c, so one 16-bit shift per word moves them to bit 4 (no bit crosses a
+ * byte). q5_half_dot: the 8 rows' integer sums against x block b, low and high nibbles in two
+ * int16 chains of 4 words (at most 4 x 2 x 31 x 127 = 31496 each: no saturation), widened once
+ * each. */
 INLINE void q5_half(const uint8_t *pb, const int h, __m256i *lo, __m256i *hi) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10);
     const __m256i qh = _mm256_loadu_si256((const __m256i *)(pb + 32 + 32 * h));
@@ -1071,11 +1072,47 @@ INLINE __m256i q5_half_dot(const __m256i *lo, const __m256i *hi, const si_xq *x,
     const __m256i one = _mm256_set1_epi16(1);
     return _mm256_add_epi32(_mm256_madd_epi16(sl, one), _mm256_madd_epi16(sh, one));
 }
-/* Per x row and block: y_r += d_r * x_d * sum_r + (-16 d_r) * x_s, the two terms in separate
- * accumulators added at the end (as the Q4 panels). */
-INLINE void panel_q5(const uint8_t *p, const si_xq *x, const int nt, const int nb, float *y,
-                     const int64_t ys) {
-    const int bb = 16 * 22;
+/* Q4_0 / Q4_1 panels in two 256-bit halves (rows 0..7, 8..15), the AVX2 builds' kernel (the
+ * AVX-512 one below does 16 rows at once), and Q5_0 panels' kernel in every build: the 8 byte
+ * products per row and block summed in int16 by maddubs (at most 8 x 2 x 15 x 127 = 30480: no
+ * saturation), widened once (Q5_0: q5_half_dot above). q4_half: half h of a Q4 block column as
+ * unsigned bytes (lo[c]: low nibbles of word c, hi[c]: high ones); q4_half_dot: their 8 rows'
+ * integer sums against x block b. */
+INLINE void q4_half(const uint8_t *pb, const int qoff, const int h, __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(pb + qoff + 64 * c + 32 * h));
+        lo[c] = _mm256_and_si256(q, m4);
+        hi[c] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    }
+}
+INLINE __m256i q4_half_dot(const __m256i *lo, const __m256i *hi, const si_xq *x, const int b) {
+    __m256i s16 = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++)
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(x_word(x, b, c))));
+    for (int c = 0; c < 4; c++)
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(x_word(x, b, 4 + c))));
+    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+}
+/* Half h's scales d and minima m (Q4_0: -8 d; Q5_0: -16 d). */
+INLINE void q4_half_dm(const int type, const uint8_t *pb, const int h, __m256 *d, __m256 *m) {
+    *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16 * h)));
+    *m = type == SI_Q4_0P   ? _mm256_mul_ps(*d, _mm256_set1_ps(-8.0f))
+         : type == SI_Q5_0P ? _mm256_mul_ps(*d, _mm256_set1_ps(-16.0f))
+                            : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 32 + 16 * h)));
+}
+/* Half h of block column pb unpacked (lo, hi) and its 8 rows' integer sums against x block b. */
+INLINE void panel_half(const int type, const uint8_t *pb, const int h, __m256i *lo, __m256i *hi) {
+    if (type == SI_Q5_0P) q5_half(pb, h, lo, hi);
+    else q4_half(pb, type == SI_Q4_0P ? 32 : 64, h, lo, hi);
+}
+INLINE __m256i panel_half_dot(const int type, const __m256i *lo, const __m256i *hi, const si_xq *x,
+                              const int b) {
+    return type == SI_Q5_0P ? q5_half_dot(lo, hi, x, b) : q4_half_dot(lo, hi, x, b);
+}
+INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
+                     float *y, const int64_t ys) {
+    const int bb = panel_bytes(type);
     for (int h = 0; h < 2; h++) {
         __m256 acc[PANEL_T], accm[PANEL_T];
 #pragma GCC unroll 8
@@ -1084,13 +1121,13 @@ INLINE void panel_q5(const uint8_t *p, const si_xq *x, const int nt, const int n
             const uint8_t *pb = p + (size_t)b * bb;
             if (h == 0)
                 for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16 * h)));
-            const __m256 m = _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
+            __m256 d, m;
             __m256i lo[4], hi[4];
-            q5_half(pb, h, lo, hi);
+            q4_half_dm(type, pb, h, &d, &m);
+            panel_half(type, pb, h, lo, hi);
 #pragma GCC unroll 8
             for (int t = 0; t < nt; t++) {
-                const __m256i sum = q5_half_dot(lo, hi, &x[t], b);
+                const __m256i sum = panel_half_dot(type, lo, hi, &x[t], b);
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])),
                                          acc[t]);
                 accm[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[t].s[b]), accm[t]);
@@ -1100,19 +1137,23 @@ INLINE void panel_q5(const uint8_t *p, const si_xq *x, const int nt, const int n
         for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * h, _mm256_add_ps(acc[t], accm[t]));
     }
 }
-/* panel_q5 for one x row (the GEMV): both halves of a block column in one pass (the same bits). */
-INLINE void panel_q5_1(const uint8_t *p, const si_xq *x, const int nb, float *y) {
-    const int bb = 16 * 22;
+/* panel_q4 for one x row (the GEMV): both halves of a block column in one pass, so the stream
+ * is read once and x's words broadcast once per block (faster from memory on a Zen 3:
+ * benchmarks/RESULTS.md); the same operations per lane (the same bits). Prefetching ahead, as
+ * panel_q4 does for its several x rows, was no faster here. */
+INLINE void panel_q4_1(const int type, const uint8_t *p, const si_xq *x, const int nb, float *y) {
+    const int bb = panel_bytes(type);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {acc[0], acc[1]};
     for (int b = 0; b < nb; b++) {
         const uint8_t *pb = p + (size_t)b * bb;
         for (int h = 0; h < 2; h++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16 * h)));
+            __m256 d, m;
             __m256i lo[4], hi[4];
-            q5_half(pb, h, lo, hi);
-            const __m256i sum = q5_half_dot(lo, hi, x, b);
+            q4_half_dm(type, pb, h, &d, &m);
+            panel_half(type, pb, h, lo, hi);
+            const __m256i sum = panel_half_dot(type, lo, hi, x, b);
             acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x->d[b])), acc[h]);
-            accm[h] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(-16.0f)), _mm256_set1_ps(x->s[b]), accm[h]);
+            accm[h] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->s[b]), accm[h]);
         }
     }
     for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + 8 * h, _mm256_add_ps(acc[h], accm[h]));
@@ -1127,8 +1168,8 @@ INLINE void panel_q5_1(const uint8_t *p, const si_xq *x, const int nb, float *y)
 INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
                   float *y, const int64_t ys) {
     if (type == SI_Q5_0P) {
-        if (nt == 1) panel_q5_1(p, x, nb, y);
-        else panel_q5(p, x, nt, nb, y, ys);
+        if (nt == 1) panel_q4_1(type, p, x, nb, y);
+        else panel_q4(type, p, x, nt, nb, y, ys);
         return;
     }
     const int bb = panel_bytes(type), qoff = type == SI_Q4_1P ? 64 : 32;
@@ -1167,80 +1208,6 @@ INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt
     for (int t = 0; t < nt; t++) _mm512_storeu_ps(y + t * ys, _mm512_add_ps(acc[t], accm[t]));
 }
 #else
-/* The same in two 256-bit halves (rows 0..7, 8..15): the 8 byte products per row and block
- * summed in int16 by maddubs (at most 8 x 2 x 15 x 127 = 30480: no saturation), widened once.
- * q4_half: half h of a Q4 block column as unsigned bytes (lo[c]: low nibbles of word c, hi[c]:
- * high ones); q4_half_dot: their 8 rows' integer sums against x block b. */
-INLINE void q4_half(const uint8_t *pb, const int qoff, const int h, __m256i *lo, __m256i *hi) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    for (int c = 0; c < 4; c++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(pb + qoff + 64 * c + 32 * h));
-        lo[c] = _mm256_and_si256(q, m4);
-        hi[c] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-    }
-}
-INLINE __m256i q4_half_dot(const __m256i *lo, const __m256i *hi, const si_xq *x, const int b) {
-    __m256i s16 = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++)
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(x_word(x, b, c))));
-    for (int c = 0; c < 4; c++)
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(x_word(x, b, 4 + c))));
-    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-}
-/* Half h's scales d and minima m (Q4_0: -8 d). */
-INLINE void q4_half_dm(const int type, const uint8_t *pb, const int h, __m256 *d, __m256 *m) {
-    *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16 * h)));
-    *m = type == SI_Q4_0P ? _mm256_mul_ps(*d, _mm256_set1_ps(-8.0f))
-                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 32 + 16 * h)));
-}
-INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
-                     float *y, const int64_t ys) {
-    const int bb = panel_bytes(type), qoff = type == SI_Q4_0P ? 32 : 64;
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[PANEL_T], accm[PANEL_T];
-#pragma GCC unroll 8
-        for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *pb = p + (size_t)b * bb;
-            if (h == 0)
-                for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
-            __m256 d, m;
-            __m256i lo[4], hi[4];
-            q4_half_dm(type, pb, h, &d, &m);
-            q4_half(pb, qoff, h, lo, hi);
-#pragma GCC unroll 8
-            for (int t = 0; t < nt; t++) {
-                const __m256i sum = q4_half_dot(lo, hi, &x[t], b);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])),
-                                         acc[t]);
-                accm[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[t].s[b]), accm[t]);
-            }
-        }
-#pragma GCC unroll 8
-        for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * h, _mm256_add_ps(acc[t], accm[t]));
-    }
-}
-/* panel_q4 for one x row (the GEMV): both halves of a block column in one pass, so the stream
- * is read once and x's words broadcast once per block (faster from memory on a Zen 3:
- * benchmarks/RESULTS.md); the same operations per lane (the same bits). Prefetching ahead, as
- * panel_q4 does for its several x rows, was no faster here. */
-INLINE void panel_q4_1(const int type, const uint8_t *p, const si_xq *x, const int nb, float *y) {
-    const int bb = panel_bytes(type), qoff = type == SI_Q4_0P ? 32 : 64;
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {acc[0], acc[1]};
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *pb = p + (size_t)b * bb;
-        for (int h = 0; h < 2; h++) {
-            __m256 d, m;
-            __m256i lo[4], hi[4];
-            q4_half_dm(type, pb, h, &d, &m);
-            q4_half(pb, qoff, h, lo, hi);
-            const __m256i sum = q4_half_dot(lo, hi, x, b);
-            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x->d[b])), acc[h]);
-            accm[h] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->s[b]), accm[h]);
-        }
-    }
-    for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + 8 * h, _mm256_add_ps(acc[h], accm[h]));
-}
 /* Q8_0 panels in two 256-bit halves: signed x signed as |w| times x with w's sign (maddubs,
  * at most 2 x 127 x 127 per int16: no saturation), widened per word. The integer sums are
  * exact, so no 128 x sum(x) to take back: these bits differ from the AVX-512 kernel's by
@@ -1297,9 +1264,6 @@ INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt
     if (type == SI_Q8_0P) {
         if (nt == 1) panel_q8_1(p, x, nb, y);
         else panel_q8(p, x, nt, nb, y, ys);
-    } else if (type == SI_Q5_0P) {
-        if (nt == 1) panel_q5_1(p, x, nb, y);
-        else panel_q5(p, x, nt, nb, y, ys);
     } else if (nt == 1) {
         panel_q4_1(type, p, x, nb, y);
     } else {
