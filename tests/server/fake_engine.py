@@ -105,6 +105,23 @@ class FakeEngine:
     def _generate(
         self, prompt_ids: list[int], params: SamplingParams, cancel: threading.Event, room: int
     ) -> Iterator[StreamEvent]:
+        """``_events``, counting a cancellation the server makes by closing the stream: told to
+        cancel between two tokens, it closes the generator before the engine's next
+        ``cancel.wait`` would have seen it (one count per cancelled stream either way)."""
+        events, last = self._events(prompt_ids, params, cancel, room), None
+        try:
+            for last in events:
+                yield last
+        except GeneratorExit:
+            if cancel.is_set() and not (isinstance(last, FinishEvent) and last.reason == "cancelled"):
+                self.cancelled += 1
+            raise
+        finally:
+            events.close()
+
+    def _events(
+        self, prompt_ids: list[int], params: SamplingParams, cancel: threading.Event, room: int
+    ) -> Iterator[StreamEvent]:
         with self._enter():
             prompt = self.decode(prompt_ids)
             self.started.append(prompt)
