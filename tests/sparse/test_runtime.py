@@ -179,14 +179,17 @@ def test_masked_batch_equals_token_by_token(tiny_model_dir, with_predictors, kin
 
 @pytest.mark.parametrize("kind", ["reglu", "swiglu"])
 @pytest.mark.parametrize("ffn_dtype", ["int8", "q4"])
+@pytest.mark.parametrize("n", [len(IDS), 40])
 def test_masked_batch_in_c_equals_token_by_token(tiny_model_dir, with_predictors, kind,
-                                                 ffn_dtype):
-    """Rows the C kernels take: a masked batch of a few tokens (a continuous-batching step)
-    reads the union's bundles once and gives each token its own set, as decoding it alone;
-    a union batch gives each token more neurons, so other logits."""
+                                                 ffn_dtype, n):
+    """Rows the C kernels take: a masked batch (a continuous-batching step's few tokens, or a
+    perplexity chunk longer than ``ffn.UNION_MAX_TOKENS``) reads the union's bundles once and
+    gives each token its own set, as decoding it alone; a union batch gives each token more
+    neurons, so other logits."""
+    ids = (IDS * 4)[:n]
     lm, info = load_sparse(with_predictors(tiny_model_dir(kind), seed=3), ffn_dtype=ffn_dtype)
     assert info.ffn_dtype == ffn_dtype
-    step = _decode_logits(lm, IDS)
+    step = _decode_logits(lm, ids)
     d_step = info.density()
     info.reset_stats()
     info.set_batch_mode("masked")
@@ -194,12 +197,12 @@ def test_masked_batch_in_c_equals_token_by_token(tiny_model_dir, with_predictors
     real = kernels.sparse_ffn_batch
     with pytest.MonkeyPatch.context() as mp:  # through the C kernel with a mask, not torch
         mp.setattr(kernels, "sparse_ffn_batch", lambda *a: calls.append(a[4]) or real(*a))
-        batch = _prefill_logits(lm, IDS)
-    assert calls and all(m is not None and m.shape[0] == len(IDS) for m in calls)
+        batch = _prefill_logits(lm, ids)
+    assert calls and all(m is not None and m.shape[0] == len(ids) for m in calls)
     assert _close(batch, step, 1e-5)
     assert abs(info.density() - d_step) < 1e-9 and 0.0 < d_step < 1.0
     info.set_batch_mode("union")
-    assert not _close(_prefill_logits(lm, IDS), step, 1e-5)
+    assert not _close(_prefill_logits(lm, ids), step, 1e-5)
 
 
 @pytest.mark.parametrize("kind", ["reglu", "swiglu"])

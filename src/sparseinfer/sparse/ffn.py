@@ -290,15 +290,13 @@ class SparseFFN(nn.Module):
         if B * T > 1:
             one_tier = not self.split and x.device.type == "cpu"
             own_in_c = one_tier and _kernels().in_c(self.packed)
-            # each token its own set. "auto": wherever the C kernels take the rows (Q4_0 and
-            # int8), a mask over the union's bundles, each bundle read once per pass of tokens:
-            # the rows of a continuous-batching step and prompts alike (faster than the union at
-            # every length measured: benchmarks/RESULTS.md)
-            if self.batch_mode == "auto" and own_in_c:
+            # each token its own set. "auto" and "masked": wherever the C kernels take the rows
+            # (Q4_0 and int8), a mask over the union's bundles, each bundle read once per pass
+            # of tokens: the rows of a continuous-batching step and prompts alike (faster than
+            # the union at every length measured: benchmarks/RESULTS.md)
+            if self.batch_mode in ("auto", "masked") and own_in_c:
                 return self._union(x, residual, own=True)
-            if self.batch_mode == "masked":  # (perplexity's long chunks: torch's dense product)
-                if own_in_c and B * T <= UNION_MAX_TOKENS:
-                    return self._union(x, residual, own=True)
+            if self.batch_mode == "masked":  # other rows: torch's dense product, masked
                 return self._dense(x, residual)
             union = self.batch_mode == "union" or (self.batch_mode == "auto" and (
                 B * T <= UNION_MAX_TOKENS or self.cold.dtype != "fp32"))  # (cold: the CPU rows)

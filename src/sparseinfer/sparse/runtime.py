@@ -42,8 +42,8 @@ class SparseInfo:
         measured by benchmarks/prefill.py: "union" up to ``ffn.UNION_MAX_TOKENS`` tokens and at
         any length for bf16 rows, else "dense"), "dense" (every neuron), "union" (the union of
         the tokens' predicted sets, batched-sparse kernel) or "masked" (each token its own
-        active set, as decoding it alone: in the C kernels over the union's rows for up to
-        ``ffn.UNION_MAX_TOKENS`` tokens, else torch; the perplexity of the sparse model)."""
+        active set, as decoding it alone: in the C kernels where they take the rows, as
+        "auto", else torch; the perplexity of the sparse model)."""
         if mode not in BATCH_MODES:
             raise ValueError(f"batch mode: expected one of {list(BATCH_MODES)}, got {mode!r}")
         for m in self.modules:
