@@ -37,6 +37,10 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                         "(quantized blocks computed in place by the C kernels, float as fp32); "
                         "q4 = every projection 4-bit (torch's int4 kernel) with an int8 LM head; "
                         "fp32 / bf16")
+    p.add_argument("-ct", "--cache-type", default="auto", choices=["auto", "fp32", "fp16"],
+                   help="KV cache elements (llama.cpp's -ctk/-ctv): auto (default) = fp16 where "
+                        "every block decodes on the C library (the default weights of a dense "
+                        "model), else the activations' type (fp32)")
     sp = p.add_argument_group("sparse runtime (models converted with `sparseinfer convert`)")
     sp.add_argument("--dense", action="store_true", help="ignore predictors: dense FFNs")
     sp.add_argument("--sparse-threshold", type=float, default=None,
@@ -131,7 +135,8 @@ def _engine(args):
                          dtype=args.dtype, dense=args.dense, threshold=args.sparse_threshold,
                          device=args.device, vram_budget=args.vram_budget,
                          ffn_dtype=args.ffn_dtype, mode=args.sparse_mode,
-                         gpu_index=args.gpu_index, **_disk_options(args))
+                         gpu_index=args.gpu_index, kv_type=args.cache_type,
+                         **_disk_options(args))
     if args.dtype == "auto":
         what = " = the file's quantized blocks, in place" if engine.dtype == "ggml" else ""
         print(f"weights: {engine.dtype}{what} (--dtype auto)", file=sys.stderr)
@@ -351,7 +356,7 @@ def cmd_info(args) -> int:
         for k in sorted(k for k in src.metadata if k.startswith(("powerinfer.", "sparseinfer."))):
             print(f"  {k} = {src.metadata[k]}")
     plan = make_plan(src, args.dtype, dense=args.dense, ffn_dtype=args.ffn_dtype,
-                     mode=args.sparse_mode, device=args.device,
+                     mode=args.sparse_mode, device=args.device, kv_type=args.cache_type,
                      n_ctx=min(args.ctx_size, cfg.max_seq_len), **_disk_options(args))
     print(plan.summary())
     n_ctx = min(args.ctx_size, cfg.max_seq_len)

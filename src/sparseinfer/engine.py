@@ -121,7 +121,8 @@ class Engine:
         file's 4-bit blocks on torch's int4 kernel, other quantized types as int8, float as
         fp32), "q4" makes every projection 4-bit with an int8 LM head, "fp32"/"bf16" float.
         ``sparse_options`` (dense, threshold, device, vram_budget, ffn_dtype, mode...) shape the
-        sparse FFN layers of a file that carries predictors. ``kernels`` picks the fused numba
+        sparse FFN layers of a file that carries predictors; ``kv_type`` (auto, fp32, fp16) the
+        KV cache's elements. ``kernels`` picks the fused numba
         single-token decode (norms, rope, attention) where the model allows it.
         """
         from .data import default_model_path

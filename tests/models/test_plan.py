@@ -293,3 +293,39 @@ def test_q4_rows_keep_a_q4_0_files_blocks(converted):
         np.testing.assert_array_equal(ffn.packed.rows[:, m].numpy(), raw.reshape(F, -1))
     want = _logits(load(converted["output"], "auto", threshold=-float("inf")).model)
     assert _rel(_logits(lm.model), want) < 0.1  # the down projection rounded to 4 bits
+
+
+def test_kv_cache_type(quant_gguf, converted):
+    """``--cache-type``: auto holds keys and values in float16 where every block decodes on the
+    C library (the default weights of a dense model), half the bytes per token; fp32 where
+    asked, where the weights are fp32 by request, and for sparse FFN blocks (whose numba
+    attention reads float32), which refuse fp16 with an error saying why. Prompt and decoded
+    logits with the float16 cache stay close to the float32 cache's (seen: 7e-3 of the largest
+    logit on this random model; each product rounds its input to int8, which a float16 key can
+    tip)."""
+    path = quant_gguf("Q4_0")
+    src = open_source(path)
+    auto, f32 = make_plan(src, "auto"), make_plan(src, "auto", kv_type="fp32")
+    assert (auto.kv_dtype, f32.kv_dtype) == ("fp16", "fp32")
+    assert 2 * auto.kv_bytes_per_token == f32.kv_bytes_per_token == 2 * LAYERS * KV * (D // HEADS) * 4
+    assert make_plan(src, "fp32").kv_dtype == "fp32"
+    sparse = open_source(converted["output"])
+    assert make_plan(sparse, "auto").kv_dtype == "fp32"
+    with pytest.raises(SparseInferError, match="expected --cache-type fp32"):
+        make_plan(sparse, "auto", kv_type="fp16")
+    with pytest.raises(SparseInferError, match="--cache-type: expected one of"):
+        make_plan(src, "auto", kv_type="q8_0")
+
+    from sparseinfer.engine import Engine
+
+    ids = [1, 504, 3158, 282, 260, 1345, 28, 9]
+    out = {}
+    for kv in ("auto", "fp32"):
+        e = Engine.load(path, n_ctx=64, kv_type=kv)
+        cache = e.model.new_cache(1, 32)
+        assert cache.k.dtype == (torch.float16 if kv == "auto" else torch.float32)
+        with torch.inference_mode():
+            prompt = e.model(torch.tensor([ids[:6]]), 0, cache)[0]
+            steps = [e.model(torch.tensor([[t]]), 6 + i, cache)[0, -1] for i, t in enumerate(ids[6:])]
+        out[kv] = torch.cat([prompt, torch.stack(steps)])
+    assert 0 < _rel(out["auto"], out["fp32"]) < 2e-2

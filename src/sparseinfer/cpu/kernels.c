@@ -2527,31 +2527,43 @@ INLINE __m256 hsum8x8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+/* Element i of a K/V cache of float32 (f16 = 0) or float16 (f16 = 1) values: 8 at once, or one. */
+INLINE __m256 kv8(const int f16, const void *p, const size_t i) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+               : _mm256_loadu_ps((const float *)p + i);
+}
+INLINE float kv1(const int f16, const void *p, const size_t i) {
+    if (!f16) return ((const float *)p)[i];
+    uint16_t h;
+    memcpy(&h, (const uint16_t *)p + i, 2);
+    return _cvtsh_ss(h);
+}
 /* One head's attention for one token over positions 0..n-1: out = softmax(scale · K q) · V, with
- * kc/vc this head's K/V rows (hd floats apart); scores: n floats of scratch. Scores 8 keys at a
+ * kc/vc this head's K/V rows (hd values apart: float32, or float16 for si_attend_head16);
+ * scores: n floats of scratch. Scores 8 keys at a
  * time (8 independent dot products, one transposing sum); the weighted sum of V in registers,
  * 64 columns at a time. */
-void FN(si_attend_head)(const float *q, const float *kc, const float *vc, int n, int hd,
+INLINE void attend_impl(const int f16, const float *q, const void *kc, const void *vc, int n, int hd,
                         float scale, float *scores, float *out) {
     const int hd8 = hd & ~7;
     const __m256 sc = _mm256_set1_ps(scale);
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int s = 0;
     for (; s + 8 <= n; s += 8) {
-        const float *k = kc + (size_t)s * hd;
+        const size_t k = (size_t)s * hd;
         __m256 a[8];
         for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
         for (int j = 0; j < hd8; j += 8) {
             const __m256 qv = _mm256_loadu_ps(q + j);
             for (int i = 0; i < 8; i++)
-                a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (size_t)i * hd + j), a[i]);
+                a[i] = _mm256_fmadd_ps(qv, kv8(f16, kc, k + (size_t)i * hd + j), a[i]);
         }
         __m256 r = hsum8x8(a);
         if (hd8 < hd) {
             float t[8];
             for (int i = 0; i < 8; i++) {
                 t[i] = 0.0f;
-                for (int j = hd8; j < hd; j++) t[i] += q[j] * k[(size_t)i * hd + j];
+                for (int j = hd8; j < hd; j++) t[i] += q[j] * kv1(f16, kc, k + (size_t)i * hd + j);
             }
             r = _mm256_add_ps(r, _mm256_loadu_ps(t));
         }
@@ -2561,9 +2573,9 @@ void FN(si_attend_head)(const float *q, const float *kc, const float *vc, int n,
     }
     float m = hmax(mv);
     for (; s < n; s++) {
-        const float *k = kc + (size_t)s * hd;
+        const size_t k = (size_t)s * hd;
         float acc = 0.0f;
-        for (int j = 0; j < hd; j++) acc += q[j] * k[j];
+        for (int j = 0; j < hd; j++) acc += q[j] * kv1(f16, kc, k + j);
         acc *= scale;
         scores[s] = acc;
         m = acc > m ? acc : m;
@@ -2589,21 +2601,29 @@ void FN(si_attend_head)(const float *q, const float *kc, const float *vc, int n,
         __m256 o[8];
         for (int i = 0; i < 8; i++) o[i] = _mm256_setzero_ps();
         for (s = 0; s < n; s++) {
-            const float *v = vc + (size_t)s * hd + j0;
+            const size_t v = (size_t)s * hd + j0;
             const __m256 p = _mm256_set1_ps(scores[s]);
-            for (int i = 0; i < 8; i++) o[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), o[i]);
+            for (int i = 0; i < 8; i++) o[i] = _mm256_fmadd_ps(p, kv8(f16, vc, v + 8 * i), o[i]);
         }
         for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + j0 + 8 * i, o[i]);
     }
     if (j0 < hd) { /* the last hd % 64 columns, row by row (V is read in order) */
         for (int j = j0; j < hd; j++) out[j] = 0.0f;
         for (s = 0; s < n; s++) {
-            const float *v = vc + (size_t)s * hd;
+            const size_t v = (size_t)s * hd;
             const __m256 p = _mm256_set1_ps(scores[s]);
             int j = j0;
             for (; j + 8 <= hd; j += 8)
-                _mm256_storeu_ps(out + j, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + j), _mm256_loadu_ps(out + j)));
-            for (; j < hd; j++) out[j] += scores[s] * v[j];
+                _mm256_storeu_ps(out + j, _mm256_fmadd_ps(p, kv8(f16, vc, v + j), _mm256_loadu_ps(out + j)));
+            for (; j < hd; j++) out[j] += scores[s] * kv1(f16, vc, v + j);
         }
     }
+}
+void FN(si_attend_head)(const float *q, const float *kc, const float *vc, int n, int hd,
+                        float scale, float *scores, float *out) {
+    attend_impl(0, q, kc, vc, n, hd, scale, scores, out);
+}
+void FN(si_attend_head16)(const float *q, const uint16_t *kc, const uint16_t *vc, int n, int hd,
+                          float scale, float *scores, float *out) {
+    attend_impl(1, q, kc, vc, n, hd, scale, scores, out);
 }

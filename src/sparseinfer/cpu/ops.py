@@ -62,7 +62,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q5_0x16": (13, 32, 22),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
-ABI_VERSION = 15
+ABI_VERSION = 16
 
 
 class CpuLibraryError(SparseInferError):
@@ -167,6 +167,19 @@ def _ptr(a: torch.Tensor | np.ndarray) -> int:
     if isinstance(a, torch.Tensor):
         return a.data_ptr()
     return a.__array_interface__["data"][0]
+
+
+def _check_kv(k: torch.Tensor, v: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether KV caches ``k``/``v`` (contiguous CPU tensors of ``shape``, float32 or float16,
+    both alike) hold float16; ValueError saying what was expected otherwise."""
+    for name, t in (("k_cache", k), ("v_cache", v)):
+        if not (isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float16)
+                and t.dtype == k.dtype and t.is_contiguous() and t.device.type == "cpu"
+                and tuple(t.shape) == shape):
+            raise ValueError(f"{name}: expected a contiguous CPU float32 or float16 tensor "
+                             f"{list(shape)} (k and v alike), got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', ()))}")
+    return k.dtype == torch.float16
 
 
 def _check_f32(a: torch.Tensor | np.ndarray, shape: tuple[int, ...], what: str) -> None:
@@ -584,16 +597,17 @@ _lib.si_block_new.restype = ctypes.c_void_p
 _lib.si_block_new.argtypes = [ctypes.POINTER(_BlockDesc), ctypes.POINTER(ctypes.c_int)]
 _lib.si_block_free.argtypes = [ctypes.c_void_p]
 _lib.si_block_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                                 ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_int]
 _block_decode = _lib.si_block_decode
 _lib.si_block_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_int]
+                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
 _block_decode_rows = _lib.si_block_decode_rows
 _lib.si_stack_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
 _stack_decode_rows = _lib.si_stack_decode_rows
 
@@ -682,17 +696,20 @@ class DecodeBlock:
             self._handle = None
 
     def run(self, x_ptr: int, pos: int, k_ptr: int, v_ptr: int, cos_ptr: int, sin_ptr: int,
-            max_seq: int) -> None:
-        """``__call__`` on raw addresses, unchecked (the decode loop's path)."""
-        rc = _block_decode(self._handle, x_ptr, pos, k_ptr, v_ptr, cos_ptr, sin_ptr, max_seq)
+            max_seq: int, kv16: bool = False) -> None:
+        """``__call__`` on raw addresses, unchecked (the decode loop's path); ``kv16``: the
+        caches hold float16."""
+        rc = _block_decode(self._handle, x_ptr, pos, k_ptr, v_ptr, int(kv16), cos_ptr, sin_ptr,
+                           max_seq)
         if rc:
             _check(rc, "block_decode")
 
     def run_rows(self, x_ptr: int, B: int, pos_ptr: int, slots_ptr: int, k_ptr: int, v_ptr: int,
-                 slot_stride: int, cos_ptr: int, sin_ptr: int, max_seq: int) -> None:
+                 slot_stride: int, cos_ptr: int, sin_ptr: int, max_seq: int,
+                 kv16: bool = False) -> None:
         """``rows`` on raw addresses, unchecked (the batched decode step's path)."""
         rc = _block_decode_rows(self._handle, x_ptr, B, pos_ptr, slots_ptr, k_ptr, v_ptr,
-                                slot_stride, cos_ptr, sin_ptr, max_seq)
+                                int(kv16), slot_stride, cos_ptr, sin_ptr, max_seq)
         if rc:
             _check(rc, "block_decode_rows")
 
@@ -706,31 +723,29 @@ class DecodeBlock:
         (the weights are read once for all rows)."""
         B = _check_rows_x(x, self.d_model)
         n_slots, max_seq = (k_cache.shape[0], k_cache.shape[2]) if k_cache.dim() == 4 else (0, 0)
-        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            _check_f32(t, (n_slots, self.nkv, max_seq, self.hd), name)
+        kv16 = _check_kv(k_cache, v_cache, (n_slots, self.nkv, max_seq, self.hd))
         for name, t in (("cos", cos), ("sin", sin)):
             _check_rope(t, name, self.hd, max_seq)
         _check_rows_at(positions, slots, B, max_seq, n_slots)
         self.run_rows(x.data_ptr(), B, positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
                       v_cache.data_ptr(), k_cache.stride(0), cos.data_ptr(), sin.data_ptr(),
-                      max_seq)
+                      max_seq, kv16)
         return x
 
     def __call__(self, x: torch.Tensor, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` float32 [d_model], updated in place and returned; caches [n_kv_heads, max_seq,
-        head_dim] (contiguous float32, the new key/value written at ``pos``); ``cos``/``sin``
-        the rope row of ``pos`` [head_dim]."""
+        head_dim] (contiguous float32 or float16, both alike; the new key/value written at
+        ``pos``); ``cos``/``sin`` the rope row of ``pos`` [head_dim]."""
         _check_f32(x, (self.d_model,), "x")
         max_seq = k_cache.shape[1] if k_cache.dim() == 3 else 0
-        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            _check_f32(t, (self.nkv, max_seq, self.hd), name)
+        kv16 = _check_kv(k_cache, v_cache, (self.nkv, max_seq, self.hd))
         for name, t in (("cos", cos), ("sin", sin)):
             _check_f32(t, (self.hd,), name)
         if not 0 <= pos < max_seq:
             raise ValueError(f"pos: expected 0 <= pos < {max_seq}, got {pos}")
         self.run(x.data_ptr(), pos, k_cache.data_ptr(), v_cache.data_ptr(), cos.data_ptr(),
-                 sin.data_ptr(), max_seq)
+                 sin.data_ptr(), max_seq, kv16)
         return x
 
 
@@ -764,12 +779,13 @@ class DecodeStack:
         return keep, cos_a, sin_a, min(c.shape[0] for c, _ in tables)
 
     def run(self, x_ptr: int, B: int, pos_ptr: int, slots_ptr: int, k_ptr: int, v_ptr: int,
-            layer_stride: int, slot_stride: int, ropes, max_seq: int) -> None:
+            layer_stride: int, slot_stride: int, ropes, max_seq: int, kv16: bool = False) -> None:
         """Every block over B rows at raw addresses, unchecked (the decode step's path); ``ropes``
-        from ``rope_tables``; ``k_ptr``/``v_ptr`` the caches' first layer, slot 0."""
+        from ``rope_tables``; ``k_ptr``/``v_ptr`` the caches' first layer, slot 0 (strides in
+        values; float16 caches when ``kv16``)."""
         _, cos_a, sin_a, _ = ropes
         rc = _stack_decode_rows(self._handles, self.n, x_ptr, B, pos_ptr, slots_ptr, k_ptr, v_ptr,
-                                layer_stride, slot_stride, cos_a, sin_a, max_seq)
+                                int(kv16), layer_stride, slot_stride, cos_a, sin_a, max_seq)
         if rc:
             _check(rc, "stack_decode_rows")
 
@@ -784,13 +800,12 @@ class DecodeStack:
         if len(shape) != 5 or shape[0] != self.n:
             raise ValueError(f"k_cache: expected [{self.n}, slots, {self.nkv}, max_seq, {self.hd}]"
                              f", got {list(shape)}")
-        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            _check_f32(t, shape, name)
+        kv16 = _check_kv(k_cache, v_cache, shape)
         max_seq, n_slots = shape[3], shape[1]
         ropes = self.rope_tables(tables)
         if ropes[3] < max_seq:
             raise ValueError(f"rope tables: expected at least {max_seq} positions, got {ropes[3]}")
         _check_rows_at(positions, slots, B, max_seq, n_slots)
         self.run(x.data_ptr(), B, positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
-                 v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), ropes, max_seq)
+                 v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), ropes, max_seq, kv16)
         return x

@@ -28,7 +28,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 15
+#define SI_ABI_VERSION 16
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
@@ -65,8 +65,11 @@ typedef void (*sparse_i8_fn)(const int8_t *, size_t, const float *, int, int, in
 static sparse_i8_fn g_sparse_i8;
 typedef void (*attend_fn)(const float *, const float *, const float *, int, int, float, float *,
                           float *);
+typedef void (*attend16_fn)(const float *, const uint16_t *, const uint16_t *, int, int, float,
+                            float *, float *);
 typedef void (*glu_fn)(int, int, int, const float *, const float *, int, float *);
 static attend_fn g_attend;
+static attend16_fn g_attend16;
 static glu_fn g_glu;
 
 int si_isa_supported(int isa) {
@@ -111,6 +114,7 @@ int si_set_isa(int isa) {
     g_sparse = PICK(si_sparse_q4);
     g_sparse_i8 = PICK(si_sparse_i8);
     g_attend = PICK(si_attend_head);
+    g_attend16 = PICK(si_attend_head16);
     g_glu = PICK(si_glu);
 #undef PICK
     return 0;
@@ -629,7 +633,8 @@ typedef struct {
     size_t nq, na, nf, nm;  /* per-row sizes: q/k/v, attention out, w_in out, GEMM staging */
     /* the current call's views of the shared scratch (R) */
     float *h, *qkv, *att, *a, *f, *act, *m, *scores;
-    float **kc, **vc;       /* per row: this layer's cache of the row's sequence */
+    uint8_t **kc, **vc;     /* per row: this layer's cache of the row's sequence */
+    int kv16;               /* the caches hold float16 (else float32) */
     const float **cs, **sn; /* per row: rope rows */
     int *pos, *start, *n;
     int max_seq;
@@ -767,6 +772,15 @@ void *si_block_new(const si_block_desc *desc, int *err) {
 }
 
 /* out = rmsnorm(x) * w (sums in double, as the torch reference's float32 mean is close to) */
+/* n floats as float16, rounded to nearest even (as torch's .half()). */
+__attribute__((target("avx,f16c"))) static void to_f16(const float *x, uint16_t *out, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; i < n; i++) out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
 static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
     double ss = 0.0;
     for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
@@ -780,11 +794,17 @@ static void attend_chunk(const void *jp, int64_t c) {
     const block_t *b = jp;
     const int nh = b->d.n_heads, nkv = b->d.n_kv_heads, hd = b->d.head_dim, group = nh / nkv;
     const int t = (int)(c / nkv), g = (int)(c % nkv);
-    const size_t kv = ((size_t)g * b->max_seq + b->start[t]) * hd;
-    for (int h = g * group; h < (g + 1) * group; h++)
-        b->attend(b->qkv + t * b->nq + (size_t)h * hd, b->kc[t] + kv, b->vc[t] + kv, b->n[t], hd,
-                  b->scale, b->scores + ((size_t)t * nh + h) * b->max_seq,
-                  b->att + t * b->na + (size_t)h * hd);
+    const size_t kv = ((size_t)g * b->max_seq + b->start[t]) * hd * (b->kv16 ? 2 : 4); /* bytes */
+    for (int h = g * group; h < (g + 1) * group; h++) {
+        const float *q = b->qkv + t * b->nq + (size_t)h * hd;
+        float *scores = b->scores + ((size_t)t * nh + h) * b->max_seq, *out = b->att + t * b->na + (size_t)h * hd;
+        if (b->kv16)
+            g_attend16(q, (const uint16_t *)(b->kc[t] + kv), (const uint16_t *)(b->vc[t] + kv), b->n[t], hd,
+                       b->scale, scores, out);
+        else
+            b->attend(q, (const float *)(b->kc[t] + kv), (const float *)(b->vc[t] + kv), b->n[t], hd,
+                      b->scale, scores, out);
+    }
 }
 
 static void add_bias(float *y, const float *bias, int64_t n) {
@@ -867,8 +887,15 @@ static int block_rows(block_t *b, float *x, int B, int max_seq) {
             }
         }
         for (int g = 0; g < nkv; g++) {
-            memcpy(b->kc[t] + ((size_t)g * max_seq + pos) * hd, qkv + (size_t)(nh + g) * hd, hd * sizeof(float));
-            memcpy(b->vc[t] + ((size_t)g * max_seq + pos) * hd, qkv + (size_t)(nh + nkv + g) * hd, hd * sizeof(float));
+            const size_t at = ((size_t)g * max_seq + pos) * hd;
+            const float *k = qkv + (size_t)(nh + g) * hd, *v = qkv + (size_t)(nh + nkv + g) * hd;
+            if (b->kv16) {
+                to_f16(k, (uint16_t *)b->kc[t] + at, hd);
+                to_f16(v, (uint16_t *)b->vc[t] + at, hd);
+            } else {
+                memcpy((float *)b->kc[t] + at, k, hd * sizeof(float));
+                memcpy((float *)b->vc[t] + at, v, hd * sizeof(float));
+            }
         }
         b->start[t] = d->window > 0 && pos + 1 > d->window ? pos + 1 - d->window : 0;
         b->n[t] = pos + 1 - b->start[t];
@@ -897,15 +924,17 @@ static int block_rows(block_t *b, float *x, int B, int max_seq) {
 }
 
 /* One token through block b at position pos, x [d_model] the residual stream (updated in place).
- * kc/vc: this layer's caches [n_kv_heads, max_seq, head_dim] (the new key/value written at pos);
- * cos/sin: the rope row of pos [head_dim] (rotate-half tables; adjacent pairs when interleaved). */
-int si_block_decode(void *p, float *x, int pos, float *kc, float *vc, const float *cos,
+ * kc/vc: this layer's caches [n_kv_heads, max_seq, head_dim] (the new key/value written at pos),
+ * float32, or float16 when kv16; cos/sin: the rope row of pos [head_dim] (rotate-half tables;
+ * adjacent pairs when interleaved). */
+int si_block_decode(void *p, float *x, int pos, void *kc, void *vc, int kv16, const float *cos,
                     const float *sin, int max_seq) {
     block_t *b = p;
     if (pos < 0 || pos >= max_seq) return ERANGE;
     pthread_mutex_lock(&g_call_lock);
     int err = block_scratch(b, 1, max_seq);
     if (!err) {
+        b->kv16 = kv16 != 0;
         b->pos[0] = pos;
         b->kc[0] = kc;
         b->vc[0] = vc;
@@ -919,15 +948,17 @@ int si_block_decode(void *p, float *x, int pos, float *kc, float *vc, const floa
 
 /* One call of block b over B rows (the caller holds g_call_lock and has checked the rows). */
 static int rows_call(block_t *b, float *x, int B, const int32_t *pos, const int32_t *slots,
-                     float *kc, float *vc, int64_t slot_stride, const float *cos,
+                     uint8_t *kc, uint8_t *vc, int kv16, int64_t slot_stride, const float *cos,
                      const float *sin, int max_seq) {
     int err = block_scratch(b, B, max_seq);
     if (err) return err;
     const int hd = b->d.head_dim;
+    const int64_t esz = kv16 ? 2 : 4;
+    b->kv16 = kv16 != 0;
     for (int t = 0; t < B; t++) {
         b->pos[t] = pos[t];
-        b->kc[t] = kc + slots[t] * slot_stride;
-        b->vc[t] = vc + slots[t] * slot_stride;
+        b->kc[t] = kc + slots[t] * slot_stride * esz;
+        b->vc[t] = vc + slots[t] * slot_stride * esz;
         b->cs[t] = cos + (size_t)pos[t] * hd;
         b->sn[t] = sin + (size_t)pos[t] * hd;
     }
@@ -943,33 +974,36 @@ static int check_rows(int B, const int32_t *pos, const int32_t *slots, int max_s
 
 /* One token of each of B sequences, x [B, d_model]: row t at pos[t] in cache slot slots[t].
  * kc/vc: this layer's caches of slot 0, [slots, n_kv_heads, max_seq, head_dim], slot_stride
- * floats apart; cos/sin: the rope tables [max_seq, head_dim] (row t uses row pos[t]). */
+ * values apart (float32, or float16 when kv16); cos/sin: the rope tables [max_seq, head_dim]
+ * (row t uses row pos[t]). */
 int si_block_decode_rows(void *p, float *x, int B, const int32_t *pos, const int32_t *slots,
-                         float *kc, float *vc, int64_t slot_stride, const float *cos,
+                         void *kc, void *vc, int kv16, int64_t slot_stride, const float *cos,
                          const float *sin, int max_seq) {
     int err = check_rows(B, pos, slots, max_seq);
     if (err) return err;
     pthread_mutex_lock(&g_call_lock);
-    err = rows_call(p, x, B, pos, slots, kc, vc, slot_stride, cos, sin, max_seq);
+    err = rows_call(p, x, B, pos, slots, kc, vc, kv16, slot_stride, cos, sin, max_seq);
     pthread_mutex_unlock(&g_call_lock);
     return err;
 }
 
 /* Every block of a model, in order, over the same B rows (x [B, d_model], updated in place): block
- * l's caches at kc/vc + l * layer_stride (slot s at + s * slot_stride, as si_block_decode_rows),
- * its rope tables cos[l]/sin[l] (a model may give windowed layers their own). One call, one lock,
- * for a whole decode step. */
+ * l's caches at kc/vc + l * layer_stride values (slot s at + s * slot_stride, as
+ * si_block_decode_rows; float32, or float16 when kv16), its rope tables cos[l]/sin[l] (a model
+ * may give windowed layers their own). One call, one lock, for a whole decode step. */
 int si_stack_decode_rows(void *const *blocks, int n, float *x, int B, const int32_t *pos,
-                         const int32_t *slots, float *kc, float *vc, int64_t layer_stride,
+                         const int32_t *slots, void *kc, void *vc, int kv16, int64_t layer_stride,
                          int64_t slot_stride, const float *const *cos, const float *const *sin,
                          int max_seq) {
     int err = check_rows(B, pos, slots, max_seq);
     if (err) return err;
     if (n < 1) return EINVAL;
+    const int64_t esz = kv16 ? 2 : 4;
     pthread_mutex_lock(&g_call_lock);
     for (int l = 0; l < n && !err; l++)
-        err = rows_call(blocks[l], x, B, pos, slots, kc + l * layer_stride, vc + l * layer_stride,
-                        slot_stride, cos[l], sin[l], max_seq);
+        err = rows_call(blocks[l], x, B, pos, slots, (uint8_t *)kc + l * layer_stride * esz,
+                        (uint8_t *)vc + l * layer_stride * esz, kv16, slot_stride, cos[l], sin[l],
+                        max_seq);
     pthread_mutex_unlock(&g_call_lock);
     return err;
 }

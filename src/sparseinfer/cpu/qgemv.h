@@ -81,6 +81,8 @@ typedef struct {
                             const float *bias, float *out);                                    \
     void si_attend_head_##isa(const float *q, const float *kc, const float *vc, int n, int hd,  \
                               float scale, float *scores, float *out);                         \
+    void si_attend_head16_##isa(const float *q, const uint16_t *kc, const uint16_t *vc, int n,  \
+                                int hd, float scale, float *scores, float *out);               \
     void si_glu_##isa(int gated, int ga, int ua, const float *in, const float *bias, int n,    \
                       float *out);
 

@@ -64,7 +64,7 @@ def attend_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, cos: Ten
     k = apply_rope(k.view(nkv, 1, hd), cos, sin, interleaved)
     k_cache[:, pos] = k[:, 0]
     v_cache[:, pos] = v.view(nkv, hd)
-    keys, values = k_cache[:, :pos + 1], v_cache[:, :pos + 1]
+    keys, values = k_cache[:, :pos + 1].to(q.dtype), v_cache[:, :pos + 1].to(q.dtype)
     group = nh // nkv
     keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
     probs = torch.softmax((q @ keys.transpose(-1, -2)) / math.sqrt(hd), dim=-1)
@@ -139,6 +139,8 @@ class FusedDecode:
             self._prepare(layer)
         if self._c is not None:
             return self._c_call(x, layer, pos, cache, rope)
+        if cache.k_np is None:  # a float16 cache: the numba kernels read float32 only
+            return self._torch_call(x, layer, pos, cache, rope)
         kc, vc = cache.k_np[layer, 0], cache.v_np[layer, 0]
         if self._scores.shape[0] < cache.max_seq:
             self._scores = np.empty(cache.max_seq, dtype=np.float32)
@@ -157,6 +159,18 @@ class FusedDecode:
         _rms_norm(xn, a.numpy(), self.w_ffn, self.eps, self._hn)
         y = self.ffn(self._h.view(1, 1, -1), x1.view(1, 1, -1))
         x1 += y.reshape(-1)
+        return x1.view(1, 1, -1)
+
+    def _torch_call(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
+        """The numba path's steps with ``attend_ref`` (torch) for the attention: a cache the
+        numba kernels cannot read (float16; the plan puts such caches on C blocks only)."""
+        x1 = x.reshape(-1).clone()
+        _, h = rms_norm_ref(x1, None, self._block[0].attn_norm.weight, self.eps)
+        qkv = self.wqkv(h).reshape(-1)
+        a = attend_ref(qkv, cache.k[layer, 0], cache.v[layer, 0], pos, rope[0][pos], rope[1][pos],
+                       self.nh, self.nkv, self.interleaved)
+        x1, h = rms_norm_ref(x1, self.wo(a).reshape(-1), self._block[0].ffn_norm.weight, self.eps)
+        x1 = x1 + self.ffn(h.view(1, 1, -1), x1.view(1, 1, -1)).reshape(-1)
         return x1.view(1, 1, -1)
 
     def takes_rows(self, layer: int) -> bool:
@@ -180,24 +194,25 @@ class FusedDecode:
         return self._rope_ptrs
 
     @staticmethod
-    def _layer_cache(cache: KVCache, layer: int) -> tuple[int, int]:
-        """Addresses of ``layer``'s keys and values, slot 0 (float32 (L, slots, nkv, S, hd))."""
+    def _layer_cache(cache: KVCache, layer: int) -> tuple[int, int, bool]:
+        """Addresses of ``layer``'s keys and values, slot 0 ((L, slots, nkv, S, hd) float32 or
+        float16), and whether they are float16."""
         k, v = cache.k, cache.v
-        if cache.k_np is None:
-            raise ValueError(f"the fused decode needs a float32 CPU KV cache, got {k.dtype} on "
-                             f"{k.device}")
-        off = layer * k.stride(0) * 4
-        return k.data_ptr() + off, v.data_ptr() + off
+        if k.device.type != "cpu" or k.dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"the fused decode needs a float32 or float16 CPU KV cache, got "
+                             f"{k.dtype} on {k.device}")
+        off = layer * k.stride(0) * k.element_size()
+        return k.data_ptr() + off, v.data_ptr() + off, k.dtype == torch.float16
 
     def _c_call(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
         """The whole block in one C call (``sparseinfer.cpu.DecodeBlock``)."""
         cos_p, sin_p, n_rope = self._rope_addresses(rope)
         if pos >= n_rope:
             raise ValueError(f"position {pos} is past the rope tables ({n_rope} positions)")
-        k, v = self._layer_cache(cache, layer)
+        k, v, kv16 = self._layer_cache(cache, layer)
         ro = pos * self.hd * 4
         x1 = x.reshape(-1).clone()  # the residual stream, updated in place
-        self._c.run(x1.data_ptr(), pos, k, v, cos_p + ro, sin_p + ro, cache.max_seq)
+        self._c.run(x1.data_ptr(), pos, k, v, cos_p + ro, sin_p + ro, cache.max_seq, kv16)
         return x1.view(1, 1, -1)
 
     def rows(self, x: Tensor, layer: int, rows, cache: KVCache, rope) -> Tensor:
@@ -208,12 +223,12 @@ class FusedDecode:
         if rows.max_position >= n_rope:
             raise ValueError(f"position {rows.max_position} is past the rope tables ({n_rope} "
                              "positions)")
-        k, v = self._layer_cache(cache, layer)
+        k, v, kv16 = self._layer_cache(cache, layer)
         B = x.shape[0]
         x1 = x.reshape(B, -1).clone()  # the residual streams, updated in place
         pos32, slots32 = rows.c_positions, rows.c_slots
         self._c.run_rows(x1.data_ptr(), B, pos32.data_ptr(), slots32.data_ptr(), k, v,
-                         cache.k.stride(1), cos_p, sin_p, cache.max_seq)
+                         cache.k.stride(1), cos_p, sin_p, cache.max_seq, kv16)
         return x1.view(B, 1, -1)
 
 
@@ -248,7 +263,7 @@ class FusedStack:
 
     def __call__(self, x: Tensor, pos, cache: KVCache) -> Tensor:
         ropes = self._ropes()
-        k_ptr, v_ptr = FusedDecode._layer_cache(cache, 0)
+        k_ptr, v_ptr, kv16 = FusedDecode._layer_cache(cache, 0)
         if isinstance(pos, Rows):
             B, last = x.shape[0], pos.max_position
             pos_ptr, slots_ptr = pos.c_positions.data_ptr(), pos.c_slots.data_ptr()
@@ -260,7 +275,7 @@ class FusedStack:
             raise ValueError(f"position {last} is past the rope tables ({ropes[3]} positions)")
         x1 = x.reshape(B, -1).clone()  # the residual streams, updated in place
         self._stack.run(x1.data_ptr(), B, pos_ptr, slots_ptr, k_ptr, v_ptr, cache.k.stride(0),
-                        cache.k.stride(1), ropes, cache.max_seq)
+                        cache.k.stride(1), ropes, cache.max_seq, kv16)
         return x1.view(B, 1, -1)
 
 

@@ -38,7 +38,7 @@ from .plan import Plan, make_plan
 
 log = logging.getLogger(__name__)
 
-FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # ---- modules the plan asks for --------------------------------------------------------------------
@@ -438,7 +438,8 @@ class Loaded:
 def build(src: ModelSource, plan: Plan) -> Transformer:
     """The model of ``plan`` on the meta device, then filled from ``src``."""
     with torch.device("meta"):
-        model = Transformer(plan.config, PlannedModules(plan), FLOAT[plan.float_dtype])
+        model = Transformer(plan.config, PlannedModules(plan), FLOAT[plan.float_dtype],
+                            kv_dtype=FLOAT[plan.kv_dtype])
     try:
         with torch.device("cpu"):
             fill(model, src, plan)

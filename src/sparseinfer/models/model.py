@@ -36,7 +36,9 @@ ACTIVATIONS = {
 
 
 class KVCache:
-    """Preallocated keys/values for every layer: (L, B, n_kv_heads, max_seq, head_dim)."""
+    """Preallocated keys/values for every layer: (L, B, n_kv_heads, max_seq, head_dim), in
+    ``dtype`` (the model's ``kv_dtype``: float16 by default where the C blocks read it; readers
+    cast to the activations' type)."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_seq: int, dtype: torch.dtype, device=None):
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_seq, cfg.head_dim)
@@ -218,6 +220,7 @@ class Attention(nn.Module):
         cache.v[layer, :B, :, pos : pos + T] = v
         S = pos + T
         keys, values = cache.k[layer, :B, :, :S], cache.v[layer, :B, :, :S]  # (B, nkv, S, hd)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # (a float16 cache: float32 copies)
         allowed = self.mask(layer, pos, T, S, x.device)
         if not self.softcap:  # torch's fused attention: no (T, S) scores in memory
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed,
@@ -242,7 +245,7 @@ class Attention(nn.Module):
         over all rows at once, the attention per row."""
         B = x.shape[0]
         qkv = self.wqkv(x).view(B, -1)  # (B, (nh + 2 nkv) hd)
-        if rows.kernel is not None and self.plain(layer):
+        if rows.kernel is not None and self.plain(layer) and cache.k.dtype == torch.float32:
             out = rows.kernel(self.cfg, layer, qkv, rows, cache, rope)
         else:
             out = self.attend_rows(qkv, layer, rows, cache, rope)
@@ -295,7 +298,8 @@ class Attention(nn.Module):
         else:  # gather only the first S positions of each slot
             keys = cache.k[layer, :, :, :S].index_select(0, slots)
             values = cache.v[layer, :, :, :S].index_select(0, slots)
-        return self._weigh(q, keys, values, self.allowed(layer, positions.to(q.device), S))
+        return self._weigh(q, keys.to(q.dtype), values.to(q.dtype),
+                           self.allowed(layer, positions.to(q.device), S))
 
     def _attend_slot(self, q: Tensor, layer: int, positions: Tensor, slot: int,
                      cache: KVCache) -> Tensor:
@@ -303,7 +307,8 @@ class Attention(nn.Module):
         position: the slot's keys (nkv, S, hd) are read once for all of them."""
         S = int(positions.max()) + 1
         keys, values = cache.k[layer, slot, :, :S], cache.v[layer, slot, :, :S]
-        return self._weigh(q, keys, values, self.allowed(layer, positions.to(q.device), S))
+        return self._weigh(q, keys.to(q.dtype), values.to(q.dtype),
+                           self.allowed(layer, positions.to(q.device), S))
 
     def _weigh(self, q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor) -> Tensor:
         """softmax(q k^T * scale, soft-capped, masked by ``allowed`` (n, S)) v for rows q (n, nh,
@@ -380,7 +385,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, modules=None, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: ModelConfig, modules=None, dtype: torch.dtype = torch.float32,
+                 kv_dtype: torch.dtype | None = None):
         super().__init__()
         modules = modules or DenseModules(dtype)
         self.cfg = cfg
@@ -401,7 +407,8 @@ class Transformer(nn.Module):
         self.rope: tuple[Tensor, Tensor] | None = None
         self.rope_local: tuple[Tensor, Tensor] | None = None  # windowed layers' own base
         self.emb_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
-        self._dtype = dtype  # activations, norms, KV cache
+        self._dtype = dtype  # activations, norms
+        self.kv_dtype = kv_dtype or dtype  # the KV cache's elements (the plan's kv_dtype)
         self._stack = None  # fused.decode.FusedStack, made on first use (see blocks)
         self.requires_grad_(False)
 
@@ -422,7 +429,7 @@ class Transformer(nn.Module):
                 cos, sin = rope_tables(self.cfg, max_seq, local=True)
                 self.rope_local = (cos.to(self.device, self.dtype),
                                    sin.to(self.device, self.dtype))
-        return KVCache(self.cfg, batch, max_seq, self.dtype, self.device)
+        return KVCache(self.cfg, batch, max_seq, self.kv_dtype, self.device)
 
     @property
     def can_shift(self) -> bool:

@@ -44,6 +44,7 @@ FFN_DTYPES = ("auto", "fp32", "bf16", "int8", "q4")
 # per weight of a sparse row, scales included (int8: a float32 per INT8_BLOCK weights)
 ROW_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4 / INT8_BLOCK, "q4": 18 / 32}
 SELECTORS = ("predictor", "oracle", "all")
+KV_TYPES = ("auto", "fp32", "fp16")  # --cache-type
 FLOAT_KINDS = ("F32", "F16", "BF16", "float32", "float16", "bfloat16", "F64", "float64")
 
 # storage name -> bytes per weight of a [rows, cols] matrix (rows, cols) -> bytes
@@ -98,6 +99,7 @@ class Plan:
     fused_decode: bool  # single-token decode through fused/ kernels (CPU, fp32, RMSNorm + RoPE)
     device: str
     kv_bytes_per_token: int
+    kv_dtype: str = "fp32"  # the KV cache's elements: fp32 | fp16 | bf16 (the activations')
     by_module: dict[str, WeightPlan] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -157,7 +159,7 @@ class Plan:
         for (storage, origin), (n, b) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
             lines.append(f"  {storage:6s} {origin:12s} {n:5d} weights {b / 2**20:10.1f} MiB")
         lines.append(f"  total  {self.nbytes / 2**20:10.1f} MiB + KV cache "
-                     f"{self.kv_bytes_per_token / 1024:.1f} KiB per token")
+                     f"{self.kv_bytes_per_token / 1024:.1f} KiB per token ({self.kv_dtype})")
         if self.sparse is not None and self.sparse.disk is not None:
             lines.append(self.sparse.disk.summary())
         return "\n".join(lines)
@@ -177,12 +179,13 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
               split_tiers: bool | None = None, min_split: int = 256,
               fused: bool = True, gpu_index: str | None = None,
               ram_budget: float | None = None, disk_options=None,
-              n_ctx: int | None = None) -> Plan:
+              n_ctx: int | None = None, kv_type: str = "auto") -> Plan:
     """The plan for ``src`` (see the module docstring). ``dense`` ignores predictors; ``mode``
     picks the sparse selector; ``fused`` allows the fused single-token decode kernels;
     ``gpu_index``: a PowerInfer GPU index file (``blk.N.gpu_idx`` masks) used as the placement;
     ``ram_budget`` (GiB, or ``disk_options`` with explicit counts): cold FFN neurons stay in the
-    file and are read per token (``sparseinfer.disk``; ``n_ctx`` sizes the KV cache it counts)."""
+    file and are read per token (``sparseinfer.disk``; ``n_ctx`` sizes the KV cache it counts);
+    ``kv_type``: the KV cache's elements (``KV_TYPES``; "auto": ``_auto_kv``)."""
     if dtype not in DTYPE_CHOICES:
         raise SparseInferError(f"dtype: expected one of {list(DTYPE_CHOICES)}, got {dtype!r}")
     if ffn_dtype not in FFN_DTYPES:
@@ -190,6 +193,8 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                f"{ffn_dtype!r}")
     if mode not in SELECTORS:
         raise SparseInferError(f"--sparse-mode: expected one of {list(SELECTORS)}, got {mode!r}")
+    if kv_type not in KV_TYPES:
+        raise SparseInferError(f"--cache-type: expected one of {list(KV_TYPES)}, got {kv_type!r}")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SparseInferError("--device cuda: no CUDA device is available on this machine")
@@ -353,7 +358,17 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
         add("lm_head", ["lm_head.weight"], (cfg.vocab_size, E), head=True)
     fused_ok = (fused and cpu and float_dtype == "fp32" and cfg.norm == "rms"
                 and cfg.pos == "rope" and (cfg.plain_block or _c_blocks(cfg, weights, sparse)))
-    kv = 2 * cfg.n_layers * cfg.n_kv_heads * hd * (2 if float_dtype == "bf16" else 4)
+    kv_dtype = _auto_kv(dtype, float_dtype, cpu, cfg, weights, sparse) if kv_type == "auto" \
+        else kv_type
+    if kv_dtype == "fp16" and not cpu:
+        raise SparseInferError(f"--cache-type fp16: a float16 KV cache runs on the CPU; expected "
+                               f"--device cpu, got {device}")
+    if kv_dtype == "fp16" and not _c_blocks(cfg, weights, sparse):
+        raise SparseInferError("--cache-type fp16: only models whose every block decodes on the C "
+                               "library read a float16 KV cache (a dense FFN on the file's "
+                               "blocks or fp32 weights; no sparse FFN, soft-capped, parallel or "
+                               "post-norm blocks); expected --cache-type fp32 for this one")
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * hd * (4 if kv_dtype == "fp32" else 2)
     if sparse is not None and (ram_budget is not None or disk_options is not None):
         from ..disk.plan import DiskOptions, plan_disk
 
@@ -364,12 +379,23 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
         disk, weights = plan_disk(src, sparse, weights, kv * ctx, ram_budget,
                                   disk_options or DiskOptions())
         sparse = replace(sparse, disk=disk)
-    return Plan(cfg, dtype, float_dtype, tuple(weights), sparse, fused_ok, str(dev), kv)
+    return Plan(cfg, dtype, float_dtype, tuple(weights), sparse, fused_ok, str(dev), kv, kv_dtype)
 
 
 # the four products of a block, by module path suffix; the C decode block runs them when each
 # is on the C kernels (the file's blocks, or float32)
 _BLOCK_LINEARS = ("attn.wqkv", "attn.wo", "ffn.w_in", "ffn.down")
+
+
+def _auto_kv(dtype: str, float_dtype: str, cpu: bool, cfg: ModelConfig,
+             weights: list[WeightPlan], sparse) -> str:
+    """``--cache-type auto``: float16 keys and values (llama.cpp's default) where the default
+    weights (``--dtype auto``) put every block on the C library, which reads them
+    (``cpu.DecodeBlock``), as do the torch paths (prompts); else the activations' float type.
+    The numba attention around other blocks (sparse FFNs, ``--dtype q4``) reads float32 only."""
+    if dtype == "auto" and cpu and float_dtype == "fp32" and _c_blocks(cfg, weights, sparse):
+        return "fp16"
+    return float_dtype
 
 
 def _c_blocks(cfg: ModelConfig, weights: list[WeightPlan], sparse) -> bool:
