@@ -318,15 +318,18 @@ def test_fp32_models_decode_as_the_torch_path(tiny_model_dir, kind):
 
 
 @pytest.mark.slow
-def test_numba_path_still_equals_the_c_block(tiny_model_dir):
+@pytest.mark.parametrize("kv_type", ["fp32", "fp16"])
+def test_numba_path_still_equals_the_c_block(tiny_model_dir, kv_type):
     """``FusedDecode(block, c_block=False)`` (the numba kernels around the block's modules, the
-    path of blocks the C library cannot take) against the C block on the same inputs."""
+    path of blocks the C library cannot take) against the C block on the same inputs; with a
+    float16 cache (which the numba kernels cannot read) the same steps with torch's attention."""
     from sparseinfer.fused.decode import FusedDecode
     from sparseinfer.models.build import load
 
-    model = load(tiny_model_dir("swiglu"), "fp32", fused=True).model
+    model = load(tiny_model_dir("swiglu"), "fp32", fused=True, kv_type=kv_type).model
     numba_blocks = [FusedDecode(b, c_block=False) for b in model.layers]
     ca, cb = model.new_cache(1, 32), model.new_cache(1, 32)
+    assert ca.k.dtype == (torch.float16 if kv_type == "fp16" else torch.float32)
     torch.manual_seed(0)
     for pos in range(5):
         x = torch.randn(1, 1, model.cfg.d_model)
