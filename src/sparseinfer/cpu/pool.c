@@ -771,7 +771,6 @@ void *si_block_new(const si_block_desc *desc, int *err) {
     return b;
 }
 
-/* out = rmsnorm(x) * w (sums in double, as the torch reference's float32 mean is close to) */
 /* n floats as float16, rounded to nearest even (as torch's .half()). */
 __attribute__((target("avx,f16c"))) static void to_f16(const float *x, uint16_t *out, int n) {
     int i = 0;
@@ -781,6 +780,7 @@ __attribute__((target("avx,f16c"))) static void to_f16(const float *x, uint16_t 
     for (; i < n; i++) out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
+/* out = rmsnorm(x) * w (sums in double, as the torch reference's float32 mean is close to) */
 static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
     double ss = 0.0;
     for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
@@ -795,15 +795,15 @@ static void attend_chunk(const void *jp, int64_t c) {
     const int nh = b->d.n_heads, nkv = b->d.n_kv_heads, hd = b->d.head_dim, group = nh / nkv;
     const int t = (int)(c / nkv), g = (int)(c % nkv);
     const size_t kv = ((size_t)g * b->max_seq + b->start[t]) * hd * (b->kv16 ? 2 : 4); /* bytes */
+    const uint8_t *kc = b->kc[t] + kv, *vc = b->vc[t] + kv;
     for (int h = g * group; h < (g + 1) * group; h++) {
         const float *q = b->qkv + t * b->nq + (size_t)h * hd;
-        float *scores = b->scores + ((size_t)t * nh + h) * b->max_seq, *out = b->att + t * b->na + (size_t)h * hd;
+        float *scores = b->scores + ((size_t)t * nh + h) * b->max_seq;
+        float *out = b->att + t * b->na + (size_t)h * hd;
         if (b->kv16)
-            g_attend16(q, (const uint16_t *)(b->kc[t] + kv), (const uint16_t *)(b->vc[t] + kv), b->n[t], hd,
-                       b->scale, scores, out);
+            g_attend16(q, (const uint16_t *)kc, (const uint16_t *)vc, b->n[t], hd, b->scale, scores, out);
         else
-            b->attend(q, (const float *)(b->kc[t] + kv), (const float *)(b->vc[t] + kv), b->n[t], hd,
-                      b->scale, scores, out);
+            b->attend(q, (const float *)kc, (const float *)vc, b->n[t], hd, b->scale, scores, out);
     }
 }
 
