@@ -20,6 +20,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def _ours(model, threads: int, lengths: list[int], n: int, n_ctx: int,
@@ -81,11 +82,9 @@ def main() -> None:
     from sparseinfer.data import default_model_path
     from sparseinfer.models.loading import open_source
 
-    cfg = open_source(a.model or default_model_path()).config
-    kv_per_pos = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim  # elements per position
     path = a.model or default_model_path()
-    from pathlib import Path
-
+    cfg = open_source(path).config
+    kv_per_pos = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim  # elements per position
     weights = Path(path).stat().st_size
     res, kv_ours = {}, None
     for eng in ("ours", "llama.cpp"):
