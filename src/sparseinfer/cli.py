@@ -38,9 +38,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                         "q4 = every projection 4-bit (torch's int4 kernel) with an int8 LM head; "
                         "fp32 / bf16")
     p.add_argument("-ct", "--cache-type", default="auto", choices=["auto", "fp32", "fp16"],
-                   help="KV cache elements (llama.cpp's -ctk/-ctv): auto (default) = fp16 where "
-                        "every block decodes on the C library (the default weights of a dense "
-                        "model), else the activations' type (fp32)")
+                   help="KV cache elements (llama.cpp's -ctk/-ctv): auto (default) = fp16 with "
+                        "the default weights of a model the fused kernels decode (llama-family "
+                        "blocks, dense or sparse), else the activations' type (fp32)")
     sp = p.add_argument_group("sparse runtime (models converted with `sparseinfer convert`)")
     sp.add_argument("--dense", action="store_true", help="ignore predictors: dense FFNs")
     sp.add_argument("--sparse-threshold", type=float, default=None,

@@ -402,3 +402,27 @@ def test_float16_cache(isa, threads, pos):
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * scale)
     with pytest.raises(ValueError, match="k and v alike"):
         block(x.clone(), pos, k16, v32, cos, sin)
+
+
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
+@pytest.mark.parametrize("pos", [0, 7, 39])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_attend_token_matches_attend_ref(isa, kv, pos, interleaved):
+    """``cpu.attend_token`` (a sparse FFN's block's attention in C) against the torch
+    reference ``fused.decode.attend_ref``: the same cache contents after the write (float16:
+    rounded alike) and the same output to float32 summation order."""
+    import math
+
+    from sparseinfer.fused.decode import attend_ref
+
+    g = torch.Generator().manual_seed(pos)
+    nh, nkv, hd, S = 8, 2, 64, 40
+    qkv = torch.randn((nh + 2 * nkv) * hd, generator=g)
+    kc, vc = torch.randn(nkv, S, hd, generator=g).to(kv), torch.randn(nkv, S, hd, generator=g).to(kv)
+    kr, vr = kc.clone(), vc.clone()
+    cos, sin = rope_row(hd, pos)
+    want = attend_ref(qkv.clone(), kr, vr, pos, cos, sin, nh, nkv, interleaved)
+    out = torch.empty(nh * hd)
+    cpu.attend_token(qkv.clone(), kc, vc, pos, cos, sin, nh, 1 / math.sqrt(hd), out, interleaved)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

@@ -295,24 +295,21 @@ def test_q4_rows_keep_a_q4_0_files_blocks(converted):
     assert _rel(_logits(lm.model), want) < 0.1  # the down projection rounded to 4 bits
 
 
-def test_kv_cache_type(quant_gguf, converted):
-    """``--cache-type``: auto holds keys and values in float16 where every block decodes on the
-    C library (the default weights of a dense model), half the bytes per token; fp32 where
-    asked, where the weights are fp32 by request, and for sparse FFN blocks (whose numba
-    attention reads float32), which refuse fp16 with an error saying why. Prompt and decoded
-    logits with the float16 cache stay close to the float32 cache's (seen: 7e-3 of the largest
-    logit on this random model; each product rounds its input to int8, which a float16 key can
-    tip)."""
-    path = quant_gguf("Q4_0")
+@pytest.mark.parametrize("which", ["dense", "sparse"])
+def test_kv_cache_type(quant_gguf, converted, which):
+    """``--cache-type``: auto holds keys and values in float16 (half the bytes per token) where
+    the default weights decode through the fused kernels (the C block, or a sparse FFN's block
+    with ``cpu.attend_token``), fp32 where asked or where the weights are fp32 by request.
+    Prompt and decoded logits with the float16 cache stay close to the float32 cache's (seen:
+    7e-3 of the largest logit on the dense random model; each product rounds its input to int8,
+    which a float16 key can tip)."""
+    path = quant_gguf("Q4_0") if which == "dense" else converted["output"]
     src = open_source(path)
     auto, f32 = make_plan(src, "auto"), make_plan(src, "auto", kv_type="fp32")
     assert (auto.kv_dtype, f32.kv_dtype) == ("fp16", "fp32")
     assert 2 * auto.kv_bytes_per_token == f32.kv_bytes_per_token == 2 * LAYERS * KV * (D // HEADS) * 4
     assert make_plan(src, "fp32").kv_dtype == "fp32"
-    sparse = open_source(converted["output"])
-    assert make_plan(sparse, "auto").kv_dtype == "fp32"
-    with pytest.raises(SparseInferError, match="expected --cache-type fp32"):
-        make_plan(sparse, "auto", kv_type="fp16")
+    assert make_plan(src, "auto", kv_type="fp16", fused=False).kv_dtype == "fp16"
     with pytest.raises(SparseInferError, match="--cache-type: expected one of"):
         make_plan(src, "auto", kv_type="q8_0")
 
@@ -322,6 +319,7 @@ def test_kv_cache_type(quant_gguf, converted):
     out = {}
     for kv in ("auto", "fp32"):
         e = Engine.load(path, n_ctx=64, kv_type=kv)
+        assert (e.sparse_info is not None) == (which == "sparse")
         cache = e.model.new_cache(1, 32)
         assert cache.k.dtype == (torch.float16 if kv == "auto" else torch.float32)
         with torch.inference_mode():

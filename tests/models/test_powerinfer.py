@@ -153,10 +153,10 @@ def test_powerinfer_file_equals_the_source_model(pwri, tiny_model_dir, kind, fty
     assert src.powerinfer and src.config.ffn_kind == ("reglu" if kind == "reglu" else "relu")
     want = _hf_logits(tiny_model_dir(kind))
     tol = 1e-4 if ftype == "f32" else 2e-2
-    # a float32 KV cache, as transformers' (the dense default's float16 one moves these ~5e-4)
+    # a float32 KV cache, as transformers' (the default's float16 one moves these ~5e-4)
     dense = load(path, "auto", dense=True, kv_type="fp32")
     assert _rel(_logits(dense.model), want) < tol
-    lm = load(path, "auto", threshold=-float("inf"))
+    lm = load(path, "auto", threshold=-float("inf"), kv_type="fp32")
     info = sparse_info(lm.model, lm.plan)
     assert info is not None and info.mode == "predictor"
     assert _rel(_logits(lm.model), want) < tol

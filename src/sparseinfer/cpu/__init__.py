@@ -63,6 +63,8 @@ __all__ = [
     "sparse_ffn_q4",
     "sparse_ffn_i8",
     "F16Predictor",
+    "attend_token",
+    "attend_token_raw",
     "predict_f16",
     "pool_stats",
     "topk",

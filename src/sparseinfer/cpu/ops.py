@@ -38,6 +38,8 @@ __all__ = [
     "sparse_ffn_q4",
     "sparse_ffn_i8",
     "F16Predictor",
+    "attend_token",
+    "attend_token_raw",
     "predict_f16",
     "pool_stats",
     "topk",
@@ -62,7 +64,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q5_0x16": (13, 32, 22),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
-ABI_VERSION = 16
+ABI_VERSION = 17
 
 
 class CpuLibraryError(SparseInferError):
@@ -570,6 +572,49 @@ def predict_f16(p: F16Predictor, x: torch.Tensor, out_idx: torch.Tensor) -> int:
     _check(_lib.si_predict_f16(*p._args, x.data_ptr(), *p._tail, out_idx.data_ptr(),
                                ctypes.byref(p._k)), "predict_f16")
     return p._k.value
+_lib.si_attend_token.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                 ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                 ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                 ctypes.c_float, ctypes.c_void_p]
+_attend_token = _lib.si_attend_token
+
+
+def attend_token(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int,
+                 cos: torch.Tensor, sin: torch.Tensor, n_heads: int, scale: float,
+                 out: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """One token's attention of a plain llama block outside ``DecodeBlock`` (a sparse FFN's
+    block): rope on ``qkv``'s query and key heads (float32 [(n_heads + 2 n_kv) head_dim],
+    changed in place), its key and value written into the caches [n_kv_heads, max_seq,
+    head_dim] (contiguous float32 or float16, both alike) at ``pos``, and softmax(scale q K) V
+    of each query head over positions 0..pos into ``out`` (float32 [n_heads head_dim]).
+    (Reference: ``fused.decode.attend_ref``.)"""
+    if k_cache.dim() != 3:
+        raise ValueError(f"k_cache: expected [n_kv_heads, max_seq, head_dim], got "
+                         f"{list(k_cache.shape)}")
+    nkv, max_seq, hd = k_cache.shape
+    kv16 = _check_kv(k_cache, v_cache, (nkv, max_seq, hd))
+    _check_f32(qkv, ((n_heads + 2 * nkv) * hd,), "qkv")
+    _check_f32(out, (n_heads * hd,), "out")
+    for name, t in (("cos", cos), ("sin", sin)):
+        _check_f32(t, (hd,), name)
+    if not 0 <= pos < max_seq:
+        raise ValueError(f"pos: expected 0 <= pos < {max_seq}, got {pos}")
+    attend_token_raw(qkv.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv16, pos,
+                     cos.data_ptr(), sin.data_ptr(), n_heads, nkv, hd, max_seq, interleaved,
+                     scale, out.data_ptr())
+    return out
+
+
+def attend_token_raw(qkv_ptr: int, k_ptr: int, v_ptr: int, kv16: bool, pos: int, cos_ptr: int,
+                     sin_ptr: int, n_heads: int, n_kv_heads: int, head_dim: int, max_seq: int,
+                     interleaved: bool, scale: float, out_ptr: int) -> None:
+    """``attend_token`` on raw addresses, unchecked (the decode loop's path)."""
+    rc = _attend_token(qkv_ptr, k_ptr, v_ptr, int(kv16), pos, cos_ptr, sin_ptr, n_heads,
+                       n_kv_heads, head_dim, max_seq, int(interleaved), scale, out_ptr)
+    if rc:
+        _check(rc, "attend_token")
+
+
 # ---- one-token llama block ------------------------------------------------------------------
 
 ACTS = {None: 0, "relu": 1, "silu": 2, "gelu": 3, "gelu_tanh": 4}  # enum in qgemv.h

@@ -28,7 +28,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 16
+#define SI_ABI_VERSION 17
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
@@ -780,6 +780,36 @@ __attribute__((target("avx,f16c"))) static void to_f16(const float *x, uint16_t 
     for (; i < n; i++) out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
+/* Rope on n heads of hd values at v (rotate-half pairs, or adjacent ones when interleaved), with
+ * the rope row cos/sin [hd] of the position. */
+static void rope_heads(float *v, int n, int hd, int interleaved, const float *cos, const float *sin) {
+    const int half = hd / 2;
+    for (int h = 0; h < n; h++, v += hd)
+        for (int j = 0; j < half; j++) {
+            const int i0 = interleaved ? 2 * j : j, i1 = interleaved ? 2 * j + 1 : half + j;
+            const float a0 = v[i0], a1 = v[i1];
+            v[i0] = a0 * cos[j] - a1 * sin[j];
+            v[i1] = a1 * cos[half + j] + a0 * sin[half + j];
+        }
+}
+
+/* qkv's key and value heads (after nh query heads) into caches kc/vc [nkv, max_seq, hd] at pos:
+ * float32, or float16 (to_f16) when kv16. */
+static void write_kv(const float *qkv, int nh, int nkv, int hd, uint8_t *kc, uint8_t *vc, int kv16,
+                     int pos, int max_seq) {
+    for (int g = 0; g < nkv; g++) {
+        const size_t at = ((size_t)g * max_seq + pos) * hd;
+        const float *k = qkv + (size_t)(nh + g) * hd, *v = qkv + (size_t)(nh + nkv + g) * hd;
+        if (kv16) {
+            to_f16(k, (uint16_t *)kc + at, hd);
+            to_f16(v, (uint16_t *)vc + at, hd);
+        } else {
+            memcpy((float *)kc + at, k, hd * sizeof(float));
+            memcpy((float *)vc + at, v, hd * sizeof(float));
+        }
+    }
+}
+
 /* out = rmsnorm(x) * w (sums in double, as the torch reference's float32 mean is close to) */
 static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
     double ss = 0.0;
@@ -858,7 +888,7 @@ static int block_product(block_t *b, int k, int B, const float *x) {
  * The caller holds g_call_lock, has called block_scratch(b, B, max_seq) and filled the rows. */
 static int block_rows(block_t *b, float *x, int B, int max_seq) {
     const si_block_desc *d = &b->d;
-    const int nh = d->n_heads, nkv = d->n_kv_heads, hd = d->head_dim, half = hd / 2;
+    const int nh = d->n_heads, nkv = d->n_kv_heads, hd = d->head_dim;
     const int D = d->d_model;
     int err = 0;
     /* attention */
@@ -876,27 +906,8 @@ static int block_rows(block_t *b, float *x, int B, int max_seq) {
             const float *w = h < nh ? d->q_norm : d->k_norm;
             if (w) rms_norm(qkv + (size_t)h * hd, w, hd, d->eps, qkv + (size_t)h * hd);
         }
-        const float *cos = b->cs[t], *sin = b->sn[t];
-        for (int h = 0; h < nh + nkv; h++) { /* rope on the q and k heads */
-            float *v = qkv + (size_t)h * hd;
-            for (int j = 0; j < half; j++) {
-                const int i0 = d->interleaved ? 2 * j : j, i1 = d->interleaved ? 2 * j + 1 : half + j;
-                const float a0 = v[i0], a1 = v[i1];
-                v[i0] = a0 * cos[j] - a1 * sin[j];
-                v[i1] = a1 * cos[half + j] + a0 * sin[half + j];
-            }
-        }
-        for (int g = 0; g < nkv; g++) {
-            const size_t at = ((size_t)g * max_seq + pos) * hd;
-            const float *k = qkv + (size_t)(nh + g) * hd, *v = qkv + (size_t)(nh + nkv + g) * hd;
-            if (b->kv16) {
-                to_f16(k, (uint16_t *)b->kc[t] + at, hd);
-                to_f16(v, (uint16_t *)b->vc[t] + at, hd);
-            } else {
-                memcpy((float *)b->kc[t] + at, k, hd * sizeof(float));
-                memcpy((float *)b->vc[t] + at, v, hd * sizeof(float));
-            }
-        }
+        rope_heads(qkv, nh + nkv, hd, d->interleaved, b->cs[t], b->sn[t]);
+        write_kv(qkv, nh, nkv, hd, b->kc[t], b->vc[t], b->kv16, pos, max_seq);
         b->start[t] = d->window > 0 && pos + 1 > d->window ? pos + 1 - d->window : 0;
         b->n[t] = pos + 1 - b->start[t];
         work += (size_t)b->n[t] * nh * hd;
@@ -941,6 +952,39 @@ int si_block_decode(void *p, float *x, int pos, void *kc, void *vc, int kv16, co
         b->cs[0] = cos;
         b->sn[0] = sin;
         err = block_rows(b, x, 1, max_seq);
+    }
+    pthread_mutex_unlock(&g_call_lock);
+    return err;
+}
+
+/* One token's attention outside the C block (a plain llama block around a sparse FFN): rope on
+ * qkv's q and k heads (in place), its key and value written into kc/vc [n_kv_heads, max_seq,
+ * head_dim] at pos (float32, or float16 when kv16), then each query head's softmax(scale q K) V
+ * over positions 0..pos into out [n_heads * head_dim], on the calling thread (as the block's
+ * attention for a short context). */
+int si_attend_token(float *qkv, void *kc, void *vc, int kv16, int pos, const float *cos,
+                    const float *sin, int n_heads, int n_kv_heads, int head_dim, int max_seq,
+                    int interleaved, float scale, float *out) {
+    if (pos < 0 || pos >= max_seq) return ERANGE;
+    if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads || head_dim < 2 || head_dim % 2)
+        return EINVAL;
+    const int hd = head_dim, group = n_heads / n_kv_heads;
+    pthread_mutex_lock(&g_call_lock);
+    int err = grow((void **)&R.scores, &R.scores_cap, (size_t)max_seq * sizeof(float));
+    if (!err) {
+        rope_heads(qkv, n_heads + n_kv_heads, hd, interleaved, cos, sin);
+        write_kv(qkv, n_heads, n_kv_heads, hd, kc, vc, kv16, pos, max_seq);
+        const size_t esz = kv16 ? 2 : 4;
+        for (int h = 0; h < n_heads; h++) {
+            const size_t kv = (size_t)(h / group) * max_seq * hd * esz; /* bytes */
+            const uint8_t *k = (const uint8_t *)kc + kv, *v = (const uint8_t *)vc + kv;
+            if (kv16)
+                g_attend16(qkv + (size_t)h * hd, (const uint16_t *)k, (const uint16_t *)v, pos + 1, hd,
+                           scale, R.scores, out + (size_t)h * hd);
+            else
+                g_attend(qkv + (size_t)h * hd, (const float *)k, (const float *)v, pos + 1, hd, scale,
+                         R.scores, out + (size_t)h * hd);
+        }
     }
     pthread_mutex_unlock(&g_call_lock);
     return err;

@@ -139,9 +139,9 @@ class FusedDecode:
             self._prepare(layer)
         if self._c is not None:
             return self._c_call(x, layer, pos, cache, rope)
-        if cache.k_np is None:  # a float16 cache: the numba kernels read float32 only
-            return self._torch_call(x, layer, pos, cache, rope)
-        kc, vc = cache.k_np[layer, 0], cache.v_np[layer, 0]
+        kv16 = cache.k_np is None  # a float16 cache: the C attention (numba reads float32 only)
+        if not kv16:
+            kc, vc = cache.k_np[layer, 0], cache.v_np[layer, 0]
         if self._scores.shape[0] < cache.max_seq:
             self._scores = np.empty(cache.max_seq, dtype=np.float32)
         if self._rope_key is not rope[0]:
@@ -153,24 +153,22 @@ class FusedDecode:
         qkv = self.wqkv(self._h).reshape(-1)
         if not qkv.is_contiguous():
             qkv = qkv.contiguous()
-        _attend(qkv.numpy(), kc, vc, pos, self._cos[pos], self._sin[pos], self.nh,
-                self.nkv, self.scale, self._scores, self._on, self.interleaved)
+        if kv16:
+            from .. import cpu
+
+            k, v, _ = self._layer_cache(cache, layer)
+            ro = pos * self.hd * 4
+            cpu.attend_token_raw(qkv.data_ptr(), k, v, True, pos, self._cos.ctypes.data + ro,
+                                 self._sin.ctypes.data + ro, self.nh, self.nkv, self.hd,
+                                 cache.max_seq, self.interleaved, float(self.scale),
+                                 self._o.data_ptr())
+        else:
+            _attend(qkv.numpy(), kc, vc, pos, self._cos[pos], self._sin[pos], self.nh,
+                    self.nkv, self.scale, self._scores, self._on, self.interleaved)
         a = self.wo(self._o).reshape(-1)
         _rms_norm(xn, a.numpy(), self.w_ffn, self.eps, self._hn)
         y = self.ffn(self._h.view(1, 1, -1), x1.view(1, 1, -1))
         x1 += y.reshape(-1)
-        return x1.view(1, 1, -1)
-
-    def _torch_call(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
-        """The numba path's steps with ``attend_ref`` (torch) for the attention: a cache the
-        numba kernels cannot read (float16; the plan puts such caches on C blocks only)."""
-        x1 = x.reshape(-1).clone()
-        _, h = rms_norm_ref(x1, None, self._block[0].attn_norm.weight, self.eps)
-        qkv = self.wqkv(h).reshape(-1)
-        a = attend_ref(qkv, cache.k[layer, 0], cache.v[layer, 0], pos, rope[0][pos], rope[1][pos],
-                       self.nh, self.nkv, self.interleaved)
-        x1, h = rms_norm_ref(x1, self.wo(a).reshape(-1), self._block[0].ffn_norm.weight, self.eps)
-        x1 = x1 + self.ffn(h.view(1, 1, -1), x1.view(1, 1, -1)).reshape(-1)
         return x1.view(1, 1, -1)
 
     def takes_rows(self, layer: int) -> bool:

@@ -185,7 +185,11 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     ``gpu_index``: a PowerInfer GPU index file (``blk.N.gpu_idx`` masks) used as the placement;
     ``ram_budget`` (GiB, or ``disk_options`` with explicit counts): cold FFN neurons stay in the
     file and are read per token (``sparseinfer.disk``; ``n_ctx`` sizes the KV cache it counts);
-    ``kv_type``: the KV cache's elements (``KV_TYPES``; "auto": ``_auto_kv``)."""
+    ``kv_type``: the KV cache's elements (``KV_TYPES``). "auto": float16 keys and values (as
+    llama.cpp holds them) where the default weights (``--dtype auto``) can decode through the
+    fused kernels, whose attention reads them in C (``cpu.DecodeBlock``, ``cpu.attend_token``),
+    else the activations' type; an asked-for fp16 cache works everywhere (the torch paths cast
+    it)."""
     if dtype not in DTYPE_CHOICES:
         raise SparseInferError(f"dtype: expected one of {list(DTYPE_CHOICES)}, got {dtype!r}")
     if ffn_dtype not in FFN_DTYPES:
@@ -356,18 +360,11 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                      (cfg.vocab_size, E), 0, "shared")
     else:
         add("lm_head", ["lm_head.weight"], (cfg.vocab_size, E), head=True)
-    fused_ok = (fused and cpu and float_dtype == "fp32" and cfg.norm == "rms"
-                and cfg.pos == "rope" and (cfg.plain_block or _c_blocks(cfg, weights, sparse)))
-    kv_dtype = _auto_kv(dtype, float_dtype, cpu, cfg, weights, sparse) if kv_type == "auto" \
-        else kv_type
-    if kv_dtype == "fp16" and not cpu:
-        raise SparseInferError(f"--cache-type fp16: a float16 KV cache runs on the CPU; expected "
-                               f"--device cpu, got {device}")
-    if kv_dtype == "fp16" and not _c_blocks(cfg, weights, sparse):
-        raise SparseInferError("--cache-type fp16: only models whose every block decodes on the C "
-                               "library read a float16 KV cache (a dense FFN on the file's "
-                               "blocks or fp32 weights; no sparse FFN, soft-capped, parallel or "
-                               "post-norm blocks); expected --cache-type fp32 for this one")
+    fusable = (cpu and float_dtype == "fp32" and cfg.norm == "rms" and cfg.pos == "rope"
+               and (cfg.plain_block or _c_blocks(cfg, weights, sparse)))
+    fused_ok = fused and fusable
+    kv_dtype = kv_type if kv_type != "auto" else (
+        "fp16" if dtype == "auto" and fusable else float_dtype)
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * hd * (4 if kv_dtype == "fp32" else 2)
     if sparse is not None and (ram_budget is not None or disk_options is not None):
         from ..disk.plan import DiskOptions, plan_disk
@@ -385,17 +382,6 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
 # the four products of a block, by module path suffix; the C decode block runs them when each
 # is on the C kernels (the file's blocks, or float32)
 _BLOCK_LINEARS = ("attn.wqkv", "attn.wo", "ffn.w_in", "ffn.down")
-
-
-def _auto_kv(dtype: str, float_dtype: str, cpu: bool, cfg: ModelConfig,
-             weights: list[WeightPlan], sparse) -> str:
-    """``--cache-type auto``: float16 keys and values (llama.cpp's default) where the default
-    weights (``--dtype auto``) put every block on the C library, which reads them
-    (``cpu.DecodeBlock``), as do the torch paths (prompts); else the activations' float type.
-    The numba attention around other blocks (sparse FFNs, ``--dtype q4``) reads float32 only."""
-    if dtype == "auto" and cpu and float_dtype == "fp32" and _c_blocks(cfg, weights, sparse):
-        return "fp16"
-    return float_dtype
 
 
 def _c_blocks(cfg: ModelConfig, weights: list[WeightPlan], sparse) -> bool:
