@@ -1023,7 +1023,7 @@ INLINE void rows_f32(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
 
 /* ------------------------------------------------------------------ panels of 16 rows */
 
-/* Q4_0 / Q4_1 / Q8_0 in panels (SI_Q4_0P / SI_Q4_1P / SI_Q8_0P, qgemv.h; Q5_0 below): a block column of a
+/* Q4_0 / Q4_1 / Q8_0 / Q5_0 in panels (SI_Q4_0P ... SI_Q5_0P, qgemv.h): a block column of a
  * panel is 16 rows x 4 (Q8_0: 8) quant words, so one integer dot product takes 4 bytes of x
  * (broadcast) against 4 weights of each of 16 rows, and a block costs 8 of them per x row with
  * no horizontal sums: every lane is a row. Per x row and block: y_r += d_r * x_d * sum_r +
@@ -2540,9 +2540,8 @@ INLINE float kv1(const int f16, const void *p, const size_t i) {
 }
 /* One head's attention for one token over positions 0..n-1: out = softmax(scale · K q) · V, with
  * kc/vc this head's K/V rows (hd values apart: float32, or float16 for si_attend_head16);
- * scores: n floats of scratch. Scores 8 keys at a
- * time (8 independent dot products, one transposing sum); the weighted sum of V in registers,
- * 64 columns at a time. */
+ * scores: n floats of scratch. Scores 8 keys at a time (8 independent dot products, one
+ * transposing sum); the weighted sum of V in registers, 64 columns at a time. */
 INLINE void attend_impl(const int f16, const float *q, const void *kc, const void *vc, int n, int hd,
                         float scale, float *scores, float *out) {
     const int hd8 = hd & ~7;

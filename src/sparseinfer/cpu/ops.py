@@ -572,6 +572,10 @@ def predict_f16(p: F16Predictor, x: torch.Tensor, out_idx: torch.Tensor) -> int:
     _check(_lib.si_predict_f16(*p._args, x.data_ptr(), *p._tail, out_idx.data_ptr(),
                                ctypes.byref(p._k)), "predict_f16")
     return p._k.value
+
+
+# ---- one token's attention outside the C block -------------------------------------------------
+
 _lib.si_attend_token.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                  ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                  ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,

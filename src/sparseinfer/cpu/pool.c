@@ -639,7 +639,6 @@ typedef struct {
     int *pos, *start, *n;
     int max_seq;
     float scale;
-    attend_fn attend;
 } block_t;
 
 /* Scratch shared by every block (calls are serialised by g_call_lock): activations of B rows,
@@ -780,6 +779,19 @@ __attribute__((target("avx,f16c"))) static void to_f16(const float *x, uint16_t 
     for (; i < n; i++) out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
+/* Bytes per KV cache value: float16 (kv16) or float32. */
+static inline size_t kv_size(int kv16) { return kv16 ? 2 : 4; }
+
+/* One query head q against n cached keys/values at kc/vc (float16 when kv16, else float32):
+ * this ISA's si_attend_head(16) into out, with n floats of scratch scores. */
+static void attend_head(int kv16, const float *q, const uint8_t *kc, const uint8_t *vc, int n,
+                        int hd, float scale, float *scores, float *out) {
+    if (kv16)
+        g_attend16(q, (const uint16_t *)kc, (const uint16_t *)vc, n, hd, scale, scores, out);
+    else
+        g_attend(q, (const float *)kc, (const float *)vc, n, hd, scale, scores, out);
+}
+
 /* Rope on n heads of hd values at v (rotate-half pairs, or adjacent ones when interleaved), with
  * the rope row cos/sin [hd] of the position. */
 static void rope_heads(float *v, int n, int hd, int interleaved, const float *cos, const float *sin) {
@@ -824,17 +836,11 @@ static void attend_chunk(const void *jp, int64_t c) {
     const block_t *b = jp;
     const int nh = b->d.n_heads, nkv = b->d.n_kv_heads, hd = b->d.head_dim, group = nh / nkv;
     const int t = (int)(c / nkv), g = (int)(c % nkv);
-    const size_t kv = ((size_t)g * b->max_seq + b->start[t]) * hd * (b->kv16 ? 2 : 4); /* bytes */
-    const uint8_t *kc = b->kc[t] + kv, *vc = b->vc[t] + kv;
-    for (int h = g * group; h < (g + 1) * group; h++) {
-        const float *q = b->qkv + t * b->nq + (size_t)h * hd;
-        float *scores = b->scores + ((size_t)t * nh + h) * b->max_seq;
-        float *out = b->att + t * b->na + (size_t)h * hd;
-        if (b->kv16)
-            g_attend16(q, (const uint16_t *)kc, (const uint16_t *)vc, b->n[t], hd, b->scale, scores, out);
-        else
-            b->attend(q, (const float *)kc, (const float *)vc, b->n[t], hd, b->scale, scores, out);
-    }
+    const size_t kv = ((size_t)g * b->max_seq + b->start[t]) * hd * kv_size(b->kv16); /* bytes */
+    for (int h = g * group; h < (g + 1) * group; h++)
+        attend_head(b->kv16, b->qkv + t * b->nq + (size_t)h * hd, b->kc[t] + kv, b->vc[t] + kv,
+                    b->n[t], hd, b->scale, b->scores + ((size_t)t * nh + h) * b->max_seq,
+                    b->att + t * b->na + (size_t)h * hd);
 }
 
 static void add_bias(float *y, const float *bias, int64_t n) {
@@ -896,7 +902,6 @@ static int block_rows(block_t *b, float *x, int B, int max_seq) {
     if ((err = block_product(b, 0, B, b->h))) return err;
     b->max_seq = max_seq;
     b->scale = d->scale > 0.0f ? d->scale : 1.0f / sqrtf((float)hd);
-    b->attend = g_attend;
     size_t work = 0;
     for (int t = 0; t < B; t++) {
         float *qkv = b->qkv + t * b->nq;
@@ -974,16 +979,10 @@ int si_attend_token(float *qkv, void *kc, void *vc, int kv16, int pos, const flo
     if (!err) {
         rope_heads(qkv, n_heads + n_kv_heads, hd, interleaved, cos, sin);
         write_kv(qkv, n_heads, n_kv_heads, hd, kc, vc, kv16, pos, max_seq);
-        const size_t esz = kv16 ? 2 : 4;
         for (int h = 0; h < n_heads; h++) {
-            const size_t kv = (size_t)(h / group) * max_seq * hd * esz; /* bytes */
-            const uint8_t *k = (const uint8_t *)kc + kv, *v = (const uint8_t *)vc + kv;
-            if (kv16)
-                g_attend16(qkv + (size_t)h * hd, (const uint16_t *)k, (const uint16_t *)v, pos + 1, hd,
-                           scale, R.scores, out + (size_t)h * hd);
-            else
-                g_attend(qkv + (size_t)h * hd, (const float *)k, (const float *)v, pos + 1, hd, scale,
-                         R.scores, out + (size_t)h * hd);
+            const size_t kv = (size_t)(h / group) * max_seq * hd * kv_size(kv16); /* bytes */
+            attend_head(kv16, qkv + (size_t)h * hd, (const uint8_t *)kc + kv, (const uint8_t *)vc + kv,
+                        pos + 1, hd, scale, R.scores, out + (size_t)h * hd);
         }
     }
     pthread_mutex_unlock(&g_call_lock);
@@ -997,12 +996,11 @@ static int rows_call(block_t *b, float *x, int B, const int32_t *pos, const int3
     int err = block_scratch(b, B, max_seq);
     if (err) return err;
     const int hd = b->d.head_dim;
-    const int64_t esz = kv16 ? 2 : 4;
     b->kv16 = kv16 != 0;
     for (int t = 0; t < B; t++) {
         b->pos[t] = pos[t];
-        b->kc[t] = kc + slots[t] * slot_stride * esz;
-        b->vc[t] = vc + slots[t] * slot_stride * esz;
+        b->kc[t] = kc + slots[t] * slot_stride * kv_size(kv16);
+        b->vc[t] = vc + slots[t] * slot_stride * kv_size(kv16);
         b->cs[t] = cos + (size_t)pos[t] * hd;
         b->sn[t] = sin + (size_t)pos[t] * hd;
     }
@@ -1042,12 +1040,11 @@ int si_stack_decode_rows(void *const *blocks, int n, float *x, int B, const int3
     int err = check_rows(B, pos, slots, max_seq);
     if (err) return err;
     if (n < 1) return EINVAL;
-    const int64_t esz = kv16 ? 2 : 4;
     pthread_mutex_lock(&g_call_lock);
     for (int l = 0; l < n && !err; l++)
-        err = rows_call(blocks[l], x, B, pos, slots, (uint8_t *)kc + l * layer_stride * esz,
-                        (uint8_t *)vc + l * layer_stride * esz, kv16, slot_stride, cos[l], sin[l],
-                        max_seq);
+        err = rows_call(blocks[l], x, B, pos, slots, (uint8_t *)kc + l * layer_stride * kv_size(kv16),
+                        (uint8_t *)vc + l * layer_stride * kv_size(kv16), kv16, slot_stride, cos[l],
+                        sin[l], max_seq);
     pthread_mutex_unlock(&g_call_lock);
     return err;
 }

@@ -128,6 +128,10 @@ class FusedDecode:
         self._scores = np.empty(cfg.max_seq_len, dtype=np.float32)
         self._rope_key = None
         self._c = _c_block(block, layer) if self._want_c else None
+        if self._c is None:  # a float16 cache's attention (numba reads float32 only)
+            from .. import cpu
+
+            self._attend_c = cpu.attend_token_raw
         if self._c is None and not cfg.plain_block:  # the plan fuses such blocks only for C
             raise RuntimeError(f"fused decode of a {cfg.arch} block (q/k norms, post-norms, "
                                "windows or a custom scale) needs the C block: expected its four "
@@ -154,11 +158,9 @@ class FusedDecode:
         if not qkv.is_contiguous():
             qkv = qkv.contiguous()
         if kv16:
-            from .. import cpu
-
             k, v, _ = self._layer_cache(cache, layer)
             ro = pos * self.hd * 4
-            cpu.attend_token_raw(qkv.data_ptr(), k, v, True, pos, self._cos.ctypes.data + ro,
+            self._attend_c(qkv.data_ptr(), k, v, True, pos, self._cos.ctypes.data + ro,
                                  self._sin.ctypes.data + ro, self.nh, self.nkv, self.hd,
                                  cache.max_seq, self.interleaved, float(self.scale),
                                  self._o.data_ptr())

@@ -38,7 +38,7 @@ class SparseInfo:
 
     def set_batch_mode(self, mode: str) -> None:
         """"auto" (the default: where the C kernels take the rows (Q4_0, int8), every token of
-        a prompt or a batched step its own set, as "masked" but at any length; other rows as
+        a prompt or a batched step its own set, as "masked"; other rows as
         measured by benchmarks/prefill.py: "union" up to ``ffn.UNION_MAX_TOKENS`` tokens and at
         any length for bf16 rows, else "dense"), "dense" (every neuron), "union" (the union of
         the tokens' predicted sets, batched-sparse kernel) or "masked" (each token its own
