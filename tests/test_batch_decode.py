@@ -42,29 +42,36 @@ def test_slot_cache_checks_the_slot(tiny_model_dir):
         slot_cache(cache, 2)
 
 
-@pytest.mark.parametrize("slots", [[0, 1, 2], [3, 0, 2]])
-def test_fused_attend_rows_matches_reference(tiny_model_dir, slots):
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("slots,positions", [([0, 1, 2], [4, 11, 0]), ([3, 0, 2], [4, 11, 0]),
+                                             ([1, 1, 1, 3], [4, 5, 6, 9])])
+def test_fused_attend_rows_matches_reference(tiny_model_dir, slots, positions, kv):
+    """The per-row attention kernel (numba's for a float32 cache, the C library's for a float16
+    one) against the torch ``Attention.attend_rows``: the same keys and values written, the
+    same outputs; rows alone in their slots and a prompt's rows sharing one."""
     from sparseinfer.fused.decode import attend_rows, supports
-    from sparseinfer.models.model import Rows
+    from sparseinfer.models.model import KVCache, Rows
 
     lm = load_model(tiny_model_dir("swiglu"))
     assert supports(lm.model)
     cfg = lm.config
     gen = torch.Generator().manual_seed(7)
     width = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-    caches = [lm.model.new_cache(4, 32) for _ in range(2)]
-    for c in caches[1:]:
-        c.k.copy_(caches[0].k.normal_(generator=gen))
-        c.v.copy_(caches[0].v.normal_(generator=gen))
+    lm.model.new_cache(1, 32)  # rope tables for 32 positions
+    caches = [KVCache(cfg, 4, 32, kv) for _ in range(2)]
+    for c in caches:
+        c.k.copy_(torch.randn(c.k.shape, generator=gen))  # the same contents in both
+        c.v.copy_(torch.randn(c.v.shape, generator=gen))
+        gen.manual_seed(7)
     qkv = torch.randn(len(slots), width, generator=gen)
-    rows = Rows(torch.tensor([4, 11, 0][: len(slots)]), torch.tensor(slots))
+    rows = Rows(torch.tensor(positions), torch.tensor(slots))
     attn = lm.model.layers[1].attn
     assert attn.plain(1)
     want = attn.attend_rows(qkv.clone(), 1, rows, caches[0], lm.model.rope)
     got = attend_rows(cfg, 1, qkv.clone(), rows, caches[1], lm.model.rope)
-    assert torch.allclose(got, want, atol=1e-5)
-    assert torch.allclose(caches[1].k, caches[0].k, atol=1e-6)  # the same keys written
-    assert torch.allclose(caches[1].v, caches[0].v, atol=1e-6)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-6, rtol=0)  # the same writes
+    torch.testing.assert_close(caches[1].v, caches[0].v, atol=1e-6, rtol=0)
 
 
 def prompts_in_slots(model, prompts, slots, n_slots, max_seq):

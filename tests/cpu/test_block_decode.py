@@ -405,18 +405,19 @@ def test_float16_cache(isa, threads, pos):
 
 
 @pytest.mark.parametrize("kv", [torch.float32, torch.float16])
-@pytest.mark.parametrize("pos", [0, 7, 39])
+@pytest.mark.parametrize("pos", [0, 7, 39, 99])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_attend_token_matches_attend_ref(isa, kv, pos, interleaved):
+def test_attend_token_matches_attend_ref(isa, threads, kv, pos, interleaved):
     """``cpu.attend_token`` (a sparse FFN's block's attention in C) against the torch
     reference ``fused.decode.attend_ref``: the same cache contents after the write (float16:
-    rounded alike) and the same output to float32 summation order."""
+    rounded alike) and the same output to float32 summation order. Positions 0 and 7 run the
+    heads on the calling thread; from 31 on (32 x 8 heads x 64 >= 16384) on the pool."""
     import math
 
     from sparseinfer.fused.decode import attend_ref
 
     g = torch.Generator().manual_seed(pos)
-    nh, nkv, hd, S = 8, 2, 64, 40
+    nh, nkv, hd, S = 8, 2, 64, 100
     qkv = torch.randn((nh + 2 * nkv) * hd, generator=g)
     kc, vc = torch.randn(nkv, S, hd, generator=g).to(kv), torch.randn(nkv, S, hd, generator=g).to(kv)
     kr, vr = kc.clone(), vc.clone()

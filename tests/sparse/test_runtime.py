@@ -206,13 +206,19 @@ def test_masked_batch_in_c_equals_token_by_token(tiny_model_dir, with_predictors
 
 
 @pytest.mark.parametrize("kind", ["reglu", "swiglu"])
-def test_batched_decode_rows_keep_their_own_sets(tiny_model_dir, with_predictors, kind):
+@pytest.mark.parametrize("kv_type,kernel", [("fp32", False), ("fp32", True), ("fp16", True)])
+def test_batched_decode_rows_keep_their_own_sets(tiny_model_dir, with_predictors, kind, kv_type,
+                                                 kernel):
     """A continuous-batching step ("auto") gives each sequence the neurons it would get decoded
     alone (its own predicted set, through the C kernel's mask), so the same logits whatever
-    else is in the batch."""
+    else is in the batch; with the per-row attention kernel (numba's on a float32 cache, the C
+    library's on a float16 one, as the server runs it) too."""
+    from sparseinfer.fused.decode import attend_rows
     from sparseinfer.models.batch import decode_step, slot_cache
 
-    lm, info = load_sparse(with_predictors(tiny_model_dir(kind), seed=3), ffn_dtype="int8")
+    lm, info = load_sparse(with_predictors(tiny_model_dir(kind), seed=3), ffn_dtype="int8",
+                           kv_type=kv_type)
+    assert lm.model.kv_dtype == (torch.float16 if kv_type == "fp16" else torch.float32)
     seqs = [IDS[:4], IDS[3:9], IDS[6:9]]
     alone = [_decode_logits(lm, s)[-1] for s in seqs]
     cache = lm.model.new_cache(len(seqs), 16)
@@ -226,10 +232,13 @@ def test_batched_decode_rows_keep_their_own_sets(tiny_model_dir, with_predictors
             mp.setattr(kernels, "sparse_ffn_batch", lambda *a: calls.append(a[4]) or real(*a))
             got = decode_step(lm.model, torch.tensor([s[-1] for s in seqs]),
                               torch.tensor([len(s) - 1 for s in seqs]), cache,
-                              torch.arange(len(seqs)))
+                              torch.arange(len(seqs)), attend_rows if kernel else None)
     assert calls and all(m is not None for m in calls)
+    # float16 keys and values: the rows' projections (a torch GEMM here) differ from a lone
+    # token's GEMV in the last float32 bit, which can move a value to the next float16
+    tol = 1e-4 if kv_type == "fp16" else 1e-5
     for j in range(len(seqs)):
-        assert _close(got[j], alone[j], 1e-5)
+        assert _close(got[j], alone[j], tol)
 
 
 @pytest.mark.parametrize("kind", RELU_KINDS)

@@ -779,6 +779,10 @@ __attribute__((target("avx,f16c"))) static void to_f16(const float *x, uint16_t 
     for (; i < n; i++) out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
+/* Attention work (positions x query heads x head dim, summed over rows) from which the heads run
+ * on the pool; less is cheaper on the calling thread than waking the pool. */
+#define ATTEND_POOL_WORK 16384
+
 /* Bytes per KV cache value: float16 (kv16) or float32. */
 static inline size_t kv_size(int kv16) { return kv16 ? 2 : 4; }
 
@@ -917,7 +921,7 @@ static int block_rows(block_t *b, float *x, int B, int max_seq) {
         b->n[t] = pos + 1 - b->start[t];
         work += (size_t)b->n[t] * nh * hd;
     }
-    if (work >= 16384) {
+    if (work >= ATTEND_POOL_WORK) {
         pool_run(attend_chunk, b, (int64_t)B * nkv); /* one kv head of one row per chunk */
     } else { /* a short context: less work than waking the pool */
         for (int c = 0; c < B * nkv; c++) attend_chunk(b, c);
@@ -962,28 +966,47 @@ int si_block_decode(void *p, float *x, int pos, void *kc, void *vc, int kv16, co
     return err;
 }
 
+/* One token's query heads against one layer's caches (si_attend_token): chunk g = kv head g's
+ * query heads one after the other, as attend_chunk, each with its own row of scores. */
+typedef struct {
+    const float *q;
+    const uint8_t *kc, *vc;
+    int kv16, n, hd, group, max_seq;
+    float scale;
+    float *scores, *out;
+} token_attend_job;
+
+static void token_attend_chunk(const void *jp, int64_t g) {
+    const token_attend_job *j = jp;
+    const size_t kv = (size_t)g * j->max_seq * j->hd * kv_size(j->kv16); /* bytes */
+    for (int h = (int)g * j->group; h < ((int)g + 1) * j->group; h++)
+        attend_head(j->kv16, j->q + (size_t)h * j->hd, j->kc + kv, j->vc + kv, j->n, j->hd, j->scale,
+                    j->scores + (size_t)h * j->max_seq, j->out + (size_t)h * j->hd);
+}
+
 /* One token's attention outside the C block (a plain llama block around a sparse FFN): rope on
  * qkv's q and k heads (in place), its key and value written into kc/vc [n_kv_heads, max_seq,
  * head_dim] at pos (float32, or float16 when kv16), then each query head's softmax(scale q K) V
- * over positions 0..pos into out [n_heads * head_dim], on the calling thread (as the block's
- * attention for a short context). */
+ * over positions 0..pos into out [n_heads * head_dim]: the kv heads on the pool when the context
+ * is long enough to pay for waking it (the C block's rule), else on the calling thread. */
 int si_attend_token(float *qkv, void *kc, void *vc, int kv16, int pos, const float *cos,
                     const float *sin, int n_heads, int n_kv_heads, int head_dim, int max_seq,
                     int interleaved, float scale, float *out) {
     if (pos < 0 || pos >= max_seq) return ERANGE;
     if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads || head_dim < 2 || head_dim % 2)
         return EINVAL;
-    const int hd = head_dim, group = n_heads / n_kv_heads;
+    const int hd = head_dim;
     pthread_mutex_lock(&g_call_lock);
-    int err = grow((void **)&R.scores, &R.scores_cap, (size_t)max_seq * sizeof(float));
+    int err = grow((void **)&R.scores, &R.scores_cap, (size_t)n_heads * max_seq * sizeof(float));
     if (!err) {
         rope_heads(qkv, n_heads + n_kv_heads, hd, interleaved, cos, sin);
         write_kv(qkv, n_heads, n_kv_heads, hd, kc, vc, kv16, pos, max_seq);
-        for (int h = 0; h < n_heads; h++) {
-            const size_t kv = (size_t)(h / group) * max_seq * hd * kv_size(kv16); /* bytes */
-            attend_head(kv16, qkv + (size_t)h * hd, (const uint8_t *)kc + kv, (const uint8_t *)vc + kv,
-                        pos + 1, hd, scale, R.scores, out + (size_t)h * hd);
-        }
+        const token_attend_job j = {qkv, kc, vc, kv16 != 0, pos + 1, hd, n_heads / n_kv_heads,
+                                    max_seq, scale, R.scores, out};
+        if ((size_t)(pos + 1) * n_heads * hd >= ATTEND_POOL_WORK)
+            pool_run(token_attend_chunk, &j, n_kv_heads);
+        else
+            for (int g = 0; g < n_kv_heads; g++) token_attend_chunk(&j, g);
     }
     pthread_mutex_unlock(&g_call_lock);
     return err;

@@ -337,19 +337,34 @@ def supports(model) -> bool:
 
 def attend_rows(cfg, layer: int, qkv: Tensor, rows, cache: KVCache, rope) -> Tensor:
     """``Rows.kernel``: ``Attention.attend_rows`` of a plain layer with the fused kernel: rope,
-    cache write and attention of each row in one numba call (no torch ops, so a row's numbers
-    do not depend on the batch). Needs ``supports(model)``; the cache is the batch's (slots in
-    dimension 1)."""
+    cache write and attention of each row in one call, row after row (no torch ops, so a row's
+    numbers do not depend on the batch): numba's for a float32 cache, the C library's
+    (``cpu.attend_token``) for a float16 one. Needs ``supports(model)``; the cache is the
+    batch's (slots in dimension 1)."""
     nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     qkv = qkv.float().contiguous()
-    q_rows = qkv.numpy()
     out = torch.empty(qkv.shape[0], nh * hd)
+    pos_slots = zip(rows.positions.tolist(), rows.slots.tolist())
+    if cache.k.dtype == torch.float16:
+        from .. import cpu
+
+        cos, sin = rope  # contiguous float32 [S, hd] (``Transformer.new_cache``)
+        k, v = cache.k[layer], cache.v[layer]  # (slots, nkv, max_seq, hd), contiguous
+        slot_bytes, row_bytes = k[0].numel() * 2, qkv.shape[1] * 4
+        for i, (pos, slot) in enumerate(pos_slots):
+            cpu.attend_token_raw(qkv.data_ptr() + i * row_bytes, k.data_ptr() + slot * slot_bytes,
+                                 v.data_ptr() + slot * slot_bytes, True, pos,
+                                 cos.data_ptr() + pos * hd * 4, sin.data_ptr() + pos * hd * 4,
+                                 nh, nkv, hd, cache.max_seq, bool(cfg.rope_interleaved),
+                                 1.0 / math.sqrt(hd), out.data_ptr() + i * nh * hd * 4)
+        return out
+    q_rows = qkv.numpy()
     out_np = out.numpy()
     cos, sin = rope[0].numpy(), rope[1].numpy()
     kc, vc = cache.k[layer].numpy(), cache.v[layer].numpy()  # (slots, nkv, max_seq, hd)
     scores = np.empty(cache.max_seq, dtype=np.float32)
     scale = np.float32(1.0 / math.sqrt(hd))
-    for i, (pos, slot) in enumerate(zip(rows.positions.tolist(), rows.slots.tolist())):
+    for i, (pos, slot) in enumerate(pos_slots):
         _attend(q_rows[i], kc[slot], vc[slot], pos, cos[pos], sin[pos], nh, nkv, scale, scores,
                 out_np[i], cfg.rope_interleaved)
     return out

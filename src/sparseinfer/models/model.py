@@ -245,7 +245,8 @@ class Attention(nn.Module):
         over all rows at once, the attention per row."""
         B = x.shape[0]
         qkv = self.wqkv(x).view(B, -1)  # (B, (nh + 2 nkv) hd)
-        if rows.kernel is not None and self.plain(layer) and cache.k.dtype == torch.float32:
+        if (rows.kernel is not None and self.plain(layer)
+                and cache.k.dtype in (torch.float32, torch.float16)):
             out = rows.kernel(self.cfg, layer, qkv, rows, cache, rope)
         else:
             out = self.attend_rows(qkv, layer, rows, cache, rope)
