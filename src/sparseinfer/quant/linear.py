@@ -291,7 +291,9 @@ class GGMLLinear(torch.nn.Module):
             if xv.dtype != torch.float32 or not xv.is_contiguous():
                 xv = xv.float().contiguous()
             self._plan(xv)
-            y = self._out.clone()
+            # numpy's copy, on this thread: torch's copy of a vocabulary-sized output is a
+            # parallel region, which woke its OpenMP pool every token to wait beside ours
+            y = torch.from_numpy(self._out.numpy().copy())
         else:
             x2 = x.reshape(-1, self.in_features).float().contiguous()
             parts = [self._gemm(m, x2) for m in self.mats]
