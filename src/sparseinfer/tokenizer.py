@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
+import numpy as np
 from gguf import Keys, TokenType
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
@@ -611,17 +612,21 @@ def _merges_from_scores(
     tokens: list[str], scores: list[float], types: list[int]
 ) -> list[tuple[str, str]]:
     """BPE merges that reproduce SentencePiece's encoder: every way to form a piece from two
-    pieces, ranked by the formed piece's score (highest first)."""
+    pieces, ranked by the formed piece's score (highest first; then by the piece's id, then by
+    where it is cut). The pieces are put in that order once (numpy), so the merges come out
+    ranked with no sort of the merge list (Gemma 3's 262,144 pieces: 515k merges)."""
     mergeable = (TokenType.NORMAL, TokenType.USER_DEFINED)
     vocab = {t: i for i, t in enumerate(tokens) if types[i] in mergeable}
-    ranked = []
-    for token, i in vocab.items():
+    ids = np.fromiter(vocab.values(), dtype=np.int64, count=len(vocab))
+    order = ids[np.lexsort((ids, -np.asarray(scores, dtype=np.float64)[ids]))]
+    merges = []
+    for i in order.tolist():
+        token = tokens[i]
         for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab:
-                ranked.append((-scores[i], i, cut, left, right))
-    ranked.sort()
-    return [(left, right) for *_, left, right in ranked]
+            left = token[:cut]
+            if left in vocab and (right := token[cut:]) in vocab:
+                merges.append((left, right))
+    return merges
 
 
 _GGUF_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
