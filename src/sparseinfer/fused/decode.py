@@ -348,8 +348,14 @@ def attend_rows(cfg, layer: int, qkv: Tensor, rows, cache: KVCache, rope) -> Ten
     if cache.k.dtype == torch.float16:
         from .. import cpu
 
-        cos, sin = rope  # contiguous float32 [S, hd] (``Transformer.new_cache``)
-        k, v = cache.k[layer], cache.v[layer]  # (slots, nkv, max_seq, hd), contiguous
+        cos, sin = rope
+        if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
+                and sin.is_contiguous() and cos.shape[-1] == hd):
+            raise ValueError(f"rope tables: expected contiguous float32 [S, {hd}], got "
+                             f"{cos.dtype} {list(cos.shape)}")
+        k, v = cache.k[layer], cache.v[layer]  # (slots, nkv, max_seq, hd)
+        if not (k.is_contiguous() and v.is_contiguous()):
+            raise ValueError("the KV cache: expected contiguous keys and values")
         slot_bytes, row_bytes = k[0].numel() * 2, qkv.shape[1] * 4
         for i, (pos, slot) in enumerate(pos_slots):
             cpu.attend_token_raw(qkv.data_ptr() + i * row_bytes, k.data_ptr() + slot * slot_bytes,
