@@ -102,13 +102,15 @@ def test_disconnect_while_waiting_frees_slot(start_server):
 
 def test_non_stream_client_timeout_cancels_generation(start_server):
     """A client that gives up ends its generation: within 5 s (a 2-core machine under a test
-    run can take seconds to notice the closed socket), far before the 20 s it would run."""
+    run can take seconds to notice the closed socket), far before the 20 s it would run. A
+    generation that began was cancelled; on a loaded machine the request may still be on its
+    way to the engine when the client gives up, and then none begins (a CI run saw that)."""
     srv, engine = start_server(FakeEngine(token_delay=0.05), max_queue=0)
     impatient = openai_client(srv, timeout=0.5)
     with pytest.raises(openai.APITimeoutError):
         impatient.chat.completions.create(model="fake-model", messages=MSGS, max_tokens=400)
     assert wait_until(lambda: health(srv)["running"] == 0, timeout=5.0)
-    assert engine.cancelled == 1
+    assert len(engine.started) <= 1 and engine.cancelled == len(engine.started)
 
 
 def test_health_and_models_during_generation(start_server):
