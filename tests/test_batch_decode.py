@@ -59,10 +59,10 @@ def test_fused_attend_rows_matches_reference(tiny_model_dir, slots, positions, k
     width = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
     lm.model.new_cache(1, 32)  # rope tables for 32 positions
     caches = [KVCache(cfg, 4, 32, kv) for _ in range(2)]
-    for c in caches:
-        c.k.copy_(torch.randn(c.k.shape, generator=gen))  # the same contents in both
-        c.v.copy_(torch.randn(c.v.shape, generator=gen))
-        gen.manual_seed(7)
+    caches[0].k.copy_(torch.randn(caches[0].k.shape, generator=gen))
+    caches[0].v.copy_(torch.randn(caches[0].v.shape, generator=gen))
+    caches[1].k.copy_(caches[0].k)  # the same contents in both
+    caches[1].v.copy_(caches[0].v)
     qkv = torch.randn(len(slots), width, generator=gen)
     rows = Rows(torch.tensor(positions), torch.tensor(slots))
     attn = lm.model.layers[1].attn
