@@ -725,6 +725,7 @@ INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, c
         const __m256 xd = _mm256_loadu_ps(x->d + 8 * (size_t)sb);
         const __m256 xs = _mm256_loadu_ps(x->s + 8 * (size_t)sb);
         if (pf) prefetch(pf + (size_t)sb * R * bsize, R * bsize, far);
+#pragma GCC unroll 4 /* the rows unrolled: one row's super-block work interleaves with the next's */
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)sb * bsize;
             uint64_t sc8, m8;
