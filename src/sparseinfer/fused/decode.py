@@ -95,6 +95,23 @@ def attend(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int, cos: Tensor,
 # ---- the block ---------------------------------------------------------------------------------
 
 
+def rope_pointers(rope, hd: int) -> tuple[int, int, int]:
+    """(cos, sin, positions) of rope tables ``rope`` for the C kernels, which read them by
+    address: contiguous float32 [S, hd] alike, else ValueError."""
+    cos, sin = rope
+    if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
+            and sin.is_contiguous() and cos.shape == sin.shape and cos.shape[-1] == hd):
+        raise ValueError(f"rope tables: expected contiguous float32 [S, {hd}], got "
+                         f"{cos.dtype} {list(cos.shape)}")
+    return cos.data_ptr(), sin.data_ptr(), cos.shape[0]
+
+
+def check_rope_room(last: int, n_rope: int) -> None:
+    """ValueError unless position ``last`` has a row in rope tables of ``n_rope`` positions."""
+    if last >= n_rope:
+        raise ValueError(f"position {last} is past the rope tables ({n_rope} positions)")
+
+
 class FusedDecode:
     """A block's single-token decode with ``rms_norm`` and ``attend`` around its own projection
     modules. Chosen when the model is built (``Block.fused``, for CPU fp32 RMSNorm/RoPE models);
@@ -181,16 +198,10 @@ class FusedDecode:
         return self._c is not None
 
     def _rope_addresses(self, rope) -> tuple[int, int, int]:
-        """(cos, sin, positions) of the rope tables, checked once per table."""
+        """``rope_pointers`` of the rope tables, checked once per table."""
         if self._rope_key is not rope[0]:
-            cos, sin = rope
-            if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
-                    and sin.is_contiguous() and cos.shape == sin.shape
-                    and cos.shape[-1] == self.hd):
-                raise ValueError(f"rope tables: expected contiguous float32 [S, {self.hd}], got "
-                                 f"{cos.dtype} {list(cos.shape)}")
-            self._rope_ptrs = (cos.data_ptr(), sin.data_ptr(), cos.shape[0])
-            self._rope_key = cos
+            self._rope_ptrs = rope_pointers(rope, self.hd)
+            self._rope_key = rope[0]
         return self._rope_ptrs
 
     @staticmethod
@@ -207,8 +218,7 @@ class FusedDecode:
     def _c_call(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
         """The whole block in one C call (``sparseinfer.cpu.DecodeBlock``)."""
         cos_p, sin_p, n_rope = self._rope_addresses(rope)
-        if pos >= n_rope:
-            raise ValueError(f"position {pos} is past the rope tables ({n_rope} positions)")
+        check_rope_room(pos, n_rope)
         k, v, kv16 = self._layer_cache(cache, layer)
         ro = pos * self.hd * 4
         x1 = x.reshape(-1).clone()  # the residual stream, updated in place
@@ -220,9 +230,7 @@ class FusedDecode:
         (``DecodeBlock.rows``: the weights read once, each row's numbers those of a lone
         sequence); needs ``takes_rows``. The cache is the batch's (slots in dimension 1)."""
         cos_p, sin_p, n_rope = self._rope_addresses(rope)
-        if rows.max_position >= n_rope:
-            raise ValueError(f"position {rows.max_position} is past the rope tables ({n_rope} "
-                             "positions)")
+        check_rope_room(rows.max_position, n_rope)
         k, v, kv16 = self._layer_cache(cache, layer)
         B = x.shape[0]
         x1 = x.reshape(B, -1).clone()  # the residual streams, updated in place
@@ -271,8 +279,7 @@ class FusedStack:
             B, last = 1, int(pos)
             self._one[0] = last
             pos_ptr, slots_ptr = self._one_ptr, self._one_ptr + 4
-        if last >= ropes[3]:
-            raise ValueError(f"position {last} is past the rope tables ({ropes[3]} positions)")
+        check_rope_room(last, ropes[3])
         x1 = x.reshape(B, -1).clone()  # the residual streams, updated in place
         self._stack.run(x1.data_ptr(), B, pos_ptr, slots_ptr, k_ptr, v_ptr, cache.k.stride(0),
                         cache.k.stride(1), ropes, cache.max_seq, kv16)
@@ -348,21 +355,18 @@ def attend_rows(cfg, layer: int, qkv: Tensor, rows, cache: KVCache, rope) -> Ten
     if cache.k.dtype == torch.float16:
         from .. import cpu
 
-        cos, sin = rope
-        if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
-                and sin.is_contiguous() and cos.shape[-1] == hd):
-            raise ValueError(f"rope tables: expected contiguous float32 [S, {hd}], got "
-                             f"{cos.dtype} {list(cos.shape)}")
-        k, v = cache.k[layer], cache.v[layer]  # (slots, nkv, max_seq, hd)
-        if not (k.is_contiguous() and v.is_contiguous()):
-            raise ValueError("the KV cache: expected contiguous keys and values")
-        slot_bytes, row_bytes = k[0].numel() * 2, qkv.shape[1] * 4
+        cos_p, sin_p, n_rope = rope_pointers(rope, hd)
+        check_rope_room(rows.max_position, n_rope)
+        k_p, v_p, _ = FusedDecode._layer_cache(cache, layer)
+        if not (cache.k[layer, 0].is_contiguous() and cache.v[layer, 0].is_contiguous()):
+            raise ValueError("the KV cache: expected each slot's keys and values contiguous")
+        slot_bytes, row_bytes = cache.k.stride(1) * 2, qkv.shape[1] * 4
         for i, (pos, slot) in enumerate(pos_slots):
-            cpu.attend_token_raw(qkv.data_ptr() + i * row_bytes, k.data_ptr() + slot * slot_bytes,
-                                 v.data_ptr() + slot * slot_bytes, True, pos,
-                                 cos.data_ptr() + pos * hd * 4, sin.data_ptr() + pos * hd * 4,
-                                 nh, nkv, hd, cache.max_seq, bool(cfg.rope_interleaved),
-                                 1.0 / math.sqrt(hd), out.data_ptr() + i * nh * hd * 4)
+            cpu.attend_token_raw(qkv.data_ptr() + i * row_bytes, k_p + slot * slot_bytes,
+                                 v_p + slot * slot_bytes, True, pos, cos_p + pos * hd * 4,
+                                 sin_p + pos * hd * 4, nh, nkv, hd, cache.max_seq,
+                                 bool(cfg.rope_interleaved), 1.0 / math.sqrt(hd),
+                                 out.data_ptr() + i * nh * hd * 4)
         return out
     q_rows = qkv.numpy()
     out_np = out.numpy()
