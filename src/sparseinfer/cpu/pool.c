@@ -796,6 +796,16 @@ static void attend_head(int kv16, const float *q, const uint8_t *kc, const uint8
         g_attend(q, (const float *)kc, (const float *)vc, n, hd, scale, scores, out);
 }
 
+/* Query heads h0 .. h0 + group - 1 of q (hd values each) against one kv head's keys/values at
+ * kc/vc (n positions): head h's scores at scores + h * sstride, its output at out + h * hd. */
+static void attend_group(int kv16, const float *q, const uint8_t *kc, const uint8_t *vc, int n,
+                         int hd, float scale, int h0, int group, float *scores, size_t sstride,
+                         float *out) {
+    for (int h = h0; h < h0 + group; h++)
+        attend_head(kv16, q + (size_t)h * hd, kc, vc, n, hd, scale, scores + h * sstride,
+                    out + (size_t)h * hd);
+}
+
 /* Rope on n heads of hd values at v (rotate-half pairs, or adjacent ones when interleaved), with
  * the rope row cos/sin [hd] of the position. */
 static void rope_heads(float *v, int n, int hd, int interleaved, const float *cos, const float *sin) {
@@ -841,10 +851,9 @@ static void attend_chunk(const void *jp, int64_t c) {
     const int nh = b->d.n_heads, nkv = b->d.n_kv_heads, hd = b->d.head_dim, group = nh / nkv;
     const int t = (int)(c / nkv), g = (int)(c % nkv);
     const size_t kv = ((size_t)g * b->max_seq + b->start[t]) * hd * kv_size(b->kv16); /* bytes */
-    for (int h = g * group; h < (g + 1) * group; h++)
-        attend_head(b->kv16, b->qkv + t * b->nq + (size_t)h * hd, b->kc[t] + kv, b->vc[t] + kv,
-                    b->n[t], hd, b->scale, b->scores + ((size_t)t * nh + h) * b->max_seq,
-                    b->att + t * b->na + (size_t)h * hd);
+    attend_group(b->kv16, b->qkv + t * b->nq, b->kc[t] + kv, b->vc[t] + kv, b->n[t], hd, b->scale,
+                 g * group, group, b->scores + (size_t)t * nh * b->max_seq, b->max_seq,
+                 b->att + t * b->na);
 }
 
 static void add_bias(float *y, const float *bias, int64_t n) {
@@ -979,9 +988,8 @@ typedef struct {
 static void token_attend_chunk(const void *jp, int64_t g) {
     const token_attend_job *j = jp;
     const size_t kv = (size_t)g * j->max_seq * j->hd * kv_size(j->kv16); /* bytes */
-    for (int h = (int)g * j->group; h < ((int)g + 1) * j->group; h++)
-        attend_head(j->kv16, j->q + (size_t)h * j->hd, j->kc + kv, j->vc + kv, j->n, j->hd, j->scale,
-                    j->scores + (size_t)h * j->max_seq, j->out + (size_t)h * j->hd);
+    attend_group(j->kv16, j->q, j->kc + kv, j->vc + kv, j->n, j->hd, j->scale, (int)g * j->group,
+                 j->group, j->scores, j->max_seq, j->out);
 }
 
 /* One token's attention outside the C block (a plain llama block around a sparse FFN): rope on
