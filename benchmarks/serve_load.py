@@ -243,9 +243,14 @@ def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list
               args.prefill_chunk, args.model, not args.no_cache_prompt),
     )
     proc.start()
-    if not parent.poll(600):
-        proc.kill()
-        raise SystemExit("server did not start within 600 s")
+    deadline = time.monotonic() + 600
+    while not parent.poll(0.5):  # until the server reports its address, dies or times out
+        if not proc.is_alive():
+            raise SystemExit(f"the server process exited (code {proc.exitcode}) before it "
+                             "started: see its traceback above")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit("server did not start within 600 s")
     base_url, model = parent.recv()
     ready = time.perf_counter() - t_load
     print(
