@@ -3,6 +3,7 @@
     python benchmarks/beyond_ram.py --sparse /work/r7b/sparse.gguf --dense /work/r7b/dense.gguf
     python benchmarks/beyond_ram.py ... --fractions 0.75,0.5,0.3 -n 12 --eviction lru,freq
     python benchmarks/beyond_ram.py --sparse A.gguf B.gguf ...   # several bundled layouts
+    python benchmarks/beyond_ram.py ... --read-mbps 280          # on a disk of 280 MB/s
 
 Several ``--sparse`` files (the same model bundled in neuron order and in co-activation order,
 ``python -m sparseinfer.disk bundle --profile``) run side by side, labelled by their
@@ -20,7 +21,9 @@ the look-ahead prefetch's precision. Ours runs with ``--ram-budget`` equal to th
 sparse file is bundled first (``python -m sparseinfer.disk bundle``) if it is not.
 
 Also measured and printed: the disk's O_DIRECT random-read throughput at 4, 16 and 64 KiB, one
-read at a time and 8 in flight, and sequential 1 MiB reads.
+read at a time and 8 in flight, and sequential 1 MiB reads. ``--read-mbps`` puts every run (the
+probe too) in a cgroup v1 blkio group whose reads from the files' disk are throttled to that
+rate: the disk issue 13 was written for (~280 MB/s) on a machine whose disk is faster.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from pathlib import Path
 PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good "
           "fortune, must be in want of a wife.")
 CGROOT = Path("/sys/fs/cgroup/memory")
+BLKROOT = Path("/sys/fs/cgroup/blkio")
 
 
 # ---- the disk -------------------------------------------------------------------------------------
@@ -92,19 +96,37 @@ def drop_cache(*paths: Path) -> None:
             os.close(fd)
 
 
-def run_limited(job: dict, limit: int | None, timeout: float) -> dict:
+def disk_device(path: Path) -> str:
+    """"major:minor" of the whole disk holding ``path`` (blkio throttles disks, not partitions)."""
+    dev = os.stat(path).st_dev
+    sys_dev = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if (sys_dev / "partition").exists():
+        return (sys_dev.resolve().parent / "dev").read_text().strip()
+    return f"{os.major(dev)}:{os.minor(dev)}"
+
+
+def run_limited(job: dict, limit: int | None, timeout: float,
+                read_bps: int | None = None) -> dict:
     """``job`` in a child process inside a fresh cgroup limited to ``limit`` bytes (None: no
-    limit); the child's JSON result plus the group's peak usage and failures."""
+    limit) and, with ``read_bps``, a blkio group whose reads from the file's disk are throttled
+    to that many bytes/s (page faults and O_DIRECT reads alike); the child's JSON result plus
+    the memory group's peak usage and failures."""
     name = f"sparseinfer-beyond-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
-    group = CGROOT / name
+    group, blk = CGROOT / name, BLKROOT / name
     drop_cache(Path(job["path"]), *[Path(p) for p in job.get("drop", [])])
     if limit is not None:
         group.mkdir()
         (group / "memory.limit_in_bytes").write_text(str(limit))
+    if read_bps is not None:
+        blk.mkdir()
+        (blk / "blkio.throttle.read_bps_device").write_text(
+            f"{disk_device(Path(job['path']))} {read_bps}")
 
     def join():
         if limit is not None:
             (group / "cgroup.procs").write_text(str(os.getpid()))
+        if read_bps is not None:
+            (blk / "cgroup.procs").write_text(str(os.getpid()))
 
     cmd = [sys.executable, __file__, "--child", json.dumps(job)]
     try:
@@ -127,9 +149,10 @@ def run_limited(job: dict, limit: int | None, timeout: float) -> dict:
                 res["failcnt"] = int((group / "memory.failcnt").read_text())
             except (OSError, ValueError):
                 pass
-            for _ in range(50):  # the group empties when the child is gone
+        for g, made in ((group, limit is not None), (blk, read_bps is not None)):
+            for _ in range(50 if made else 0):  # a group empties when the child is gone
                 try:
-                    group.rmdir()
+                    g.rmdir()
                     break
                 except OSError:
                     time.sleep(0.1)
@@ -154,7 +177,8 @@ def child_ours(job: dict) -> dict:
     if job["budget"] is not None:
         opts = {"ram_budget": job["budget"] / 2**30,
                 "disk_options": DiskOptions(eviction=job["eviction"], prefetch=job["prefetch"],
-                                            read_gap=job.get("read_gap", 2))}
+                                            read_gap=job.get("read_gap", 2),
+                                            io_threads=job.get("io_threads", 8))}
     e = Engine.load(job["path"], n_ctx=job["ctx"], threads=job["threads"], **opts)
     t_load = time.perf_counter() - t0
     ids = e.encode(PROMPT)
@@ -247,11 +271,20 @@ def main() -> int:
     ap.add_argument("--llama-repack", default="on,off",
                     help="llama.cpp runs with its weight repacking on and/or off")
     ap.add_argument("--unlimited", action="store_true", help="also run both without a limit")
+    ap.add_argument("--io-threads", default="8",
+                    help="ours: reads in flight (DiskOptions.io_threads), comma-separated: each "
+                         "is a run")
+    ap.add_argument("--read-mbps", type=float, default=None,
+                    help="throttle every run's reads from the files' disk to this many MB/s "
+                         "(a cgroup v1 blkio group): a slower disk than this machine's, e.g. 280")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         job = json.loads(args.child)
-        res = child_ours(job) if job["engine"] == "ours" else child_llama(job)
+        if job["engine"] == "disk":
+            res = {"disk": disk_throughput(Path(job["path"]))}
+        else:
+            res = child_ours(job) if job["engine"] == "ours" else child_llama(job)
         print(json.dumps(res))
         return 0
 
@@ -283,9 +316,20 @@ def main() -> int:
     print(f"dense {args.dense} {dense_size / 2**30:.2f} GiB; " + "; ".join(
         f"{k}: {p} {p.stat().st_size / 2**30:.2f} GiB" for k, p in layouts.items()))
     sparse_files = [str(p) for p in layouts.values()]
-    print("disk, O_DIRECT reads:")
-    for r in disk_throughput(max([*layouts.values(), args.dense],
-                                 key=lambda p: p.stat().st_size)):
+    read_bps = None if args.read_mbps is None else int(args.read_mbps * 1e6)
+    if read_bps is not None and not BLKROOT.is_dir():
+        print(f"--read-mbps needs cgroup v1's blkio controller at {BLKROOT}", file=sys.stderr)
+        return 1
+    biggest = max([*layouts.values(), args.dense], key=lambda p: p.stat().st_size)
+    if read_bps is None:
+        probe = disk_throughput(biggest)
+        print("disk, O_DIRECT reads:")
+    else:  # measured inside a throttled group, as the engines will read
+        probe = run_limited({"engine": "disk", "path": str(biggest)}, None, args.timeout,
+                            read_bps)["disk"]
+        print(f"disk, O_DIRECT reads, throttled to {args.read_mbps:g} MB/s (blkio "
+              f"{disk_device(biggest)}):")
+    for r in probe:
         kind = "sequential" if r["sequential"] else "random"
         print(f"  {kind:10s} {r['block_kib']:5d} KiB x{r['in_flight']}: {r['MB_s']:7.1f} MB/s "
               f"({r['iops']:.0f} reads/s)")
@@ -293,6 +337,7 @@ def main() -> int:
     fractions = [float(f) for f in args.fractions.split(",") if f]
     limits = ([None] if args.unlimited else []) + fractions
     evictions = [e for e in args.eviction.split(",") if e]
+    io_threads = [int(n) for n in args.io_threads.split(",") if n]
     middle = fractions[len(fractions) // 2] if fractions else None
     for frac in limits:
         limit = None if frac is None else int(frac * dense_size)
@@ -300,9 +345,11 @@ def main() -> int:
         runs = []
         for name, sparse in layouts.items() if not args.no_ours else []:
             for ev in evictions:
-                runs.append(({**base, "engine": "ours", "path": str(sparse),
-                              "drop": [str(args.dense), *sparse_files], "budget": limit,
-                              "eviction": ev, "prefetch": True}, f"{name} {ev}"))
+                for io in io_threads:
+                    runs.append(({**base, "engine": "ours", "path": str(sparse),
+                                  "drop": [str(args.dense), *sparse_files], "budget": limit,
+                                  "eviction": ev, "prefetch": True, "io_threads": io},
+                                 f"{name} {ev}" + (f" io {io}" if len(io_threads) > 1 else "")))
                 if limit is None:
                     break
             if frac == middle and not args.no_prefetch_run:
@@ -319,7 +366,7 @@ def main() -> int:
                           "drop": sparse_files, "repack": rp == "on"},
                          "llama.cpp" + (" no repack" if rp == "off" else "")))
         for job, label in runs:
-            res = run_limited(job, limit, args.timeout)
+            res = run_limited(job, limit, args.timeout, read_bps)
             res.update(label=label, limit_GiB=None if limit is None else limit / 2**30,
                        fraction=frac)
             rows.append(res)

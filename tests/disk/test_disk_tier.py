@@ -274,6 +274,29 @@ def test_failing_reads_raise_never_wrong_tokens(bundled, mode):
     assert BUNDLE.format(0) in d.source.extras
 
 
+def test_failing_c_reads_raise_never_wrong_tokens(bundled, tmp_path):
+    """The same through the C reads (no Python pread): every reader's descriptor a directory's,
+    whose reads fail with EISDIR."""
+    d = load(bundled["q4"], "auto", disk_options=DiskOptions(ram_counts=(0, 0), cache_slots=32))
+    readers = list({id(b.ffn.cache.reader): b.ffn.cache.reader for b in d.model.layers}.values())
+    dir_fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        for r in readers:
+            assert r._c_reads()
+            os.close(r.fd)
+            r.fd = dir_fd
+        with pytest.raises(DiskReadError, match="layer 0 file rows .* failed: Is a directory"):
+            _logits(d)
+        for b in d.model.layers:
+            c = b.ffn.cache
+            valid = c.state == 1
+            assert (c.slot_of[c.neuron_of[valid]] == np.flatnonzero(valid)).all()
+    finally:
+        for r in readers:
+            r.fd = os.open(bundled["q4"], os.O_RDONLY)  # closed with the reader
+        os.close(dir_fd)
+
+
 def test_short_budget_lets_mapped_weights_overflow(tmp_path):
     """A budget below the mapped weights (a Q4_0 file's attention) but above what cannot be
     dropped plans every neuron on disk and warns; below that, one clear error."""

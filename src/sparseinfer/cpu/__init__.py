@@ -24,6 +24,7 @@ q8_0) and each block of weights is an integer dot product with it (F16 and F32 u
     blk(x, pos, k_cache, v_cache, cos, sin)              # one token through a whole llama block
     blk.rows(X, positions, slots, k_caches, v_caches, cos_table, sin_table)  # one per sequence
     cpu.DecodeStack([blk0, blk1, ...])(X, positions, slots, k, v, ropes)  # every block, one call
+    cpu.read_runs(fd, start, length, first, pick, dest, stride, out, 512, 8, False)  # disk reads
 
 Variants: AVX2+FMA; the same in 128-bit registers (``"avx2_128"``, for CPUs whose vector units
 split 256-bit instructions: AMD Zen and Zen+); and AVX-512 (F/BW/VL) with VNNI. ``best_isa()``
@@ -70,6 +71,7 @@ __all__ = [
     "topk",
     "sample_topk",
     "bundle_rows",
+    "read_runs",
 ]
 
 if TYPE_CHECKING:

@@ -97,6 +97,7 @@ def _load() -> ctypes.CDLL:
     lib.si_sample.argtypes = [vp, i64, ci, dbl, dbl, dbl, dbl, vp]
     lib.si_to_panels.argtypes = [ci, vp, i64, ci, vp]
     lib.si_bundle_rows.argtypes = [ci, vp, i64, i64, ci, ci, vp, i64, vp, i64]
+    lib.si_read_runs.argtypes = [ci, ci, vp, vp, vp, vp, vp, i64, i64, vp, ci, ci, ci, vp, vp]
     if lib.si_get_isa() < 0:
         raise CpuLibraryError("this CPU has neither AVX2+FMA nor AVX-512: the C kernels need one")
     return lib
@@ -302,6 +303,44 @@ def sample_topk(x: torch.Tensor, k: int, top_p: float, min_p: float, temperature
     _check(_lib.si_sample(x.data_ptr(), n, k, top_p, min_p, temperature, u, ctypes.byref(out)),
            "sample_topk")
     return out.value
+
+
+def read_runs(fd: int, start: np.ndarray, length: np.ndarray, first: np.ndarray,
+              pick: np.ndarray, dest: np.ndarray, stride: int, out: np.ndarray, align: int,
+              threads: int, drop: bool) -> tuple[int, int, int, tuple[int, int, int] | None]:
+    """The disk tier's reads in C, ``threads`` in flight, without the GIL (``disk.reader``):
+    run i is the file bytes ``[start[i], start[i] + length[i])`` of ``fd``, read with one
+    ``pread`` over that range widened to multiples of ``align`` (O_DIRECT's rule; 4096 if the
+    device refuses less); its wanted rows ``j`` in ``[first[i], first[i + 1])`` are the bytes
+    ``[pick[j] * stride, + row)`` of the run, copied to row ``dest[j]`` of ``out`` ([k, row]
+    uint8, C-contiguous). ``drop``: each range read is dropped from the page cache (reads
+    without O_DIRECT). Returns (bytes read, reads, the alignment used, failure): failure None, or
+    (run, errno, bytes got) of the first run that failed (errno 0: a short read), after which no
+    further run starts."""
+    n = len(start)
+    if out.dtype != np.uint8 or out.ndim != 2 or not out.flags.c_contiguous:
+        raise ValueError(f"out: expected C-contiguous uint8 [k, row], got {out.dtype} "
+                         f"{list(out.shape)}")
+    k, row = out.shape
+    start, length, first, dest = (np.ascontiguousarray(a, dtype=np.int64)
+                                  for a in (start, length, first, dest))
+    pick = np.ascontiguousarray(pick, dtype=np.int32)
+    if len(length) != n or len(first) != n + 1 or len(pick) != len(dest) or \
+            (n and (first[0] != 0 or first[-1] != len(pick))):
+        raise ValueError(f"expected start and length of {n} runs, first of {n + 1} ending at "
+                         f"{len(pick)} picks, one dest per pick; got {len(length)}, "
+                         f"{len(first)}, {len(dest)}")
+    if len(dest) and (dest.min() < 0 or dest.max() >= k):
+        raise ValueError(f"dest: expected rows of out (0..{k - 1})")
+    stats = np.zeros(3, dtype=np.int64)
+    fail = np.zeros(3, dtype=np.int64)
+    rc = _lib.si_read_runs(fd, n, _ptr(start), _ptr(length), _ptr(first), _ptr(pick),
+                           _ptr(dest), stride, row, _ptr(out), align, threads, int(drop),
+                           _ptr(stats), _ptr(fail))
+    if rc and rc != 5:  # 5: EIO, a failed read (reported below)
+        _check(rc, "read_runs")
+    failure = (int(fail[0]), int(fail[1]), int(fail[2])) if rc else None
+    return int(stats[0]), int(stats[1]), int(stats[2]), failure
 
 
 class QuantMatrix:

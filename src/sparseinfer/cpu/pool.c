@@ -12,6 +12,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <math.h>
 #include <linux/futex.h>
@@ -1380,6 +1381,114 @@ int si_sample(const float *x, int64_t n, int k, double top_p, double min_p, doub
     *out = ids[pick];
     free(vals), free(ids), free(w);
     return 0;
+}
+
+/* ------------------------------------------------------------------ neuron bundle reads */
+
+/* The disk tier's reads (disk/reader.py): run i is the file bytes [start[i], start[i] +
+ * length[i]), read with one pread into this thread's scratch over that range widened to multiples
+ * of `align` (O_DIRECT's rule; retried once at 4096 if the device refuses a smaller one: then
+ * stats[2] = 4096); its wanted rows j in [first[i], first[i + 1]) are the bytes
+ * [pick[j] * stride, + row_bytes) of the run, copied to out + dest[j] * row_bytes. `threads`
+ * reads in flight (threads of this call, not the compute pool: reads wait, they do not spin).
+ * drop: posix_fadvise(DONTNEED) over each range read (plain reads, no O_DIRECT). stats[0..1] +=
+ * bytes and reads. On failure the first failing run's index, errno (0: a short read) and the
+ * bytes it got go to fail[0..2] and no further run starts; returns 0, or EIO on a failed read,
+ * EINVAL on bad arguments, ENOMEM. */
+typedef struct {
+    int fd, drop, n, threads;
+    const int64_t *start, *length, *first, *dest;
+    const int32_t *pick;
+    int64_t stride, row_bytes, max_span;
+    uint8_t *out;
+    atomic_int next, align, failed;
+    atomic_llong bytes, reads;
+    pthread_mutex_t lock;
+    int64_t *fail;
+} read_job;
+
+static void *read_worker(void *arg) {
+    read_job *j = arg;
+    uint8_t *buf = NULL;
+    if (posix_memalign((void **)&buf, 4096, (size_t)j->max_span + 2 * 4096)) {
+        pthread_mutex_lock(&j->lock);
+        if (!atomic_load(&j->failed)) {
+            j->fail[0] = -1, j->fail[1] = ENOMEM, j->fail[2] = 0;
+            atomic_store(&j->failed, 1);
+        }
+        pthread_mutex_unlock(&j->lock);
+        return NULL;
+    }
+    for (;;) {
+        if (atomic_load(&j->failed)) break;
+        const int i = atomic_fetch_add(&j->next, 1);
+        if (i >= j->n) break;
+        const int64_t start = j->start[i], end = start + j->length[i];
+        int64_t a = atomic_load(&j->align), lo = start / a * a, hi = (end + a - 1) / a * a;
+        ssize_t got = pread(j->fd, buf, (size_t)(hi - lo), lo);
+        if (got < 0 && errno == EINVAL && a < 4096) { /* a device with 4 KiB sectors */
+            atomic_store(&j->align, 4096);
+            a = 4096, lo = start / a * a, hi = (end + a - 1) / a * a;
+            got = pread(j->fd, buf, (size_t)(hi - lo), lo);
+        }
+        if (got < end - lo) { /* an error, or a short read (a truncated file) */
+            const int e = got < 0 ? errno : 0;
+            pthread_mutex_lock(&j->lock);
+            if (!atomic_load(&j->failed)) {
+                j->fail[0] = i, j->fail[1] = e, j->fail[2] = got < 0 ? 0 : got;
+                atomic_store(&j->failed, 1);
+            }
+            pthread_mutex_unlock(&j->lock);
+            break;
+        }
+        const uint8_t *run = buf + (start - lo);
+        for (int64_t r = j->first[i]; r < j->first[i + 1]; r++)
+            memcpy(j->out + j->dest[r] * j->row_bytes, run + (int64_t)j->pick[r] * j->stride,
+                   (size_t)j->row_bytes);
+        if (j->drop) posix_fadvise(j->fd, lo, hi - lo, POSIX_FADV_DONTNEED);
+        atomic_fetch_add(&j->bytes, hi - lo);
+        atomic_fetch_add(&j->reads, 1);
+    }
+    free(buf);
+    return NULL;
+}
+
+int si_read_runs(int fd, int n, const int64_t *start, const int64_t *length, const int64_t *first,
+                 const int32_t *pick, const int64_t *dest, int64_t stride, int64_t row_bytes,
+                 uint8_t *out, int align, int threads, int drop, int64_t *stats, int64_t *fail) {
+    if (n < 0 || threads < 1 || align < 1 || align > 4096 || 4096 % align || row_bytes > stride)
+        return EINVAL;
+    int64_t max_span = 0;
+    for (int i = 0; i < n; i++) {
+        if (start[i] < 0 || length[i] < row_bytes || first[i] > first[i + 1]) return EINVAL;
+        if (length[i] > max_span) max_span = length[i];
+        for (int64_t r = first[i]; r < first[i + 1]; r++)
+            if (pick[r] < 0 || (int64_t)pick[r] * stride + row_bytes > length[i]) return EINVAL;
+    }
+    read_job j = {.fd = fd, .drop = drop, .n = n, .threads = threads, .start = start,
+                  .length = length, .first = first, .dest = dest, .pick = pick, .stride = stride,
+                  .row_bytes = row_bytes, .max_span = max_span, .out = out, .fail = fail};
+    atomic_init(&j.next, 0);
+    atomic_init(&j.align, align);
+    atomic_init(&j.failed, 0);
+    atomic_init(&j.bytes, 0);
+    atomic_init(&j.reads, 0);
+    pthread_mutex_init(&j.lock, NULL);
+    const int nt = threads < n ? threads : n;
+    pthread_t th[64];
+    int started = 0;
+    for (int t = 0; t < nt - 1 && t < 64; t++) { /* fewer threads if one cannot start */
+        if (pthread_create(&th[t], NULL, read_worker, &j)) break;
+        started++;
+    }
+    read_worker(&j); /* the calling thread reads too */
+    for (int t = 0; t < started; t++) pthread_join(th[t], NULL);
+    pthread_mutex_destroy(&j.lock);
+    stats[0] += atomic_load(&j.bytes);
+    stats[1] += atomic_load(&j.reads);
+    stats[2] = atomic_load(&j.align);
+    if (!atomic_load(&j.failed)) return 0;
+    return fail[0] < 0 ? (int)fail[1] : EIO;
 }
 
 /* The activation quantization alone (for tests: x -> q, d, s as the kernels see it). */

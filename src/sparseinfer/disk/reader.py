@@ -2,12 +2,14 @@
 
 ``NeuronReader.submit(layer, neurons)`` groups the neurons into runs of neighbouring file rows
 (the file may hold a layer's neurons in any order: ``layout.py``),
-reads each run with one ``os.preadv`` into a page-aligned buffer (``O_DIRECT``: the file's pages
-never enter the page cache, so a memory budget that counts the cache holds), spread over a pool of
-threads (``preadv`` releases the GIL: the reads are in flight together), and returns a
-``ReadBatch`` whose ``wait()`` gives the rows. Any ``OSError`` or a short read becomes one
-``DiskReadError`` naming the file, the offset and the bytes expected and found: rows that were not
-read in full are never handed to the kernels.
+reads each run with one ``pread`` into a page-aligned buffer (``O_DIRECT``: the file's pages
+never enter the page cache, so a memory budget that counts the cache holds), ``threads`` reads in
+flight, and returns a ``ReadBatch`` whose ``wait()`` gives the rows. The reads and the copies of
+their wanted rows run in the C library (``cpu.read_runs``: one call per batch on a helper thread,
+its own threads reading, no Python and no GIL per read); without the library, or with a ``pread``
+of a test's, the same runs go through ``os.preadv`` on a pool of Python threads. Any ``OSError``
+or a short read becomes one ``DiskReadError`` naming the file, the offset and the bytes expected
+and found: rows that were not read in full are never handed to the kernels.
 
 Where ``O_DIRECT`` is refused (tmpfs, some overlay file systems) the reader falls back to plain
 reads followed by ``posix_fadvise(DONTNEED)`` over the range read, and says so in the log.
@@ -102,6 +104,7 @@ class NeuronReader:
         if not self.direct:
             self.fd = os.open(self.path, flags)
         self._pread = pread or os.preadv
+        self._c = None  # cpu.read_runs once looked up, False when not available
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads),
                                         thread_name_prefix="sparseinfer-disk")
         self.threads = max(1, threads)
@@ -152,6 +155,11 @@ class NeuronReader:
         lay = self.layout
         neurons = np.asarray(neurons, dtype=np.int64)
         rows = np.empty((neurons.size, lay.bundle_bytes), dtype=np.uint8)
+        if self._c_reads():
+            args = self._run_arrays(layer, neurons)
+            if args is None:
+                return ReadBatch(neurons, rows, [])
+            return ReadBatch(neurons, rows, [self._pool.submit(self._read_c, layer, args, rows)])
         runs = self._runs(layer, neurons)
         if not runs:
             return ReadBatch(neurons, rows, [])
@@ -160,6 +168,73 @@ class NeuronReader:
         tasks = [runs[k::n_tasks] for k in range(n_tasks)]
         futures = [self._pool.submit(self._read_runs, layer, t, rows) for t in tasks]
         return ReadBatch(neurons, rows, futures)
+
+    def _c_reads(self) -> bool:
+        """Whether reads go through the C library (``cpu.read_runs``: no Python and no GIL per
+        read); not when a test has put its own ``pread`` in, nor without the library."""
+        if self._pread is not os.preadv:
+            return False
+        if self._c is None:
+            try:
+                from .. import cpu
+
+                self._c = cpu.read_runs
+            except SparseInferError as e:  # no library, or this CPU lacks what it needs
+                log.info("%s: reads in Python (%s)", self.path, e)
+                self._c = False
+        return bool(self._c)
+
+    def _run_arrays(self, layer: int, neurons: np.ndarray):
+        """``_runs`` as the arrays ``cpu.read_runs`` takes (start, length, first, pick, dest),
+        or None for no neurons."""
+        if neurons.size == 0:
+            return None
+        lay = self.layout
+        rows = lay.row_of(layer, neurons)
+        where = None
+        if lay.positions is not None:
+            where = np.argsort(rows, kind="stable")
+            rows = rows[where]
+        r, n, step = rows.tolist(), len(rows), self.max_gap + 1
+        heads, a = [], 0
+        while a < n:  # as _runs: gaps of up to max_gap rows, at most MAX_RUN rows a read
+            b = a + 1
+            while b < n and r[b] - r[b - 1] <= step and r[b] - r[a] < MAX_RUN:
+                b += 1
+            heads.append(a)
+            a = b
+        first = np.array(heads + [n], dtype=np.int64)
+        run_row = rows[first[:-1]]
+        span = rows[first[1:] - 1] - run_row + 1
+        start = lay.offsets[layer] + run_row * lay.stride
+        pick = rows - np.repeat(run_row, np.diff(first))
+        dest = np.arange(n) if where is None else where
+        return start, span * lay.stride, first, pick, dest
+
+    def _read_c(self, layer: int, args, rows: np.ndarray) -> None:
+        start, length, first, pick, dest = args
+        nbytes, reads, align, failure = self._c(
+            self.fd, start, length, first, pick, dest, self.layout.stride, rows,
+            self.sector if self.direct else 1, self.threads, not self.direct)
+        if self.direct and align != self.sector:
+            log.info("%s: %d-byte aligned O_DIRECT reads refused: using %d", self.path,
+                     self.sector, align)
+            self.sector = align
+        with self._lock:
+            self.bytes_read += nbytes
+            self.reads += reads
+        if failure is not None:
+            i, err, got = failure
+            lay = self.layout
+            row0 = (int(start[i]) - lay.offsets[layer]) // lay.stride
+            count = int(length[i]) // lay.stride
+            where = f"layer {layer} file rows {row0}..{row0 + count - 1}"
+            if err:
+                raise DiskReadError(f"{self.path}: reading {where} (bytes {int(start[i])}.."
+                                    f"{int(start[i] + length[i])}) failed: {os.strerror(err)}")
+            raise DiskReadError(f"{self.path}: short read of {where}: expected the bytes up to "
+                                f"{int(start[i] + length[i])}, got {got} from the aligned "
+                                f"offset below {int(start[i])} (truncated file?)")
 
     def read(self, layer: int, neurons: np.ndarray) -> np.ndarray:
         return self.submit(layer, neurons).wait()
