@@ -125,28 +125,18 @@ class NeuronReader:
             pass
 
     def _runs(self, layer: int, neurons: np.ndarray) -> list[tuple]:
-        """(first file row, rows to read, which of them are wanted (None: all), where they go
-        in ``neurons``' order) of each read: a run of neighbouring file rows, gaps of up to
-        ``max_gap`` unwanted rows read through (one longer read costs less than two), at most
-        ``MAX_RUN`` rows."""
-        if neurons.size == 0:
+        """``_run_arrays`` run by run for the Python reads: (first file row, rows to read, which
+        of them are wanted (None: all), where they go in ``neurons``' order)."""
+        arrays = self._run_arrays(layer, neurons)
+        if arrays is None:
             return []
-        rows = self.layout.row_of(layer, neurons)
-        where = None
-        if self.layout.positions is not None:
-            where = np.argsort(rows, kind="stable")
-            rows = rows[where]
-        runs, r = [], rows.tolist()
-        a, n, step = 0, len(r), self.max_gap + 1
-        while a < n:
-            # the furthest b with r[b-1] within MAX_RUN rows of r[a] and no gap over max_gap
-            b = a + 1
-            while b < n and r[b] - r[b - 1] <= step and r[b] - r[a] < MAX_RUN:
-                b += 1
-            first, span = r[a], r[b - 1] - r[a] + 1
-            picks = None if span == b - a else rows[a:b] - first
-            runs.append((first, span, picks, slice(a, b) if where is None else where[a:b]))
-            a = b
+        start, length, first, pick, dest = arrays
+        lay, runs = self.layout, []
+        for i in range(len(start)):
+            a, b = int(first[i]), int(first[i + 1])
+            span = int(length[i]) // lay.stride
+            runs.append(((int(start[i]) - lay.offsets[layer]) // lay.stride, span,
+                         None if span == b - a else pick[a:b], dest[a:b]))
         return runs
 
     def submit(self, layer: int, neurons: np.ndarray) -> ReadBatch:
@@ -185,8 +175,11 @@ class NeuronReader:
         return bool(self._c)
 
     def _run_arrays(self, layer: int, neurons: np.ndarray):
-        """``_runs`` as the arrays ``cpu.read_runs`` takes (start, length, first, pick, dest),
-        or None for no neurons."""
+        """The reads of ``neurons`` (None for none) as ``cpu.read_runs`` takes them: start and
+        length of each read in the file; first[i]..first[i + 1] its wanted rows, each at row
+        ``pick`` of the read and going to row ``dest`` of ``neurons``' order. A read is a run of
+        neighbouring file rows, gaps of up to ``max_gap`` unwanted rows read through (one longer
+        read costs less than two), at most ``MAX_RUN`` rows."""
         if neurons.size == 0:
             return None
         lay = self.layout
@@ -197,7 +190,8 @@ class NeuronReader:
             rows = rows[where]
         r, n, step = rows.tolist(), len(rows), self.max_gap + 1
         heads, a = [], 0
-        while a < n:  # as _runs: gaps of up to max_gap rows, at most MAX_RUN rows a read
+        while a < n:
+            # the furthest b with r[b-1] within MAX_RUN rows of r[a] and no gap over max_gap
             b = a + 1
             while b < n and r[b] - r[b - 1] <= step and r[b] - r[a] < MAX_RUN:
                 b += 1
@@ -225,16 +219,24 @@ class NeuronReader:
             self.reads += reads
         if failure is not None:
             i, err, got = failure
-            lay = self.layout
-            row0 = (int(start[i]) - lay.offsets[layer]) // lay.stride
-            count = int(length[i]) // lay.stride
-            where = f"layer {layer} file rows {row0}..{row0 + count - 1}"
-            if err:
-                raise DiskReadError(f"{self.path}: reading {where} (bytes {int(start[i])}.."
-                                    f"{int(start[i] + length[i])}) failed: {os.strerror(err)}")
-            raise DiskReadError(f"{self.path}: short read of {where}: expected the bytes up to "
-                                f"{int(start[i] + length[i])}, got {got} from the aligned "
-                                f"offset below {int(start[i])} (truncated file?)")
+            lay, start_i = self.layout, int(start[i])
+            a = align if self.direct else 1
+            raise self._error(layer, (start_i - lay.offsets[layer]) // lay.stride,
+                              int(length[i]) // lay.stride, start_i // a * a, got,
+                              os.strerror(err) if err else None)
+
+    def _error(self, layer: int, row: int, count: int, lo: int, got: int,
+               failed: str | None) -> DiskReadError:
+        """The one error of a read of ``count`` file rows from ``row`` (read from the aligned
+        offset ``lo``): it ``failed`` (the system's message), or got only ``got`` bytes."""
+        start = self.layout.row_offset(layer, row)
+        end = start + count * self.layout.stride
+        rows = f"layer {layer} file rows {row}..{row + count - 1}"
+        if failed is not None:
+            return DiskReadError(f"{self.path}: reading {rows} (bytes {start}..{end}) failed: "
+                                 f"{failed}")
+        return DiskReadError(f"{self.path}: short read of {rows}: expected {end - lo} bytes at "
+                             f"offset {lo}, got {got} (truncated file?)")
 
     def read(self, layer: int, neurons: np.ndarray) -> np.ndarray:
         return self.submit(layer, neurons).wait()
@@ -270,16 +272,11 @@ class NeuronReader:
                     view = memoryview(buf.map)[: hi - lo]
                     got = self._pread(self.fd, [view], lo)
             except OSError as e:
-                raise DiskReadError(f"{self.path}: reading layer {layer} file rows "
-                                    f"{first}..{first + count - 1} (bytes {start}..{start + length})"
-                                    f" failed: {e.strerror or e}") from None
+                raise self._error(layer, first, count, lo, 0, str(e.strerror or e)) from None
             finally:
                 view.release()
             if got < start + length - lo:
-                raise DiskReadError(f"{self.path}: short read of layer {layer} file rows "
-                                    f"{first}..{first + count - 1}: expected "
-                                    f"{start + length - lo} bytes at offset {lo}, got {got} "
-                                    f"(truncated file?)")
+                raise self._error(layer, first, count, lo, got, None)
             blk = buf.array[start - lo: start - lo + length].reshape(count, lay.stride)
             rows[dest] = (blk if picks is None else blk[picks])[:, :lay.bundle_bytes]
             if not self.direct and hasattr(os, "posix_fadvise"):
