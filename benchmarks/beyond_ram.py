@@ -177,7 +177,7 @@ def child_ours(job: dict) -> dict:
     if job["budget"] is not None:
         opts = {"ram_budget": job["budget"] / 2**30,
                 "disk_options": DiskOptions(eviction=job["eviction"], prefetch=job["prefetch"],
-                                            read_gap=job.get("read_gap", 2),
+                                            read_gap=job.get("read_gap"),
                                             io_threads=job.get("io_threads", 8))}
     e = Engine.load(job["path"], n_ctx=job["ctx"], threads=job["threads"], **opts)
     t_load = time.perf_counter() - t0
@@ -200,6 +200,9 @@ def child_ours(job: dict) -> dict:
            "decode_tok_s": n / sum(times[1:]), "disk_MB_per_token": io / n / 1e6,
            "density": e.sparse_info.density() if e.sparse_info else None}
     rep = disk_report(e.model)
+    reader = getattr(e.model, "_disk_reader", None)
+    if reader is not None:
+        out["read_gap"] = reader.max_gap  # DiskOptions.read_gap, or measured at load
     if rep is not None:
         dp = e.loaded.plan.sparse.disk
         out.update(reader_MB_per_token=rep.bytes_read / n / 1e6,
@@ -372,7 +375,7 @@ def main() -> int:
             rows.append(res)
             print(json.dumps(res), file=sys.stderr)
     print(f"\n{'limit':>12s} {'engine':34s} {'tok/s':>8s} {'disk MB/tok':>12s} "
-          f"{'reads/tok':>10s} {'hit rate':>9s} {'prefetch':>9s} {'peak MiB':>9s}")
+          f"{'reads/tok':>10s} {'hit rate':>9s} {'prefetch':>9s} {'peak MiB':>9s} {'gap':>4s}")
     for r in rows:
         lim = "none" if r["fraction"] is None else f"{r['fraction']:.0%} {r['limit_GiB']:.2f}G"
         if "error" in r:
@@ -384,7 +387,8 @@ def main() -> int:
         print(f"{lim:>12s} {r['label']:34s} {r['decode_tok_s']:8.3f} "
               f"{r['disk_MB_per_token']:12.1f} {'' if rt is None else f'{rt:.0f}':>10s} "
               f"{'' if hr is None else f'{hr:.1%}':>9s} "
-              f"{'' if pp is None else f'{pp:.1%}':>9s} {r.get('peak_MiB', float('nan')):9.0f}")
+              f"{'' if pp is None else f'{pp:.1%}':>9s} {r.get('peak_MiB', float('nan')):9.0f} "
+              f"{r.get('read_gap', ''):>4}")
     for frac in fractions:
         ours = [r for r in rows if r["fraction"] == frac and r["label"].startswith("ours")
                 and "error" not in r]

@@ -127,6 +127,48 @@ def test_reader_reads_what_the_map_holds(bundled, kind, gap):
             r.close()
 
 
+def test_measured_gap_weighs_a_read_against_its_rows(bundled, monkeypatch):
+    """measure_gap: the ratio of a read's own cost to a row's less one, from timed reads of 1
+    and of 1 + longest rows (here timed by a stand-in clock that charges what a disk would),
+    capped at longest; the default where the page cache would answer (no O_DIRECT) or a test's pread
+    replaces the C reads."""
+    import sparseinfer.disk.reader as reader_mod
+
+    lay = layout_of(open_source(bundled["q4"]))
+    r = NeuronReader(lay, threads=2, direct=True)
+    try:
+        if not r.direct:
+            pytest.skip("O_DIRECT refused here (tmpfs)")
+        assert 0 <= r.measure_gap(seconds=0.02) <= 8
+        for per_read, per_row, want in ((30.0, 5.0, 5), (45.0, 10.0, 3), (20.0, 18.0, 0),
+                                        (5.0, 30.0, 0), (100.0, 1.0, 8)):
+            clock = {"t": 0.0}
+            real = r._c
+
+            def timed(fd, start, length, *args, _real=real, _read=per_read, _row=per_row):
+                got = _real(fd, start, length, *args)
+                clock["t"] += sum(_read + _row * n / lay.stride for n in length.tolist())
+                return got
+
+            monkeypatch.setattr(r, "_c", timed)
+            monkeypatch.setattr(reader_mod.time, "perf_counter", lambda: clock["t"])
+            assert r.measure_gap(seconds=0.02 * 1e6, longest=8) == want
+            monkeypatch.undo()
+    finally:
+        r.close()
+    plain = NeuronReader(lay, threads=2, direct=False)
+    try:
+        assert plain.measure_gap(seconds=0.01) == reader_mod.DEFAULT_GAP
+    finally:
+        plain.close()
+    r = NeuronReader(lay, threads=2, pread=os.preadv)  # a pread of the caller's: Python reads
+    try:
+        r._pread = lambda fd, bufs, offset: os.preadv(fd, bufs, offset)
+        assert r.measure_gap(seconds=0.01) == reader_mod.DEFAULT_GAP
+    finally:
+        r.close()
+
+
 def test_shuffled_bundles_hold_the_files_rows(bundled):
     """The position map says where each neuron's rows went; read through it the shuffled file
     holds the neuron-order file's rows."""
@@ -156,7 +198,8 @@ def test_bundled_file_all_in_ram_equals_reference(bundled, reference):
     pytest.param((192, 0), 192, False, marks=pytest.mark.slow)])
 def test_disk_tier_logits_equal_all_in_ram(bundled, reference, eviction, ram, slots, prefetch,
                                            kind):
-    opts = DiskOptions(ram_counts=ram, cache_slots=slots, eviction=eviction, prefetch=prefetch)
+    opts = DiskOptions(ram_counts=ram, cache_slots=slots, eviction=eviction, prefetch=prefetch,
+                       read_gap=2)  # not measured: any gap reads the same rows (above)
     d = load(bundled[kind], "auto", disk_options=opts)
     ffn = d.model.layers[0].ffn
     assert isinstance(ffn, DiskFFN) and ffn.n_ram == ram[0] and ffn.cache.capacity == slots
@@ -192,6 +235,7 @@ def test_fused_decode_and_generation_match(bundled):
     a = tokens(Engine.load(bundled["q4"]))
     e = Engine.load(bundled["q4"], disk_options=DiskOptions(ram_counts=(10, 10), cache_slots=4))
     assert e.model.layers[0].fused is not None  # the fused decode step calls the DiskFFN
+    assert 0 <= e.model._disk_reader.max_gap <= 8  # read_gap None: measured at load
     b = tokens(e)
     assert len(a) == 12 and a == b
 
@@ -237,7 +281,7 @@ def test_ram_budget_counts_every_part(bundled):
 def test_truncated_file_gives_one_clear_error(bundled, tmp_path):
     path = tmp_path / "cut.gguf"
     shutil.copy(bundled["q4"], path)
-    d = load(path, "auto", disk_options=DiskOptions(ram_counts=(0, 0), cache_slots=16))
+    d = load(path, "auto", disk_options=DiskOptions(ram_counts=(0, 0), cache_slots=16, read_gap=2))
     lay = layout_of(d.source)
     os.truncate(path, lay.offsets[1] + 10 * lay.stride)  # layer 1 loses most of its neurons
     with pytest.raises(DiskReadError, match="short read"):
@@ -259,7 +303,8 @@ class _Failing:
 
 @pytest.mark.parametrize("mode", ["eio", "short"])
 def test_failing_reads_raise_never_wrong_tokens(bundled, mode):
-    d = load(bundled["q4"], "auto", disk_options=DiskOptions(ram_counts=(0, 0), cache_slots=32))
+    d = load(bundled["q4"], "auto",
+             disk_options=DiskOptions(ram_counts=(0, 0), cache_slots=32, read_gap=2))
     bad = _Failing(mode, after=5)
     for b in d.model.layers:
         b.ffn.cache.reader._pread = bad
@@ -277,7 +322,8 @@ def test_failing_reads_raise_never_wrong_tokens(bundled, mode):
 def test_failing_c_reads_raise_never_wrong_tokens(bundled, tmp_path):
     """The same through the C reads (no Python pread): every reader's descriptor a directory's,
     whose reads fail with EISDIR."""
-    d = load(bundled["q4"], "auto", disk_options=DiskOptions(ram_counts=(0, 0), cache_slots=32))
+    d = load(bundled["q4"], "auto",
+             disk_options=DiskOptions(ram_counts=(0, 0), cache_slots=32, read_gap=2))
     readers = list({id(b.ffn.cache.reader): b.ffn.cache.reader for b in d.model.layers}.values())
     dir_fd = os.open(tmp_path, os.O_RDONLY)
     try:

@@ -47,8 +47,9 @@ class DiskOptions:
     eviction: str = "lru"  # key of cache.EVICTION
     io_threads: int = 8
     # unwanted rows a read may pass over between two wanted ones: one read of a few more KiB
-    # costs less than a second read on an SSD (RESULTS.md: the disk's reads per second by size)
-    read_gap: int = 2
+    # costs less than a second read on a fast SSD, more on a slow disk (RESULTS.md). None:
+    # measured on the file at load (NeuronReader.measure_gap)
+    read_gap: int | None = None
     prefetch: bool = True
     direct: bool = True  # O_DIRECT reads
     pin: bool = True  # lock the mapped weights read every token (mlock) within the budget

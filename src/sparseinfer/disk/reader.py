@@ -22,6 +22,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 ALIGN = 4096  # buffer alignment (and the widest offset alignment) for O_DIRECT
 SECTOR = 512  # offset and length alignment tried first (a disk's logical block size)
 MAX_RUN = 64  # neurons per read at most (a run of neighbours is one read up to this)
+DEFAULT_GAP = 2  # unwanted rows a read passes over when the disk is not measured
 
 
 class DiskReadError(SparseInferError):
@@ -173,6 +175,60 @@ class NeuronReader:
                 log.info("%s: reads in Python (%s)", self.path, e)
                 self._c = False
         return bool(self._c)
+
+    def measure_gap(self, seconds: float = 0.5, longest: int = 8) -> int:
+        """How many unwanted rows a read should pass over on this disk rather than start
+        another read: random reads of the file's own rows, ``self.threads`` in flight, of one
+        row and of ``1 + longest`` rows, ``seconds`` each (two blocks each, alternated). One more
+        row in a read costs (t_long - t_one) / longest, a read's own cost is t_one less a row;
+        up to their ratio less one row (at most ``longest``) are passed over. A fast SSD's
+        answer is several rows, a slow or throttled disk's 0 (benchmarks/RESULTS.md).
+        ``DEFAULT_GAP`` without O_DIRECT (the page cache would answer) or without the C reads."""
+        if not (self.direct and self._c_reads()):
+            return DEFAULT_GAP
+        lay = self.layout
+        longest = max(1, min(longest, lay.d_ff - 1))
+        rng = np.random.default_rng()
+        k = 4 * self.threads  # reads per call
+        out = np.empty((k, lay.bundle_bytes), dtype=np.uint8)
+        first, pick, dest = np.arange(k + 1), np.zeros(k, dtype=np.int32), np.arange(k)
+
+        def call(span: int) -> tuple[float, int]:
+            layers = rng.integers(0, len(lay.offsets), k)
+            rows = rng.integers(0, lay.d_ff - span + 1, k)
+            start = np.asarray(lay.offsets)[layers] + rows * lay.stride
+            t0 = time.perf_counter()
+            _, n, _, failure = self._c(self.fd, start, np.full(k, span * lay.stride), first,
+                                       pick, dest, lay.stride, out, self.sector, self.threads,
+                                       False)
+            if failure is not None:
+                raise DiskReadError(f"{self.path}: measuring the disk: a read failed "
+                                    f"(errno {failure[1]})")
+            return time.perf_counter() - t0, n
+
+        # each kind in two blocks of seconds / 2, alternated (short, long, short, long): a
+        # block is long enough that what a throttle or a drift does at its edges is small
+        spent, reads = [0.0, 0.0], [0, 0]
+        try:
+            for kind in (0, 1, 0, 1):
+                t_end = time.perf_counter() + seconds / 2
+                while time.perf_counter() < t_end:
+                    dt, n = call(1 + kind * longest)
+                    spent[kind] += dt
+                    reads[kind] += n
+        except DiskReadError as e:  # the run's own reads will say what is wrong
+            log.warning("%s: using read gap %d", e, DEFAULT_GAP)
+            return DEFAULT_GAP
+        t_one, t_long = spent[0] / reads[0], spent[1] / reads[1]
+        row = max(t_long - t_one, 0.0) / longest
+        read = max(t_one - row, 0.0)
+        # one row short of the break-even: on a disk throttled to 280 MB/s the break-even gap
+        # (1 row) gave 17% fewer tokens/s than none (benchmarks/RESULTS.md, 2026-11-27)
+        gap = longest if row <= 0.0 else int(min(longest, max(0.0, read / row - 1.0)))
+        log.info("%s: a read costs %.1f µs and each row in it %.1f µs (%d in flight): reads "
+                 "pass over up to %d unwanted rows", self.path, read * 1e6, row * 1e6,
+                 self.threads, gap)
+        return gap
 
     def _run_arrays(self, layer: int, neurons: np.ndarray):
         """The reads of ``neurons`` (None for none) as ``cpu.read_runs`` takes them: start and

@@ -247,14 +247,15 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
     from ..sparse.packed import DTYPES, empty_hugepages
     from .cache import EVICTION
     from .layout import copy_neurons, layout_of
-    from .reader import NeuronReader
+    from .reader import DEFAULT_GAP, NeuronReader
 
     dp = plan.sparse.disk
     ffn = model.layers[layer].ffn
     reader = getattr(model, "_disk_reader", None)
     if reader is None:
+        gap = dp.options.read_gap  # None: measured when the load is done (measure_read_gap)
         reader = NeuronReader(layout_of(src), dp.options.io_threads, dp.options.direct,
-                              max_gap=dp.options.read_gap)
+                              max_gap=DEFAULT_GAP if gap is None else gap)
         model._disk_reader = reader  # one file descriptor and thread pool for every layer
     lay = reader.layout  # one layout (and position map) for every layer, not one each
     n, C = dp.ram_counts[layer], dp.cache_slots
@@ -277,6 +278,15 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
         if isinstance(prev.ffn, DiskFFN):
             blk = model.layers[layer]
             prev.ffn.link(ffn, blk.ffn_norm)
+
+
+def measure_read_gap(model, plan) -> None:
+    """The disk tier's read gap measured on the file (``NeuronReader.measure_gap``) when the
+    plan leaves it open: after the load's own reads (the RAM neurons, the locked mapped
+    weights), so none of them is in flight or owed to a throttle while the disk is timed."""
+    reader = getattr(model, "_disk_reader", None)
+    if reader is not None and plan.sparse.disk.options.read_gap is None:
+        reader.max_gap = reader.measure_gap()
 
 
 def pin_mapped(src, names) -> int:

@@ -382,10 +382,12 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
             if pred is not None:
                 blk.ffn.selector.fill(pred)
             blk.ffn.fill(packed, down_bias)
-    if plan.sparse is not None and plan.sparse.disk is not None and plan.sparse.disk.pinned:
-        from ..disk.tier import pin_mapped
+    if plan.sparse is not None and plan.sparse.disk is not None:
+        from ..disk.tier import measure_read_gap, pin_mapped
 
-        pin_mapped(src, plan.sparse.disk.pinned)
+        if plan.sparse.disk.pinned:
+            pin_mapped(src, plan.sparse.disk.pinned)
+        measure_read_gap(model, plan)
     dev = torch.device(plan.device)
     if dev.type != "cpu":  # attention, norms, embeddings, LM head; cold FFN rows stay on the CPU
         model.to(dev)
