@@ -328,8 +328,11 @@ def main() -> int:
         probe = disk_throughput(biggest)
         print("disk, O_DIRECT reads:")
     else:  # measured inside a throttled group, as the engines will read
-        probe = run_limited({"engine": "disk", "path": str(biggest)}, None, args.timeout,
-                            read_bps)["disk"]
+        res = run_limited({"engine": "disk", "path": str(biggest)}, None, args.timeout, read_bps)
+        if "disk" not in res:
+            print(f"the throttled disk probe failed: {res.get('error')}", file=sys.stderr)
+            return 1
+        probe = res["disk"]
         print(f"disk, O_DIRECT reads, throttled to {args.read_mbps:g} MB/s (blkio "
               f"{disk_device(biggest)}):")
     for r in probe:

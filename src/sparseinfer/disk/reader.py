@@ -222,8 +222,8 @@ class NeuronReader:
         t_one, t_long = spent[0] / reads[0], spent[1] / reads[1]
         row = max(t_long - t_one, 0.0) / longest
         read = max(t_one - row, 0.0)
-        # one row short of the break-even: on a disk throttled to 280 MB/s the break-even gap
-        # (1 row) gave 17% fewer tokens/s than none (benchmarks/RESULTS.md, 2026-11-27)
+        # one row short of the break-even: on a throttled disk the break-even gap read fewer
+        # tokens a second than none (benchmarks/RESULTS.md)
         gap = longest if row <= 0.0 else int(min(longest, max(0.0, read / row - 1.0)))
         log.info("%s: a read costs %.1f µs and each row in it %.1f µs (%d in flight): reads "
                  "pass over up to %d unwanted rows", self.path, read * 1e6, row * 1e6,
