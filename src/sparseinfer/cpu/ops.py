@@ -6,6 +6,7 @@ raises ``CpuLibraryError`` if it is missing or was built from other sources.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 from collections.abc import Sequence
 
@@ -337,7 +338,7 @@ def read_runs(fd: int, start: np.ndarray, length: np.ndarray, first: np.ndarray,
     rc = _lib.si_read_runs(fd, n, _ptr(start), _ptr(length), _ptr(first), _ptr(pick),
                            _ptr(dest), stride, row, _ptr(out), align, threads, int(drop),
                            _ptr(stats), _ptr(fail))
-    if rc and rc != 5:  # 5: EIO, a failed read (reported below)
+    if rc and rc != errno.EIO:  # EIO: a read failed, reported below
         _check(rc, "read_runs")
     failure = (int(fail[0]), int(fail[1]), int(fail[2])) if rc else None
     return int(stats[0]), int(stats[1]), int(stats[2]), failure

@@ -127,18 +127,17 @@ class NeuronReader:
             pass
 
     def _runs(self, layer: int, neurons: np.ndarray) -> list[tuple]:
-        """``_run_arrays`` run by run for the Python reads: (first file row, rows to read, which
-        of them are wanted (None: all), where they go in ``neurons``' order)."""
+        """``_run_arrays`` run by run for the Python reads: (file offset, bytes, which rows of
+        them are wanted (None: all), where they go in ``neurons``' order)."""
         arrays = self._run_arrays(layer, neurons)
         if arrays is None:
             return []
         start, length, first, pick, dest = arrays
-        lay, runs = self.layout, []
+        runs = []
         for i in range(len(start)):
             a, b = int(first[i]), int(first[i + 1])
-            span = int(length[i]) // lay.stride
-            runs.append(((int(start[i]) - lay.offsets[layer]) // lay.stride, span,
-                         None if span == b - a else pick[a:b], dest[a:b]))
+            whole = int(length[i]) == (b - a) * self.layout.stride
+            runs.append((int(start[i]), int(length[i]), None if whole else pick[a:b], dest[a:b]))
         return runs
 
     def submit(self, layer: int, neurons: np.ndarray) -> ReadBatch:
@@ -192,11 +191,12 @@ class NeuronReader:
         k = 4 * self.threads  # reads per call
         out = np.empty((k, lay.bundle_bytes), dtype=np.uint8)
         first, pick, dest = np.arange(k + 1), np.zeros(k, dtype=np.int32), np.arange(k)
+        offsets = np.asarray(lay.offsets)
 
         def call(span: int) -> tuple[float, int]:
-            layers = rng.integers(0, len(lay.offsets), k)
+            layers = rng.integers(0, len(offsets), k)
             rows = rng.integers(0, lay.d_ff - span + 1, k)
-            start = np.asarray(lay.offsets)[layers] + rows * lay.stride
+            start = offsets[layers] + rows * lay.stride
             t0 = time.perf_counter()
             _, n, _, failure = self._c(self.fd, start, np.full(k, span * lay.stride), first,
                                        pick, dest, lay.stride, out, self.sector, self.threads,
@@ -275,19 +275,18 @@ class NeuronReader:
             self.reads += reads
         if failure is not None:
             i, err, got = failure
-            lay, start_i = self.layout, int(start[i])
             a = align if self.direct else 1
-            raise self._error(layer, (start_i - lay.offsets[layer]) // lay.stride,
-                              int(length[i]) // lay.stride, start_i // a * a, got,
+            raise self._error(layer, int(start[i]), int(length[i]), int(start[i]) // a * a, got,
                               os.strerror(err) if err else None)
 
-    def _error(self, layer: int, row: int, count: int, lo: int, got: int,
+    def _error(self, layer: int, start: int, length: int, lo: int, got: int,
                failed: str | None) -> DiskReadError:
-        """The one error of a read of ``count`` file rows from ``row`` (read from the aligned
-        offset ``lo``): it ``failed`` (the system's message), or got only ``got`` bytes."""
-        start = self.layout.row_offset(layer, row)
-        end = start + count * self.layout.stride
-        rows = f"layer {layer} file rows {row}..{row + count - 1}"
+        """The one error of the read of file bytes [start, start + length) of ``layer``'s rows
+        (from the aligned offset ``lo``): it ``failed`` (the system's message), or got only
+        ``got`` bytes."""
+        lay, end = self.layout, start + length
+        row = (start - lay.offsets[layer]) // lay.stride
+        rows = f"layer {layer} file rows {row}..{row + length // lay.stride - 1}"
         if failed is not None:
             return DiskReadError(f"{self.path}: reading {rows} (bytes {start}..{end}) failed: "
                                  f"{failed}")
@@ -306,9 +305,7 @@ class NeuronReader:
 
     def _read_runs(self, layer: int, runs, rows: np.ndarray) -> None:
         lay = self.layout
-        for first, count, picks, dest in runs:
-            start = lay.row_offset(layer, first)
-            length = count * lay.stride
+        for start, length, picks, dest in runs:
             a = self.sector if self.direct else 1
             lo, hi = start // a * a, -(-(start + length) // a) * a
             buf = self._buffer(hi - lo + ALIGN)
@@ -328,12 +325,12 @@ class NeuronReader:
                     view = memoryview(buf.map)[: hi - lo]
                     got = self._pread(self.fd, [view], lo)
             except OSError as e:
-                raise self._error(layer, first, count, lo, 0, str(e.strerror or e)) from None
+                raise self._error(layer, start, length, lo, 0, str(e.strerror or e)) from None
             finally:
                 view.release()
             if got < start + length - lo:
-                raise self._error(layer, first, count, lo, got, None)
-            blk = buf.array[start - lo: start - lo + length].reshape(count, lay.stride)
+                raise self._error(layer, start, length, lo, got, None)
+            blk = buf.array[start - lo: start - lo + length].reshape(-1, lay.stride)
             rows[dest] = (blk if picks is None else blk[picks])[:, :lay.bundle_bytes]
             if not self.direct and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(self.fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)

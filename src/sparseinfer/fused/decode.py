@@ -143,7 +143,8 @@ class FusedDecode:
         self._o = torch.empty(self.nh * self.hd)
         self._on = self._o.numpy()
         self._scores = np.empty(cfg.max_seq_len, dtype=np.float32)
-        self._rope_key = None
+        self._rope_key = None  # the tables self._cos/self._sin view (numba's path)
+        self._ptrs_key = None  # the tables self._rope_ptrs address (the C calls)
         self._c = _c_block(block, layer) if self._want_c else None
         if self._c is None:  # a float16 cache's attention (numba reads float32 only)
             from .. import cpu
@@ -165,7 +166,7 @@ class FusedDecode:
             kc, vc = cache.k_np[layer, 0], cache.v_np[layer, 0]
         if self._scores.shape[0] < cache.max_seq:
             self._scores = np.empty(cache.max_seq, dtype=np.float32)
-        if self._rope_key is not rope[0]:
+        if not kv16 and self._rope_key is not rope[0]:
             self._cos, self._sin = rope[0].numpy(), rope[1].numpy()
             self._rope_key = rope[0]
         x1 = x.reshape(-1).clone()  # the residual stream, updated in place below
@@ -175,12 +176,13 @@ class FusedDecode:
         if not qkv.is_contiguous():
             qkv = qkv.contiguous()
         if kv16:
+            cos_p, sin_p, n_rope = self._rope_addresses(rope)
+            check_rope_room(pos, n_rope)
             k, v, _ = self._layer_cache(cache, layer)
             ro = pos * self.hd * 4
-            self._attend_c(qkv.data_ptr(), k, v, True, pos, self._cos.ctypes.data + ro,
-                                 self._sin.ctypes.data + ro, self.nh, self.nkv, self.hd,
-                                 cache.max_seq, self.interleaved, float(self.scale),
-                                 self._o.data_ptr())
+            self._attend_c(qkv.data_ptr(), k, v, True, pos, cos_p + ro, sin_p + ro, self.nh,
+                           self.nkv, self.hd, cache.max_seq, self.interleaved,
+                           float(self.scale), self._o.data_ptr())
         else:
             _attend(qkv.numpy(), kc, vc, pos, self._cos[pos], self._sin[pos], self.nh,
                     self.nkv, self.scale, self._scores, self._on, self.interleaved)
@@ -199,9 +201,9 @@ class FusedDecode:
 
     def _rope_addresses(self, rope) -> tuple[int, int, int]:
         """``rope_pointers`` of the rope tables, checked once per table."""
-        if self._rope_key is not rope[0]:
+        if self._ptrs_key is not rope[0]:
             self._rope_ptrs = rope_pointers(rope, self.hd)
-            self._rope_key = rope[0]
+            self._ptrs_key = rope[0]
         return self._rope_ptrs
 
     @staticmethod
