@@ -130,8 +130,8 @@ def test_reader_reads_what_the_map_holds(bundled, kind, gap):
 def test_measured_gap_weighs_a_read_against_its_rows(bundled, monkeypatch):
     """measure_gap: the ratio of a read's own cost to a row's less one, from timed reads of 1
     and of 1 + longest rows (here timed by a stand-in clock that charges what a disk would),
-    capped at longest; the default where the page cache would answer (no O_DIRECT) or a test's pread
-    replaces the C reads."""
+    capped at longest; the default where the page cache would answer (no O_DIRECT) or a
+    caller's pread replaces the C reads."""
     import sparseinfer.disk.reader as reader_mod
 
     lay = layout_of(open_source(bundled["q4"]))
@@ -161,9 +161,9 @@ def test_measured_gap_weighs_a_read_against_its_rows(bundled, monkeypatch):
         assert plain.measure_gap(seconds=0.01) == reader_mod.DEFAULT_GAP
     finally:
         plain.close()
-    r = NeuronReader(lay, threads=2, pread=os.preadv)  # a pread of the caller's: Python reads
+    # a pread of the caller's: the Python reads
+    r = NeuronReader(lay, threads=2, pread=lambda fd, bufs, offset: os.preadv(fd, bufs, offset))
     try:
-        r._pread = lambda fd, bufs, offset: os.preadv(fd, bufs, offset)
         assert r.measure_gap(seconds=0.01) == reader_mod.DEFAULT_GAP
     finally:
         r.close()
