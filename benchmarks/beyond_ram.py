@@ -17,7 +17,8 @@ run both files are dropped from the page cache (``posix_fadvise(DONTNEED)``), so
 outside the group cannot serve it either. Reported per run: decode tokens/s, bytes read from the
 disk per token (``/proc/self/io`` read_bytes over the decode: page faults of a mapped file and
 O_DIRECT reads alike), the cgroup's peak usage and, for ours, the neuron cache's hit rate and
-the look-ahead prefetch's precision. Ours runs with ``--ram-budget`` equal to the limit; the
+the look-ahead prefetch's precision. Ours runs with ``--ram-budget`` equal to the limit (or a share of
+it: ``--budget-share``); the
 sparse file is bundled first (``python -m sparseinfer.disk bundle``) if it is not.
 
 Also measured and printed: the disk's O_DIRECT random-read throughput at 4, 16 and 64 KiB, one
@@ -280,6 +281,9 @@ def main() -> int:
     ap.add_argument("--read-mbps", type=float, default=None,
                     help="throttle every run's reads from the files' disk to this many MB/s "
                          "(a cgroup v1 blkio group): a slower disk than this machine's, e.g. 280")
+    ap.add_argument("--budget-share", default="1",
+                    help="ours: --ram-budget as shares of the limit, comma-separated: each is a "
+                         "run (below 1 leaves the kernel room under the limit)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -344,6 +348,7 @@ def main() -> int:
     limits = ([None] if args.unlimited else []) + fractions
     evictions = [e for e in args.eviction.split(",") if e]
     io_threads = [int(n) for n in args.io_threads.split(",") if n]
+    shares = [float(f) for f in args.budget_share.split(",") if f]
     middle = fractions[len(fractions) // 2] if fractions else None
     for frac in limits:
         limit = None if frac is None else int(frac * dense_size)
@@ -352,10 +357,13 @@ def main() -> int:
         for name, sparse in layouts.items() if not args.no_ours else []:
             for ev in evictions:
                 for io in io_threads:
-                    runs.append(({**base, "engine": "ours", "path": str(sparse),
-                                  "drop": [str(args.dense), *sparse_files], "budget": limit,
-                                  "eviction": ev, "prefetch": True, "io_threads": io},
-                                 f"{name} {ev}" + (f" io {io}" if len(io_threads) > 1 else "")))
+                    for share in shares if limit is not None else [1.0]:
+                        runs.append(({**base, "engine": "ours", "path": str(sparse),
+                                      "drop": [str(args.dense), *sparse_files],
+                                      "budget": None if limit is None else int(share * limit),
+                                      "eviction": ev, "prefetch": True, "io_threads": io},
+                                     f"{name} {ev}" + (f" io {io}" if len(io_threads) > 1 else "")
+                                     + (f" budget {share:.0%}" if len(shares) > 1 else "")))
                 if limit is None:
                     break
             if frac == middle and not args.no_prefetch_run:
