@@ -170,9 +170,9 @@ def main() -> None:
     names = {dtype_name(dt, b, 4096): (dt, b) for dt, b in DTYPES}
     p.add_argument("--dtypes", nargs="+", choices=list(names), help="default: all")
     p.add_argument("--kind", default="swiglu", choices=["swiglu", "reglu"],
-                   help="reglu: half the neurons' h come out 0 (random gates), whose down rows "
-                        "the kernels may skip: GB/s is then of the active set's bytes, not of "
-                        "the bytes read")
+                   help="reglu: half the neurons' gates come out <= 0 (random gates), whose "
+                        "up and down rows the C kernels skip: GB/s is then of the active set's "
+                        "bytes, not of the bytes read")
     p.add_argument("--isa", choices=cpu.available_isas(),
                    help="the C kernels' instruction set (q4 rows); default: the best here")
     p.add_argument("--float-x", action="store_true",

@@ -37,7 +37,7 @@ def tolerance(ffn: PackedFFN, x: torch.Tensor, idx: torch.Tensor) -> float:
     return 64 * torch.finfo(torch.float32).eps * (mag + 1.0)
 
 
-@pytest.mark.parametrize("kind", ["swiglu", "geglu_tanh", "relu", "reglu"])
+@pytest.mark.parametrize("kind", ["swiglu", "geglu_tanh", "relu", "reglu", "drelu"])
 @pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
 # (d_model, block): one scale per row (block 0), blocks of 32, 16, 8 and 24 with a short last one
 @pytest.mark.parametrize("d_model,block", [(64, 0), (96, 32), (64, 16), (40, 8), (56, 24)])

@@ -59,7 +59,7 @@ def test_q4_codec_matches_gguf():
     assert torch.equal(dequantize_q4_0(raw), torch.from_numpy(deq))
 
 
-@pytest.mark.parametrize("kind", ["swiglu", "geglu", "relu"])
+@pytest.mark.parametrize("kind", ["swiglu", "geglu", "relu", "reglu", "drelu"])  # relu gates: gates first
 @pytest.mark.parametrize("density", [0.0, 0.1, 1.0])
 @pytest.mark.parametrize("d_model,d_ff", [(64, 45), (256, 130), (160, 70)])  # 2, 8, 5 blocks
 @pytest.mark.parametrize("isa", ["avx2", "avx2_128", "avx512"])

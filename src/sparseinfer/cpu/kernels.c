@@ -2179,7 +2179,8 @@ static inline float act(int code, float z) {
  * the down rows of its neurons whose h comes out 0 (ReLU-family neurons selected that did not
  * fire): the others are queued and added 4 at a time (the same groups as without skipping when
  * none is 0), so a token's operations are those of a call for it alone, whatever the other
- * tokens.
+ * tokens. With ReLU gates the gate rows go first and a neuron's up row is read only if its
+ * gate fired (gate_first below).
  * mask (NULL: every token every neuron): token t computes neuron idx[i] only where
  * mask[t * mstride + i] is not 0 (its own set within the union idx). */
 #define SPARSE_TOKENS 16 /* both sparse kernels: tokens a pass holds queues for */
@@ -2194,16 +2195,16 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
     if (grouped)
         for (int t = 0; t < T; t++) q4g_order(out + (size_t)t * d_model, G, 0);
 #define DOTS(rp, R, t, y)                                                                      \
-    (grouped ? q4_dots_g(rp, R, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes)                     \
-             : q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes))
+    (grouped ? q4_dots_g(rp, R, &x[t], nb, y, pf, t ? 0 : npf, pfb)                              \
+             : q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, pfb))
 #define AXPY(rp, h, R, o) (grouped ? q4_axpy_g(rp, h, R, nb, o) : q4_axpy(rp, h, R, nb, o))
 #elif !SI_NARROW
 #define DOTS(rp, R, t, y)                                                                      \
-    ((R) == 8 ? q4_dots8(rp, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes)                       \
-              : q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes))
+    ((R) == 8 ? q4_dots8(rp, &x[t], nb, y, pf, t ? 0 : npf, pfb)                                \
+              : q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, pfb))
 #define AXPY(rp, h, R, o) q4_axpy(rp, h, R, nb, o)
 #else
-#define DOTS(rp, R, t, y) q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, bundle_bytes)
+#define DOTS(rp, R, t, y) q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, pfb)
 #define AXPY(rp, h, R, o) q4_axpy(rp, h, R, nb, o)
 #endif
     /* R neurons of token t at positions pos[0..R) of idx (R a constant: 4, or 1): their dot
@@ -2234,20 +2235,95 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
             if (++nq[q_] == 4) AXPY(qd[q_], qh[q_], 4, out + (size_t)(t) * d_model), nq[q_] = 0; \
         }                                                                                      \
     } while (0)
+    /* ReLU gates (ReGLU, dReLU): a neuron whose gate comes out <= 0 has h = 0 whatever its up
+     * row holds, so that row is not read. The gate rows go first, 8 neurons a pass (the next 8
+     * gate rows fetched meanwhile); the neurons whose gate fired queue (their up and down rows
+     * fetched into L2 as they join) and take their up rows 8 at a time; their down rows whose h
+     * is not 0 queue as above. Per token, so a token's operations are still those of a call
+     * for it alone. */
+    const int gate_first = gated && ga == SI_ACT_RELU;
+#define UPS(R, t)                                                                              \
+    do {                                                                                       \
+        const int q_ = (t) - t0, npf = 0; /* no look-ahead: the rows were fetched on joining */ \
+        const uint8_t *in[8];                                                                  \
+        float z[8];                                                                            \
+        for (int n_ = 0; n_ < (R); n_++) in[n_] = uq[q_][n_] + rb;                             \
+        DOTS(in, (R), t, z);                                                                   \
+        for (int n_ = 0; n_ < (R); n_++) {                                                     \
+            const float h = ug[q_][n_] * act(ua, z[n_]);                                       \
+            if (h == 0.0f) continue;                                                           \
+            qd[q_][nq[q_]] = uq[q_][n_] + 2 * rb, qh[q_][nq[q_]] = h;                          \
+            if (++nq[q_] == 4) AXPY(qd[q_], qh[q_], 4, out + (size_t)(t) * d_model), nq[q_] = 0; \
+        }                                                                                      \
+        nuq[q_] = 0;                                                                           \
+    } while (0)
+#define GATES(R, pos, t)                                                                       \
+    do {                                                                                       \
+        const int q_ = (t) - t0;                                                               \
+        const uint8_t *in[8];                                                                  \
+        float z[8];                                                                            \
+        for (int n_ = 0; n_ < (R); n_++) in[n_] = bundles + (size_t)idx[(pos)[n_]] * bundle_bytes; \
+        DOTS(in, (R), t, z);                                                                   \
+        for (int n_ = 0; n_ < (R); n_++) {                                                     \
+            const float g_ = act(ga, z[n_]);                                                   \
+            if (g_ == 0.0f) continue;                                                          \
+            for (size_t o_ = 0; o_ < 2 * rb; o_ += 64)                                         \
+                _mm_prefetch((const char *)(in[n_] + rb + o_), _MM_HINT_T1);                   \
+            uq[q_][nuq[q_]] = in[n_], ug[q_][nuq[q_]] = g_;                                    \
+            if (++nuq[q_] == 8) UPS(8, t);                                                     \
+        }                                                                                      \
+    } while (0)
     for (int t0 = 0; t0 < T; t0 += SPARSE_TOKENS) {
         const int t1 = T - t0 < SPARSE_TOKENS ? T : t0 + SPARSE_TOKENS;
-        /* per token: its neurons waiting for their dot products (positions in idx, 4 at a time:
-         * a mask's scattered neurons still go 4 to a pass), and its down rows queued with h */
-        int dq[SPARSE_TOKENS][4], ndq[SPARSE_TOKENS] = {0};
+        /* per token: its neurons waiting for their dot products (positions in idx, 4 at a time,
+         * 8 for gates first: a mask's scattered neurons still go 4 or 8 to a pass), the
+         * neurons whose gate fired waiting for their up rows (gates first), and its down rows
+         * queued with h */
+        int dq[SPARSE_TOKENS][8], ndq[SPARSE_TOKENS] = {0};
+        const uint8_t *uq[SPARSE_TOKENS][8];
+        float ug[SPARSE_TOKENS][8];
+        int nuq[SPARSE_TOKENS] = {0};
         const uint8_t *qd[SPARSE_TOKENS][4];
         float qh[SPARSE_TOKENS][4];
         int nq[SPARSE_TOKENS] = {0};
+        if (gate_first) {
+            for (int i = 0; i < k; i += 8) {
+                const int R = k - i < 8 ? k - i : 8;
+                const uint8_t *pf[8]; /* the next 8 neurons' gate rows */
+                const int npf = k - i - R < 8 ? k - i - R : 8;
+                const size_t pfb = rb;
+                for (int n = 0; n < npf; n++) pf[n] = bundles + (size_t)idx[i + R + n] * bundle_bytes;
+                for (int t = t0; t < t1; t++) {
+                    const uint8_t *mt = mask ? mask + (size_t)t * mstride + i : NULL;
+                    const int q = t - t0;
+                    for (int n = 0; n < R; n++) {
+                        if (mt && !mt[n]) continue;
+                        dq[q][ndq[q]++] = i + n;
+                        if (ndq[q] == 8) {
+                            GATES(8, dq[q], t);
+                            ndq[q] = 0;
+                        }
+                    }
+                }
+            }
+            const uint8_t *pf[8];
+            const int npf = 0;
+            const size_t pfb = 0;
+            for (int t = t0; t < t1; t++) {
+                const int q = t - t0;
+                if (ndq[q]) GATES(ndq[q], dq[q], t);
+                if (nuq[q]) UPS(nuq[q], t);
+                for (int n = 0; n < nq[q]; n++) AXPY(&qd[q][n], &qh[q][n], 1, out + (size_t)t * d_model);
+            }
+            continue;
+        }
         for (int i = 0; i < k; i += 4) {
             const int R = k - i < 4 ? k - i : 4;
             /* the next 4 neurons' bundles, fetched while these are walked (two groups ahead
              * was no faster: benchmarks/RESULTS.md) */
             const uint8_t *pf[4];
             const int npf = k - i - R < 4 ? k - i - R : 4;
+            const size_t pfb = bundle_bytes;
             for (int n = 0; n < npf; n++) pf[n] = bundles + (size_t)idx[i + R + n] * bundle_bytes;
             for (int t = t0; t < t1; t++) {
                 const uint8_t *mt = mask ? mask + (size_t)t * mstride + i : NULL;
@@ -2264,6 +2340,7 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
         }
         const uint8_t *pf[4];
         const int npf = 0;
+        const size_t pfb = 0;
         for (int t = t0; t < t1; t++) {
             const int q = t - t0;
             for (int n = 0; n < ndq[q]; n++) NEURONS(1, &dq[q][n], t);
@@ -2271,6 +2348,8 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
         }
     }
 #undef NEURONS
+#undef GATES
+#undef UPS
 #undef DOTS
 #undef AXPY
 #if SI_AVX512
@@ -2421,10 +2500,61 @@ INLINE void i8_neurons(const int R, const int *pos, const int32_t *idx, const in
     }
 }
 
+/* ReLU gates first (as si_sparse_q4): the up dot products, h and the down queue of R neurons
+ * whose gates fired (ids nid[0..R), relu(gate) g[0..R)). */
+INLINE void i8_ups(const int R, const int32_t *nid, const float *g, const int8_t *rows,
+                   size_t bundle_bytes, const float *scales, int nbk, int block, int ua,
+                   const float *xt, const si_xq *xqt, int d_model, const int8_t **qd,
+                   const float **qs, float *qh, int *nq, float *o) {
+    const int8_t *ur[4];
+    const float *us[4];
+    for (int n = 0; n < R; n++) {
+        ur[n] = rows + (size_t)nid[n] * bundle_bytes + d_model;
+        us[n] = scales + (size_t)nid[n] * 3 * nbk + nbk;
+    }
+    float zu[4];
+    if (xqt) i8_dots_q(ur, us, R, xqt, d_model, block, zu);
+    else i8_dots(ur, us, R, xt, d_model, block, zu);
+    for (int n = 0; n < R; n++) {
+        const float h = g[n] * act(ua, zu[n]);
+        if (h == 0.0f) continue;
+        qd[*nq] = ur[n] + d_model, qs[*nq] = us[n] + nbk, qh[*nq] = h;
+        if (++*nq == 4) i8_axpy(qd, qs, qh, 4, d_model, block, o), *nq = 0;
+    }
+}
+
+/* The gate dot products of R neurons (positions pos[0..R) in idx); those that fire join the
+ * token's queue of up rows (un[0..*nu), ug), whose 4 go through i8_ups together. */
+INLINE void i8_gates(const int R, const int *pos, const int32_t *idx, const int8_t *rows,
+                     size_t bundle_bytes, const float *scales, int nbk, int block, int ga, int ua,
+                     const float *xt, const si_xq *xqt, int d_model, int32_t *un, float *ug,
+                     int *nu, const int8_t **qd, const float **qs, float *qh, int *nq, float *o) {
+    const int8_t *gr[4];
+    const float *gs[4];
+    for (int n = 0; n < R; n++) {
+        gr[n] = rows + (size_t)idx[pos[n]] * bundle_bytes;
+        gs[n] = scales + (size_t)idx[pos[n]] * 3 * nbk;
+    }
+    float zg[4];
+    if (xqt) i8_dots_q(gr, gs, R, xqt, d_model, block, zg);
+    else i8_dots(gr, gs, R, xt, d_model, block, zg);
+    for (int n = 0; n < R; n++) {
+        const float g = act(ga, zg[n]);
+        if (g == 0.0f) continue;
+        un[*nu] = idx[pos[n]], ug[*nu] = g;
+        if (++*nu == 4) {
+            i8_ups(4, un, ug, rows, bundle_bytes, scales, nbk, block, ua, xt, xqt, d_model, qd, qs,
+                   qh, nq, o);
+            *nu = 0;
+        }
+    }
+}
+
 void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
                       int block, int gated, const int32_t *idx, int k, const uint8_t *mask,
                       size_t mstride, const float *x, const si_xq *xq, int T, int d_model, int ga,
                       int ua, const float *bias, float *out) {
+    const int gate_first = gated && ga == SI_ACT_RELU; /* as si_sparse_q4 */
     for (int t0 = 0; t0 < T; t0 += SPARSE_TOKENS) {
         const int t1 = T - t0 < SPARSE_TOKENS ? T : t0 + SPARSE_TOKENS;
         /* per token: its neurons waiting for their dot products (positions in idx, 4 computed
@@ -2435,10 +2565,20 @@ void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scal
         const float *qs[SPARSE_TOKENS][4];
         float qh[SPARSE_TOKENS][4];
         int nq[SPARSE_TOKENS] = {0};
+        /* gates first (ReLU gates: see si_sparse_q4): the neurons whose gate fired, waiting for
+         * their up rows */
+        int32_t un[SPARSE_TOKENS][4];
+        float ug[SPARSE_TOKENS][4];
+        int nu[SPARSE_TOKENS] = {0};
 #define NEURONS(R, pos, t)                                                                     \
-    i8_neurons(R, pos, idx, rows, bundle_bytes, scales, nbk, block, gated, ga, ua, bias,         \
-               x + (size_t)(t) * d_model, xq ? &xq[t] : NULL, d_model, qd[(t) - t0],            \
-               qs[(t) - t0], qh[(t) - t0], &nq[(t) - t0], out + (size_t)(t) * d_model)
+    (gate_first                                                                                \
+         ? i8_gates(R, pos, idx, rows, bundle_bytes, scales, nbk, block, ga, ua,                 \
+                    x + (size_t)(t) * d_model, xq ? &xq[t] : NULL, d_model, un[(t) - t0],       \
+                    ug[(t) - t0], &nu[(t) - t0], qd[(t) - t0], qs[(t) - t0], qh[(t) - t0],      \
+                    &nq[(t) - t0], out + (size_t)(t) * d_model)                                 \
+         : i8_neurons(R, pos, idx, rows, bundle_bytes, scales, nbk, block, gated, ga, ua, bias,  \
+                      x + (size_t)(t) * d_model, xq ? &xq[t] : NULL, d_model, qd[(t) - t0],     \
+                      qs[(t) - t0], qh[(t) - t0], &nq[(t) - t0], out + (size_t)(t) * d_model))
         for (int i = 0; i < k; i += 4) {
             const int R = k - i < 4 ? k - i : 4;
             for (int t = t0; t < t1; t++) {
@@ -2454,6 +2594,10 @@ void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scal
         for (int t = t0; t < t1; t++) {
             const int q = t - t0;
             for (int n = 0; n < ndq[q]; n++) NEURONS(1, &dq[q][n], t);
+            for (int n = 0; n < nu[q]; n++)
+                i8_ups(1, &un[q][n], &ug[q][n], rows, bundle_bytes, scales, nbk, block, ua,
+                       x + (size_t)t * d_model, xq ? &xq[t] : NULL, d_model, qd[q], qs[q], qh[q],
+                       &nq[q], out + (size_t)t * d_model);
             for (int n = 0; n < nq[q]; n++)
                 i8_axpy(&qd[q][n], &qs[q][n], &qh[q][n], 1, d_model, block, out + (size_t)t * d_model);
         }

@@ -503,7 +503,9 @@ def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.T
     b_i)``. ``rows``: uint8 ``[d_ff, n_mats, d_model / 32 · 18]`` (per neuron: [gate,] up, down
     column, each Q4_0 blocks); ``idx`` int32 [k]; ``x``, ``out`` float32 [T, d_model]; activation
     codes as ``sparse.kernels.ACT_CODES`` (0 identity, 1 relu, 2 silu, 3 gelu, 4 gelu-tanh). Only the active
-    neurons' bytes are read, 4 neurons at a time; ``x`` is rounded to int8 blocks as in ``gemv``.
+    neurons' bytes are read, 4 neurons at a time; with a ReLU gate (ReGLU, dReLU) the gate rows
+    go first and a neuron's up row is read only if its gate fired (its down row only if h is
+    not 0); ``x`` is rounded to int8 blocks as in ``gemv``.
     ``mask`` (bool or uint8 [T, k], optional): token t takes only the neurons ``idx[i]`` with
     ``mask[t, i]`` (its own set within the union ``idx``: each bundle still read once for all).
     (Reference: ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN`` of dtype "q4".)"""
@@ -539,7 +541,7 @@ def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: b
     ``round_x``: the gate/up dot products take ``x`` rounded to int8 per 32 as ``gemv`` does
     (integer products; needs ``block`` and ``d_model`` multiples of 32, the default where they
     are), else ``x`` stays float32 and the weights are converted. The down rows always take the
-    float coefficients. ``mask`` as ``sparse_ffn_q4``'s. (Reference:
+    float coefficients. ReLU gates first and ``mask`` as ``sparse_ffn_q4``'s. (Reference:
     ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN`` of dtype "int8", on
     ``cpu.reference.quantize_x_ref``'s x where rounded.)"""
     d_ff, n_mats, d_model = rows.shape
