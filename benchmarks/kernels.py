@@ -1,7 +1,7 @@
 """Sparse FFN kernels vs the dense FFN and vs the memory-bandwidth floor.
 
     python benchmarks/kernels.py [-t THREADS] [--quick] [--shape S] [--dtypes q4 int8/32] [--isa avx2]
-                                [--kind reglu] [--float-x]
+                                [--kind reglu [--fire 0.17]] [--float-x]
 
 For a Llama-7B FFN (4096 x 11008, SwiGLU) and SmolLM2-135M's (576 x 1536, SwiGLU), each storage
 dtype and density: time of ``kernels.sparse_ffn`` on a random active set, the effective bandwidth
@@ -83,14 +83,16 @@ def time_dense(base: PackedFFN, x: torch.Tensor, weights: str, n_calls: int) -> 
 
 
 def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: int,
-        dtypes: tuple[tuple[str, int], ...] = DTYPES, kind: str = "swiglu") -> None:
+        dtypes: tuple[tuple[str, int], ...] = DTYPES, kind: str = "swiglu",
+        fire: float | None = None) -> None:
     torch.set_num_threads(threads)
     kernels.set_threads(threads)
     cpu.set_threads(threads)  # q4 rows run in the C library's own pool
     kernels.warmup()
     bws = [measure_read_bandwidth(threads)]
     print(f"# CPU: {cpu_model()}; C kernels: {cpu.get_isa()} (of {cpu.available_isas()})")
-    print(f"# {threads} threads; {kind} FFN; measured read bandwidth {bws[0]:.1f} GB/s; "
+    fired = "" if fire is None else f" (gates shifted: {fire:.0%} of them fire)"
+    print(f"# {threads} threads; {kind} FFN{fired}; measured read bandwidth {bws[0]:.1f} GB/s; "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     print("# times: best call (p50 in brackets) of calls cycling over a pool of layer copies "
           f">= {POOL_BYTES >> 20} MiB and 16 random active sets")
@@ -108,6 +110,9 @@ def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: 
         up = torch.randn(f, d, generator=g) / math.sqrt(d)
         down = torch.randn(d, f, generator=g) / math.sqrt(f)
         x = torch.randn(d, generator=g)
+        if fire is not None:  # shift every gate along x: a share `fire` of gate . x comes out > 0
+            thr = torch.quantile(gate @ x, 1.0 - fire)
+            gate = gate - torch.outer(torch.ones(f), x) * (thr / (x @ x))
         out = torch.empty(d)
         dense_fp32 = None
         for dtype, block in dtypes:
@@ -173,6 +178,10 @@ def main() -> None:
                    help="reglu: half the neurons' gates come out <= 0 (random gates), whose "
                         "up and down rows the C kernels skip: GB/s is then of the active set's "
                         "bytes, not of the bytes read")
+    p.add_argument("--fire", type=float, default=None,
+                   help="reglu: the share of neurons whose gate fires for x (default: about "
+                        "half, random gates); e.g. 0.17, the share of the predicted neurons "
+                        "that fire in the 7B ReGLU file of benchmarks/relu_7b.py")
     p.add_argument("--isa", choices=cpu.available_isas(),
                    help="the C kernels' instruction set (q4 rows); default: the best here")
     p.add_argument("--float-x", action="store_true",
@@ -187,7 +196,7 @@ def main() -> None:
     densities = (0.10,) if a.quick else DENSITIES
     dtypes = tuple(names[n] for n in a.dtypes) if a.dtypes else DTYPES
     run(a.threads, a.shape or list(SHAPES), densities, n_calls=32 if a.quick else 96,
-        dtypes=dtypes, kind=a.kind)
+        dtypes=dtypes, kind=a.kind, fire=a.fire)
 
 
 if __name__ == "__main__":
