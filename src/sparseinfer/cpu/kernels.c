@@ -2286,44 +2286,14 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
         const uint8_t *qd[SPARSE_TOKENS][4];
         float qh[SPARSE_TOKENS][4];
         int nq[SPARSE_TOKENS] = {0};
-        if (gate_first) {
-            for (int i = 0; i < k; i += 8) {
-                const int R = k - i < 8 ? k - i : 8;
-                const uint8_t *pf[8]; /* the next 8 neurons' gate rows */
-                const int npf = k - i - R < 8 ? k - i - R : 8;
-                const size_t pfb = rb;
-                for (int n = 0; n < npf; n++) pf[n] = bundles + (size_t)idx[i + R + n] * bundle_bytes;
-                for (int t = t0; t < t1; t++) {
-                    const uint8_t *mt = mask ? mask + (size_t)t * mstride + i : NULL;
-                    const int q = t - t0;
-                    for (int n = 0; n < R; n++) {
-                        if (mt && !mt[n]) continue;
-                        dq[q][ndq[q]++] = i + n;
-                        if (ndq[q] == 8) {
-                            GATES(8, dq[q], t);
-                            ndq[q] = 0;
-                        }
-                    }
-                }
-            }
+        const int W = gate_first ? 8 : 4; /* neurons a pass */
+        for (int i = 0; i < k; i += W) {
+            const int R = k - i < W ? k - i : W;
+            /* the next W neurons' gate rows (gates first) or bundles, fetched while these are
+             * walked (two groups ahead was no faster: benchmarks/RESULTS.md) */
             const uint8_t *pf[8];
-            const int npf = 0;
-            const size_t pfb = 0;
-            for (int t = t0; t < t1; t++) {
-                const int q = t - t0;
-                if (ndq[q]) GATES(ndq[q], dq[q], t);
-                if (nuq[q]) UPS(nuq[q], t);
-                for (int n = 0; n < nq[q]; n++) AXPY(&qd[q][n], &qh[q][n], 1, out + (size_t)t * d_model);
-            }
-            continue;
-        }
-        for (int i = 0; i < k; i += 4) {
-            const int R = k - i < 4 ? k - i : 4;
-            /* the next 4 neurons' bundles, fetched while these are walked (two groups ahead
-             * was no faster: benchmarks/RESULTS.md) */
-            const uint8_t *pf[4];
-            const int npf = k - i - R < 4 ? k - i - R : 4;
-            const size_t pfb = bundle_bytes;
+            const int npf = k - i - R < W ? k - i - R : W;
+            const size_t pfb = gate_first ? rb : bundle_bytes;
             for (int n = 0; n < npf; n++) pf[n] = bundles + (size_t)idx[i + R + n] * bundle_bytes;
             for (int t = t0; t < t1; t++) {
                 const uint8_t *mt = mask ? mask + (size_t)t * mstride + i : NULL;
@@ -2331,19 +2301,25 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
                 for (int n = 0; n < R; n++) {
                     if (mt && !mt[n]) continue; /* not in this token's own set */
                     dq[q][ndq[q]++] = i + n;
-                    if (ndq[q] == 4) {
-                        NEURONS(4, dq[q], t);
+                    if (ndq[q] == W) {
+                        if (gate_first) GATES(8, dq[q], t);
+                        else NEURONS(4, dq[q], t);
                         ndq[q] = 0;
                     }
                 }
             }
         }
-        const uint8_t *pf[4];
+        const uint8_t *pf[8];
         const int npf = 0;
         const size_t pfb = 0;
         for (int t = t0; t < t1; t++) {
             const int q = t - t0;
-            for (int n = 0; n < ndq[q]; n++) NEURONS(1, &dq[q][n], t);
+            if (gate_first) {
+                if (ndq[q]) GATES(ndq[q], dq[q], t);
+                if (nuq[q]) UPS(nuq[q], t);
+            } else {
+                for (int n = 0; n < ndq[q]; n++) NEURONS(1, &dq[q][n], t);
+            }
             for (int n = 0; n < nq[q]; n++) AXPY(&qd[q][n], &qh[q][n], 1, out + (size_t)t * d_model);
         }
     }
