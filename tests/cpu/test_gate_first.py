@@ -1,5 +1,6 @@
-"""ReLU gates first (ReGLU, dReLU; the C sparse kernels over q4 and int8 bundles): a neuron whose
-gate comes out <= 0 has h = 0 whatever its up row holds, so the kernels never read that row.
+"""ReLU gates first (ReGLU, dReLU): a neuron whose gate comes out <= 0 has h = 0 whatever its up
+row holds, so the C sparse kernels (q4 and int8 bundles) never read that row, and the numba
+kernel skips the up rows of a group of 4 whose gates are all silent.
 Checked by poisoning: NaN scales in the up rows of the neurons whose gate is clearly negative
 must leave every output as it is (a read would make h = 0 * NaN = NaN), for single tokens,
 batches, per-token masks, every ISA and thread count here (the kernels before this path fail
@@ -81,3 +82,32 @@ def test_swiglu_reads_every_up_row():
     got = kernels.sparse_ffn_batch(x, poison_up_rows(ffn, silent),
                                    torch.arange(D_FF, dtype=torch.int32), torch.empty(2, D_MODEL))
     assert torch.isnan(got).all()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8-20"])  # int8 per 20: not the C kernel's
+@pytest.mark.parametrize("T", [1, 3])
+def test_numba_kernel_skips_groups_of_silent_gates(dtype, T):
+    """The numba kernel (rows the C kernels do not take) goes 4 neurons at a time: the up rows
+    of a group are read only if one of its 4 gates fired. Neurons 0..7 fire, the rest do not:
+    poisoned up rows of the silent ones leave every output as it is."""
+    x = torch.randn(T, D_MODEL, generator=torch.Generator().manual_seed(T)) + 1.0
+    g = torch.Generator().manual_seed(3)
+    d = x.mean(dim=0)
+    sign = torch.tensor([1.0 if i < 8 else -1.0 for i in range(D_FF)])
+    gate = torch.outer(sign, d) * (4.0 / (d @ d)) + 0.01 * torch.randn(D_FF, D_MODEL, generator=g)
+    up = torch.randn(D_FF, D_MODEL, generator=g) / math.sqrt(D_MODEL)
+    down = torch.randn(D_MODEL, D_FF, generator=g) / math.sqrt(D_FF)
+    rows_dtype, block = ("int8", 20) if dtype == "int8-20" else (dtype, 0)
+    ffn = PackedFFN.from_dense("reglu", gate, up, down, dtype=rows_dtype, block=block)
+    assert not kernels.in_c(ffn)
+    rows = ffn.rows.clone()
+    scales = None if ffn.scales is None else ffn.scales.clone()
+    if scales is not None:
+        scales[8:, 1] = float("nan")
+    else:
+        rows[8:, 1] = float("nan")
+    poisoned = replace(ffn, rows=rows, scales=scales)
+    idx = torch.arange(D_FF, dtype=torch.int32)
+    want = kernels.sparse_ffn_batch(x, ffn, idx, torch.empty(T, D_MODEL))
+    got = kernels.sparse_ffn_batch(x, poisoned, idx, torch.empty(T, D_MODEL))
+    assert torch.isfinite(got).all() and torch.equal(got, want)

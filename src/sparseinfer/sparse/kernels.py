@@ -130,7 +130,8 @@ def _walk(x, rows, scales, bias, idx, start, end, gated, ga, ua, block, acc):
     """acc[t] += sum_{c in [start, end)} h_t(idx[c]) * down_t[idx[c]] for each token t.
 
     x, acc: ``[T, d]``. Neurons go four at a time: their gate/up dot products in one loop, then
-    their down rows in one axpy loop. The group's rows are re-read from cache for tokens after
+    their down rows in one axpy loop. With a ReLU gate the 4 gates go first and the up rows are
+    read only if one of them fired (the C kernels skip per neuron). The group's rows are re-read from cache for tokens after
     the first. A last group of fewer than 4 repeats its first neuron with h forced to 0 (cached
     rows again), so there is a single code path. ``scales`` has 0 blocks when unscaled. Loops run
     over unsigned indices: with signed ones numba keeps negative-index wraparound, which stops
@@ -147,6 +148,7 @@ def _walk(x, rows, scales, bias, idx, start, end, gated, ga, ua, block, acc):
     m_dn = 2 if gated else 1
     has_bias = bias.shape[0] > 0
     zero = np.float32(0.0)
+    gate_first = gated and ga == 1  # ReLU gate (ACT_CODES["relu"])
     for c in range(start, end, 4):
         n_live = min(4, end - c)
         i0 = idx[c]
@@ -170,12 +172,42 @@ def _walk(x, rows, scales, bias, idx, start, end, gated, ga, ua, block, acc):
             # --- up (and gate) dot products, 4 neurons interleaved
             a0 = a1 = a2 = a3 = zero  # up
             b0 = b1 = b2 = b3 = zero  # gate
+            if gate_first:  # ReLU gates: the 4 gates alone; the up rows only if one fired
+                for blk in range(nb):
+                    lo = np.uint64(blk * block)
+                    hi = np.uint64(min(blk * block + block, d))
+                    q0 = q1 = q2 = q3 = zero
+                    for j in range(lo, hi):
+                        xj = xt[j]
+                        q0 += _f32(g0[j]) * xj
+                        q1 += _f32(g1[j]) * xj
+                        q2 += _f32(g2[j]) * xj
+                        q3 += _f32(g3[j]) * xj
+                    if scaled:
+                        q0 *= scales[i0, 0, blk]
+                        q1 *= scales[i1, 0, blk]
+                        q2 *= scales[i2, 0, blk]
+                        q3 *= scales[i3, 0, blk]
+                    b0 += q0
+                    b1 += q1
+                    b2 += q2
+                    b3 += q3
+                if (b0 <= 0 or n_live < 1) and (b1 <= 0 or n_live < 2) and \
+                        (b2 <= 0 or n_live < 3) and (b3 <= 0 or n_live < 4):
+                    continue
             for blk in range(nb):
                 lo = np.uint64(blk * block)
                 hi = np.uint64(min(blk * block + block, d))
                 p0 = p1 = p2 = p3 = zero
                 q0 = q1 = q2 = q3 = zero
-                if gated:
+                if gate_first:
+                    for j in range(lo, hi):
+                        xj = xt[j]
+                        p0 += _f32(u0[j]) * xj
+                        p1 += _f32(u1[j]) * xj
+                        p2 += _f32(u2[j]) * xj
+                        p3 += _f32(u3[j]) * xj
+                elif gated:
                     for j in range(lo, hi):
                         xj = xt[j]
                         p0 += _f32(u0[j]) * xj
@@ -206,11 +238,17 @@ def _walk(x, rows, scales, bias, idx, start, end, gated, ga, ua, block, acc):
                 a1 += p1
                 a2 += p2
                 a3 += p3
-                b0 += q0
-                b1 += q1
-                b2 += q2
-                b3 += q3
-            if gated:
+                if not gate_first:
+                    b0 += q0
+                    b1 += q1
+                    b2 += q2
+                    b3 += q3
+            if gate_first:  # a silent gate's h is 0 whatever its up row holds
+                h0 = b0 * _act(a0, ua) if b0 > 0 else zero
+                h1 = b1 * _act(a1, ua) if b1 > 0 else zero
+                h2 = b2 * _act(a2, ua) if b2 > 0 else zero
+                h3 = b3 * _act(a3, ua) if b3 > 0 else zero
+            elif gated:
                 h0 = _act(b0, ga) * _act(a0, ua)
                 h1 = _act(b1, ga) * _act(a1, ua)
                 h2 = _act(b2, ga) * _act(a2, ua)
