@@ -131,8 +131,8 @@ def _walk(x, rows, scales, bias, idx, start, end, gated, ga, ua, block, acc):
 
     x, acc: ``[T, d]``. Neurons go four at a time: their gate/up dot products in one loop, then
     their down rows in one axpy loop. With a ReLU gate the 4 gates go first and the up rows are
-    read only if one of them fired (the C kernels skip per neuron). The group's rows are re-read from cache for tokens after
-    the first. A last group of fewer than 4 repeats its first neuron with h forced to 0 (cached
+    read only if one of them fired (the C kernels skip per neuron). The group's rows are re-read
+    from cache for tokens after the first. A last group of fewer than 4 repeats its first neuron with h forced to 0 (cached
     rows again), so there is a single code path. ``scales`` has 0 blocks when unscaled. Loops run
     over unsigned indices: with signed ones numba keeps negative-index wraparound, which stops
     LLVM from vectorising (5-10x slower).
@@ -192,8 +192,8 @@ def _walk(x, rows, scales, bias, idx, start, end, gated, ga, ua, block, acc):
                     b1 += q1
                     b2 += q2
                     b3 += q3
-                if (b0 <= 0 or n_live < 1) and (b1 <= 0 or n_live < 2) and \
-                        (b2 <= 0 or n_live < 3) and (b3 <= 0 or n_live < 4):
+                if b0 <= 0 and (b1 <= 0 or n_live < 2) and (b2 <= 0 or n_live < 3) and \
+                        (b3 <= 0 or n_live < 4):
                     continue
             for blk in range(nb):
                 lo = np.uint64(blk * block)
@@ -230,6 +230,7 @@ def _walk(x, rows, scales, bias, idx, start, end, gated, ga, ua, block, acc):
                     p1 *= scales[i1, m_up, blk]
                     p2 *= scales[i2, m_up, blk]
                     p3 *= scales[i3, m_up, blk]
+                if scaled and not gate_first:
                     q0 *= scales[i0, 0, blk]
                     q1 *= scales[i1, 0, blk]
                     q2 *= scales[i2, 0, blk]
