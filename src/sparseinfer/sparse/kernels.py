@@ -125,6 +125,35 @@ def _act(z, code):
 # --------------------------------------------------------------------------- sparse FFN core
 
 
+@_jit(inline="always")
+def _dots4(xt, r0, r1, r2, r3, scales, i0, i1, i2, i3, m, nb, block, scaled):
+    """The dot products of 4 rows with xt, block by block (each block's sum times the rows'
+    scale ``scales[i, m, blk]`` when scaled): one row kind of ``_walk``'s 4 neurons."""
+    d = xt.shape[0]
+    zero = np.float32(0.0)
+    a0 = a1 = a2 = a3 = zero
+    for blk in range(nb):
+        lo = np.uint64(blk * block)
+        hi = np.uint64(min(blk * block + block, d))
+        p0 = p1 = p2 = p3 = zero
+        for j in range(lo, hi):
+            xj = xt[j]
+            p0 += _f32(r0[j]) * xj
+            p1 += _f32(r1[j]) * xj
+            p2 += _f32(r2[j]) * xj
+            p3 += _f32(r3[j]) * xj
+        if scaled:
+            p0 *= scales[i0, m, blk]
+            p1 *= scales[i1, m, blk]
+            p2 *= scales[i2, m, blk]
+            p3 *= scales[i3, m, blk]
+        a0 += p0
+        a1 += p1
+        a2 += p2
+        a3 += p3
+    return a0, a1, a2, a3
+
+
 @_jit()
 def _walk(x, rows, scales, bias, idx, start, end, gated, ga, ua, block, acc):
     """acc[t] += sum_{c in [start, end)} h_t(idx[c]) * down_t[idx[c]] for each token t.
@@ -173,73 +202,43 @@ def _walk(x, rows, scales, bias, idx, start, end, gated, ga, ua, block, acc):
             a0 = a1 = a2 = a3 = zero  # up
             b0 = b1 = b2 = b3 = zero  # gate
             if gate_first:  # ReLU gates: the 4 gates alone; the up rows only if one fired
+                b0, b1, b2, b3 = _dots4(xt, g0, g1, g2, g3, scales, i0, i1, i2, i3, 0, nb,
+                                        block, scaled)
+                if b0 <= 0 and (b1 <= 0 or n_live < 2) and (b2 <= 0 or n_live < 3) and \
+                        (b3 <= 0 or n_live < 4):
+                    continue
+            if not gated or gate_first:
+                a0, a1, a2, a3 = _dots4(xt, u0, u1, u2, u3, scales, i0, i1, i2, i3, m_up, nb,
+                                        block, scaled)
+            else:  # gate and up rows in one loop: 8 streams
                 for blk in range(nb):
                     lo = np.uint64(blk * block)
                     hi = np.uint64(min(blk * block + block, d))
+                    p0 = p1 = p2 = p3 = zero
                     q0 = q1 = q2 = q3 = zero
                     for j in range(lo, hi):
                         xj = xt[j]
+                        p0 += _f32(u0[j]) * xj
+                        p1 += _f32(u1[j]) * xj
+                        p2 += _f32(u2[j]) * xj
+                        p3 += _f32(u3[j]) * xj
                         q0 += _f32(g0[j]) * xj
                         q1 += _f32(g1[j]) * xj
                         q2 += _f32(g2[j]) * xj
                         q3 += _f32(g3[j]) * xj
                     if scaled:
+                        p0 *= scales[i0, m_up, blk]
+                        p1 *= scales[i1, m_up, blk]
+                        p2 *= scales[i2, m_up, blk]
+                        p3 *= scales[i3, m_up, blk]
                         q0 *= scales[i0, 0, blk]
                         q1 *= scales[i1, 0, blk]
                         q2 *= scales[i2, 0, blk]
                         q3 *= scales[i3, 0, blk]
-                    b0 += q0
-                    b1 += q1
-                    b2 += q2
-                    b3 += q3
-                if b0 <= 0 and (b1 <= 0 or n_live < 2) and (b2 <= 0 or n_live < 3) and \
-                        (b3 <= 0 or n_live < 4):
-                    continue
-            for blk in range(nb):
-                lo = np.uint64(blk * block)
-                hi = np.uint64(min(blk * block + block, d))
-                p0 = p1 = p2 = p3 = zero
-                q0 = q1 = q2 = q3 = zero
-                if gate_first:
-                    for j in range(lo, hi):
-                        xj = xt[j]
-                        p0 += _f32(u0[j]) * xj
-                        p1 += _f32(u1[j]) * xj
-                        p2 += _f32(u2[j]) * xj
-                        p3 += _f32(u3[j]) * xj
-                elif gated:
-                    for j in range(lo, hi):
-                        xj = xt[j]
-                        p0 += _f32(u0[j]) * xj
-                        p1 += _f32(u1[j]) * xj
-                        p2 += _f32(u2[j]) * xj
-                        p3 += _f32(u3[j]) * xj
-                        q0 += _f32(g0[j]) * xj
-                        q1 += _f32(g1[j]) * xj
-                        q2 += _f32(g2[j]) * xj
-                        q3 += _f32(g3[j]) * xj
-                else:
-                    for j in range(lo, hi):
-                        xj = xt[j]
-                        p0 += _f32(u0[j]) * xj
-                        p1 += _f32(u1[j]) * xj
-                        p2 += _f32(u2[j]) * xj
-                        p3 += _f32(u3[j]) * xj
-                if scaled:
-                    p0 *= scales[i0, m_up, blk]
-                    p1 *= scales[i1, m_up, blk]
-                    p2 *= scales[i2, m_up, blk]
-                    p3 *= scales[i3, m_up, blk]
-                if scaled and not gate_first:
-                    q0 *= scales[i0, 0, blk]
-                    q1 *= scales[i1, 0, blk]
-                    q2 *= scales[i2, 0, blk]
-                    q3 *= scales[i3, 0, blk]
-                a0 += p0
-                a1 += p1
-                a2 += p2
-                a3 += p3
-                if not gate_first:
+                    a0 += p0
+                    a1 += p1
+                    a2 += p2
+                    a3 += p3
                     b0 += q0
                     b1 += q1
                     b2 += q2
