@@ -1396,27 +1396,29 @@ int si_sample(const float *x, int64_t n, int k, double top_p, double min_p, doub
  * bytes it got go to fail[0..2] and no further run starts; returns 0, or EIO on a failed read,
  * EINVAL on bad arguments, ENOMEM. */
 typedef struct {
-    int fd, drop, n, threads;
+    int fd, drop, n;
     const int64_t *start, *length, *first, *dest;
     const int32_t *pick;
     int64_t stride, row_bytes, max_span;
     uint8_t *out;
     atomic_int next, align, failed;
     atomic_llong bytes, reads;
-    pthread_mutex_t lock;
     int64_t *fail;
 } read_job;
+
+/* The first failure of a job wins: run (-1: no buffer), errno, bytes got. fail[] is read after
+ * every thread has been joined. */
+static void read_failed(read_job *j, int64_t run, int err, int64_t got) {
+    int expected = 0;
+    if (atomic_compare_exchange_strong(&j->failed, &expected, 1))
+        j->fail[0] = run, j->fail[1] = err, j->fail[2] = got;
+}
 
 static void *read_worker(void *arg) {
     read_job *j = arg;
     uint8_t *buf = NULL;
     if (posix_memalign((void **)&buf, 4096, (size_t)j->max_span + 2 * 4096)) {
-        pthread_mutex_lock(&j->lock);
-        if (!atomic_load(&j->failed)) {
-            j->fail[0] = -1, j->fail[1] = ENOMEM, j->fail[2] = 0;
-            atomic_store(&j->failed, 1);
-        }
-        pthread_mutex_unlock(&j->lock);
+        read_failed(j, -1, ENOMEM, 0);
         return NULL;
     }
     for (;;) {
@@ -1432,13 +1434,7 @@ static void *read_worker(void *arg) {
             got = pread(j->fd, buf, (size_t)(hi - lo), lo);
         }
         if (got < end - lo) { /* an error, or a short read (a truncated file) */
-            const int e = got < 0 ? errno : 0;
-            pthread_mutex_lock(&j->lock);
-            if (!atomic_load(&j->failed)) {
-                j->fail[0] = i, j->fail[1] = e, j->fail[2] = got < 0 ? 0 : got;
-                atomic_store(&j->failed, 1);
-            }
-            pthread_mutex_unlock(&j->lock);
+            read_failed(j, i, got < 0 ? errno : 0, got < 0 ? 0 : got);
             break;
         }
         const uint8_t *run = buf + (start - lo);
@@ -1465,7 +1461,7 @@ int si_read_runs(int fd, int n, const int64_t *start, const int64_t *length, con
         for (int64_t r = first[i]; r < first[i + 1]; r++)
             if (pick[r] < 0 || (int64_t)pick[r] * stride + row_bytes > length[i]) return EINVAL;
     }
-    read_job j = {.fd = fd, .drop = drop, .n = n, .threads = threads, .start = start,
+    read_job j = {.fd = fd, .drop = drop, .n = n, .start = start,
                   .length = length, .first = first, .dest = dest, .pick = pick, .stride = stride,
                   .row_bytes = row_bytes, .max_span = max_span, .out = out, .fail = fail};
     atomic_init(&j.next, 0);
@@ -1473,7 +1469,6 @@ int si_read_runs(int fd, int n, const int64_t *start, const int64_t *length, con
     atomic_init(&j.failed, 0);
     atomic_init(&j.bytes, 0);
     atomic_init(&j.reads, 0);
-    pthread_mutex_init(&j.lock, NULL);
     const int nt = threads < n ? threads : n;
     pthread_t th[64];
     int started = 0;
@@ -1483,7 +1478,6 @@ int si_read_runs(int fd, int n, const int64_t *start, const int64_t *length, con
     }
     read_worker(&j); /* the calling thread reads too */
     for (int t = 0; t < started; t++) pthread_join(th[t], NULL);
-    pthread_mutex_destroy(&j.lock);
     stats[0] += atomic_load(&j.bytes);
     stats[1] += atomic_load(&j.reads);
     stats[2] = atomic_load(&j.align);
