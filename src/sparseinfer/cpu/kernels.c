@@ -2207,6 +2207,12 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
 #define DOTS(rp, R, t, y) q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, pfb)
 #define AXPY(rp, h, R, o) q4_axpy(rp, h, R, nb, o)
 #endif
+    /* token slot q_'s down row with its h queued; its 4 added to token t's out when full */
+#define QUEUE_DOWN(q_, row, hv, t)                                                             \
+    do {                                                                                       \
+        qd[q_][nq[q_]] = (row), qh[q_][nq[q_]] = (hv);                                         \
+        if (++nq[q_] == 4) AXPY(qd[q_], qh[q_], 4, out + (size_t)(t) * d_model), nq[q_] = 0;   \
+    } while (0)
     /* R neurons of token t at positions pos[0..R) of idx (R a constant: 4, or 1): their dot
      * products, h, and their down rows whose h is not 0 queued in the token's queue */
 #define NEURONS(R, pos, t)                                                                     \
@@ -2230,9 +2236,7 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
         for (int n_ = 0; n_ < (R); n_++) {                                                     \
             const float h = gated ? act(ga, z[n_]) * act(ua, z[4 + n_])                        \
                                   : act(ua, z[n_] + (bias ? bias[idx[(pos)[n_]]] : 0.0f));     \
-            if (h == 0.0f) continue;                                                           \
-            qd[q_][nq[q_]] = down[n_], qh[q_][nq[q_]] = h;                                     \
-            if (++nq[q_] == 4) AXPY(qd[q_], qh[q_], 4, out + (size_t)(t) * d_model), nq[q_] = 0; \
+            if (h != 0.0f) QUEUE_DOWN(q_, down[n_], h, t);                                     \
         }                                                                                      \
     } while (0)
     /* ReLU gates (ReGLU, dReLU): a neuron whose gate comes out <= 0 has h = 0 whatever its up
@@ -2251,9 +2255,7 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
         DOTS(in, (R), t, z);                                                                   \
         for (int n_ = 0; n_ < (R); n_++) {                                                     \
             const float h = ug[q_][n_] * act(ua, z[n_]);                                       \
-            if (h == 0.0f) continue;                                                           \
-            qd[q_][nq[q_]] = uq[q_][n_] + 2 * rb, qh[q_][nq[q_]] = h;                          \
-            if (++nq[q_] == 4) AXPY(qd[q_], qh[q_], 4, out + (size_t)(t) * d_model), nq[q_] = 0; \
+            if (h != 0.0f) QUEUE_DOWN(q_, uq[q_][n_] + 2 * rb, h, t);                           \
         }                                                                                      \
         nuq[q_] = 0;                                                                           \
     } while (0)
@@ -2326,6 +2328,7 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
 #undef NEURONS
 #undef GATES
 #undef UPS
+#undef QUEUE_DOWN
 #undef DOTS
 #undef AXPY
 #if SI_AVX512
@@ -2441,6 +2444,13 @@ INLINE void i8_axpy(const int8_t *const *rp, const float *const *sp, const float
  * time (each group of rows read once for them); mask as si_sparse_q4's. No software prefetch: a
  * bundle of int8 rows is long enough for the hardware's (prefetching the next bundles as
  * si_sparse_q4 does was slower, from memory and from cache: benchmarks/RESULTS.md). */
+/* A token's down row with its scales and h queued (qd, qs, qh, *nq), the 4 added to o when full. */
+INLINE void i8_queue_down(const int8_t *row, const float *sc, float h, const int8_t **qd,
+                          const float **qs, float *qh, int *nq, int d_model, int block, float *o) {
+    qd[*nq] = row, qs[*nq] = sc, qh[*nq] = h;
+    if (++*nq == 4) i8_axpy(qd, qs, qh, 4, d_model, block, o), *nq = 0;
+}
+
 /* R neurons of one token (their positions pos[0..R) in idx; R a constant at each call, so the
  * rows' accumulators stay in registers): gate/up dot products, h, and the down rows whose h is
  * not 0 queued in the token's queue (qd, qs, qh, *nq), added to o 4 at a time. */
@@ -2470,9 +2480,7 @@ INLINE void i8_neurons(const int R, const int *pos, const int32_t *idx, const in
     for (int n = 0; n < R; n++) {
         const float h = gated ? act(ga, zg[n]) * act(ua, zu[n])
                               : act(ua, zu[n] + (bias ? bias[idx[pos[n]]] : 0.0f));
-        if (h == 0.0f) continue;
-        qd[*nq] = dr[n], qs[*nq] = ds[n], qh[*nq] = h;
-        if (++*nq == 4) i8_axpy(qd, qs, qh, 4, d_model, block, o), *nq = 0;
+        if (h != 0.0f) i8_queue_down(dr[n], ds[n], h, qd, qs, qh, nq, d_model, block, o);
     }
 }
 
@@ -2493,9 +2501,8 @@ INLINE void i8_ups(const int R, const int32_t *nid, const float *g, const int8_t
     else i8_dots(ur, us, R, xt, d_model, block, zu);
     for (int n = 0; n < R; n++) {
         const float h = g[n] * act(ua, zu[n]);
-        if (h == 0.0f) continue;
-        qd[*nq] = ur[n] + d_model, qs[*nq] = us[n] + nbk, qh[*nq] = h;
-        if (++*nq == 4) i8_axpy(qd, qs, qh, 4, d_model, block, o), *nq = 0;
+        if (h != 0.0f)
+            i8_queue_down(ur[n] + d_model, us[n] + nbk, h, qd, qs, qh, nq, d_model, block, o);
     }
 }
 
