@@ -192,15 +192,15 @@ class NeuronReader:
         out = np.empty((k, lay.bundle_bytes), dtype=np.uint8)
         first, pick, dest = np.arange(k + 1), np.zeros(k, dtype=np.int32), np.arange(k)
         offsets = np.asarray(lay.offsets)
+        lengths = {span: np.full(k, span * lay.stride) for span in (1, 1 + longest)}
 
         def call(span: int) -> tuple[float, int]:
             layers = rng.integers(0, len(offsets), k)
             rows = rng.integers(0, lay.d_ff - span + 1, k)
             start = offsets[layers] + rows * lay.stride
             t0 = time.perf_counter()
-            _, n, _, failure = self._c(self.fd, start, np.full(k, span * lay.stride), first,
-                                       pick, dest, lay.stride, out, self.sector, self.threads,
-                                       False)
+            _, n, _, failure = self._c(self.fd, start, lengths[span], first, pick, dest,
+                                       lay.stride, out, self.sector, self.threads, False)
             if failure is not None:
                 raise DiskReadError(f"{self.path}: measuring the disk: a read failed "
                                     f"(errno {failure[1]})")
