@@ -17,9 +17,9 @@ run both files are dropped from the page cache (``posix_fadvise(DONTNEED)``), so
 outside the group cannot serve it either. Reported per run: decode tokens/s, bytes read from the
 disk per token (``/proc/self/io`` read_bytes over the decode: page faults of a mapped file and
 O_DIRECT reads alike), the cgroup's peak usage and, for ours, the neuron cache's hit rate and
-the look-ahead prefetch's precision. Ours runs with ``--ram-budget`` equal to the limit (or a share of
-it: ``--budget-share``); the
-sparse file is bundled first (``python -m sparseinfer.disk bundle``) if it is not.
+the look-ahead prefetch's precision. Ours runs with ``--ram-budget`` equal to the limit (or a
+share of it: ``--budget-share``); the sparse file is bundled first (``python -m sparseinfer.disk
+bundle``) if it is not.
 
 Also measured and printed: the disk's O_DIRECT random-read throughput at 4, 16 and 64 KiB, one
 read at a time and 8 in flight, and sequential 1 MiB reads. ``--read-mbps`` puts every run (the
@@ -355,25 +355,21 @@ def main() -> int:
         base = {"ctx": args.ctx, "threads": args.threads, "tokens": args.tokens}
         runs = []
         for name, sparse in layouts.items() if not args.no_ours else []:
+            ours = {**base, "engine": "ours", "path": str(sparse),
+                    "drop": [str(args.dense), *sparse_files], "budget": limit}
             for ev in evictions:
                 for io in io_threads:
                     for share in shares if limit is not None else [1.0]:
-                        runs.append(({**base, "engine": "ours", "path": str(sparse),
-                                      "drop": [str(args.dense), *sparse_files],
-                                      "budget": None if limit is None else int(share * limit),
-                                      "eviction": ev, "prefetch": True, "io_threads": io},
+                        runs.append(({**ours, "eviction": ev, "prefetch": True, "io_threads": io,
+                                      "budget": None if limit is None else int(share * limit)},
                                      f"{name} {ev}" + (f" io {io}" if len(io_threads) > 1 else "")
                                      + (f" budget {share:.0%}" if len(shares) > 1 else "")))
                 if limit is None:
                     break
             if frac == middle and not args.no_prefetch_run:
-                runs.append(({**base, "engine": "ours", "path": str(sparse),
-                              "drop": [str(args.dense), *sparse_files], "budget": limit,
-                              "eviction": evictions[0], "prefetch": False},
+                runs.append(({**ours, "eviction": evictions[0], "prefetch": False},
                              f"{name} {evictions[0]} no prefetch"))
-                runs.append(({**base, "engine": "ours", "path": str(sparse),
-                              "drop": [str(args.dense), *sparse_files], "budget": limit,
-                              "eviction": evictions[0], "prefetch": True, "read_gap": 0},
+                runs.append(({**ours, "eviction": evictions[0], "prefetch": True, "read_gap": 0},
                              f"{name} {evictions[0]} no gap reads"))
         for rp in args.llama_repack.split(",") if not args.no_llama_cpp else []:
             runs.append(({**base, "engine": "llama", "path": str(args.dense),
