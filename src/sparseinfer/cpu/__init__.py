@@ -16,6 +16,7 @@ q8_0) and each block of weights is an integer dot product with it (F16 and F32 u
     plan = cpu.GemvPlan([wg, wu], [g, u]); plan(x)        # the same with per-call work hoisted
     y = cpu.gemm(wq, X)                                  # X [T, cols] -> [T, rows]
     cpu.sparse_ffn_q4(rows, gated, idx, X, out, ga, ua)   # sparse FFN over Q4_0 neuron bundles
+    z = cpu.sparse_q4_gates(rows, idx, x)                # ... their raw gate dot products alone
     cpu.sparse_ffn_i8(rows8, scales, 32, gated, idx, X, out, ga, ua)  # ... over int8 bundles
     k = cpu.predict_f16(cpu.F16Predictor(fc1, fc2, thr), x, idx)  # a predictor's active set
     vals, ids = cpu.topk(logits, 40)                      # torch.topk of a float32 vector
@@ -62,6 +63,7 @@ __all__ = [
     "set_spin_us",
     "set_threads",
     "sparse_ffn_q4",
+    "sparse_q4_gates",
     "sparse_ffn_i8",
     "F16Predictor",
     "attend_token",

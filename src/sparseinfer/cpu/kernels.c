@@ -2162,6 +2162,36 @@ INLINE void q4_axpy_g(const uint8_t *const *rp, const float *h, const int R, int
 }
 #endif
 
+/* y[r] = row_r . x for R <= 8 Q4_0 rows (pointers), each row's sum by the same arithmetic
+ * whatever R and whichever rows share its pass: si_sparse_q4's ReLU gates and up rows (gates
+ * first) and si_sparse_q4_gates, so that a neuron's gate is the same bits in a call over any set
+ * that holds it, wherever it falls in the passes. Plain AVX2's q4_dots8 works 8 rows, one per
+ * lane: a shorter pass is padded to 8 with its first row (the extra lanes dropped) rather than
+ * going through q4_dots, whose sums go in another order. q4_dots (avx2_128, and AVX-512 rows
+ * under 4 blocks) and q4_dots_g (AVX-512, `grouped`) work each row on its own for any R. */
+INLINE void q4_dots_fixed(const uint8_t *const *rp, const int R, const si_xq *x, int nb,
+                          const int grouped, float *y, const uint8_t *const *pf, const int npf,
+                          size_t pf_bytes) {
+#if SI_AVX512
+    if (grouped) q4_dots_g(rp, R, x, nb, y, pf, npf, pf_bytes);
+    else q4_dots(rp, R, x, nb, y, pf, npf, pf_bytes);
+#elif !SI_NARROW
+    (void)grouped;
+    if (R == 8) {
+        q4_dots8(rp, x, nb, y, pf, npf, pf_bytes);
+        return;
+    }
+    const uint8_t *p8[8];
+    float y8[8];
+    for (int r = 0; r < 8; r++) p8[r] = rp[r < R ? r : 0];
+    q4_dots8(p8, x, nb, y8, pf, npf, pf_bytes);
+    for (int r = 0; r < R; r++) y[r] = y8[r];
+#else
+    (void)grouped;
+    q4_dots(rp, R, x, nb, y, pf, npf, pf_bytes);
+#endif
+}
+
 /* Activation codes as sparse/kernels.py ACT_CODES: 0 identity, 1 relu, 2 silu, 3 gelu (erf),
  * 4 gelu (tanh approximation, Gemma's). */
 static inline float act(int code, float z) {
@@ -2198,6 +2228,7 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
     (grouped ? q4_dots_g(rp, R, &x[t], nb, y, pf, t ? 0 : npf, pfb)                              \
              : q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, pfb))
 #define AXPY(rp, h, R, o) (grouped ? q4_axpy_g(rp, h, R, nb, o) : q4_axpy(rp, h, R, nb, o))
+#define FIXED_DOTS(rp, R, t, y) q4_dots_fixed(rp, R, &x[t], nb, grouped, y, pf, t ? 0 : npf, pfb)
 #elif !SI_NARROW
 #define DOTS(rp, R, t, y)                                                                      \
     ((R) == 8 ? q4_dots8(rp, &x[t], nb, y, pf, t ? 0 : npf, pfb)                                \
@@ -2206,6 +2237,9 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
 #else
 #define DOTS(rp, R, t, y) q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, pfb)
 #define AXPY(rp, h, R, o) q4_axpy(rp, h, R, nb, o)
+#endif
+#ifndef FIXED_DOTS /* each row's sum the same whatever R (ReLU gates first: see q4_dots_fixed) */
+#define FIXED_DOTS(rp, R, t, y) q4_dots_fixed(rp, R, &x[t], nb, 0, y, pf, t ? 0 : npf, pfb)
 #endif
     /* token slot q_'s down row with its h queued; its 4 added to token t's out when full */
 #define QUEUE_DOWN(q_, row, hv, t)                                                             \
@@ -2244,7 +2278,10 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
      * gate rows fetched meanwhile); the neurons whose gate fired queue (their up and down rows
      * fetched into L2 as they join) and take their up rows 8 at a time; their down rows whose h
      * is not 0 queue as above. Per token, so a token's operations are still those of a call
-     * for it alone. */
+     * for it alone. The gate and up passes (FIXED_DOTS) give each row the same bits whatever
+     * rows share its pass, so a neuron's g (si_sparse_q4_gates' z) does not depend on the
+     * neurons around it: this call over idx, and over idx with the neurons not fired masked out,
+     * sum the same down rows in the same groups. */
     const int gate_first = gated && ga == SI_ACT_RELU;
 #define UPS(R, t)                                                                              \
     do {                                                                                       \
@@ -2252,7 +2289,7 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
         const uint8_t *in[8];                                                                  \
         float z[8];                                                                            \
         for (int n_ = 0; n_ < (R); n_++) in[n_] = uq[q_][n_] + rb;                             \
-        DOTS(in, (R), t, z);                                                                   \
+        FIXED_DOTS(in, (R), t, z);                                                             \
         for (int n_ = 0; n_ < (R); n_++) {                                                     \
             const float h = ug[q_][n_] * act(ua, z[n_]);                                       \
             if (h != 0.0f) QUEUE_DOWN(q_, uq[q_][n_] + 2 * rb, h, t);                           \
@@ -2265,7 +2302,7 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
         const uint8_t *in[8];                                                                  \
         float z[8];                                                                            \
         for (int n_ = 0; n_ < (R); n_++) in[n_] = bundles + (size_t)idx[(pos)[n_]] * bundle_bytes; \
-        DOTS(in, (R), t, z);                                                                   \
+        FIXED_DOTS(in, (R), t, z);                                                             \
         for (int n_ = 0; n_ < (R); n_++) {                                                     \
             const float g_ = act(ga, z[n_]);                                                   \
             if (g_ == 0.0f) continue;                                                          \
@@ -2330,11 +2367,37 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
 #undef UPS
 #undef QUEUE_DOWN
 #undef DOTS
+#undef FIXED_DOTS
 #undef AXPY
 #if SI_AVX512
     if (grouped)
         for (int t = 0; t < T; t++) q4g_order(out + (size_t)t * d_model, G, 1);
 #endif
+}
+
+/* The raw gate dot products z[i] = gate_i . x (before the activation) of neurons idx[0..k) of
+ * Q4_0 bundles, for one token x: the gate row is the first d_model / 32 * 18 bytes at bundles +
+ * idx[i] * bundle_bytes, and nothing else of a bundle is read (bundle_bytes may be the stride of
+ * an array of gate rows alone). 8 neurons a pass, the next 8 gate rows fetched meanwhile, by the
+ * arithmetic of si_sparse_q4's ReLU gates (q4_dots_fixed, on the same x: quantized, and grouped
+ * where it is there): z[i] > 0 exactly where that kernel's gate fires, and relu(z[i]) is its g,
+ * in a call over any set holding the neuron. */
+void FN(si_sparse_q4_gates)(const uint8_t *bundles, size_t bundle_bytes, const int32_t *idx,
+                            int k, const si_xq *x, int d_model, float *z) {
+    const size_t rb = (size_t)d_model / 32 * 18;
+    const int nb = d_model / 32;
+#if SI_AVX512
+    const int grouped = nb / 4 && x->g; /* as si_sparse_q4's */
+#else
+    const int grouped = 0;
+#endif
+    for (int i = 0; i < k; i += 8) {
+        const int R = k - i < 8 ? k - i : 8, npf = k - i - R < 8 ? k - i - R : 8;
+        const uint8_t *in[8], *pf[8];
+        for (int n = 0; n < R; n++) in[n] = bundles + (size_t)idx[i + n] * bundle_bytes;
+        for (int n = 0; n < npf; n++) pf[n] = bundles + (size_t)idx[i + R + n] * bundle_bytes;
+        q4_dots_fixed(in, R, x, nb, grouped, z + i, pf, npf, rb);
+    }
 }
 
 /* ------------------------------------------------------------------ sparse FFN, int8 bundles */

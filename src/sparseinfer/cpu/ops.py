@@ -37,6 +37,7 @@ __all__ = [
     "set_spin_us",
     "set_threads",
     "sparse_ffn_q4",
+    "sparse_q4_gates",
     "sparse_ffn_i8",
     "F16Predictor",
     "attend_token",
@@ -91,6 +92,7 @@ def _load() -> ctypes.CDLL:
     lib.si_quantize_x.argtypes = [vp, ci, vp, vp, vp]
     lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, vp,
                                  vp]
+    lib.si_sparse_q4_gates.argtypes = [vp, ctypes.c_size_t, vp, ci, ci, vp, ci, vp]
     lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, ci, vp, vp]
     lib.si_predict_f16.argtypes = [vp, vp, ci, ci, ci, vp, vp, vp, vp, vp, vp]
     lib.si_topk.argtypes = [vp, i64, ci, vp, vp]
@@ -522,6 +524,51 @@ def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.T
     _check(_lib.si_sparse_q4(rows.data_ptr(), n_mats * width, int(gated), idx.data_ptr(),
                              idx.shape[0], mk, d_ff, x.data_ptr(), T, d_model, gate_act, up_act,
                              bias, out.data_ptr()), "sparse_ffn_q4")
+    return out
+
+
+def sparse_q4_gates(rows: torch.Tensor, idx: torch.Tensor, x: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The raw gate dot products ``z[i] = gate_{idx[i]} · x`` (before the activation) of Q4_0
+    neuron bundles, for one token ``x`` (float32 [d_model]), by exactly the arithmetic of
+    ``sparse_ffn_q4``'s ReLU gates on the same x (rounded to int8 blocks as it rounds it): for
+    ReGLU / dReLU, ``z[i] > 0`` is exactly that kernel's "gate fired" and ``relu(z[i])`` its gate
+    value, for a call over any set holding neuron ``idx[i]`` (each neuron's gate is the same bits
+    wherever it falls among the kernel's passes; ``sparse.kernels.gate_dots`` says what that
+    makes equal). ``rows``: the bundles of ``sparse_ffn_q4``
+    (uint8 ``[d_ff, n_mats, d_model / 32 · 18]``, contiguous; the gate is row 0 of each), or
+    the gate rows alone, uint8 ``[d_ff, d_model / 32 · 18]`` with contiguous rows any stride
+    apart (e.g. ``bundles[:, 0]``, or an array of gate rows): only each neuron's gate row is
+    read. ``idx`` int32 [k]; ``out`` float32 [k] (allocated if None). Over the library's pool.
+    (Reference: the dequantized gate rows · ``cpu.reference.rounded_x(x)``.)"""
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() not in (2, 3):
+        raise ValueError(f"rows: expected uint8 [d_ff, n_mats, width] bundles or [d_ff, width] "
+                         f"gate rows, got {getattr(rows, 'dtype', type(rows).__name__)} "
+                         f"{list(getattr(rows, 'shape', ()))}")
+    if rows.dim() == 3:
+        if not rows.is_contiguous():
+            raise ValueError("rows: expected contiguous bundles [d_ff, n_mats, width]")
+        rows = rows[:, 0]
+    if x.dim() != 1:
+        raise ValueError(f"x: expected float32 [d_model] (one token), got {list(x.shape)}")
+    d_model = x.shape[0]
+    _check_f32(x, (d_model,), "x")
+    d_ff, width = rows.shape
+    if d_model % 32 or width != d_model // 32 * 18:
+        raise ValueError(f"rows: expected rows of {d_model // 32 * 18} bytes (Q4_0 of d_model "
+                         f"{d_model}, a multiple of 32), got {list(rows.shape)}")
+    if rows.device.type != "cpu" or (d_ff > 1 and (rows.stride(1) != 1
+                                                   or rows.stride(0) < width)):
+        raise ValueError(f"rows: expected CPU rows of contiguous bytes, apart by at least their "
+                         f"width, got strides {list(rows.stride())}")
+    _check_idx_bias(idx, None, d_ff)
+    k = idx.shape[0]
+    if out is None:
+        out = torch.empty(k)
+    _check_f32(out, (k,), "out")
+    _check(_lib.si_sparse_q4_gates(rows.data_ptr(), rows.stride(0) if d_ff > 1 else width,
+                                   idx.data_ptr(), k, d_ff, x.data_ptr(), d_model,
+                                   out.data_ptr()), "sparse_q4_gates")
     return out
 
 

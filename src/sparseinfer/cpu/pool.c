@@ -60,6 +60,9 @@ static rows_multi_fn g_rows_multi;
 static quant_fn g_quant;
 static xgroups_fn g_xgroups;
 static sparse_fn g_sparse;
+typedef void (*gates_fn)(const uint8_t *, size_t, const int32_t *, int, const si_xq *, int,
+                         float *);
+static gates_fn g_gates;
 typedef void (*sparse_i8_fn)(const int8_t *, size_t, const float *, int, int, int, const int32_t *,
                              int, const uint8_t *, size_t, const float *, const si_xq *, int, int,
                              int, int, const float *, float *);
@@ -113,6 +116,7 @@ int si_set_isa(int isa) {
     g_quant = PICK(si_quantize_x);
     g_xgroups = PICK(si_xgroups);
     g_sparse = PICK(si_sparse_q4);
+    g_gates = PICK(si_sparse_q4_gates);
     g_sparse_i8 = PICK(si_sparse_i8);
     g_attend = PICK(si_attend_head);
     g_attend16 = PICK(si_attend_head16);
@@ -576,6 +580,41 @@ int si_sparse_q4(const void *bundles, size_t bundle_bytes, int gated, const int3
     sparse_job_t j = {bundles, bundle_bytes, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx, mask,
                       bias, out, NULL, x, NULL, 0, 0, 0};
     return sparse_run(&j);
+}
+
+/* z[i] = gate_{idx[i]} . x for one token x [d_model] (the raw gate dot products of Q4_0 bundles,
+ * bundle_bytes apart, gate row first: see kernels.c), by si_sparse_q4's ReLU-gate arithmetic on
+ * x quantized as it quantizes it. Neuron ranges over the pool (one per 64 neurons, up to 4 per
+ * thread, each a multiple of 8 long): each z[i] is the same whatever the range it falls in. */
+typedef struct {
+    const uint8_t *bundles;
+    size_t bundle_bytes;
+    const int32_t *idx;
+    int k, d_model, ch;
+    float *z;
+} gates_job_t;
+
+static void gates_chunk(const void *jp, int64_t c) {
+    const gates_job_t *j = jp;
+    const int i0 = (int)c * j->ch, n = j->k - i0 < j->ch ? j->k - i0 : j->ch;
+    g_gates(j->bundles, j->bundle_bytes, j->idx + i0, n, S.xq, j->d_model, j->z + i0);
+}
+
+int si_sparse_q4_gates(const void *bundles, size_t bundle_bytes, const int32_t *idx, int k,
+                       int d_ff, const float *x, int d_model, float *z) {
+    const int err = sparse_args(d_model, 32, 1, k, 0, 0, idx, d_ff);
+    if (err) return err;
+    if (bundle_bytes < (size_t)d_model / 32 * 18) return EINVAL; /* rows would overlap */
+    if (k == 0) return 0;
+    const int nt = P.n_workers + 1;
+    int n = (k + 63) / 64;
+    n = n > 4 * nt ? 4 * nt : n;
+    gates_job_t j = {bundles, bundle_bytes, idx, k, d_model, ((k + n - 1) / n + 7) / 8 * 8, z};
+    pthread_mutex_lock(&g_call_lock);
+    int e = quantize_rows(x, 1, d_model, 1, 1); /* as sparse_run's, so the same x */
+    if (!e) pool_run(gates_chunk, &j, (k + j.ch - 1) / j.ch);
+    pthread_mutex_unlock(&g_call_lock);
+    return e;
 }
 
 /* The same over int8 bundles (PackedFFN dtype "int8"): rows int8 [d_ff, n_mats, d_model], scales

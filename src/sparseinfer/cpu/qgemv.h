@@ -74,6 +74,9 @@ typedef struct {
                             const int32_t *idx, int k, const uint8_t *mask, size_t mstride,   \
                             const si_xq *x, int T, int d_model, int ga, int ua,               \
                             const float *bias, float *out);                                    \
+    void si_sparse_q4_gates_##isa(const uint8_t *bundles, size_t bundle_bytes,                 \
+                                  const int32_t *idx, int k, const si_xq *x, int d_model,     \
+                                  float *z);                                                   \
     void si_sparse_i8_##isa(const int8_t *rows, size_t bundle_bytes, const float *scales,      \
                             int nbk, int block, int gated, const int32_t *idx, int k,          \
                             const uint8_t *mask, size_t mstride, const float *x,              \

@@ -46,6 +46,7 @@ __all__ = [
     "dense_ffn",
     "dense_ffn_ref",
     "dense_weights",
+    "gate_dots",
     "get_threads",
     "predict_active",
     "set_threads",
@@ -609,6 +610,40 @@ def sparse_ffn_batch(
     xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
     _run_ffn(xn, ffn, _idx_numpy(idx), out.numpy())
     return out
+
+
+def gate_dots(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """The raw gate dot products ``z[i] = gate_{idx[i]} · x`` of a gated q4 FFN for one token
+    (x float32 ``[d_model]``; idx int32 or int64 ``[k]``; out float32 ``[k]``, allocated if None),
+    by the C kernel's own arithmetic (``cpu.sparse_q4_gates``): with a ReLU gate (ReGLU, dReLU)
+    ``z > 0`` is exactly where ``sparse_ffn`` / ``sparse_ffn_batch`` find the gate fired, and
+    ``relu(z)`` is the gate they use, whatever other neurons the call holds. So a call over
+    ``idx`` equals one over the same ``idx`` with ``mask = z > 0`` (``sparse_ffn_batch``, T = 1)
+    bit for bit: a neuron not fired adds nothing, and its up and down rows are not read, either
+    way (the masked call reads not even its gate row: any valid row may stand at its place). A
+    shorter list of the fired neurons alone gives the same bits only while both calls are one
+    chunk of the pool (up to 32 neurons): beyond, the pool's neuron ranges, and with them the
+    partial sums, are cut elsewhere in the list."""
+    if ffn.dtype != "q4" or not FFN_KINDS[ffn.kind].gated:
+        raise ValueError(f"ffn: expected a gated FFN of q4 rows, got {ffn.kind} {ffn.dtype}")
+    if ffn.rows.device.type != "cpu":
+        raise ValueError(f"ffn.rows: expected a CPU tensor, got one on {ffn.rows.device}")
+    d = ffn.d_model
+    if x.dtype != torch.float32 or x.shape != (d,):
+        raise ValueError(f"x: expected float32 [{d}], got {x.dtype} {list(x.shape)}")
+    if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"idx: expected int32/int64 [k], got {idx.dtype} {list(idx.shape)}")
+    if idx.dtype != torch.int32 or not idx.is_contiguous():
+        idx = idx.to(torch.int32).contiguous()
+    from .. import cpu  # the C library: loaded (or reported missing) on first use
+
+    try:
+        return cpu.sparse_q4_gates(ffn.rows, idx, x.contiguous(), out)
+    except RuntimeError as e:
+        if "out of range" in str(e):
+            raise IndexError(f"idx: expected neuron indices in [0, {ffn.d_ff})") from e
+        raise
 
 
 def _np_weights(t: torch.Tensor) -> np.ndarray:
