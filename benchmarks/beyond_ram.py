@@ -4,10 +4,14 @@
     python benchmarks/beyond_ram.py ... --fractions 0.75,0.5,0.3 -n 12 --eviction lru,freq
     python benchmarks/beyond_ram.py --sparse A.gguf B.gguf ...   # several bundled layouts
     python benchmarks/beyond_ram.py ... --read-mbps 280          # on a disk of 280 MB/s
+    python benchmarks/beyond_ram.py ... --gates-apart both       # gates first beside bundles
 
 Several ``--sparse`` files (the same model bundled in neuron order and in co-activation order,
 ``python -m sparseinfer.disk bundle --profile``) run side by side, labelled by their
-``sparseinfer.bundle.order``. At the middle limit each layout also runs without the look-ahead
+``sparseinfer.bundle.order``. ``--gates-apart`` bundles each with the gate rows apart too
+(``python -m sparseinfer.disk bundle --gates-apart``: a ReLU-gated FFN reads up and down rows only
+for the neurons whose gate fired) and runs that layout (``only``) or both (``both``). At the
+middle limit each layout also runs without the look-ahead
 prefetch and with reads that never pass over unwanted rows (``DiskOptions.read_gap`` 0).
 
 For each limit (a fraction of the dense Q4_0 file's size) every engine runs in its own process
@@ -284,6 +288,9 @@ def main() -> int:
     ap.add_argument("--budget-share", default="1",
                     help="ours: --ram-budget as shares of the limit, comma-separated: each is a "
                          "run (below 1 leaves the kernel room under the limit)")
+    ap.add_argument("--gates-apart", choices=("no", "only", "both"), default="no",
+                    help="bundle each sparse file with its gate rows apart too and run that "
+                         "layout instead of (only) or beside (both) the plain bundles")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -304,19 +311,28 @@ def main() -> int:
               file=sys.stderr)
         return 1
     layouts = {}  # label -> bundled file
+    kinds = {"no": [False], "only": [True], "both": [False, True]}[args.gates_apart]
     for sparse in args.sparse:
-        if not is_bundled(open_source(sparse)):
-            bundled = sparse.with_name(sparse.stem + ".bundled.gguf")
-            if not bundled.exists():
-                from sparseinfer.disk.layout import bundle_file
+        for apart in kinds:
+            path = sparse
+            if apart or not is_bundled(open_source(sparse)):
+                if is_bundled(open_source(sparse)):
+                    print(f"{sparse} is bundled already: --gates-apart needs the sparse file it "
+                          f"was bundled from", file=sys.stderr)
+                    return 1
+                path = sparse.with_name(sparse.stem + (".gates" if apart else ".bundled")
+                                        + ".gguf")
+                if not path.exists():
+                    from sparseinfer.disk.layout import bundle_file
 
-                t0 = time.perf_counter()
-                bundle_file(sparse, bundled, "q4")
-                print(f"bundled {sparse} -> {bundled} in {time.perf_counter() - t0:.0f} s",
-                      file=sys.stderr)
-            sparse = bundled
-        order = str(open_source(sparse).metadata.get("sparseinfer.bundle.order", "neuron"))
-        layouts["ours" if len(args.sparse) == 1 else f"ours {order}"] = sparse
+                    t0 = time.perf_counter()
+                    bundle_file(sparse, path, "q4", gates_apart=apart)
+                    print(f"bundled {sparse} -> {path} in {time.perf_counter() - t0:.0f} s",
+                          file=sys.stderr)
+            order = str(open_source(path).metadata.get("sparseinfer.bundle.order", "neuron"))
+            label = "ours" + (f" {order}" if len(args.sparse) > 1 else "") + (
+                " gates first" if apart else "")
+            layouts[label] = path
     dense_size = args.dense.stat().st_size
     print(f"CPU: {cpu_model()}; load average {os.getloadavg()[0]:.2f} (a busy machine: other "
           f"jobs share it); {args.threads} threads, {args.tokens} tokens, ctx {args.ctx}")

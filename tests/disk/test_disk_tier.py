@@ -50,6 +50,11 @@ def bundled(sparse_file):
     orders = [rng.permutation(cfg.d_ff) for _ in range(cfg.n_layers)]
     out["q4-shuffled"] = bundle_file(sparse_file, sparse_file.with_name("tiny.q4s.gguf"), "q4",
                                      orders, "random")
+    # the gate rows apart (ReGLU: gates first), in neuron order and shuffled
+    out["q4-gates"] = bundle_file(sparse_file, sparse_file.with_name("tiny.q4g.gguf"), "q4",
+                                  gates_apart=True)
+    out["q4-gates-shuffled"] = bundle_file(sparse_file, sparse_file.with_name("tiny.q4gs.gguf"),
+                                           "q4", orders, "random", gates_apart=True)
     return out
 
 
@@ -91,22 +96,24 @@ def test_bundles_hold_the_files_rows(sparse_file, bundled):
                     [t.name for t in src.reader.tensors].index(name)).data), orig[name])
 
 
-@pytest.mark.parametrize("kind", ["q4", "q4-shuffled"])
+@pytest.mark.parametrize("kind", ["q4", "q4-shuffled", "q4-gates", "q4-gates-shuffled"])
 @pytest.mark.parametrize("gap", [0, 2, 200])
 def test_reader_reads_what_the_map_holds(bundled, kind, gap):
     """Any set of neurons, read through runs of file rows (gaps of up to ``gap`` unwanted rows
-    read through), comes back as the map holds it, in the order asked."""
+    read through), comes back as the map holds it, in the order asked; with the gates apart,
+    the gate rows and the up/down rows each from their own tensor."""
     src = open_source(bundled[kind])
     lay = layout_of(src)
     plain = layout_of(open_source(bundled["q4"]))
-    assert (lay.positions is None) == (kind == "q4")
+    assert (lay.positions is None) == (kind in ("q4", "q4-gates"))
+    assert lay.gates_apart == kind.startswith("q4-gates")
     rng = np.random.default_rng(0)
     for direct in (True, False):
         r = NeuronReader(lay, threads=3, direct=direct, max_gap=gap)
         try:
             for layer in range(src.config.n_layers):
                 nn = np.sort(rng.choice(lay.d_ff, 70, replace=False))
-                got = r.read(layer, nn)
+                got = np.concatenate([r.read(layer, nn, part) for part in lay.parts], axis=1)
                 want = rows_view(src, layer, 0, lay.d_ff)[lay.row_of(layer, nn)].reshape(70, -1)
                 np.testing.assert_array_equal(got, want)
                 # neuron n's bytes are the neuron-order file's row n, wherever they were written
@@ -121,7 +128,7 @@ def test_reader_reads_what_the_map_holds(bundled, kind, gap):
                 if row - prev > gap + 1 or row - first >= MAX_RUN:
                     n_reads, first = n_reads + 1, row
             n0 = r.reads
-            r.read(layer, nn)
+            r.read(layer, nn)  # (the bundle part: with the gates apart, the up/down rows)
             assert r.reads - n0 == n_reads
         finally:
             r.close()
@@ -183,13 +190,13 @@ def test_shuffled_bundles_hold_the_files_rows(bundled):
 
 
 def test_bundled_file_all_in_ram_equals_reference(bundled, reference):
-    for kind in ("q4", "fp32", "q4-shuffled"):
+    for kind in ("q4", "fp32", "q4-shuffled", "q4-gates", "q4-gates-shuffled"):
         got = _logits(load(bundled[kind], "auto"))
         torch.testing.assert_close(got, reference["fp32" if kind == "fp32" else "q4"],
                                    atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q4-shuffled"])
+@pytest.mark.parametrize("kind", ["q4", "q4-shuffled", "q4-gates", "q4-gates-shuffled"])
 @pytest.mark.parametrize("eviction", ["lru", pytest.param("freq", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("ram,slots,prefetch", [
     ((0, 0), 1, False), pytest.param((0, 0), 3, True, marks=pytest.mark.slow),
@@ -203,6 +210,7 @@ def test_disk_tier_logits_equal_all_in_ram(bundled, reference, eviction, ram, sl
     d = load(bundled[kind], "auto", disk_options=opts)
     ffn = d.model.layers[0].ffn
     assert isinstance(ffn, DiskFFN) and ffn.n_ram == ram[0] and ffn.cache.capacity == slots
+    assert ffn.first_part == ("gate" if kind.startswith("q4-gates") else None)
     # every layer shares one reader and one layout (a position map per layer, not per cache);
     # reading a reordered file's RAM neurons at load is not counted as the run's
     caches = [layer.ffn.cache for layer in d.model.layers]
@@ -218,6 +226,52 @@ def test_disk_tier_logits_equal_all_in_ram(bundled, reference, eviction, ram, sl
     assert st.requested == st.hits + st.prefetch_hits + st.misses
     if ram != (192, 0):
         assert rep.bytes_read > 0 and st.requested > 0
+
+
+def test_gates_first_reads_up_and_down_rows_only_where_the_gate_fired(bundled):
+    """With the gates apart, a decoded token reads the cold neurons' gate rows, and the up/down
+    rows only of neurons whose gate fired: every neuron whose up/down rows were read has a gate
+    that is not clearly below 0 on that token's FFN input, by gguf-py's dequantization of the
+    file's gate rows (the kernel rounds x to int8 blocks: a margin); fewer neurons' up/down rows
+    are read than gate rows."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from sparseinfer.disk.layout import part_view
+
+    opts = DiskOptions(ram_counts=(0, 0), cache_slots=192, prefetch=True, read_gap=0)
+    d = load(bundled["q4-gates"], "auto", disk_options=opts)
+    lay = layout_of(d.source)
+    gates = [dequantize(part_view(d.source, i, 0, lay.d_ff, lay, "gate").reshape(lay.d_ff, -1),
+                        GGMLQuantizationType.Q4_0) for i in range(d.source.config.n_layers)]
+    state = {"x": {}, "decoding": False}
+    reads = []  # (layer, x of that layer, neurons whose up/down rows were read)
+    n_gates = 0  # gate rows read while decoding
+    reader = d.model._disk_reader
+    submit = reader.submit
+
+    def spy(layer, neurons, part="bundle"):
+        nonlocal n_gates
+        if part == "bundle" and state["decoding"]:
+            reads.append((layer, state["x"][layer], np.asarray(neurons).copy()))
+        elif state["decoding"]:
+            n_gates += len(neurons)
+        return submit(layer, neurons, part)
+
+    reader.submit = spy
+    for i, blk in enumerate(d.model.layers):
+        def hook(module, args, i=i):
+            x = args[0]
+            state["decoding"] = x.shape[0] * x.shape[1] == 1
+            state["x"][i] = x.reshape(-1, x.shape[-1])[-1].float().numpy().copy()
+        blk.ffn.register_forward_pre_hook(hook)
+    _logits(d)
+    assert reads, "no up/down rows read while decoding"
+    for layer, x, neurons in reads:
+        z = gates[layer][neurons] @ x
+        margin = 0.02 * np.linalg.norm(gates[layer][neurons], axis=1) * np.linalg.norm(x)
+        assert (z > -margin).all(), (layer, neurons[z <= -margin])
+    assert sum(len(n) for _, _, n in reads) < n_gates
 
 
 def test_fused_decode_and_generation_match(bundled):

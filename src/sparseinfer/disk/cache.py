@@ -12,8 +12,8 @@ strategy object (``EVICTION``):
 
 Reads are asynchronous: ``request`` starts the reads of the misses and returns a ``Ticket``;
 ``complete`` waits and returns the slots. ``prefetch`` starts reads for neurons a later layer is
-likely to need (their slots are marked pending: they are never evicted, and are waited for when
-asked for). A slot is marked valid only after its bundle was read in full.
+likely to need (their slots are pending: never evicted, and waited for when asked for). A part
+of a neuron's rows counts as held only after it was read in full.
 """
 
 from __future__ import annotations
@@ -85,12 +85,15 @@ class CacheStats:
 class Ticket:
     neurons: np.ndarray
     slots: np.ndarray
-    batch: ReadBatch | None
-    new_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    reads: list[tuple[ReadBatch, np.ndarray]] = field(default_factory=list)  # (batch, slots)
 
 
 class NeuronCache:
-    """``capacity`` slots for one layer's cold neurons (global neuron numbers ``>= first``)."""
+    """``capacity`` slots for one layer's cold neurons (global neuron numbers ``>= first``).
+
+    A slot holds a neuron's rows as they come: with the gates apart in the file
+    (``BundleLayout.gates_apart``) its gate row may be there without its up and down rows
+    (``has``: a bit per file part, ``layout.parts`` in order; ``ALL`` the whole neuron)."""
 
     def __init__(self, layout: BundleLayout, layer: int, reader: NeuronReader, capacity: int,
                  eviction: Eviction, act_freq: np.ndarray | None = None,
@@ -109,9 +112,12 @@ class NeuronCache:
             bias = torch.zeros(C, dtype=torch.float32)
         self.packed = PackedFFN(layout.kind, layout.dtype, layout.d_model, C, rows, None, 0, bias)
         self._bytes = rows.view(torch.uint8).reshape(C, -1).numpy()
+        self.parts = list(layout.parts)  # bit i of has: parts[i]
+        self.ALL = (1 << len(self.parts)) - 1
         self.slot_of = np.full(F, -1, dtype=np.int64)
         self.neuron_of = np.full(C, -1, dtype=np.int64)
-        self.state = np.zeros(C, dtype=np.int8)
+        self.has = np.zeros(C, dtype=np.int8)  # parts read in full
+        self.coming = np.zeros(C, dtype=np.int8)  # parts being read
         self.by_prefetch = np.zeros(C, dtype=bool)  # filled by a prefetch, not yet asked for
         self.last_use = np.zeros(C, dtype=np.int64)
         freq = np.zeros(F) if act_freq is None else np.asarray(act_freq, dtype=np.float64)
@@ -125,15 +131,27 @@ class NeuronCache:
     def nbytes(self) -> int:
         return self.packed.nbytes
 
+    def bit(self, part: str) -> int:
+        """``has``'s bit of the file part ``part``."""
+        return 1 << self.parts.index(part)
+
+    @property
+    def state(self) -> np.ndarray:
+        """Per slot: EMPTY, PENDING (a read in flight: never evicted) or VALID (what it holds
+        was read in full)."""
+        st = np.where(self.neuron_of >= 0, VALID, EMPTY).astype(np.int8)
+        st[self.coming != 0] = PENDING
+        return st
+
     # ---- slots ---------------------------------------------------------------------------------
 
     def _take(self, k: int, protect: np.ndarray) -> np.ndarray:
-        """``k`` slots to (re)fill: empty ones first, then the eviction order; never a pending
-        slot nor one in ``protect``."""
+        """``k`` slots to (re)fill: empty ones first, then the eviction order; never a slot
+        being read nor one in ``protect``."""
         def keys() -> np.ndarray:
             k_ = self.eviction.keys(self).copy()
-            k_[self.state == EMPTY] = -np.inf
-            k_[self.state == PENDING] = np.inf
+            k_[self.neuron_of < 0] = -np.inf
+            k_[self.coming != 0] = np.inf
             k_[protect] = np.inf
             return k_
 
@@ -146,60 +164,75 @@ class NeuronCache:
         slots = np.argpartition(keys_, k - 1)[:k]
         old = self.neuron_of[slots]
         self.slot_of[old[old >= 0]] = -1
-        self.state[slots] = EMPTY
+        self.neuron_of[slots] = -1
+        self.has[slots] = 0
         self.by_prefetch[slots] = False
         return slots
 
-    def _assign(self, slots: np.ndarray, neurons: np.ndarray, state: int) -> None:
+    def _assign(self, slots: np.ndarray, neurons: np.ndarray) -> None:
         self.neuron_of[slots] = neurons
         self.slot_of[neurons] = slots
-        self.state[slots] = state
         self.freq_of_slot[slots] = self._freq[neurons]
         self.last_use[slots] = self.tick
 
+    def _read(self, neurons: np.ndarray, slots: np.ndarray, want: int) -> list:
+        """Start reading the parts in ``want`` of ``neurons`` (sorted) into ``slots``; the reads
+        are pending until committed."""
+        reads = []
+        for i, part in enumerate(self.parts):
+            if want >> i & 1:
+                batch = self.reader.submit(self.layer, neurons, part)
+                self.coming[slots] |= np.int8(1 << i)
+                self.pending.append((batch, slots))
+                reads.append((batch, slots))
+        return reads
+
     def _commit(self, batch: ReadBatch, slots: np.ndarray) -> None:
+        """Wait for one read and put its rows in their slots."""
+        self.pending = [e for e in self.pending if e[0] is not batch]
+        b = np.int8(self.bit(batch.part.name))
+        self.coming[slots] &= ~b
+        live = self.neuron_of[slots] == batch.neurons  # (always: slots being read are kept)
         try:
             rows = batch.wait()
         except Exception:
             # nothing half-read stays: the slots go back to empty
-            live = self.neuron_of[slots] == batch.neurons
             self.slot_of[batch.neurons[live]] = -1
-            self.state[slots[live]] = EMPTY
             self.neuron_of[slots[live]] = -1
+            self.has[slots[live]] = 0
             raise
-        live = self.neuron_of[slots] == batch.neurons  # (always: pending slots are kept)
-        self._bytes[slots[live]] = rows[live]
+        lo = batch.part.first_mat * self.layout.row_bytes
+        self._bytes[slots[live], lo:lo + batch.part.nbytes] = rows[live]
         if self._up_bias is not None:
             self.packed.up_bias[torch.from_numpy(slots[live])] = \
                 self._up_bias[torch.from_numpy(batch.neurons[live])]
-        self.state[slots[live]] = VALID
+        self.has[slots[live]] |= b
 
     def _drain(self) -> None:
-        pending, self.pending = self.pending, []
-        for batch, slots in pending:
+        for batch, slots in list(self.pending):
             self._commit(batch, slots)
 
     def _wait_for(self, slots: np.ndarray) -> None:
         """Commit the pending reads that fill any of ``slots``."""
         want = np.zeros(self.capacity, dtype=bool)
         want[slots] = True
-        keep = []
-        for batch, bslots in self.pending:
+        for batch, bslots in list(self.pending):
             if want[bslots].any():
                 self._commit(batch, bslots)
-            else:
-                keep.append((batch, bslots))
-        self.pending = keep
 
     # ---- the runtime's calls -------------------------------------------------------------------
 
-    def request(self, neurons: np.ndarray) -> Ticket:
-        """Start making ``neurons`` (unique global indices, at most ``capacity``) resident."""
+    def request(self, neurons: np.ndarray, part: str | None = None, count: bool = True,
+                ) -> Ticket:
+        """Start making ``neurons`` (unique global indices, at most ``capacity``) resident: the
+        file part ``part`` of each, or all of it (None). ``count``: in the hit statistics (not
+        when the neurons were just asked for by another part)."""
         if neurons.size > self.capacity:
             raise ValueError(f"neuron cache: {neurons.size} neurons asked for at once, "
                              f"capacity {self.capacity}")
+        want = self.ALL if part is None else self.bit(part)
         self.tick += 1
-        st = self.stats
+        st = self.stats if count else CacheStats()
         st.requested += neurons.size
         slots = self.slot_of[neurons]
         cached = slots >= 0
@@ -212,36 +245,46 @@ class NeuronCache:
         self.last_use[cs] = self.tick
         miss = neurons[~cached]
         st.misses += miss.size
-        batch, new = None, np.zeros(0, np.int64)
+        reads = []
+        # cached neurons lacking a part asked for (gate rows without their up/down rows)
+        lacking = want & ~(self.has[cs] | self.coming[cs])
+        for i in range(len(self.parts)):
+            sel = (lacking >> i & 1).astype(bool)
+            if sel.any():
+                order = np.argsort(neurons[cached][sel])
+                reads += self._read(neurons[cached][sel][order], cs[sel][order], 1 << i)
         if miss.size:
             protect = np.zeros(self.capacity, dtype=bool)
             protect[cs] = True
             new = self._take(miss.size, protect)
             order = np.argsort(miss)
             miss, new = miss[order], new[order]
-            self._assign(new, miss, PENDING)
-            batch = self.reader.submit(self.layer, miss)
+            self._assign(new, miss)
+            reads += self._read(miss, new, want)
             slots = self.slot_of[neurons]
-        return Ticket(neurons, slots, batch, new)
+        return Ticket(neurons, slots, reads)
 
     def complete(self, ticket: Ticket) -> np.ndarray:
         """Wait for ``ticket``'s reads; returns the slots of its neurons (valid rows)."""
-        if ticket.batch is not None:
-            self._commit(ticket.batch, ticket.new_slots)
+        for batch, slots in ticket.reads:
+            if any(e[0] is batch for e in self.pending):
+                self._commit(batch, slots)
         self._wait_for(ticket.slots)
         return ticket.slots
 
-    def prefetch(self, neurons: np.ndarray, limit: int) -> int:
-        """Start reading up to ``limit`` of ``neurons`` not yet cached; returns how many."""
+    def prefetch(self, neurons: np.ndarray, limit: int, part: str | None = None) -> int:
+        """Start reading (the file part ``part`` of, or all of) up to ``limit`` of ``neurons``
+        not yet cached; returns how many."""
         miss = neurons[self.slot_of[neurons] < 0][:limit]
-        free = int(np.sum(self.state != PENDING))
+        free = int(np.sum(self.coming == 0))
         miss = miss[: max(0, min(free, self.capacity // 2))]
         if miss.size == 0:
             return 0
         slots = self._take(miss.size, np.zeros(self.capacity, dtype=bool))
-        miss = np.sort(miss)
-        self._assign(slots, miss, PENDING)
+        order = np.argsort(miss)
+        miss, slots = miss[order], slots[order]
+        self._assign(slots, miss)
         self.by_prefetch[slots] = True
-        self.pending.append((self.reader.submit(self.layer, miss), slots))
+        self._read(miss, slots, self.ALL if part is None else self.bit(part))
         self.stats.prefetched += miss.size
         return miss.size

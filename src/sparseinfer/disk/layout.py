@@ -16,8 +16,17 @@ neurons in a given order (``order.py``: co-activated neurons side by side, so th
 cold neurons come in fewer, longer reads) and stores where each neuron went, ``blk.N.ffn_bundle_pos``
 (int32, ``[d_ff]``: the file row of neuron i). Without that tensor row i is neuron i.
 
+**Gates apart** (``bundle_file(..., gates_apart=True)``; FFNs whose gate is a ReLU: ReGLU,
+dReLU). A neuron whose ReLU gate is <= 0 contributes nothing whatever its up and down rows hold,
+so the disk tier reads the predicted neurons' gate rows first and the up and down rows only of
+those whose gate fired (``tier.py``). The gate rows then go in a tensor of their own,
+``blk.N.ffn_bundle_gate`` (row i: neuron i's gate row, padded to ``sparseinfer.bundle.gate_stride``
+bytes), and ``blk.N.ffn_bundle`` holds the up row and down column: the gates of neighbouring
+neurons are one read, and so are their up/down rows.
+
 Keys written: ``sparseinfer.bundle.dtype`` (row storage), ``sparseinfer.bundle.stride``,
-``sparseinfer.bundle.order`` (``neuron`` or how the order was made).
+``sparseinfer.bundle.order`` (``neuron`` or how the order was made), and with the gates apart
+``sparseinfer.bundle.gate_stride``.
 """
 
 from __future__ import annotations
@@ -39,12 +48,26 @@ from .order import positions_of
 log = logging.getLogger(__name__)
 
 BUNDLE = "blk.{}.ffn_bundle"
+GATES = "blk.{}.ffn_bundle_gate"
 POSITIONS = "blk.{}.ffn_bundle_pos"
 BUNDLE_DTYPES = ("q4", "fp32")  # row storages without per-row scales
 STRIDE_ALIGN = 512  # bytes: the logical block size O_DIRECT needs on common disks
 DATA_ALIGN = 4096
 COPY_CHUNK = 1024  # neurons per read when copying a reordered file's neurons into RAM
 _FFN_ROWS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down_t|down)\.weight$")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor of a layer's neurons in the file: row i (file row) of layer l is ``nbytes`` at
+    ``offsets[l] + i * stride``, rows ``first_mat`` onwards of a neuron's ``[n_mats,
+    row_width]`` rows in RAM."""
+
+    name: str  # "bundle" (every row, or up and down with the gates apart) | "gate"
+    offsets: tuple[int, ...]
+    stride: int
+    nbytes: int
+    first_mat: int
 
 
 @dataclass(frozen=True)
@@ -61,15 +84,35 @@ class BundleLayout:
     offsets: tuple[int, ...]  # per layer: file offset of the bundle's row 0
     # per layer: the file row of each neuron (None: row i is neuron i)
     positions: tuple[np.ndarray, ...] | None = None
+    # the gate rows apart (module docstring): their stride and per-layer offsets; 0: bundled
+    gate_stride: int = 0
+    gate_offsets: tuple[int, ...] = ()
 
     @property
     def row_width(self) -> int:
         return self.d_model // Q4_GROUP * Q4_BYTES if self.dtype == "q4" else self.d_model
 
     @property
+    def row_bytes(self) -> int:
+        return self.row_width * DTYPES[self.dtype].itemsize
+
+    @property
     def bundle_bytes(self) -> int:
-        """Bytes of one neuron's rows (without the stride's padding)."""
-        return self.n_mats * self.row_width * DTYPES[self.dtype].itemsize
+        """Bytes of one neuron's rows in RAM (gate, up and down: without the stride's padding)."""
+        return self.n_mats * self.row_bytes
+
+    @property
+    def gates_apart(self) -> bool:
+        return self.gate_stride > 0
+
+    @property
+    def parts(self) -> dict[str, Part]:
+        """The file's tensors of neuron rows: ``bundle`` alone, or ``gate`` and ``bundle``."""
+        if not self.gates_apart:
+            return {"bundle": Part("bundle", self.offsets, self.stride, self.bundle_bytes, 0)}
+        return {"gate": Part("gate", self.gate_offsets, self.gate_stride, self.row_bytes, 0),
+                "bundle": Part("bundle", self.offsets, self.stride,
+                               (self.n_mats - 1) * self.row_bytes, 1)}
 
     def row_of(self, layer: int, neurons: np.ndarray) -> np.ndarray:
         """File rows of ``neurons`` in ``layer``'s bundle."""
@@ -94,25 +137,35 @@ def layout_of(src) -> BundleLayout:
         raise SparseInferError(f"{src.path}: sparseinfer.bundle.dtype: expected one of "
                                f"{list(BUNDLE_DTYPES)}, found {dtype!r}")
     stride = int(src.metadata.get("sparseinfer.bundle.stride", 0))
+    gate_stride = int(src.metadata.get("sparseinfer.bundle.gate_stride", 0))
     n_mats = 3 if cfg.ffn.gated else 2
-    offsets = []
-    for i in range(cfg.n_layers):
-        t = src.extras.get(BUNDLE.format(i))
-        if t is None:
-            raise SparseInferError(f"{src.path}: bundled file: expected tensor "
-                                   f"{BUNDLE.format(i)!r}, found none")
-        if tuple(t.shape) != (cfg.d_ff, stride):
-            raise SparseInferError(f"{src.path}: {t.name}: expected shape {(cfg.d_ff, stride)}, "
-                                   f"found {tuple(t.shape)}")
-        offsets.append(int(t.gguf.data_offset))
+    if gate_stride and not cfg.ffn.gated:
+        raise SparseInferError(f"{src.path}: sparseinfer.bundle.gate_stride: expected none for "
+                               f"an FFN without a gate ({cfg.ffn_kind}), found {gate_stride}")
+
+    def offsets_of(name: str, width: int) -> tuple[int, ...]:
+        out = []
+        for i in range(cfg.n_layers):
+            t = src.extras.get(name.format(i))
+            if t is None:
+                raise SparseInferError(f"{src.path}: bundled file: expected tensor "
+                                       f"{name.format(i)!r}, found none")
+            if tuple(t.shape) != (cfg.d_ff, width):
+                raise SparseInferError(f"{src.path}: {t.name}: expected shape "
+                                       f"{(cfg.d_ff, width)}, found {tuple(t.shape)}")
+            out.append(int(t.gguf.data_offset))
+        return tuple(out)
+
     positions = None
     if POSITIONS.format(0) in src.extras:
         positions = tuple(_positions(src, i, cfg.d_ff) for i in range(cfg.n_layers))
     lay = BundleLayout(Path(src.path), dtype, cfg.ffn_kind, cfg.d_model, cfg.d_ff, n_mats,
-                       stride, tuple(offsets), positions)
-    if lay.bundle_bytes > stride:
-        raise SparseInferError(f"{src.path}: bundle stride {stride} is smaller than one neuron's "
-                               f"{lay.bundle_bytes} bytes")
+                       stride, offsets_of(BUNDLE, stride), positions, gate_stride,
+                       offsets_of(GATES, gate_stride) if gate_stride else ())
+    for part in lay.parts.values():
+        if part.nbytes > part.stride:
+            raise SparseInferError(f"{src.path}: {part.name} stride {part.stride} is smaller "
+                                   f"than one neuron's {part.nbytes} bytes")
     return lay
 
 
@@ -126,16 +179,30 @@ def _positions(src, layer: int, d_ff: int) -> np.ndarray:
     return pos.astype(np.int64)
 
 
+def part_view(src, layer: int, start: int, stop: int, lay: BundleLayout, part: str = "bundle",
+              ) -> np.ndarray:
+    """File rows ``[start, stop)`` of one of a layer's neuron tensors (``BundleLayout.parts``)
+    as a read-only view of the mapped file, ``[n, mats, row_width]`` in the row storage's numpy
+    type."""
+    p = lay.parts[part]
+    name = (GATES if part == "gate" else BUNDLE).format(layer)
+    raw = np.asarray(src.extras[name].raw()).view(np.uint8)
+    raw = raw.reshape(lay.d_ff, p.stride)[start:stop, :p.nbytes]
+    np_dtype = np.uint8 if lay.dtype == "q4" else np.float32
+    return raw.view(np_dtype).reshape(stop - start, p.nbytes // lay.row_bytes, lay.row_width)
+
+
 def rows_view(src, layer: int, start: int, stop: int, lay: BundleLayout | None = None,
               ) -> np.ndarray:
-    """File rows ``[start, stop)`` of one layer's bundle as a read-only view of the mapped file,
-    ``[n, n_mats, row_width]`` in the row storage's numpy type (row i is neuron i unless the file
-    has a position map: ``neuron_rows``); ``lay``: ``layout_of(src)`` if already made."""
+    """File rows ``[start, stop)`` of one layer's neurons, ``[n, n_mats, row_width]`` in the row
+    storage's numpy type (row i is neuron i unless the file has a position map: ``neuron_rows``):
+    a read-only view of the mapped file, or with the gates apart a copy of the two tensors' rows
+    side by side; ``lay``: ``layout_of(src)`` if already made."""
     lay = layout_of(src) if lay is None else lay
-    raw = np.asarray(src.extras[BUNDLE.format(layer)].raw()).view(np.uint8)
-    raw = raw.reshape(lay.d_ff, lay.stride)[start:stop, :lay.bundle_bytes]
-    np_dtype = np.uint8 if lay.dtype == "q4" else np.float32
-    return raw.view(np_dtype).reshape(stop - start, lay.n_mats, lay.row_width)
+    if not lay.gates_apart:
+        return part_view(src, layer, start, stop, lay)
+    return np.concatenate([part_view(src, layer, start, stop, lay, p) for p in lay.parts],
+                          axis=1)
 
 
 def copy_neurons(src, layer: int, start: int, stop: int, out: np.ndarray,
@@ -156,18 +223,22 @@ def copy_neurons(src, layer: int, start: int, stop: int, out: np.ndarray,
     if stop <= start:
         return
     if lay.positions is None:
-        view = rows_view(src, layer, start, stop, lay)
-        out[:] = view
-        drop_pages(view)
-        drop_file_cache(lay.path, lay.row_offset(layer, start), (stop - start) * lay.stride)
+        for name, p in lay.parts.items():
+            view = part_view(src, layer, start, stop, lay, name)
+            out[:, p.first_mat:p.first_mat + view.shape[1]] = view
+            drop_pages(view)
+            drop_file_cache(lay.path, p.offsets[layer] + start * p.stride, (stop - start) * p.stride)
         return
     own = reader is None
     reader = NeuronReader(lay) if own else reader
     try:
-        dest = out.reshape(-1).view(np.uint8).reshape(stop - start, -1)
+        dest = out.reshape(stop - start, -1).view(np.uint8)
         for a in range(start, stop, COPY_CHUNK):  # a bounded read buffer, not the whole layer
             b = min(stop, a + COPY_CHUNK)
-            dest[a - start:b - start] = reader.read(layer, np.arange(a, b))
+            for name, p in lay.parts.items():
+                col = p.first_mat * lay.row_bytes
+                dest[a - start:b - start, col:col + p.nbytes] = reader.read(
+                    layer, np.arange(a, b), name)
     finally:
         if own:
             reader.close()
@@ -188,10 +259,12 @@ def read_packed(src, layer: int, start: int, stop: int, up_bias=None,
 
 
 def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4",
-                orders: list[np.ndarray] | None = None, order_name: str = "coactivation") -> Path:
+                orders: list[np.ndarray] | None = None, order_name: str = "coactivation",
+                gates_apart: bool = False) -> Path:
     """Rewrite the sparse GGUF ``src_path`` with bundled neuron rows (see the module docstring);
     ``orders``: per layer, the neurons in the order their rows are written (``order.py``), named
-    ``order_name`` in the metadata; None: neuron order."""
+    ``order_name`` in the metadata; None: neuron order. ``gates_apart``: the gate rows in a
+    tensor of their own (FFNs with a ReLU gate only)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     from ..models.build import _packed_ffn
@@ -219,10 +292,18 @@ def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4",
             if not np.array_equal(np.sort(np.asarray(o)), np.arange(cfg.d_ff)):
                 raise SparseInferError(f"bundle order of layer {i}: expected a permutation of "
                                        f"range({cfg.d_ff})")
+    if gates_apart and not relu_gated(cfg.ffn_kind):
+        raise SparseInferError(f"bundle with the gates apart: expected an FFN with a ReLU gate "
+                               f"(reglu, drelu), got {cfg.ffn_kind}")
     n_mats = 3 if cfg.ffn.gated else 2
     width = cfg.d_model // Q4_GROUP * Q4_BYTES if dtype == "q4" else cfg.d_model
-    nbytes = n_mats * width * DTYPES[dtype].itemsize
-    stride = -(-nbytes // STRIDE_ALIGN) * STRIDE_ALIGN
+    row = width * DTYPES[dtype].itemsize
+
+    def aligned(n: int) -> int:
+        return -(-n // STRIDE_ALIGN) * STRIDE_ALIGN
+
+    nbytes = (n_mats - gates_apart) * row
+    stride, gate_stride = aligned(nbytes), aligned(row) if gates_apart else 0
 
     def names(i: int) -> tuple[str, ...]:
         p = f"layers.{i}.ffn."
@@ -242,6 +323,8 @@ def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4",
             ("GGUF.", "general.architecture", "general.alignment")))
         writer.add_string("sparseinfer.bundle.dtype", dtype)
         writer.add_uint32("sparseinfer.bundle.stride", stride)
+        if gates_apart:
+            writer.add_uint32("sparseinfer.bundle.gate_stride", gate_stride)
         writer.add_string("sparseinfer.bundle.order", "neuron" if orders is None else order_name)
         plan = []  # (name, torch shape, type, nbytes, make)
         for t in reader.tensors:
@@ -250,10 +333,16 @@ def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4",
                 i = int(m.group(1))
                 if m.group(2) in ("down_t", "down"):  # the bundle takes the layer's place
                     order = None if orders is None else np.asarray(orders[i], dtype=np.int64)
+                    packed = _Packed(lambda i=i: _packed_ffn(src, names(i), cfg.ffn_kind, dtype,
+                                                             None))
+                    if gates_apart:  # (made once for both tensors)
+                        plan.append((GATES.format(i), (cfg.d_ff, gate_stride),
+                                     GGMLQuantizationType.I8, cfg.d_ff * gate_stride,
+                                     lambda p=packed, order=order: _bundle_bytes(
+                                         p.get(), gate_stride, order, 0, row)))
                     plan.append((BUNDLE.format(i), (cfg.d_ff, stride), GGMLQuantizationType.I8,
-                                 cfg.d_ff * stride, lambda i=i, order=order: _bundle_bytes(
-                                     _packed_ffn(src, names(i), cfg.ffn_kind, dtype, None),
-                                     stride, order)))
+                                 cfg.d_ff * stride, lambda p=packed, order=order: _bundle_bytes(
+                                     p.pop(), stride, order, gates_apart * row, nbytes)))
                     if order is not None:
                         pos = positions_of(order)
                         plan.append((POSITIONS.format(i), (cfg.d_ff,), GGMLQuantizationType.I32,
@@ -283,12 +372,42 @@ def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4",
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
-    log.info("wrote %s: %s bundles of %d bytes (stride %d)", out_path, dtype, nbytes, stride)
+    log.info("wrote %s: %s bundles of %d bytes (stride %d)%s", out_path, dtype, nbytes, stride,
+             f", gate rows apart (stride {gate_stride})" if gates_apart else "")
     return out_path
 
 
-def _bundle_bytes(packed: PackedFFN, stride: int, order: np.ndarray | None) -> np.ndarray:
+def relu_gated(kind: str) -> bool:
+    """Whether an FFN kind's gate is a ReLU (h = 0 wherever the gate is <= 0)."""
+    from ..config import FFN_KINDS
+
+    k = FFN_KINDS[kind]
+    return k.gated and k.gate_act == "relu"
+
+
+class _Packed:
+    """A layer's packed rows, made on first use and kept until ``pop`` (the gate tensor and the
+    bundle tensor of one layer are written one after the other from the same rows)."""
+
+    def __init__(self, make):
+        self._make, self._value = make, None
+
+    def get(self) -> PackedFFN:
+        if self._value is None:
+            self._value = self._make()
+        return self._value
+
+    def pop(self) -> PackedFFN:
+        value, self._value = self.get(), None
+        return value
+
+
+def _bundle_bytes(packed: PackedFFN, stride: int, order: np.ndarray | None, lo: int = 0,
+                  n: int | None = None) -> np.ndarray:
+    """Bytes ``[lo, lo + n)`` of each neuron's rows (all of them: n None), one neuron a row of
+    ``stride`` bytes, in ``order``."""
     raw = packed.rows.contiguous().view(torch.uint8).reshape(packed.d_ff, -1).numpy()
+    raw = raw[:, lo:None if n is None else lo + n]
     out = np.zeros((packed.d_ff, stride), dtype=np.int8)
     out.view(np.uint8)[:, :raw.shape[1]] = raw if order is None else raw[order]
     return out

@@ -1,7 +1,8 @@
 """Reading neuron bundles from the file: several reads in flight, past the page cache.
 
-``NeuronReader.submit(layer, neurons)`` groups the neurons into runs of neighbouring file rows
-(the file may hold a layer's neurons in any order: ``layout.py``),
+``NeuronReader.submit(layer, neurons, part)`` groups the neurons into runs of neighbouring file
+rows of one of the layer's neuron tensors (``part``: ``bundle``, or ``gate`` when the file keeps
+the gate rows apart; the file may hold a layer's neurons in any order: ``layout.py``),
 reads each run with one ``pread`` into a page-aligned buffer (``O_DIRECT``: the file's pages
 never enter the page cache, so a memory budget that counts the cache holds), ``threads`` reads in
 flight, and returns a ``ReadBatch`` whose ``wait()`` gives the rows. The reads and the copies of
@@ -29,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from ..errors import SparseInferError
-from .layout import BundleLayout
+from .layout import BundleLayout, Part
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +72,12 @@ Pread = Callable[[int, list, int], int]  # (fd, buffers, offset) -> bytes read: 
 
 
 class ReadBatch:
-    """Reads in flight for one layer's neurons; ``wait()`` returns their rows ``[k, bundle]``
-    (uint8, in the order of ``neurons``) or raises ``DiskReadError``."""
+    """Reads in flight for one layer's neurons; ``wait()`` returns their rows ``[k, part
+    bytes]`` (uint8, in the order of ``neurons``) or raises ``DiskReadError``."""
 
-    def __init__(self, neurons: np.ndarray, rows: np.ndarray, futures: list[Future]):
-        self.neurons, self._rows, self._futures = neurons, rows, futures
+    def __init__(self, neurons: np.ndarray, rows: np.ndarray, futures: list[Future],
+                 part: Part):
+        self.neurons, self._rows, self._futures, self.part = neurons, rows, futures, part
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
@@ -92,7 +94,8 @@ class NeuronReader:
     def __init__(self, layout: BundleLayout, threads: int = 8, direct: bool = True,
                  pread: Pread | None = None, max_gap: int = 0):
         self.layout = layout
-        self.max_gap = max(0, int(max_gap))  # unwanted rows a read may pass over
+        # unwanted rows a read may pass over (rows of the bundle part: as many bytes in others)
+        self.max_gap = max(0, int(max_gap))
         self.path = str(layout.path)
         self.direct = False
         flags = os.O_RDONLY
@@ -115,7 +118,8 @@ class NeuronReader:
         self.bytes_read = 0
         self.reads = 0
         self._lock = threading.Lock()
-        if self.direct and (layout.stride % 512 or any(o % 512 for o in layout.offsets)):
+        if self.direct and any(p.stride % 512 or any(o % 512 for o in p.offsets)
+                               for p in layout.parts.values()):
             log.info("%s: bundles not 512-byte aligned: reads widened to aligned ranges",
                      self.path)
 
@@ -126,39 +130,40 @@ class NeuronReader:
         except OSError:
             pass
 
-    def _runs(self, layer: int, neurons: np.ndarray) -> list[tuple]:
+    def _runs(self, layer: int, neurons: np.ndarray, part: Part) -> list[tuple]:
         """``_run_arrays`` run by run for the Python reads: (file offset, bytes, which rows of
         them are wanted (None: all), where they go in ``neurons``' order)."""
-        arrays = self._run_arrays(layer, neurons)
+        arrays = self._run_arrays(layer, neurons, part)
         if arrays is None:
             return []
         start, length, first, pick, dest = arrays
         runs = []
         for i in range(len(start)):
             a, b = int(first[i]), int(first[i + 1])
-            whole = int(length[i]) == (b - a) * self.layout.stride
+            whole = int(length[i]) == (b - a) * part.stride
             runs.append((int(start[i]), int(length[i]), None if whole else pick[a:b], dest[a:b]))
         return runs
 
-    def submit(self, layer: int, neurons: np.ndarray) -> ReadBatch:
+    def submit(self, layer: int, neurons: np.ndarray, part: str = "bundle") -> ReadBatch:
         """Start reading ``neurons`` (distinct; ascending unless the file's rows are in another
-        order) of ``layer``; returns at once."""
-        lay = self.layout
+        order) of ``layer``'s tensor ``part`` (``BundleLayout.parts``); returns at once."""
+        p = self.layout.parts[part]
         neurons = np.asarray(neurons, dtype=np.int64)
-        rows = np.empty((neurons.size, lay.bundle_bytes), dtype=np.uint8)
+        rows = np.empty((neurons.size, p.nbytes), dtype=np.uint8)
         if self._c_reads():
-            args = self._run_arrays(layer, neurons)
+            args = self._run_arrays(layer, neurons, p)
             if args is None:
-                return ReadBatch(neurons, rows, [])
-            return ReadBatch(neurons, rows, [self._pool.submit(self._read_c, layer, args, rows)])
-        runs = self._runs(layer, neurons)
+                return ReadBatch(neurons, rows, [], p)
+            return ReadBatch(neurons, rows, [self._pool.submit(self._read_c, layer, args, rows,
+                                                               p)], p)
+        runs = self._runs(layer, neurons, p)
         if not runs:
-            return ReadBatch(neurons, rows, [])
+            return ReadBatch(neurons, rows, [], p)
         # one task per worker, each a share of the runs (few Python calls per read)
         n_tasks = min(self.threads, len(runs))
         tasks = [runs[k::n_tasks] for k in range(n_tasks)]
-        futures = [self._pool.submit(self._read_runs, layer, t, rows) for t in tasks]
-        return ReadBatch(neurons, rows, futures)
+        futures = [self._pool.submit(self._read_runs, layer, t, rows, p) for t in tasks]
+        return ReadBatch(neurons, rows, futures, p)
 
     def _c_reads(self) -> bool:
         """Whether reads go through the C library (``cpu.read_runs``: no Python and no GIL per
@@ -185,22 +190,22 @@ class NeuronReader:
         ``DEFAULT_GAP`` without O_DIRECT (the page cache would answer) or without the C reads."""
         if not (self.direct and self._c_reads()):
             return DEFAULT_GAP
-        lay = self.layout
+        lay, p = self.layout, self.layout.parts["bundle"]
         longest = max(1, min(longest, lay.d_ff - 1))
         rng = np.random.default_rng()
         k = 4 * self.threads  # reads per call
-        out = np.empty((k, lay.bundle_bytes), dtype=np.uint8)
+        out = np.empty((k, p.nbytes), dtype=np.uint8)
         first, pick, dest = np.arange(k + 1), np.zeros(k, dtype=np.int32), np.arange(k)
-        offsets = np.asarray(lay.offsets)
-        lengths = {span: np.full(k, span * lay.stride) for span in (1, 1 + longest)}
+        offsets = np.asarray(p.offsets)
+        lengths = {span: np.full(k, span * p.stride) for span in (1, 1 + longest)}
 
         def call(span: int) -> tuple[float, int]:
             layers = rng.integers(0, len(offsets), k)
             rows = rng.integers(0, lay.d_ff - span + 1, k)
-            start = offsets[layers] + rows * lay.stride
+            start = offsets[layers] + rows * p.stride
             t0 = time.perf_counter()
             _, n, _, failure = self._c(self.fd, start, lengths[span], first, pick, dest,
-                                       lay.stride, out, self.sector, self.threads, False)
+                                       p.stride, out, self.sector, self.threads, False)
             if failure is not None:
                 raise DiskReadError(f"{self.path}: measuring the disk: a read failed "
                                     f"(errno {failure[1]})")
@@ -230,7 +235,7 @@ class NeuronReader:
                  self.threads, gap)
         return gap
 
-    def _run_arrays(self, layer: int, neurons: np.ndarray):
+    def _run_arrays(self, layer: int, neurons: np.ndarray, part: Part):
         """The reads of ``neurons`` (None for none) as ``cpu.read_runs`` takes them: start and
         length of each read in the file; first[i]..first[i + 1] its wanted rows, each at row
         ``pick`` of the read and going to row ``dest`` of ``neurons``' order. A read is a run of
@@ -244,10 +249,11 @@ class NeuronReader:
         if lay.positions is not None:
             where = np.argsort(rows, kind="stable")
             rows = rows[where]
-        r, n, step = rows.tolist(), len(rows), self.max_gap + 1
+        gap = self.max_gap * lay.stride // part.stride  # as many bytes as in the bundle part
+        r, n, step = rows.tolist(), len(rows), gap + 1
         heads, a = [], 0
         while a < n:
-            # the furthest b with r[b-1] within MAX_RUN rows of r[a] and no gap over max_gap
+            # the furthest b with r[b-1] within MAX_RUN rows of r[a] and no gap over the gap
             b = a + 1
             while b < n and r[b] - r[b - 1] <= step and r[b] - r[a] < MAX_RUN:
                 b += 1
@@ -256,15 +262,15 @@ class NeuronReader:
         first = np.array(heads + [n], dtype=np.int64)
         run_row = rows[first[:-1]]
         span = rows[first[1:] - 1] - run_row + 1
-        start = lay.offsets[layer] + run_row * lay.stride
+        start = part.offsets[layer] + run_row * part.stride
         pick = rows - np.repeat(run_row, np.diff(first))
         dest = np.arange(n) if where is None else where
-        return start, span * lay.stride, first, pick, dest
+        return start, span * part.stride, first, pick, dest
 
-    def _read_c(self, layer: int, args, rows: np.ndarray) -> None:
+    def _read_c(self, layer: int, args, rows: np.ndarray, part: Part) -> None:
         start, length, first, pick, dest = args
         nbytes, reads, align, failure = self._c(
-            self.fd, start, length, first, pick, dest, self.layout.stride, rows,
+            self.fd, start, length, first, pick, dest, part.stride, rows,
             self.sector if self.direct else 1, self.threads, not self.direct)
         if self.direct and align != self.sector:
             log.info("%s: %d-byte aligned O_DIRECT reads refused: using %d", self.path,
@@ -276,25 +282,26 @@ class NeuronReader:
         if failure is not None:
             i, err, got = failure
             a = align if self.direct else 1
-            raise self._error(layer, int(start[i]), int(length[i]), int(start[i]) // a * a, got,
-                              os.strerror(err) if err else None)
+            raise self._error(layer, part, int(start[i]), int(length[i]),
+                              int(start[i]) // a * a, got, os.strerror(err) if err else None)
 
-    def _error(self, layer: int, start: int, length: int, lo: int, got: int,
+    def _error(self, layer: int, part: Part, start: int, length: int, lo: int, got: int,
                failed: str | None) -> DiskReadError:
         """The one error of the read of file bytes [start, start + length) of ``layer``'s rows
-        (from the aligned offset ``lo``): it ``failed`` (the system's message), or got only
-        ``got`` bytes."""
-        lay, end = self.layout, start + length
-        row = (start - lay.offsets[layer]) // lay.stride
-        rows = f"layer {layer} file rows {row}..{row + length // lay.stride - 1}"
+        of ``part`` (from the aligned offset ``lo``): it ``failed`` (the system's message), or
+        got only ``got`` bytes."""
+        end = start + length
+        row = (start - part.offsets[layer]) // part.stride
+        what = "" if part.name == "bundle" else f" ({part.name} rows)"
+        rows = f"layer {layer} file rows {row}..{row + length // part.stride - 1}{what}"
         if failed is not None:
             return DiskReadError(f"{self.path}: reading {rows} (bytes {start}..{end}) failed: "
                                  f"{failed}")
         return DiskReadError(f"{self.path}: short read of {rows}: expected {end - lo} bytes at "
                              f"offset {lo}, got {got} (truncated file?)")
 
-    def read(self, layer: int, neurons: np.ndarray) -> np.ndarray:
-        return self.submit(layer, neurons).wait()
+    def read(self, layer: int, neurons: np.ndarray, part: str = "bundle") -> np.ndarray:
+        return self.submit(layer, neurons, part).wait()
 
     def _buffer(self, nbytes: int) -> AlignedBuffer:
         buf = getattr(self._local, "buf", None)
@@ -303,8 +310,7 @@ class NeuronReader:
                                                       + 2 * ALIGN))
         return buf
 
-    def _read_runs(self, layer: int, runs, rows: np.ndarray) -> None:
-        lay = self.layout
+    def _read_runs(self, layer: int, runs, rows: np.ndarray, part: Part) -> None:
         for start, length, picks, dest in runs:
             a = self.sector if self.direct else 1
             lo, hi = start // a * a, -(-(start + length) // a) * a
@@ -325,13 +331,14 @@ class NeuronReader:
                     view = memoryview(buf.map)[: hi - lo]
                     got = self._pread(self.fd, [view], lo)
             except OSError as e:
-                raise self._error(layer, start, length, lo, 0, str(e.strerror or e)) from None
+                raise self._error(layer, part, start, length, lo, 0,
+                                  str(e.strerror or e)) from None
             finally:
                 view.release()
             if got < start + length - lo:
-                raise self._error(layer, start, length, lo, got, None)
-            blk = buf.array[start - lo: start - lo + length].reshape(-1, lay.stride)
-            rows[dest] = (blk if picks is None else blk[picks])[:, :lay.bundle_bytes]
+                raise self._error(layer, part, start, length, lo, got, None)
+            blk = buf.array[start - lo: start - lo + length].reshape(-1, part.stride)
+            rows[dest] = (blk if picks is None else blk[picks])[:, :part.nbytes]
             if not self.direct and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(self.fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
             with self._lock:

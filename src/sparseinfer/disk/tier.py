@@ -12,6 +12,13 @@ Per token and layer::
     3. wait for the misses; one kernel call over the RAM rows and the cache's slots, which are
        one tensor (RAM neurons first, then the slots), in the neurons' order
 
+**Gates first** (a ReLU gate, q4 rows, a file with the gates apart: ``layout.py``): a neuron whose
+gate is <= 0 contributes nothing, so steps 1 and 2 read the cold neurons' gate rows only; their
+gates are computed (``kernels.gate_dots``: the kernel's own arithmetic, so "fired" is exactly
+what the kernel decides) and the up and down rows are read for the neurons whose gate fired, which
+alone go to the kernel with the RAM rows. The predictors select several times more neurons than
+fire on a ReLU model (benchmarks/RESULTS.md), so most cold neurons cost a third of their bytes.
+
 What is computed is exactly the predictor's active set, whatever was cached or prefetched, summed
 in the same order: the output equals the all-in-RAM model's bit for bit (an active set larger
 than the cache goes in chunks, whose float sums differ in order only). Several tokens at once
@@ -32,6 +39,7 @@ from ..sparse.ffn import AllNeurons, Selector, SparseFFN
 from ..sparse.packed import PackedFFN
 from ..sparse.reference import neuron_coefs
 from .cache import CacheStats, NeuronCache
+from .layout import relu_gated
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +64,15 @@ class DiskFFN(SparseFFN):
         self.prefetch_on = prefetch
         self.prefetch_limit = prefetch_limit
         self.prefetch_stats = PrefetchStats()
+        self.first_part: str | None = None  # "gate": gates first (module docstring); None: all
 
     def extra_repr(self) -> str:
         c = self.cache
         return (f"{self.kind_name}, d_ff={self.d_ff}, selector={self.selector!r}, "
                 f"{self.n_ram} neurons in RAM, {self.d_ff - self.n_ram} on disk, cache "
                 f"{c.capacity if c else '?'} slots ({c.eviction if c else '?'}), "
-                f"prefetch {'on' if self.prefetch_on else 'off'}")
+                f"prefetch {'on' if self.prefetch_on else 'off'}"
+                f"{', gates first' if self.first_part else ''}")
 
     def fill_disk(self, rows: PackedFFN, cache: NeuronCache, down_bias: Tensor | None) -> None:
         """``rows``: the RAM neurons ``[0, n_ram)`` followed by the cache's slots (whose storage
@@ -74,6 +84,10 @@ class DiskFFN(SparseFFN):
         self.cold = cache.packed  # (SparseFFN reads .cold.dtype)
         self.cache = cache
         self.down_bias = down_bias
+        # (kernels.gate_dots: q4 rows, in C)
+        lay = cache.layout
+        gates_first = lay.gates_apart and relu_gated(lay.kind) and rows.dtype == "q4"
+        self.first_part = "gate" if gates_first else None
         self._idx = torch.empty(self.d_ff, dtype=torch.int32)
         self._all = torch.arange(self.d_ff, dtype=torch.int32)
         self._out = torch.empty(self.d_model, dtype=torch.float32)
@@ -109,18 +123,29 @@ class DiskFFN(SparseFFN):
         cut = int(torch.searchsorted(idx, torch.tensor(self.n_ram, dtype=idx.dtype)))
         cold = idx[cut:].numpy().astype(np.int64)
         cap = self.cache.capacity
-        ticket = self.cache.request(cold[:cap])  # 1. the misses' reads start
+        # 1. the misses' reads start (their gate rows only, gates first)
+        ticket = self.cache.request(cold[:cap], self.first_part)
         self._prefetch_next(residual)  # 2. the next layer's likely neurons, meanwhile
-        slots = self.cache.complete(ticket)  # 3. wait for this layer's misses
+        slots = self._complete(xv, ticket)  # 3. wait for this layer's misses
         if cold.size <= cap:  # 4. one kernel call over RAM rows and cache slots
             return kernels.sparse_ffn(xv, self.rows, self._rows_of(idx, cut, slots), self._out)
         # more active cold neurons than slots: the cache's worth at a time
         out = kernels.sparse_ffn(xv, self.rows, self._rows_of(idx, cut, slots), self._out)
         for k in range(cap, cold.size, cap):
-            slots = self.cache.complete(self.cache.request(cold[k:k + cap]))
+            slots = self._complete(xv, self.cache.request(cold[k:k + cap], self.first_part))
             out += kernels.sparse_ffn(xv, self.cache.packed,
                                       torch.from_numpy(slots.astype(np.int32)), self._out_cold)
         return out
+
+    def _complete(self, xv: Tensor, ticket) -> np.ndarray:
+        """The slots of ``ticket``'s neurons once read; gates first, of those whose gate fired,
+        once their up and down rows are read too (the others contribute nothing)."""
+        slots = self.cache.complete(ticket)
+        if self.first_part is None or slots.size == 0:
+            return slots
+        z = kernels.gate_dots(xv, self.cache.packed, torch.from_numpy(slots.astype(np.int32)))
+        fired = z.numpy() > 0.0
+        return self.cache.complete(self.cache.request(ticket.neurons[fired], count=False))
 
     def _prefetch_next(self, residual: Tensor | None) -> None:
         nxt, norm = self._next
@@ -138,7 +163,7 @@ class DiskFFN(SparseFFN):
         fresh = cold[nxt.cache.slot_of[cold] < 0]
         st.predicted += fresh.size
         limit = nxt.prefetch_limit if nxt.prefetch_limit is not None else nxt.cache.capacity // 2
-        st.issued += nxt.cache.prefetch(fresh, limit)
+        st.issued += nxt.cache.prefetch(fresh, limit, nxt.first_part)
 
     # ---- several tokens ------------------------------------------------------------------------
 
