@@ -210,7 +210,7 @@ def test_disk_tier_logits_equal_all_in_ram(bundled, reference, eviction, ram, sl
     d = load(bundled[kind], "auto", disk_options=opts)
     ffn = d.model.layers[0].ffn
     assert isinstance(ffn, DiskFFN) and ffn.n_ram == ram[0] and ffn.cache.capacity == slots
-    assert ffn.first_part == ("gate" if kind.startswith("q4-gates") else None)
+    assert ffn.gates_first == kind.startswith("q4-gates")
     # every layer shares one reader and one layout (a position map per layer, not per cache);
     # reading a reordered file's RAM neurons at load is not counted as the run's
     caches = [layer.ffn.cache for layer in d.model.layers]
@@ -311,7 +311,7 @@ def test_ram_budget_counts_every_part(bundled):
 
     opts = DiskOptions(process_bytes=0)
     big = make_plan(src, "auto", ram_budget=1.0, n_ctx=64, disk_options=opts).sparse.disk
-    fixed = sum(b for n, b in big.parts if n not in ("hot_neurons", "neuron_caches"))
+    fixed = sum(b for n, b in big.parts if n not in ("gate_rows", "hot_neurons", "neuron_caches"))
     budget_bytes = fixed + 120 * lay.bundle_bytes  # room for 120 of the 384 neurons
     budget = budget_bytes / 2**30
     plan = make_plan(src, "auto", ram_budget=budget, n_ctx=64, disk_options=opts)
@@ -330,6 +330,59 @@ def test_ram_budget_counts_every_part(bundled):
     with pytest.raises(SparseInferError, match="oracle"):
         make_plan(src, "auto", mode="oracle", ram_budget=budget,
                   disk_options=DiskOptions(process_bytes=0))
+
+
+def test_ram_budget_puts_gate_rows_first(bundled):
+    """Gates first: the budget's room past the smallest caches goes to gate rows, every layer's
+    hottest first; once all fit, the rest to hot neurons (their up/down rows) and caches."""
+    from sparseinfer.disk.plan import MIN_SLOTS
+    from sparseinfer.models.plan import make_plan
+
+    src = open_source(bundled["q4-gates"])
+    lay, cfg = layout_of(src), src.config
+    L, F, nb, row = cfg.n_layers, cfg.d_ff, lay.bundle_bytes, lay.row_bytes
+    opts = DiskOptions(process_bytes=0)
+    big = make_plan(src, "auto", ram_budget=1.0, n_ctx=64, disk_options=opts).sparse.disk
+    fixed = sum(b for n, b in big.parts if n not in ("gate_rows", "hot_neurons", "neuron_caches"))
+    min_cache = min(F, MIN_SLOTS) * L * nb
+    budget_bytes = fixed + min_cache + F * L * row + 40 * L * nb
+    dp = make_plan(src, "auto", ram_budget=budget_bytes / 2**30, n_ctx=64,
+                   disk_options=opts).sparse.disk
+    parts = dict(dp.parts)
+    assert dp.gate_counts == (F,) * L and parts["gate_rows"] == F * L * row
+    assert sum(dp.ram_counts) > 0 and parts["hot_neurons"] == sum(dp.ram_counts) * (nb - row)
+    assert sum(parts.values()) <= budget_bytes
+    d = load(bundled["q4-gates"], "auto", ram_budget=budget_bytes / 2**30, n_ctx=64,
+             disk_options=opts)
+    ffn = d.model.layers[0].ffn
+    assert ffn.gates_first and ffn.n_gate == F and ffn.gate_ram.shape == (F - ffn.n_ram, row)
+    # the plain bundles: no gate rows apart, none in RAM
+    plain = make_plan(open_source(bundled["q4"]), "auto", ram_budget=budget_bytes / 2**30,
+                      n_ctx=64, disk_options=opts).sparse.disk
+    assert plain.gate_counts == () and dict(plain.parts)["gate_rows"] == 0
+
+
+@pytest.mark.parametrize("kind", ["q4-gates", "q4-gates-shuffled"])
+def test_gate_rows_in_ram_read_fewer_bytes_same_logits(bundled, reference, kind):
+    """Gate rows in RAM for neurons past the hot prefix: the same logits as all in RAM, and no
+    gate row of theirs read while decoding."""
+    base = dict(ram_counts=(20, 5), cache_slots=8, prefetch=True, read_gap=0)
+    d = load(bundled[kind], "auto", disk_options=DiskOptions(**base, gate_counts=(120, 60)))
+    assert [b.ffn.n_gate for b in d.model.layers] == [120, 60]
+    reader = d.model._disk_reader
+    submit, gate_reads = reader.submit, []
+
+    def spy(layer, neurons, part="bundle"):
+        if part == "gate":
+            gate_reads.append((layer, np.asarray(neurons).copy()))
+        return submit(layer, neurons, part)
+
+    reader.submit = spy
+    got = _logits(d)
+    torch.testing.assert_close(got, reference["q4"], atol=1e-5, rtol=1e-5)
+    assert gate_reads and all((n >= (120, 60)[layer]).all() for layer, n in gate_reads)
+    with pytest.raises(SparseInferError, match="gate counts"):
+        load(bundled["q4"], "auto", disk_options=DiskOptions(**base, gate_counts=(120, 60)))
 
 
 def test_truncated_file_gives_one_clear_error(bundled, tmp_path):
@@ -410,7 +463,7 @@ def test_short_budget_lets_mapped_weights_overflow(tmp_path):
         path = "x.gguf"
         extra_array = staticmethod(lambda name: np.linspace(1.0, 0.0, 192))
 
-    lay = mock.Mock(dtype="q4", bundle_bytes=108, stride=512)
+    lay = mock.Mock(dtype="q4", bundle_bytes=108, stride=512, gates_apart=False)
     sparse = mock.Mock(selector="predictor", ffn_dtype="q4")
     weights = [WeightPlan("layers.0.attn.wqkv", "ggml", ("layers.0.attn.wq.weight",), (1, 1),
                           10 << 20),

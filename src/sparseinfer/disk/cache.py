@@ -223,10 +223,11 @@ class NeuronCache:
     # ---- the runtime's calls -------------------------------------------------------------------
 
     def request(self, neurons: np.ndarray, part: str | None = None, count: bool = True,
-                ) -> Ticket:
+                given: list[tuple[np.ndarray, np.ndarray]] | None = None) -> Ticket:
         """Start making ``neurons`` (unique global indices, at most ``capacity``) resident: the
-        file part ``part`` of each, or all of it (None). ``count``: in the hit statistics (not
-        when the neurons were just asked for by another part)."""
+        file part ``part`` of each, or all of it (None). ``count``: in the hit statistics.
+        ``given``: gate rows at hand, (neurons ascending, their rows ``[n, row bytes]``) each,
+        copied into the slots of those that need one instead of being read."""
         if neurons.size > self.capacity:
             raise ValueError(f"neuron cache: {neurons.size} neurons asked for at once, "
                              f"capacity {self.capacity}")
@@ -245,24 +246,41 @@ class NeuronCache:
         self.last_use[cs] = self.tick
         miss = neurons[~cached]
         st.misses += miss.size
-        reads = []
-        # cached neurons lacking a part asked for (gate rows without their up/down rows)
-        lacking = want & ~(self.has[cs] | self.coming[cs])
-        for i in range(len(self.parts)):
-            sel = (lacking >> i & 1).astype(bool)
-            if sel.any():
-                order = np.argsort(neurons[cached][sel])
-                reads += self._read(neurons[cached][sel][order], cs[sel][order], 1 << i)
         if miss.size:
             protect = np.zeros(self.capacity, dtype=bool)
             protect[cs] = True
             new = self._take(miss.size, protect)
-            order = np.argsort(miss)
-            miss, new = miss[order], new[order]
             self._assign(new, miss)
-            reads += self._read(miss, new, want)
+            for known, rows in given or ():
+                if known.size:
+                    self._give_gates(miss, new, known, rows)
             slots = self.slot_of[neurons]
+        # the parts asked for that no slot holds or is reading (a new neuron: every part, less
+        # a given gate row; a cached one: its up/down rows after its gate row alone)
+        lacking = want & ~(self.has[slots] | self.coming[slots])
+        reads = []
+        for i in range(len(self.parts)):
+            sel = (lacking >> i & 1).astype(bool)
+            if sel.any():
+                order = np.argsort(neurons[sel])
+                reads += self._read(neurons[sel][order], slots[sel][order], 1 << i)
         return Ticket(neurons, slots, reads)
+
+    def _give_gates(self, neurons: np.ndarray, slots: np.ndarray, known: np.ndarray,
+                    rows: np.ndarray) -> None:
+        """Copy the gate rows of ``neurons`` found in ``known`` (ascending; ``rows`` theirs)
+        into their new ``slots``."""
+        pos = np.searchsorted(known, neurons)
+        pos[pos >= known.size] = 0
+        found = known[pos] == neurons
+        if found.any():
+            n = self.layout.row_bytes
+            self._bytes[slots[found], :n] = rows[pos[found]]
+            self.has[slots[found]] |= np.int8(self.bit("gate"))
+
+    def complete_slots(self, slots: np.ndarray) -> None:
+        """Wait for the reads (prefetches too) that fill any of ``slots``."""
+        self._wait_for(slots)
 
     def complete(self, ticket: Ticket) -> np.ndarray:
         """Wait for ``ticket``'s reads; returns the slots of its neurons (valid rows)."""

@@ -244,6 +244,26 @@ def copy_neurons(src, layer: int, start: int, stop: int, out: np.ndarray,
             reader.close()
 
 
+def copy_gate_rows(src, layer: int, start: int, stop: int, out: np.ndarray, reader) -> None:
+    """Copy the gate rows of neurons ``[start, stop)`` of ``layer`` (a file with the gates
+    apart) into ``out`` (uint8 ``[n, row bytes]``) as ``copy_neurons`` copies neurons: through
+    the map in neuron order (its pages then dropped), else with ``reader``'s reads."""
+    from ..fileio import drop_pages
+    from .reader import drop_file_cache
+
+    lay = reader.layout
+    if lay.positions is None:
+        view = part_view(src, layer, start, stop, lay, "gate")
+        out[:] = view.reshape(stop - start, -1).view(np.uint8)
+        drop_pages(view)
+        p = lay.parts["gate"]
+        drop_file_cache(lay.path, p.offsets[layer] + start * p.stride, (stop - start) * p.stride)
+        return
+    for a in range(start, stop, COPY_CHUNK):
+        b = min(stop, a + COPY_CHUNK)
+        out[a - start:b - start] = reader.read(layer, np.arange(a, b), "gate")
+
+
 def read_packed(src, layer: int, start: int, stop: int, up_bias=None,
                 lay: BundleLayout | None = None) -> PackedFFN:
     """Neurons ``[start, stop)`` as a ``PackedFFN`` in memory (``copy_neurons``); ``lay``:

@@ -12,6 +12,14 @@ left goes to FFN neurons in RAM, split between
 - per-layer neuron caches (``cache_share`` of the neurons' bytes, equal slots per layer) for the
   cold neurons read from disk.
 
+With the gate rows apart in the file and a ReLU gate (gates first: ``tier.py``), gate rows in RAM
+come first: every predicted neuron's gate is computed, but only the fired ones' up and down rows
+are read, and the predictors select several times more neurons than fire (benchmarks/RESULTS.md),
+so a gate row saves more bytes read per byte of RAM than a neuron's up and down rows do. The
+hottest neurons' gate rows of every layer (a prefix, as the file stores neurons hottest first)
+take the room less the smallest caches; only when every gate row fits does the rest go to the
+hot prefix and the caches as above.
+
 The placement is made at load time from the file's statistics (no offline step: the budget is
 a property of the machine, not of the model).
 """
@@ -25,7 +33,7 @@ import numpy as np
 
 from ..errors import SparseInferError
 from .cache import EVICTION
-from .layout import layout_of
+from .layout import layout_of, relu_gated
 from .reader import ALIGN, MAX_RUN
 
 log = logging.getLogger(__name__)
@@ -55,6 +63,7 @@ class DiskOptions:
     pin: bool = True  # lock the mapped weights read every token (mlock) within the budget
     process_bytes: int | None = None  # the runtime's own bytes (None: measured now)
     ram_counts: tuple[int, ...] | None = None  # tests: neurons in RAM per layer, no budget
+    gate_counts: tuple[int, ...] | None = None  # tests: neurons whose gate rows are in RAM
     cache_slots: int | None = None  # tests: slots per layer, no budget
 
     def __post_init__(self) -> None:
@@ -76,11 +85,15 @@ class DiskPlan:
     options: DiskOptions
     pinned: tuple[str, ...] = ()  # mapped tensors (canonical names) locked in memory (mlock)
     paged_bytes: int = 0  # mapped weights left to the kernel: re-read per token when short
+    # per layer: neurons [0, g) have their gate rows in RAM (gates first; g >= ram_counts)
+    gate_counts: tuple[int, ...] = ()
 
     def summary(self) -> str:
-        lines = [f"  disk tier: {sum(self.ram_counts)} neurons in RAM, {self.cache_slots} cache "
-                 f"slots per layer ({self.options.eviction}), prefetch "
-                 f"{'on' if self.options.prefetch else 'off'}"]
+        gates = sum(self.gate_counts) - sum(self.ram_counts) if self.gate_counts else 0
+        lines = [f"  disk tier: {sum(self.ram_counts)} neurons in RAM"
+                 + (f" and {gates} more neurons' gate rows" if gates else "")
+                 + f", {self.cache_slots} cache slots per layer ({self.options.eviction}), "
+                   f"prefetch {'on' if self.options.prefetch else 'off'}"]
         if self.budget_bytes:
             lines.append(f"  --ram-budget {self.budget_bytes / GIB:.2f} GiB = " + ", ".join(
                 f"{n} {b / 2**20:.0f} MiB" for n, b in self.parts))
@@ -125,11 +138,22 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
     others = sum(w.nbytes for w in weights if w.storage != "sparse")
     preds = sum(max(0, w.nbytes - ffn_rows) for w in weights if w.storage == "sparse")
     io = options.io_threads * (MAX_RUN * lay.stride + 2 * ALIGN)
+    gates_first = lay.gates_apart and relu_gated(lay.kind) and lay.dtype == "q4"
+    if gates_first:  # two layers' gate rows being read
+        io += 2 * cfg.d_ff * lay.row_bytes
+    gate_counts: tuple[int, ...] = ()
     if options.ram_counts is not None or options.cache_slots is not None:
         counts = tuple(options.ram_counts or (0,) * cfg.n_layers)
         if len(counts) != cfg.n_layers or any(not 0 <= c <= cfg.d_ff for c in counts):
             raise SparseInferError(f"ram counts: expected {cfg.n_layers} counts in "
                                    f"[0, {cfg.d_ff}], got {counts}")
+        if options.gate_counts is not None:
+            gate_counts = tuple(options.gate_counts)
+            if not gates_first or len(gate_counts) != cfg.n_layers or any(
+                    not c <= g <= cfg.d_ff for c, g in zip(counts, gate_counts)):
+                raise SparseInferError(f"gate counts: expected a file with the gate rows apart "
+                                       f"and {cfg.n_layers} counts from the RAM counts to "
+                                       f"{cfg.d_ff}, got {gate_counts}")
         slots = int(options.cache_slots or max(1, cfg.d_ff // 8))
         budget, parts = 0, ()
     else:
@@ -178,6 +202,14 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
             share = 1.0  # all of it caches: no neuron stays in RAM for good
         else:
             share = options.cache_share
+        gate_bytes = 0
+        if gates_first and room > min_cache:  # gate rows first (module docstring)
+            g = min(cfg.d_ff, (room - min_cache) // (cfg.n_layers * lay.row_bytes))
+            gate_counts = (int(g),) * cfg.n_layers
+            gate_bytes = g * cfg.n_layers * lay.row_bytes
+            room -= gate_bytes
+            if g < cfg.d_ff:
+                share = 1.0  # the rest is the smallest caches
         slots = max(1, int(room * share) // (cfg.n_layers * nb))
         slots = min(slots, cfg.d_ff)
         freqs = []
@@ -188,18 +220,22 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
                                        f"'blk.{i}.act_freq'")
             freqs.append(np.clip(np.asarray(f, dtype=np.float64), 0.0, 1.0))
         hot_room = room - slots * cfg.n_layers * nb
-        sol = solve_placement(PlacementProblem(tuple(freqs), (nb,) * cfg.n_layers, hot_room,
+        # a hot neuron's gate row is in RAM already when every gate row is
+        hot_nb = nb - lay.row_bytes if gate_bytes else nb
+        sol = solve_placement(PlacementProblem(tuple(freqs), (hot_nb,) * cfg.n_layers, hot_room,
                                                (), min_split_neurons=0))
         counts = tuple(int(c) for c in sol.hot_counts)
+        if gate_counts:  # (a hot neuron holds its gate row)
+            gate_counts = tuple(max(g, c) for g, c in zip(gate_counts, counts))
         # what the solver's groups of neurons left over goes to the caches
-        left = hot_room - sum(counts) * nb
+        left = hot_room - sum(counts) * hot_nb
         slots = min(cfg.d_ff, slots + left // (cfg.n_layers * nb))
         # the solver picks each layer's hottest neurons; the file stores them first
         for i, h in enumerate(sol.hot):
             if h.size and int(h.max()) != h.size - 1:
                 log.info("layer %d: frequency ties reorder the hot set; the stored prefix of "
                          "%d neurons is kept", i, h.size)
-        parts = (*fixed, ("hot_neurons", sum(counts) * nb),
+        parts = (*fixed, ("gate_rows", gate_bytes), ("hot_neurons", sum(counts) * hot_nb),
                  ("neuron_caches", slots * cfg.n_layers * nb))
     slots = max(1, min(slots, cfg.d_ff - min(counts)))  # no more slots than cold neurons
     if budget:
@@ -207,12 +243,13 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
     if not budget:
         pinned, paged = [], 0
     dp = DiskPlan(budget, counts, slots, nb, parts, options, tuple(pinned) if options.pin else (),
-                  paged)
+                  paged, gate_counts)
     new_weights = []
     for w in weights:
         if w.storage == "sparse":
             i = int(w.module.split(".")[1])
-            held = (counts[i] + slots) * nb + max(0, w.nbytes - ffn_rows)
+            gates = (gate_counts[i] - counts[i]) * lay.row_bytes if gate_counts else 0
+            held = (counts[i] + slots) * nb + gates + max(0, w.nbytes - ffn_rows)
             w = replace(w, nbytes=held, origin=f"{lay.dtype} rows, disk tier")
         new_weights.append(w)
     log.info("disk plan: %s", dp.summary())

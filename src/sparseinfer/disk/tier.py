@@ -49,6 +49,25 @@ class PrefetchStats:
     predicted: int = 0  # cold, uncached neurons the look-ahead named (before the limit)
     issued: int = 0  # reads started
     tokens: int = 0
+    fired: int = 0  # gates first: cold neurons whose gate fired (up/down rows asked for)
+
+
+class GateRows:
+    """Gate rows of ``neurons`` being read (gates first): ``wait()`` gives them ``[k, row]``
+    in ``neurons``' order, from one or more reads (``ReadBatch``) that cover them."""
+
+    def __init__(self, neurons: np.ndarray, batches: list):
+        self.neurons, self._batches = neurons, batches
+
+    def wait(self) -> np.ndarray:
+        got = [(b.neurons, b.wait()) for b in self._batches]
+        if len(got) == 1 and np.array_equal(got[0][0], self.neurons):
+            return got[0][1]
+        names = np.concatenate([n for n, _ in got])
+        rows = np.concatenate([r for _, r in got])
+        order = np.argsort(names, kind="stable")
+        pos = np.searchsorted(names[order], self.neurons)
+        return rows[order[pos]]
 
 
 class DiskFFN(SparseFFN):
@@ -64,7 +83,8 @@ class DiskFFN(SparseFFN):
         self.prefetch_on = prefetch
         self.prefetch_limit = prefetch_limit
         self.prefetch_stats = PrefetchStats()
-        self.first_part: str | None = None  # "gate": gates first (module docstring); None: all
+        self.gates_first = False  # (module docstring)
+        self._ahead = None  # the look-ahead's read of this layer's gate rows (gates first)
 
     def extra_repr(self) -> str:
         c = self.cache
@@ -72,11 +92,14 @@ class DiskFFN(SparseFFN):
                 f"{self.n_ram} neurons in RAM, {self.d_ff - self.n_ram} on disk, cache "
                 f"{c.capacity if c else '?'} slots ({c.eviction if c else '?'}), "
                 f"prefetch {'on' if self.prefetch_on else 'off'}"
-                f"{', gates first' if self.first_part else ''}")
+                f"{', gates first' if self.gates_first else ''}")
 
-    def fill_disk(self, rows: PackedFFN, cache: NeuronCache, down_bias: Tensor | None) -> None:
+    def fill_disk(self, rows: PackedFFN, cache: NeuronCache, down_bias: Tensor | None,
+                  gate_rows: np.ndarray | None = None) -> None:
         """``rows``: the RAM neurons ``[0, n_ram)`` followed by the cache's slots (whose storage
-        ``cache.packed`` is a view of the tail): row ``n_ram + s`` is the neuron in slot s."""
+        ``cache.packed`` is a view of the tail): row ``n_ram + s`` is the neuron in slot s.
+        ``gate_rows``: gates first, the gate rows of the neurons after them kept in RAM
+        (``[n, row bytes]``: neurons ``[n_ram, n_ram + n)``)."""
         if rows.d_ff != self.n_ram + cache.capacity:
             raise ValueError(f"expected {self.n_ram} + {cache.capacity} rows, got {rows.d_ff}")
         self.rows = self.packed = rows
@@ -87,7 +110,13 @@ class DiskFFN(SparseFFN):
         # (kernels.gate_dots: q4 rows, in C)
         lay = cache.layout
         gates_first = lay.gates_apart and relu_gated(lay.kind) and rows.dtype == "q4"
-        self.first_part = "gate" if gates_first else None
+        self.gates_first = bool(gates_first)
+        gate_rows = np.empty((0, lay.row_bytes), np.uint8) if gate_rows is None else gate_rows
+        if gate_rows.shape[0] and not gates_first:
+            raise ValueError("gate rows in RAM: expected a disk tier that computes gates first")
+        self.gate_ram = torch.from_numpy(gate_rows)
+        self.n_gate = self.n_ram + gate_rows.shape[0]
+        self._gate_known = np.arange(self.n_ram, self.n_gate)
         self._idx = torch.empty(self.d_ff, dtype=torch.int32)
         self._all = torch.arange(self.d_ff, dtype=torch.int32)
         self._out = torch.empty(self.d_model, dtype=torch.float32)
@@ -122,30 +151,76 @@ class DiskFFN(SparseFFN):
     def _compute(self, xv: Tensor, idx: Tensor, residual: Tensor | None) -> Tensor:
         cut = int(torch.searchsorted(idx, torch.tensor(self.n_ram, dtype=idx.dtype)))
         cold = idx[cut:].numpy().astype(np.int64)
+        if self.gates_first:
+            return self._compute_gates_first(xv, idx, cut, cold, residual)
         cap = self.cache.capacity
-        # 1. the misses' reads start (their gate rows only, gates first)
-        ticket = self.cache.request(cold[:cap], self.first_part)
+        ticket = self.cache.request(cold[:cap])  # 1. the misses' reads start
         self._prefetch_next(residual)  # 2. the next layer's likely neurons, meanwhile
-        slots = self._complete(xv, ticket)  # 3. wait for this layer's misses
+        slots = self.cache.complete(ticket)  # 3. wait for this layer's misses
         if cold.size <= cap:  # 4. one kernel call over RAM rows and cache slots
             return kernels.sparse_ffn(xv, self.rows, self._rows_of(idx, cut, slots), self._out)
         # more active cold neurons than slots: the cache's worth at a time
         out = kernels.sparse_ffn(xv, self.rows, self._rows_of(idx, cut, slots), self._out)
         for k in range(cap, cold.size, cap):
-            slots = self._complete(xv, self.cache.request(cold[k:k + cap], self.first_part))
+            slots = self.cache.complete(self.cache.request(cold[k:k + cap]))
             out += kernels.sparse_ffn(xv, self.cache.packed,
                                       torch.from_numpy(slots.astype(np.int32)), self._out_cold)
         return out
 
-    def _complete(self, xv: Tensor, ticket) -> np.ndarray:
-        """The slots of ``ticket``'s neurons once read; gates first, of those whose gate fired,
-        once their up and down rows are read too (the others contribute nothing)."""
-        slots = self.cache.complete(ticket)
-        if self.first_part is None or slots.size == 0:
-            return slots
-        z = kernels.gate_dots(xv, self.cache.packed, torch.from_numpy(slots.astype(np.int32)))
-        fired = z.numpy() > 0.0
-        return self.cache.complete(self.cache.request(ticket.neurons[fired], count=False))
+    def _compute_gates_first(self, xv: Tensor, idx: Tensor, cut: int, cold: np.ndarray,
+                             residual: Tensor | None) -> Tensor:
+        """Gates first (module docstring): a cold neuron's gate row comes from its cache slot
+        if the cache holds it, else from a read of the file's gate rows (begun by the previous
+        layer's look-ahead, or now) that does not go through the cache; the neurons whose gate
+        fired take slots, their gate rows given, their up and down rows read."""
+        from .. import cpu
+
+        cache = self.cache
+        slots = cache.slot_of[cold]
+        held = slots >= 0  # in a slot
+        in_ram = ~held & (cold < self.n_gate)  # gate row in RAM
+        on_disk = ~held & ~in_ram
+        gates = self._gate_rows(cold[on_disk])  # 1. the reads start
+        self._prefetch_next(residual)  # 2. the next layer's gate rows, meanwhile
+        cache.complete_slots(slots[held])  # (a read of the last token may still fill them)
+        z = np.empty(cold.size, dtype=np.float32)
+        if held.any():
+            z[held] = kernels.gate_dots(xv, cache.packed,
+                                        torch.from_numpy(slots[held].astype(np.int32))).numpy()
+        if in_ram.any():
+            z[in_ram] = cpu.sparse_q4_gates(
+                self.gate_ram, torch.from_numpy((cold[in_ram] - self.n_ram).astype(np.int32)),
+                xv).numpy()
+        rows = gates.wait()  # 3. the gate rows read, in cold[on_disk]'s order
+        if rows.shape[0]:
+            r = torch.from_numpy(rows)
+            z[on_disk] = cpu.sparse_q4_gates(r, torch.arange(r.shape[0], dtype=torch.int32),
+                                             xv).numpy()
+        fired = cold[z > 0.0]
+        self.prefetch_stats.fired += fired.size
+        # 4. the fired neurons' up/down rows through the cache, their gate rows given
+        cap = cache.capacity
+        given = [(self._gate_known, self.gate_ram.numpy()), (cold[on_disk], rows)]
+        slots = cache.complete(cache.request(fired[:cap], given=given))
+        out = kernels.sparse_ffn(xv, self.rows, self._rows_of(idx, cut, slots), self._out)
+        for k in range(cap, fired.size, cap):  # more fired neurons than slots
+            slots = cache.complete(cache.request(fired[k:k + cap], given=given))
+            out += kernels.sparse_ffn(xv, cache.packed,
+                                      torch.from_numpy(slots.astype(np.int32)), self._out_cold)
+        return out
+
+    def _gate_rows(self, neurons: np.ndarray) -> GateRows:
+        """The gate rows of ``neurons`` (ascending) from the file: those the look-ahead began
+        reading, and one read for the rest."""
+        ahead, self._ahead = self._ahead, None
+        reader, layer = self.cache.reader, self.cache.layer
+        if ahead is None:
+            return GateRows(neurons, [reader.submit(layer, neurons, "gate")])
+        rest = neurons[~np.isin(neurons, ahead.neurons, assume_unique=True)]
+        batches = [ahead]
+        if rest.size:
+            batches.append(reader.submit(layer, rest, "gate"))
+        return GateRows(neurons, batches)
 
     def _prefetch_next(self, residual: Tensor | None) -> None:
         nxt, norm = self._next
@@ -161,9 +236,15 @@ class DiskFFN(SparseFFN):
         st = nxt.prefetch_stats
         st.tokens += 1
         fresh = cold[nxt.cache.slot_of[cold] < 0]
+        if nxt.gates_first:  # every predicted gate row not in RAM nor cached, read beside
+            fresh = fresh[fresh >= nxt.n_gate]
         st.predicted += fresh.size
+        if nxt.gates_first:
+            nxt._ahead = nxt.cache.reader.submit(nxt.cache.layer, fresh, "gate")
+            st.issued += fresh.size
+            return
         limit = nxt.prefetch_limit if nxt.prefetch_limit is not None else nxt.cache.capacity // 2
-        st.issued += nxt.cache.prefetch(fresh, limit, nxt.first_part)
+        st.issued += nxt.cache.prefetch(fresh, limit)
 
     # ---- several tokens ------------------------------------------------------------------------
 
@@ -204,11 +285,12 @@ class DiskFFN(SparseFFN):
 
         cold = idx[cut:].numpy().astype(np.int64)
         cap = self.cache.capacity
-        slots = self.cache.complete(self.cache.request(cold[:cap]))
+        given = [(self._gate_known, self.gate_ram.numpy())]  # gate rows in RAM (gates first)
+        slots = self.cache.complete(self.cache.request(cold[:cap], given=given))
         run(self.rows, self._rows_of(idx, cut, slots), idx[:cut + slots.size])
         for k in range(cap, cold.size, cap):
             chunk = cold[k:k + cap]
-            slots = self.cache.complete(self.cache.request(chunk))
+            slots = self.cache.complete(self.cache.request(chunk, given=given))
             run(self.cache.packed, torch.from_numpy(slots), torch.from_numpy(chunk))
         if self.down_bias is not None:
             out += self.down_bias
@@ -271,7 +353,7 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
     the rest (one reader shared by every layer), linked to the layer after it for prefetch."""
     from ..sparse.packed import DTYPES, empty_hugepages
     from .cache import EVICTION
-    from .layout import copy_neurons, layout_of
+    from .layout import copy_gate_rows, copy_neurons, layout_of
     from .reader import DEFAULT_GAP, NeuronReader
 
     dp = plan.sparse.disk
@@ -288,6 +370,10 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
     rows = empty_hugepages((n + C, lay.n_mats, lay.row_width), DTYPES[lay.dtype])
     counted = reader.bytes_read, reader.reads
     copy_neurons(src, layer, 0, n, rows[:n].numpy(), reader)
+    g = dp.gate_counts[layer] if dp.gate_counts else n
+    gate_rows = np.empty((g - n, lay.row_bytes), dtype=np.uint8)  # neurons [n, g): gates first
+    if g > n:
+        copy_gate_rows(src, layer, n, g, gate_rows, reader)
     reader.bytes_read, reader.reads = counted  # the load's reads are not the run's
     bias = None
     if up_bias is not None:
@@ -297,7 +383,7 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
     freq = src.extra_array(f"blk.{layer}.act_freq")
     cache = NeuronCache(lay, layer, reader, C, EVICTION[dp.options.eviction](), freq, up_bias,
                         rows[n:], None if bias is None else bias[n:])
-    ffn.fill_disk(packed, cache, down_bias)
+    ffn.fill_disk(packed, cache, down_bias, gate_rows)
     if layer > 0:
         prev = model.layers[layer - 1]
         if isinstance(prev.ffn, DiskFFN):
