@@ -41,18 +41,17 @@ def sparse_file(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bundled(sparse_file):
-    out = {dt: bundle_file(sparse_file, sparse_file.with_name(f"tiny.{dt}.gguf"), dt)
-           for dt in ("q4", "fp32")}
+    out = {dt: bundle_file(sparse_file, sparse_file.with_name(f"tiny.{dt}.gguf"), dt,
+                           gates_apart=False) for dt in ("q4", "fp32")}
     # the rows in another order than the neurons' (as the co-activation order writes them): any
     # order must read and compute the same
     cfg = open_source(sparse_file).config
     rng = np.random.default_rng(7)
     orders = [rng.permutation(cfg.d_ff) for _ in range(cfg.n_layers)]
     out["q4-shuffled"] = bundle_file(sparse_file, sparse_file.with_name("tiny.q4s.gguf"), "q4",
-                                     orders, "random")
+                                     orders, "random", gates_apart=False)
     # the gate rows apart (ReGLU: gates first), in neuron order and shuffled
-    out["q4-gates"] = bundle_file(sparse_file, sparse_file.with_name("tiny.q4g.gguf"), "q4",
-                                  gates_apart=True)
+    out["q4-gates"] = bundle_file(sparse_file, sparse_file.with_name("tiny.q4g.gguf"), "q4")
     out["q4-gates-shuffled"] = bundle_file(sparse_file, sparse_file.with_name("tiny.q4gs.gguf"),
                                            "q4", orders, "random", gates_apart=True)
     return out
@@ -272,6 +271,18 @@ def test_gates_first_reads_up_and_down_rows_only_where_the_gate_fired(bundled):
         margin = 0.02 * np.linalg.norm(gates[layer][neurons], axis=1) * np.linalg.norm(x)
         assert (z > -margin).all(), (layer, neurons[z <= -margin])
     assert sum(len(n) for _, _, n in reads) < n_gates
+
+
+@pytest.mark.parametrize("ram,gates", [((0, 0), None), ((20, 5), (120, 60))])
+def test_gates_first_sums_as_the_plain_bundles(bundled, ram, gates):
+    """Gates first with every fired neuron in the cache at once: the kernel gets the whole active
+    set with the neurons not fired masked out, so the logits are the plain bundles' bit for bit
+    (the same list of neurons, the same sums)."""
+    opts = dict(ram_counts=ram, cache_slots=192, prefetch=True, read_gap=2)
+    a = _logits(load(bundled["q4"], "auto", disk_options=DiskOptions(**opts)))
+    b = _logits(load(bundled["q4-gates"], "auto",
+                     disk_options=DiskOptions(**opts, gate_counts=gates)))
+    assert torch.equal(a, b)
 
 
 def test_fused_decode_and_generation_match(bundled):
@@ -514,12 +525,13 @@ def test_convert_writes_a_bundled_file(tiny_model_dir, tmp_path, caplog):
     src = open_source(out)
     lay = layout_of(src)
     assert lay.stride % 512 == 0 and "layers.0.ffn.gate.weight" not in src.tensors
+    assert lay.gates_apart  # q4 rows of a ReLU gate: gates first by default
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.bundled.gguf"]
     assert "co-activation order: done, 2 layers" in caplog.text
     assert src.metadata["sparseinfer.bundle.order"] == "coactivation"
     from sparseinfer.offline.report import file_summary
     assert "bundled for the disk tier: q4 rows" in file_summary(src.metadata)
-    assert "in coactivation order" in file_summary(src.metadata)
+    assert "in coactivation order, gate rows apart" in file_summary(src.metadata)
     assert lay.positions is not None and any(
         not np.array_equal(p, np.arange(lay.d_ff)) for p in lay.positions)
     ram = _logits(load(out, "auto", disk_options=DiskOptions(ram_counts=(192, 192),

@@ -1,8 +1,9 @@
 """``python -m sparseinfer.disk bundle SPARSE.gguf OUT.gguf [--dtype q4|fp32] [--profile DIR]
-[--gates-apart]``: rewrite a sparse GGUF with bundled neuron rows (``layout.py``), ready for
-``--ram-budget``; with the profile directory its convert kept (``--keep-work``), in co-activation
-order (``order.py``); ``--gates-apart``: the gate rows in their own tensor, so that a ReLU-gated
-FFN reads up and down rows only for the neurons whose gate fired (``tier.py``)."""
+[--gates-apart auto|yes|no]``: rewrite a sparse GGUF with bundled neuron rows (``layout.py``),
+ready for ``--ram-budget``; with the profile directory its convert kept (``--keep-work``), in
+co-activation order (``order.py``); with the gate rows in their own tensor (by default for q4 rows
+of a ReLU-gated FFN), the disk tier reads up and down rows only for the neurons whose gate fired
+(``tier.py``)."""
 
 from __future__ import annotations
 
@@ -23,17 +24,18 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--profile", help="the profile directory SPARSE.gguf was converted from "
                                      "(convert --keep-work): write the bundles in co-activation "
                                      "order")
-    b.add_argument("--gates-apart", action="store_true",
-                   help="the gate rows in their own tensor (ReGLU/dReLU: the disk tier reads up "
-                        "and down rows only where the gate fired)")
+    b.add_argument("--gates-apart", choices=("auto", "yes", "no"), default="auto",
+                   help="the gate rows in their own tensor, so the disk tier reads up and down "
+                        "rows only where the gate fired (ReGLU/dReLU; auto: for q4 rows of "
+                        "such an FFN)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from .layout import bundle_file
 
     try:
         orders = None if args.profile is None else _orders(args.src, args.profile)
-        out = bundle_file(args.src, args.out, args.dtype, orders,
-                          gates_apart=args.gates_apart)
+        apart = {"auto": None, "yes": True, "no": False}[args.gates_apart]
+        out = bundle_file(args.src, args.out, args.dtype, orders, gates_apart=apart)
     except SparseInferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -16,7 +16,7 @@ neurons in a given order (``order.py``: co-activated neurons side by side, so th
 cold neurons come in fewer, longer reads) and stores where each neuron went, ``blk.N.ffn_bundle_pos``
 (int32, ``[d_ff]``: the file row of neuron i). Without that tensor row i is neuron i.
 
-**Gates apart** (``bundle_file(..., gates_apart=True)``; FFNs whose gate is a ReLU: ReGLU,
+**Gates apart** (``bundle_file``'s default for q4 rows of an FFN whose gate is a ReLU: ReGLU,
 dReLU). A neuron whose ReLU gate is <= 0 contributes nothing whatever its up and down rows hold,
 so the disk tier reads the predicted neurons' gate rows first and the up and down rows only of
 those whose gate fired (``tier.py``). The gate rows then go in a tensor of their own,
@@ -280,11 +280,12 @@ def read_packed(src, layer: int, start: int, stop: int, up_bias=None,
 
 def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4",
                 orders: list[np.ndarray] | None = None, order_name: str = "coactivation",
-                gates_apart: bool = False) -> Path:
+                gates_apart: bool | None = None) -> Path:
     """Rewrite the sparse GGUF ``src_path`` with bundled neuron rows (see the module docstring);
     ``orders``: per layer, the neurons in the order their rows are written (``order.py``), named
     ``order_name`` in the metadata; None: neuron order. ``gates_apart``: the gate rows in a
-    tensor of their own (FFNs with a ReLU gate only)."""
+    tensor of their own (FFNs with a ReLU gate only); None: for q4 rows of such an FFN, which
+    the disk tier then computes gates first (fp32 rows it would read in two parts)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     from ..models.build import _packed_ffn
@@ -312,6 +313,8 @@ def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4",
             if not np.array_equal(np.sort(np.asarray(o)), np.arange(cfg.d_ff)):
                 raise SparseInferError(f"bundle order of layer {i}: expected a permutation of "
                                        f"range({cfg.d_ff})")
+    if gates_apart is None:
+        gates_apart = dtype == "q4" and relu_gated(cfg.ffn_kind)
     if gates_apart and not relu_gated(cfg.ffn_kind):
         raise SparseInferError(f"bundle with the gates apart: expected an FFN with a ReLU gate "
                                f"(reglu, drelu), got {cfg.ffn_kind}")

@@ -13,11 +13,14 @@ Per token and layer::
        one tensor (RAM neurons first, then the slots), in the neurons' order
 
 **Gates first** (a ReLU gate, q4 rows, a file with the gates apart: ``layout.py``): a neuron whose
-gate is <= 0 contributes nothing, so steps 1 and 2 read the cold neurons' gate rows only; their
-gates are computed (``kernels.gate_dots``: the kernel's own arithmetic, so "fired" is exactly
-what the kernel decides) and the up and down rows are read for the neurons whose gate fired, which
-alone go to the kernel with the RAM rows. The predictors select several times more neurons than
-fire on a ReLU model (benchmarks/RESULTS.md), so most cold neurons cost a third of their bytes.
+gate is <= 0 contributes nothing, so steps 1 and 2 read only the gate rows of the cold neurons
+(beside the cache, in one read per layer, the look-ahead beginning the next layer's; the plan may
+keep gate rows in RAM: ``plan.py``); their gates are computed (``kernels.gate_dots``: the kernel's
+own arithmetic, so "fired" is exactly what the kernel decides) and only the neurons whose gate
+fired take cache slots and have their up and down rows read. The kernel then gets the active set
+with the other cold neurons masked out (never read), so the sums are those of the all-in-RAM
+call. The predictors select several times more neurons than fire on a ReLU model
+(benchmarks/RESULTS.md), so most cold neurons cost a third of their bytes, or none.
 
 What is computed is exactly the predictor's active set, whatever was cached or prefetched, summed
 in the same order: the output equals the all-in-RAM model's bit for bit (an active set larger
@@ -49,7 +52,6 @@ class PrefetchStats:
     predicted: int = 0  # cold, uncached neurons the look-ahead named (before the limit)
     issued: int = 0  # reads started
     tokens: int = 0
-    fired: int = 0  # gates first: cold neurons whose gate fired (up/down rows asked for)
 
 
 class GateRows:
@@ -196,12 +198,24 @@ class DiskFFN(SparseFFN):
             r = torch.from_numpy(rows)
             z[on_disk] = cpu.sparse_q4_gates(r, torch.arange(r.shape[0], dtype=torch.int32),
                                              xv).numpy()
-        fired = cold[z > 0.0]
-        self.prefetch_stats.fired += fired.size
+        on = z > 0.0
+        fired = cold[on]
         # 4. the fired neurons' up/down rows through the cache, their gate rows given
         cap = cache.capacity
         given = [(self._gate_known, self.gate_ram.numpy()), (cold[on_disk], rows)]
         slots = cache.complete(cache.request(fired[:cap], given=given))
+        if fired.size <= cap:
+            # the whole active set with the neurons not fired masked out (their rows never
+            # read: row 0 stands in): the same list as all in RAM, so the same sums
+            rows_idx = torch.zeros(idx.numel(), dtype=torch.int32)
+            rows_idx[:cut] = idx[:cut]
+            at = np.flatnonzero(on)
+            rows_idx[cut + at] = torch.from_numpy((slots + self.n_ram).astype(np.int32))
+            mask = torch.ones(1, idx.numel(), dtype=torch.bool)
+            mask[0, cut:] = torch.from_numpy(on)
+            out = kernels.sparse_ffn_batch(xv.view(1, -1), self.rows, rows_idx,
+                                           self._out.view(1, -1), mask)
+            return out.view(-1)
         out = kernels.sparse_ffn(xv, self.rows, self._rows_of(idx, cut, slots), self._out)
         for k in range(cap, fired.size, cap):  # more fired neurons than slots
             slots = cache.complete(cache.request(fired[k:k + cap], given=given))

@@ -308,7 +308,10 @@ def file_summary(metadata: dict, path: str | Path | None = None) -> str | None:
     if "sparseinfer.bundle.dtype" in md:
         lines.append(f"bundled for the disk tier: {md['sparseinfer.bundle.dtype']} rows, stride "
                      f"{int(md.get('sparseinfer.bundle.stride', 0))} bytes, in "
-                     f"{md.get('sparseinfer.bundle.order', 'neuron')} order")
+                     f"{md.get('sparseinfer.bundle.order', 'neuron')} order"
+                     + (f", gate rows apart (stride {int(md['sparseinfer.bundle.gate_stride'])}"
+                        f" bytes: gates first)" if md.get("sparseinfer.bundle.gate_stride")
+                        else ""))
     mode = md.get("sparseinfer.sparsity.mode", "?")
     lines.append("activity: " + ("ReLU (exact zeros)" if mode == "relu" else
                                  f"magnitude of {md.get('sparseinfer.sparsity.score')} above a "

@@ -599,9 +599,11 @@ def sparse_ffn_batch(
     it pays off while the union stays small; over fp32 rows torch's dense FFN catches up at a
     few hundred tokens, over int8 rows it did not by 256 (benchmarks/prefill.py). ``mask``
     (bool [T, len(idx)], rows the C kernels take only: ``in_c``): token t computes only the
-    neurons ``idx[i]`` with ``mask[t, i]``, its own set (the union's bundles still read once).
+    neurons ``idx[i]`` with ``mask[t, i]``, its own set (the union's bundles still read once);
+    a place masked for every token is never read, so any row may stand there, and the list may
+    be longer than ``ffn.d_ff`` (the disk tier's gates first keeps the all-in-RAM call's list).
     """
-    check_batch_args(x, ffn, idx, out)
+    check_batch_args(x, ffn, idx, out, mask is not None)
     if in_c(ffn):
         return _run_c(x, ffn, idx, out, mask)
     if mask is not None:

@@ -69,8 +69,10 @@ def sparse_ffn_ref(
     return out
 
 
-def check_batch_args(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor) -> None:
-    """Checks of ``sparse_ffn_batch`` / ``sparse_ffn_batch_ref``."""
+def check_batch_args(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor,
+                     masked: bool = False) -> None:
+    """Checks of ``sparse_ffn_batch`` / ``sparse_ffn_batch_ref``; ``masked``: with a per-token
+    mask, whose masked places may hold any row (never read), the list may outgrow d_ff."""
     d = ffn.d_model
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != d:
         raise ValueError(f"x: expected float32 [T, {d}], got {x.dtype} {list(x.shape)}")
@@ -78,7 +80,8 @@ def check_batch_args(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: to
         raise ValueError(
             f"out: expected contiguous float32 {list(x.shape)}, got {out.dtype} {list(out.shape)}"
         )
-    if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64) or idx.shape[0] > ffn.d_ff:
+    if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64) or (
+            idx.shape[0] > ffn.d_ff and not masked):
         raise ValueError(
             f"idx: expected int32/int64 [k] with k <= {ffn.d_ff}, got {idx.dtype} {list(idx.shape)}"
         )
