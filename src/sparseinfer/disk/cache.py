@@ -222,18 +222,16 @@ class NeuronCache:
 
     # ---- the runtime's calls -------------------------------------------------------------------
 
-    def request(self, neurons: np.ndarray, part: str | None = None, count: bool = True,
+    def request(self, neurons: np.ndarray,
                 given: list[tuple[np.ndarray, np.ndarray]] | None = None) -> Ticket:
-        """Start making ``neurons`` (unique global indices, at most ``capacity``) resident: the
-        file part ``part`` of each, or all of it (None). ``count``: in the hit statistics.
-        ``given``: gate rows at hand, (neurons ascending, their rows ``[n, row bytes]``) each,
-        copied into the slots of those that need one instead of being read."""
+        """Start making ``neurons`` (unique global indices, at most ``capacity``) resident.
+        ``given``: gate rows at hand (gates first), (neurons ascending, their rows ``[n, row
+        bytes]``) each, copied into the slots of those that need one instead of being read."""
         if neurons.size > self.capacity:
             raise ValueError(f"neuron cache: {neurons.size} neurons asked for at once, "
                              f"capacity {self.capacity}")
-        want = self.ALL if part is None else self.bit(part)
         self.tick += 1
-        st = self.stats if count else CacheStats()
+        st = self.stats
         st.requested += neurons.size
         slots = self.slot_of[neurons]
         cached = slots >= 0
@@ -255,9 +253,8 @@ class NeuronCache:
                 if known.size:
                     self._give_gates(miss, new, known, rows)
             slots = self.slot_of[neurons]
-        # the parts asked for that no slot holds or is reading (a new neuron: every part, less
-        # a given gate row; a cached one: its up/down rows after its gate row alone)
-        lacking = want & ~(self.has[slots] | self.coming[slots])
+        # the parts no slot holds or is reading (a new neuron: every part, less a given gate row)
+        lacking = self.ALL & ~(self.has[slots] | self.coming[slots])
         reads = []
         for i in range(len(self.parts)):
             sel = (lacking >> i & 1).astype(bool)
@@ -290,9 +287,8 @@ class NeuronCache:
         self._wait_for(ticket.slots)
         return ticket.slots
 
-    def prefetch(self, neurons: np.ndarray, limit: int, part: str | None = None) -> int:
-        """Start reading (the file part ``part`` of, or all of) up to ``limit`` of ``neurons``
-        not yet cached; returns how many."""
+    def prefetch(self, neurons: np.ndarray, limit: int) -> int:
+        """Start reading up to ``limit`` of ``neurons`` not yet cached; returns how many."""
         miss = neurons[self.slot_of[neurons] < 0][:limit]
         free = int(np.sum(self.coming == 0))
         miss = miss[: max(0, min(free, self.capacity // 2))]
@@ -303,6 +299,6 @@ class NeuronCache:
         miss, slots = miss[order], slots[order]
         self._assign(slots, miss)
         self.by_prefetch[slots] = True
-        self._read(miss, slots, self.ALL if part is None else self.bit(part))
+        self._read(miss, slots, self.ALL)
         self.stats.prefetched += miss.size
         return miss.size
