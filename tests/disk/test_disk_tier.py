@@ -133,6 +133,26 @@ def test_reader_reads_what_the_map_holds(bundled, kind, gap):
             r.close()
 
 
+def test_bundle_cli_puts_relu_gates_apart_by_default(sparse_file, tmp_path, reference):
+    """``python -m sparseinfer.disk bundle``: the gate rows apart for q4 rows of a ReLU gate
+    unless told otherwise; fp32 rows bundled (asked to put them apart, the disk tier reads each
+    neuron's two parts: no gates first without the q4 kernel, the same logits)."""
+    from sparseinfer.disk.__main__ import main as disk_main
+
+    for args, apart in ((["--gates-apart", "auto"], True), (["--gates-apart", "no"], False),
+                        (["--dtype", "fp32"], False), (["--dtype", "fp32", "--gates-apart",
+                                                        "yes"], True)):
+        out = tmp_path / f"{'-'.join(args)}.gguf"
+        assert disk_main(["bundle", str(sparse_file), str(out), *args]) == 0
+        lay = layout_of(open_source(out))
+        assert lay.gates_apart == apart
+        if apart:
+            assert lay.gate_stride % 512 == 0 and all(o % 512 == 0 for o in lay.gate_offsets)
+    d = load(out, "auto", disk_options=DiskOptions(ram_counts=(10, 0), cache_slots=8))
+    assert not d.model.layers[0].ffn.gates_first
+    torch.testing.assert_close(_logits(d), reference["fp32"], atol=1e-5, rtol=1e-5)
+
+
 def test_measured_gap_weighs_a_read_against_its_rows(bundled, monkeypatch):
     """measure_gap: the ratio of a read's own cost to a row's less one, from timed reads of 1
     and of 1 + longest rows (here timed by a stand-in clock that charges what a disk would),
