@@ -172,9 +172,10 @@ def _print_sparse(engine) -> None:
 
         rep = disk_report(engine.model)
         if rep is not None:
+            pp = rep.prefetch_precision  # (NaN without cache prefetches: gates first)
             print(f"disk tier: {rep.bytes_per_token / 2**20:.2f} MiB read per token, cache hit "
-                  f"rate {rep.cache.hit_rate:.1%}, prefetch precision "
-                  f"{rep.prefetch_precision:.1%}", file=sys.stderr)
+                  f"rate {rep.cache.hit_rate:.1%}"
+                  + (f", prefetch precision {pp:.1%}" if pp == pp else ""), file=sys.stderr)
 
 
 def _print_timings(fin, load_seconds: float | None = None, warmup_seconds: float | None = None

@@ -194,10 +194,11 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
                     held += w.nbytes
             paged = mapped - held
             log.warning("--ram-budget %.2f GiB: the mapped weights (attention, embeddings, LM "
-                        "head: %.2f GiB) do not all fit beside the rest: %.2f GiB locked in "
-                        "memory, %.2f GiB re-read from the file by the kernel every token; "
-                        "every FFN neuron is read from disk", budget_gib, mapped / GIB,
-                        held / GIB, paged / GIB)
+                        "head: %.2f GiB) do not all fit beside the rest (the KV cache for the "
+                        "context alone takes %.2f GiB: a smaller -c leaves more): %.2f GiB "
+                        "locked in memory, %.2f GiB re-read from the file by the kernel every "
+                        "token; every FFN neuron is read from disk", budget_gib, mapped / GIB,
+                        kv_bytes / GIB, held / GIB, paged / GIB)
             room = min_cache
             share = 1.0  # all of it caches: no neuron stays in RAM for good
         else:
