@@ -19,7 +19,7 @@ of a neuron's rows counts as held only after it was read in full.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -85,7 +85,6 @@ class CacheStats:
 class Ticket:
     neurons: np.ndarray
     slots: np.ndarray
-    reads: list[tuple[ReadBatch, np.ndarray]] = field(default_factory=list)  # (batch, slots)
 
 
 class NeuronCache:
@@ -175,17 +174,14 @@ class NeuronCache:
         self.freq_of_slot[slots] = self._freq[neurons]
         self.last_use[slots] = self.tick
 
-    def _read(self, neurons: np.ndarray, slots: np.ndarray, want: int) -> list:
+    def _read(self, neurons: np.ndarray, slots: np.ndarray, want: int) -> None:
         """Start reading the parts in ``want`` of ``neurons`` (sorted) into ``slots``; the reads
         are pending until committed."""
-        reads = []
         for i, part in enumerate(self.parts):
             if want >> i & 1:
                 batch = self.reader.submit(self.layer, neurons, part)
                 self.coming[slots] |= np.int8(1 << i)
                 self.pending.append((batch, slots))
-                reads.append((batch, slots))
-        return reads
 
     def _commit(self, batch: ReadBatch, slots: np.ndarray) -> None:
         """Wait for one read and put its rows in their slots."""
@@ -255,13 +251,12 @@ class NeuronCache:
             slots = self.slot_of[neurons]
         # the parts no slot holds or is reading (a new neuron: every part, less a given gate row)
         lacking = self.ALL & ~(self.has[slots] | self.coming[slots])
-        reads = []
         for i in range(len(self.parts)):
             sel = (lacking >> i & 1).astype(bool)
             if sel.any():
                 order = np.argsort(neurons[sel])
-                reads += self._read(neurons[sel][order], slots[sel][order], 1 << i)
-        return Ticket(neurons, slots, reads)
+                self._read(neurons[sel][order], slots[sel][order], 1 << i)
+        return Ticket(neurons, slots)
 
     def _give_gates(self, neurons: np.ndarray, slots: np.ndarray, known: np.ndarray,
                     rows: np.ndarray) -> None:
@@ -280,10 +275,8 @@ class NeuronCache:
         self._wait_for(slots)
 
     def complete(self, ticket: Ticket) -> np.ndarray:
-        """Wait for ``ticket``'s reads; returns the slots of its neurons (valid rows)."""
-        for batch, slots in ticket.reads:
-            if any(e[0] is batch for e in self.pending):
-                self._commit(batch, slots)
+        """Wait for the reads that fill ``ticket``'s slots (its own and any prefetch's); returns
+        the slots of its neurons (valid rows)."""
         self._wait_for(ticket.slots)
         return ticket.slots
 

@@ -206,13 +206,16 @@ def rows_view(src, layer: int, start: int, stop: int, lay: BundleLayout | None =
 
 
 def copy_neurons(src, layer: int, start: int, stop: int, out: np.ndarray,
-                 reader=None, lay: BundleLayout | None = None) -> None:
+                 reader=None, lay: BundleLayout | None = None,
+                 parts: tuple[str, ...] | None = None) -> None:
     """Copy neurons ``[start, stop)`` of ``layer`` (wherever the file holds them) into ``out``
     (``[n, n_mats, row_width]``, contiguous) without keeping the file's pages: a neuron-order
     file through the map, whose pages are then dropped from the process and the page cache;
     rows in another order with O_DIRECT reads (through a map, scattered rows would fault in
     most of the layer) by ``reader`` (a ``NeuronReader`` of this file; None: one made for the
-    call; ``lay``: ``layout_of(src)`` if already made, used when ``reader`` is None)."""
+    call; ``lay``: ``layout_of(src)`` if already made, used when ``reader`` is None).
+    ``parts``: only these of the file's tensors (``BundleLayout.parts``, in order; e.g.
+    ``("gate",)``), ``out`` then holding their rows alone."""
     from ..fileio import drop_pages
     from .reader import NeuronReader, drop_file_cache
 
@@ -222,10 +225,13 @@ def copy_neurons(src, layer: int, start: int, stop: int, out: np.ndarray,
         lay = layout_of(src)
     if stop <= start:
         return
+    parts = tuple(lay.parts) if parts is None else parts
+    base = lay.parts[parts[0]].first_mat  # out's first row
     if lay.positions is None:
-        for name, p in lay.parts.items():
+        for name in parts:
+            p = lay.parts[name]
             view = part_view(src, layer, start, stop, lay, name)
-            out[:, p.first_mat:p.first_mat + view.shape[1]] = view
+            out[:, p.first_mat - base:p.first_mat - base + view.shape[1]] = view
             drop_pages(view)
             drop_file_cache(lay.path, p.offsets[layer] + start * p.stride, (stop - start) * p.stride)
         return
@@ -235,33 +241,14 @@ def copy_neurons(src, layer: int, start: int, stop: int, out: np.ndarray,
         dest = out.reshape(stop - start, -1).view(np.uint8)
         for a in range(start, stop, COPY_CHUNK):  # a bounded read buffer, not the whole layer
             b = min(stop, a + COPY_CHUNK)
-            for name, p in lay.parts.items():
-                col = p.first_mat * lay.row_bytes
+            for name in parts:
+                p = lay.parts[name]
+                col = (p.first_mat - base) * lay.row_bytes
                 dest[a - start:b - start, col:col + p.nbytes] = reader.read(
                     layer, np.arange(a, b), name)
     finally:
         if own:
             reader.close()
-
-
-def copy_gate_rows(src, layer: int, start: int, stop: int, out: np.ndarray, reader) -> None:
-    """Copy the gate rows of neurons ``[start, stop)`` of ``layer`` (a file with the gates
-    apart) into ``out`` (uint8 ``[n, row bytes]``) as ``copy_neurons`` copies neurons: through
-    the map in neuron order (its pages then dropped), else with ``reader``'s reads."""
-    from ..fileio import drop_pages
-    from .reader import drop_file_cache
-
-    lay = reader.layout
-    if lay.positions is None:
-        view = part_view(src, layer, start, stop, lay, "gate")
-        out[:] = view.reshape(stop - start, -1).view(np.uint8)
-        drop_pages(view)
-        p = lay.parts["gate"]
-        drop_file_cache(lay.path, p.offsets[layer] + start * p.stride, (stop - start) * p.stride)
-        return
-    for a in range(start, stop, COPY_CHUNK):
-        b = min(stop, a + COPY_CHUNK)
-        out[a - start:b - start] = reader.read(layer, np.arange(a, b), "gate")
 
 
 def read_packed(src, layer: int, start: int, stop: int, up_bias=None,

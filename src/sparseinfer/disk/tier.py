@@ -367,7 +367,7 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
     the rest (one reader shared by every layer), linked to the layer after it for prefetch."""
     from ..sparse.packed import DTYPES, empty_hugepages
     from .cache import EVICTION
-    from .layout import copy_gate_rows, copy_neurons, layout_of
+    from .layout import copy_neurons, layout_of
     from .reader import DEFAULT_GAP, NeuronReader
 
     dp = plan.sparse.disk
@@ -386,8 +386,8 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
     copy_neurons(src, layer, 0, n, rows[:n].numpy(), reader)
     g = dp.gate_counts[layer] if dp.gate_counts else n
     gate_rows = np.empty((g - n, lay.row_bytes), dtype=np.uint8)  # neurons [n, g): gates first
-    if g > n:
-        copy_gate_rows(src, layer, n, g, gate_rows, reader)
+    copy_neurons(src, layer, n, g, gate_rows.reshape(g - n, 1, lay.row_bytes), reader,
+                 parts=("gate",))
     reader.bytes_read, reader.reads = counted  # the load's reads are not the run's
     bias = None
     if up_bias is not None:
