@@ -183,7 +183,7 @@ def child_ours(job: dict) -> dict:
         opts = {"ram_budget": job["budget"] / 2**30,
                 "disk_options": DiskOptions(eviction=job["eviction"], prefetch=job["prefetch"],
                                             read_gap=job.get("read_gap"),
-                                            io_threads=job.get("io_threads", 8))}
+                                            io_threads=job["io_threads"])}
     e = Engine.load(job["path"], n_ctx=job["ctx"], threads=job["threads"], **opts)
     t_load = time.perf_counter() - t0
     ids = e.encode(PROMPT)
@@ -260,6 +260,8 @@ def child_llama(job: dict) -> dict:
 
 
 def main() -> int:
+    from sparseinfer.disk.plan import DiskOptions
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sparse", type=Path, nargs="+",
                     help="sparse GGUFs (bundled or not; several: bundle orders side by side)")
@@ -279,7 +281,7 @@ def main() -> int:
     ap.add_argument("--llama-repack", default="on,off",
                     help="llama.cpp runs with its weight repacking on and/or off")
     ap.add_argument("--unlimited", action="store_true", help="also run both without a limit")
-    ap.add_argument("--io-threads", default="8",
+    ap.add_argument("--io-threads", default=str(DiskOptions.io_threads),
                     help="ours: reads in flight (DiskOptions.io_threads), comma-separated: each "
                          "is a run")
     ap.add_argument("--read-mbps", type=float, default=None,
@@ -378,7 +380,7 @@ def main() -> int:
         for name, sparse in layouts.items() if not args.no_ours else []:
             ours = {**base, "engine": "ours", "path": str(sparse),
                     "drop": [str(args.dense), *sparse_files], "budget": limit,
-                    "read_gap": args.read_gap}
+                    "read_gap": args.read_gap, "io_threads": io_threads[0]}
             for ev in evictions:
                 for io in io_threads:
                     for share in shares if limit is not None else [1.0]:

@@ -52,7 +52,7 @@ def libc():
 
 
 _MADV_DONTNEED = 4
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def drop_pages(arr: np.ndarray) -> None:
@@ -66,10 +66,27 @@ def drop_pages(arr: np.ndarray) -> None:
         return
     start = arr.__array_interface__["data"][0]
     end = start + arr.nbytes
-    lo = -(-start // _PAGE) * _PAGE
-    hi = end // _PAGE * _PAGE
+    lo = -(-start // PAGE) * PAGE
+    hi = end // PAGE * PAGE
     if hi > lo:
         lib.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+
+
+_MADV_RANDOM = 1
+
+
+def advise_random(addr: int, nbytes: int) -> bool:
+    """``madvise(MADV_RANDOM)`` over the whole pages of ``[addr, addr + nbytes)`` (a read-only
+    file map): page faults there read their own page only, no read-around. Best effort: False
+    where it could not be done."""
+    import ctypes
+
+    lib = libc()
+    lo = addr // PAGE * PAGE
+    if lib is None or nbytes <= 0:
+        return False
+    return lib.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(addr + nbytes - lo),
+                       _MADV_RANDOM) == 0
 
 
 def available_memory() -> int:

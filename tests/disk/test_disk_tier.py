@@ -514,6 +514,91 @@ def test_short_budget_lets_mapped_weights_overflow(tmp_path):
             dplan.plan_disk(Src, sparse, weights, 0, 1e-6, opts)
 
 
+def test_budget_counts_the_embedding_rows_a_context_reads(tmp_path):
+    """An embedding mapped from the file and read a row per token counts the pages of the
+    context's rows; one an LM head reads whole (tied) counts whole."""
+    from unittest import mock
+
+    from sparseinfer.disk import plan as dplan
+    from sparseinfer.fileio import PAGE
+    from sparseinfer.models.plan import WeightPlan
+
+    class Src:
+        config = mock.Mock(n_layers=2, d_ff=192, ffn_kind="reglu")
+        path = "x.gguf"
+        extra_array = staticmethod(lambda name: np.linspace(1.0, 0.0, 192))
+
+    lay = mock.Mock(dtype="q4", bundle_bytes=108, stride=512, gates_apart=False)
+    sparse = mock.Mock(selector="predictor", ffn_dtype="q4")
+    emb = WeightPlan("tok_emb", "file", ("tok_emb.weight",), (50_000, 64), 50_000 * 36)
+    ffns = [WeightPlan(f"layers.{i}.ffn", "sparse", (), (1, 1), 192 * 108) for i in (0, 1)]
+    opts = DiskOptions(process_bytes=0, io_threads=1)
+    with mock.patch.object(dplan, "layout_of", return_value=lay):
+        head = WeightPlan("lm_head", "ggml", ("lm_head.weight",), (1, 1), 1 << 20)
+        dp, _ = dplan.plan_disk(Src, sparse, [emb, head, *ffns], 0, 1.0, opts, n_ctx=100)
+        parts = dict(dp.parts)
+        assert parts["embedding_rows"] == 100 * 2 * PAGE  # a 36-byte row: 1 page, 2 at an edge
+        assert parts["mapped_weights"] == 1 << 20 and dp.by_rows == ("tok_emb.weight",)
+        dp, _ = dplan.plan_disk(Src, sparse, [emb, head, *ffns], 0, 1.0, opts)  # no context
+        assert dict(dp.parts)["embedding_rows"] == emb.nbytes
+        tied = WeightPlan("lm_head", "ggml", ("tok_emb.weight",), (1, 1), 0)
+        dp, _ = dplan.plan_disk(Src, sparse, [emb, tied, *ffns], 0, 1.0, opts, n_ctx=100)
+        assert dict(dp.parts)["embedding_rows"] == 0 and dp.by_rows == ()
+        assert dict(dp.parts)["mapped_weights"] == emb.nbytes
+
+
+def test_rows_read_by_rows_bring_in_their_own_pages(tmp_path):
+    """After ``read_by_rows`` (MADV_RANDOM) a looked-up row of a mapped file brings its own
+    pages into the page cache, not the kernel's read-around (8 MiB on this VM's disk): what
+    the budget counts for the embedding (``rows_held``) is what it holds."""
+    import ctypes
+
+    from sparseinfer.disk.plan import rows_held
+    from sparseinfer.disk.tier import read_by_rows
+    from sparseinfer.fileio import PAGE, libc
+    from sparseinfer.models.plan import WeightPlan
+
+    lib = libc()
+    if lib is None or not hasattr(os, "posix_fadvise"):
+        pytest.skip("needs Linux (madvise, mincore, posix_fadvise)")
+    row, n_rows = 2880, 8192  # a 13B Q4_0 embedding's row
+    path = tmp_path / "emb.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 255, row * n_rows, np.uint8).tobytes())
+
+    def cached_pages(arr) -> int:
+        n = -(-arr.nbytes // PAGE)
+        vec = (ctypes.c_ubyte * n)()
+        assert lib.mincore(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(arr.nbytes),
+                           vec) == 0
+        return sum(v & 1 for v in vec)
+
+    def touched(advise: bool) -> int:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache
+        os.close(fd)
+        arr = np.memmap(path, dtype=np.uint8, mode="r").reshape(n_rows, row)
+        if cached_pages(arr) > 4:
+            pytest.skip("this filesystem keeps the file's pages cached (tmpfs?)")
+        if advise:
+            src = mock_src(arr)
+            assert read_by_rows(src, ["tok_emb.weight"]) == arr.nbytes
+        ids = np.arange(50, n_rows, n_rows // 20)[:20]
+        assert arr[ids].sum() >= 0  # the lookup
+        return cached_pages(arr), ids.size
+
+    def mock_src(arr):
+        from unittest import mock
+        t = mock.Mock(gguf=object(), raw=lambda: arr)
+        return mock.Mock(tensors={"tok_emb.weight": t})
+
+    plain, _ = touched(False)
+    advised, k = touched(True)
+    w = WeightPlan("tok_emb", "file", ("tok_emb.weight",), (n_rows, row), n_rows * row)
+    assert advised <= 2 * k and advised * PAGE <= rows_held(w, k)
+    assert plain >= 4 * advised  # the read-around: 8 MiB here, 128 KiB on most disks
+
+
 def test_pin_mapped_locks_the_tensor_pages(smollm2_path):
     from sparseinfer.disk.tier import pin_mapped
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..errors import SparseInferError
+from ..fileio import PAGE
 from .cache import EVICTION
 from .layout import layout_of, relu_gated
 from .reader import ALIGN, MAX_RUN
@@ -53,7 +54,9 @@ class DiskOptions:
 
     cache_share: float = 0.25  # of the neurons' RAM, held by the caches (the rest: hot prefix)
     eviction: str = "lru"  # key of cache.EVICTION
-    io_threads: int = 8
+    # reads in flight: many small reads (a gate row is a few KiB) need a deep queue to keep a
+    # slow disk streaming; a fast one is flat from 8 to 32 (benchmarks/RESULTS.md)
+    io_threads: int = 32
     # unwanted rows a read may pass over between two wanted ones: one read of a few more KiB
     # costs less than a second read on a fast SSD, more on a slow disk (RESULTS.md). None:
     # measured on the file at load (NeuronReader.measure_gap)
@@ -87,6 +90,9 @@ class DiskPlan:
     paged_bytes: int = 0  # mapped weights left to the kernel: re-read per token when short
     # per layer: neurons [0, g) have their gate rows in RAM (gates first; g >= ram_counts)
     gate_counts: tuple[int, ...] = ()
+    # mapped tensors read a row at a time (an embedding no LM head reads whole): the kernel is
+    # told so (no read-around), and the budget counts the pages of a context's rows
+    by_rows: tuple[str, ...] = ()
 
     def summary(self) -> str:
         gates = sum(self.gate_counts) - sum(self.ram_counts) if self.gate_counts else 0
@@ -119,9 +125,21 @@ def resident_bytes() -> int:
     return total
 
 
+def rows_held(w, n_ctx: int | None) -> int:
+    """The bytes of the mapped weight ``w``, read a row at a time, that ``n_ctx`` tokens' rows
+    bring into memory: a row's pages (one more where it straddles a page edge) per token, the
+    whole tensor at most (or without a context)."""
+    if n_ctx is None:
+        return w.nbytes
+    row = -(-w.nbytes // max(1, w.shape[0]))
+    return min(w.nbytes, n_ctx * (-(-row // PAGE) + 1) * PAGE)
+
+
 def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
-              options: DiskOptions) -> tuple[DiskPlan, list]:
-    """The disk plan, and ``weights`` with each sparse FFN's bytes set to what stays in RAM."""
+              options: DiskOptions, n_ctx: int | None = None) -> tuple[DiskPlan, list]:
+    """The disk plan, and ``weights`` with each sparse FFN's bytes set to what stays in RAM.
+    ``n_ctx``: the context, for the pages of the embedding rows its tokens look up (None: the
+    whole embedding is counted)."""
     from ..offline.solve import PlacementProblem, solve_placement
 
     cfg = src.config
@@ -164,12 +182,20 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
                    else options.process_bytes)
         runtime += MARGIN if options.process_bytes is None else 0
         mapped_w = [w for w in weights if w.storage in MAPPED and w.nbytes]
-        mapped = sum(w.nbytes for w in mapped_w)
-        fixed = [("runtime", runtime), ("weights", others - mapped), ("mapped_weights", mapped),
+        # a mapped embedding no LM head reads whole: one row per token, left to the kernel
+        read_whole = {s_ for w in weights if w.storage == "ggml" for s_ in w.sources}
+        row_w = [w for w in mapped_w if w.storage == "file"
+                 and not read_whole.intersection(w.sources)]
+        by_rows = tuple(s_ for w in row_w for s_ in w.sources)
+        mapped = sum(w.nbytes for w in mapped_w if w not in row_w)
+        fixed = [("runtime", runtime),
+                 ("weights", others - mapped - sum(w.nbytes for w in row_w)),
+                 ("mapped_weights", mapped),
+                 ("embedding_rows", sum(rows_held(w, n_ctx) for w in row_w)),
                  ("predictors", preds), ("kv_cache", kv_bytes), ("io_buffers", io)]
         room = budget - sum(b for _, b in fixed)
         # read whole every token: locked in memory, so the kernel never drops them for a page
-        # the FFN or a neighbour wants (embeddings: one row per token, left to the kernel)
+        # the FFN or a neighbour wants
         lockable = [w for w in mapped_w if w.storage == "ggml"]
         pinned = [s_ for w in lockable for s_ in w.sources]
         paged = 0
@@ -193,8 +219,8 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
                     pinned += list(w.sources)
                     held += w.nbytes
             paged = mapped - held
-            log.warning("--ram-budget %.2f GiB: the mapped weights (attention, embeddings, LM "
-                        "head: %.2f GiB) do not all fit beside the rest (the KV cache for the "
+            log.warning("--ram-budget %.2f GiB: the mapped weights (attention, LM head: "
+                        "%.2f GiB) do not all fit beside the rest (the KV cache for the "
                         "context alone takes %.2f GiB: a smaller -c leaves more): %.2f GiB "
                         "locked in memory, %.2f GiB re-read from the file by the kernel every "
                         "token; every FFN neuron is read from disk", budget_gib, mapped / GIB,
@@ -242,9 +268,9 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
     if budget:
         parts = (*parts[:-1], ("neuron_caches", slots * cfg.n_layers * nb))
     if not budget:
-        pinned, paged = [], 0
+        pinned, paged, by_rows = [], 0, ()
     dp = DiskPlan(budget, counts, slots, nb, parts, options, tuple(pinned) if options.pin else (),
-                  paged, gate_counts)
+                  paged, gate_counts, by_rows)
     new_weights = []
     for w in weights:
         if w.storage == "sparse":

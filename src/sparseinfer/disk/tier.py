@@ -414,6 +414,16 @@ def measure_read_gap(model, plan) -> None:
         reader.max_gap = reader.measure_gap()
 
 
+def _mapped(src, names):
+    """(name, address, bytes) of the mapped file tensors ``names`` (canonical) that exist."""
+    for name in names:
+        t = src.tensors.get(name)
+        if t is None or t.gguf is None:
+            continue
+        arr = np.asarray(t.raw())
+        yield name, arr.__array_interface__["data"][0], arr.nbytes
+
+
 def pin_mapped(src, names) -> int:
     """Lock the mapped pages of the file tensors ``names`` (canonical) in memory (``mlock``), so
     the kernel does not drop them when the memory limit is reached; returns the bytes locked.
@@ -426,16 +436,23 @@ def pin_mapped(src, names) -> int:
     if lib is None:
         return 0
     done = 0
-    for name in names:
-        t = src.tensors.get(name)
-        if t is None or t.gguf is None:
-            continue
-        arr = np.asarray(t.raw())
-        addr, n = arr.__array_interface__["data"][0], arr.nbytes
+    for name, addr, n in _mapped(src, names):
         if lib.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(n)):
             log.warning("mlock of %s (%d MiB) refused (errno %d): it may be paged out under the "
                         "memory limit", name, n >> 20, ctypes.get_errno())
             break
         done += n
     log.info("locked %.0f MiB of mapped weights in memory", done / 2**20)
+    return done
+
+
+def read_by_rows(src, names) -> int:
+    """Tell the kernel that the mapped file tensors ``names`` are read a row at a time
+    (``MADV_RANDOM``: a page fault brings in its own page, not the read-around's 128 KiB), so a
+    looked-up embedding row holds the pages the plan counts; returns the bytes advised."""
+    from ..fileio import advise_random
+
+    done = 0
+    for _, addr, n in _mapped(src, names):
+        done += n if advise_random(addr, n) else 0
     return done

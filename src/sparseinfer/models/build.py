@@ -383,10 +383,11 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
                 blk.ffn.selector.fill(pred)
             blk.ffn.fill(packed, down_bias)
     if plan.sparse is not None and plan.sparse.disk is not None:
-        from ..disk.tier import measure_read_gap, pin_mapped
+        from ..disk.tier import measure_read_gap, pin_mapped, read_by_rows
 
         if plan.sparse.disk.pinned:
             pin_mapped(src, plan.sparse.disk.pinned)
+        read_by_rows(src, plan.sparse.disk.by_rows)
         measure_read_gap(model, plan)
     dev = torch.device(plan.device)
     if dev.type != "cpu":  # attention, norms, embeddings, LM head; cold FFN rows stay on the CPU

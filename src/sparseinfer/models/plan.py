@@ -374,7 +374,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                    f"--device cpu, got {device}")
         ctx = min(n_ctx or 4096, cfg.max_seq_len)
         disk, weights = plan_disk(src, sparse, weights, kv * ctx, ram_budget,
-                                  disk_options or DiskOptions())
+                                  disk_options or DiskOptions(), n_ctx=ctx)
         sparse = replace(sparse, disk=disk)
     return Plan(cfg, dtype, float_dtype, tuple(weights), sparse, fused_ok, str(dev), kv, kv_dtype)
 
