@@ -61,7 +61,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--ram-budget", type=float, default=None,
                     help="GiB this process may hold, page cache of the model file included: "
                          "the hottest FFN neurons stay in RAM, the rest are read from the file "
-                         "per token (a file bundled by `python -m sparseinfer.disk bundle`)")
+                         "per token (a file bundled by `python -m sparseinfer.disk bundle`); "
+                         "with --device cuda and --vram-budget, the hottest go to the GPU first "
+                         "(three tiers)")
     sp.add_argument("--disk-cache", default="lru", choices=["lru", "freq"],
                     help="with --ram-budget: eviction of the cold-neuron cache (least recently "
                          "used, or least frequent by the file's statistics)")

@@ -247,6 +247,50 @@ def test_disk_tier_logits_equal_all_in_ram(bundled, reference, eviction, ram, sl
         assert rep.bytes_read > 0 and st.requested > 0
 
 
+@pytest.mark.parametrize("kind", ["q4", "q4-gates"])
+def test_three_tiers_logits_equal_all_in_ram(sparse_file, bundled, kind):
+    """Three tiers, one placement: --vram-budget's hot prefix on the fast device (the CPU
+    standing in: ``split_tiers``), the next neurons in RAM, the rest read from the file. The
+    logits equal those of the same placement with every other neuron in RAM; per token a layer
+    computes what SparseFFN's two tiers compute (the fast tier in torch, the rest in C); the RAM
+    budget holds no fast neuron."""
+    from sparseinfer.models.plan import make_plan
+
+    src = open_source(bundled[kind])
+    fast_opts = dict(device="cpu", split_tiers=True, vram_budget=2.0**-30 * (196_608 + 20_000),
+                     min_split=0)  # (the tiny model's embeddings and attention: 196,608 bytes)
+    fast = make_plan(src, "auto", **fast_opts).sparse.hot_counts
+    assert 0 < min(fast) and max(fast) < 192  # some neurons, not all, on the fast tier
+    ram = tuple(f + 30 for f in fast)
+
+    def three(counts):
+        return load(bundled[kind], "auto", **fast_opts, disk_options=DiskOptions(
+            ram_counts=counts, cache_slots=8, read_gap=2))
+
+    d, in_ram = three(ram), three((192, 192))
+    for layer, f, n in zip(d.model.layers, fast, ram):
+        ffn = layer.ffn
+        assert isinstance(ffn, DiskFFN) and (ffn.n_fast, ffn.n_ram) == (f, n)
+        assert ffn.fast_rows.d_ff == f and ffn.rows.d_ff == n - f + 8
+    # float sums in another order only (8 cache slots: the cold neurons go in chunks)
+    torch.testing.assert_close(_logits(d), _logits(in_ram), atol=5e-5, rtol=1e-4)
+    assert disk_report(d.model).bytes_read > 0 and disk_report(in_ram.model).bytes_read == 0
+    # one token through a layer: as SparseFFN's fast + CPU tiers of the unbundled file
+    two = load(sparse_file, "auto", ffn_dtype="q4", **fast_opts)
+    x = torch.randn(1, 1, src.config.d_model, generator=torch.Generator().manual_seed(0))
+    for mine, theirs in zip(d.model.layers, two.model.layers):
+        assert theirs.ffn.split and theirs.ffn.n_hot == mine.ffn.n_fast
+        torch.testing.assert_close(mine.ffn(x, x), theirs.ffn(x, x), atol=1e-5, rtol=1e-5)
+    # the budget: RAM's hot neurons are counted after the fast prefix, never it
+    lay = layout_of(src)
+    dp = make_plan(src, "auto", ram_budget=1.0, n_ctx=64,
+                   disk_options=DiskOptions(process_bytes=0), **fast_opts).sparse.disk
+    assert dp.fast_counts == tuple(fast)
+    assert all(f <= c for f, c in zip(fast, dp.ram_counts))
+    hot_nb = lay.bundle_bytes - (lay.row_bytes if dict(dp.parts)["gate_rows"] else 0)
+    assert dict(dp.parts)["hot_neurons"] == (sum(dp.ram_counts) - sum(fast)) * hot_nb
+
+
 def test_gates_first_reads_up_and_down_rows_only_where_the_gate_fired(bundled):
     """With the gates apart, a decoded token reads the cold neurons' gate rows, and the up/down
     rows only of neurons whose gate fired: every neuron whose up/down rows were read has a gate

@@ -20,6 +20,11 @@ hottest neurons' gate rows of every layer (a prefix, as the file stores neurons 
 take the room less the smallest caches; only when every gate row fits does the rest go to the
 hot prefix and the caches as above.
 
+With a fast device (``--vram-budget``: three tiers), its hot prefix per layer is placed first
+(``models/plan.py``'s ILP, which counts attention and embeddings in VRAM); RAM takes the hottest
+neurons after it, and the attention, LM head, predictors and KV cache, being on the device, are
+not counted in RAM.
+
 The placement is made at load time from the file's statistics (no offline step: the budget is
 a property of the machine, not of the model).
 """
@@ -93,10 +98,15 @@ class DiskPlan:
     # mapped tensors read a row at a time (an embedding no LM head reads whole): the kernel is
     # told so (no read-around), and the budget counts the pages of a context's rows
     by_rows: tuple[str, ...] = ()
+    # per layer: neurons [0, f) on the fast device (three tiers: f <= ram_counts), () for none
+    fast_counts: tuple[int, ...] = ()
 
     def summary(self) -> str:
         gates = sum(self.gate_counts) - sum(self.ram_counts) if self.gate_counts else 0
-        lines = [f"  disk tier: {sum(self.ram_counts)} neurons in RAM"
+        fast = sum(self.fast_counts)
+        lines = [f"  disk tier: "
+                 + (f"{fast} neurons on the fast device, " if fast else "")
+                 + f"{sum(self.ram_counts) - fast} neurons in RAM"
                  + (f" and {gates} more neurons' gate rows" if gates else "")
                  + f", {self.cache_slots} cache slots per layer ({self.options.eviction}), "
                    f"prefetch {'on' if self.options.prefetch else 'off'}"]
@@ -136,10 +146,15 @@ def rows_held(w, n_ctx: int | None) -> int:
 
 
 def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
-              options: DiskOptions, n_ctx: int | None = None) -> tuple[DiskPlan, list]:
+              options: DiskOptions, n_ctx: int | None = None,
+              fast_counts: tuple[int, ...] | None = None,
+              dense_in_ram: bool = True) -> tuple[DiskPlan, list]:
     """The disk plan, and ``weights`` with each sparse FFN's bytes set to what stays in RAM.
     ``n_ctx``: the context, for the pages of the embedding rows its tokens look up (None: the
-    whole embedding is counted)."""
+    whole embedding is counted). ``fast_counts``: per layer, the hot prefix on the fast device
+    (``--vram-budget``'s placement; None: no fast tier): RAM takes the hottest neurons after it.
+    ``dense_in_ram``: the attention, LM head, norms and predictors are in RAM (False: they live
+    on the fast device, and the budget does not count them)."""
     from ..offline.solve import PlacementProblem, solve_placement
 
     cfg = src.config
@@ -160,11 +175,16 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
     if gates_first:  # two layers' gate rows being read
         io += 2 * cfg.d_ff * lay.row_bytes
     gate_counts: tuple[int, ...] = ()
+    fast = tuple(int(f) for f in (fast_counts or (0,) * cfg.n_layers))
+    if len(fast) != cfg.n_layers or any(not 0 <= f <= cfg.d_ff for f in fast):
+        raise SparseInferError(f"fast tier: expected {cfg.n_layers} counts in [0, {cfg.d_ff}], "
+                               f"got {fast}")
     if options.ram_counts is not None or options.cache_slots is not None:
-        counts = tuple(options.ram_counts or (0,) * cfg.n_layers)
-        if len(counts) != cfg.n_layers or any(not 0 <= c <= cfg.d_ff for c in counts):
-            raise SparseInferError(f"ram counts: expected {cfg.n_layers} counts in "
-                                   f"[0, {cfg.d_ff}], got {counts}")
+        counts = tuple(options.ram_counts or fast)
+        if len(counts) != cfg.n_layers or any(not f <= c <= cfg.d_ff
+                                               for f, c in zip(fast, counts)):
+            raise SparseInferError(f"ram counts: expected {cfg.n_layers} counts from the fast "
+                                   f"tier's {fast} to {cfg.d_ff}, got {counts}")
         if options.gate_counts is not None:
             gate_counts = tuple(options.gate_counts)
             if not gates_first or len(gate_counts) != cfg.n_layers or any(
@@ -188,9 +208,11 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
                  and not read_whole.intersection(w.sources)]
         by_rows = tuple(s_ for w in row_w for s_ in w.sources)
         mapped = sum(w.nbytes for w in mapped_w if w not in row_w)
-        fixed = [("runtime", runtime),
-                 ("weights", others - mapped - sum(w.nbytes for w in row_w)),
-                 ("mapped_weights", mapped),
+        dense = others - mapped - sum(w.nbytes for w in row_w)
+        if not dense_in_ram:  # on the fast device
+            mapped_w = [w for w in mapped_w if w in row_w]
+            dense = mapped = preds = 0
+        fixed = [("runtime", runtime), ("weights", dense), ("mapped_weights", mapped),
                  ("embedding_rows", sum(rows_held(w, n_ctx) for w in row_w)),
                  ("predictors", preds), ("kv_cache", kv_bytes), ("io_buffers", io)]
         room = budget - sum(b for _, b in fixed)
@@ -231,11 +253,11 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
             share = options.cache_share
         gate_bytes = 0
         if gates_first and room > min_cache:  # gate rows first (module docstring)
-            g = min(cfg.d_ff, (room - min_cache) // (cfg.n_layers * lay.row_bytes))
-            gate_counts = (int(g),) * cfg.n_layers
-            gate_bytes = g * cfg.n_layers * lay.row_bytes
+            k = (room - min_cache) // (cfg.n_layers * lay.row_bytes)
+            gate_counts = tuple(int(min(cfg.d_ff, f + k)) for f in fast)
+            gate_bytes = (sum(gate_counts) - sum(fast)) * lay.row_bytes
             room -= gate_bytes
-            if g < cfg.d_ff:
+            if min(gate_counts) < cfg.d_ff:
                 share = 1.0  # the rest is the smallest caches
         slots = max(1, int(room * share) // (cfg.n_layers * nb))
         slots = min(slots, cfg.d_ff)
@@ -245,24 +267,25 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
             if f is None:
                 raise SparseInferError(f"{src.path}: sparse model is missing tensor "
                                        f"'blk.{i}.act_freq'")
-            freqs.append(np.clip(np.asarray(f, dtype=np.float64), 0.0, 1.0))
+            freqs.append(np.clip(np.asarray(f, dtype=np.float64)[fast[i]:], 0.0, 1.0))
         hot_room = room - slots * cfg.n_layers * nb
         # a hot neuron's gate row is in RAM already when every gate row is
         hot_nb = nb - lay.row_bytes if gate_bytes else nb
         sol = solve_placement(PlacementProblem(tuple(freqs), (hot_nb,) * cfg.n_layers, hot_room,
                                                (), min_split_neurons=0))
-        counts = tuple(int(c) for c in sol.hot_counts)
+        counts = tuple(f + int(c) for f, c in zip(fast, sol.hot_counts))
         if gate_counts:  # (a hot neuron holds its gate row)
             gate_counts = tuple(max(g, c) for g, c in zip(gate_counts, counts))
         # what the solver's groups of neurons left over goes to the caches
-        left = hot_room - sum(counts) * hot_nb
+        left = hot_room - (sum(counts) - sum(fast)) * hot_nb
         slots = min(cfg.d_ff, slots + left // (cfg.n_layers * nb))
         # the solver picks each layer's hottest neurons; the file stores them first
         for i, h in enumerate(sol.hot):
             if h.size and int(h.max()) != h.size - 1:
                 log.info("layer %d: frequency ties reorder the hot set; the stored prefix of "
                          "%d neurons is kept", i, h.size)
-        parts = (*fixed, ("gate_rows", gate_bytes), ("hot_neurons", sum(counts) * hot_nb),
+        parts = (*fixed, ("gate_rows", gate_bytes),
+                 ("hot_neurons", (sum(counts) - sum(fast)) * hot_nb),
                  ("neuron_caches", slots * cfg.n_layers * nb))
     slots = max(1, min(slots, cfg.d_ff - min(counts)))  # no more slots than cold neurons
     if budget:
@@ -270,13 +293,13 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
     if not budget:
         pinned, paged, by_rows = [], 0, ()
     dp = DiskPlan(budget, counts, slots, nb, parts, options, tuple(pinned) if options.pin else (),
-                  paged, gate_counts, by_rows)
+                  paged, gate_counts, by_rows, fast)
     new_weights = []
     for w in weights:
         if w.storage == "sparse":
             i = int(w.module.split(".")[1])
             gates = (gate_counts[i] - counts[i]) * lay.row_bytes if gate_counts else 0
-            held = (counts[i] + slots) * nb + gates + max(0, w.nbytes - ffn_rows)
+            held = (counts[i] - fast[i] + slots) * nb + gates + max(0, w.nbytes - ffn_rows)
             w = replace(w, nbytes=held, origin=f"{lay.dtype} rows, disk tier")
         new_weights.append(w)
     log.info("disk plan: %s", dp.summary())

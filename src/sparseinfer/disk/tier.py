@@ -12,6 +12,11 @@ Per token and layer::
     3. wait for the misses; one kernel call over the RAM rows and the cache's slots, which are
        one tensor (RAM neurons first, then the slots), in the neurons' order
 
+**Three tiers** (``--vram-budget`` beside ``--ram-budget``): the hottest prefix ``[0, n_fast)``
+lives on the fast device and is computed there in torch (as ``SparseFFN``'s fast tier), launched
+before the CPU's part; RAM holds ``[n_fast, n_ram)``, the file the rest. Verified with the CPU
+standing in for the device (tests), not on a GPU (none here).
+
 **Gates first** (a ReLU gate, q4 rows, a file with the gates apart: ``layout.py``): a neuron whose
 gate is <= 0 contributes nothing, so steps 1 and 2 read only the gate rows of the cold neurons
 (beside the cache, in one read per layer, the look-ahead beginning the next layer's; the plan may
@@ -40,7 +45,7 @@ from torch import Tensor
 from ..sparse import kernels
 from ..sparse.ffn import AllNeurons, Selector, SparseFFN
 from ..sparse.packed import PackedFFN
-from ..sparse.reference import neuron_coefs
+from ..sparse.reference import neuron_coefs, sparse_ffn_ref
 from .cache import CacheStats, NeuronCache
 from .layout import relu_gated
 
@@ -77,9 +82,17 @@ class DiskFFN(SparseFFN):
     through a ``NeuronCache`` (see the module docstring)."""
 
     def __init__(self, kind: str, d_model: int, d_ff: int, selector: Selector, n_ram: int,
-                 prefetch: bool = True, prefetch_limit: int | None = None):
-        super().__init__(kind, d_model, d_ff, selector, 0, "cpu", False)
+                 prefetch: bool = True, prefetch_limit: int | None = None, n_fast: int = 0,
+                 fast_device: str | torch.device = "cpu"):
+        super().__init__(kind, d_model, d_ff, selector, 0, fast_device, False)
         self.n_ram = int(n_ram)
+        # three tiers: neurons [0, n_fast) on the fast device (``fast_rows``), [n_fast, n_ram) in
+        # RAM (``rows`` from row 0), the rest in the file
+        self.n_fast = int(n_fast)
+        if not 0 <= self.n_fast <= self.n_ram:
+            raise ValueError(f"expected 0 <= fast-tier neurons <= RAM neurons, got {n_fast} and "
+                             f"{n_ram}")
+        self.fast_rows: PackedFFN | None = None
         self.cache: NeuronCache | None = None
         self._next: tuple = (None, None)  # (next layer's DiskFFN, its FFN norm): not submodules
         self.prefetch_on = prefetch
@@ -91,19 +104,27 @@ class DiskFFN(SparseFFN):
     def extra_repr(self) -> str:
         c = self.cache
         return (f"{self.kind_name}, d_ff={self.d_ff}, selector={self.selector!r}, "
-                f"{self.n_ram} neurons in RAM, {self.d_ff - self.n_ram} on disk, cache "
-                f"{c.capacity if c else '?'} slots ({c.eviction if c else '?'}), "
+                + (f"{self.n_fast} neurons on {self.fast}, " if self.n_fast else "")
+                + f"{self.n_ram - self.n_fast} neurons in RAM, {self.d_ff - self.n_ram} on disk, "
+                f"cache {c.capacity if c else '?'} slots ({c.eviction if c else '?'}), "
                 f"prefetch {'on' if self.prefetch_on else 'off'}"
                 f"{', gates first' if self.gates_first else ''}")
 
     def fill_disk(self, rows: PackedFFN, cache: NeuronCache, down_bias: Tensor | None,
-                  gate_rows: np.ndarray | None = None) -> None:
-        """``rows``: the RAM neurons ``[0, n_ram)`` followed by the cache's slots (whose storage
-        ``cache.packed`` is a view of the tail): row ``n_ram + s`` is the neuron in slot s.
-        ``gate_rows``: gates first, the gate rows of the neurons after them kept in RAM
-        (``[n, row bytes]``: neurons ``[n_ram, n_ram + n)``)."""
-        if rows.d_ff != self.n_ram + cache.capacity:
-            raise ValueError(f"expected {self.n_ram} + {cache.capacity} rows, got {rows.d_ff}")
+                  gate_rows: np.ndarray | None = None,
+                  fast_rows: PackedFFN | None = None) -> None:
+        """``rows``: the RAM neurons ``[n_fast, n_ram)`` followed by the cache's slots (whose
+        storage ``cache.packed`` is a view of the tail): row ``n_ram - n_fast + s`` is the neuron
+        in slot s. ``gate_rows``: gates first, the gate rows of the neurons after them kept in
+        RAM (``[n, row bytes]``: neurons ``[n_ram, n_ram + n)``). ``fast_rows``: the neurons
+        ``[0, n_fast)`` on the fast device."""
+        n_ram = self.n_ram - self.n_fast
+        if rows.d_ff != n_ram + cache.capacity:
+            raise ValueError(f"expected {n_ram} + {cache.capacity} rows, got {rows.d_ff}")
+        if (fast_rows.d_ff if fast_rows is not None else 0) != self.n_fast:
+            raise ValueError(f"expected {self.n_fast} fast-tier rows, got "
+                             f"{None if fast_rows is None else fast_rows.d_ff}")
+        self.fast_rows = fast_rows
         self.rows = self.packed = rows
         self.hot = rows
         self.cold = cache.packed  # (SparseFFN reads .cold.dtype)
@@ -136,19 +157,32 @@ class DiskFFN(SparseFFN):
         if B * T > 1:
             return self._batch(x, residual)
         xv = x.reshape(D).float()
-        idx = self.active(xv, residual)
+        idx = self.active(xv, residual).cpu()
         self.stats.tokens += 1
         self.stats.active += int(idx.numel())
-        out = self._compute(xv, idx, residual)
+        fast = None
+        if self.n_fast:  # the fast tier first: on a GPU it runs while the CPU works
+            f = int(torch.searchsorted(idx, torch.tensor(self.n_fast, dtype=idx.dtype)))
+            fast = sparse_ffn_ref(xv.to(self.fast), self.fast_rows, idx[:f].to(self.fast),
+                                  torch.empty(D, device=self.fast))
+            idx = idx[f:]
+        out = self._compute(xv.cpu(), idx, residual)
+        if fast is not None:
+            out = fast + out.to(self.fast)
         if self.down_bias is not None:
-            out = out + self.down_bias
-        return out.to(x.dtype).reshape(B, T, D)
+            out = out + self.down_bias.to(out.device)
+        return out.to(x.dtype).reshape(B, T, D).to(x.device)
 
     def _rows_of(self, idx: Tensor, cut: int, slots: np.ndarray) -> Tensor:
         """Row numbers in ``self.rows`` of the neurons ``idx[:cut]`` (RAM) and of cold neurons
         in ``slots``, in the neurons' order: the kernel sums them as the all-in-RAM model does."""
-        return torch.cat([idx[:cut].to(torch.int32),
-                          torch.from_numpy((slots + self.n_ram).astype(np.int32))])
+        return torch.cat([(idx[:cut] - self.n_fast).to(torch.int32),
+                          torch.from_numpy((slots + self._slot0).astype(np.int32))])
+
+    @property
+    def _slot0(self) -> int:
+        """The row of ``self.rows`` that holds cache slot 0."""
+        return self.n_ram - self.n_fast
 
     def _compute(self, xv: Tensor, idx: Tensor, residual: Tensor | None) -> Tensor:
         cut = int(torch.searchsorted(idx, torch.tensor(self.n_ram, dtype=idx.dtype)))
@@ -208,9 +242,9 @@ class DiskFFN(SparseFFN):
             # the whole active set with the neurons not fired masked out (their rows never
             # read: row 0 stands in): the same list as all in RAM, so the same sums
             rows_idx = torch.zeros(idx.numel(), dtype=torch.int32)
-            rows_idx[:cut] = idx[:cut]
+            rows_idx[:cut] = idx[:cut] - self.n_fast
             at = np.flatnonzero(on)
-            rows_idx[cut + at] = torch.from_numpy((slots + self.n_ram).astype(np.int32))
+            rows_idx[cut + at] = torch.from_numpy((slots + self._slot0).astype(np.int32))
             mask = torch.ones(1, idx.numel(), dtype=torch.bool)
             mask[0, cut:] = torch.from_numpy(on)
             out = kernels.sparse_ffn_batch(xv.view(1, -1), self.rows, rows_idx,
@@ -245,7 +279,7 @@ class DiskFFN(SparseFFN):
         xin = r if norm is None else norm(r)
         with torch.no_grad():
             idx = sel.active(nxt, xin.reshape(-1).float().contiguous(), r)
-        cold = idx.numpy().astype(np.int64)
+        cold = idx.cpu().numpy().astype(np.int64)
         cold = cold[cold >= nxt.n_ram]
         st = nxt.prefetch_stats
         st.tokens += 1
@@ -267,18 +301,32 @@ class DiskFFN(SparseFFN):
         rows, as SparseFFN), else the union of the sets (every neuron: ``dense`` or
         ``AllNeurons``); hot rows from RAM, cold ones through the cache."""
         B, T, D = x.shape
-        xf = x.float().reshape(B * T, D).contiguous()
+        dev = x.device  # the selector's (a fast device's, with three tiers); the rest on the CPU
+        xd = x.float().reshape(B * T, D).contiguous()
+        xf = xd.cpu()
         mask = None
         if isinstance(self.selector, AllNeurons) or self.batch_mode == "dense":
             idx = self._all
         else:
             r = None if residual is None else residual.float().reshape(B * T, D)
-            mask = self.selector.mask(self, xf, r)
+            mask = self.selector.mask(self, xd, r).cpu()
             idx = torch.nonzero(mask.any(dim=0)).reshape(-1).to(torch.int32)
         masked = mask is not None and (self.batch_mode == "masked" or (
             self.batch_mode == "auto" and kernels.in_c(self.rows)))
         self.stats.tokens += B * T
         self.stats.active += int(mask.sum()) if masked else int(idx.numel()) * B * T
+        fast = None
+        f = int(torch.searchsorted(idx, torch.tensor(self.n_fast, dtype=idx.dtype)))
+        if f:  # the fast tier's neurons on its device (torch), launched first
+            fr = self.fast_rows
+            sel = idx[:f].long().to(self.fast)
+            rows = fr.rows_fp32(sel)
+            bias = None if fr.up_bias is None else fr.up_bias[sel]
+            h = neuron_coefs(xd.to(self.fast), fr, rows, bias)
+            if masked:
+                h = h * mask[:, idx[:f].long()].to(self.fast)
+            fast = h @ rows[:, -1]
+        idx = idx[f:]
         cut = int(torch.searchsorted(idx, torch.tensor(self.n_ram, dtype=idx.dtype)))
         out = torch.zeros(B * T, D, dtype=torch.float32)
         tmp = torch.empty(B * T, D, dtype=torch.float32)
@@ -306,9 +354,11 @@ class DiskFFN(SparseFFN):
             chunk = cold[k:k + cap]
             slots = self.cache.complete(self.cache.request(chunk, given=given))
             run(self.cache.packed, torch.from_numpy(slots), torch.from_numpy(chunk))
+        if fast is not None:
+            out += fast.cpu()
         if self.down_bias is not None:
             out += self.down_bias
-        return out.to(x.dtype).reshape(B, T, D)
+        return out.to(x.dtype).reshape(B, T, D).to(dev)
 
 
 @dataclass
@@ -365,6 +415,7 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
                   down_bias: Tensor | None) -> None:
     """Fill layer ``layer``'s ``DiskFFN``: its RAM neurons read now, a cache over the file for
     the rest (one reader shared by every layer), linked to the layer after it for prefetch."""
+    from ..sparse.ffn import packed_to_device
     from ..sparse.packed import DTYPES, empty_hugepages
     from .cache import EVICTION
     from .layout import copy_neurons, layout_of
@@ -380,10 +431,18 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
         model._disk_reader = reader  # one file descriptor and thread pool for every layer
     lay = reader.layout  # one layout (and position map) for every layer, not one each
     n, C = dp.ram_counts[layer], dp.cache_slots
-    # one rows tensor: the RAM neurons, then the cache's slots
-    rows = empty_hugepages((n + C, lay.n_mats, lay.row_width), DTYPES[lay.dtype])
+    f = dp.fast_counts[layer] if dp.fast_counts else 0
     counted = reader.bytes_read, reader.reads
-    copy_neurons(src, layer, 0, n, rows[:n].numpy(), reader)
+    fast = None
+    if f:  # the fast tier's neurons [0, f), read here and moved to its device
+        fr = torch.empty((f, lay.n_mats, lay.row_width), dtype=DTYPES[lay.dtype])
+        copy_neurons(src, layer, 0, f, fr.numpy(), reader)
+        fast = packed_to_device(PackedFFN(lay.kind, lay.dtype, lay.d_model, f, fr, None, 0,
+                                    None if up_bias is None else up_bias[:f].clone()),
+                          ffn.fast)
+    # one rows tensor: the RAM neurons [f, n), then the cache's slots
+    rows = empty_hugepages((n - f + C, lay.n_mats, lay.row_width), DTYPES[lay.dtype])
+    copy_neurons(src, layer, f, n, rows[:n - f].numpy(), reader)
     g = dp.gate_counts[layer] if dp.gate_counts else n
     gate_rows = np.empty((g - n, lay.row_bytes), dtype=np.uint8)  # neurons [n, g): gates first
     copy_neurons(src, layer, n, g, gate_rows.reshape(g - n, 1, lay.row_bytes), reader,
@@ -391,13 +450,13 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
     reader.bytes_read, reader.reads = counted  # the load's reads are not the run's
     bias = None
     if up_bias is not None:
-        bias = torch.zeros(n + C, dtype=torch.float32)
-        bias[:n] = up_bias[:n]
-    packed = PackedFFN(lay.kind, lay.dtype, lay.d_model, n + C, rows, None, 0, bias)
+        bias = torch.zeros(n - f + C, dtype=torch.float32)
+        bias[:n - f] = up_bias[f:n]
+    packed = PackedFFN(lay.kind, lay.dtype, lay.d_model, n - f + C, rows, None, 0, bias)
     freq = src.extra_array(f"blk.{layer}.act_freq")
     cache = NeuronCache(lay, layer, reader, C, EVICTION[dp.options.eviction](), freq, up_bias,
-                        rows[n:], None if bias is None else bias[n:])
-    ffn.fill_disk(packed, cache, down_bias, gate_rows)
+                        rows[n - f:], None if bias is None else bias[n - f:])
+    ffn.fill_disk(packed, cache, down_bias, gate_rows, fast)
     if layer > 0:
         prev = model.layers[layer - 1]
         if isinstance(prev.ffn, DiskFFN):

@@ -108,8 +108,10 @@ class PlannedModules:
         if sp.disk is not None:  # cold neurons in the file (sparseinfer.disk)
             from ..disk.tier import DiskFFN
 
+            fast = sp.disk.fast_counts[layer] if sp.disk.fast_counts else 0
             return DiskFFN(cfg.ffn_kind, cfg.d_model, cfg.d_ff, make_selector(sp, layer),
-                           sp.disk.ram_counts[layer], sp.disk.options.prefetch)
+                           sp.disk.ram_counts[layer], sp.disk.options.prefetch, n_fast=fast,
+                           fast_device=sp.device)
         return SparseFFN(cfg.ffn_kind, cfg.d_model, cfg.d_ff, make_selector(sp, layer),
                          sp.hot_counts[layer], sp.device, sp.split_tiers)
 

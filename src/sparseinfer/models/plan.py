@@ -369,12 +369,18 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     if sparse is not None and (ram_budget is not None or disk_options is not None):
         from ..disk.plan import DiskOptions, plan_disk
 
-        if torch.device(device).type != "cpu":
-            raise SparseInferError("--ram-budget: the disk tier runs on the CPU; expected "
-                                   f"--device cpu, got {device}")
+        if sparse.gpu_index is not None:
+            raise SparseInferError("--gpu-index with --ram-budget: a file with bundled neurons "
+                                   "keeps its own neuron order (hottest first), which places "
+                                   "the fast tier; expected --vram-budget instead")
+        # three tiers: the fast device's hot prefix (--vram-budget's placement), then RAM, then
+        # the file; on a CPU-only run (no split) RAM is the fast tier
+        fast = (dev.type != "cpu" or bool(sparse.split_tiers))
         ctx = min(n_ctx or 4096, cfg.max_seq_len)
-        disk, weights = plan_disk(src, sparse, weights, kv * ctx, ram_budget,
-                                  disk_options or DiskOptions(), n_ctx=ctx)
+        disk, weights = plan_disk(src, sparse, weights, kv * ctx if cpu else 0, ram_budget,
+                                  disk_options or DiskOptions(), n_ctx=ctx,
+                                  fast_counts=sparse.hot_counts if fast else None,
+                                  dense_in_ram=cpu)
         sparse = replace(sparse, disk=disk)
     return Plan(cfg, dtype, float_dtype, tuple(weights), sparse, fused_ok, str(dev), kv, kv_dtype)
 

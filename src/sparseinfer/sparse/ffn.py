@@ -235,7 +235,7 @@ class SparseFFN(nn.Module):
             raise ValueError(f"expected a packed FFN of d_ff={self.d_ff}, d_model={self.d_model}, "
                              f"got {packed.d_ff}, {packed.d_model}")
         if self.split:
-            self.hot = _to_device(packed.select(torch.arange(self.n_hot)), self.fast)
+            self.hot = packed_to_device(packed.select(torch.arange(self.n_hot)), self.fast)
             self.cold = packed.select(torch.arange(self.n_hot, self.d_ff))
             self.packed = None
         else:
@@ -379,7 +379,8 @@ class SparseFFN(nn.Module):
         return out.to(x.dtype)
 
 
-def _to_device(p: PackedFFN, device: torch.device) -> PackedFFN:
+def packed_to_device(p: PackedFFN, device: torch.device) -> PackedFFN:
+    """``p``'s tensors on ``device`` (a fast tier's rows)."""
     from dataclasses import replace
 
     mv = lambda t: None if t is None else t.to(device)  # noqa: E731
