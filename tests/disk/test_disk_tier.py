@@ -591,6 +591,31 @@ def test_budget_counts_the_embedding_rows_a_context_reads(tmp_path):
         assert dict(dp.parts)["mapped_weights"] == emb.nbytes
 
 
+def test_ram_takes_the_hottest_neurons_after_the_fast_tier():
+    """Three tiers in the budget: RAM's neurons follow each layer's fast prefix (a layer wholly
+    on the fast device included), and only they are counted."""
+    from unittest import mock
+
+    from sparseinfer.disk import plan as dplan
+    from sparseinfer.models.plan import WeightPlan
+
+    class Src:
+        config = mock.Mock(n_layers=2, d_ff=192, ffn_kind="reglu")
+        path = "x.gguf"
+        extra_array = staticmethod(lambda name: np.linspace(1.0, 0.0, 192))
+
+    lay = mock.Mock(dtype="q4", bundle_bytes=108, stride=512, gates_apart=False)
+    sparse = mock.Mock(selector="predictor", ffn_dtype="q4")
+    ffns = [WeightPlan(f"layers.{i}.ffn", "sparse", (), (1, 1), 192 * 108) for i in (0, 1)]
+    opts = DiskOptions(process_bytes=0, io_threads=1)
+    with mock.patch.object(dplan, "layout_of", return_value=lay):
+        dp, _ = dplan.plan_disk(Src, sparse, ffns, 0, 1.0, opts, fast_counts=(192, 50))
+        assert dp.fast_counts == (192, 50) and dp.ram_counts == (192, 192)
+        assert dict(dp.parts)["hot_neurons"] == (192 - 50) * 108
+        with pytest.raises(SparseInferError, match="fast tier"):
+            dplan.plan_disk(Src, sparse, ffns, 0, 1.0, opts, fast_counts=(193, 0))
+
+
 def test_rows_read_by_rows_bring_in_their_own_pages(tmp_path):
     """After ``read_by_rows`` (MADV_RANDOM) a looked-up row of a mapped file brings its own
     pages into the page cache, not the kernel's read-around (8 MiB on this VM's disk): what

@@ -271,16 +271,19 @@ def plan_disk(src, sparse, weights, kv_bytes: int, budget_gib: float | None,
         hot_room = room - slots * cfg.n_layers * nb
         # a hot neuron's gate row is in RAM already when every gate row is
         hot_nb = nb - lay.row_bytes if gate_bytes else nb
-        sol = solve_placement(PlacementProblem(tuple(freqs), (hot_nb,) * cfg.n_layers, hot_room,
-                                               (), min_split_neurons=0))
-        counts = tuple(f + int(c) for f, c in zip(fast, sol.hot_counts))
+        live = [i for i in range(cfg.n_layers) if freqs[i].size]  # (not all on the fast tier)
+        sol = solve_placement(PlacementProblem(tuple(freqs[i] for i in live),
+                                               (hot_nb,) * len(live), hot_room, (),
+                                               min_split_neurons=0)) if live else None
+        more = dict(zip(live, sol.hot_counts)) if live else {}
+        counts = tuple(f + int(more.get(i, 0)) for i, f in enumerate(fast))
         if gate_counts:  # (a hot neuron holds its gate row)
             gate_counts = tuple(max(g, c) for g, c in zip(gate_counts, counts))
         # what the solver's groups of neurons left over goes to the caches
         left = hot_room - (sum(counts) - sum(fast)) * hot_nb
         slots = min(cfg.d_ff, slots + left // (cfg.n_layers * nb))
         # the solver picks each layer's hottest neurons; the file stores them first
-        for i, h in enumerate(sol.hot):
+        for i, h in zip(live, sol.hot if live else ()):
             if h.size and int(h.max()) != h.size - 1:
                 log.info("layer %d: frequency ties reorder the hot set; the stored prefix of "
                          "%d neurons is kept", i, h.size)

@@ -437,9 +437,9 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
     if f:  # the fast tier's neurons [0, f), read here and moved to its device
         fr = torch.empty((f, lay.n_mats, lay.row_width), dtype=DTYPES[lay.dtype])
         copy_neurons(src, layer, 0, f, fr.numpy(), reader)
-        fast = packed_to_device(PackedFFN(lay.kind, lay.dtype, lay.d_model, f, fr, None, 0,
-                                    None if up_bias is None else up_bias[:f].clone()),
-                          ffn.fast)
+        bias = None if up_bias is None else up_bias[:f].clone()
+        fast = packed_to_device(PackedFFN(lay.kind, lay.dtype, lay.d_model, f, fr, None, 0, bias),
+                                ffn.fast)
     # one rows tensor: the RAM neurons [f, n), then the cache's slots
     rows = empty_hugepages((n - f + C, lay.n_mats, lay.row_width), DTYPES[lay.dtype])
     copy_neurons(src, layer, f, n, rows[:n - f].numpy(), reader)
