@@ -73,6 +73,9 @@ def x_rounding_bound(mat: cpu.QuantMatrix, x: torch.Tensor) -> torch.Tensor:
     w = ref.dequantize_ref(mat).double().abs()
     if mat.type_name in ("F16", "F32"):
         step = torch.zeros(mat.cols, dtype=torch.float64)
+    elif ref.x_block(mat.type_name) == 128:  # (Q6_K on plain AVX2)
+        _, d, _ = ref.quantize_xk_ref(x)
+        step = d.double().repeat_interleave(128) / 2
     else:
         _, d, _ = ref.quantize_x_ref(x)
         step = d.double().repeat_interleave(32) / 2
@@ -170,6 +173,20 @@ def test_quantize_x_matches_reference(isa):
     rq, rd, rs = ref.quantize_x_ref(x)
     assert torch.equal(q, rq) and torch.equal(d, rd)
     torch.testing.assert_close(s, rs)
+
+
+def test_quantize_xk_matches_reference():
+    """x in blocks of 128 (the plain AVX2 Q6_K kernels'): as the reference rounds it, an
+    all-zero block included, with the sums per 16."""
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.standard_normal(1024).astype(np.float32) * 3)
+    x[256:384] = 0.0
+    q, d, bs = cpu.quantize_xk(x)
+    rq, rd, rbs = ref.quantize_xk_ref(x)
+    assert torch.equal(q, rq) and torch.equal(d, rd) and torch.equal(bs, rbs)
+    assert bs.dtype == torch.int16 and not q[256:384].any() and d[2] == 0
+    with pytest.raises(RuntimeError, match="quantize_xk"):
+        cpu.quantize_xk(torch.zeros(96))
 
 
 def test_gguf_file_tensors_are_used_in_place(tmp_path, threads):

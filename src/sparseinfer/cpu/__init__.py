@@ -59,6 +59,7 @@ __all__ = [
     "get_isa",
     "get_threads",
     "quantize_x",
+    "quantize_xk",
     "set_isa",
     "set_spin_us",
     "set_threads",

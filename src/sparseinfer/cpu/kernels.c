@@ -14,7 +14,8 @@
  * 32 weights: unpack to 32 unsigned bytes, integer dot with the int8 activation block (8 int32
  * partial sums), convert and fused-multiply-add with the block's scale product into a float
  * accumulator; zero points and minima go through the activation block sums (x->s) in a scalar
- * accumulator. One horizontal sum per row at the end.
+ * accumulator. One horizontal sum per row at the end. Plain AVX2 Q6_K takes x in blocks of 128
+ * instead (x->kq): half a super-block sums in integers.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -857,63 +858,86 @@ INLINE __m256 q6k_sums_128(const uint8_t *p, const int8_t *xq) {
 
 /* Q6_K (210 bytes: ql[128], qh[64], int8 scales[16], d). Half h (128 weights) uses ql[64h ..
  * 64h+63] and qh[32h .. 32h+31]; its group s (32 weights, s = 0..3) takes nibble s/2 of
- * ql[64h + 32(s%2) + i] and bits 2s, 2s+1 of qh[32h + i] as bits 4, 5; w = d*scale[16th]*(q-32). */
+ * ql[64h + 32(s%2) + i] and bits 2s, 2s+1 of qh[32h + i] as bits 4, 5; w = d*scale[16th]*(q-32).
+ *
+ * Plain AVX2 against x in blocks of 128 (x->kq, si_quantize_xk): half a super-block's products
+ * sum in integers, the sub-block scales applied by the widening madd and the q - 32 offset as
+ * 32 * sum(scale * x's sums per 16), then one convert and one FMA per half and row (against x's
+ * blocks of 32 a convert, a permute and an FMA per 32 weights: 1.15-1.2x slower from memory;
+ * llama.cpp's blocks of 256 were between the two, benchmarks/RESULTS.md). avx2_128 keeps x's
+ * blocks of 32. */
+#if !SI_NARROW
+/* q6k_sidx(s): for group s of a half, the bytes of int16 scales 2s (low 128 bits) and 2s + 1
+ * (high 128 bits) repeated, a shuffle of the half's 8 scales broadcast to both lanes */
+INLINE __m256i q6k_sidx(const int s) {
+    const char a = (char)(4 * s), b = (char)(4 * s + 2);
+    return _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a,
+                            a + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b,
+                            b + 1, b, b + 1);
+}
+
+/* The integer sum over half h of the super-block at p of scale * (q - 32) * kq (x's 128 bytes
+ * xk, its 8 sums per 16 bs), as 8 int32 lanes; wq: the half's 4 groups of 6-bit weights (NULL:
+ * unpacked here). */
+INLINE __m256i q6k_isum(const uint8_t *p, const int h, const __m256i *wq, const int8_t *xk,
+                        const __m128i bs, const __m256i *sidx) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
+    const __m128i sc = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(p + 192 + 8 * h)));
+    /* -32 * sum(scale * bsum): the offset, in one madd */
+    __m256i isum = _mm256_castsi128_si256(_mm_sub_epi32(_mm_setzero_si128(),
+                                                        _mm_slli_epi32(_mm_madd_epi16(sc, bs), 5)));
+    isum = _mm256_inserti128_si256(isum, _mm_setzero_si128(), 1);
+    const __m256i s2 = _mm256_broadcastsi128_si256(sc);
+    __m256i l0 = _mm256_setzero_si256(), l1 = l0, qh = l0;
+    if (!wq) {
+        l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
+        l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
+        qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+    }
+    for (int s = 0; s < 4; s++) {
+        __m256i q;
+        if (wq) {
+            q = wq[s];
+        } else {
+            __m256i l = (s & 1) ? l1 : l0;
+            l = _mm256_and_si256((s >> 1) ? _mm256_srli_epi16(l, 4) : l, lo4);
+            q = _mm256_or_si256(l, _mm256_and_si256(shift16(qh, 4 - 2 * s), hi2));
+        }
+        const __m256i p16 = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(xk + 32 * s)));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p16, _mm256_shuffle_epi8(s2, sidx[s])));
+    }
+    return isum;
+}
+#endif
+
 INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, int nsb, float *y,
                      const uint8_t *pf,
                      const int far) {
     __m256 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
-    const __m256i k32 = _mm256_set1_epi8(32), one16 = _mm256_set1_epi16(1);
-    /* group g's 8 lanes (after the widening madd: lanes 0-3 its first 16 weights, 4-7 the
-     * rest) take sub-block scales 2g and 2g+1 of a super-block's 8-float half (g % 4) */
-    __m256i gidx[4];
-    for (int g = 0; g < 4; g++) gidx[g] = pair_idx(2 * g);
-    const __m256i xlo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), xhi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+#if !SI_NARROW
+    __m256i sidx[4];
+    for (int s = 0; s < 4; s++) sidx[s] = q6k_sidx(s);
+#endif
     for (int sb = 0; sb < nsb; sb++) {
         if (pf) prefetch(pf + (size_t)sb * R * 210, R * 210, far);
 #if !SI_NARROW
-        /* x's block scales per sub-block (two sub-blocks of 16 weights a block of 32) */
-        const __m256 xd8 = _mm256_loadu_ps(x->d + 8 * (size_t)sb);
-        const __m256 xd_lo = _mm256_permutevar8x32_ps(xd8, xlo), xd_hi = _mm256_permutevar8x32_ps(xd8, xhi);
-#endif
-#if !SI_NARROW
-        /* 32 x sum(x) per pair of bytes for each group: the q - 32 offset, the same for every row */
-        __m256i x32[8];
-        for (int g = 0; g < 8; g++) x32[g] = _mm256_maddubs_epi16(k32, loadx(x, 8 * sb + g));
+        const __m128i bs0 = _mm_loadu_si128((const __m128i *)(x->kbs + 16 * (size_t)sb));
+        const __m128i bs1 = _mm_loadu_si128((const __m128i *)(x->kbs + 16 * (size_t)sb + 8));
+        const int8_t *xk = x->kq + 256 * (size_t)sb;
+        const float xd0 = x->kd[2 * sb], xd1 = x->kd[2 * sb + 1];
 #endif
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)sb * 210;
             const float d = f16(p + 208);
 #if SI_NARROW
-            {
-                const __m256 dx = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(x->d + 8 * (size_t)sb));
-                acc[r] = _mm256_fmadd_ps(q6k_sums_128(p, x->q + 256 * (size_t)sb), dx, acc[r]);
-                continue;
-            }
+            const __m256 dx = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(x->d + 8 * (size_t)sb));
+            acc[r] = _mm256_fmadd_ps(q6k_sums_128(p, x->q + 256 * (size_t)sb), dx, acc[r]);
 #else
-            /* the 16 sub-block scales as floats times d and x's scales: one permute per group */
-            const __m128i sc16 = _mm_loadu_si128((const __m128i *)(p + 192));
-            const __m256 dv = _mm256_set1_ps(d);
-            const __m256 s_lo = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc16)), dv), xd_lo);
-            const __m256 s_hi = _mm256_mul_ps(
-                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8))), dv), xd_hi);
-            for (int h = 0; h < 2; h++) {
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
-                for (int s = 0; s < 4; s++) {
-                    const int g = 4 * h + s;
-                    __m256i l = (s & 1) ? l1 : l0;
-                    l = (s >> 1) ? _mm256_srli_epi16(l, 4) : l;
-                    l = _mm256_and_si256(l, lo4);
-                    /* bits 2s, 2s+1 of qh to bits 4, 5 */
-                    const __m256i q = _mm256_or_si256(l, _mm256_and_si256(shift16(qh, 4 - 2 * s), hi2));
-                    const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q, loadx(x, 8 * sb + g)), x32[g]);
-                    const __m256 sc = _mm256_permutevar8x32_ps(h ? s_hi : s_lo, gidx[s]);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, one16)), sc, acc[r]);
-                }
-            }
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q6k_isum(p, 0, NULL, xk, bs0, sidx)),
+                                     _mm256_set1_ps(d * xd0), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q6k_isum(p, 1, NULL, xk + 128, bs1, sidx)),
+                                     _mm256_set1_ps(d * xd1), acc[r]);
 #endif
         }
     }
@@ -1624,25 +1648,19 @@ INLINE void multi_k45(const int five, const uint8_t *p, const si_xq *x, const in
     }
     for (int t = 0; t < nt; t++) y[t * ys] = hsum(_mm256_sub_ps(acc[t], accm[t]));
 }
-/* x32 (NULL: made here): per x row and block of 32, 32 x sum of each pair of x's bytes (Q6_K's
- * q - 32), made once per pass for every row. */
-INLINE void multi_q6k(const uint8_t *p, const si_xq *x, const __m256i *x32, const int nt,
-                      const int nsb, float *y, const int64_t ys) {
+/* Q6_K against nt rows of x in blocks of 128 (x[t].kq): the weights unpacked once, each
+ * row's sums as rows_q6k's (q6k_isum), so each row is its GEMV bit for bit. */
+INLINE void multi_q6k(const uint8_t *p, const si_xq *x, const int nt, const int nsb, float *y,
+                      const int64_t ys) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
-    const __m256i one16 = _mm256_set1_epi16(1);
-    __m256i gidx[4];
-    for (int g = 0; g < 4; g++) gidx[g] = pair_idx(2 * g);
-    const int nb = 8 * nsb;
+    __m256i sidx[4];
+    for (int s = 0; s < 4; s++) sidx[s] = q6k_sidx(s);
     __m256 acc[MULTI_T];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *pb = p + (size_t)sb * 210;
-        const __m256 dv = _mm256_set1_ps(f16(pb + 208));
-        const __m128i sc16 = _mm_loadu_si128((const __m128i *)(pb + 192));
-        const __m256 sd_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc16)), dv);
-        const __m256 sd_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8))), dv);
+        const float d = f16(pb + 208);
         __m256i wq[8];
-        __m256 sdg[8]; /* group g's lanes: scales 2g (lanes 0-3) and 2g + 1 (4-7) times d */
         for (int h = 0; h < 2; h++) {
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)(pb + 64 * h));
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(pb + 64 * h + 32));
@@ -1651,18 +1669,15 @@ INLINE void multi_q6k(const uint8_t *p, const si_xq *x, const __m256i *x32, cons
                 __m256i l = (s & 1) ? l1 : l0;
                 l = _mm256_and_si256((s >> 1) ? _mm256_srli_epi16(l, 4) : l, lo4);
                 wq[4 * h + s] = _mm256_or_si256(l, _mm256_and_si256(shift16(qh, 4 - 2 * s), hi2));
-                sdg[4 * h + s] = _mm256_permutevar8x32_ps(h ? sd_hi : sd_lo, gidx[s]);
             }
         }
         for (int t = 0; t < nt; t++) {
-            const float *xd = x[t].d + 8 * (size_t)sb;
-            const __m256i *xk = x32 ? x32 + (size_t)t * nb + 8 * (size_t)sb : NULL;
-            for (int g = 0; g < 8; g++) {
-                const __m256i xv = loadx(&x[t], 8 * sb + g);
-                const __m256i k = xk ? xk[g] : _mm256_maddubs_epi16(_mm256_set1_epi8(32), xv);
-                const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(wq[g], xv), k);
-                const __m256 sc = _mm256_mul_ps(sdg[g], _mm256_set1_ps(xd[g]));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, one16)), sc, acc[t]);
+            for (int h = 0; h < 2; h++) {
+                const __m128i bs = _mm_loadu_si128((const __m128i *)(x[t].kbs + 16 * (size_t)sb + 8 * h));
+                const __m256i isum = q6k_isum(pb, h, wq + 4 * h, x[t].kq + 256 * (size_t)sb + 128 * h,
+                                              bs, sidx);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
+                                         _mm256_set1_ps(d * x[t].kd[2 * sb + h]), acc[t]);
             }
         }
     }
@@ -1871,19 +1886,11 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
                 free(xt.q);
                 continue;
             }
-            __m256i *x32 = NULL; /* Q6_K: 32 x sum of x per pair of bytes (its q - 32), once per pass */
-            if (type == SI_Q6_K) {
-                if (posix_memalign((void **)&x32, 32, (size_t)nt * (cols / 32) * sizeof(__m256i))) x32 = NULL;
-                for (int t = 0; x32 && t < nt; t++)
-                    for (int b = 0; b < cols / 32; b++)
-                        x32[(size_t)t * (cols / 32) + b] = _mm256_maddubs_epi16(_mm256_set1_epi8(32), loadx(&x[t0 + t], b));
-            }
             for (int r = 0; r < nrows; r++) {
                 prefetch_row(w, rb, r, nrows);
-                if (type == SI_Q6_K) multi_q6k(w + (size_t)r * rb, x + t0, x32, nt, cols / 256, y + t0 * ys + r, ys);
+                if (type == SI_Q6_K) multi_q6k(w + (size_t)r * rb, x + t0, nt, cols / 256, y + t0 * ys + r, ys);
                 else multi_k45(type == SI_Q5_K, w + (size_t)r * rb, x + t0, nt, cols / 256, y + t0 * ys + r, ys);
             }
-            free(x32);
         }
         return;
     }

@@ -308,8 +308,35 @@ static struct {
     float *d, *s;
     uint8_t *g; /* si_xgroups' rearranged copies */
     si_xq *xq;
-    size_t cap_q, cap_d, cap_s, cap_t, cap_g; /* bytes */
+    int8_t *kq; /* super-blocks of 256 (si_quantize_xk) */
+    float *kd;
+    int16_t *kbs;
+    size_t cap_q, cap_d, cap_s, cap_t, cap_g, cap_kq, cap_kd, cap_kbs; /* bytes */
 } S;
+
+#define XK 128 /* x elements per scale for the plain AVX2 Q6_K kernels */
+/* x (cols, a multiple of XK) -> blocks of XK = 128 for the plain AVX2 Q6_K kernels (as
+ * llama.cpp's Q8_K, whose blocks are 256): d = max|x|/127, q = round-to-even(x * (1/d)) (0 where
+ * d = 0), bs = sums of q per 16. */
+int si_quantize_xk(const float *x, int cols, int8_t *q, float *d, int16_t *bs) {
+    if (cols <= 0 || cols % XK) return EINVAL;
+    for (int b = 0; b < cols / XK; b++) {
+        const float *xb = x + XK * (size_t)b;
+        float amax = 0.0f;
+        for (int i = 0; i < XK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+        const float db = amax / 127.0f;
+        const float id = db != 0.0f ? 1.0f / db : 0.0f;
+        int8_t *qb = q + XK * (size_t)b;
+        for (int i = 0; i < XK; i++) qb[i] = (int8_t)lrintf(xb[i] * id);
+        for (int j = 0; j < XK / 16; j++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++) sum += qb[16 * j + i];
+            bs[XK / 16 * b + j] = (int16_t)sum;
+        }
+        d[b] = db;
+    }
+    return 0;
+}
 
 static int scratch(size_t nq, size_t nb, size_t nt, size_t ng) {
     int err = grow((void **)&S.g, &S.cap_g, ng);
@@ -321,14 +348,20 @@ static int scratch(size_t nq, size_t nb, size_t nt, size_t ng) {
 }
 
 /* Quantize T rows of x [T, cols] into the scratch (need_q), with the rearranged copies (need_g:
- * only the row-major Q4_0/Q4_1/Q5_0 and sparse kernels read them); S.xq[t] describes row t. */
-static int quantize_rows(const float *x, int64_t T, int cols, int need_q, int need_g) {
+ * only the row-major Q4_0/Q4_1/Q5_0 and sparse kernels read them) and the super-blocks of 256
+ * (need_k: the plain AVX2 Q6_K kernels read them); S.xq[t] describes row t. */
+static int quantize_rows(const float *x, int64_t T, int cols, int need_q, int need_g,
+                         int need_k) {
     /* the rearranged copies where the ISA's kernels read them (AVX-512: groups of 4 blocks,
      * SI_XG_BYTES each; plain AVX2: pairs of blocks, cols bytes, less) */
     const size_t nb = (size_t)cols / 32,
                  ng = need_g && g_isa != ISA_AVX2_128 ? SI_XG_BYTES((cols + 127) / 128) : 0;
     int err = scratch(need_q ? (size_t)T * cols : 1, need_q ? (size_t)T * nb : 1, (size_t)T,
                       need_q && ng ? (size_t)T * ng : 1);
+    need_k = need_k && g_isa == ISA_AVX2 && cols % XK == 0;
+    if (!err && need_k) err = grow((void **)&S.kq, &S.cap_kq, (size_t)T * cols);
+    if (!err && need_k) err = grow((void **)&S.kd, &S.cap_kd, (size_t)T * (cols / XK) * sizeof(float));
+    if (!err && need_k) err = grow((void **)&S.kbs, &S.cap_kbs, (size_t)T * (cols / 16) * sizeof(int16_t));
     if (err) return err;
     for (int64_t t = 0; t < T; t++) {
         si_xq *xq = &S.xq[t];
@@ -337,6 +370,14 @@ static int quantize_rows(const float *x, int64_t T, int cols, int need_q, int ne
         xq->d = S.d + t * nb;
         xq->s = S.s + t * nb;
         xq->g = NULL;
+        xq->kq = NULL, xq->kd = NULL, xq->kbs = NULL;
+        if (need_k) {
+            xq->kq = S.kq + t * (size_t)cols;
+            xq->kd = S.kd + t * (size_t)(cols / XK);
+            xq->kbs = S.kbs + t * (size_t)(cols / 16);
+            si_quantize_xk(xq->f, cols, S.kq + t * (size_t)cols, S.kd + t * (size_t)(cols / XK),
+                           S.kbs + t * (size_t)(cols / 16));
+        }
         if (need_q) {
             g_quant(xq->f, cols, S.q + t * (size_t)cols, S.d + t * nb, S.s + t * nb);
             if (ng && g_xgroups(xq, cols, S.g + t * ng)) xq->g = S.g + t * ng;
@@ -348,7 +389,7 @@ static int quantize_rows(const float *x, int64_t T, int cols, int need_q, int ne
 /* ------------------------------------------------------------------ GEMV / GEMM jobs */
 
 typedef struct {
-    int nmat, cols, ch, need_q, need_g;
+    int nmat, cols, ch, need_q, need_g, need_k;
     int64_t T;
     int type[MAX_MATS];
     const uint8_t *w[MAX_MATS];
@@ -391,7 +432,7 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
     j->cols = cols;
     j->T = T;
     j->rows_kernel = g_rows;
-    j->need_q = j->need_g = 0;
+    j->need_q = j->need_g = j->need_k = 0;
     int64_t total_rows = 0;
     int panels = 0;
     for (int i = 0; i < nmat; i++) {
@@ -405,6 +446,7 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
         j->out[i] = outs[i];
         j->need_q |= types[i] != SI_F16 && types[i] != SI_F32;
         j->need_g |= types[i] == SI_Q4_0 || types[i] == SI_Q4_1 || types[i] == SI_Q5_0;
+        j->need_k |= types[i] == SI_Q6_K;
         total_rows += rows[i];
     }
     /* chunk rows: a multiple of 4, about 8 chunks per thread (enough to even out a thread that
@@ -436,7 +478,7 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
 
 /* Run a filled job on x [T, cols] (the caller holds g_call_lock). */
 static int exec_job(job_t *j, const float *x) {
-    int err = quantize_rows(x, j->T, j->cols, j->need_q, j->need_g);
+    int err = quantize_rows(x, j->T, j->cols, j->need_q, j->need_g, j->need_k);
     if (err) return err;
     j->rows_kernel = g_rows;
     j->xq = S.xq;
@@ -531,8 +573,8 @@ static int sparse_run(sparse_job_t *j) {
         j->n_chunks = j->T < 4 * nt ? j->T : 4 * nt;
     }
     pthread_mutex_lock(&g_call_lock);
-    int err = !j->scales ? quantize_rows(j->x, j->T, j->d_model, 1, 1)
-              : j->round_x ? quantize_rows(j->x, j->T, j->d_model, 1, 0) : 0;
+    int err = !j->scales ? quantize_rows(j->x, j->T, j->d_model, 1, 1, 0)
+              : j->round_x ? quantize_rows(j->x, j->T, j->d_model, 1, 0, 0) : 0;
     const size_t dt = (size_t)j->T * j->d_model; /* one chunk's partial sums */
     if (!err && j->T <= SPARSE_BY_NEURON_T && j->n_chunks > 1) {
         const size_t need = (size_t)j->n_chunks * dt;
@@ -611,7 +653,7 @@ int si_sparse_q4_gates(const void *bundles, size_t bundle_bytes, const int32_t *
     n = n > 4 * nt ? 4 * nt : n;
     gates_job_t j = {bundles, bundle_bytes, idx, k, d_model, ((k + n - 1) / n + 7) / 8 * 8, z};
     pthread_mutex_lock(&g_call_lock);
-    int e = quantize_rows(x, 1, d_model, 1, 1); /* as sparse_run's, so the same x */
+    int e = quantize_rows(x, 1, d_model, 1, 1, 0); /* as sparse_run's, so the same x */
     if (!e) pool_run(gates_chunk, &j, (k + j.ch - 1) / j.ch);
     pthread_mutex_unlock(&g_call_lock);
     return e;

@@ -57,6 +57,12 @@ typedef struct {
     const float *s;
     const float *f;
     const uint8_t *g;
+    /* x in blocks of 128 (si_quantize_xk; llama.cpp's Q8_K takes 256): kq[cols] int8, kd[cols /
+     * 128] scales, kbs[cols / 16] sums of kq per 16; for the plain AVX2 Q6_K kernels, which sum
+     * half a super-block in integers; NULL elsewhere */
+    const int8_t *kq;
+    const float *kd;
+    const int16_t *kbs;
 } si_xq;
 
 /* Bytes of si_xgroups' output for G groups of 4 blocks (see kernels.c). */

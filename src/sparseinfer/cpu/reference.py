@@ -3,7 +3,9 @@
 
 ``gemv_ref``/``gemm_ref`` multiply the dequantized weights by the float32 input (what the
 kernels approximate: they round ``x`` to int8 blocks first). ``gemv_q8_ref`` rounds ``x`` exactly
-as the kernels do (``quantize_x_ref``), so it should match them to float32 summation order.
+as the kernels do (``quantize_x_ref``: blocks of 32; ``quantize_xk_ref``: blocks of 128, which
+the plain AVX2 Q6_K kernels take; ``x_block`` says which), so it should match them to float32
+summation order.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import gguf
 import numpy as np
 import torch
 
-from .ops import QuantMatrix
+from .ops import QuantMatrix, get_isa
 
 
 def dequantize_ref(mat: QuantMatrix) -> torch.Tensor:
@@ -35,15 +37,31 @@ def quantize_x_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return q.to(torch.int8).reshape(-1), d, s
 
 
+def quantize_xk_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` [cols] -> (int8 q [cols], d [cols/128], int16 sums of q per 16 [cols/16]): per
+    block of 128 as ``quantize_x_ref`` per block of 32."""
+    xb = x.float().reshape(-1, 128)
+    d = xb.abs().amax(dim=1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[:, None]).reshape(-1)
+    return q.to(torch.int8), d, q.reshape(-1, 16).sum(dim=1).to(torch.int16)
+
+
+def x_block(type_name: str) -> int:
+    """The block of x (32 or 128 elements, one scale each) the active kernels round ``x`` in for
+    weights of ``type_name``: 128 for Q6_K on plain AVX2, else 32."""
+    return 128 if type_name == "Q6_K" and get_isa() == "avx2" else 32
+
+
 def rounded_x(x: torch.Tensor) -> torch.Tensor:
     """float32 ``x`` [..., cols] as the kernels see it after ``quantize_x_ref``: q · d per row."""
     rows = x.float().reshape(-1, x.shape[-1])
     return torch.stack([_xq_float(r).float() for r in rows]).reshape(x.shape)
 
 
-def _xq_float(x: torch.Tensor) -> torch.Tensor:
-    q, d, _ = quantize_x_ref(x)
-    return (q.double().reshape(-1, 32) * d.double()[:, None]).reshape(-1)
+def _xq_float(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    q, d, _ = quantize_x_ref(x) if block == 32 else quantize_xk_ref(x)
+    return (q.double().reshape(-1, block) * d.double()[:, None]).reshape(-1)
 
 
 def gemv_ref(mats: Sequence[QuantMatrix], x: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
@@ -57,7 +75,8 @@ def gemv_q8_ref(mats: Sequence[QuantMatrix], x: torch.Tensor,
     """As ``gemv_ref`` with ``x`` first rounded to int8 blocks as the kernels round it (F16/F32
     weights use ``x`` as is, as the kernels do)."""
     for m, o in zip(mats, outs):
-        xv = x.double() if m.type_name in ("F16", "F32") else _xq_float(x)
+        xv = (x.double() if m.type_name in ("F16", "F32")
+              else _xq_float(x, x_block(m.type_name)))
         o.copy_(torch.as_tensor(dequantize_ref(m).double() @ xv))
 
 
