@@ -525,6 +525,21 @@ def test_failing_c_reads_raise_never_wrong_tokens(bundled, tmp_path):
         os.close(dir_fd)
 
 
+def _plan_inputs():
+    """Just what ``plan_disk`` reads of a source, its layout and the sparse plan: 2 ReGLU layers
+    of 192 neurons hottest first, q4 bundles of 108 bytes (patch ``plan.layout_of`` with the
+    layout)."""
+    from unittest import mock
+
+    class Src:
+        config = mock.Mock(n_layers=2, d_ff=192, ffn_kind="reglu")
+        path = "x.gguf"
+        extra_array = staticmethod(lambda name: np.linspace(1.0, 0.0, 192))
+
+    lay = mock.Mock(dtype="q4", bundle_bytes=108, stride=512, gates_apart=False)
+    return Src, lay, mock.Mock(selector="predictor", ffn_dtype="q4")
+
+
 def test_short_budget_lets_mapped_weights_overflow(tmp_path):
     """A budget below the mapped weights (a Q4_0 file's attention) but above what cannot be
     dropped plans every neuron on disk and warns; below that, one clear error."""
@@ -533,13 +548,7 @@ def test_short_budget_lets_mapped_weights_overflow(tmp_path):
     from sparseinfer.disk import plan as dplan
     from sparseinfer.models.plan import WeightPlan
 
-    class Src:  # just what plan_disk reads
-        config = mock.Mock(n_layers=2, d_ff=192, ffn_kind="reglu")
-        path = "x.gguf"
-        extra_array = staticmethod(lambda name: np.linspace(1.0, 0.0, 192))
-
-    lay = mock.Mock(dtype="q4", bundle_bytes=108, stride=512, gates_apart=False)
-    sparse = mock.Mock(selector="predictor", ffn_dtype="q4")
+    Src, lay, sparse = _plan_inputs()
     weights = [WeightPlan("layers.0.attn.wqkv", "ggml", ("layers.0.attn.wq.weight",), (1, 1),
                           10 << 20),
                WeightPlan("lm_head", "ggml", ("lm_head.weight",), (1, 1), 4 << 20),
@@ -558,7 +567,7 @@ def test_short_budget_lets_mapped_weights_overflow(tmp_path):
             dplan.plan_disk(Src, sparse, weights, 0, 1e-6, opts)
 
 
-def test_budget_counts_the_embedding_rows_a_context_reads(tmp_path):
+def test_budget_counts_the_embedding_rows_a_context_reads():
     """An embedding mapped from the file and read a row per token counts the pages of the
     context's rows; one an LM head reads whole (tied) counts whole."""
     from unittest import mock
@@ -567,13 +576,7 @@ def test_budget_counts_the_embedding_rows_a_context_reads(tmp_path):
     from sparseinfer.fileio import PAGE
     from sparseinfer.models.plan import WeightPlan
 
-    class Src:
-        config = mock.Mock(n_layers=2, d_ff=192, ffn_kind="reglu")
-        path = "x.gguf"
-        extra_array = staticmethod(lambda name: np.linspace(1.0, 0.0, 192))
-
-    lay = mock.Mock(dtype="q4", bundle_bytes=108, stride=512, gates_apart=False)
-    sparse = mock.Mock(selector="predictor", ffn_dtype="q4")
+    Src, lay, sparse = _plan_inputs()
     emb = WeightPlan("tok_emb", "file", ("tok_emb.weight",), (50_000, 64), 50_000 * 36)
     ffns = [WeightPlan(f"layers.{i}.ffn", "sparse", (), (1, 1), 192 * 108) for i in (0, 1)]
     opts = DiskOptions(process_bytes=0, io_threads=1)
@@ -599,13 +602,7 @@ def test_ram_takes_the_hottest_neurons_after_the_fast_tier():
     from sparseinfer.disk import plan as dplan
     from sparseinfer.models.plan import WeightPlan
 
-    class Src:
-        config = mock.Mock(n_layers=2, d_ff=192, ffn_kind="reglu")
-        path = "x.gguf"
-        extra_array = staticmethod(lambda name: np.linspace(1.0, 0.0, 192))
-
-    lay = mock.Mock(dtype="q4", bundle_bytes=108, stride=512, gates_apart=False)
-    sparse = mock.Mock(selector="predictor", ffn_dtype="q4")
+    Src, lay, sparse = _plan_inputs()
     ffns = [WeightPlan(f"layers.{i}.ffn", "sparse", (), (1, 1), 192 * 108) for i in (0, 1)]
     opts = DiskOptions(process_bytes=0, io_threads=1)
     with mock.patch.object(dplan, "layout_of", return_value=lay):

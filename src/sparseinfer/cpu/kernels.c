@@ -862,10 +862,9 @@ INLINE __m256 q6k_sums_128(const uint8_t *p, const int8_t *xq) {
  *
  * Plain AVX2 against x in blocks of 128 (x->kq, si_quantize_xk): half a super-block's products
  * sum in integers, the sub-block scales applied by the widening madd and the q - 32 offset as
- * 32 * sum(scale * x's sums per 16), then one convert and one FMA per half and row (against x's
- * blocks of 32 a convert, a permute and an FMA per 32 weights: 1.15-1.2x slower from memory;
- * llama.cpp's blocks of 256 were between the two, benchmarks/RESULTS.md). avx2_128 keeps x's
- * blocks of 32. */
+ * 32 * sum(scale * x's sums per 16), then one convert and one FMA per half and row, where x's
+ * blocks of 32 took a convert, a permute and an FMA per 32 weights (slower, and llama.cpp's
+ * blocks of 256 too: benchmarks/RESULTS.md). avx2_128 keeps x's blocks of 32. */
 #if !SI_NARROW
 /* q6k_sidx(s): for group s of a half, the bytes of int16 scales 2s (low 128 bits) and 2s + 1
  * (high 128 bits) repeated, a shuffle of the half's 8 scales broadcast to both lanes */

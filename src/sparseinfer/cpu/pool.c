@@ -308,7 +308,7 @@ static struct {
     float *d, *s;
     uint8_t *g; /* si_xgroups' rearranged copies */
     si_xq *xq;
-    int8_t *kq; /* super-blocks of 256 (si_quantize_xk) */
+    int8_t *kq; /* blocks of 128 (si_quantize_xk) */
     float *kd;
     int16_t *kbs;
     size_t cap_q, cap_d, cap_s, cap_t, cap_g, cap_kq, cap_kd, cap_kbs; /* bytes */
@@ -348,7 +348,7 @@ static int scratch(size_t nq, size_t nb, size_t nt, size_t ng) {
 }
 
 /* Quantize T rows of x [T, cols] into the scratch (need_q), with the rearranged copies (need_g:
- * only the row-major Q4_0/Q4_1/Q5_0 and sparse kernels read them) and the super-blocks of 256
+ * only the row-major Q4_0/Q4_1/Q5_0 and sparse kernels read them) and the blocks of 128
  * (need_k: the plain AVX2 Q6_K kernels read them); S.xq[t] describes row t. */
 static int quantize_rows(const float *x, int64_t T, int cols, int need_q, int need_g,
                          int need_k) {
