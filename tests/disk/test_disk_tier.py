@@ -291,6 +291,16 @@ def test_three_tiers_logits_equal_all_in_ram(sparse_file, bundled, kind):
     assert dict(dp.parts)["hot_neurons"] == (sum(dp.ram_counts) - sum(fast)) * hot_nb
 
 
+def test_vram_budget_without_a_fast_device_warns(bundled, caplog):
+    """--vram-budget on a CPU-only run: one warning, and no fast tier (every neuron RAM or disk)."""
+    from sparseinfer.models.plan import make_plan
+
+    with caplog.at_level(logging.WARNING):
+        dp = make_plan(open_source(bundled["q4"]), "auto", vram_budget=1.0, ram_budget=1.0,
+                       n_ctx=64, disk_options=DiskOptions(process_bytes=0)).sparse.disk
+    assert "no fast device" in caplog.text and not any(dp.fast_counts)
+
+
 def test_gates_first_reads_up_and_down_rows_only_where_the_gate_fired(bundled):
     """With the gates apart, a decoded token reads the cold neurons' gate rows, and the up/down
     rows only of neurons whose gate fired: every neuron whose up/down rows were read has a gate

@@ -440,6 +440,10 @@ def _sparse_plan(src: ModelSource, mode, ffn_dtype, threshold, device, vram_budg
         raise SparseInferError(f"{src.path}: sparseinfer.sparsity.score: expected one of "
                                f"{list(SCORES)}, found {score!r}")
     hot = _hot_counts(src, device, vram_budget, ffn_dtype, min_split)
+    if vram_budget is not None and torch.device(device).type == "cpu" and not split_tiers:
+        log.warning("--vram-budget %g GiB: no fast device on this run (--device cpu), so every "
+                    "FFN neuron stays in RAM; expected --device cuda for a GPU tier",
+                    vram_budget)
     masks = None
     if gpu_index is not None:
         masks = read_gpu_index(gpu_index, cfg.n_layers, cfg.d_ff)
