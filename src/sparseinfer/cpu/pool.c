@@ -372,11 +372,11 @@ static int quantize_rows(const float *x, int64_t T, int cols, int need_q, int ne
         xq->g = NULL;
         xq->kq = NULL, xq->kd = NULL, xq->kbs = NULL;
         if (need_k) {
-            xq->kq = S.kq + t * (size_t)cols;
-            xq->kd = S.kd + t * (size_t)(cols / XK);
-            xq->kbs = S.kbs + t * (size_t)(cols / 16);
-            si_quantize_xk(xq->f, cols, S.kq + t * (size_t)cols, S.kd + t * (size_t)(cols / XK),
-                           S.kbs + t * (size_t)(cols / 16));
+            int8_t *kq = S.kq + t * (size_t)cols;
+            float *kd = S.kd + t * (size_t)(cols / XK);
+            int16_t *kbs = S.kbs + t * (size_t)(cols / 16);
+            si_quantize_xk(xq->f, cols, kq, kd, kbs);
+            xq->kq = kq, xq->kd = kd, xq->kbs = kbs;
         }
         if (need_q) {
             g_quant(xq->f, cols, S.q + t * (size_t)cols, S.d + t * nb, S.s + t * nb);

@@ -252,15 +252,15 @@ def copy_neurons(src, layer: int, start: int, stop: int, out: np.ndarray,
 
 
 def read_packed(src, layer: int, start: int, stop: int, up_bias=None,
-                lay: BundleLayout | None = None) -> PackedFFN:
-    """Neurons ``[start, stop)`` as a ``PackedFFN`` in memory (``copy_neurons``); ``lay``:
-    ``layout_of(src)`` if already made (a model's layers share one: it reads every layer's
-    offsets and position map)."""
+                lay: BundleLayout | None = None, reader=None) -> PackedFFN:
+    """Neurons ``[start, stop)`` as a ``PackedFFN`` in memory (``copy_neurons``, with ``reader``
+    if given); ``lay``: ``layout_of(src)`` if already made (a model's layers share one: it reads
+    every layer's offsets and position map)."""
     from ..sparse.packed import empty_hugepages
 
     lay = layout_of(src) if lay is None else lay
     rows = empty_hugepages((stop - start, lay.n_mats, lay.row_width), DTYPES[lay.dtype])
-    copy_neurons(src, layer, start, stop, rows.numpy(), lay=lay)
+    copy_neurons(src, layer, start, stop, rows.numpy(), reader, lay)
     bias = None if up_bias is None else up_bias[start:stop].contiguous()
     return PackedFFN(lay.kind, lay.dtype, lay.d_model, stop - start, rows, None, 0, bias)
 

@@ -315,17 +315,20 @@ class DiskFFN(SparseFFN):
             self.batch_mode == "auto" and kernels.in_c(self.rows)))
         self.stats.tokens += B * T
         self.stats.active += int(mask.sum()) if masked else int(idx.numel()) * B * T
+        def in_torch(packed: PackedFFN, rows_idx: Tensor, neurons: Tensor, xx: Tensor) -> Tensor:
+            """The rows ``rows_idx`` of ``packed`` (neurons ``neurons``) in torch, on the
+            rows' device, each token's own set when ``masked``."""
+            rows = packed.rows_fp32(rows_idx.long())
+            bias = None if packed.up_bias is None else packed.up_bias[rows_idx.long()]
+            h = neuron_coefs(xx, packed, rows, bias)
+            if masked:
+                h = h * mask[:, neurons.long()].to(h.device)
+            return h @ rows[:, -1]
+
         fast = None
         f = int(torch.searchsorted(idx, torch.tensor(self.n_fast, dtype=idx.dtype)))
-        if f:  # the fast tier's neurons on its device (torch), launched first
-            fr = self.fast_rows
-            sel = idx[:f].long().to(self.fast)
-            rows = fr.rows_fp32(sel)
-            bias = None if fr.up_bias is None else fr.up_bias[sel]
-            h = neuron_coefs(xd.to(self.fast), fr, rows, bias)
-            if masked:
-                h = h * mask[:, idx[:f].long()].to(self.fast)
-            fast = h @ rows[:, -1]
+        if f:  # the fast tier's neurons on its device, launched first
+            fast = in_torch(self.fast_rows, idx[:f].to(self.fast), idx[:f], xd.to(self.fast))
         idx = idx[f:]
         cut = int(torch.searchsorted(idx, torch.tensor(self.n_ram, dtype=idx.dtype)))
         out = torch.zeros(B * T, D, dtype=torch.float32)
@@ -338,10 +341,7 @@ class DiskFFN(SparseFFN):
                 m = mask[:, neurons.long()].contiguous()
                 out.add_(kernels.sparse_ffn_batch(xf, packed, rows_idx.to(torch.int32), tmp, m))
             elif masked:
-                rows = packed.rows_fp32(rows_idx.long())
-                bias = None if packed.up_bias is None else packed.up_bias[rows_idx.long()]
-                h = neuron_coefs(xf, packed, rows, bias) * mask[:, neurons.long()]
-                out.add_(h @ rows[:, -1])
+                out.add_(in_torch(packed, rows_idx, neurons, xf))
             else:
                 out.add_(kernels.sparse_ffn_batch(xf, packed, rows_idx.to(torch.int32), tmp))
 
@@ -418,7 +418,7 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
     from ..sparse.ffn import packed_to_device
     from ..sparse.packed import DTYPES, empty_hugepages
     from .cache import EVICTION
-    from .layout import copy_neurons, layout_of
+    from .layout import copy_neurons, layout_of, read_packed
     from .reader import DEFAULT_GAP, NeuronReader
 
     dp = plan.sparse.disk
@@ -435,11 +435,7 @@ def fill_disk_ffn(model, layer: int, src, plan, up_bias: Tensor | None,
     counted = reader.bytes_read, reader.reads
     fast = None
     if f:  # the fast tier's neurons [0, f), read here and moved to its device
-        fr = torch.empty((f, lay.n_mats, lay.row_width), dtype=DTYPES[lay.dtype])
-        copy_neurons(src, layer, 0, f, fr.numpy(), reader)
-        bias = None if up_bias is None else up_bias[:f].clone()
-        fast = packed_to_device(PackedFFN(lay.kind, lay.dtype, lay.d_model, f, fr, None, 0, bias),
-                                ffn.fast)
+        fast = packed_to_device(read_packed(src, layer, 0, f, up_bias, lay, reader), ffn.fast)
     # one rows tensor: the RAM neurons [f, n), then the cache's slots
     rows = empty_hugepages((n - f + C, lay.n_mats, lay.row_width), DTYPES[lay.dtype])
     copy_neurons(src, layer, f, n, rows[:n - f].numpy(), reader)

@@ -374,8 +374,8 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                    "keeps its own neuron order (hottest first), which places "
                                    "the fast tier; expected --vram-budget instead")
         # three tiers: the fast device's hot prefix (--vram-budget's placement), then RAM, then
-        # the file; on a CPU-only run (no split) RAM is the fast tier
-        fast = (dev.type != "cpu" or bool(sparse.split_tiers))
+        # the file; on a CPU-only run (no split) RAM is the fast tier. The rule SparseFFN splits by
+        fast = (dev.type != "cpu") if sparse.split_tiers is None else sparse.split_tiers
         ctx = min(n_ctx or 4096, cfg.max_seq_len)
         disk, weights = plan_disk(src, sparse, weights, kv * ctx if cpu else 0, ram_budget,
                                   disk_options or DiskOptions(), n_ctx=ctx,
