@@ -1936,15 +1936,20 @@ void FN(si_quantize_x)(const float *x, int cols, int8_t *q, float *d, float *s) 
 
 /* The next neurons' bundles (pf[0..npf), pf_bytes each) are fetched a slice per step while the
  * current rows are walked in `parts` steps: slice_bytes is a slice's size (whole cache lines),
- * prefetch_slice fetches slice i of each. */
+ * prefetch_slice fetches slice i of each. As prefetch's groups (above), more than PF_NEAR_BYTES
+ * in all go into L2 only: into L1 (32 KiB on Zen 3/4) the next 4 bundles of a 7B layer (27 KiB)
+ * evicted x and the output rows the down axpy adds into (measured in benchmarks/RESULTS.md). */
 INLINE size_t slice_bytes(const size_t pf_bytes, const int parts) {
     return ((pf_bytes + (size_t)parts - 1) / (size_t)parts + 63) / 64 * 64;
 }
 INLINE void prefetch_slice(const uint8_t *const *pf, const int npf, const size_t pf_bytes,
                            const size_t slice, const int i) {
+    const int far = (size_t)npf * pf_bytes > PF_NEAR_BYTES;
     for (int n = 0; n < npf; n++)
-        for (size_t o = slice * i; o < slice * (i + 1) && o < pf_bytes; o += 64)
-            _mm_prefetch((const char *)(pf[n] + o), _MM_HINT_T0);
+        for (size_t o = slice * i; o < slice * (i + 1) && o < pf_bytes; o += 64) {
+            if (far) _mm_prefetch((const char *)(pf[n] + o), _MM_HINT_T1);
+            else _mm_prefetch((const char *)(pf[n] + o), _MM_HINT_T0);
+        }
 }
 
 #if !SI_AVX512 && !SI_NARROW
