@@ -8,8 +8,11 @@ For Llama-7B shapes (4096x4096, 11008x4096, 4096x11008) and SmolLM2-135M shapes 
 1536x576, 576x1536): time of one GEMV (one input vector), the bytes of weights it must read per
 microsecond (GB/s), and that as a share of the read bandwidth measured in the same run with the
 same thread count (``probe``: the best of many short streaming reads of windows of the same
-buffer the kernels read, probed again after every shape, the best reading used, so that kernel
-and probe are both the best of many short calls on a shared machine).
+buffer the kernels read, probed again after every shape, so that kernel and probe are both the
+best of many short calls on a shared machine): %bw against the best probe of the whole run, and
+%near against the higher of the two probes around the shape's kernels (a virtual machine's
+bandwidth drifts by up to 2x within one run: the whole run's best can come from a phase none of
+the kernels ran in).
 
 Honest-timing rules (as benchmarks/kernels.py): every call reads a different matrix, a window
 into one buffer larger than the last-level cache, so no call is served from cache; the headline
@@ -153,9 +156,11 @@ def main() -> None:
     where = "one matrix reused (in cache)" if a.in_cache else \
         f"windows of a {POOL_BYTES >> 20} MiB buffer"
     print(f"# times: best call (p50) over {where}; "
-          "GB/s = weight bytes / best time; %bw = share of the read bandwidth measured now")
+          "GB/s = weight bytes / best time; %bw = share of the best read bandwidth of the whole "
+          "run; near = the higher of the probes just before and after the shape's kernels "
+          "(this VM's bandwidth drifts by up to 2x within a run), %near = share of it")
     hdr = (f"{'thr':>3} {'shape':>11} {'kernel':<14} {'MB':>6} {'best':>10} {'p50':>10} "
-           f"{'GB/s':>6} {'%bw':>5}")
+           f"{'GB/s':>6} {'%bw':>5} {'near':>5} {'%near':>5}")
     for t in a.threads:
         torch.set_num_threads(t)
         cpu.set_threads(t)
@@ -168,6 +173,7 @@ def main() -> None:
         table = []
         shapes = [IN_CACHE_SHAPE] if a.in_cache else [sh for m in a.model for sh in SHAPES[m]]
         for rows, cols in shapes:
+            before = bws[-1]  # the probe just before this shape's kernels
             shape = f"{rows}x{cols}"
             rowsout = []
             if not a.no_torch:
@@ -182,14 +188,16 @@ def main() -> None:
                         continue  # no such tensor (llama.cpp falls back to a 32-block type)
                     ts, nbytes = ours(buf, ty, rows, cols, a.calls, a.in_cache)
                     rowsout.append((f"{ty} {isa}", nbytes, ts))
-            table += [(shape, *row) for row in rowsout]
             bws.append(probe(buf, t))
+            local = max(before, bws[-1])
+            table += [(shape, *row, local) for row in rowsout]
         bw = max(bws)
-        for shape, label, nbytes, ts in table:
+        for shape, label, nbytes, ts, local in table:
             best = min(ts)
             gbs = nbytes / best / 1e9
             print(f"{t:>3} {shape:>11} {label:<14} {nbytes / 1e6:>6.2f} {fmt(best):>10} "
-                  f"{fmt(statistics.median(ts)):>10} {gbs:>6.1f} {gbs / bw:>5.0%}")
+                  f"{fmt(statistics.median(ts)):>10} {gbs:>6.1f} {gbs / bw:>5.0%} "
+                  f"{local:>5.1f} {gbs / local:>5.0%}")
         print(f"# {t} thread(s): read bandwidth {bw:.1f} GB/s (best of {len(bws)} probes, each "
               f"the best of {BW_REPEATS} reads of {BW_BYTES >> 20} MiB windows; probes "
               f"{min(bws):.1f}..{bw:.1f}); load average at the end: {os.getloadavg()[0]:.2f}")
