@@ -1452,6 +1452,119 @@ INLINE void multi_q4g(const int type, const uint8_t *p, const si_xq *x, const in
 #endif
 
 #if SI_AVX512
+/* One Q4_K/Q5_K row against nt <= MULTI_T x rows: each super-block's weights and scales decoded
+ * once (as rows_k45_512 decodes them) for every x row, every x row's result its GEMV's bit for
+ * bit (the same operations in the same order). y[t * ys] for t < nt. */
+INLINE void multi_k45_512(const int five, const uint8_t *p, const si_xq *x, const int nt,
+                          const int nsb, float *y, const int64_t ys) {
+    const int bsize = five ? 176 : 144;
+    __m512 acc[MULTI_T];
+    __m256 accm[MULTI_T];
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm512_setzero_ps();
+        accm[t] = _mm256_setzero_ps();
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+    const __m512i cnt_nib = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(4), 1);
+    __m512i cnt_h[4], sidx[4]; /* as rows_k45_512 */
+    for (int c = 0; c < 4; c++) {
+        cnt_h[c] = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
+        sidx[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
+    }
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *pb = p + (size_t)sb * bsize;
+        uint64_t sc8, m8;
+        scales_k(pb + 4, &sc8, &m8);
+        const __m256 bsc = bytes8_ps(sc8), dw = _mm256_set1_ps(f16(pb));
+        const __m256 bm = _mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(pb + 2)));
+        const uint8_t *qs = pb + (five ? 48 : 16);
+        const __m512i QH = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(pb + 16)))
+                                : _mm512_setzero_si512();
+        __m512i q[4];
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+            q[c] = _mm512_and_si512(_mm512_srlv_epi16(v, cnt_nib), m4);
+            if (five)
+                q[c] = _mm512_or_si512(q[c], _mm512_slli_epi16(
+                                                 _mm512_and_si512(_mm512_srlv_epi16(QH, cnt_h[c]), one), 4));
+        }
+        for (int t = 0; t < nt; t++) {
+            const __m256 xd = _mm256_loadu_ps(x[t].d + 8 * (size_t)sb);
+            const __m256 xs = _mm256_loadu_ps(x[t].s + 8 * (size_t)sb);
+            const int8_t *xq = x[t].q + 256 * (size_t)sb;
+            const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_mul_ps(bsc, xd), dw));
+            accm[t] = _mm256_fmadd_ps(bm, xs, accm[t]);
+            for (int c = 0; c < 4; c++) {
+                const __m512i dot = _mm512_dpbusd_epi32(
+                    _mm512_setzero_si512(), q[c], _mm512_loadu_si512((const void *)(xq + 64 * c)));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(sidx[c], scale),
+                                         acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) y[t * ys] = _mm512_reduce_add_ps(acc[t]) - hsum(accm[t]);
+}
+
+/* rows_q6k_512's lane indices: scale (sidx) and x block (xidx) of each lane of vector hv. */
+INLINE void q6k_idx(__m512i *sidx, __m512i *xidx) {
+    for (int hv = 0; hv < 4; hv++) {
+        int32_t a[16], b[16];
+        for (int l = 0; l < 16; l++) a[l] = 4 * hv + l / 4, b[l] = 2 * hv + l / 8;
+        sidx[hv] = _mm512_loadu_si512((const void *)a);
+        xidx[hv] = _mm512_loadu_si512((const void *)b);
+    }
+}
+
+/* One Q6_K row against nt <= MULTI_T x rows: each super-block's weights and scales decoded once
+ * (as rows_q6k_512) for every x row, every x row's result its GEMV's bit for bit (x's terms,
+ * which the GEMV makes once per super-block for its 4 rows, made here per x row: kept in memory
+ * for the whole call they were slower, their loads beside x's own). y[t * ys] for t < nt. */
+INLINE void multi_q6k_512(const uint8_t *p, const si_xq *x, const int nt, const int nsb, float *y,
+                          const int64_t ys) {
+    __m512 acc[MULTI_T];
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
+    const __m512i cnt_lo = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    const __m512i cnt_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    const __m512i k32 = _mm512_set1_epi8(32);
+    __m512i sidx[4], xidx[4];
+    q6k_idx(sidx, xidx);
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *pb = p + (size_t)sb * 210;
+        const __m512 sc = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pb + 192)))),
+            _mm512_set1_ps(f16(pb + 208)));
+        __m512i q[4];
+        __m512 scv[4];
+        for (int h = 0; h < 2; h++) {
+            const __m512i L = _mm512_loadu_si512((const void *)(pb + 64 * h));
+            const __m512i QH = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(pb + 128 + 32 * h)));
+            q[2 * h] = _mm512_or_si512(
+                _mm512_and_si512(L, m4),
+                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(QH, cnt_lo), m2), 4));
+            q[2 * h + 1] = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(QH, cnt_hi), m2), 4));
+        }
+        for (int hv = 0; hv < 4; hv++) scv[hv] = _mm512_permutexvar_ps(sidx[hv], sc);
+        for (int t = 0; t < nt; t++) {
+            const int8_t *xq = x[t].q + 256 * (size_t)sb;
+            const __m512 xd8 = _mm512_castps256_ps512(_mm256_loadu_ps(x[t].d + 8 * (size_t)sb));
+            for (int hv = 0; hv < 4; hv++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(xq + 64 * hv));
+                const __m512i dot = _mm512_sub_epi32(
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[hv], xv),
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), k32, xv));
+                const __m512 s = _mm512_mul_ps(scv[hv], _mm512_permutexvar_ps(xidx[hv], xd8));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) y[t * ys] = _mm512_reduce_add_ps(acc[t]);
+}
+#endif
+
+#if SI_AVX512
 /* One Q8_0 row of at most 1024 columns against nt <= MULTI_T x rows: each pair of blocks gathered
  * once (as rows_q8_512) for every x row, every x row's result its GEMV's bit for bit (the same
  * operations in the same order). y[t * ys] for t < nt. */
@@ -1795,7 +1908,8 @@ INLINE void prefetch_row(const uint8_t *w, const size_t rb, const int r, const i
 }
 
 /* y[t * y_stride + r] = row r of w times x[t], for t < T: the rows decoded once per MULTI_T x
- * rows where a GEMM kernel exists (AVX-512: Q4_0/Q4_1 groups of 4, short Q8_0 rows; avx2_128
+ * rows where a GEMM kernel exists (AVX-512: Q4_0/Q4_1 groups of 4, short Q8_0 rows, Q4_K/Q5_K/
+ * Q6_K super-blocks when T > 1; avx2_128
  * and plain AVX2: Q4_0..Q5_1 8 blocks at a time; plain AVX2: Q4_K/Q5_K/Q6_K super-blocks, and
  * Q4_K/Q5_K passes of KT_MIN_T or more x rows with the rows in lanes, whose fixed cost of 8 lanes
  * only pays from there; every build: panels), else si_rows for each x row. */
@@ -1829,6 +1943,30 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
             }
 #undef MQN
 #undef MQ
+        }
+        return;
+    }
+    if ((type == SI_Q4_K || type == SI_Q5_K || type == SI_Q6_K) && T > 1) {
+        const int nsb = cols / 256;
+        for (int t0 = 0; t0 < T; t0 += MULTI_T) {
+            const int nt = T - t0 < MULTI_T ? T - t0 : MULTI_T;
+            /* the row count as a constant, as multi_q4g's (MQN) */
+#define MK(N)                                                                                  \
+    case N:                                                                                    \
+        for (int r = 0; r < nrows; r++) {                                                      \
+            prefetch_row(w, rb, r, nrows);                                                     \
+            if (type == SI_Q6_K)                                                               \
+                multi_q6k_512(w + (size_t)r * rb, x + t0, N, nsb, y + t0 * ys + r, ys);        \
+            else                                                                               \
+                multi_k45_512(type == SI_Q5_K, w + (size_t)r * rb, x + t0, N, nsb,             \
+                              y + t0 * ys + r, ys);                                            \
+        }                                                                                      \
+        break
+            switch (nt) {
+                MK(1); MK(2); MK(3); MK(4); MK(5); MK(6); MK(7); MK(8);
+            default: break; /* nt <= MULTI_T = 8 */
+            }
+#undef MK
         }
         return;
     }
