@@ -144,8 +144,9 @@ def test_gemm_matches_reference(type_name, T, isa, threads):
     plain AVX2 ones that unpack each group of 8 blocks once (T = 8, 9, 13, 17 cross their groups);
     plain AVX2 Q4_K/Q5_K passes of 4 to 8 x rows put the rows in lanes (T = 8, 13: 8 and 5 rows,
     the last lanes empty), shorter ones do not (T = 1, 3, 9's last row); AVX-512 K-quants decode
-    each super-block once for the pass's x rows (from T = 2; 9's last pass of one row too); every type gives each
-    row of the batch exactly the GEMV of that token (panels: 8 x rows per pass over 3 panels)."""
+    each super-block once for a pass's x rows (from T = 2; 9's last pass of one row too); every
+    type gives each row of the batch exactly the GEMV of that token (panels: 8 x rows per pass
+    over 3 panels)."""
     rng = np.random.default_rng(T)
     # 576: 18 blocks, two past the last group of 8 (AVX-512: of 4); 224: 7 blocks, 3 past a group of 4
     rows, cols = 37, 576 if T % 2 == 0 else 224 if T == 9 else 512

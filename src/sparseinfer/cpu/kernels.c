@@ -770,6 +770,15 @@ INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, c
 }
 
 #if SI_AVX512
+/* rows_k45_512's lane constants: lane l of pair c takes fifth bit 2c + l / 32 (cnt_h, per byte)
+ * and sub-block 2c + l / 8 (sidx). */
+INLINE void k45_idx(__m512i *cnt_h, __m512i *sidx) {
+    for (int c = 0; c < 4; c++) {
+        cnt_h[c] = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
+        sidx[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
+    }
+}
+
 /* Q4_K/Q5_K in 512-bit registers: a pair of sub-blocks (2c, 2c+1: the low and high nibbles of
  * qs[32c .. 32c+31]) is one vector of 64 weights in x's order: the 32 bytes broadcast to both
  * halves, shifted per word by 0 or 4 (vpsrlvw) and masked; Q5_K's fifth bits likewise from qh
@@ -786,11 +795,8 @@ INLINE void rows_k45_512(const int five, const uint8_t *w, size_t rb, const int 
     }
     const __m512i m4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
     const __m512i cnt_nib = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(4), 1);
-    __m512i cnt_h[4], sidx[4]; /* lane l of pair c: fifth bit 2c + l / 32 (bytes), sub-block 2c + l / 8 */
-    for (int c = 0; c < 4; c++) {
-        cnt_h[c] = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
-        sidx[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
-    }
+    __m512i cnt_h[4], sidx[4];
+    k45_idx(cnt_h, sidx);
     for (int sb = 0; sb < nsb; sb++) {
         const __m256 xd = _mm256_loadu_ps(x->d + 8 * (size_t)sb);
         const __m256 xs = _mm256_loadu_ps(x->s + 8 * (size_t)sb);
@@ -944,6 +950,17 @@ INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
 }
 
 #if SI_AVX512
+/* rows_q6k_512's lane indices: lane l of vector hv (half h = hv / 2, v = hv % 2: its low or high
+ * vector) takes scale 4hv + l / 4 (sidx) and x block 2hv + l / 8 (xidx). */
+INLINE void q6k_idx(__m512i *sidx, __m512i *xidx) {
+    for (int hv = 0; hv < 4; hv++) {
+        int32_t a[16], b[16];
+        for (int l = 0; l < 16; l++) a[l] = 4 * hv + l / 4, b[l] = 2 * hv + l / 8;
+        sidx[hv] = _mm512_loadu_si512((const void *)a);
+        xidx[hv] = _mm512_loadu_si512((const void *)b);
+    }
+}
+
 /* Q6_K in 512-bit registers: per half h of a super-block, ql's 64 bytes give the 4-bit parts of
  * weights 0..63 (low nibbles) and 64..127 (high nibbles) of the half in order, and qh's 32 bytes
  * (broadcast to both 256-bit halves) their top 2 bits through a per-word shift (vpsrlvw: bits
@@ -960,14 +977,8 @@ INLINE void rows_q6k_512(const uint8_t *w, size_t rb, const int R, const si_xq *
     /* word shift counts: low vector (groups 0, 1) bits 0-1 / 2-3, high vector 4-5 / 6-7 */
     const __m512i cnt_lo = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
     const __m512i cnt_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
-    /* lane l of vector v (0: low, 1: high) of half h: scale 8h + 4v + l / 4, x block 4h + 2v + l / 8 */
     __m512i sidx[4], xidx[4];
-    for (int hv = 0; hv < 4; hv++) {
-        int32_t a[16], b[16];
-        for (int l = 0; l < 16; l++) a[l] = 4 * hv + l / 4, b[l] = 2 * hv + l / 8;
-        sidx[hv] = _mm512_loadu_si512((const void *)a);
-        xidx[hv] = _mm512_loadu_si512((const void *)b);
-    }
+    q6k_idx(sidx, xidx);
     for (int sb = 0; sb < nsb; sb++) {
         if (pf) prefetch(pf + (size_t)sb * R * 210, R * 210, far);
         const int8_t *xq = x->q + 256 * (size_t)sb;
@@ -1466,11 +1477,8 @@ INLINE void multi_k45_512(const int five, const uint8_t *p, const si_xq *x, cons
     }
     const __m512i m4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
     const __m512i cnt_nib = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(4), 1);
-    __m512i cnt_h[4], sidx[4]; /* as rows_k45_512 */
-    for (int c = 0; c < 4; c++) {
-        cnt_h[c] = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
-        sidx[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
-    }
+    __m512i cnt_h[4], sidx[4];
+    k45_idx(cnt_h, sidx);
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *pb = p + (size_t)sb * bsize;
         uint64_t sc8, m8;
@@ -1503,16 +1511,6 @@ INLINE void multi_k45_512(const int five, const uint8_t *p, const si_xq *x, cons
         }
     }
     for (int t = 0; t < nt; t++) y[t * ys] = _mm512_reduce_add_ps(acc[t]) - hsum(accm[t]);
-}
-
-/* rows_q6k_512's lane indices: scale (sidx) and x block (xidx) of each lane of vector hv. */
-INLINE void q6k_idx(__m512i *sidx, __m512i *xidx) {
-    for (int hv = 0; hv < 4; hv++) {
-        int32_t a[16], b[16];
-        for (int l = 0; l < 16; l++) a[l] = 4 * hv + l / 4, b[l] = 2 * hv + l / 8;
-        sidx[hv] = _mm512_loadu_si512((const void *)a);
-        xidx[hv] = _mm512_loadu_si512((const void *)b);
-    }
 }
 
 /* One Q6_K row against nt <= MULTI_T x rows: each super-block's weights and scales decoded once
