@@ -779,6 +779,23 @@ INLINE void k45_idx(__m512i *cnt_h, __m512i *sidx) {
     }
 }
 
+/* The 256 weights of the Q4_K/Q5_K super-block at p as rows_k45_512 takes them: q[c] = sub-blocks
+ * 2c and 2c + 1 (cnt_h from k45_idx). */
+INLINE void k45_quants_512(const int five, const uint8_t *p, const __m512i *cnt_h, __m512i *q) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+    const __m512i cnt_nib = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(4), 1);
+    const uint8_t *qs = p + (five ? 48 : 16);
+    const __m512i QH = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16)))
+                            : _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+        q[c] = _mm512_and_si512(_mm512_srlv_epi16(v, cnt_nib), m4);
+        if (five)
+            q[c] = _mm512_or_si512(q[c], _mm512_slli_epi16(
+                                             _mm512_and_si512(_mm512_srlv_epi16(QH, cnt_h[c]), one), 4));
+    }
+}
+
 /* Q4_K/Q5_K in 512-bit registers: a pair of sub-blocks (2c, 2c+1: the low and high nibbles of
  * qs[32c .. 32c+31]) is one vector of 64 weights in x's order: the 32 bytes broadcast to both
  * halves, shifted per word by 0 or 4 (vpsrlvw) and masked; Q5_K's fifth bits likewise from qh
@@ -793,8 +810,6 @@ INLINE void rows_k45_512(const int five, const uint8_t *w, size_t rb, const int 
         acc[r] = _mm512_setzero_ps();
         accm[r] = _mm256_setzero_ps();
     }
-    const __m512i m4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
-    const __m512i cnt_nib = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(4), 1);
     __m512i cnt_h[4], sidx[4];
     k45_idx(cnt_h, sidx);
     for (int sb = 0; sb < nsb; sb++) {
@@ -810,17 +825,11 @@ INLINE void rows_k45_512(const int five, const uint8_t *w, size_t rb, const int 
                 _mm256_mul_ps(_mm256_mul_ps(bytes8_ps(sc8), xd), _mm256_set1_ps(f16(p))));
             accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(p + 2))), xs,
                                       accm[r]);
-            const uint8_t *qs = p + (five ? 48 : 16);
-            const __m512i QH = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16)))
-                                    : _mm512_setzero_si512();
+            __m512i q[4];
+            k45_quants_512(five, p, cnt_h, q);
             for (int c = 0; c < 4; c++) {
-                const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
-                __m512i q = _mm512_and_si512(_mm512_srlv_epi16(v, cnt_nib), m4);
-                if (five)
-                    q = _mm512_or_si512(q, _mm512_slli_epi16(
-                                               _mm512_and_si512(_mm512_srlv_epi16(QH, cnt_h[c]), one), 4));
                 const __m512i dot = _mm512_dpbusd_epi32(
-                    _mm512_setzero_si512(), q, _mm512_loadu_si512((const void *)(xq + 64 * c)));
+                    _mm512_setzero_si512(), q[c], _mm512_loadu_si512((const void *)(xq + 64 * c)));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(sidx[c], scale),
                                          acc[r]);
             }
@@ -961,6 +970,25 @@ INLINE void q6k_idx(__m512i *sidx, __m512i *xidx) {
     }
 }
 
+/* The 256 weights of the Q6_K super-block at p as rows_q6k_512 takes them, unsigned (q + 32):
+ * q[2h] and q[2h + 1] the low and high vectors of half h. */
+INLINE void q6k_quants_512(const uint8_t *p, __m512i *q) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
+    /* word shift counts: low vector (groups 0, 1) bits 0-1 / 2-3, high vector 4-5 / 6-7 */
+    const __m512i cnt_lo = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    const __m512i cnt_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    for (int h = 0; h < 2; h++) {
+        const __m512i L = _mm512_loadu_si512((const void *)(p + 64 * h));
+        const __m512i QH = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h)));
+        q[2 * h] = _mm512_or_si512(
+            _mm512_and_si512(L, m4),
+            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(QH, cnt_lo), m2), 4));
+        q[2 * h + 1] = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(QH, cnt_hi), m2), 4));
+    }
+}
+
 /* Q6_K in 512-bit registers: per half h of a super-block, ql's 64 bytes give the 4-bit parts of
  * weights 0..63 (low nibbles) and 64..127 (high nibbles) of the half in order, and qh's 32 bytes
  * (broadcast to both 256-bit halves) their top 2 bits through a per-word shift (vpsrlvw: bits
@@ -972,11 +1000,7 @@ INLINE void rows_q6k_512(const uint8_t *w, size_t rb, const int R, const si_xq *
                          float *y, const uint8_t *pf, const int far) {
     __m512 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
     const __m512i k32 = _mm512_set1_epi8(32);
-    /* word shift counts: low vector (groups 0, 1) bits 0-1 / 2-3, high vector 4-5 / 6-7 */
-    const __m512i cnt_lo = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
-    const __m512i cnt_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
     __m512i sidx[4], xidx[4];
     q6k_idx(sidx, xidx);
     for (int sb = 0; sb < nsb; sb++) {
@@ -995,23 +1019,14 @@ INLINE void rows_q6k_512(const uint8_t *w, size_t rb, const int R, const si_xq *
             const __m512 sc = _mm512_mul_ps(
                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 192)))),
                 _mm512_set1_ps(f16(p + 208)));
-            for (int h = 0; h < 2; h++) {
-                const __m512i L = _mm512_loadu_si512((const void *)(p + 64 * h));
-                const __m512i QH = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h)));
-                const __m512i q0 = _mm512_or_si512(
-                    _mm512_and_si512(L, m4),
-                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(QH, cnt_lo), m2), 4));
-                const __m512i q1 = _mm512_or_si512(
-                    _mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
-                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(QH, cnt_hi), m2), 4));
-                for (int v = 0; v < 2; v++) {
-                    const int hv = 2 * h + v;
-                    const __m512i xv = _mm512_loadu_si512((const void *)(xq + 64 * hv));
-                    const __m512i dot = _mm512_sub_epi32(
-                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), v ? q1 : q0, xv), xm[hv]);
-                    const __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(sidx[hv], sc), xdv[hv]);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
-                }
+            __m512i q[4];
+            q6k_quants_512(p, q);
+            for (int hv = 0; hv < 4; hv++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(xq + 64 * hv));
+                const __m512i dot = _mm512_sub_epi32(
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[hv], xv), xm[hv]);
+                const __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(sidx[hv], sc), xdv[hv]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
             }
         }
     }
@@ -1475,8 +1490,6 @@ INLINE void multi_k45_512(const int five, const uint8_t *p, const si_xq *x, cons
         acc[t] = _mm512_setzero_ps();
         accm[t] = _mm256_setzero_ps();
     }
-    const __m512i m4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
-    const __m512i cnt_nib = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(4), 1);
     __m512i cnt_h[4], sidx[4];
     k45_idx(cnt_h, sidx);
     for (int sb = 0; sb < nsb; sb++) {
@@ -1485,17 +1498,8 @@ INLINE void multi_k45_512(const int five, const uint8_t *p, const si_xq *x, cons
         scales_k(pb + 4, &sc8, &m8);
         const __m256 bsc = bytes8_ps(sc8), dw = _mm256_set1_ps(f16(pb));
         const __m256 bm = _mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(pb + 2)));
-        const uint8_t *qs = pb + (five ? 48 : 16);
-        const __m512i QH = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(pb + 16)))
-                                : _mm512_setzero_si512();
         __m512i q[4];
-        for (int c = 0; c < 4; c++) {
-            const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
-            q[c] = _mm512_and_si512(_mm512_srlv_epi16(v, cnt_nib), m4);
-            if (five)
-                q[c] = _mm512_or_si512(q[c], _mm512_slli_epi16(
-                                                 _mm512_and_si512(_mm512_srlv_epi16(QH, cnt_h[c]), one), 4));
-        }
+        k45_quants_512(five, pb, cnt_h, q);
         for (int t = 0; t < nt; t++) {
             const __m256 xd = _mm256_loadu_ps(x[t].d + 8 * (size_t)sb);
             const __m256 xs = _mm256_loadu_ps(x[t].s + 8 * (size_t)sb);
@@ -1521,9 +1525,6 @@ INLINE void multi_q6k_512(const uint8_t *p, const si_xq *x, const int nt, const 
                           const int64_t ys) {
     __m512 acc[MULTI_T];
     for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
-    const __m512i cnt_lo = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
-    const __m512i cnt_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
     const __m512i k32 = _mm512_set1_epi8(32);
     __m512i sidx[4], xidx[4];
     q6k_idx(sidx, xidx);
@@ -1534,16 +1535,7 @@ INLINE void multi_q6k_512(const uint8_t *p, const si_xq *x, const int nt, const 
             _mm512_set1_ps(f16(pb + 208)));
         __m512i q[4];
         __m512 scv[4];
-        for (int h = 0; h < 2; h++) {
-            const __m512i L = _mm512_loadu_si512((const void *)(pb + 64 * h));
-            const __m512i QH = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(pb + 128 + 32 * h)));
-            q[2 * h] = _mm512_or_si512(
-                _mm512_and_si512(L, m4),
-                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(QH, cnt_lo), m2), 4));
-            q[2 * h + 1] = _mm512_or_si512(
-                _mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
-                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(QH, cnt_hi), m2), 4));
-        }
+        q6k_quants_512(pb, q);
         for (int hv = 0; hv < 4; hv++) scv[hv] = _mm512_permutexvar_ps(sidx[hv], sc);
         for (int t = 0; t < nt; t++) {
             const int8_t *xq = x[t].q + 256 * (size_t)sb;
