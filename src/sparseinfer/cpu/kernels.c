@@ -890,34 +890,31 @@ INLINE __m256i q6k_sidx(const int s) {
                             b + 1, b, b + 1);
 }
 
+/* Half h of the Q6_K super-block at p: its 4 groups of 32 6-bit weights (unsigned, q + 32). */
+INLINE void q6k_half_256(const uint8_t *p, const int h, __m256i *wq) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
+    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+    for (int s = 0; s < 4; s++) {
+        __m256i l = (s & 1) ? l1 : l0;
+        l = _mm256_and_si256((s >> 1) ? _mm256_srli_epi16(l, 4) : l, lo4);
+        wq[s] = _mm256_or_si256(l, _mm256_and_si256(shift16(qh, 4 - 2 * s), hi2)); /* qh bits 2s, 2s+1 */
+    }
+}
+
 /* The integer sum over half h of the super-block at p of scale * (q - 32) * kq (x's 128 bytes
- * xk, its 8 sums per 16 bs), as 8 int32 lanes; wq: the half's 4 groups of 6-bit weights (NULL:
- * unpacked here). */
+ * xk, its 8 sums per 16 bs), as 8 int32 lanes; wq: the half's weights (q6k_half_256). */
 INLINE __m256i q6k_isum(const uint8_t *p, const int h, const __m256i *wq, const int8_t *xk,
                         const __m128i bs, const __m256i *sidx) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
     const __m128i sc = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(p + 192 + 8 * h)));
     /* -32 * sum(scale * bsum): the offset, in one madd */
     __m256i isum = _mm256_castsi128_si256(_mm_sub_epi32(_mm_setzero_si128(),
                                                         _mm_slli_epi32(_mm_madd_epi16(sc, bs), 5)));
     isum = _mm256_inserti128_si256(isum, _mm_setzero_si128(), 1);
     const __m256i s2 = _mm256_broadcastsi128_si256(sc);
-    __m256i l0 = _mm256_setzero_si256(), l1 = l0, qh = l0;
-    if (!wq) {
-        l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
-        l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
-        qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
-    }
     for (int s = 0; s < 4; s++) {
-        __m256i q;
-        if (wq) {
-            q = wq[s];
-        } else {
-            __m256i l = (s & 1) ? l1 : l0;
-            l = _mm256_and_si256((s >> 1) ? _mm256_srli_epi16(l, 4) : l, lo4);
-            q = _mm256_or_si256(l, _mm256_and_si256(shift16(qh, 4 - 2 * s), hi2));
-        }
-        const __m256i p16 = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(xk + 32 * s)));
+        const __m256i p16 = _mm256_maddubs_epi16(wq[s], _mm256_loadu_si256((const __m256i *)(xk + 32 * s)));
         isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p16, _mm256_shuffle_epi8(s2, sidx[s])));
     }
     return isum;
@@ -948,9 +945,12 @@ INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
             const __m256 dx = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(x->d + 8 * (size_t)sb));
             acc[r] = _mm256_fmadd_ps(q6k_sums_128(p, x->q + 256 * (size_t)sb), dx, acc[r]);
 #else
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q6k_isum(p, 0, NULL, xk, bs0, sidx)),
+            __m256i wq[4];
+            q6k_half_256(p, 0, wq);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q6k_isum(p, 0, wq, xk, bs0, sidx)),
                                      _mm256_set1_ps(d * xd0), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q6k_isum(p, 1, NULL, xk + 128, bs1, sidx)),
+            q6k_half_256(p, 1, wq);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q6k_isum(p, 1, wq, xk + 128, bs1, sidx)),
                                      _mm256_set1_ps(d * xd1), acc[r]);
 #endif
         }
@@ -1754,7 +1754,6 @@ INLINE void multi_k45(const int five, const uint8_t *p, const si_xq *x, const in
  * row's sums as rows_q6k's (q6k_isum), so each row is its GEMV bit for bit. */
 INLINE void multi_q6k(const uint8_t *p, const si_xq *x, const int nt, const int nsb, float *y,
                       const int64_t ys) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
     __m256i sidx[4];
     for (int s = 0; s < 4; s++) sidx[s] = q6k_sidx(s);
     __m256 acc[MULTI_T];
@@ -1763,16 +1762,7 @@ INLINE void multi_q6k(const uint8_t *p, const si_xq *x, const int nt, const int 
         const uint8_t *pb = p + (size_t)sb * 210;
         const float d = f16(pb + 208);
         __m256i wq[8];
-        for (int h = 0; h < 2; h++) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(pb + 64 * h));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(pb + 64 * h + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(pb + 128 + 32 * h));
-            for (int s = 0; s < 4; s++) {
-                __m256i l = (s & 1) ? l1 : l0;
-                l = _mm256_and_si256((s >> 1) ? _mm256_srli_epi16(l, 4) : l, lo4);
-                wq[4 * h + s] = _mm256_or_si256(l, _mm256_and_si256(shift16(qh, 4 - 2 * s), hi2));
-            }
-        }
+        for (int h = 0; h < 2; h++) q6k_half_256(pb, h, wq + 4 * h);
         for (int t = 0; t < nt; t++) {
             for (int h = 0; h < 2; h++) {
                 const __m128i bs = _mm_loadu_si128((const __m128i *)(x[t].kbs + 16 * (size_t)sb + 8 * h));
@@ -2072,12 +2062,10 @@ INLINE size_t slice_bytes(const size_t pf_bytes, const int parts) {
 }
 INLINE void prefetch_slice(const uint8_t *const *pf, const int npf, const size_t pf_bytes,
                            const size_t slice, const int i) {
+    const size_t o = slice * (size_t)i, end = o + slice < pf_bytes ? o + slice : pf_bytes;
+    if (o >= end) return;
     const int far = (size_t)npf * pf_bytes > PF_NEAR_BYTES;
-    for (int n = 0; n < npf; n++)
-        for (size_t o = slice * i; o < slice * (i + 1) && o < pf_bytes; o += 64) {
-            if (far) _mm_prefetch((const char *)(pf[n] + o), _MM_HINT_T1);
-            else _mm_prefetch((const char *)(pf[n] + o), _MM_HINT_T0);
-        }
+    for (int n = 0; n < npf; n++) prefetch(pf[n] + o, (int)(end - o), far);
 }
 
 #if !SI_AVX512 && !SI_NARROW
