@@ -101,6 +101,39 @@ def test_gemv_matches_reference(type_name, rows, cols, isa, threads):
     assert torch.all((out.double() - want_q8.double()).abs() <= summation_bound(mat, x))
 
 
+
+# fp16 fields of the 32-weight block types (d; Q4_1 / Q5_1: d, m)
+B32_FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2)}
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+                                       "Q4_0x16", "Q4_1x16", "Q5_0x16"])
+def test_largest_integer_sums(type_name, isa, threads):
+    """Every quant at its largest code (all bytes 0xFF: 4-bit 15, 5-bit 31, 6-bit 63, every
+    K-quant sub-block scale 63) against x of one sign, so that every x byte quantizes to 127: the
+    kernels' int16 partial sums (8 products of 5-bit weights reach 31496) at their bound, in the
+    GEMV and in the GEMM."""
+    base = FILE_TYPES.get(type_name, type_name)
+    _, elems, size = cpu.TYPES[base]
+    rows, cols = 37, 512
+    blocks = np.full((rows * cols // elems, size), 0xFF, dtype=np.uint8)
+    for off in K_FP16_FIELDS.get(base, B32_FP16_FIELDS.get(base, ())):
+        blocks[:, off : off + 2] = np.array([0.01], np.float16).view(np.uint8)
+    raw = blocks.reshape(-1)
+    if type_name in FILE_TYPES:
+        rows = 48
+        raw = to_panels_ref(np.tile(blocks, (48 // 37 + 1, 1))[: rows * cols // elems].reshape(-1),
+                            base, rows, cols)
+    mat = cpu.QuantMatrix(type_name, raw, rows, cols)
+    X = torch.arange(1.0, 9.0).view(8, 1).expand(8, cols).contiguous()  # every x byte 127
+    got = cpu.gemm(mat, X)
+    want = ref.gemm_ref(mat, X)
+    for t in range(8):
+        one = torch.empty(rows)
+        cpu.gemv([mat], X[t].contiguous(), [one])
+        assert torch.equal(got[t], one)
+        assert torch.all((one.double() - want[t].double()).abs() <= x_rounding_bound(mat, X[t]))
+
 def test_numpy_arguments():
     rng = np.random.default_rng(5)
     mat = cpu.QuantMatrix("Q8_0", random_raw("Q8_0", 9, 64, rng), 9, 64)

@@ -91,8 +91,10 @@ INLINE __m256i bit5(const uint8_t *p) {
  * are contiguous, so while a group of 4 rows is walked, the next group's bytes are fetched at the
  * same pace: a short row (a few KB) is otherwise over before the hardware prefetcher ramps up.
  * `far` (a group of more than PF_NEAR_BYTES) fetches into L2 only: into L1 the next group would
- * evict x's blocks, which every row reads again (measured in benchmarks/RESULTS.md). */
-#define PF_NEAR_BYTES 12288
+ * evict x's blocks, which every row reads again, and the group being read (a 32 KiB L1 holds
+ * two 8 KiB groups beside x; two of 9-11 KiB, 4096-wide Q4_0 or Q5_K rows, made those kernels
+ * slower: benchmarks/RESULTS.md). */
+#define PF_NEAR_BYTES 8192
 INLINE void prefetch(const uint8_t *p, const int n, const int far) {
     if (far)
         for (int o = 0; o < n; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T1);
@@ -645,17 +647,10 @@ INLINE void scales_k(const uint8_t *s, uint64_t *sc, uint64_t *m) {
     *m = (uint64_t)(b & lo6) | ((uint64_t)m_hi << 32);
 }
 
-/* The 8 lane sums of 8 vectors (v[j]'s 8 int32 lanes summed into lane j): horizontal adds
- * within 128-bit halves, then the halves added. */
-INLINE __m256i sums8(const __m256i *v) {
-    const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
-}
-
-/* The same from 8 vectors of 16 int16 sums of 2 products of 4-bit weights (each at most
- * 2 x 15 x 127 = 3810): two levels of horizontal adds stay in int16 (8 products: at most
- * 30480), then widened. */
+/* The 8 lane sums of 8 vectors of 16 int16 sums of 2 products (v[j]'s lanes summed into lane
+ * j) of 4- or 5-bit weights and x bytes (each at most 2 x 31 x 127 = 7874): two levels of
+ * horizontal adds within 128-bit halves stay in int16 (8 products: at most 31496), then
+ * widened, then the halves added. */
 INLINE __m256i sums8_16(const __m256i *v) {
     const __m256i one = _mm256_set1_epi16(1);
     const __m256i q0 = _mm256_madd_epi16(
@@ -754,15 +749,12 @@ INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, c
                     lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(qh, 4 - j0), b5));
                     hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(qh, 4 - j1), b5));
                 }
-                /* int16 sums of 2 products; Q4_K's reduced in int16 (see sums8_16) */
+                /* int16 sums of 2 products, reduced in int16 (sums8_16: 8 products of 5-bit
+                 * weights are at most 8 x 31 x 127 = 31496 too) */
                 ps[j0] = _mm256_maddubs_epi16(lo, loadx(x, 8 * sb + j0));
                 ps[j1] = _mm256_maddubs_epi16(hi, loadx(x, 8 * sb + j1));
-                if (five) {
-                    ps[j0] = _mm256_madd_epi16(ps[j0], _mm256_set1_epi16(1));
-                    ps[j1] = _mm256_madd_epi16(ps[j1], _mm256_set1_epi16(1));
-                }
             }
-            const __m256i sums = five ? sums8(ps) : sums8_16(ps);
+            const __m256i sums = sums8_16(ps);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
         }
     }
@@ -1740,11 +1732,8 @@ INLINE void multi_k45(const int five, const uint8_t *p, const si_xq *x, const in
             const __m256 scale = _mm256_mul_ps(_mm256_mul_ps(scf, _mm256_loadu_ps(x[t].d + 8 * (size_t)sb)), dv);
             accm[t] = _mm256_fmadd_ps(mdm, _mm256_loadu_ps(x[t].s + 8 * (size_t)sb), accm[t]);
             __m256i ps[8];
-            for (int j = 0; j < 8; j++) {
-                ps[j] = _mm256_maddubs_epi16(wq[j], loadx(&x[t], 8 * sb + j));
-                if (five) ps[j] = _mm256_madd_epi16(ps[j], _mm256_set1_epi16(1));
-            }
-            const __m256i sums = five ? sums8(ps) : sums8_16(ps);
+            for (int j = 0; j < 8; j++) ps[j] = _mm256_maddubs_epi16(wq[j], loadx(&x[t], 8 * sb + j));
+            const __m256i sums = sums8_16(ps); /* as rows_k45 */
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[t]);
         }
     }
