@@ -33,6 +33,12 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SI_AVX512 1
+#else
+#define SI_AVX512 0
+#endif
+
 INLINE float f16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -91,10 +97,15 @@ INLINE __m256i bit5(const uint8_t *p) {
  * are contiguous, so while a group of 4 rows is walked, the next group's bytes are fetched at the
  * same pace: a short row (a few KB) is otherwise over before the hardware prefetcher ramps up.
  * `far` (a group of more than PF_NEAR_BYTES) fetches into L2 only: into L1 the next group would
- * evict x's blocks, which every row reads again, and the group being read (a 32 KiB L1 holds
- * two 8 KiB groups beside x; two of 9-11 KiB, 4096-wide Q4_0 or Q5_K rows, made those kernels
- * slower: benchmarks/RESULTS.md). */
+ * evict x's blocks, which every row reads again, and the group being read. Where the line lies
+ * was measured per build (benchmarks/RESULTS.md): the AVX-512 kernels keep 9-10 KiB groups
+ * (4096-wide Q4_0, Q4_1, Q4_K rows) in L1 to their profit, 11 KiB ones (Q5_0, Q5_K) not; the
+ * AVX2 kernels lost on every group past 8 KiB. */
+#if SI_AVX512
+#define PF_NEAR_BYTES 10240
+#else
 #define PF_NEAR_BYTES 8192
+#endif
 INLINE void prefetch(const uint8_t *p, const int n, const int far) {
     if (far)
         for (int o = 0; o < n; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T1);
@@ -130,12 +141,6 @@ INLINE __m256 f16x8(const uint8_t *p, const int bsize, const int off) {
     for (int k = 0; k < 8; k++) memcpy(&h[k], p + k * bsize + off, 2);
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
 }
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define SI_AVX512 1
-#else
-#define SI_AVX512 0
-#endif
 
 /* ------------------------------------------------------------------ groups of 4 blocks */
 
