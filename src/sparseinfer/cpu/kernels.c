@@ -98,14 +98,10 @@ INLINE __m256i bit5(const uint8_t *p) {
  * same pace: a short row (a few KB) is otherwise over before the hardware prefetcher ramps up.
  * `far` (a group of more than PF_NEAR_BYTES) fetches into L2 only: into L1 the next group would
  * evict x's blocks, which every row reads again, and the group being read. Where the line lies
- * was measured per build (benchmarks/RESULTS.md): the AVX-512 kernels keep 9-10 KiB groups
- * (4096-wide Q4_0, Q4_1, Q4_K rows) in L1 to their profit, 11 KiB ones (Q5_0, Q5_K) not; the
- * AVX2 kernels lost on every group past 8 KiB. */
-#if SI_AVX512
+ * was measured (benchmarks/RESULTS.md): 9-10 KiB groups (4096-wide Q4_0, Q4_1, Q4_K rows) gain
+ * in L1 (AVX2's Q4_K decode of a 7B file lost ~9% without), 11 KiB ones (Q5_0, Q5_K) lose
+ * (plain AVX2's 4096-wide Q5_K rows ran at half speed). */
 #define PF_NEAR_BYTES 10240
-#else
-#define PF_NEAR_BYTES 8192
-#endif
 INLINE void prefetch(const uint8_t *p, const int n, const int far) {
     if (far)
         for (int o = 0; o < n; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T1);
