@@ -1354,14 +1354,20 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
                  float *y) {
     const int nb = cols / 32, nsb = cols / 256;
     const int far = 4 * rb > PF_NEAR_BYTES;
+#if !SI_AVX512 && !SI_NARROW /* plain AVX2's rows of 4- and 5-bit blocks ran faster with their
+                              * 9-10 KiB groups (4096 wide) in L2 as well (benchmarks/RESULTS.md) */
+    const int far4 = 4 * rb > 8192;
+#else
+    const int far4 = far;
+#endif
     if (si_is_panel(type)) {
         panel_rows(type, w, nrows, x, 1, nb, y, 0);
         return;
     }
 #define NEXT (w + (r + 4) * rb)
-#define B32(T, S)                                                                              \
-    WALK(rows_b32(T, S, w + r * rb, rb, 4, x, nb, y + r, NEXT, far),                           \
-         rows_b32(T, S, w + r * rb, rb, 1, x, nb, y + r, NULL, far))
+#define B32(T, S, F)                                                                           \
+    WALK(rows_b32(T, S, w + r * rb, rb, 4, x, nb, y + r, NEXT, F),                             \
+         rows_b32(T, S, w + r * rb, rb, 1, x, nb, y + r, NULL, F))
 #if SI_AVX512
 #define Q4G(T)                                                                                 \
     WALK(rows_q4g(T, w + r * rb, rb, 4, x, nb, y + r, NEXT, far),                              \
@@ -1378,10 +1384,10 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
 #undef Q4G
 #endif
     switch (type) {
-    case SI_Q4_0: B32(SI_Q4_0, 18); break;
-    case SI_Q4_1: B32(SI_Q4_1, 20); break;
-    case SI_Q5_0: B32(SI_Q5_0, 22); break;
-    case SI_Q5_1: B32(SI_Q5_1, 24); break;
+    case SI_Q4_0: B32(SI_Q4_0, 18, far4); break;
+    case SI_Q4_1: B32(SI_Q4_1, 20, far4); break;
+    case SI_Q5_0: B32(SI_Q5_0, 22, far4); break;
+    case SI_Q5_1: B32(SI_Q5_1, 24, far4); break;
     case SI_Q8_0:
 #if SI_AVX512
         /* rows of at most 1024 columns (Gemma's and SmolLM2's heads, SmolLM2's layers) go in
@@ -1393,7 +1399,7 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
             break;
         }
 #endif
-        B32(SI_Q8_0, 34);
+        B32(SI_Q8_0, 34, far);
         break;
 #if SI_AVX512
 #define K45 rows_k45_512
