@@ -404,20 +404,28 @@ def test_float16_cache(isa, threads, pos):
         block(x.clone(), pos, k16, v32, cos, sin)
 
 
+# (query heads, kv heads, head_dim): the AVX-512 kernel takes up to 3 query heads of a kv head
+# a pass where head_dim is a multiple of 16 (groups of 4 = 3 + 1, 3, 1, 7 = 3 + 3 + 1; 64 and
+# 256 columns: V in passes of 64, 80: one of 64 and one of 16); 24 is not (one head at a time)
+HEADS = [(8, 2, 64), (9, 3, 64), (4, 1, 256), (4, 4, 80), (14, 2, 32), (6, 2, 24)]
+
+
 @pytest.mark.parametrize("kv", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pos", [0, 7, 39, 99])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_attend_token_matches_attend_ref(isa, threads, kv, pos, interleaved):
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "x".join(map(str, h)))
+def test_attend_token_matches_attend_ref(isa, threads, kv, pos, interleaved, heads):
     """``cpu.attend_token`` (a sparse FFN's block's attention in C) against the torch
     reference ``fused.decode.attend_ref``: the same cache contents after the write (float16:
     rounded alike) and the same output to float32 summation order. Positions 0 and 7 run the
-    heads on the calling thread; from 31 on (32 x 8 heads x 64 >= 16384) on the pool."""
+    heads on the calling thread; from 31 on (32 x 8 heads x 64 >= 16384) on the pool. Key
+    counts 1, 8, 40 and 100: whole blocks of 8 keys and a tail."""
     import math
 
     from sparseinfer.fused.decode import attend_ref
 
     g = torch.Generator().manual_seed(pos)
-    nh, nkv, hd, S = 8, 2, 64, 100
+    (nh, nkv, hd), S = heads, 100
     qkv = torch.randn((nh + 2 * nkv) * hd, generator=g)
     kc, vc = torch.randn(nkv, S, hd, generator=g).to(kv), torch.randn(nkv, S, hd, generator=g).to(kv)
     kr, vr = kc.clone(), vc.clone()

@@ -2852,10 +2852,29 @@ INLINE float kv1(const int f16, const void *p, const size_t i) {
     memcpy(&h, (const uint16_t *)p + i, 2);
     return _cvtsh_ss(h);
 }
+/* scores[0..n) = softmax(scores) in place, m their maximum. */
+INLINE void softmax_row(float *scores, const int n, const float m) {
+    int s = 0;
+    __m256 tv = _mm256_setzero_ps();
+    for (; s + 8 <= n; s += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + s), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(scores + s, e);
+        tv = _mm256_add_ps(tv, e);
+    }
+    float tot = hsum(tv);
+    for (; s < n; s++) {
+        const float e = expf(scores[s] - m);
+        scores[s] = e;
+        tot += e;
+    }
+    const float inv = 1.0f / tot;
+    for (s = 0; s < n; s++) scores[s] *= inv;
+}
+
 /* One head's attention for one token over positions 0..n-1: out = softmax(scale · K q) · V, with
- * kc/vc this head's K/V rows (hd values apart: float32, or float16 for si_attend_head16);
- * scores: n floats of scratch. Scores 8 keys at a time (8 independent dot products, one
- * transposing sum); the weighted sum of V in registers, 64 columns at a time. */
+ * kc/vc this head's K/V rows (hd values apart: float32, or float16 when f16); scores: n floats
+ * of scratch. Scores 8 keys at a time (8 independent dot products, one transposing sum); the
+ * weighted sum of V in registers, 64 columns at a time. */
 INLINE void attend_impl(const int f16, const float *q, const void *kc, const void *vc, int n, int hd,
                         float scale, float *scores, float *out) {
     const int hd8 = hd & ~7;
@@ -2893,22 +2912,7 @@ INLINE void attend_impl(const int f16, const float *q, const void *kc, const voi
         scores[s] = acc;
         m = acc > m ? acc : m;
     }
-    float tot = 0.0f;
-    s = 0;
-    __m256 tv = _mm256_setzero_ps();
-    for (; s + 8 <= n; s += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + s), _mm256_set1_ps(m)));
-        _mm256_storeu_ps(scores + s, e);
-        tv = _mm256_add_ps(tv, e);
-    }
-    tot = hsum(tv);
-    for (; s < n; s++) {
-        const float e = expf(scores[s] - m);
-        scores[s] = e;
-        tot += e;
-    }
-    const float inv = 1.0f / tot;
-    for (s = 0; s < n; s++) scores[s] *= inv;
+    softmax_row(scores, n, m);
     int j0 = 0;
     for (; j0 + 64 <= hd; j0 += 64) { /* out[j0, j0 + 64) = sum_s p_s v_s, in 8 registers */
         __m256 o[8];
@@ -2932,11 +2936,122 @@ INLINE void attend_impl(const int f16, const float *q, const void *kc, const voi
         }
     }
 }
-void FN(si_attend_head)(const float *q, const float *kc, const float *vc, int n, int hd,
-                        float scale, float *scores, float *out) {
-    attend_impl(0, q, kc, vc, n, hd, scale, scores, out);
+
+#if SI_AVX512
+INLINE __m512 kv16f(const int f16, const void *p, const size_t i) {
+    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+               : _mm512_loadu_ps((const float *)p + i);
 }
-void FN(si_attend_head16)(const float *q, const uint16_t *kc, const uint16_t *vc, int n, int hd,
-                          float scale, float *scores, float *out) {
-    attend_impl(1, q, kc, vc, n, hd, scale, scores, out);
+
+/* H <= 3 query heads (q + h hd) that share one K/V head, hd a multiple of 16, in 512-bit
+ * registers: each key and value row is loaded (and converted from float16) once for the H
+ * heads. Scores 8 keys at a time (8 x H accumulators of 16 columns, one transposing sum per
+ * head); the weighted sum of V 64 columns at a time (4 x H accumulators), then 16 at a time.
+ * Head h's scores in scores + h sstride, its output at out + h hd. */
+INLINE void attend_heads_512(const int f16, const float *q, const void *kc, const void *vc,
+                             const int n, const int hd, const float scale, const int H,
+                             float *scores, const size_t sstride, float *out) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    __m256 mv[3];
+    for (int h = 0; h < H; h++) mv[h] = _mm256_set1_ps(-INFINITY);
+    int s = 0;
+    for (; s + 8 <= n; s += 8) {
+        const size_t k = (size_t)s * hd;
+        __m512 a[3][8];
+        for (int h = 0; h < H; h++)
+            for (int i = 0; i < 8; i++) a[h][i] = _mm512_setzero_ps();
+        for (int j = 0; j < hd; j += 16) {
+            __m512 qv[3];
+            for (int h = 0; h < H; h++) qv[h] = _mm512_loadu_ps(q + (size_t)h * hd + j);
+            for (int i = 0; i < 8; i++) {
+                const __m512 kv = kv16f(f16, kc, k + (size_t)i * hd + j);
+                for (int h = 0; h < H; h++) a[h][i] = _mm512_fmadd_ps(qv[h], kv, a[h][i]);
+            }
+        }
+        for (int h = 0; h < H; h++) {
+            __m256 t[8];
+            for (int i = 0; i < 8; i++)
+                t[i] = _mm256_add_ps(_mm512_castps512_ps256(a[h][i]),
+                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[h][i]), 1)));
+            const __m256 r = _mm256_mul_ps(hsum8x8(t), sc);
+            _mm256_storeu_ps(scores + h * sstride + s, r);
+            mv[h] = _mm256_max_ps(mv[h], r);
+        }
+    }
+    float m[3];
+    for (int h = 0; h < H; h++) m[h] = hmax(mv[h]);
+    for (; s < n; s++) {
+        const size_t k = (size_t)s * hd;
+        for (int h = 0; h < H; h++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int j = 0; j < hd; j += 16)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(q + (size_t)h * hd + j), kv16f(f16, kc, k + j), a);
+            const float v = _mm512_reduce_add_ps(a) * scale;
+            scores[h * sstride + s] = v;
+            m[h] = v > m[h] ? v : m[h];
+        }
+    }
+    for (int h = 0; h < H; h++) softmax_row(scores + h * sstride, n, m[h]);
+    int j0 = 0;
+    for (; j0 + 64 <= hd; j0 += 64) {
+        __m512 o[3][4];
+        for (int h = 0; h < H; h++)
+            for (int c = 0; c < 4; c++) o[h][c] = _mm512_setzero_ps();
+        for (s = 0; s < n; s++) {
+            const size_t v = (size_t)s * hd + j0;
+            __m512 vv[4];
+            for (int c = 0; c < 4; c++) vv[c] = kv16f(f16, vc, v + 16 * c);
+            for (int h = 0; h < H; h++) {
+                const __m512 p = _mm512_set1_ps(scores[h * sstride + s]);
+                for (int c = 0; c < 4; c++) o[h][c] = _mm512_fmadd_ps(p, vv[c], o[h][c]);
+            }
+        }
+        for (int h = 0; h < H; h++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + (size_t)h * hd + j0 + 16 * c, o[h][c]);
+    }
+    for (; j0 < hd; j0 += 16) {
+        __m512 o[3];
+        for (int h = 0; h < H; h++) o[h] = _mm512_setzero_ps();
+        for (s = 0; s < n; s++) {
+            const __m512 vv = kv16f(f16, vc, (size_t)s * hd + j0);
+            for (int h = 0; h < H; h++)
+                o[h] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * sstride + s]), vv, o[h]);
+        }
+        for (int h = 0; h < H; h++) _mm512_storeu_ps(out + (size_t)h * hd + j0, o[h]);
+    }
+}
+#endif
+
+/* G query heads (q + h hd, h < G) sharing one K/V head: out + h hd = that head's attention over
+ * positions 0..n-1 (as attend_impl), scratch scores + h sstride (n floats each). The AVX-512
+ * build takes up to 3 heads a pass where hd is a multiple of 16 (attend_heads_512); the others
+ * one head at a time. */
+INLINE void attend_group_impl(const int f16, const float *q, const void *kc, const void *vc,
+                              int n, int hd, float scale, int G, float *scores, size_t sstride,
+                              float *out) {
+#if SI_AVX512
+    if (hd % 16 == 0) {
+        for (int h0 = 0; h0 < G; h0 += 3) {
+            const float *qh = q + (size_t)h0 * hd;
+            float *sh = scores + h0 * sstride, *oh = out + (size_t)h0 * hd;
+            switch (G - h0 < 3 ? G - h0 : 3) {
+            case 1: attend_heads_512(f16, qh, kc, vc, n, hd, scale, 1, sh, sstride, oh); break;
+            case 2: attend_heads_512(f16, qh, kc, vc, n, hd, scale, 2, sh, sstride, oh); break;
+            default: attend_heads_512(f16, qh, kc, vc, n, hd, scale, 3, sh, sstride, oh); break;
+            }
+        }
+        return;
+    }
+#endif
+    for (int h = 0; h < G; h++)
+        attend_impl(f16, q + (size_t)h * hd, kc, vc, n, hd, scale, scores + h * sstride,
+                    out + (size_t)h * hd);
+}
+void FN(si_attend_group)(const float *q, const float *kc, const float *vc, int n, int hd,
+                         float scale, int G, float *scores, size_t sstride, float *out) {
+    attend_group_impl(0, q, kc, vc, n, hd, scale, G, scores, sstride, out);
+}
+void FN(si_attend_group16)(const float *q, const uint16_t *kc, const uint16_t *vc, int n, int hd,
+                           float scale, int G, float *scores, size_t sstride, float *out) {
+    attend_group_impl(1, q, kc, vc, n, hd, scale, G, scores, sstride, out);
 }

@@ -67,10 +67,10 @@ typedef void (*sparse_i8_fn)(const int8_t *, size_t, const float *, int, int, in
                              int, const uint8_t *, size_t, const float *, const si_xq *, int, int,
                              int, int, const float *, float *);
 static sparse_i8_fn g_sparse_i8;
-typedef void (*attend_fn)(const float *, const float *, const float *, int, int, float, float *,
-                          float *);
+typedef void (*attend_fn)(const float *, const float *, const float *, int, int, float, int,
+                          float *, size_t, float *);
 typedef void (*attend16_fn)(const float *, const uint16_t *, const uint16_t *, int, int, float,
-                            float *, float *);
+                            int, float *, size_t, float *);
 typedef void (*glu_fn)(int, int, int, const float *, const float *, int, float *);
 static attend_fn g_attend;
 static attend16_fn g_attend16;
@@ -118,8 +118,8 @@ int si_set_isa(int isa) {
     g_sparse = PICK(si_sparse_q4);
     g_gates = PICK(si_sparse_q4_gates);
     g_sparse_i8 = PICK(si_sparse_i8);
-    g_attend = PICK(si_attend_head);
-    g_attend16 = PICK(si_attend_head16);
+    g_attend = PICK(si_attend_group);
+    g_attend16 = PICK(si_attend_group16);
     g_glu = PICK(si_glu);
 #undef PICK
     return 0;
@@ -868,24 +868,18 @@ __attribute__((target("avx,f16c"))) static void to_f16(const float *x, uint16_t 
 /* Bytes per KV cache value: float16 (kv16) or float32. */
 static inline size_t kv_size(int kv16) { return kv16 ? 2 : 4; }
 
-/* One query head q against n cached keys/values at kc/vc (float16 when kv16, else float32):
- * this ISA's si_attend_head(16) into out, with n floats of scratch scores. */
-static void attend_head(int kv16, const float *q, const uint8_t *kc, const uint8_t *vc, int n,
-                        int hd, float scale, float *scores, float *out) {
-    if (kv16)
-        g_attend16(q, (const uint16_t *)kc, (const uint16_t *)vc, n, hd, scale, scores, out);
-    else
-        g_attend(q, (const float *)kc, (const float *)vc, n, hd, scale, scores, out);
-}
-
 /* Query heads h0 .. h0 + group - 1 of q (hd values each) against one kv head's keys/values at
- * kc/vc (n positions): head h's scores at scores + h * sstride, its output at out + h * hd. */
+ * kc/vc (n positions; float16 when kv16, else float32), by this ISA's si_attend_group(16): head
+ * h's scores (n floats of scratch) at scores + h * sstride, its output at out + h * hd. */
 static void attend_group(int kv16, const float *q, const uint8_t *kc, const uint8_t *vc, int n,
                          int hd, float scale, int h0, int group, float *scores, size_t sstride,
                          float *out) {
-    for (int h = h0; h < h0 + group; h++)
-        attend_head(kv16, q + (size_t)h * hd, kc, vc, n, hd, scale, scores + h * sstride,
-                    out + (size_t)h * hd);
+    q += (size_t)h0 * hd, scores += h0 * sstride, out += (size_t)h0 * hd;
+    if (kv16)
+        g_attend16(q, (const uint16_t *)kc, (const uint16_t *)vc, n, hd, scale, group, scores,
+                   sstride, out);
+    else
+        g_attend(q, (const float *)kc, (const float *)vc, n, hd, scale, group, scores, sstride, out);
 }
 
 /* Rope on n heads of hd values at v (rotate-half pairs, or adjacent ones when interleaved), with

@@ -88,10 +88,11 @@ typedef struct {
                             const uint8_t *mask, size_t mstride, const float *x,              \
                             const si_xq *xq, int T, int d_model, int ga, int ua,              \
                             const float *bias, float *out);                                    \
-    void si_attend_head_##isa(const float *q, const float *kc, const float *vc, int n, int hd,  \
-                              float scale, float *scores, float *out);                         \
-    void si_attend_head16_##isa(const float *q, const uint16_t *kc, const uint16_t *vc, int n,  \
-                                int hd, float scale, float *scores, float *out);               \
+    void si_attend_group_##isa(const float *q, const float *kc, const float *vc, int n, int hd, \
+                               float scale, int G, float *scores, size_t sstride, float *out); \
+    void si_attend_group16_##isa(const float *q, const uint16_t *kc, const uint16_t *vc, int n, \
+                                 int hd, float scale, int G, float *scores, size_t sstride,    \
+                                 float *out);                                                  \
     void si_glu_##isa(int gated, int ga, int ua, const float *in, const float *bias, int n,    \
                       float *out);
 
