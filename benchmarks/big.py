@@ -4,7 +4,7 @@
     python benchmarks/big.py --shape 7b --out /tmp/big          # writes /tmp/big/llama-7b.q4_0.gguf
     python benchmarks/big.py --shape 13b --out /tmp/big --tokens 8
     python benchmarks/big.py --shape 7b --out /tmp/big --rounds 5
-    python benchmarks/big.py --shape 7b --out /tmp/big --qtype q4_k_m   # the Q4_K_M mix
+    python benchmarks/big.py --shape 7b --out /tmp/big --qtype q4_k_m   # the Q4_K_M mix (or q5_k_m)
 
 The file holds random weights (a few random matrices reused across layers: bytes are what
 matter for speed and memory, not values) and SmolLM2's tokenizer. Each engine runs in its own
@@ -205,9 +205,10 @@ def main() -> int:
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--rounds", type=int, default=0,
                     help="then run the two engines alternately this many times more")
-    ap.add_argument("--qtype", default="q4_0", choices=["q4_0", "q4_k_m"],
-                    help="q4_k_m: the Q4_0 file requantized by llama.cpp's quantizer to its "
-                         "Q4_K_M mix (needs llama-cpp-python; the mix most GGUF downloads use)")
+    ap.add_argument("--qtype", default="q4_0", choices=["q4_0", "q4_k_m", "q5_k_m"],
+                    help="q4_k_m / q5_k_m: the Q4_0 file requantized by llama.cpp's quantizer to "
+                         "its Q4_K_M / Q5_K_M mix (needs llama-cpp-python; the mixes most GGUF "
+                         "downloads use)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
