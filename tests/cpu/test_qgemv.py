@@ -73,7 +73,7 @@ def x_rounding_bound(mat: cpu.QuantMatrix, x: torch.Tensor) -> torch.Tensor:
     w = ref.dequantize_ref(mat).double().abs()
     if mat.type_name in ("F16", "F32"):
         step = torch.zeros(mat.cols, dtype=torch.float64)
-    elif ref.x_block(mat.type_name) == 128:  # (Q6_K on plain AVX2)
+    elif ref.x_block(mat.type_name) == 128:  # (Q6_K on plain AVX2, Q4_K/Q5_K on AVX-512)
         _, d, _ = ref.quantize_xk_ref(x)
         step = d.double().repeat_interleave(128) / 2
     else:

@@ -763,13 +763,11 @@ INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, c
 }
 
 #if SI_AVX512
-/* rows_k45_512's lane constants: lane l of pair c takes fifth bit 2c + l / 32 (cnt_h, per byte)
- * and sub-block 2c + l / 8 (sidx). */
-INLINE void k45_idx(__m512i *cnt_h, __m512i *sidx) {
-    for (int c = 0; c < 4; c++) {
+/* rows_k45_512's lane constants: word w of pair c belongs to sub-block 2c + w / 16, whose fifth
+ * bits are bit 2c + w / 16 of qh (cnt_h: a shift count, and the index of its scale word). */
+INLINE void k45_idx(__m512i *cnt_h) {
+    for (int c = 0; c < 4; c++)
         cnt_h[c] = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
-        sidx[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
-    }
 }
 
 /* The 256 weights of the Q4_K/Q5_K super-block at p as rows_k45_512 takes them: q[c] = sub-blocks
@@ -789,11 +787,34 @@ INLINE void k45_quants_512(const int five, const uint8_t *p, const __m512i *cnt_
     }
 }
 
-/* Q4_K/Q5_K in 512-bit registers: a pair of sub-blocks (2c, 2c+1: the low and high nibbles of
- * qs[32c .. 32c+31]) is one vector of 64 weights in x's order: the 32 bytes broadcast to both
- * halves, shifted per word by 0 or 4 (vpsrlvw) and masked; Q5_K's fifth bits likewise from qh
- * (bits 2c, 2c+1). One dpbusd, one convert and one FMA per 64 weights, against two of each in
- * the 256-bit loop. Scales and minima as rows_k45. */
+/* Q4_K/Q5_K in 512-bit registers against x in blocks of 128 (x->kq, kd, ks): a pair of
+ * sub-blocks (2c, 2c+1: the low and high nibbles of qs[32c .. 32c+31]) is one vector of 64
+ * weights in x's order (k45_quants_512). Per pair: maddubs (2 products in int16: at most 2 x 31
+ * x 127), then vpdpwssd times the two sub-blocks' 6-bit scales (words, k45_scales) into int32:
+ * the scales stay integer across the 4 sub-blocks of a half super-block, which share one x
+ * scale, so a half costs one convert and one FMA (with d kd) where x in blocks of 32 took one of
+ * each per pair and a permute of the scales. The minima: dmin m[j] times x's sums per 32 (ks),
+ * a 256-bit FMA per super-block. */
+INLINE void k45_scales(const uint64_t sc8, const __m512i *cnt_h, __m512i *scl) {
+    const __m512i s16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_cvtsi64_si128((long long)sc8)));
+    for (int c = 0; c < 4; c++) scl[c] = _mm512_permutexvar_epi16(cnt_h[c], s16);
+}
+/* One super-block's two half sums against x's 256 bytes at xq, folded into acc (d: the weight
+ * super-block's scale; kd: x's two scales). Shared by the GEMV and the GEMM: the same bits. */
+INLINE __m512 k45_xk_fold(const __m512i *q, const __m512i *scl, const int8_t *xq, const float d,
+                          const float *kd, __m512 acc) {
+    __m512i h[2];
+    for (int k = 0; k < 2; k++) {
+        h[k] = _mm512_dpwssd_epi32(_mm512_setzero_si512(),
+                                   _mm512_maddubs_epi16(q[2 * k], _mm512_loadu_si512((const void *)(xq + 128 * k))),
+                                   scl[2 * k]);
+        h[k] = _mm512_dpwssd_epi32(h[k],
+                                   _mm512_maddubs_epi16(q[2 * k + 1], _mm512_loadu_si512((const void *)(xq + 128 * k + 64))),
+                                   scl[2 * k + 1]);
+    }
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h[0]), _mm512_set1_ps(d * kd[0]), acc);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(h[1]), _mm512_set1_ps(d * kd[1]), acc);
+}
 INLINE void rows_k45_512(const int five, const uint8_t *w, size_t rb, const int R, const si_xq *x,
                          int nsb, float *y, const uint8_t *pf, const int far) {
     const int bsize = five ? 176 : 144;
@@ -803,29 +824,23 @@ INLINE void rows_k45_512(const int five, const uint8_t *w, size_t rb, const int 
         acc[r] = _mm512_setzero_ps();
         accm[r] = _mm256_setzero_ps();
     }
-    __m512i cnt_h[4], sidx[4];
-    k45_idx(cnt_h, sidx);
+    __m512i cnt_h[4];
+    k45_idx(cnt_h);
     for (int sb = 0; sb < nsb; sb++) {
-        const __m256 xd = _mm256_loadu_ps(x->d + 8 * (size_t)sb);
-        const __m256 xs = _mm256_loadu_ps(x->s + 8 * (size_t)sb);
+        const __m256 xs = _mm256_loadu_ps(x->ks + 8 * (size_t)sb);
         if (pf) prefetch(pf + (size_t)sb * R * bsize, R * bsize, far);
-        const int8_t *xq = x->q + 256 * (size_t)sb;
+        const int8_t *xq = x->kq + 256 * (size_t)sb;
+        const float *kd = x->kd + 2 * (size_t)sb;
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)sb * bsize;
             uint64_t sc8, m8;
             scales_k(p + 4, &sc8, &m8);
-            const __m512 scale = _mm512_castps256_ps512(
-                _mm256_mul_ps(_mm256_mul_ps(bytes8_ps(sc8), xd), _mm256_set1_ps(f16(p))));
             accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(p + 2))), xs,
                                       accm[r]);
-            __m512i q[4];
+            __m512i q[4], scl[4];
             k45_quants_512(five, p, cnt_h, q);
-            for (int c = 0; c < 4; c++) {
-                const __m512i dot = _mm512_dpbusd_epi32(
-                    _mm512_setzero_si512(), q[c], _mm512_loadu_si512((const void *)(xq + 64 * c)));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(sidx[c], scale),
-                                         acc[r]);
-            }
+            k45_scales(sc8, cnt_h, scl);
+            acc[r] = k45_xk_fold(q, scl, xq, f16(p), kd, acc[r]);
         }
     }
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) - hsum(accm[r]);
@@ -1489,28 +1504,21 @@ INLINE void multi_k45_512(const int five, const uint8_t *p, const si_xq *x, cons
         acc[t] = _mm512_setzero_ps();
         accm[t] = _mm256_setzero_ps();
     }
-    __m512i cnt_h[4], sidx[4];
-    k45_idx(cnt_h, sidx);
+    __m512i cnt_h[4];
+    k45_idx(cnt_h);
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *pb = p + (size_t)sb * bsize;
         uint64_t sc8, m8;
         scales_k(pb + 4, &sc8, &m8);
-        const __m256 bsc = bytes8_ps(sc8), dw = _mm256_set1_ps(f16(pb));
+        const float dw = f16(pb);
         const __m256 bm = _mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(pb + 2)));
-        __m512i q[4];
+        __m512i q[4], scl[4];
         k45_quants_512(five, pb, cnt_h, q);
+        k45_scales(sc8, cnt_h, scl);
         for (int t = 0; t < nt; t++) {
-            const __m256 xd = _mm256_loadu_ps(x[t].d + 8 * (size_t)sb);
-            const __m256 xs = _mm256_loadu_ps(x[t].s + 8 * (size_t)sb);
-            const int8_t *xq = x[t].q + 256 * (size_t)sb;
-            const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_mul_ps(bsc, xd), dw));
-            accm[t] = _mm256_fmadd_ps(bm, xs, accm[t]);
-            for (int c = 0; c < 4; c++) {
-                const __m512i dot = _mm512_dpbusd_epi32(
-                    _mm512_setzero_si512(), q[c], _mm512_loadu_si512((const void *)(xq + 64 * c)));
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(sidx[c], scale),
-                                         acc[t]);
-            }
+            accm[t] = _mm256_fmadd_ps(bm, _mm256_loadu_ps(x[t].ks + 8 * (size_t)sb), accm[t]);
+            acc[t] = k45_xk_fold(q, scl, x[t].kq + 256 * (size_t)sb, dw, x[t].kd + 2 * (size_t)sb,
+                                 acc[t]);
         }
     }
     for (int t = 0; t < nt; t++) y[t * ys] = _mm512_reduce_add_ps(acc[t]) - hsum(accm[t]);

@@ -309,9 +309,9 @@ static struct {
     uint8_t *g; /* si_xgroups' rearranged copies */
     si_xq *xq;
     int8_t *kq; /* blocks of 128 (si_quantize_xk) */
-    float *kd;
+    float *kd, *ks;
     int16_t *kbs;
-    size_t cap_q, cap_d, cap_s, cap_t, cap_g, cap_kq, cap_kd, cap_kbs; /* bytes */
+    size_t cap_q, cap_d, cap_s, cap_t, cap_g, cap_kq, cap_kd, cap_kbs, cap_ks; /* bytes */
 } S;
 
 #define XK 128 /* x elements per scale for the plain AVX2 Q6_K kernels */
@@ -347,9 +347,21 @@ static int scratch(size_t nq, size_t nb, size_t nt, size_t ng) {
     return err;
 }
 
+/* The weight types that read x in blocks of 128 (x->kq ...), by ISA: plain AVX2's Q6_K
+ * (XK_Q6K), AVX-512's Q4_K and Q5_K (XK_K45). A job records the kinds its matrices are
+ * (xk_kind); whether x is made in blocks of 128 is decided when it runs, on the ISA then. */
+enum { XK_Q6K = 1, XK_K45 = 2 };
+static int xk_kind(int type) {
+    return type == SI_Q6_K ? XK_Q6K : type == SI_Q4_K || type == SI_Q5_K ? XK_K45 : 0;
+}
+static int xk_needed(int kinds) {
+    return ((kinds & XK_Q6K) && g_isa == ISA_AVX2) || ((kinds & XK_K45) && g_isa == ISA_AVX512);
+}
+
 /* Quantize T rows of x [T, cols] into the scratch (need_q), with the rearranged copies (need_g:
  * only the row-major Q4_0/Q4_1/Q5_0 and sparse kernels read them) and the blocks of 128
- * (need_k: the plain AVX2 Q6_K kernels read them); S.xq[t] describes row t. */
+ * (need_k: the xk_kind bits of the matrices; made where this ISA's kernels read them);
+ * S.xq[t] describes row t. */
 static int quantize_rows(const float *x, int64_t T, int cols, int need_q, int need_g,
                          int need_k) {
     /* the rearranged copies where the ISA's kernels read them (AVX-512: groups of 4 blocks,
@@ -358,10 +370,11 @@ static int quantize_rows(const float *x, int64_t T, int cols, int need_q, int ne
                  ng = need_g && g_isa != ISA_AVX2_128 ? SI_XG_BYTES((cols + 127) / 128) : 0;
     int err = scratch(need_q ? (size_t)T * cols : 1, need_q ? (size_t)T * nb : 1, (size_t)T,
                       need_q && ng ? (size_t)T * ng : 1);
-    need_k = need_k && g_isa == ISA_AVX2 && cols % XK == 0;
+    need_k = xk_needed(need_k) && cols % XK == 0;
     if (!err && need_k) err = grow((void **)&S.kq, &S.cap_kq, (size_t)T * cols);
     if (!err && need_k) err = grow((void **)&S.kd, &S.cap_kd, (size_t)T * (cols / XK) * sizeof(float));
     if (!err && need_k) err = grow((void **)&S.kbs, &S.cap_kbs, (size_t)T * (cols / 16) * sizeof(int16_t));
+    if (!err && need_k) err = grow((void **)&S.ks, &S.cap_ks, (size_t)T * (cols / 32) * sizeof(float));
     if (err) return err;
     for (int64_t t = 0; t < T; t++) {
         si_xq *xq = &S.xq[t];
@@ -370,13 +383,15 @@ static int quantize_rows(const float *x, int64_t T, int cols, int need_q, int ne
         xq->d = S.d + t * nb;
         xq->s = S.s + t * nb;
         xq->g = NULL;
-        xq->kq = NULL, xq->kd = NULL, xq->kbs = NULL;
+        xq->kq = NULL, xq->kd = NULL, xq->kbs = NULL, xq->ks = NULL;
         if (need_k) {
             int8_t *kq = S.kq + t * (size_t)cols;
-            float *kd = S.kd + t * (size_t)(cols / XK);
+            float *kd = S.kd + t * (size_t)(cols / XK), *ks = S.ks + t * (size_t)(cols / 32);
             int16_t *kbs = S.kbs + t * (size_t)(cols / 16);
             si_quantize_xk(xq->f, cols, kq, kd, kbs);
-            xq->kq = kq, xq->kd = kd, xq->kbs = kbs;
+            for (int b = 0; b < cols / 32; b++)
+                ks[b] = kd[b / (XK / 32)] * (float)(kbs[2 * b] + kbs[2 * b + 1]);
+            xq->kq = kq, xq->kd = kd, xq->kbs = kbs, xq->ks = ks;
         }
         if (need_q) {
             g_quant(xq->f, cols, S.q + t * (size_t)cols, S.d + t * nb, S.s + t * nb);
@@ -446,7 +461,7 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
         j->out[i] = outs[i];
         j->need_q |= types[i] != SI_F16 && types[i] != SI_F32;
         j->need_g |= types[i] == SI_Q4_0 || types[i] == SI_Q4_1 || types[i] == SI_Q5_0;
-        j->need_k |= types[i] == SI_Q6_K;
+        j->need_k |= xk_kind(types[i]);
         total_rows += rows[i];
     }
     /* chunk rows: a multiple of 4, about 8 chunks per thread (enough to even out a thread that

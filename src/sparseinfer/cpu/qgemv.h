@@ -58,11 +58,13 @@ typedef struct {
     const float *f;
     const uint8_t *g;
     /* x in blocks of 128 (si_quantize_xk; llama.cpp's Q8_K takes 256): kq[cols] int8, kd[cols /
-     * 128] scales, kbs[cols / 16] sums of kq per 16; for the plain AVX2 Q6_K kernels, which sum
-     * half a super-block in integers; NULL elsewhere */
+     * 128] scales, kbs[cols / 16] sums of kq per 16, ks[cols / 32] the rounded x's sums per 32
+     * (kd times the sums of kq); for the kernels that sum half a super-block in integers (plain
+     * AVX2's Q6_K, AVX-512's Q4_K and Q5_K); NULL elsewhere */
     const int8_t *kq;
     const float *kd;
     const int16_t *kbs;
+    const float *ks;
 } si_xq;
 
 /* Bytes of si_xgroups' output for G groups of 4 blocks (see kernels.c). */
