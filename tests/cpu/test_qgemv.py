@@ -73,7 +73,7 @@ def x_rounding_bound(mat: cpu.QuantMatrix, x: torch.Tensor) -> torch.Tensor:
     w = ref.dequantize_ref(mat).double().abs()
     if mat.type_name in ("F16", "F32"):
         step = torch.zeros(mat.cols, dtype=torch.float64)
-    elif ref.x_block(mat.type_name) == 128:  # (Q6_K on plain AVX2, Q4_K/Q5_K on AVX-512)
+    elif ref.x_block(mat.type_name) == 128:  # (Q6_K on plain AVX2 and AVX-512, Q5_K on AVX-512)
         _, d, _ = ref.quantize_xk_ref(x)
         step = d.double().repeat_interleave(128) / 2
     else:
@@ -210,16 +210,23 @@ def test_quantize_x_matches_reference(isa):
     torch.testing.assert_close(s, rs)
 
 
-def test_quantize_xk_matches_reference():
-    """x in blocks of 128 (the plain AVX2 Q6_K kernels'): as the reference rounds it, an
-    all-zero block included, with the sums per 16."""
+def test_quantize_xk_matches_reference(isa):
+    """x in blocks of 128 (the K-quant kernels that sum half a super-block in integers): as the
+    reference rounds it, an all-zero block and values halfway between two codes included (round
+    to even), with the sums per 16 and the rounded x's sums per 32."""
     rng = np.random.default_rng(3)
     x = torch.from_numpy(rng.standard_normal(1024).astype(np.float32) * 3)
     x[256:384] = 0.0
-    q, d, bs = cpu.quantize_xk(x)
+    x[384:512] = torch.arange(128) - 63.5  # d = 0.5: q = x / 0.5 lands on .5 where x is .25 off
+    x[384] = 63.5  # amax 63.5: d exactly 0.5
+    x[385:389] = torch.tensor([0.25, 0.75, -0.25, -1.25])
+    q, d, bs, ks = cpu.quantize_xk(x)
     rq, rd, rbs = ref.quantize_xk_ref(x)
     assert torch.equal(q, rq) and torch.equal(d, rd) and torch.equal(bs, rbs)
     assert bs.dtype == torch.int16 and not q[256:384].any() and d[2] == 0
+    assert d[3] == 0.5 and q[385:389].tolist() == [0, 2, 0, -2]
+    sums32 = rq.to(torch.int32).reshape(-1, 32).sum(dim=1)
+    assert torch.equal(ks, rd.repeat_interleave(4) * sums32.float())
     with pytest.raises(RuntimeError, match="quantize_xk"):
         cpu.quantize_xk(torch.zeros(96))
 

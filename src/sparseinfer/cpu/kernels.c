@@ -61,6 +61,13 @@ INLINE float hsum(__m256 v) {
     return _mm_cvtss_f32(a);
 }
 
+INLINE int hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
 INLINE float hmax(__m256 v) {
     __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     a = _mm_max_ps(a, _mm_movehl_ps(a, a));
@@ -763,11 +770,14 @@ INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, c
 }
 
 #if SI_AVX512
-/* rows_k45_512's lane constants: word w of pair c belongs to sub-block 2c + w / 16, whose fifth
- * bits are bit 2c + w / 16 of qh (cnt_h: a shift count, and the index of its scale word). */
-INLINE void k45_idx(__m512i *cnt_h) {
-    for (int c = 0; c < 4; c++)
+/* rows_k45_512's lane constants: lane l of pair c belongs to sub-block 2c + l / 32 (bytes; words
+ * 2c + w / 16, dwords 2c + d / 8), whose fifth bits are bit 2c + l / 32 of qh (cnt_h: a shift
+ * count per word) and whose scale is dword 2c + d / 8 of k45_scales' vector (sidx). */
+INLINE void k45_idx(__m512i *cnt_h, __m512i *sidx) {
+    for (int c = 0; c < 4; c++) {
         cnt_h[c] = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
+        sidx[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
+    }
 }
 
 /* The 256 weights of the Q4_K/Q5_K super-block at p as rows_k45_512 takes them: q[c] = sub-blocks
@@ -787,17 +797,19 @@ INLINE void k45_quants_512(const int five, const uint8_t *p, const __m512i *cnt_
     }
 }
 
-/* Q4_K/Q5_K in 512-bit registers against x in blocks of 128 (x->kq, kd, ks): a pair of
- * sub-blocks (2c, 2c+1: the low and high nibbles of qs[32c .. 32c+31]) is one vector of 64
- * weights in x's order (k45_quants_512). Per pair: maddubs (2 products in int16: at most 2 x 31
+/* Q5_K in 512-bit registers against x in blocks of 128 (x->kq, kd, ks; Q4_K: rows_q4k_512
+ * above): a pair of sub-blocks (2c, 2c+1: the low and high nibbles of qs[32c .. 32c+31]) is one
+ * vector of 64 weights in x's order (k45_quants_512). Per pair: maddubs (2 products in int16: at most 2 x 31
  * x 127), then vpdpwssd times the two sub-blocks' 6-bit scales (words, k45_scales) into int32:
  * the scales stay integer across the 4 sub-blocks of a half super-block, which share one x
  * scale, so a half costs one convert and one FMA (with d kd) where x in blocks of 32 took one of
  * each per pair and a permute of the scales. The minima: dmin m[j] times x's sums per 32 (ks),
  * a 256-bit FMA per super-block. */
-INLINE void k45_scales(const uint64_t sc8, const __m512i *cnt_h, __m512i *scl) {
-    const __m512i s16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_cvtsi64_si128((long long)sc8)));
-    for (int c = 0; c < 4; c++) scl[c] = _mm512_permutexvar_epi16(cnt_h[c], s16);
+INLINE void k45_scales(const uint64_t sc8, const __m512i *sidx, __m512i *scl) {
+    const __m256i s32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8));
+    /* each scale in both words of its dword: vpdpwssd multiplies word pairs */
+    const __m512i s2 = _mm512_castsi256_si512(_mm256_or_si256(s32, _mm256_slli_epi32(s32, 16)));
+    for (int c = 0; c < 4; c++) scl[c] = _mm512_permutexvar_epi32(sidx[c], s2);
 }
 /* One super-block's two half sums against x's 256 bytes at xq, folded into acc (d: the weight
  * super-block's scale; kd: x's two scales). Shared by the GEMV and the GEMM: the same bits. */
@@ -815,22 +827,69 @@ INLINE __m512 k45_xk_fold(const __m512i *q, const __m512i *scl, const int8_t *xq
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h[0]), _mm512_set1_ps(d * kd[0]), acc);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(h[1]), _mm512_set1_ps(d * kd[1]), acc);
 }
-INLINE void rows_k45_512(const int five, const uint8_t *w, size_t rb, const int R, const si_xq *x,
+/* Q4_K rows against x in blocks of 32 (x->q, d, s): per pair of sub-blocks one dpbusd, one
+ * convert and one FMA with the lanes' scale products d sc[j] xd[j] (permuted from 8). The
+ * blocks-of-128 fold below cost these rows ~13% from memory on one Zen 4 thread (its scale words
+ * and two more multiplies a pair, for every row), and gained their GEMM 10-30%; Q5_K and Q6_K
+ * gained both ways (benchmarks/RESULTS.md). */
+INLINE void rows_q4k_512(const uint8_t *w, size_t rb, const int R, const si_xq *x,
                          int nsb, float *y, const uint8_t *pf, const int far) {
-    const int bsize = five ? 176 : 144;
+    const int five = 0, bsize = 144;
     __m512 acc[4];
     __m256 accm[4];
     for (int r = 0; r < R; r++) {
         acc[r] = _mm512_setzero_ps();
         accm[r] = _mm256_setzero_ps();
     }
-    __m512i cnt_h[4];
-    k45_idx(cnt_h);
+    __m512i cnt_h[4], sidx[4];
+    k45_idx(cnt_h, sidx);
+    for (int sb = 0; sb < nsb; sb++) {
+        const __m256 xd = _mm256_loadu_ps(x->d + 8 * (size_t)sb);
+        const __m256 xs = _mm256_loadu_ps(x->s + 8 * (size_t)sb);
+        if (pf) prefetch(pf + (size_t)sb * R * bsize, R * bsize, far);
+        const int8_t *xq = x->q + 256 * (size_t)sb;
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (size_t)r * rb + (size_t)sb * bsize;
+            uint64_t sc8, m8;
+            scales_k(p + 4, &sc8, &m8);
+            const __m512 scale = _mm512_castps256_ps512(
+                _mm256_mul_ps(_mm256_mul_ps(bytes8_ps(sc8), xd), _mm256_set1_ps(f16(p))));
+            accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(p + 2))), xs,
+                                      accm[r]);
+            __m512i q[4];
+            k45_quants_512(five, p, cnt_h, q);
+            for (int c = 0; c < 4; c++) {
+                const __m512i dot = _mm512_dpbusd_epi32(
+                    _mm512_setzero_si512(), q[c], _mm512_loadu_si512((const void *)(xq + 64 * c)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(sidx[c], scale),
+                                         acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) - hsum(accm[r]);
+}
+
+INLINE void rows_k45_512(const int five, const uint8_t *w, size_t rb, const int R, const si_xq *x,
+                         int nsb, float *y, const uint8_t *pf, const int far) {
+    if (!five) {
+        rows_q4k_512(w, rb, R, x, nsb, y, pf, far);
+        return;
+    }
+    const int bsize = 176;
+    __m512 acc[4];
+    __m256 accm[4];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+        accm[r] = _mm256_setzero_ps();
+    }
+    __m512i cnt_h[4], sidx[4];
+    k45_idx(cnt_h, sidx);
     for (int sb = 0; sb < nsb; sb++) {
         const __m256 xs = _mm256_loadu_ps(x->ks + 8 * (size_t)sb);
         if (pf) prefetch(pf + (size_t)sb * R * bsize, R * bsize, far);
         const int8_t *xq = x->kq + 256 * (size_t)sb;
         const float *kd = x->kd + 2 * (size_t)sb;
+#pragma GCC unroll 4 /* the rows unrolled: one row's super-block work interleaves with the next's */
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)sb * bsize;
             uint64_t sc8, m8;
@@ -839,7 +898,7 @@ INLINE void rows_k45_512(const int five, const uint8_t *w, size_t rb, const int 
                                       accm[r]);
             __m512i q[4], scl[4];
             k45_quants_512(five, p, cnt_h, q);
-            k45_scales(sc8, cnt_h, scl);
+            k45_scales(sc8, sidx, scl);
             acc[r] = k45_xk_fold(q, scl, xq, f16(p), kd, acc[r]);
         }
     }
@@ -967,14 +1026,13 @@ INLINE void rows_q6k(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
 }
 
 #if SI_AVX512
-/* rows_q6k_512's lane indices: lane l of vector hv (half h = hv / 2, v = hv % 2: its low or high
- * vector) takes scale 4hv + l / 4 (sidx) and x block 2hv + l / 8 (xidx). */
-INLINE void q6k_idx(__m512i *sidx, __m512i *xidx) {
+/* rows_q6k_512's lane indices: dword l of vector hv (weights 64 hv + 4l .. 4l + 3) belongs to
+ * the 16-weight group 4 hv + l / 4, whose scale is dword 4 hv + l / 4 of q6k_scales' vector. */
+INLINE void q6k_didx(__m512i *didx) {
     for (int hv = 0; hv < 4; hv++) {
-        int32_t a[16], b[16];
-        for (int l = 0; l < 16; l++) a[l] = 4 * hv + l / 4, b[l] = 2 * hv + l / 8;
-        sidx[hv] = _mm512_loadu_si512((const void *)a);
-        xidx[hv] = _mm512_loadu_si512((const void *)b);
+        int32_t a[16];
+        for (int l = 0; l < 16; l++) a[l] = 4 * hv + l / 4;
+        didx[hv] = _mm512_loadu_si512((const void *)a);
     }
 }
 
@@ -997,48 +1055,70 @@ INLINE void q6k_quants_512(const uint8_t *p, __m512i *q) {
     }
 }
 
-/* Q6_K in 512-bit registers: per half h of a super-block, ql's 64 bytes give the 4-bit parts of
- * weights 0..63 (low nibbles) and 64..127 (high nibbles) of the half in order, and qh's 32 bytes
- * (broadcast to both 256-bit halves) their top 2 bits through a per-word shift (vpsrlvw: bits
- * 0-1 and 2-3 for the low vector's two halves, 4-5 and 6-7 for the high one's). A vector of 64
- * weights is then two dpbusd (q . x and 32 . x for the offset), one convert and one FMA with
- * the lanes' scale products d * scale[16th] * xd[32nd], against four 32-weight steps of the
- * 256-bit loop. */
+/* Q6_K in 512-bit registers against x in blocks of 128 (x->kq, kd, kbs): per half h of a
+ * super-block, ql's 64 bytes give the 4-bit parts of weights 0..63 (low nibbles) and 64..127
+ * (high nibbles) of the half in order, and qh's 32 bytes (broadcast to both 256-bit halves)
+ * their top 2 bits through a per-word shift (vpsrlvw: bits 0-1 and 2-3 for the low vector's two
+ * halves, 4-5 and 6-7 for the high one's): q + 32, unsigned. Per vector of 64 weights: maddubs
+ * (2 products in int16: at most 2 x 63 x 127), then vpdpwssd times the four 16-weight groups'
+ * int8 scales (words, q6k_scales) into int32, so a half (one x scale) costs one convert and one
+ * FMA; the + 32 comes back as 32 sum_j scale_j (x's sum over group j, kbs), one 256-bit
+ * multiply-add per super-block for both halves. */
+INLINE void q6k_scales(const uint8_t *p, const __m512i *didx, __m512i *scl, __m256i *sc16) {
+    const __m128i sc = _mm_loadu_si128((const __m128i *)(p + 192));
+    *sc16 = _mm256_cvtepi8_epi16(sc);
+    /* each scale in both words of its dword: vpdpwssd multiplies word pairs */
+    const __m512i s32 = _mm512_cvtepi8_epi32(sc);
+    const __m512i s2 = _mm512_or_si512(_mm512_and_si512(s32, _mm512_set1_epi32(0xFFFF)),
+                                       _mm512_slli_epi32(s32, 16));
+    for (int hv = 0; hv < 4; hv++) scl[hv] = _mm512_permutexvar_epi32(didx[hv], s2);
+}
+/* One super-block against x's 256 bytes at xq (kbs: its 16 sums per 16; kd: its 2 scales; d:
+ * the weights' scale) folded into acc (and the offset's terms into accm). Shared by the GEMV and
+ * the GEMM: the same bits. */
+INLINE __m512 q6k_xk_fold(const __m512i *q, const __m512i *scl, const __m256i sc16,
+                          const int8_t *xq, const int16_t *kbs, const float d, const float *kd,
+                          __m512 acc, __m256 *accm) {
+    __m512i h[2];
+    for (int k = 0; k < 2; k++) {
+        h[k] = _mm512_dpwssd_epi32(_mm512_setzero_si512(),
+                                   _mm512_maddubs_epi16(q[2 * k], _mm512_loadu_si512((const void *)(xq + 128 * k))),
+                                   scl[2 * k]);
+        h[k] = _mm512_dpwssd_epi32(h[k],
+                                   _mm512_maddubs_epi16(q[2 * k + 1], _mm512_loadu_si512((const void *)(xq + 128 * k + 64))),
+                                   scl[2 * k + 1]);
+    }
+    const float d0 = d * kd[0], d1 = d * kd[1];
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h[0]), _mm512_set1_ps(d0), acc);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h[1]), _mm512_set1_ps(d1), acc);
+    /* lanes 0-3: half 0's groups in pairs, 4-7: half 1's */
+    const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)kbs));
+    const __m256 dk = _mm256_set_m128(_mm_set1_ps(32.0f * d1), _mm_set1_ps(32.0f * d0));
+    *accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), dk, *accm);
+    return acc;
+}
 INLINE void rows_q6k_512(const uint8_t *w, size_t rb, const int R, const si_xq *x, int nsb,
                          float *y, const uint8_t *pf, const int far) {
     __m512 acc[4];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i k32 = _mm512_set1_epi8(32);
-    __m512i sidx[4], xidx[4];
-    q6k_idx(sidx, xidx);
+    __m256 accm[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), accm[r] = _mm256_setzero_ps();
+    __m512i didx[4];
+    q6k_didx(didx);
     for (int sb = 0; sb < nsb; sb++) {
         if (pf) prefetch(pf + (size_t)sb * R * 210, R * 210, far);
-        const int8_t *xq = x->q + 256 * (size_t)sb;
-        const __m512 xd8 = _mm512_castps256_ps512(_mm256_loadu_ps(x->d + 8 * (size_t)sb));
-        __m512 xdv[4];
-        __m512i xm[4]; /* 32 * (sum of each lane's 4 x bytes), per vector */
-        for (int hv = 0; hv < 4; hv++) {
-            xdv[hv] = _mm512_permutexvar_ps(xidx[hv], xd8);
-            xm[hv] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k32,
-                                         _mm512_loadu_si512((const void *)(xq + 64 * hv)));
-        }
+        const int8_t *xq = x->kq + 256 * (size_t)sb;
+        const int16_t *kbs = x->kbs + 16 * (size_t)sb;
+        const float *kd = x->kd + 2 * (size_t)sb;
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)sb * 210;
-            const __m512 sc = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 192)))),
-                _mm512_set1_ps(f16(p + 208)));
-            __m512i q[4];
+            __m512i q[4], scl[4];
+            __m256i sc16;
             q6k_quants_512(p, q);
-            for (int hv = 0; hv < 4; hv++) {
-                const __m512i xv = _mm512_loadu_si512((const void *)(xq + 64 * hv));
-                const __m512i dot = _mm512_sub_epi32(
-                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[hv], xv), xm[hv]);
-                const __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(sidx[hv], sc), xdv[hv]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
-            }
+            q6k_scales(p, didx, scl, &sc16);
+            acc[r] = q6k_xk_fold(q, scl, sc16, xq, kbs, f16(p + 208), kd, acc[r], &accm[r]);
         }
     }
-    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) - hsum(accm[r]);
 }
 #endif
 
@@ -1492,20 +1572,61 @@ INLINE void multi_q4g(const int type, const uint8_t *p, const si_xq *x, const in
 #endif
 
 #if SI_AVX512
-/* One Q4_K/Q5_K row against nt <= MULTI_T x rows: each super-block's weights and scales decoded
- * once (as rows_k45_512 decodes them) for every x row, every x row's result its GEMV's bit for
- * bit (the same operations in the same order). y[t * ys] for t < nt. */
-INLINE void multi_k45_512(const int five, const uint8_t *p, const si_xq *x, const int nt,
+/* Q4_K's GEMM against x in blocks of 32, as rows_q4k_512 (the same bits). */
+INLINE void multi_q4k_512(const uint8_t *p, const si_xq *x, const int nt,
                           const int nsb, float *y, const int64_t ys) {
-    const int bsize = five ? 176 : 144;
+    const int five = 0, bsize = 144;
     __m512 acc[MULTI_T];
     __m256 accm[MULTI_T];
     for (int t = 0; t < nt; t++) {
         acc[t] = _mm512_setzero_ps();
         accm[t] = _mm256_setzero_ps();
     }
-    __m512i cnt_h[4];
-    k45_idx(cnt_h);
+    __m512i cnt_h[4], sidx[4];
+    k45_idx(cnt_h, sidx);
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *pb = p + (size_t)sb * bsize;
+        uint64_t sc8, m8;
+        scales_k(pb + 4, &sc8, &m8);
+        const __m256 bsc = bytes8_ps(sc8), dw = _mm256_set1_ps(f16(pb));
+        const __m256 bm = _mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(pb + 2)));
+        __m512i q[4];
+        k45_quants_512(five, pb, cnt_h, q);
+        for (int t = 0; t < nt; t++) {
+            const __m256 xd = _mm256_loadu_ps(x[t].d + 8 * (size_t)sb);
+            const __m256 xs = _mm256_loadu_ps(x[t].s + 8 * (size_t)sb);
+            const int8_t *xq = x[t].q + 256 * (size_t)sb;
+            const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_mul_ps(bsc, xd), dw));
+            accm[t] = _mm256_fmadd_ps(bm, xs, accm[t]);
+            for (int c = 0; c < 4; c++) {
+                const __m512i dot = _mm512_dpbusd_epi32(
+                    _mm512_setzero_si512(), q[c], _mm512_loadu_si512((const void *)(xq + 64 * c)));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(sidx[c], scale),
+                                         acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) y[t * ys] = _mm512_reduce_add_ps(acc[t]) - hsum(accm[t]);
+}
+
+/* One Q4_K/Q5_K row against nt <= MULTI_T x rows: each super-block's weights and scales decoded
+ * once (as rows_k45_512 decodes them) for every x row, every x row's result its GEMV's bit for
+ * bit (the same operations in the same order). y[t * ys] for t < nt. */
+INLINE void multi_k45_512(const int five, const uint8_t *p, const si_xq *x, const int nt,
+                          const int nsb, float *y, const int64_t ys) {
+    if (!five) {
+        multi_q4k_512(p, x, nt, nsb, y, ys);
+        return;
+    }
+    const int bsize = 176;
+    __m512 acc[MULTI_T];
+    __m256 accm[MULTI_T];
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm512_setzero_ps();
+        accm[t] = _mm256_setzero_ps();
+    }
+    __m512i cnt_h[4], sidx[4];
+    k45_idx(cnt_h, sidx);
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *pb = p + (size_t)sb * bsize;
         uint64_t sc8, m8;
@@ -1514,7 +1635,7 @@ INLINE void multi_k45_512(const int five, const uint8_t *p, const si_xq *x, cons
         const __m256 bm = _mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(pb + 2)));
         __m512i q[4], scl[4];
         k45_quants_512(five, pb, cnt_h, q);
-        k45_scales(sc8, cnt_h, scl);
+        k45_scales(sc8, sidx, scl);
         for (int t = 0; t < nt; t++) {
             accm[t] = _mm256_fmadd_ps(bm, _mm256_loadu_ps(x[t].ks + 8 * (size_t)sb), accm[t]);
             acc[t] = k45_xk_fold(q, scl, x[t].kq + 256 * (size_t)sb, dw, x[t].kd + 2 * (size_t)sb,
@@ -1525,39 +1646,27 @@ INLINE void multi_k45_512(const int five, const uint8_t *p, const si_xq *x, cons
 }
 
 /* One Q6_K row against nt <= MULTI_T x rows: each super-block's weights and scales decoded once
- * (as rows_q6k_512) for every x row, every x row's result its GEMV's bit for bit (x's terms,
- * which the GEMV makes once per super-block for its 4 rows, made here per x row: kept in memory
- * for the whole call they were slower, their loads beside x's own). y[t * ys] for t < nt. */
+ * (as rows_q6k_512) for every x row, every x row's result its GEMV's bit for bit (the same fold).
+ * y[t * ys] for t < nt. */
 INLINE void multi_q6k_512(const uint8_t *p, const si_xq *x, const int nt, const int nsb, float *y,
                           const int64_t ys) {
     __m512 acc[MULTI_T];
-    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
-    const __m512i k32 = _mm512_set1_epi8(32);
-    __m512i sidx[4], xidx[4];
-    q6k_idx(sidx, xidx);
+    __m256 accm[MULTI_T];
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps(), accm[t] = _mm256_setzero_ps();
+    __m512i didx[4];
+    q6k_didx(didx);
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *pb = p + (size_t)sb * 210;
-        const __m512 sc = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pb + 192)))),
-            _mm512_set1_ps(f16(pb + 208)));
-        __m512i q[4];
-        __m512 scv[4];
+        const float d = f16(pb + 208);
+        __m512i q[4], scl[4];
+        __m256i sc16;
         q6k_quants_512(pb, q);
-        for (int hv = 0; hv < 4; hv++) scv[hv] = _mm512_permutexvar_ps(sidx[hv], sc);
-        for (int t = 0; t < nt; t++) {
-            const int8_t *xq = x[t].q + 256 * (size_t)sb;
-            const __m512 xd8 = _mm512_castps256_ps512(_mm256_loadu_ps(x[t].d + 8 * (size_t)sb));
-            for (int hv = 0; hv < 4; hv++) {
-                const __m512i xv = _mm512_loadu_si512((const void *)(xq + 64 * hv));
-                const __m512i dot = _mm512_sub_epi32(
-                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[hv], xv),
-                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), k32, xv));
-                const __m512 s = _mm512_mul_ps(scv[hv], _mm512_permutexvar_ps(xidx[hv], xd8));
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[t]);
-            }
-        }
+        q6k_scales(pb, didx, scl, &sc16);
+        for (int t = 0; t < nt; t++)
+            acc[t] = q6k_xk_fold(q, scl, sc16, x[t].kq + 256 * (size_t)sb, x[t].kbs + 16 * (size_t)sb,
+                                 d, x[t].kd + 2 * (size_t)sb, acc[t], &accm[t]);
     }
-    for (int t = 0; t < nt; t++) y[t * ys] = _mm512_reduce_add_ps(acc[t]);
+    for (int t = 0; t < nt; t++) y[t * ys] = _mm512_reduce_add_ps(acc[t]) - hsum(accm[t]);
 }
 #endif
 
@@ -2054,6 +2163,37 @@ void FN(si_quantize_x)(const float *x, int cols, int8_t *q, float *d, float *s) 
     }
 }
 
+/* x (cols, a multiple of 128) -> blocks of 128, as llama.cpp's Q8_K per 256 (si_quantize_xk):
+ * d = max|x|/127, q = round-to-even(x * (1/d)) (0 where d = 0), bs = sums of q per 16, and
+ * ks (unless NULL) = d times the sums of q per 32 (the K-quant kernels' minima terms). The
+ * rounding is the current mode's (round to even), as lrintf's. */
+void FN(si_quantize_xk)(const float *x, int cols, int8_t *q, float *d, int16_t *bs, float *ks) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int b = 0; b < cols / 128; b++) {
+        const float *xb = x + 128 * (size_t)b;
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < 16; i++) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xb + 8 * i), absmask));
+        const float amax = hmax(m);
+        const float db = amax / 127.0f;
+        const float id = db != 0.0f ? 1.0f / db : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        for (int k = 0; k < 4; k++) { /* 32 values: 2 sums of 16, one of 32 */
+            __m256i iv[4];
+            for (int i = 0; i < 4; i++)
+                iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 32 * k + 8 * i), vid));
+            const int s0 = hsum_epi32(_mm256_add_epi32(iv[0], iv[1]));
+            const int s1 = hsum_epi32(_mm256_add_epi32(iv[2], iv[3]));
+            bs[8 * (size_t)b + 2 * k] = (int16_t)s0;
+            bs[8 * (size_t)b + 2 * k + 1] = (int16_t)s1;
+            if (ks) ks[4 * (size_t)b + k] = db * (float)(s0 + s1);
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+            _mm256_storeu_si256((__m256i *)(q + 128 * (size_t)b + 32 * k), _mm256_permutevar8x32_epi32(p, perm));
+        }
+        d[b] = db;
+    }
+}
+
 /* ------------------------------------------------------------------ sparse FFN, Q4_0 bundles */
 
 /* The next neurons' bundles (pf[0..npf), pf_bytes each) are fetched a slice per step while the
@@ -2232,7 +2372,7 @@ INLINE void q4_dots_g(const uint8_t *const *rp, const int R, const si_xq *x, int
     if (nb > 4 * G) {
         const uint8_t *tp[8];
         for (int r = 0; r < R; r++) tp[r] = rp[r] + 72 * (size_t)G;
-        const si_xq xt = {x->q + 128 * (size_t)G, x->d + 4 * (size_t)G, x->s + 4 * (size_t)G, NULL, NULL};
+        const si_xq xt = {.q = x->q + 128 * (size_t)G, .d = x->d + 4 * (size_t)G, .s = x->s + 4 * (size_t)G};
         q4_dots(tp, R, &xt, nb - 4 * G, tail, NULL, 0, 0);
     }
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];

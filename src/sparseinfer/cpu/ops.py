@@ -91,7 +91,7 @@ def _load() -> ctypes.CDLL:
     lib.si_gemv.argtypes = [ci, vp, vp, vp, ci, vp, vp]
     lib.si_gemm.argtypes = [ci, vp, i64, ci, vp, i64, vp]
     lib.si_quantize_x.argtypes = [vp, ci, vp, vp, vp]
-    lib.si_quantize_xk.argtypes = [vp, ci, vp, vp, vp]
+    lib.si_quantize_xk.argtypes = [vp, ci, vp, vp, vp, vp]
     lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, vp,
                                  vp]
     lib.si_sparse_q4_gates.argtypes = [vp, ctypes.c_size_t, vp, ci, ci, vp, ci, vp]
@@ -481,16 +481,18 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return q, d, s
 
 
-def quantize_xk(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The blocks of 128 the plain AVX2 Q6_K kernels make of ``x`` (float32 [cols], cols a
-    multiple of 128): ``(q [cols] int8, d [cols/128], bsums [cols/16] int16)`` with ``x ≈ q · d``
-    per block and ``bsums`` the sums of q per 16."""
+def quantize_xk(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The blocks of 128 the K-quant kernels that sum half a super-block in integers make of
+    ``x`` (float32 [cols], cols a multiple of 128; plain AVX2's Q6_K, AVX-512's Q5_K/Q6_K),
+    by the selected ISA's code: ``(q [cols] int8, d [cols/128], bsums [cols/16] int16, ks
+    [cols/32])`` with ``x ≈ q · d`` per block, ``bsums`` the sums of q per 16 and ``ks`` d times
+    the sums of q per 32."""
     cols = x.shape[-1]
     _check_f32(x, (cols,), "x")
     q, d = torch.empty(cols, dtype=torch.int8), torch.empty(cols // 128)
-    bs = torch.empty(cols // 16, dtype=torch.int16)
-    _check(_lib.si_quantize_xk(_ptr(x), cols, _ptr(q), _ptr(d), _ptr(bs)), "quantize_xk")
-    return q, d, bs
+    bs, ks = torch.empty(cols // 16, dtype=torch.int16), torch.empty(cols // 32)
+    _check(_lib.si_quantize_xk(_ptr(x), cols, _ptr(q), _ptr(d), _ptr(bs), _ptr(ks)), "quantize_xk")
+    return q, d, bs, ks
 
 
 def _check_idx_bias(idx: torch.Tensor, up_bias: torch.Tensor | None, d_ff: int,

@@ -47,6 +47,7 @@ int si_block_bytes(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_BYT
 
 typedef void (*rows_fn)(int, const uint8_t *, size_t, int, const si_xq *, int, float *);
 typedef void (*quant_fn)(const float *, int, int8_t *, float *, float *);
+typedef void (*quantk_fn)(const float *, int, int8_t *, float *, int16_t *, float *);
 typedef int (*xgroups_fn)(const si_xq *, int, uint8_t *);
 typedef void (*sparse_fn)(const uint8_t *, size_t, int, const int32_t *, int, const uint8_t *,
                           size_t, const si_xq *, int, int, int, int, const float *, float *);
@@ -58,6 +59,7 @@ typedef void (*rows_multi_fn)(int, const uint8_t *, size_t, int, const si_xq *, 
                               int64_t);
 static rows_multi_fn g_rows_multi;
 static quant_fn g_quant;
+static quantk_fn g_quantk;
 static xgroups_fn g_xgroups;
 static sparse_fn g_sparse;
 typedef void (*gates_fn)(const uint8_t *, size_t, const int32_t *, int, const si_xq *, int,
@@ -114,6 +116,7 @@ int si_set_isa(int isa) {
     g_rows = PICK(si_rows);
     g_rows_multi = PICK(si_rows_multi);
     g_quant = PICK(si_quantize_x);
+    g_quantk = PICK(si_quantize_xk);
     g_xgroups = PICK(si_xgroups);
     g_sparse = PICK(si_sparse_q4);
     g_gates = PICK(si_sparse_q4_gates);
@@ -314,27 +317,13 @@ static struct {
     size_t cap_q, cap_d, cap_s, cap_t, cap_g, cap_kq, cap_kd, cap_kbs, cap_ks; /* bytes */
 } S;
 
-#define XK 128 /* x elements per scale for the plain AVX2 Q6_K kernels */
-/* x (cols, a multiple of XK) -> blocks of XK = 128 for the plain AVX2 Q6_K kernels (as
- * llama.cpp's Q8_K, whose blocks are 256): d = max|x|/127, q = round-to-even(x * (1/d)) (0 where
- * d = 0), bs = sums of q per 16. */
-int si_quantize_xk(const float *x, int cols, int8_t *q, float *d, int16_t *bs) {
+#define XK 128 /* x elements per scale of the blocks of 128 (x->kq) */
+/* x (cols, a multiple of XK) -> blocks of XK = 128 by this ISA's si_quantize_xk (see kernels.c):
+ * q, d per block, bs sums of q per 16, ks (unless NULL) the rounded x's sums per 32. */
+int si_quantize_xk(const float *x, int cols, int8_t *q, float *d, int16_t *bs, float *ks) {
     if (cols <= 0 || cols % XK) return EINVAL;
-    for (int b = 0; b < cols / XK; b++) {
-        const float *xb = x + XK * (size_t)b;
-        float amax = 0.0f;
-        for (int i = 0; i < XK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
-        const float db = amax / 127.0f;
-        const float id = db != 0.0f ? 1.0f / db : 0.0f;
-        int8_t *qb = q + XK * (size_t)b;
-        for (int i = 0; i < XK; i++) qb[i] = (int8_t)lrintf(xb[i] * id);
-        for (int j = 0; j < XK / 16; j++) {
-            int sum = 0;
-            for (int i = 0; i < 16; i++) sum += qb[16 * j + i];
-            bs[XK / 16 * b + j] = (int16_t)sum;
-        }
-        d[b] = db;
-    }
+    if (g_isa < 0) return ENODEV;
+    g_quantk(x, cols, q, d, bs, ks);
     return 0;
 }
 
@@ -347,30 +336,30 @@ static int scratch(size_t nq, size_t nb, size_t nt, size_t ng) {
     return err;
 }
 
-/* The weight types that read x in blocks of 128 (x->kq ...), by ISA: plain AVX2's Q6_K
- * (XK_Q6K), AVX-512's Q4_K and Q5_K (XK_K45). A job records the kinds its matrices are
+/* The weight types that read x in blocks of 128 (x->kq ...), by ISA: Q6_K on plain AVX2 and
+ * AVX-512 (XK_Q6K), Q5_K on AVX-512 (XK_Q5K). A job records the kinds its matrices are
  * (xk_kind); whether x is made in blocks of 128 is decided when it runs, on the ISA then. */
-enum { XK_Q6K = 1, XK_K45 = 2 };
-static int xk_kind(int type) {
-    return type == SI_Q6_K ? XK_Q6K : type == SI_Q4_K || type == SI_Q5_K ? XK_K45 : 0;
-}
-static int xk_needed(int kinds) {
-    return ((kinds & XK_Q6K) && g_isa == ISA_AVX2) || ((kinds & XK_K45) && g_isa == ISA_AVX512);
+enum { XK_Q6K = 1, XK_Q5K = 2 };
+static int xk_kind(int type) { return type == SI_Q6_K ? XK_Q6K : type == SI_Q5_K ? XK_Q5K : 0; }
+static int xk_served(void) { /* the kinds this ISA's kernels take in blocks of 128 */
+    return g_isa == ISA_AVX512 ? XK_Q6K | XK_Q5K : g_isa == ISA_AVX2 ? XK_Q6K : 0;
 }
 
-/* Quantize T rows of x [T, cols] into the scratch (need_q), with the rearranged copies (need_g:
- * only the row-major Q4_0/Q4_1/Q5_0 and sparse kernels read them) and the blocks of 128
- * (need_k: the xk_kind bits of the matrices; made where this ISA's kernels read them);
- * S.xq[t] describes row t. */
+/* Quantize T rows of x [T, cols] into the scratch in blocks of 32 (need_q: some matrix other
+ * than a K-quant's reads them), with the rearranged copies (need_g: only the row-major
+ * Q4_0/Q4_1/Q5_0 and sparse kernels read them), and in blocks of 128 (need_k: the xk_kind bits
+ * of the K-quant matrices; the kinds this ISA takes in blocks of 128 get those, the others
+ * blocks of 32); S.xq[t] describes row t. */
 static int quantize_rows(const float *x, int64_t T, int cols, int need_q, int need_g,
                          int need_k) {
+    need_q = need_q || (need_k & ~xk_served());
+    need_k = (need_k & xk_served()) && cols % XK == 0;
     /* the rearranged copies where the ISA's kernels read them (AVX-512: groups of 4 blocks,
      * SI_XG_BYTES each; plain AVX2: pairs of blocks, cols bytes, less) */
     const size_t nb = (size_t)cols / 32,
                  ng = need_g && g_isa != ISA_AVX2_128 ? SI_XG_BYTES((cols + 127) / 128) : 0;
     int err = scratch(need_q ? (size_t)T * cols : 1, need_q ? (size_t)T * nb : 1, (size_t)T,
                       need_q && ng ? (size_t)T * ng : 1);
-    need_k = xk_needed(need_k) && cols % XK == 0;
     if (!err && need_k) err = grow((void **)&S.kq, &S.cap_kq, (size_t)T * cols);
     if (!err && need_k) err = grow((void **)&S.kd, &S.cap_kd, (size_t)T * (cols / XK) * sizeof(float));
     if (!err && need_k) err = grow((void **)&S.kbs, &S.cap_kbs, (size_t)T * (cols / 16) * sizeof(int16_t));
@@ -388,9 +377,7 @@ static int quantize_rows(const float *x, int64_t T, int cols, int need_q, int ne
             int8_t *kq = S.kq + t * (size_t)cols;
             float *kd = S.kd + t * (size_t)(cols / XK), *ks = S.ks + t * (size_t)(cols / 32);
             int16_t *kbs = S.kbs + t * (size_t)(cols / 16);
-            si_quantize_xk(xq->f, cols, kq, kd, kbs);
-            for (int b = 0; b < cols / 32; b++)
-                ks[b] = kd[b / (XK / 32)] * (float)(kbs[2 * b] + kbs[2 * b + 1]);
+            g_quantk(xq->f, cols, kq, kd, kbs, ks);
             xq->kq = kq, xq->kd = kd, xq->kbs = kbs, xq->ks = ks;
         }
         if (need_q) {
@@ -459,7 +446,7 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
         j->rows[i] = rows[i];
         j->rb[i] = (size_t)cols / BLOCK_ELEMS[types[i]] * BLOCK_BYTES[types[i]];
         j->out[i] = outs[i];
-        j->need_q |= types[i] != SI_F16 && types[i] != SI_F32;
+        j->need_q |= types[i] != SI_F16 && types[i] != SI_F32 && !xk_kind(types[i]);
         j->need_g |= types[i] == SI_Q4_0 || types[i] == SI_Q4_1 || types[i] == SI_Q5_0;
         j->need_k |= xk_kind(types[i]);
         total_rows += rows[i];

@@ -60,7 +60,7 @@ typedef struct {
     /* x in blocks of 128 (si_quantize_xk; llama.cpp's Q8_K takes 256): kq[cols] int8, kd[cols /
      * 128] scales, kbs[cols / 16] sums of kq per 16, ks[cols / 32] the rounded x's sums per 32
      * (kd times the sums of kq); for the kernels that sum half a super-block in integers (plain
-     * AVX2's Q6_K, AVX-512's Q4_K and Q5_K); NULL elsewhere */
+     * AVX2's Q6_K, AVX-512's Q5_K and Q6_K); NULL elsewhere */
     const int8_t *kq;
     const float *kd;
     const int16_t *kbs;
@@ -90,6 +90,8 @@ typedef struct {
                             const uint8_t *mask, size_t mstride, const float *x,              \
                             const si_xq *xq, int T, int d_model, int ga, int ua,              \
                             const float *bias, float *out);                                    \
+    void si_quantize_xk_##isa(const float *x, int cols, int8_t *q, float *d, int16_t *bs,      \
+                              float *ks);                                                      \
     void si_attend_group_##isa(const float *q, const float *kc, const float *vc, int n, int hd, \
                                float scale, int G, float *scores, size_t sstride, float *out); \
     void si_attend_group16_##isa(const float *q, const uint16_t *kc, const uint16_t *vc, int n, \
