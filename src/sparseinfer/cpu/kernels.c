@@ -797,10 +797,10 @@ INLINE void k45_quants_512(const int five, const uint8_t *p, const __m512i *cnt_
     }
 }
 
-/* Q5_K in 512-bit registers against x in blocks of 128 (x->kq, kd, ks; Q4_K: rows_q4k_512
- * above): a pair of sub-blocks (2c, 2c+1: the low and high nibbles of qs[32c .. 32c+31]) is one
- * vector of 64 weights in x's order (k45_quants_512). Per pair: maddubs (2 products in int16: at most 2 x 31
- * x 127), then vpdpwssd times the two sub-blocks' 6-bit scales (words, k45_scales) into int32:
+/* Q5_K in 512-bit registers against x in blocks of 128 (x->kq, kd, ks; Q4_K: k4_fold below):
+ * a pair of sub-blocks (2c, 2c+1: the low and high nibbles of qs[32c .. 32c+31]) is one vector
+ * of 64 weights in x's order (k45_quants_512). Per pair: maddubs (2 products in int16: at most
+ * 2 x 31 x 127), then vpdpwssd times the two sub-blocks' 6-bit scales (words, k45_scales) into int32:
  * the scales stay integer across the 4 sub-blocks of a half super-block, which share one x
  * scale, so a half costs one convert and one FMA (with d kd) where x in blocks of 32 took one of
  * each per pair and a permute of the scales. The minima: dmin m[j] times x's sums per 32 (ks),
@@ -811,30 +811,41 @@ INLINE void k45_scales(const uint64_t sc8, const __m512i *sidx, __m512i *scl) {
     const __m512i s2 = _mm512_castsi256_si512(_mm256_or_si256(s32, _mm256_slli_epi32(s32, 16)));
     for (int c = 0; c < 4; c++) scl[c] = _mm512_permutexvar_epi32(sidx[c], s2);
 }
-/* One super-block's two half sums against x's 256 bytes at xq, folded into acc (d: the weight
- * super-block's scale; kd: x's two scales). Shared by the GEMV and the GEMM: the same bits. */
-INLINE __m512 k45_xk_fold(const __m512i *q, const __m512i *scl, const int8_t *xq, const float d,
-                          const float *kd, __m512 acc) {
+/* One super-block's two half sums against x's 256 bytes at xq (q: its 4 vectors of 64 unsigned
+ * weights; scl: their scale words), each converted and folded into acc with d kd[half] (d: the
+ * weights' scale; kd: x's two scales). Q5_K's and Q6_K's, shared by the GEMV and the GEMM: the
+ * same bits. */
+INLINE __m512 xk_fold(const __m512i *q, const __m512i *scl, const int8_t *xq, const float d,
+                      const float *kd, __m512 acc) {
     __m512i h[2];
     for (int k = 0; k < 2; k++) {
-        h[k] = _mm512_dpwssd_epi32(_mm512_setzero_si512(),
-                                   _mm512_maddubs_epi16(q[2 * k], _mm512_loadu_si512((const void *)(xq + 128 * k))),
-                                   scl[2 * k]);
-        h[k] = _mm512_dpwssd_epi32(h[k],
-                                   _mm512_maddubs_epi16(q[2 * k + 1], _mm512_loadu_si512((const void *)(xq + 128 * k + 64))),
-                                   scl[2 * k + 1]);
+        const __m512i x0 = _mm512_loadu_si512((const void *)(xq + 128 * k));
+        const __m512i x1 = _mm512_loadu_si512((const void *)(xq + 128 * k + 64));
+        h[k] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(q[2 * k], x0), scl[2 * k]);
+        h[k] = _mm512_dpwssd_epi32(h[k], _mm512_maddubs_epi16(q[2 * k + 1], x1), scl[2 * k + 1]);
     }
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h[0]), _mm512_set1_ps(d * kd[0]), acc);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(h[1]), _mm512_set1_ps(d * kd[1]), acc);
 }
-/* Q4_K rows against x in blocks of 32 (x->q, d, s): per pair of sub-blocks one dpbusd, one
- * convert and one FMA with the lanes' scale products d sc[j] xd[j] (permuted from 8). The
- * blocks-of-128 fold below cost these rows ~13% from memory on one Zen 4 thread (its scale words
- * and two more multiplies a pair, for every row), and gained their GEMM 10-30%; Q5_K and Q6_K
- * gained both ways (benchmarks/RESULTS.md). */
-INLINE void rows_q4k_512(const uint8_t *w, size_t rb, const int R, const si_xq *x,
+/* Q4_K against x in blocks of 32 (x->q, d, s): per pair of sub-blocks one dpbusd, one convert
+ * and one FMA with the lanes' scale products (scale: d sc[j] xd[j], 8 floats, permuted to the
+ * lanes). The blocks-of-128 fold above cost Q4_K's GEMV ~13% from memory on one Zen 4 thread
+ * (its scale words and two more multiplies a pair, for every row) for 10-30% on its GEMM, and a
+ * 7B Q4_K_M file's one-thread decode 15%: Q4_K stays here (benchmarks/RESULTS.md). Shared by the
+ * GEMV and the GEMM: the same bits. */
+INLINE __m512 k4_fold(const __m512i *q, const __m512i *sidx, const int8_t *xq, const __m256 scale,
+                      __m512 acc) {
+    const __m512 sc = _mm512_castps256_ps512(scale);
+    for (int c = 0; c < 4; c++) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c],
+                                                _mm512_loadu_si512((const void *)(xq + 64 * c)));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(sidx[c], sc), acc);
+    }
+    return acc;
+}
+INLINE void rows_k45_512(const int five, const uint8_t *w, size_t rb, const int R, const si_xq *x,
                          int nsb, float *y, const uint8_t *pf, const int far) {
-    const int five = 0, bsize = 144;
+    const int bsize = five ? 176 : 144;
     __m512 acc[4];
     __m256 accm[4];
     for (int r = 0; r < R; r++) {
@@ -844,62 +855,27 @@ INLINE void rows_q4k_512(const uint8_t *w, size_t rb, const int R, const si_xq *
     __m512i cnt_h[4], sidx[4];
     k45_idx(cnt_h, sidx);
     for (int sb = 0; sb < nsb; sb++) {
-        const __m256 xd = _mm256_loadu_ps(x->d + 8 * (size_t)sb);
-        const __m256 xs = _mm256_loadu_ps(x->s + 8 * (size_t)sb);
+        /* x's sums per 32 (the minima), its bytes and (Q4_K) its scales per 32 */
+        const __m256 xs = _mm256_loadu_ps((five ? x->ks : x->s) + 8 * (size_t)sb);
+        const __m256 xd = five ? _mm256_setzero_ps() : _mm256_loadu_ps(x->d + 8 * (size_t)sb);
         if (pf) prefetch(pf + (size_t)sb * R * bsize, R * bsize, far);
-        const int8_t *xq = x->q + 256 * (size_t)sb;
+        const int8_t *xq = (five ? x->kq : x->q) + 256 * (size_t)sb;
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (size_t)r * rb + (size_t)sb * bsize;
             uint64_t sc8, m8;
             scales_k(p + 4, &sc8, &m8);
-            const __m512 scale = _mm512_castps256_ps512(
-                _mm256_mul_ps(_mm256_mul_ps(bytes8_ps(sc8), xd), _mm256_set1_ps(f16(p))));
             accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(p + 2))), xs,
                                       accm[r]);
             __m512i q[4];
             k45_quants_512(five, p, cnt_h, q);
-            for (int c = 0; c < 4; c++) {
-                const __m512i dot = _mm512_dpbusd_epi32(
-                    _mm512_setzero_si512(), q[c], _mm512_loadu_si512((const void *)(xq + 64 * c)));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(sidx[c], scale),
-                                         acc[r]);
+            if (five) {
+                __m512i scl[4];
+                k45_scales(sc8, sidx, scl);
+                acc[r] = xk_fold(q, scl, xq, f16(p), x->kd + 2 * (size_t)sb, acc[r]);
+            } else {
+                acc[r] = k4_fold(q, sidx, xq, _mm256_mul_ps(_mm256_mul_ps(bytes8_ps(sc8), xd),
+                                                            _mm256_set1_ps(f16(p))), acc[r]);
             }
-        }
-    }
-    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) - hsum(accm[r]);
-}
-
-INLINE void rows_k45_512(const int five, const uint8_t *w, size_t rb, const int R, const si_xq *x,
-                         int nsb, float *y, const uint8_t *pf, const int far) {
-    if (!five) {
-        rows_q4k_512(w, rb, R, x, nsb, y, pf, far);
-        return;
-    }
-    const int bsize = 176;
-    __m512 acc[4];
-    __m256 accm[4];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm512_setzero_ps();
-        accm[r] = _mm256_setzero_ps();
-    }
-    __m512i cnt_h[4], sidx[4];
-    k45_idx(cnt_h, sidx);
-    for (int sb = 0; sb < nsb; sb++) {
-        const __m256 xs = _mm256_loadu_ps(x->ks + 8 * (size_t)sb);
-        if (pf) prefetch(pf + (size_t)sb * R * bsize, R * bsize, far);
-        const int8_t *xq = x->kq + 256 * (size_t)sb;
-        const float *kd = x->kd + 2 * (size_t)sb;
-#pragma GCC unroll 4 /* the rows unrolled: one row's super-block work interleaves with the next's */
-        for (int r = 0; r < R; r++) {
-            const uint8_t *p = w + (size_t)r * rb + (size_t)sb * bsize;
-            uint64_t sc8, m8;
-            scales_k(p + 4, &sc8, &m8);
-            accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(p + 2))), xs,
-                                      accm[r]);
-            __m512i q[4], scl[4];
-            k45_quants_512(five, p, cnt_h, q);
-            k45_scales(sc8, sidx, scl);
-            acc[r] = k45_xk_fold(q, scl, xq, f16(p), kd, acc[r]);
         }
     }
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) - hsum(accm[r]);
@@ -1073,27 +1049,15 @@ INLINE void q6k_scales(const uint8_t *p, const __m512i *didx, __m512i *scl, __m2
                                        _mm512_slli_epi32(s32, 16));
     for (int hv = 0; hv < 4; hv++) scl[hv] = _mm512_permutexvar_epi32(didx[hv], s2);
 }
-/* One super-block against x's 256 bytes at xq (kbs: its 16 sums per 16; kd: its 2 scales; d:
- * the weights' scale) folded into acc (and the offset's terms into accm). Shared by the GEMV and
- * the GEMM: the same bits. */
+/* One Q6_K super-block against x's 256 bytes at xq: xk_fold, and the + 32 taken back into accm
+ * (kbs: x's 16 sums per 16; sc16: the 16 scales as words). */
 INLINE __m512 q6k_xk_fold(const __m512i *q, const __m512i *scl, const __m256i sc16,
                           const int8_t *xq, const int16_t *kbs, const float d, const float *kd,
                           __m512 acc, __m256 *accm) {
-    __m512i h[2];
-    for (int k = 0; k < 2; k++) {
-        h[k] = _mm512_dpwssd_epi32(_mm512_setzero_si512(),
-                                   _mm512_maddubs_epi16(q[2 * k], _mm512_loadu_si512((const void *)(xq + 128 * k))),
-                                   scl[2 * k]);
-        h[k] = _mm512_dpwssd_epi32(h[k],
-                                   _mm512_maddubs_epi16(q[2 * k + 1], _mm512_loadu_si512((const void *)(xq + 128 * k + 64))),
-                                   scl[2 * k + 1]);
-    }
-    const float d0 = d * kd[0], d1 = d * kd[1];
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h[0]), _mm512_set1_ps(d0), acc);
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h[1]), _mm512_set1_ps(d1), acc);
+    acc = xk_fold(q, scl, xq, d, kd, acc);
     /* lanes 0-3: half 0's groups in pairs, 4-7: half 1's */
     const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)kbs));
-    const __m256 dk = _mm256_set_m128(_mm_set1_ps(32.0f * d1), _mm_set1_ps(32.0f * d0));
+    const __m256 dk = _mm256_set_m128(_mm_set1_ps(32.0f * (d * kd[1])), _mm_set1_ps(32.0f * (d * kd[0])));
     *accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), dk, *accm);
     return acc;
 }
@@ -1572,53 +1536,12 @@ INLINE void multi_q4g(const int type, const uint8_t *p, const si_xq *x, const in
 #endif
 
 #if SI_AVX512
-/* Q4_K's GEMM against x in blocks of 32, as rows_q4k_512 (the same bits). */
-INLINE void multi_q4k_512(const uint8_t *p, const si_xq *x, const int nt,
-                          const int nsb, float *y, const int64_t ys) {
-    const int five = 0, bsize = 144;
-    __m512 acc[MULTI_T];
-    __m256 accm[MULTI_T];
-    for (int t = 0; t < nt; t++) {
-        acc[t] = _mm512_setzero_ps();
-        accm[t] = _mm256_setzero_ps();
-    }
-    __m512i cnt_h[4], sidx[4];
-    k45_idx(cnt_h, sidx);
-    for (int sb = 0; sb < nsb; sb++) {
-        const uint8_t *pb = p + (size_t)sb * bsize;
-        uint64_t sc8, m8;
-        scales_k(pb + 4, &sc8, &m8);
-        const __m256 bsc = bytes8_ps(sc8), dw = _mm256_set1_ps(f16(pb));
-        const __m256 bm = _mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(pb + 2)));
-        __m512i q[4];
-        k45_quants_512(five, pb, cnt_h, q);
-        for (int t = 0; t < nt; t++) {
-            const __m256 xd = _mm256_loadu_ps(x[t].d + 8 * (size_t)sb);
-            const __m256 xs = _mm256_loadu_ps(x[t].s + 8 * (size_t)sb);
-            const int8_t *xq = x[t].q + 256 * (size_t)sb;
-            const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_mul_ps(bsc, xd), dw));
-            accm[t] = _mm256_fmadd_ps(bm, xs, accm[t]);
-            for (int c = 0; c < 4; c++) {
-                const __m512i dot = _mm512_dpbusd_epi32(
-                    _mm512_setzero_si512(), q[c], _mm512_loadu_si512((const void *)(xq + 64 * c)));
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(sidx[c], scale),
-                                         acc[t]);
-            }
-        }
-    }
-    for (int t = 0; t < nt; t++) y[t * ys] = _mm512_reduce_add_ps(acc[t]) - hsum(accm[t]);
-}
-
 /* One Q4_K/Q5_K row against nt <= MULTI_T x rows: each super-block's weights and scales decoded
  * once (as rows_k45_512 decodes them) for every x row, every x row's result its GEMV's bit for
  * bit (the same operations in the same order). y[t * ys] for t < nt. */
 INLINE void multi_k45_512(const int five, const uint8_t *p, const si_xq *x, const int nt,
                           const int nsb, float *y, const int64_t ys) {
-    if (!five) {
-        multi_q4k_512(p, x, nt, nsb, y, ys);
-        return;
-    }
-    const int bsize = 176;
+    const int bsize = five ? 176 : 144;
     __m512 acc[MULTI_T];
     __m256 accm[MULTI_T];
     for (int t = 0; t < nt; t++) {
@@ -1635,10 +1558,18 @@ INLINE void multi_k45_512(const int five, const uint8_t *p, const si_xq *x, cons
         const __m256 bm = _mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(pb + 2)));
         __m512i q[4], scl[4];
         k45_quants_512(five, pb, cnt_h, q);
-        k45_scales(sc8, sidx, scl);
+        if (five) k45_scales(sc8, sidx, scl);
+        const __m256 bsc = bytes8_ps(sc8);
         for (int t = 0; t < nt; t++) {
-            accm[t] = _mm256_fmadd_ps(bm, _mm256_loadu_ps(x[t].ks + 8 * (size_t)sb), accm[t]);
-            acc[t] = k45_xk_fold(q, scl, x[t].kq + 256 * (size_t)sb, dw, x[t].kd + 2 * (size_t)sb,
+            const size_t o = 8 * (size_t)sb;
+            accm[t] = _mm256_fmadd_ps(bm, _mm256_loadu_ps((five ? x[t].ks : x[t].s) + o), accm[t]);
+            if (five)
+                acc[t] = xk_fold(q, scl, x[t].kq + 256 * (size_t)sb, dw, x[t].kd + 2 * (size_t)sb,
+                                     acc[t]);
+            else
+                acc[t] = k4_fold(q, sidx, x[t].q + 256 * (size_t)sb,
+                                 _mm256_mul_ps(_mm256_mul_ps(bsc, _mm256_loadu_ps(x[t].d + o)),
+                                               _mm256_set1_ps(dw)),
                                  acc[t]);
         }
     }
