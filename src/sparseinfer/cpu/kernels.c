@@ -14,8 +14,9 @@
  * 32 weights: unpack to 32 unsigned bytes, integer dot with the int8 activation block (8 int32
  * partial sums), convert and fused-multiply-add with the block's scale product into a float
  * accumulator; zero points and minima go through the activation block sums (x->s) in a scalar
- * accumulator. One horizontal sum per row at the end. Plain AVX2 Q6_K takes x in blocks of 128
- * instead (x->kq): half a super-block sums in integers.
+ * accumulator. One horizontal sum per row at the end. Plain AVX2's Q6_K and AVX-512's Q5_K and
+ * Q6_K take x in blocks of 128 instead (x->kq): half a super-block sums in integers, its
+ * sub-block scales folded in.
  */
 #include <immintrin.h>
 #include <math.h>

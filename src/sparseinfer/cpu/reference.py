@@ -4,8 +4,8 @@
 ``gemv_ref``/``gemm_ref`` multiply the dequantized weights by the float32 input (what the
 kernels approximate: they round ``x`` to int8 blocks first). ``gemv_q8_ref`` rounds ``x`` exactly
 as the kernels do (``quantize_x_ref``: blocks of 32; ``quantize_xk_ref``: blocks of 128, which
-the plain AVX2 Q6_K kernels take; ``x_block`` says which), so it should match them to float32
-summation order.
+plain AVX2's Q6_K and AVX-512's Q5_K/Q6_K kernels take; ``x_block`` says which), so it should
+match them to float32 summation order.
 """
 
 from __future__ import annotations
