@@ -771,20 +771,17 @@ INLINE void rows_k45(const int five, const uint8_t *w, size_t rb, const int R, c
 }
 
 #if SI_AVX512
-/* rows_k45_512's lane constants: lane l of pair c belongs to sub-block 2c + l / 32 (bytes; words
- * 2c + w / 16, dwords 2c + d / 8), whose fifth bits are bit 2c + l / 32 of qh (cnt_h: a shift
- * count per word) and whose scale is dword 2c + d / 8 of k45_scales' vector (sidx). */
-INLINE void k45_idx(__m512i *cnt_h, __m512i *sidx) {
-    for (int c = 0; c < 4; c++) {
-        cnt_h[c] = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
+/* rows_k45_512's lane constants: dword d of pair c belongs to sub-block 2c + d / 8, whose scale
+ * is dword 2c + d / 8 of the vector of 8 scales (sidx; k4_fold's floats, k45_scales' words). */
+INLINE void k45_idx(__m512i *sidx) {
+    for (int c = 0; c < 4; c++)
         sidx[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
-    }
 }
 
 /* The 256 weights of the Q4_K/Q5_K super-block at p as rows_k45_512 takes them: q[c] = sub-blocks
- * 2c and 2c + 1 (cnt_h from k45_idx). */
-INLINE void k45_quants_512(const int five, const uint8_t *p, const __m512i *cnt_h, __m512i *q) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+ * 2c and 2c + 1. */
+INLINE void k45_quants_512(const int five, const uint8_t *p, __m512i *q) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), b5 = _mm512_set1_epi8(0x10);
     const __m512i cnt_nib = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(4), 1);
     const uint8_t *qs = p + (five ? 48 : 16);
     const __m512i QH = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16)))
@@ -792,9 +789,13 @@ INLINE void k45_quants_512(const int five, const uint8_t *p, const __m512i *cnt_
     for (int c = 0; c < 4; c++) {
         const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
         q[c] = _mm512_and_si512(_mm512_srlv_epi16(v, cnt_nib), m4);
-        if (five)
-            q[c] = _mm512_or_si512(q[c], _mm512_slli_epi16(
-                                             _mm512_and_si512(_mm512_srlv_epi16(QH, cnt_h[c]), one), 4));
+        if (five) { /* bit j = 2c + half of each qh byte to bit 4 (a word shift moves each byte's
+                     * own bits), or'ed in under the 0x10 mask */
+            const int j0 = 2 * c, j1 = 2 * c + 1;
+            const __m512i h = j1 <= 4 ? _mm512_sllv_epi16(QH, _mm512_inserti64x4(_mm512_set1_epi16((short)(4 - j0)), _mm256_set1_epi16((short)(4 - j1)), 1))
+                                      : _mm512_srlv_epi16(QH, _mm512_inserti64x4(_mm512_set1_epi16((short)(j0 - 4)), _mm256_set1_epi16((short)(j1 - 4)), 1));
+            q[c] = _mm512_ternarylogic_epi32(q[c], h, b5, 0xF8); /* q | (h & b5) */
+        }
     }
 }
 
@@ -853,8 +854,8 @@ INLINE void rows_k45_512(const int five, const uint8_t *w, size_t rb, const int 
         acc[r] = _mm512_setzero_ps();
         accm[r] = _mm256_setzero_ps();
     }
-    __m512i cnt_h[4], sidx[4];
-    k45_idx(cnt_h, sidx);
+    __m512i sidx[4];
+    k45_idx(sidx);
     for (int sb = 0; sb < nsb; sb++) {
         /* x's sums per 32 (the minima), its bytes and (Q4_K) its scales per 32 */
         const __m256 xs = _mm256_loadu_ps((five ? x->ks : x->s) + 8 * (size_t)sb);
@@ -868,7 +869,7 @@ INLINE void rows_k45_512(const int five, const uint8_t *w, size_t rb, const int 
             accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(p + 2))), xs,
                                       accm[r]);
             __m512i q[4];
-            k45_quants_512(five, p, cnt_h, q);
+            k45_quants_512(five, p, q);
             if (five) {
                 __m512i scl[4];
                 k45_scales(sc8, sidx, scl);
@@ -1016,19 +1017,18 @@ INLINE void q6k_didx(__m512i *didx) {
 /* The 256 weights of the Q6_K super-block at p as rows_q6k_512 takes them, unsigned (q + 32):
  * q[2h] and q[2h + 1] the low and high vectors of half h. */
 INLINE void q6k_quants_512(const uint8_t *p, __m512i *q) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
-    /* word shift counts: low vector (groups 0, 1) bits 0-1 / 2-3, high vector 4-5 / 6-7 */
-    const __m512i cnt_lo = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
-    const __m512i cnt_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    /* the top 2 bits to bits 4-5 by a word shift (each byte's own bits move): low vector (groups
+     * 0, 1) bits 0-1 / 2-3 left by 4 / 2, high vector bits 4-5 / 6-7 right by 0 / 2 */
+    const __m512i sh_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i sh_hi = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
     for (int h = 0; h < 2; h++) {
         const __m512i L = _mm512_loadu_si512((const void *)(p + 64 * h));
         const __m512i QH = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h)));
-        q[2 * h] = _mm512_or_si512(
-            _mm512_and_si512(L, m4),
-            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(QH, cnt_lo), m2), 4));
-        q[2 * h + 1] = _mm512_or_si512(
-            _mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
-            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(QH, cnt_hi), m2), 4));
+        /* (nibbles & 0x0F) | top bits, one ternary-logic operation */
+        q[2 * h] = _mm512_ternarylogic_epi32(L, _mm512_and_si512(_mm512_sllv_epi16(QH, sh_lo), m30), m4, 0xEC);
+        q[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(L, 4),
+                                                 _mm512_and_si512(_mm512_srlv_epi16(QH, sh_hi), m30), m4, 0xEC);
     }
 }
 
@@ -1549,8 +1549,8 @@ INLINE void multi_k45_512(const int five, const uint8_t *p, const si_xq *x, cons
         acc[t] = _mm512_setzero_ps();
         accm[t] = _mm256_setzero_ps();
     }
-    __m512i cnt_h[4], sidx[4];
-    k45_idx(cnt_h, sidx);
+    __m512i sidx[4];
+    k45_idx(sidx);
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *pb = p + (size_t)sb * bsize;
         uint64_t sc8, m8;
@@ -1558,7 +1558,7 @@ INLINE void multi_k45_512(const int five, const uint8_t *p, const si_xq *x, cons
         const float dw = f16(pb);
         const __m256 bm = _mm256_mul_ps(bytes8_ps(m8), _mm256_set1_ps(f16(pb + 2)));
         __m512i q[4], scl[4];
-        k45_quants_512(five, pb, cnt_h, q);
+        k45_quants_512(five, pb, q);
         if (five) k45_scales(sc8, sidx, scl);
         const __m256 bsc = bytes8_ps(sc8);
         for (int t = 0; t < nt; t++) {
