@@ -1035,8 +1035,7 @@ INLINE void q6k_quants_512(const uint8_t *p, __m512i *q) {
 /* Q6_K in 512-bit registers against x in blocks of 128 (x->kq, kd, kbs): per half h of a
  * super-block, ql's 64 bytes give the 4-bit parts of weights 0..63 (low nibbles) and 64..127
  * (high nibbles) of the half in order, and qh's 32 bytes (broadcast to both 256-bit halves)
- * their top 2 bits through a per-word shift (vpsrlvw: bits 0-1 and 2-3 for the low vector's two
- * halves, 4-5 and 6-7 for the high one's): q + 32, unsigned. Per vector of 64 weights: maddubs
+ * their top 2 bits (q6k_quants_512): q + 32, unsigned. Per vector of 64 weights: maddubs
  * (2 products in int16: at most 2 x 63 x 127), then vpdpwssd times the four 16-weight groups'
  * int8 scales (words, q6k_scales) into int32, so a half (one x scale) costs one convert and one
  * FMA; the + 32 comes back as 32 sum_j scale_j (x's sum over group j, kbs), one 256-bit
@@ -1560,7 +1559,7 @@ INLINE void multi_k45_512(const int five, const uint8_t *p, const si_xq *x, cons
         __m512i q[4], scl[4];
         k45_quants_512(five, pb, q);
         if (five) k45_scales(sc8, sidx, scl);
-        const __m256 bsc = bytes8_ps(sc8);
+        const __m256 bsc = five ? _mm256_setzero_ps() : bytes8_ps(sc8); /* Q4_K's scales as floats */
         for (int t = 0; t < nt; t++) {
             const size_t o = 8 * (size_t)sb;
             accm[t] = _mm256_fmadd_ps(bm, _mm256_loadu_ps((five ? x[t].ks : x[t].s) + o), accm[t]);
@@ -2061,11 +2060,18 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
     for (int t = 0; t < T; t++) FN(si_rows)(type, w, rb, nrows, &x[t], cols, y + t * ys);
 }
 
+/* 32 values v times vid rounded to int8 (the current rounding mode: to even) into q, in order;
+ * their int32 values in iv. */
+INLINE void round32(const __m256 *v, const __m256 vid, int8_t *q, __m256i *iv) {
+    for (int i = 0; i < 4; i++) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
 /* x (cols, a multiple of 32) -> blocks of 32: d = max|x|/127, q = round-to-even(x/d) as
  * x * (1/d), s = d * sum(q). */
 void FN(si_quantize_x)(const float *x, int cols, int8_t *q, float *d, float *s) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int b = 0; b < cols / 32; b++) {
         const float *xb = x + 32 * (size_t)b;
         __m256 v[4], m = _mm256_setzero_ps();
@@ -2073,25 +2079,13 @@ void FN(si_quantize_x)(const float *x, int cols, int8_t *q, float *d, float *s) 
             v[i] = _mm256_loadu_ps(xb + 8 * i);
             m = _mm256_max_ps(m, _mm256_and_ps(v[i], absmask));
         }
-        __m128 a = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        a = _mm_max_ps(a, _mm_movehl_ps(a, a));
-        a = _mm_max_ss(a, _mm_movehdup_ps(a));
-        const float amax = _mm_cvtss_f32(a);
-        const float db = amax / 127.0f;
+        const float db = hmax(m) / 127.0f;
         const float id = db != 0.0f ? 1.0f / db : 0.0f;
-        const __m256 vid = _mm256_set1_ps(id);
         __m256i iv[4];
-        for (int i = 0; i < 4; i++) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
-        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-        const int isum = _mm_cvtsi128_si32(s4);
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
-        p = _mm256_permutevar8x32_epi32(p, perm);
-        _mm256_storeu_si256((__m256i *)(q + 32 * (size_t)b), p);
+        round32(v, _mm256_set1_ps(id), q + 32 * (size_t)b, iv);
         d[b] = db;
-        s[b] = db * (float)isum;
+        s[b] = db * (float)hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]),
+                                                       _mm256_add_epi32(iv[2], iv[3])));
     }
 }
 
@@ -2101,26 +2095,23 @@ void FN(si_quantize_x)(const float *x, int cols, int8_t *q, float *d, float *s) 
  * rounding is the current mode's (round to even), as lrintf's. */
 void FN(si_quantize_xk)(const float *x, int cols, int8_t *q, float *d, int16_t *bs, float *ks) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int b = 0; b < cols / 128; b++) {
         const float *xb = x + 128 * (size_t)b;
         __m256 m = _mm256_setzero_ps();
         for (int i = 0; i < 16; i++) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xb + 8 * i), absmask));
-        const float amax = hmax(m);
-        const float db = amax / 127.0f;
+        const float db = hmax(m) / 127.0f;
         const float id = db != 0.0f ? 1.0f / db : 0.0f;
         const __m256 vid = _mm256_set1_ps(id);
         for (int k = 0; k < 4; k++) { /* 32 values: 2 sums of 16, one of 32 */
+            __m256 v[4];
             __m256i iv[4];
-            for (int i = 0; i < 4; i++)
-                iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 32 * k + 8 * i), vid));
+            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 32 * k + 8 * i);
+            round32(v, vid, q + 128 * (size_t)b + 32 * k, iv);
             const int s0 = hsum_epi32(_mm256_add_epi32(iv[0], iv[1]));
             const int s1 = hsum_epi32(_mm256_add_epi32(iv[2], iv[3]));
             bs[8 * (size_t)b + 2 * k] = (int16_t)s0;
             bs[8 * (size_t)b + 2 * k + 1] = (int16_t)s1;
             if (ks) ks[4 * (size_t)b + k] = db * (float)(s0 + s1);
-            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
-            _mm256_storeu_si256((__m256i *)(q + 128 * (size_t)b + 32 * k), _mm256_permutevar8x32_epi32(p, perm));
         }
         d[b] = db;
     }
