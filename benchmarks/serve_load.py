@@ -4,11 +4,13 @@
                                     [--parallel 1,8] [--requests-per-client 2]
                                     [--max-tokens 32] [--max-queue 16] [--budget 120]
                                     [--prefill-chunk 64] [--no-cache-prompt]
+                                    [--client openai|raw]
 
 The server runs in a child process (its own GIL) on 127.0.0.1, port 0, over the real Engine on
 the embedded default model (SmolLM2-135M; ``--model``: another file, e.g. a sparse one) unless
 ``--engine synthetic`` (a fixed-rate fake that measures the server alone). For each concurrency level C, C clients (official ``openai`` async
-client, streaming chat) share ``--requests-per-client`` x C requests; no new request starts after
+client, streaming chat; ``--client raw``: the same requests over ``aiohttp``, a lighter load
+generator on the server's own cores) share ``--requests-per-client`` x C requests; no new request starts after
 ``--budget`` seconds, and every started one is awaited. Reported per level: completed / failed /
 rejected (429) / lost (must be 0: every request ends in a full answer or an explicit error),
 truncated (a stream that ended without finish_reason and usage; must be 0), p50 / p95 time to
@@ -143,52 +145,101 @@ class Level:
         return self.issued - self.completed - self.failed - self.rejected - self.truncated
 
 
-async def one_request(client, model: str, i: int, max_tokens: int, level: Level) -> None:
-    import openai
+def _request_body(model: str, i: int, max_tokens: int) -> dict:
+    return {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0.7,
+        "seed": i,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [
+            {"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}
+        ],
+    }
 
-    t0 = time.perf_counter()
-    first = None
-    usage = None
-    finish = None
-    last = None
-    gaps: list[float] = []
-    try:
-        stream = await client.chat.completions.create(
-            model=model,
-            max_tokens=max_tokens,
-            temperature=0.7,
-            seed=i,
-            stream=True,
-            stream_options={"include_usage": True},
-            messages=[
-                {"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}
-            ],
-        )
-        async for chunk in stream:
-            if chunk.choices:
-                if chunk.choices[0].delta.content:
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now - t0
-                    else:
-                        gaps.append(now - last)
-                    last = now
-                finish = chunk.choices[0].finish_reason or finish
-            if chunk.usage is not None:
-                usage = chunk.usage
-        if usage is None or finish is None:
+
+class _Answer:
+    """What one streamed answer's chunks said, and when its content arrived."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.first: float | None = None
+        self.last = 0.0
+        self.gaps: list[float] = []
+        self.finish: str | None = None
+        self.completion_tokens: int | None = None
+
+    def chunk(self, content: str | None, finish: str | None) -> None:
+        if content:
+            now = time.perf_counter()
+            if self.first is None:
+                self.first = now - self.t0
+            else:
+                self.gaps.append(now - self.last)
+            self.last = now
+        self.finish = finish or self.finish
+
+    def count(self, level: Level) -> None:
+        if self.completion_tokens is None or self.finish is None:
             level.truncated += 1
             return
         level.completed += 1
-        level.tokens += usage.completion_tokens
-        level.ttft.append(first if first is not None else time.perf_counter() - t0)
-        level.itl.extend(gaps)
+        level.tokens += self.completion_tokens
+        level.ttft.append(self.first if self.first is not None else time.perf_counter() - self.t0)
+        level.itl.extend(self.gaps)
+
+
+def _failed(level: Level, exc: Exception) -> None:
+    level.failed += 1
+    key = f"{type(exc).__name__}: {str(exc)[:80]}"
+    level.errors[key] = level.errors.get(key, 0) + 1
+
+
+async def one_request(client, model: str, i: int, max_tokens: int, level: Level) -> None:
+    """One streamed chat answer through the official ``openai`` client."""
+    import openai
+
+    answer = _Answer()
+    try:
+        stream = await client.chat.completions.create(**_request_body(model, i, max_tokens))
+        async for chunk in stream:
+            if chunk.choices:
+                answer.chunk(chunk.choices[0].delta.content, chunk.choices[0].finish_reason)
+            if chunk.usage is not None:
+                answer.completion_tokens = chunk.usage.completion_tokens
+        answer.count(level)
     except openai.RateLimitError:
         level.rejected += 1
     except Exception as exc:  # noqa: BLE001 - every failure is counted, by kind
-        level.failed += 1
-        key = f"{type(exc).__name__}: {str(exc)[:80]}"
-        level.errors[key] = level.errors.get(key, 0) + 1
+        _failed(level, exc)
+
+
+async def one_request_raw(session, model: str, i: int, max_tokens: int, level: Level) -> None:
+    """The same request over ``aiohttp``, its server-sent events read line by line: a client
+    costing a fraction of the SDK's CPU per chunk, for a load generator that shares the server's
+    cores."""
+    answer = _Answer()
+    try:
+        async with session.post("chat/completions",
+                                json=_request_body(model, i, max_tokens)) as response:
+            if response.status == 429:
+                level.rejected += 1
+                return
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:80]}")
+            async for raw in response.content:
+                if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(raw[6:])
+                if chunk.get("choices"):
+                    choice = chunk["choices"][0]
+                    answer.chunk(choice["delta"].get("content"), choice.get("finish_reason"))
+                if chunk.get("usage"):
+                    answer.completion_tokens = chunk["usage"]["completion_tokens"]
+        answer.count(level)
+    except Exception as exc:  # noqa: BLE001 - every failure is counted, by kind
+        _failed(level, exc)
 
 
 async def run_level(
@@ -199,19 +250,34 @@ async def run_level(
     max_tokens: int,
     budget: float,
     timeout: float,
+    client_kind: str = "openai",
 ) -> Level:
-    import httpx
-    import openai
-
     level = Level(clients)
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    client = openai.AsyncOpenAI(
-        base_url=base_url,
-        api_key="bench",
-        max_retries=0,
-        timeout=timeout,
-        http_client=openai.DefaultAsyncHttpxClient(limits=limits),
-    )
+    if client_kind == "openai":
+        import httpx
+        import openai
+
+        limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+        client = openai.AsyncOpenAI(
+            base_url=base_url,
+            api_key="bench",
+            max_retries=0,
+            timeout=timeout,
+            http_client=openai.DefaultAsyncHttpxClient(limits=limits),
+        )
+        request = one_request
+    else:
+        try:
+            import aiohttp
+        except ImportError:
+            raise SystemExit("--client raw needs aiohttp: pip install aiohttp") from None
+
+        client = aiohttp.ClientSession(
+            base_url=base_url.rstrip("/") + "/",
+            connector=aiohttp.TCPConnector(limit=clients + 4),
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        )
+        request = one_request_raw
     counter = iter(range(requests))
     t0 = time.perf_counter()
 
@@ -220,7 +286,7 @@ async def run_level(
             if time.perf_counter() - t0 > budget:
                 return
             level.issued += 1
-            await one_request(client, model, i, max_tokens, level)
+            await request(client, model, i, max_tokens, level)
 
     await asyncio.gather(*(worker() for _ in range(clients)))
     level.wall = time.perf_counter() - t0
@@ -264,7 +330,7 @@ def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list
     try:
         # warm-up requests (first-call compilation and allocation) outside the measurements
         asyncio.run(run_level(base_url, model, min(2, parallel) if parallel > 1 else 1,
-                              2, 4, args.budget, args.timeout))
+                              2, 4, args.budget, args.timeout, args.client))
         print(
             f"{'clients':>7} {'issued':>6} {'done':>5} {'failed':>6} {'429':>4} {'lost':>4} "
             f"{'trunc':>5} {'ttft p50':>9} {'ttft p95':>9} {'itl p50':>8} {'itl p95':>8} "
@@ -273,7 +339,7 @@ def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list
         for c in levels:
             lv = asyncio.run(
                 run_level(base_url, model, c, c * args.requests_per_client, args.max_tokens,
-                          args.budget, args.timeout)
+                          args.budget, args.timeout, args.client)
             )
             results.append(lv)
             print(
@@ -304,6 +370,7 @@ def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list
 
 
 def main() -> int:
+    from sparseinfer.bench import cpu_model
     from sparseinfer.bench import percentile as pct
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -330,6 +397,10 @@ def main() -> int:
         help="seconds per level after which no new request starts",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="per-request client timeout (s)")
+    p.add_argument("--client", choices=["openai", "raw"], default="openai",
+                   help="the load generator: the official openai client, or aiohttp reading "
+                        "the events line by line (a fraction of the CPU per chunk: the clients "
+                        "share the server's cores here)")
     p.add_argument("--json", action="store_true", help="also print one JSON line per level")
     args = p.parse_args()
 
@@ -337,6 +408,7 @@ def main() -> int:
     if kind == "auto":
         kind = "real" if real_engine_available() else "synthetic"
     levels = [int(c) for c in args.clients.split(",")]
+    print(f"# {cpu_model()}; client: {args.client}")
     bad = False
     summary = {}
     for parallel in (int(x) for x in args.parallel.split(",")):
