@@ -15,7 +15,7 @@ def brute(x: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(key, kind="stable")[:k]
 
 
-@pytest.mark.parametrize("n", [1, 3, 4, 5, 17, 1000, 49152])
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 17, 33, 1000, 4099, 49152])
 @pytest.mark.parametrize("k", [1, 2, 40, 4096])
 def test_equals_torch_topk(n, k):
     k = min(k, n)

@@ -1374,8 +1374,16 @@ int si_topk(const float *x, int64_t n, int k, float *vals, int64_t *ids) {
     float thr = -INFINITY;
     int64_t i = 0;
     for (;;) {
-        if (m == k) { /* skip runs of four at or below the threshold */
+        if (m == k) { /* skip runs of sixteen, then of four, at or below the threshold */
             const __m128 t = _mm_set1_ps(thr);
+            while (i + 16 <= n) {
+                const __m128 a = _mm_or_ps(_mm_cmpgt_ps(_mm_loadu_ps(x + i), t),
+                                           _mm_cmpgt_ps(_mm_loadu_ps(x + i + 4), t));
+                const __m128 b = _mm_or_ps(_mm_cmpgt_ps(_mm_loadu_ps(x + i + 8), t),
+                                           _mm_cmpgt_ps(_mm_loadu_ps(x + i + 12), t));
+                if (_mm_movemask_ps(_mm_or_ps(a, b))) break;
+                i += 16;
+            }
             while (i + 4 <= n && !_mm_movemask_ps(_mm_cmpgt_ps(_mm_loadu_ps(x + i), t))) i += 4;
         }
         if (i >= n) break;
