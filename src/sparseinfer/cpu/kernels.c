@@ -2221,8 +2221,11 @@ INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int n
 /* out += sum_r h[r] * row_r for R Q4_0 rows of nb blocks. AVX2: a block's bytes 0..7 and 8..15
  * widened to int32 straight from memory, their low nibbles (elements 0..15) and high ones
  * (16..31) a mask or a shift away; w = d*(q - 8): the -8 applied once per block through the sum
- * of the rows' scales (as the AVX-512 q4_axpy_g does per group). */
-INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int nb, float *out) {
+ * of the rows' scales (as the AVX-512 q4_axpy_g does per group). pf[0..npf) (pf_bytes each) are
+ * fetched a slice per block meanwhile, as q4_dots does. */
+INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int nb, float *out,
+                    const uint8_t *const *pf, const int npf, size_t pf_bytes) {
+    const size_t slice = slice_bytes(pf_bytes, nb);
 #if SI_NARROW
     const __m256i k8 = _mm256_set1_epi8(8);
 #else
@@ -2230,6 +2233,7 @@ INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int n
 #endif
     for (int b = 0; b < nb; b++) {
         float *o = out + 32 * (size_t)b;
+        prefetch_slice(pf, npf, pf_bytes, slice, b);
         __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8);
         __m256 o2 = _mm256_loadu_ps(o + 16), o3 = _mm256_loadu_ps(o + 24);
 #if !SI_NARROW
@@ -2325,12 +2329,15 @@ static void q4g_order(float *out, int G, int back) {
 /* out += sum_r h[r] * row_r for R Q4_0 rows of nb blocks: the first G = nb / 4 groups into out
  * in q4g_order's lane order, 128 outputs in 8 registers at a time; the last nb % 4 blocks through
  * q4_axpy (natural order). w = d*(q - 8): the -8 is applied once per group, through the sum of
- * the scales. */
-INLINE void q4_axpy_g(const uint8_t *const *rp, const float *h, const int R, int nb, float *out) {
+ * the scales. pf[0..npf) (pf_bytes each) are fetched a slice per group meanwhile. */
+INLINE void q4_axpy_g(const uint8_t *const *rp, const float *h, const int R, int nb, float *out,
+                      const uint8_t *const *pf, const int npf, size_t pf_bytes) {
     const int G = nb / 4;
+    const size_t slice = slice_bytes(pf_bytes, G);
     const __m512i qidx = q4g_qidx(18), didx = q4g_didx(18, 0), m4 = _mm512_set1_epi32(0x0F);
     for (int g = 0; g < G; g++) {
         float *o = out + 128 * (size_t)g;
+        prefetch_slice(pf, npf, pf_bytes, slice, g);
         __m512 acc[8], ssum = _mm512_setzero_ps();
         for (int n = 0; n < 8; n++) acc[n] = _mm512_loadu_ps(o + 16 * n);
         for (int r = 0; r < R; r++) {
@@ -2351,7 +2358,7 @@ INLINE void q4_axpy_g(const uint8_t *const *rp, const float *h, const int R, int
     if (nb > 4 * G) {
         const uint8_t *tp[8];
         for (int r = 0; r < R; r++) tp[r] = rp[r] + 72 * (size_t)G;
-        q4_axpy(tp, h, R, nb - 4 * G, out + 128 * (size_t)G);
+        q4_axpy(tp, h, R, nb - 4 * G, out + 128 * (size_t)G, NULL, 0, 0);
     }
 }
 #endif
@@ -2421,16 +2428,18 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
 #define DOTS(rp, R, t, y)                                                                      \
     (grouped ? q4_dots_g(rp, R, &x[t], nb, y, pf, t ? 0 : npf, pfb)                              \
              : q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, pfb))
-#define AXPY(rp, h, R, o) (grouped ? q4_axpy_g(rp, h, R, nb, o) : q4_axpy(rp, h, R, nb, o))
+#define AXPY(rp, h, R, o, t)                                                                   \
+    (grouped ? q4_axpy_g(rp, h, R, nb, o, pfd, (t) ? 0 : npf, pfdb)                             \
+             : q4_axpy(rp, h, R, nb, o, pfd, (t) ? 0 : npf, pfdb))
 #define FIXED_DOTS(rp, R, t, y) q4_dots_fixed(rp, R, &x[t], nb, grouped, y, pf, t ? 0 : npf, pfb)
 #elif !SI_NARROW
 #define DOTS(rp, R, t, y)                                                                      \
     ((R) == 8 ? q4_dots8(rp, &x[t], nb, y, pf, t ? 0 : npf, pfb)                                \
               : q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, pfb))
-#define AXPY(rp, h, R, o) q4_axpy(rp, h, R, nb, o)
+#define AXPY(rp, h, R, o, t) q4_axpy(rp, h, R, nb, o, pfd, (t) ? 0 : npf, pfdb)
 #else
 #define DOTS(rp, R, t, y) q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, pfb)
-#define AXPY(rp, h, R, o) q4_axpy(rp, h, R, nb, o)
+#define AXPY(rp, h, R, o, t) q4_axpy(rp, h, R, nb, o, pfd, (t) ? 0 : npf, pfdb)
 #endif
 #ifndef FIXED_DOTS /* each row's sum the same whatever R (ReLU gates first: see q4_dots_fixed) */
 #define FIXED_DOTS(rp, R, t, y) q4_dots_fixed(rp, R, &x[t], nb, 0, y, pf, t ? 0 : npf, pfb)
@@ -2439,7 +2448,7 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
 #define QUEUE_DOWN(q_, row, hv, t)                                                             \
     do {                                                                                       \
         qd[q_][nq[q_]] = (row), qh[q_][nq[q_]] = (hv);                                         \
-        if (++nq[q_] == 4) AXPY(qd[q_], qh[q_], 4, out + (size_t)(t) * d_model), nq[q_] = 0;   \
+        if (++nq[q_] == 4) AXPY(qd[q_], qh[q_], 4, out + (size_t)(t) * d_model, t), nq[q_] = 0; \
     } while (0)
     /* R neurons of token t at positions pos[0..R) of idx (R a constant: 4, or 1): their dot
      * products, h, and their down rows whose h is not 0 queued in the token's queue */
@@ -2523,11 +2532,18 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
         for (int i = 0; i < k; i += W) {
             const int R = k - i < W ? k - i : W;
             /* the next W neurons' gate rows (gates first) or bundles, fetched while these are
-             * walked (two groups ahead was no faster: benchmarks/RESULTS.md) */
-            const uint8_t *pf[8];
+             * walked (two groups ahead was no faster: benchmarks/RESULTS.md): bundles' first
+             * half during the dot products, the rest (pfd) during the down rows' axpy, so the
+             * reads stay in flight through both (all during the dot products left the memory
+             * idle half the time) */
+            const uint8_t *pf[8], *pfd[8];
             const int npf = k - i - R < W ? k - i - R : W;
-            const size_t pfb = gate_first ? rb : bundle_bytes;
-            for (int n = 0; n < npf; n++) pf[n] = bundles + (size_t)idx[i + R + n] * bundle_bytes;
+            const size_t pfb = gate_first ? rb : bundle_bytes / 2 / 64 * 64;
+            const size_t pfdb = gate_first ? 0 : bundle_bytes - pfb;
+            for (int n = 0; n < npf; n++) {
+                pf[n] = bundles + (size_t)idx[i + R + n] * bundle_bytes;
+                pfd[n] = pf[n] + pfb;
+            }
             for (int t = t0; t < t1; t++) {
                 const uint8_t *mt = mask ? mask + (size_t)t * mstride + i : NULL;
                 const int q = t - t0;
@@ -2542,9 +2558,9 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
                 }
             }
         }
-        const uint8_t *pf[8];
+        const uint8_t *pf[8], *pfd[8];
         const int npf = 0;
-        const size_t pfb = 0;
+        const size_t pfb = 0, pfdb = 0;
         for (int t = t0; t < t1; t++) {
             const int q = t - t0;
             if (gate_first) {
@@ -2553,7 +2569,7 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
             } else {
                 for (int n = 0; n < ndq[q]; n++) NEURONS(1, &dq[q][n], t);
             }
-            for (int n = 0; n < nq[q]; n++) AXPY(&qd[q][n], &qh[q][n], 1, out + (size_t)t * d_model);
+            for (int n = 0; n < nq[q]; n++) AXPY(&qd[q][n], &qh[q][n], 1, out + (size_t)t * d_model, t);
         }
     }
 #undef NEURONS
