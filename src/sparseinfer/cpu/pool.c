@@ -1366,8 +1366,9 @@ int si_bundle_rows(int type, const uint8_t *src, int64_t rows, int64_t cols, int
 
 /* The k largest of x[0..n) in descending order (equal values: lower index first) into vals/ids,
  * 1 <= k <= n. One pass: a sorted buffer of the best k so far and its smallest value as the
- * threshold; four values at a time are compared with it (SSE, the baseline) and only those above
- * it are inserted, so after the first few hundred values almost none are. NaN never enters. */
+ * threshold; runs of sixteen values, then of four, are compared with it (SSE, the baseline) and
+ * only those above it are inserted, so after the first few hundred values almost none are. NaN
+ * never enters. */
 int si_topk(const float *x, int64_t n, int k, float *vals, int64_t *ids) {
     if (k < 1 || n < k) return EINVAL;
     int m = 0; /* values in the buffer */
