@@ -914,10 +914,15 @@ static void write_kv(const float *qkv, int nh, int nkv, int hd, uint8_t *kc, uin
     }
 }
 
-/* out = rmsnorm(x) * w (sums in double, as the torch reference's float32 mean is close to) */
+/* out = rmsnorm(x) * w (sums in double, as the torch reference's float32 mean is close to; 8
+ * partial sums, so the adds do not wait on each other) */
 static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
-    double ss = 0.0;
-    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    double p[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) p[j] += (double)x[i + j] * x[i + j];
+    for (; i < n; i++) p[0] += (double)x[i] * x[i];
+    const double ss = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
     const float r = (float)(1.0 / sqrt(ss / n + eps));
     for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
