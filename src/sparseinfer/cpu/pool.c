@@ -924,7 +924,7 @@ static void rms_norm(const float *x, const float *w, int n, float eps, float *ou
     for (; i < n; i++) p[0] += (double)x[i] * x[i];
     const double ss = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
     const float r = (float)(1.0 / sqrt(ss / n + eps));
-    for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+    for (i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
 /* chunk c: row c / n_kv_heads, the query heads of its kv head c % n_kv_heads one after the
