@@ -11,7 +11,7 @@ import torch
 from sparseinfer.config import SamplingParams
 from sparseinfer.engine import Engine, FinishEvent, StopStrings, TokenEvent
 from sparseinfer.errors import ContextOverflowError
-from sparseinfer.generate import apply_penalties, sample
+from sparseinfer.generate import Uniforms, apply_penalties, sample
 from sparseinfer.models.loading import load_model
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -47,12 +47,24 @@ def _allowed(p: SamplingParams) -> dict[int, float]:
 ])
 def test_sampling_distribution_matches_brute_force(params):
     want = _allowed(params)
-    rng = torch.Generator().manual_seed(0)
+    rng = Uniforms(0)
     n = 6000
     counts = Counter(sample(LOGITS, params, rng) for _ in range(n))
     assert set(counts) <= set(want), f"sampled outside the allowed set: {counts} vs {want}"
     for i, prob in want.items():
         assert abs(counts[i] / n - prob) < 0.03, (i, counts[i] / n, prob)
+
+
+def test_uniforms_are_the_seeded_generators_blocks():
+    """A sequence's draws are torch's seeded uniforms, block after block, whatever the count."""
+    g = torch.Generator().manual_seed(5)
+    want = torch.cat([torch.rand(Uniforms.BLOCK, generator=g, dtype=torch.float64)
+                      for _ in range(3)]).tolist()
+    u = Uniforms(5)
+    got = [u() for _ in range(2 * Uniforms.BLOCK + 7)]
+    assert got == want[:len(got)]
+    assert all(0.0 <= x < 1.0 for x in got)
+    assert Uniforms(6)() != want[0]
 
 
 def test_greedy_is_argmax():

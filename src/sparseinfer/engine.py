@@ -7,7 +7,6 @@ that serves several clients runs it from one worker thread.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -224,14 +223,12 @@ class Engine:
         past a full context by dropping old tokens, as llama.cpp's ``--context-shift``."""
         import time
 
-        from .generate import generate, token_logprobs
+        from .generate import Uniforms, generate, token_logprobs
 
         prompt_ids = list(prompt_ids)
         self.check_fits(len(prompt_ids))
         torch = self._torch
-        rng = torch.Generator()
-        rng.manual_seed(params.seed if params.seed is not None
-                        else int.from_bytes(os.urandom(6), "little"))
+        rng = Uniforms(params.seed)
         # reuse the keys/values of the longest common prefix with the previous call, unless the
         # caller asked for a seed: prefilling a shorter suffix changes the logits in the last
         # bits, and the same request + seed must give the same text whatever ran before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -40,23 +41,45 @@ def apply_penalties(logits: Tensor, history: Sequence[int], p: SamplingParams) -
     return logits
 
 
+class Uniforms:
+    """One sequence's uniform draws in [0, 1) for ``sample``: a torch generator seeded with
+    ``seed`` (or from the OS when None), read a block at a time. Each torch call releases the GIL,
+    and a thread that gives the GIL up waits out every other Python thread's turn before it runs
+    again — per token, in a server whose request threads and event loop run beside the loop that
+    samples every stream (benchmarks/RESULTS.md); a block costs that once per ``BLOCK`` tokens."""
+
+    BLOCK = 64
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._gen = torch.Generator()
+        self._gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(6), "little"))
+        self._ahead: list[float] = []
+
+    def __call__(self) -> float:
+        if not self._ahead:
+            self._ahead = torch.rand(self.BLOCK, generator=self._gen, dtype=torch.float64).tolist()
+            self._ahead.reverse()
+        return self._ahead.pop()
+
+
 def _c_vector(logits: Tensor) -> bool:
     """A contiguous float32 CPU vector: what the C library's top-k and sampler take."""
     return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()
 
 
-def sample(logits: Tensor, p: SamplingParams, rng: torch.Generator | None) -> int:
+def sample(logits: Tensor, p: SamplingParams, rng: Uniforms | None) -> int:
     """Pick the next token from 1-D float logits: greedy when temperature <= 0 (or too small for
     float32 to divide by), else top-k -> top-p -> min-p -> temperature -> draw (llama.cpp's
     order), the draw one uniform from ``rng``. With top-k on a float32 CPU vector the chain after
     the uniform is one C call (``cpu.sample_topk``; the numpy and torch calls it replaces cost a
     few times the top-k itself, once per token and sequence: benchmarks/RESULTS.md);
-    ``sample_ref`` is the same chain in numpy, its reference."""
+    ``sample_ref`` is the same chain in numpy, its reference. ``rng`` None: torch's global
+    generator."""
     if p.temperature < torch.finfo(torch.float32).tiny:
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
             return int(logits.numpy().argmax())  # same first-maximum rule, ~20x faster
         return int(torch.argmax(logits))
-    u = float(torch.rand((), generator=rng, dtype=torch.float64))
+    u = rng() if rng is not None else float(torch.rand((), dtype=torch.float64))
     if 0 < p.top_k < logits.numel() and _c_vector(logits):
         from . import cpu
 
@@ -168,7 +191,7 @@ def shift_context(model: Transformer, cache: KVCache, in_cache: list[int], n_kee
 
 
 def generate(model: Transformer, prompt: Sequence[int], params: SamplingParams, cache: KVCache,
-             rng: torch.Generator | None = None, cached: int = 0,
+             rng: Uniforms | None = None, cached: int = 0,
              stop_ids: frozenset[int] = frozenset(),
              processors: Sequence[LogitsProcessor] = (),
              observe: Callable[[Tensor, int], None] | None = None,

@@ -110,6 +110,11 @@ def _load() -> ctypes.CDLL:
 
 _lib = _load()
 _gemv = _lib.si_gemv
+# The sampler's call (tens of microseconds) keeps the GIL: a ctypes call that releases it lets
+# any other Python thread in (a server's request threads, its event loop) and waits for that
+# thread's whole turn before it can return, once per sampled token (benchmarks/RESULTS.md).
+_held = ctypes.PyDLL(str(_build.LIB)).si_sample
+_held.argtypes = _lib.si_sample.argtypes
 _ERRORS = {22: "invalid argument", 12: "out of memory", 19: "no instruction set selected",
            34: "a neuron index out of range", 38: "this CPU lacks AVX2 or F16C"}
 
@@ -305,7 +310,7 @@ def sample_topk(x: torch.Tensor, k: int, top_p: float, min_p: float, temperature
     if not temperature > 0.0 or not 0.0 <= u < 1.0:
         raise ValueError(f"expected temperature > 0 and 0 <= u < 1, got {temperature} and {u}")
     out = ctypes.c_int64()
-    _check(_lib.si_sample(x.data_ptr(), n, k, top_p, min_p, temperature, u, ctypes.byref(out)),
+    _check(_held(x.data_ptr(), n, k, top_p, min_p, temperature, u, ctypes.byref(out)),
            "sample_topk")
     return out.value
 

@@ -29,7 +29,6 @@ one-sequence prefill or what else runs in its steps.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -42,7 +41,7 @@ import torch
 
 from ..config import SamplingParams
 from ..engine import Engine, FinishEvent, StopStrings, StreamEvent, TokenEvent, TokenScore
-from ..generate import apply_penalties, sample, token_logprobs
+from ..generate import Uniforms, apply_penalties, sample, token_logprobs
 from ..models.batch import decode_step, slot_cache
 
 logger = logging.getLogger(__name__)
@@ -63,7 +62,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class _Seq:
     prompt: list[int]
     params: SamplingParams
-    rng: torch.Generator
+    rng: Uniforms
     processors: tuple[Any, ...]
     logprobs: int | None
     limit: int  # tokens to generate at most
@@ -166,9 +165,7 @@ class BatchEngine:
 
     def _stream(self, prompt: list[int], params: SamplingParams, cancel, processors,
                 logprobs) -> Iterator[StreamEvent]:
-        rng = torch.Generator()
-        rng.manual_seed(params.seed if params.seed is not None
-                        else int.from_bytes(os.urandom(6), "little"))
+        rng = Uniforms(params.seed)
         limit = self.n_ctx - len(prompt)
         if params.max_tokens >= 0:
             limit = min(limit, params.max_tokens)
