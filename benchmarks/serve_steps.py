@@ -1,0 +1,162 @@
+"""Where a served batch loop's time goes: one level of streamed chat clients against the real
+engine under ``--parallel N`` (``server.batching.BatchEngine``), the loop thread's iterations timed
+from inside the server process.
+
+Each iteration of the loop thread runs one ``decode_step`` over every generating sequence (and a
+newcomer's prompt chunk) and samples each row. Timed per iteration: the whole iteration, the
+step, and the sampling (``BatchEngine._sampled``, every row) — their difference from an
+in-process loop of the same step (``benchmarks/gemm.py``, scratch loops) is what serving costs the
+loop: the GIL held by the server's request threads and event loop, their CPU and the clients' on
+the same cores. Iterations whose step had exactly N rows (N streams decoding, no prompt) are
+reported apart from those carrying a prompt chunk.
+
+    python benchmarks/serve_steps.py [--clients 8] [--parallel 8] [--client raw|openai]
+
+The methods are wrapped (timers around them) in the server process only; the clients are
+``serve_load.py``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _timed_server(conn, n_ctx: int, threads: int, parallel: int, prefill_chunk: int,
+                  model: str | None) -> None:
+    from sparseinfer.threads import passive_wait
+
+    passive_wait()
+    import sparseinfer.server.batching as batching
+    from sparseinfer.engine import Engine
+    from sparseinfer.server.app import ServerThread, create_app
+
+    log: list[tuple[str, float, float, int]] = []  # (kind, start, end, rows)
+    clock = time.perf_counter
+    step, iterate, sampled = (batching.decode_step, batching.BatchEngine._iterate,
+                              batching.BatchEngine._sampled)
+
+    def timed_step(model, tokens, *a, **k):
+        t0 = clock()
+        out = step(model, tokens, *a, **k)
+        log.append(("step", t0, clock(), int(tokens.shape[0])))
+        return out
+
+    def timed_iterate(self):
+        t0 = clock()
+        iterate(self)
+        log.append(("iterate", t0, clock(), 0))
+
+    def timed_sampled(self, seq, logits):
+        t0 = clock()
+        sampled(self, seq, logits)
+        log.append(("sample", t0, clock(), 0))
+
+    batching.decode_step = timed_step
+    batching.BatchEngine._iterate = timed_iterate
+    batching.BatchEngine._sampled = timed_sampled
+    engine = batching.BatchEngine(Engine.load(model, n_ctx=n_ctx, threads=threads), parallel,
+                                  prefill_chunk=prefill_chunk)
+    with ServerThread(create_app(engine, max_queue=4 * parallel)) as srv:
+        conn.send((srv.base_url, engine.name))
+        while conn.recv() == "log":  # anything else stops the server
+            conn.send(list(log))
+            log.clear()
+
+
+def _iterations(log):
+    """Per iteration: (rows of its step, iterate s, step s, sampling s); iterations without a
+    step (nothing to run) are left out."""
+    out = []
+    inner = [e for e in log if e[0] != "iterate"]
+    i = 0
+    for kind, t0, t1, _ in log:
+        if kind != "iterate":
+            continue
+        while i < len(inner) and inner[i][1] < t0:
+            i += 1
+        rows, step, samp = None, 0.0, 0.0
+        while i < len(inner) and inner[i][2] <= t1:
+            k, a, b, r = inner[i]
+            if k == "step":
+                rows, step = r, b - a
+            else:
+                samp += b - a
+            i += 1
+        if rows is not None:
+            out.append((rows, t1 - t0, step, samp))
+    return out
+
+
+def main() -> int:
+    import serve_load as sl
+
+    from sparseinfer.bench import cpu_model
+    from sparseinfer.bench import percentile as pct
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="a model file (default: the embedded SmolLM2)")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--parallel", type=int, default=8)
+    p.add_argument("--requests-per-client", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ctx-size", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument("--client", choices=["openai", "raw"], default="raw")
+    args = p.parse_args()
+    if args.parallel < 2:
+        p.error("--parallel: the batch loop serves 2 or more streams")
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_timed_server, daemon=True,
+                       args=(child, args.ctx_size, args.threads, args.parallel,
+                             args.prefill_chunk, args.model))
+    proc.start()
+    if not parent.poll(600):
+        proc.kill()
+        raise SystemExit("the server did not start within 600 s")
+    base_url, model = parent.recv()
+    try:
+        asyncio.run(sl.run_level(base_url, model, 2, 2, 4, 600, 600, args.client))  # warm-up
+        parent.send("log")
+        parent.recv()
+        lv = asyncio.run(sl.run_level(base_url, model, args.clients,
+                                      args.clients * args.requests_per_client, args.max_tokens,
+                                      600, 600, args.client))
+        parent.send("log")
+        log = parent.recv()
+    finally:
+        parent.send("stop")
+        proc.join(30)
+    its = _iterations(log)
+    full = [x for x in its if x[0] == args.parallel]
+    other = [x for x in its if x[0] != args.parallel]
+    print(f"# {cpu_model()}; client: {args.client}")
+    print(f"model={model} parallel={args.parallel} clients={args.clients} "
+          f"answers={lv.completed}/{lv.issued} tokens={lv.tokens} in {lv.wall:.2f} s: "
+          f"{lv.tokens / lv.wall:.1f} tok/s; inter-token p50 {pct(lv.itl, 0.5) * 1e3:.1f} ms, "
+          f"p95 {pct(lv.itl, 0.95) * 1e3:.1f} ms")
+    print("inter-token gaps seen by the clients, p50 / p90 / p95 / p99: "
+          + " / ".join(f"{pct(lv.itl, q) * 1e3:.1f}" for q in (0.5, 0.9, 0.95, 0.99)) + " ms")
+    print(f"iterations whose step had {args.parallel} rows (decoding only): {len(full)}")
+    for j, name in ((1, "iteration"), (2, "decode_step"), (3, "sampling")):
+        v = [x[j] for x in full]
+        if v:
+            print(f"  {name:12s} p50 {pct(v, 0.5) * 1e3:6.2f} ms  mean {sum(v) / len(v) * 1e3:6.2f}"
+                  f"  p95 {pct(v, 0.95) * 1e3:6.2f}")
+    print(f"other iterations (fewer streams, or a prompt chunk riding along): {len(other)}; "
+          f"their step p50 {pct([x[2] for x in other], 0.5) * 1e3:.2f} ms" if other else
+          "no other iterations")
+    return 0 if lv.completed == lv.issued else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
