@@ -209,6 +209,11 @@ def main() -> int:
                     help="q4_k_m / q5_k_m: the Q4_0 file requantized by llama.cpp's quantizer to "
                          "its Q4_K_M / Q5_K_M mix (needs llama-cpp-python; the mixes most GGUF "
                          "downloads use)")
+    ap.add_argument("--scaling", type=int, default=0, metavar="ROUNDS",
+                    help="then our decode with 1 thread and with -t threads alternately, each in a "
+                         "fresh process after a read-bandwidth probe at its thread count, this "
+                         "many rounds (issue 14: what a second thread adds, against what the "
+                         "memory gives it)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -289,9 +294,41 @@ def main() -> int:
             print(f"median decode {statistics.median(dec):.2f}x (min {min(dec):.2f}x, max "
                   f"{max(dec):.2f}x, {sum(r >= 1.0 for r in dec)} of {len(dec)} >= 1.0x); median "
                   f"prefill {statistics.median(pre):.2f}x")
+    if args.scaling > 0 and args.threads > 1:
+        _scaling(common, args.threads, args.scaling)
     if args.json:
         print(json.dumps(rows, indent=1, default=str))
     return 0
+
+
+def _scaling(common: dict, threads: int, rounds: int) -> None:
+    """Our decode at 1 and at ``threads`` threads alternately, each run after a probe of the
+    read bandwidth at its own thread count: the decode's ratio beside the memory's."""
+    import statistics
+
+    from sparseinfer.bench import measure_read_bandwidth, run_isolated
+
+    print(f"\nscaling (ours, 1 thread then {threads}, each in a fresh process; decode tok/s, "
+          f"probe GB/s):")
+    print(f"{'round':>5} {'1t probe':>9} {'1t dec':>7} {f'{threads}t probe':>9} "
+          f"{f'{threads}t dec':>7} {'decode':>7} {'memory':>7}")
+    dec, mem = [], []
+    for i in range(rounds):
+        got = []
+        for t in (1, threads):
+            bw = measure_read_bandwidth(t)
+            got.append((bw, run_isolated(_ours, **{**common, "threads": t})))
+        (bw1, a), (bwt, b) = got
+        if "error" in a or "error" in b:
+            print(f"{i + 1:5d} error: {a.get('error') or b.get('error')}")
+            continue
+        dec.append(b["decode_tok_s"] / a["decode_tok_s"])
+        mem.append(bwt / bw1)
+        print(f"{i + 1:5d} {bw1:9.1f} {a['decode_tok_s']:7.2f} {bwt:9.1f} "
+              f"{b['decode_tok_s']:7.2f} {dec[-1]:6.2f}x {mem[-1]:6.2f}x")
+    if dec:
+        print(f"median: decode {statistics.median(dec):.2f}x with {threads} threads, the memory "
+              f"{statistics.median(mem):.2f}x")
 
 
 if __name__ == "__main__":
