@@ -294,20 +294,13 @@ async def run_level(
     return level
 
 
-def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list[Level]:
-    # imported here, not at the top: the server process re-imports this module and must set its
-    # OpenMP wait policy before numba (which sparseinfer.bench loads) starts
-    from sparseinfer.bench import percentile as pct
-
+def start_server(target, *args):
+    """``target(conn, *args)`` (``_server_process`` or a wrapper of it) in a spawned process;
+    returns (process, this end of its pipe, base URL, model name) once it reports its address.
+    Exits when it dies or takes over 600 s first."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    t_load = time.perf_counter()
-    proc = ctx.Process(
-        target=_server_process,
-        daemon=True,
-        args=(child, kind, args.ctx_size, args.threads, args.max_queue, parallel,
-              args.prefill_chunk, args.model, not args.no_cache_prompt),
-    )
+    proc = ctx.Process(target=target, daemon=True, args=(child, *args))
     proc.start()
     deadline = time.monotonic() + 600
     while not parent.poll(0.5):  # until the server reports its address, dies or times out
@@ -318,6 +311,18 @@ def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list
             proc.kill()
             raise SystemExit("server did not start within 600 s")
     base_url, model = parent.recv()
+    return proc, parent, base_url, model
+
+
+def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list[Level]:
+    # imported here, not at the top: the server process re-imports this module and must set its
+    # OpenMP wait policy before numba (which sparseinfer.bench loads) starts
+    from sparseinfer.bench import percentile as pct
+
+    t_load = time.perf_counter()
+    proc, parent, base_url, model = start_server(
+        _server_process, kind, args.ctx_size, args.threads, args.max_queue, parallel,
+        args.prefill_chunk, args.model, not args.no_cache_prompt)
     ready = time.perf_counter() - t_load
     print(
         f"\nparallel={parallel} engine={kind} model={model} server={base_url} "

@@ -13,15 +13,14 @@ clients' inter-token gaps beside them show how much of their tail is the steps'.
 
     python benchmarks/serve_steps.py [--clients 8] [--parallel 8] [--client raw|openai]
 
-The methods are wrapped (timers around them) in the server process only; the clients are
-``serve_load.py``'s.
+The server is ``serve_load.py``'s (its methods wrapped with timers in the server process only),
+and so are the clients.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -29,17 +28,19 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _timed_server(conn, n_ctx: int, threads: int, parallel: int, prefill_chunk: int,
-                  model: str | None) -> None:
+def _timed_server(conn, *server_args) -> None:
+    """``serve_load._server_process`` with the batch loop's methods timed; once it stops, the
+    log goes back through ``conn``: (kind, start, end, rows) on ``time.monotonic``, the clock
+    every process of this machine shares."""
     from sparseinfer.threads import passive_wait
 
-    passive_wait()
-    import sparseinfer.server.batching as batching
-    from sparseinfer.engine import Engine
-    from sparseinfer.server.app import ServerThread, create_app
+    passive_wait()  # before the import below starts torch (``_server_process`` does it again)
+    import serve_load as sl
 
-    log: list[tuple[str, float, float, int]] = []  # (kind, start, end, rows)
-    clock = time.perf_counter
+    import sparseinfer.server.batching as batching
+
+    log: list[tuple[str, float, float, int]] = []
+    clock = time.monotonic
     step, iterate, sampled = (batching.decode_step, batching.BatchEngine._iterate,
                               batching.BatchEngine._sampled)
 
@@ -62,13 +63,8 @@ def _timed_server(conn, n_ctx: int, threads: int, parallel: int, prefill_chunk: 
     batching.decode_step = timed_step
     batching.BatchEngine._iterate = timed_iterate
     batching.BatchEngine._sampled = timed_sampled
-    engine = batching.BatchEngine(Engine.load(model, n_ctx=n_ctx, threads=threads), parallel,
-                                  prefill_chunk=prefill_chunk)
-    with ServerThread(create_app(engine, max_queue=4 * parallel)) as srv:
-        conn.send((srv.base_url, engine.name))
-        while conn.recv() == "log":  # anything else stops the server
-            conn.send(list(log))
-            log.clear()
+    sl._server_process(conn, *server_args)
+    conn.send(log)
 
 
 def _iterations(log):
@@ -115,28 +111,19 @@ def main() -> int:
     if args.parallel < 2:
         p.error("--parallel: the batch loop serves 2 or more streams")
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_timed_server, daemon=True,
-                       args=(child, args.ctx_size, args.threads, args.parallel,
-                             args.prefill_chunk, args.model))
-    proc.start()
-    if not parent.poll(600):
-        proc.kill()
-        raise SystemExit("the server did not start within 600 s")
-    base_url, model = parent.recv()
+    proc, conn, base_url, model = sl.start_server(
+        _timed_server, "real", args.ctx_size, args.threads, 16, args.parallel,
+        args.prefill_chunk, args.model)
     try:
         asyncio.run(sl.run_level(base_url, model, 2, 2, 4, 600, 600, args.client))  # warm-up
-        parent.send("log")
-        parent.recv()
+        since = time.monotonic()
         lv = asyncio.run(sl.run_level(base_url, model, args.clients,
                                       args.clients * args.requests_per_client, args.max_tokens,
                                       600, 600, args.client))
-        parent.send("log")
-        log = parent.recv()
     finally:
-        parent.send("stop")
-        proc.join(30)
+        conn.send("stop")
+    log = [e for e in conn.recv() if e[1] >= since]
+    proc.join(30)
     its = _iterations(log)
     full = [x for x in its if x[0] == args.parallel]
     chunked = [x for x in its if x[0] > args.parallel]
