@@ -2432,13 +2432,14 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
     (grouped ? q4_axpy_g(rp, h, R, nb, o, pfd, (t) ? 0 : npf, pfdb)                             \
              : q4_axpy(rp, h, R, nb, o, pfd, (t) ? 0 : npf, pfdb))
 #define FIXED_DOTS(rp, R, t, y) q4_dots_fixed(rp, R, &x[t], nb, grouped, y, pf, t ? 0 : npf, pfb)
-#elif !SI_NARROW
+#else
+#if !SI_NARROW
 #define DOTS(rp, R, t, y)                                                                      \
     ((R) == 8 ? q4_dots8(rp, &x[t], nb, y, pf, t ? 0 : npf, pfb)                                \
               : q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, pfb))
-#define AXPY(rp, h, R, o, t) q4_axpy(rp, h, R, nb, o, pfd, (t) ? 0 : npf, pfdb)
 #else
 #define DOTS(rp, R, t, y) q4_dots(rp, R, &x[t], nb, y, pf, t ? 0 : npf, pfb)
+#endif
 #define AXPY(rp, h, R, o, t) q4_axpy(rp, h, R, nb, o, pfd, (t) ? 0 : npf, pfdb)
 #endif
 #ifndef FIXED_DOTS /* each row's sum the same whatever R (ReLU gates first: see q4_dots_fixed) */
