@@ -98,8 +98,12 @@ def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: 
           f">= {POOL_BYTES >> 20} MiB and 16 random active sets")
     print("# bw: read bandwidth measured just before and after each row, the higher one (on this "
           "VM it drifts between ~33 and ~60 GB/s from minute to minute); %bw = GB/s / bw")  # fmt: skip
+    print("# pat: the same neurons' bundled rows (not int8's scales) of the same layers read by "
+          "cpu.read_gather in the q4 kernel's order and look-ahead, nothing computed: what the "
+          "memory gives for this pattern (best call); %pat = GB/s / pat")  # fmt: skip
     hdr = (f"{'model':<13} {'dtype':<8} {'dens':>4} {'k':>5} {'sparse (p50)':>20} {'MB':>6} "
-           f"{'GB/s':>5} {'bw':>4} {'%bw':>4} {'dense (p50)':>20} {'dense path':<13} "
+           f"{'GB/s':>5} {'bw':>4} {'%bw':>4} {'pat':>4} {'%pat':>4} {'dense (p50)':>20} "
+           f"{'dense path':<13} "
            f"{'speedup':>7}")  # fmt: skip
     print(hdr)
     print("-" * len(hdr))
@@ -148,6 +152,7 @@ def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: 
                 ts = call_times(call, max(n_calls, n))
                 bw = max(bw_before, measure_read_bandwidth(threads, nbytes=BW_BYTES, repeats=3))
                 bws.append(bw)
+                pat = gather_bandwidth(pool, sets, max(n_calls, n)) if fire is None else None
                 t = min(ts)
                 nbytes = k * base.bytes_per_neuron
                 gbs = nbytes / t / 1e9
@@ -155,12 +160,28 @@ def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: 
                 print(f"{name:<13} {dtype_name(dtype, block, d):<8} {density:>4.0%} {k:>5} "
                       f"{fmt_time(t):>9} ({fmt_time(p50):>8}) "
                       f"{nbytes / 1e6:>6.2f} {gbs:>5.1f} {bw:>4.0f} {gbs / bw:>4.0%} "
+                      f"{fmt_pat(pat, gbs)} "
                       f"{fmt_time(t_dense):>9} ({fmt_time(p50_dense):>8}) "
                       f"{dense_label:<13} {t_dense / t:>6.1f}x")  # fmt: skip
             del pool, base
             gc.collect()
     print(f"# read bandwidth over the run: {min(bws):.1f}..{max(bws):.1f} GB/s; "
           f"load average at the end {os.getloadavg()[0]:.2f}")  # fmt: skip
+
+
+def gather_bandwidth(pool: list[PackedFFN], sets: list[torch.Tensor], n_calls: int) -> float:
+    """GB/s of the best ``cpu.read_gather`` call over the pool's layers and the active sets, as
+    the kernel's calls cycle over them (every neuron's whole bundle of rows)."""
+    stride = pool[0].rows[0].numel() * pool[0].rows.element_size()
+    n = len(pool)
+    ts = call_times(lambda i: cpu.read_gather(pool[i % n].rows, stride, stride, sets[i % 16]),
+                    n_calls)
+    return sets[0].numel() * stride / min(ts) / 1e9
+
+
+def fmt_pat(pat: float | None, gbs: float) -> str:
+    """The pat and %pat columns (blank for ReLU gates, whose kernel skips rows the probe reads)."""
+    return f"{'-':>4} {'-':>4}" if pat is None else f"{pat:>4.0f} {gbs / pat:>4.0%}"
 
 
 def fmt_time(t: float) -> str:

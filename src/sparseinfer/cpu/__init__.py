@@ -26,6 +26,7 @@ q8_0) and each block of weights is an integer dot product with it (F16 and F32 u
     blk.rows(X, positions, slots, k_caches, v_caches, cos_table, sin_table)  # one per sequence
     cpu.DecodeStack([blk0, blk1, ...])(X, positions, slots, k, v, ropes)  # every block, one call
     cpu.read_runs(fd, start, length, first, pick, dest, stride, out, 512, 8, False)  # disk reads
+    cpu.read_gather(rows, stride, nbytes, idx)           # a read probe: the sparse kernels' pattern
 
 Variants: AVX2+FMA; the same in 128-bit registers (``"avx2_128"``, for CPUs whose vector units
 split 256-bit instructions: AMD Zen and Zen+); and AVX-512 (F/BW/VL) with VNNI. ``best_isa()``
@@ -66,6 +67,7 @@ __all__ = [
     "sparse_ffn_q4",
     "sparse_q4_gates",
     "sparse_ffn_i8",
+    "read_gather",
     "F16Predictor",
     "attend_token",
     "attend_token_raw",

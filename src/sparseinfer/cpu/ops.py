@@ -67,7 +67,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q5_0x16": (13, 32, 22),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
-ABI_VERSION = 17
+ABI_VERSION = 18
 
 
 class CpuLibraryError(SparseInferError):
@@ -103,6 +103,8 @@ def _load() -> ctypes.CDLL:
     lib.si_to_panels.argtypes = [ci, vp, i64, ci, vp]
     lib.si_bundle_rows.argtypes = [ci, vp, i64, i64, ci, ci, vp, i64, vp, i64]
     lib.si_read_runs.argtypes = [ci, ci, vp, vp, vp, vp, vp, i64, i64, vp, ci, ci, ci, vp, vp]
+    sz = ctypes.c_size_t
+    lib.si_read_gather.argtypes = [vp, sz, sz, sz, vp, ci, ctypes.POINTER(ctypes.c_uint64)]
     if lib.si_get_isa() < 0:
         raise CpuLibraryError("this CPU has neither AVX2+FMA nor AVX-512: the C kernels need one")
     return lib
@@ -591,6 +593,34 @@ def sparse_q4_gates(rows: torch.Tensor, idx: torch.Tensor, x: torch.Tensor,
                                    idx.data_ptr(), k, d_ff, x.data_ptr(), d_model,
                                    out.data_ptr()), "sparse_q4_gates")
     return out
+
+
+def read_gather(buf: torch.Tensor, stride: int, nbytes: int, idx: torch.Tensor) -> int:
+    """A read probe for benchmarks: bytes ``[0, nbytes)`` of rows ``idx`` (int32) of ``buf`` (a
+    contiguous CPU tensor, 8-byte aligned; rows ``stride`` bytes apart), read in the order and
+    with the look-ahead the sparse kernels read their neuron bundles, on the pool's threads,
+    doing nothing else. Returns the wrapping sum of the 64-bit words read, mod 2**64 (so a test
+    can check that every byte was read). ``nbytes`` and ``stride``: multiples of 8."""
+    if not (isinstance(buf, torch.Tensor) and buf.is_contiguous() and buf.device.type == "cpu"):
+        raise ValueError(f"buf: expected a contiguous CPU tensor, got {type(buf).__name__}")
+    if not (isinstance(idx, torch.Tensor) and idx.dtype == torch.int32 and idx.dim() == 1
+            and idx.is_contiguous()):
+        raise ValueError(f"idx: expected a contiguous 1-D int32 tensor, got "
+                         f"{getattr(idx, 'dtype', type(idx).__name__)}")
+    if nbytes % 8 or stride % 8 or not 0 < nbytes <= stride or buf.data_ptr() % 8:
+        raise ValueError(f"read_gather: expected 0 < nbytes <= stride, both multiples of 8, and "
+                         f"an 8-byte aligned buf; got nbytes {nbytes}, stride {stride}, buf at "
+                         f"{buf.data_ptr() % 8} mod 8")
+    total = buf.numel() * buf.element_size()
+    if idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi * stride + nbytes > total:
+            raise ValueError(f"idx: expected rows 0..{(total - nbytes) // stride} of a "
+                             f"{total}-byte buf, got {lo}..{hi}")
+    out = ctypes.c_uint64()
+    _check(_lib.si_read_gather(buf.data_ptr(), total, stride, nbytes, idx.data_ptr(), idx.numel(),
+                               ctypes.byref(out)), "read_gather")
+    return out.value
 
 
 def i8_rounds_x(block: int, d_model: int) -> bool:

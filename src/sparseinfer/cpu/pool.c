@@ -29,7 +29,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 17
+#define SI_ABI_VERSION 18
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
@@ -1073,6 +1073,63 @@ static void token_attend_chunk(const void *jp, int64_t g) {
     const size_t kv = (size_t)g * j->max_seq * j->hd * kv_size(j->kv16); /* bytes */
     attend_group(j->kv16, j->q, j->kc + kv, j->vc + kv, j->n, j->hd, j->scale, (int)g * j->group,
                  j->group, j->scores, j->max_seq, j->out);
+}
+
+/* ------------------------------------------------------------------ a read probe (benchmarks) */
+
+/* What the memory gives for the sparse kernels' access pattern with no arithmetic: bytes
+ * [0, nbytes) of rows idx[0..k) of buf (stride bytes apart) read the way si_sparse_q4 walks its
+ * bundles (neuron ranges split over the pool as sparse_run does, 4 rows at a time, the next 4
+ * rows fetched into L2 a line per line read meanwhile), their 64-bit words summed (wrapping)
+ * into *sum, which a caller can check. benchmarks/kernels.py times it beside each kernel. */
+typedef struct {
+    const uint8_t *buf;
+    size_t stride, words;
+    const int32_t *idx;
+    int k, n_chunks;
+    uint64_t *sums;
+} gather_job_t;
+
+static void gather_chunk(const void *jp, int64_t c) {
+    const gather_job_t *j = jp;
+    const int i0 = (int)(c * j->k / j->n_chunks), i1 = (int)((c + 1) * j->k / j->n_chunks);
+    uint64_t acc[8] = {0};
+    for (int i = i0; i < i1; i += 4) {
+        const int R = i1 - i < 4 ? i1 - i : 4, npf = i1 - i - R < 4 ? i1 - i - R : 4;
+        const uint64_t *r[4];
+        const uint8_t *pf[4];
+        for (int n = 0; n < R; n++) r[n] = (const uint64_t *)(j->buf + (size_t)j->idx[i + n] * j->stride);
+        for (int n = 0; n < npf; n++) pf[n] = j->buf + (size_t)j->idx[i + R + n] * j->stride;
+        size_t w = 0;
+        for (; w + 8 <= j->words; w += 8) { /* one 64-byte line of each row */
+            for (int n = 0; n < npf; n++) __builtin_prefetch(pf[n] + 8 * w, 0, 2);
+            for (int n = 0; n < R; n++)
+                for (int e = 0; e < 8; e++) acc[e] += r[n][w + e];
+        }
+        for (; w < j->words; w++)
+            for (int n = 0; n < R; n++) acc[0] += r[n][w];
+    }
+    uint64_t s = 0;
+    for (int e = 0; e < 8; e++) s += acc[e];
+    j->sums[c] = s;
+}
+
+int si_read_gather(const void *buf, size_t buf_bytes, size_t stride, size_t nbytes,
+                   const int32_t *idx, int k, uint64_t *sum) {
+    if (g_isa < 0) return ENODEV;
+    if (k < 0 || nbytes % 8 || stride % 8 || (uintptr_t)buf % 8 || nbytes > stride) return EINVAL;
+    for (int i = 0; i < k; i++)
+        if (idx[i] < 0 || (size_t)idx[i] * stride + nbytes > buf_bytes) return ERANGE;
+    const int nt = P.n_workers + 1, n = (k + 31) / 32;
+    gather_job_t j = {buf, stride, nbytes / 8, idx, k, n < 1 ? 1 : n > 4 * nt ? 4 * nt : n, NULL};
+    uint64_t sums[4 * MAX_THREADS];
+    j.sums = sums;
+    pthread_mutex_lock(&g_call_lock);
+    pool_run(gather_chunk, &j, j.n_chunks);
+    pthread_mutex_unlock(&g_call_lock);
+    *sum = 0;
+    for (int c = 0; c < j.n_chunks; c++) *sum += sums[c];
+    return 0;
 }
 
 /* One token's attention outside the C block (a plain llama block around a sparse FFN): rope on
