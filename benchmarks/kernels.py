@@ -6,7 +6,9 @@
 For a Llama-7B FFN (4096 x 11008, SwiGLU) and SmolLM2-135M's (576 x 1536, SwiGLU), each storage
 dtype and density: time of ``kernels.sparse_ffn`` on a random active set, the effective bandwidth
 of the bytes it must read (active neurons' bundled rows + scales), that as a share of the measured
-read bandwidth, and the speedup over the best dense torch FFN of the same weights in the same run.
+read bandwidth, that as a share of what the memory gives for the same bundles read in the same
+order with nothing computed (``cpu.read_gather``: the access pattern's own ceiling), and the
+speedup over the best dense torch FFN of the same weights in the same run.
 
 Honest-timing rules: every call gets a different layer (a pool of copies larger than the L3
 cache, like the layers of a real model) and a different random active set, so nothing is served
