@@ -1,0 +1,180 @@
+"""Two builds of the C library against each other in one process: the sparse FFN kernels.
+
+    python benchmarks/ab_kernels.py --rev HEAD~1 [--isa avx2] [--dtypes q4 int8/32] [-t 2]
+    python benchmarks/ab_kernels.py --old path/to/libsicpu.so ...
+
+``--rev`` checks that revision out in a temporary git worktree, builds its library there and
+removes the worktree after; "new" is this tree's built library (``python -m
+sparseinfer.cpu.build``). Both are loaded side by side (each with its own thread pool) and called
+on the same inputs — a 7B-shape SwiGLU FFN, a pool of layer copies larger than the L3 cache, 16
+random active sets at 10% density — in alternating blocks of calls, so a change of a few percent
+can be told from this VM's drift from minute to minute (memory bandwidth moving 30-60 GB/s),
+which separate runs of ``kernels.py`` cannot. Prints per build the best, p10, p50 and mean call
+time, the new / old ratios, and in how many rounds (one block of each) new was faster. Outputs of
+the two builds are compared once (equal, or the largest difference, printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import ctypes
+import importlib.util
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import sparseinfer
+from sparseinfer.bench import cpu_model
+from sparseinfer.sparse.packed import PackedFFN
+
+ROOT = Path(__file__).resolve().parent.parent
+ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
+SILU, IDENTITY = 2, 0  # sparse/kernels.py ACT_CODES
+
+
+def kernels_bench():
+    """benchmarks/kernels.py as a module (its pool of layer copies)."""
+    spec = importlib.util.spec_from_file_location("kernels_bench", ROOT / "benchmarks" / "kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def build_rev(rev: str) -> Path:
+    """The library of git revision ``rev``, built in a temporary worktree (removed at exit)."""
+    tmp = Path(tempfile.mkdtemp(prefix="sparseinfer-ab-"))
+    wt = tmp / "tree"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(wt), rev],
+                   check=True, capture_output=True)
+
+    def remove() -> None:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(wt)],
+                       capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    atexit.register(remove)
+    env = dict(os.environ, PYTHONPATH=str(wt / "src"))
+    subprocess.run([sys.executable, "-m", "sparseinfer.cpu.build"], check=True, env=env,
+                   capture_output=True)
+    return wt / "src" / "sparseinfer" / "cpu" / "libsicpu.so"
+
+
+def load(path: Path, isa: str, threads: int) -> ctypes.CDLL:
+    if not path.is_file():
+        raise SystemExit(f"no library at {path}: build it first (python -m sparseinfer.cpu.build)")
+    lib = ctypes.CDLL(str(path))
+    vp, ci = ctypes.c_void_p, ctypes.c_int
+    lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, vp,
+                                 vp]
+    lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, ci, vp, vp]
+    if lib.si_set_isa(ISAS[isa]) != 0:
+        raise SystemExit(f"{path}: this CPU cannot run {isa}")
+    if lib.si_set_threads(threads) != 0:
+        raise SystemExit(f"{path}: set_threads({threads}) failed")
+    return lib
+
+
+def caller(lib: ctypes.CDLL, layer: PackedFFN, x: torch.Tensor, out: torch.Tensor):
+    """call(idx): one sparse FFN over active set idx with this build."""
+    d, f = layer.d_model, layer.d_ff
+    if layer.dtype == "q4":
+        bb = layer.rows[0].numel()
+
+        def call(idx: torch.Tensor) -> int:
+            return lib.si_sparse_q4(layer.rows.data_ptr(), bb, 1, idx.data_ptr(), idx.numel(),
+                                    None, f, x.data_ptr(), 1, d, SILU, IDENTITY, None,
+                                    out.data_ptr())
+    else:
+        def call(idx: torch.Tensor) -> int:
+            return lib.si_sparse_i8(layer.rows.data_ptr(), layer.scales.data_ptr(), layer.block, 1,
+                                    idx.data_ptr(), idx.numel(), None, f, x.data_ptr(), 1, 1, d,
+                                    SILU, IDENTITY, None, out.data_ptr())
+    return call
+
+
+def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_block: int) -> None:
+    kb = kernels_bench()
+    d, f = kb.SHAPES["llama-7b"]
+    g = torch.Generator().manual_seed(0)
+    base = PackedFFN.from_dense("swiglu", torch.randn(f, d, generator=g) / d**0.5,
+                                torch.randn(f, d, generator=g) / d**0.5,
+                                torch.randn(d, f, generator=g) / f**0.5, dtype=dtype, block=block)
+    pool = kb.pool_of(base, base.nbytes)
+    k = round(0.10 * f)
+    sets = [torch.sort(torch.randperm(f, generator=g)[:k])[0].to(torch.int32) for _ in range(16)]
+    x = torch.randn(d, generator=g)
+    outs = {name: torch.empty(d) for name in libs}
+    calls = {name: [caller(lib, layer, x, outs[name]) for layer in pool]
+             for name, lib in libs.items()}
+    for name, cs in calls.items():  # warm-up, and the two builds' outputs
+        if cs[0](sets[0]) != 0:
+            raise SystemExit(f"{name}: the kernel refused its arguments")
+    diff = (outs["old"] - outs["new"]).abs().max().item()
+    times: dict[str, list[float]] = {name: [] for name in libs}
+    wins = 0
+    i = 0
+    for r in range(rounds):
+        means = {}
+        for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
+            ts = []
+            for _ in range(per_block):
+                t0 = time.perf_counter()
+                calls[name][i % len(pool)](sets[i % 16])
+                ts.append(time.perf_counter() - t0)
+                i += 1
+            times[name] += ts
+            means[name] = statistics.fmean(ts)
+        wins += means["new"] < means["old"]
+    label = kb.dtype_name(dtype, block, d)
+    mb = k * base.bytes_per_neuron / 1e6
+    print(f"\nllama-7b {label}, 10% ({k} neurons, {mb:.2f} MB a call); outputs "
+          f"{'equal' if diff == 0 else f'differ by up to {diff:.3g}'}")
+    stats = {}
+    for name, ts in times.items():
+        a = np.array(ts) * 1e6
+        stats[name] = (a.min(), np.percentile(a, 10), np.median(a), a.mean())
+        print(f"  {name}: best {a.min():6.0f} us ({mb / a.min() * 1e3:4.1f} GB/s)  p10 "
+              f"{stats[name][1]:6.0f}  p50 {stats[name][2]:6.0f}  mean {a.mean():6.0f} us  "
+              f"({len(a)} calls)")
+    o, n = stats["old"], stats["new"]
+    print(f"  new / old: best {n[0] / o[0]:.3f}, p10 {n[1] / o[1]:.3f}, p50 {n[2] / o[2]:.3f}, "
+          f"mean {n[3] / o[3]:.3f}; new faster in {wins} of {rounds} rounds")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--rev", help="git revision whose library is 'old' (built in a worktree)")
+    src.add_argument("--old", type=Path, help="a built libsicpu.so to use as 'old'")
+    p.add_argument("--new", type=Path, default=Path(sparseinfer.__file__).parent / "cpu" / "libsicpu.so",
+                   help="default: this tree's library")
+    p.add_argument("--isa", choices=list(ISAS), default="avx2")
+    p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("--dtypes", nargs="+", choices=["q4", "int8/row", "int8/32"], default=["q4"])
+    p.add_argument("--rounds", type=int, default=60, help="blocks of each build (default 60)")
+    p.add_argument("--per-block", type=int, default=20, help="calls a block (default 20)")
+    args = p.parse_args()
+    old = build_rev(args.rev) if args.rev else args.old
+    libs = {"old": load(old, args.isa, args.threads), "new": load(args.new, args.isa, args.threads)}
+    versions = {name: lib.si_abi_version() for name, lib in libs.items()}
+    if versions["old"] != versions["new"]:
+        raise SystemExit(f"the two libraries' ABI versions differ ({versions}): their calls may "
+                         "not take the same arguments")
+    print(f"# CPU: {cpu_model()}; kernels: {args.isa}; {args.threads} threads; old {old}; "
+          f"new {args.new}")
+    for name in args.dtypes:
+        dtype, block = {"q4": ("q4", 0), "int8/row": ("int8", 0), "int8/32": ("int8", 32)}[name]
+        run(libs, dtype, block, args.rounds, args.per_block)
+
+
+if __name__ == "__main__":
+    main()
