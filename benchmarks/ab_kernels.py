@@ -6,7 +6,7 @@
 ``--rev`` checks that revision out in a temporary git worktree, builds its library there and
 removes the worktree after; "new" is this tree's built library (``python -m
 sparseinfer.cpu.build``). Both are loaded side by side (each with its own thread pool) and called
-on the same inputs — a 7B-shape SwiGLU FFN, a pool of layer copies larger than the L3 cache, 16
+on the same inputs — a 7B-shape SwiGLU FFN (``--fire``: ReGLU), a pool of layer copies larger than the L3 cache, 16
 random active sets at 10% density — in alternating blocks of calls, so a change of a few percent
 can be told from this VM's drift from minute to minute (memory bandwidth moving 30-60 GB/s),
 which separate runs of ``kernels.py`` cannot. Prints per build the best, p10, p50 and mean call
@@ -38,7 +38,7 @@ from sparseinfer.sparse.packed import PackedFFN
 
 ROOT = Path(__file__).resolve().parent.parent
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
-SILU, IDENTITY = 2, 0  # sparse/kernels.py ACT_CODES
+IDENTITY, RELU, SILU = 0, 1, 2  # sparse/kernels.py ACT_CODES
 
 
 def kernels_bench():
@@ -83,37 +83,44 @@ def load(path: Path, isa: str, threads: int) -> ctypes.CDLL:
     return lib
 
 
-def caller(lib: ctypes.CDLL, layer: PackedFFN, x: torch.Tensor, out: torch.Tensor):
-    """call(idx): one sparse FFN over active set idx with this build."""
+def caller(lib: ctypes.CDLL, layer: PackedFFN, x: torch.Tensor, out: torch.Tensor, ga: int):
+    """call(idx): one sparse FFN over active set idx with this build (gate activation ga)."""
     d, f = layer.d_model, layer.d_ff
     if layer.dtype == "q4":
         bb = layer.rows[0].numel()
 
         def call(idx: torch.Tensor) -> int:
             return lib.si_sparse_q4(layer.rows.data_ptr(), bb, 1, idx.data_ptr(), idx.numel(),
-                                    None, f, x.data_ptr(), 1, d, SILU, IDENTITY, None,
+                                    None, f, x.data_ptr(), 1, d, ga, IDENTITY, None,
                                     out.data_ptr())
     else:
         def call(idx: torch.Tensor) -> int:
             return lib.si_sparse_i8(layer.rows.data_ptr(), layer.scales.data_ptr(), layer.block, 1,
                                     idx.data_ptr(), idx.numel(), None, f, x.data_ptr(), 1, 1, d,
-                                    SILU, IDENTITY, None, out.data_ptr())
+                                    ga, IDENTITY, None, out.data_ptr())
     return call
 
 
-def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_block: int) -> None:
+def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_block: int,
+        fire: float | None) -> None:
     kb = kernels_bench()
     d, f = kb.SHAPES["llama-7b"]
     g = torch.Generator().manual_seed(0)
-    base = PackedFFN.from_dense("swiglu", torch.randn(f, d, generator=g) / d**0.5,
-                                torch.randn(f, d, generator=g) / d**0.5,
-                                torch.randn(d, f, generator=g) / f**0.5, dtype=dtype, block=block)
+    gate = torch.randn(f, d, generator=g) / d**0.5
+    up = torch.randn(f, d, generator=g) / d**0.5
+    down = torch.randn(d, f, generator=g) / f**0.5
+    x = torch.randn(d, generator=g)
+    if fire is not None:  # ReGLU, gates shifted so a share `fire` comes out > 0 (as kernels.py)
+        thr = torch.quantile(gate @ x, 1.0 - fire)
+        gate = gate - torch.outer(torch.ones(f), x) * (thr / (x @ x))
+    kind = "swiglu" if fire is None else "reglu"
+    base = PackedFFN.from_dense(kind, gate, up, down, dtype=dtype, block=block)
     pool = kb.pool_of(base, base.nbytes)
     k = round(0.10 * f)
     sets = [torch.sort(torch.randperm(f, generator=g)[:k])[0].to(torch.int32) for _ in range(16)]
-    x = torch.randn(d, generator=g)
     outs = {name: torch.empty(d) for name in libs}
-    calls = {name: [caller(lib, layer, x, outs[name]) for layer in pool]
+    ga = SILU if fire is None else RELU
+    calls = {name: [caller(lib, layer, x, outs[name], ga) for layer in pool]
              for name, lib in libs.items()}
     for name, cs in calls.items():  # warm-up, and the two builds' outputs
         if cs[0](sets[0]) != 0:
@@ -136,7 +143,8 @@ def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_b
         wins += means["new"] < means["old"]
     label = kb.dtype_name(dtype, block, d)
     mb = k * base.bytes_per_neuron / 1e6
-    print(f"\nllama-7b {label}, 10% ({k} neurons, {mb:.2f} MB a call); outputs "
+    fired = "" if fire is None else f", ReGLU with {fire:.0%} of the gates firing"
+    print(f"\nllama-7b {label}, 10% ({k} neurons, {mb:.2f} MB a call{fired}); outputs "
           f"{'equal' if diff == 0 else f'differ by up to {diff:.3g}'}")
     stats = {}
     for name, ts in times.items():
@@ -162,6 +170,8 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", choices=["q4", "int8/row", "int8/32"], default=["q4"])
     p.add_argument("--rounds", type=int, default=60, help="blocks of each build (default 60)")
     p.add_argument("--per-block", type=int, default=20, help="calls a block (default 20)")
+    p.add_argument("--fire", type=float, help="ReGLU (ReLU gates) with this share of the gates "
+                   "firing, as kernels.py --kind reglu --fire; default: SwiGLU")
     args = p.parse_args()
     old = build_rev(args.rev) if args.rev else args.old
     libs = {"old": load(old, args.isa, args.threads), "new": load(args.new, args.isa, args.threads)}
@@ -173,7 +183,7 @@ def main() -> None:
           f"new {args.new}")
     for name in args.dtypes:
         dtype, block = {"q4": ("q4", 0), "int8/row": ("int8", 0), "int8/32": ("int8", 32)}[name]
-        run(libs, dtype, block, args.rounds, args.per_block)
+        run(libs, dtype, block, args.rounds, args.per_block, args.fire)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ split 256-bit instructions: AMD Zen and Zen+); and AVX-512 (F/BW/VL) with VNNI. 
 is chosen at import; ``set_isa(name)`` forces another. Threads: a persistent pool inside the library
 (``set_threads``, 1 until set); idle workers spin briefly (``set_spin_us``) and then sleep;
 ``pool_stats`` counts the chunks the caller and the workers ran. A call's rows are split in
-contiguous chunks (about 8 per thread, at least 32 KiB of weights each), claimed one at a time.
+contiguous chunks (about 8 per thread, at least 32 KiB of weights each), claimed one at a time;
+a sparse FFN call's neurons in one range per thread (at least 32 neurons each).
 
 The library is built by ``python3 -m sparseinfer.cpu.build`` (``./install.sh`` does it). The
 first use of any name below imports ``sparseinfer.cpu.ops``, which loads it: missing, or built

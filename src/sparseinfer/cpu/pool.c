@@ -565,12 +565,15 @@ static void sparse_chunk(const void *jp, int64_t c) {
 
 /* Split job j over the pool (up to SPARSE_BY_NEURON_T tokens: neuron ranges into partial sums,
  * added at the end; else token ranges), after quantizing x for Q4_0 bundles; holds the call
- * lock throughout. */
+ * lock throughout. One neuron range per thread (at least 32 neurons each): every range starts
+ * with its first bundles not fetched ahead and adds a partial sum, and four a thread, for the
+ * pool's balancing, were 2-13% slower on a quiet machine and no better beside a busy process
+ * (benchmarks/RESULTS.md, `ab_kernels.py`). */
 static int sparse_run(sparse_job_t *j) {
     const int nt = P.n_workers + 1;
     if (j->T <= SPARSE_BY_NEURON_T) {
         int n = (j->k + 31) / 32;
-        j->n_chunks = n < 1 ? 1 : n > 4 * nt ? 4 * nt : n;
+        j->n_chunks = n < 1 ? 1 : n > nt ? nt : n;
     } else {
         j->n_chunks = j->T < 4 * nt ? j->T : 4 * nt;
     }
