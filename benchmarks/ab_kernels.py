@@ -6,10 +6,10 @@
 ``--rev`` checks that revision out in a temporary git worktree, builds its library there and
 removes the worktree after; "new" is this tree's built library (``python -m
 sparseinfer.cpu.build``). Both are loaded side by side (each with its own thread pool) and called
-on the same inputs — a 7B-shape SwiGLU FFN (``--fire``: ReGLU), a pool of layer copies larger than the L3 cache, 16
-random active sets at 10% density — in alternating blocks of calls, so a change of a few percent
-can be told from this VM's drift from minute to minute (memory bandwidth moving 30-60 GB/s),
-which separate runs of ``kernels.py`` cannot. Prints per build the best, p10, p50 and mean call
+on the same inputs — a 7B-shape SwiGLU FFN (``--fire``: ReGLU), a pool of layer copies larger
+than the L3 cache, 16 random active sets at 10% density — in alternating blocks of calls, so a
+change of a few percent can be told from this VM's drift from minute to minute (memory
+bandwidth moving 30-60 GB/s), which separate runs of ``kernels.py`` cannot. Prints per build the best, p10, p50 and mean call
 time, the new / old ratios, and in how many rounds (one block of each) new was faster. Outputs of
 the two builds are compared once (equal, or the largest difference, printed).
 """
