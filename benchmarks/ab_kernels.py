@@ -1,6 +1,6 @@
 """Two builds of the C library against each other in one process: the sparse FFN kernels.
 
-    python benchmarks/ab_kernels.py --rev HEAD~1 [--isa avx2] [--dtypes q4 int8/32] [-t 2]
+    python benchmarks/ab_kernels.py --rev HEAD~1 [--isa avx2] [--dtypes q4 int8/32 q4-gates] [-t 2]
     python benchmarks/ab_kernels.py --old path/to/libsicpu.so ...
 
 ``--rev`` checks that revision out in a temporary git worktree, builds its library there and
@@ -76,6 +76,7 @@ def load(path: Path, isa: str, threads: int) -> ctypes.CDLL:
     lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, vp,
                                  vp]
     lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, ci, vp, vp]
+    lib.si_sparse_q4_gates.argtypes = [vp, ctypes.c_size_t, vp, ci, ci, vp, ci, vp]
     if lib.si_set_isa(ISAS[isa]) != 0:
         raise SystemExit(f"{path}: this CPU cannot run {isa}")
     if lib.si_set_threads(threads) != 0:
@@ -83,10 +84,18 @@ def load(path: Path, isa: str, threads: int) -> ctypes.CDLL:
     return lib
 
 
-def caller(lib: ctypes.CDLL, layer: PackedFFN, x: torch.Tensor, out: torch.Tensor, ga: int):
-    """call(idx): one sparse FFN over active set idx with this build (gate activation ga)."""
+def caller(lib: ctypes.CDLL, layer: PackedFFN, x: torch.Tensor, out: torch.Tensor, ga: int,
+           gates: bool):
+    """call(idx): one sparse FFN over active set idx with this build (gate activation ga); with
+    ``gates``, the q4 gate rows' dot products alone (``si_sparse_q4_gates``, into out[:k])."""
     d, f = layer.d_model, layer.d_ff
-    if layer.dtype == "q4":
+    if gates:
+        bb = layer.rows[0].numel()
+
+        def call(idx: torch.Tensor) -> int:
+            return lib.si_sparse_q4_gates(layer.rows.data_ptr(), bb, idx.data_ptr(), idx.numel(),
+                                          f, x.data_ptr(), d, out.data_ptr())
+    elif layer.dtype == "q4":
         bb = layer.rows[0].numel()
 
         def call(idx: torch.Tensor) -> int:
@@ -102,7 +111,7 @@ def caller(lib: ctypes.CDLL, layer: PackedFFN, x: torch.Tensor, out: torch.Tenso
 
 
 def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_block: int,
-        fire: float | None) -> None:
+        fire: float | None, gates: bool = False) -> None:
     kb = kernels_bench()
     d, f = kb.SHAPES["llama-7b"]
     g = torch.Generator().manual_seed(0)
@@ -118,9 +127,9 @@ def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_b
     pool = kb.pool_of(base, base.nbytes)
     k = round(0.10 * f)
     sets = [torch.sort(torch.randperm(f, generator=g)[:k])[0].to(torch.int32) for _ in range(16)]
-    outs = {name: torch.empty(d) for name in libs}
+    outs = {name: torch.zeros(d) for name in libs}  # the gates write only out[:k]
     ga = SILU if fire is None else RELU
-    calls = {name: [caller(lib, layer, x, outs[name], ga) for layer in pool]
+    calls = {name: [caller(lib, layer, x, outs[name], ga, gates) for layer in pool]
              for name, lib in libs.items()}
     for name, cs in calls.items():  # warm-up, and the two builds' outputs
         if cs[0](sets[0]) != 0:
@@ -141,8 +150,8 @@ def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_b
             times[name] += ts
             means[name] = statistics.fmean(ts)
         wins += means["new"] < means["old"]
-    label = kb.dtype_name(dtype, block, d)
-    mb = k * base.bytes_per_neuron / 1e6
+    label = "q4 gate rows alone" if gates else kb.dtype_name(dtype, block, d)
+    mb = k * (base.rows[0, 0].numel() if gates else base.bytes_per_neuron) / 1e6
     fired = "" if fire is None else f", ReGLU with {fire:.0%} of the gates firing"
     print(f"\nllama-7b {label}, 10% ({k} neurons, {mb:.2f} MB a call{fired}); outputs "
           f"{'equal' if diff == 0 else f'differ by up to {diff:.3g}'}")
@@ -167,7 +176,9 @@ def main() -> None:
                    help="default: this tree's library")
     p.add_argument("--isa", choices=list(ISAS), default="avx2")
     p.add_argument("-t", "--threads", type=int, default=2)
-    p.add_argument("--dtypes", nargs="+", choices=["q4", "int8/row", "int8/32"], default=["q4"])
+    p.add_argument("--dtypes", nargs="+", choices=["q4", "int8/row", "int8/32", "q4-gates"],
+                   default=["q4"], help="q4-gates: the gate rows' dot products alone (the disk "
+                   "tier's ReLU gates apart)")
     p.add_argument("--rounds", type=int, default=60, help="blocks of each build (default 60)")
     p.add_argument("--per-block", type=int, default=20, help="calls a block (default 20)")
     p.add_argument("--fire", type=float, help="ReGLU (ReLU gates) with this share of the gates "
@@ -182,8 +193,9 @@ def main() -> None:
     print(f"# CPU: {cpu_model()}; kernels: {args.isa}; {args.threads} threads; old {old}; "
           f"new {args.new}")
     for name in args.dtypes:
-        dtype, block = {"q4": ("q4", 0), "int8/row": ("int8", 0), "int8/32": ("int8", 32)}[name]
-        run(libs, dtype, block, args.rounds, args.per_block, args.fire)
+        dtype, block = {"q4": ("q4", 0), "int8/row": ("int8", 0), "int8/32": ("int8", 32),
+                        "q4-gates": ("q4", 0)}[name]
+        run(libs, dtype, block, args.rounds, args.per_block, args.fire, name == "q4-gates")
 
 
 if __name__ == "__main__":
