@@ -563,17 +563,22 @@ static void sparse_chunk(const void *jp, int64_t c) {
     }
 }
 
-/* Split job j over the pool (up to SPARSE_BY_NEURON_T tokens: neuron ranges into partial sums,
- * added at the end; else token ranges), after quantizing x for Q4_0 bundles; holds the call
- * lock throughout. One neuron range per thread (at least 32 neurons each): every range starts
- * with its first bundles not fetched ahead and adds a partial sum, and four a thread, for the
- * pool's balancing, were 2-13% slower on a quiet machine and no better beside a busy process
- * (benchmarks/RESULTS.md, `ab_kernels.py`). */
+/* The neuron ranges a call over k neurons is split in: one per thread, at least 32 neurons each.
+ * Every range starts with its first bundles not fetched ahead and adds a partial sum; four a
+ * thread, for the pool's balancing, were 2-13% slower on a quiet machine and no better beside a
+ * busy process (benchmarks/RESULTS.md, `ab_kernels.py`). */
+static int sparse_ranges(int k) {
+    const int nt = P.n_workers + 1, n = (k + 31) / 32;
+    return n < 1 ? 1 : n > nt ? nt : n;
+}
+
+/* Split job j over the pool (up to SPARSE_BY_NEURON_T tokens: neuron ranges (sparse_ranges)
+ * into partial sums, added at the end; else token ranges), after quantizing x for Q4_0 bundles;
+ * holds the call lock throughout. */
 static int sparse_run(sparse_job_t *j) {
     const int nt = P.n_workers + 1;
     if (j->T <= SPARSE_BY_NEURON_T) {
-        int n = (j->k + 31) / 32;
-        j->n_chunks = n < 1 ? 1 : n > nt ? nt : n;
+        j->n_chunks = sparse_ranges(j->k);
     } else {
         j->n_chunks = j->T < 4 * nt ? j->T : 4 * nt;
     }
@@ -1082,7 +1087,7 @@ static void token_attend_chunk(const void *jp, int64_t g) {
 
 /* What the memory gives for the sparse kernels' access pattern with no arithmetic: bytes
  * [0, nbytes) of rows idx[0..k) of buf (stride bytes apart) read the way si_sparse_q4 walks its
- * bundles (neuron ranges split over the pool as sparse_run does, 4 rows at a time, the next 4
+ * bundles (the neuron ranges of sparse_ranges over the pool, 4 rows at a time, the next 4
  * rows fetched into L2 a line per line read meanwhile), their 64-bit words summed (wrapping)
  * into *sum, which a caller can check. benchmarks/kernels.py times it beside each kernel. */
 typedef struct {
@@ -1123,9 +1128,8 @@ int si_read_gather(const void *buf, size_t buf_bytes, size_t stride, size_t nbyt
     if (k < 0 || nbytes % 8 || stride % 8 || (uintptr_t)buf % 8 || nbytes > stride) return EINVAL;
     for (int i = 0; i < k; i++)
         if (idx[i] < 0 || (size_t)idx[i] * stride + nbytes > buf_bytes) return ERANGE;
-    const int nt = P.n_workers + 1, n = (k + 31) / 32;
-    gather_job_t j = {buf, stride, nbytes / 8, idx, k, n < 1 ? 1 : n > 4 * nt ? 4 * nt : n, NULL};
-    uint64_t sums[4 * MAX_THREADS];
+    gather_job_t j = {buf, stride, nbytes / 8, idx, k, sparse_ranges(k), NULL};
+    uint64_t sums[MAX_THREADS];
     j.sums = sums;
     pthread_mutex_lock(&g_call_lock);
     pool_run(gather_chunk, &j, j.n_chunks);
