@@ -345,6 +345,38 @@ static int xk_served(void) { /* the kinds this ISA's kernels take in blocks of 1
     return g_isa == ISA_AVX512 ? XK_Q6K | XK_Q5K : g_isa == ISA_AVX2 ? XK_Q6K : 0;
 }
 
+/* Row t of a quantize_rows call: its descriptor S.xq[t] and its blocks (rows are independent:
+ * quant_chunk is a pool chunk). */
+#define QUANT_POOL_ROWS 4 /* rows from which quantize_rows splits them over the pool */
+typedef struct {
+    const float *x;
+    int cols, need_q, need_k;
+    size_t nb, ng;
+} quant_job_t;
+static void quant_chunk(const void *jp, int64_t t) {
+    const quant_job_t *j = jp;
+    const int cols = j->cols;
+    const size_t nb = j->nb, ng = j->ng;
+    si_xq *xq = &S.xq[t];
+    xq->f = j->x + t * (size_t)cols;
+    xq->q = S.q + t * (size_t)cols;
+    xq->d = S.d + t * nb;
+    xq->s = S.s + t * nb;
+    xq->g = NULL;
+    xq->kq = NULL, xq->kd = NULL, xq->kbs = NULL, xq->ks = NULL;
+    if (j->need_k) {
+        int8_t *kq = S.kq + t * (size_t)cols;
+        float *kd = S.kd + t * (size_t)(cols / XK), *ks = S.ks + t * (size_t)(cols / 32);
+        int16_t *kbs = S.kbs + t * (size_t)(cols / 16);
+        g_quantk(xq->f, cols, kq, kd, kbs, ks);
+        xq->kq = kq, xq->kd = kd, xq->kbs = kbs, xq->ks = ks;
+    }
+    if (j->need_q) {
+        g_quant(xq->f, cols, S.q + t * (size_t)cols, S.d + t * nb, S.s + t * nb);
+        if (ng && g_xgroups(xq, cols, S.g + t * ng)) xq->g = S.g + t * ng;
+    }
+}
+
 /* Quantize T rows of x [T, cols] into the scratch in blocks of 32 (need_q: some matrix other
  * than a K-quant's reads them), with the rearranged copies (need_g: only the row-major
  * Q4_0/Q4_1/Q5_0 and sparse kernels read them), and in blocks of 128 (need_k: the xk_kind bits
@@ -365,26 +397,10 @@ static int quantize_rows(const float *x, int64_t T, int cols, int need_q, int ne
     if (!err && need_k) err = grow((void **)&S.kbs, &S.cap_kbs, (size_t)T * (cols / 16) * sizeof(int16_t));
     if (!err && need_k) err = grow((void **)&S.ks, &S.cap_ks, (size_t)T * (cols / 32) * sizeof(float));
     if (err) return err;
-    for (int64_t t = 0; t < T; t++) {
-        si_xq *xq = &S.xq[t];
-        xq->f = x + t * (size_t)cols;
-        xq->q = S.q + t * (size_t)cols;
-        xq->d = S.d + t * nb;
-        xq->s = S.s + t * nb;
-        xq->g = NULL;
-        xq->kq = NULL, xq->kd = NULL, xq->kbs = NULL, xq->ks = NULL;
-        if (need_k) {
-            int8_t *kq = S.kq + t * (size_t)cols;
-            float *kd = S.kd + t * (size_t)(cols / XK), *ks = S.ks + t * (size_t)(cols / 32);
-            int16_t *kbs = S.kbs + t * (size_t)(cols / 16);
-            g_quantk(xq->f, cols, kq, kd, kbs, ks);
-            xq->kq = kq, xq->kd = kd, xq->kbs = kbs, xq->ks = ks;
-        }
-        if (need_q) {
-            g_quant(xq->f, cols, S.q + t * (size_t)cols, S.d + t * nb, S.s + t * nb);
-            if (ng && g_xgroups(xq, cols, S.g + t * ng)) xq->g = S.g + t * ng;
-        }
-    }
+    const quant_job_t j = {.x = x, .cols = cols, .nb = nb, .ng = ng, .need_q = need_q, .need_k = need_k};
+    if (T >= QUANT_POOL_ROWS) pool_run(quant_chunk, &j, T);
+    else
+        for (int64_t t = 0; t < T; t++) quant_chunk(&j, t);
     return 0;
 }
 
@@ -398,6 +414,7 @@ typedef struct {
     int64_t rows[MAX_MATS];
     size_t rb[MAX_MATS];
     float *out[MAX_MATS];
+    int64_t ys[MAX_MATS];        /* T > 1: out[i] row t at t * ys[i] (rows[i] unless set apart) */
     int64_t first[MAX_MATS + 1]; /* first chunk of each matrix */
     rows_fn rows_kernel;
     const si_xq *xq;
@@ -414,7 +431,7 @@ static void gemv_chunk(const void *jp, int64_t c) {
                        j->cols, j->out[i] + r0);
     else /* the chunk's rows against every x row, weight blocks decoded once per few x rows */
         g_rows_multi(j->type[i], j->w[i] + r0 * j->rb[i], j->rb[i], (int)(r1 - r0), j->xq,
-                     (int)j->T, j->cols, j->out[i] + r0, j->rows[i]);
+                     (int)j->T, j->cols, j->out[i] + r0, j->ys[i]);
 }
 
 static int check_mat(int type, int64_t rows, int cols) {
@@ -446,6 +463,7 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
         j->rows[i] = rows[i];
         j->rb[i] = (size_t)cols / BLOCK_ELEMS[types[i]] * BLOCK_BYTES[types[i]];
         j->out[i] = outs[i];
+        j->ys[i] = rows[i];
         j->need_q |= types[i] != SI_F16 && types[i] != SI_F32 && !xk_kind(types[i]);
         j->need_g |= types[i] == SI_Q4_0 || types[i] == SI_Q4_1 || types[i] == SI_Q5_0;
         j->need_k |= xk_kind(types[i]);
@@ -722,9 +740,10 @@ typedef struct {
     int nt;                 /* the thread count the one-row jobs were chunked for */
     unsigned gen;           /* the scratch generation they write into */
     job_t jobs[4];          /* one row: qkv, wo, w_in, down */
-    size_t nq, na, nf, nm;  /* per-row sizes: q/k/v, attention out, w_in out, GEMM staging */
+    size_t nq, na, nf;      /* per-row sizes: q/k/v, attention out, w_in out */
     /* the current call's views of the shared scratch (R) */
-    float *h, *qkv, *att, *a, *f, *act, *m, *scores;
+    float *x; /* the residual streams [B, d_model] */
+    float *h, *qkv, *att, *a, *f, *act, *scores;
     uint8_t **kc, **vc;     /* per row: this layer's cache of the row's sequence */
     int kv16;               /* the caches hold float16 (else float32) */
     const float **cs, **sn; /* per row: rope rows */
@@ -791,7 +810,7 @@ void si_block_free(void *p) {
  * one-row jobs are rebuilt when the scratch moved or the thread count changed. */
 static int block_scratch(block_t *b, int B, int max_seq) {
     const size_t D = (size_t)b->d.d_model;
-    const size_t per_row = 3 * D + b->nq + b->na + b->nf + (size_t)b->d.d_ff + b->nm;
+    const size_t per_row = 3 * D + b->nq + b->na + b->nf + (size_t)b->d.d_ff;
     float *old = R.buf;
     int err = grow((void **)&R.buf, &R.cap, (size_t)B * per_row * sizeof(float));
     if (!err) err = grow(&R.rows, &R.rows_cap, (size_t)B * (4 * sizeof(void *) + 3 * sizeof(int)));
@@ -805,7 +824,6 @@ static int block_scratch(block_t *b, int B, int max_seq) {
     b->a = b->att + B * b->na;
     b->f = b->a + B * D;
     b->act = b->f + B * b->nf;
-    b->m = b->act + (size_t)B * b->d.d_ff;
     b->scores = R.scores;
     b->kc = R.rows;
     b->vc = b->kc + B;
@@ -855,8 +873,6 @@ void *si_block_new(const si_block_desc *desc, int *err) {
     b->nq = (size_t)qkv_rows;
     b->na = (size_t)d->n_heads * d->head_dim;
     b->nf = (size_t)(d->gated ? 2 : 1) * d->d_ff;
-    b->nm = b->nq > b->nf ? b->nq : b->nf;
-    b->nm = b->nm > (size_t)d->d_model ? b->nm : (size_t)d->d_model;
     b->nt = -1; /* jobs built on the first call */
     *err = 0;
     return b;
@@ -952,21 +968,64 @@ static void add_bias(float *y, const float *bias, int64_t n) {
         for (int64_t i = 0; i < n; i++) y[i] += bias[i];
 }
 
-/* x[t] += post_norm(b->a[t] + bias) for each of B rows (bias, post_norm: NULL when not used) */
-static void add_residual(const block_t *b, float *x, int B, const float *bias,
-                         const float *post_norm) {
+/* x[t] += post_norm(b->a[t] + bias) for row t (bias, post_norm: NULL when not used) */
+static void add_residual(const block_t *b, int t, const float *bias, const float *post_norm) {
     const int D = b->d.d_model;
-    for (int t = 0; t < B; t++) {
-        float *a = b->a + (size_t)t * D, *xt = x + (size_t)t * D;
-        add_bias(a, bias, D);
-        if (post_norm) rms_norm(a, post_norm, D, b->d.eps, a);
-        for (int i = 0; i < D; i++) xt[i] += a[i];
+    float *a = b->a + (size_t)t * D, *xt = b->x + (size_t)t * D;
+    add_bias(a, bias, D);
+    if (post_norm) rms_norm(a, post_norm, D, b->d.eps, a);
+    for (int i = 0; i < D; i++) xt[i] += a[i];
+}
+
+/* The per-row steps of block_rows between its pool jobs, each row t a pool chunk (rows are
+ * independent; a row's numbers are the same whichever thread computes it). */
+static void row_attn_in(const void *jp, int64_t t) { /* h[t] = rmsnorm(x[t]) */
+    const block_t *b = jp;
+    const int D = b->d.d_model;
+    rms_norm(b->x + (size_t)t * D, b->d.attn_norm, D, b->d.eps, b->h + (size_t)t * D);
+}
+static void row_qkv_out(const void *jp, int64_t t) { /* bias, q/k norms, rope, into the cache */
+    block_t *b = (block_t *)jp;
+    const si_block_desc *d = &b->d;
+    const int nh = d->n_heads, nkv = d->n_kv_heads, hd = d->head_dim, pos = b->pos[t];
+    float *qkv = b->qkv + t * b->nq;
+    add_bias(qkv, d->qkv.bias, (int64_t)b->nq);
+    for (int h = 0; h < nh + nkv; h++) { /* q/k heads' norms, in place, before rope */
+        const float *w = h < nh ? d->q_norm : d->k_norm;
+        if (w) rms_norm(qkv + (size_t)h * hd, w, hd, d->eps, qkv + (size_t)h * hd);
     }
+    rope_heads(qkv, nh + nkv, hd, d->interleaved, b->cs[t], b->sn[t]);
+    write_kv(qkv, nh, nkv, hd, b->kc[t], b->vc[t], b->kv16, pos, b->max_seq);
+    b->start[t] = d->window > 0 && pos + 1 > d->window ? pos + 1 - d->window : 0;
+    b->n[t] = pos + 1 - b->start[t];
+}
+static void row_ffn_in(const void *jp, int64_t t) { /* x[t] += wo's; h[t] = rmsnorm(x[t]) */
+    const block_t *b = jp;
+    const int D = b->d.d_model;
+    add_residual(b, (int)t, b->d.wo.bias, b->d.attn_post_norm);
+    rms_norm(b->x + (size_t)t * D, b->d.ffn_norm, D, b->d.eps, b->h + (size_t)t * D);
+}
+static void row_glu(const void *jp, int64_t t) { /* act[t] = glu(w_in's + bias) */
+    const block_t *b = jp;
+    const si_block_desc *d = &b->d;
+    float *f = b->f + t * b->nf;
+    if (d->gated) add_bias(f, d->w_in.bias, (int64_t)b->nf);
+    g_glu(d->gated, d->gate_act, d->up_act, f, d->gated ? NULL : d->w_in.bias, d->d_ff,
+          b->act + (size_t)t * d->d_ff);
+}
+static void row_ffn_out(const void *jp, int64_t t) { /* x[t] += down's */
+    const block_t *b = jp;
+    add_residual(b, (int)t, b->d.down.bias, b->d.ffn_post_norm);
+}
+#define ROWS_POOL_MIN 4 /* rows from which block_rows splits its per-row steps over the pool */
+static void block_each_row(chunk_fn fn, block_t *b, int B) {
+    if (B >= ROWS_POOL_MIN) pool_run(fn, b, B);
+    else
+        for (int t = 0; t < B; t++) fn(b, t);
 }
 
 /* Weight k over B rows of x (each cols wide) into its output buffer, row t at t * total rows:
- * the one-row GEMV job, or a GEMM whose per-matrix outputs [B, rows_i] are staged in b->m and
- * interleaved back when the weight is several matrices. */
+ * the one-row GEMV job, or a GEMM whose matrices write their columns of each row in place. */
 static int block_product(block_t *b, int k, int B, const float *x) {
     if (B == 1) return exec_job(&b->jobs[k], x);
     const si_linear *l = block_linear(&b->d, k);
@@ -974,72 +1033,47 @@ static int block_product(block_t *b, int k, int B, const float *x) {
     float *dst = block_out(b, k), *o[SI_LINEAR_MATS];
     int64_t off = 0;
     for (int i = 0; i < l->n; i++) {
-        o[i] = l->n == 1 ? dst : b->m + (size_t)B * off;
+        o[i] = dst + off;
         off += l->rows[i];
     }
     job_t j;
     int err = setup_job(&j, l->n, l->type, l->w, l->rows, block_cols(&b->d, k), B, o);
-    if (!err) err = exec_job(&j, x);
-    if (err || l->n == 1) return err;
-    off = 0;
-    for (int i = 0; i < l->n; i++) {
-        for (int t = 0; t < B; t++)
-            memcpy(dst + t * total + off, o[i] + t * l->rows[i], l->rows[i] * sizeof(float));
-        off += l->rows[i];
-    }
-    return 0;
+    for (int i = 0; i < l->n; i++) j.ys[i] = total;
+    return err ? err : exec_job(&j, x);
 }
 
 /* One token of each of B rows through block b, x [B, d_model] the residual streams (updated in
  * place); row t at b->pos[t] with its own caches b->kc/vc[t] and rope rows b->cs/sn[t]:
  *   x += wo(attention(rope(qkv(rmsnorm(x)))));  x += down(glu(w_in(rmsnorm(x))))
  * (with the desc's optional q/k norms, post-norms, window and scale: see qgemv.h)
- * Five pool dispatches (four matrix products and the heads), nothing in between.
+ * Pool dispatches: the four matrix products (each quantizing its x rows over the pool from
+ * QUANT_POOL_ROWS rows), the heads, and from ROWS_POOL_MIN rows the per-row steps between them.
  * The caller holds g_call_lock, has called block_scratch(b, B, max_seq) and filled the rows. */
 static int block_rows(block_t *b, float *x, int B, int max_seq) {
     const si_block_desc *d = &b->d;
     const int nh = d->n_heads, nkv = d->n_kv_heads, hd = d->head_dim;
-    const int D = d->d_model;
     int err = 0;
-    /* attention */
-    for (int t = 0; t < B; t++) rms_norm(x + (size_t)t * D, d->attn_norm, D, d->eps, b->h + (size_t)t * D);
-    if ((err = block_product(b, 0, B, b->h))) return err;
+    b->x = x;
     b->max_seq = max_seq;
     b->scale = d->scale > 0.0f ? d->scale : 1.0f / sqrtf((float)hd);
+    /* attention */
+    block_each_row(row_attn_in, b, B);
+    if ((err = block_product(b, 0, B, b->h))) return err;
+    block_each_row(row_qkv_out, b, B);
     size_t work = 0;
-    for (int t = 0; t < B; t++) {
-        float *qkv = b->qkv + t * b->nq;
-        const int pos = b->pos[t];
-        add_bias(qkv, d->qkv.bias, (int64_t)b->nq);
-        for (int h = 0; h < nh + nkv; h++) { /* q/k heads' norms, in place, before rope */
-            const float *w = h < nh ? d->q_norm : d->k_norm;
-            if (w) rms_norm(qkv + (size_t)h * hd, w, hd, d->eps, qkv + (size_t)h * hd);
-        }
-        rope_heads(qkv, nh + nkv, hd, d->interleaved, b->cs[t], b->sn[t]);
-        write_kv(qkv, nh, nkv, hd, b->kc[t], b->vc[t], b->kv16, pos, max_seq);
-        b->start[t] = d->window > 0 && pos + 1 > d->window ? pos + 1 - d->window : 0;
-        b->n[t] = pos + 1 - b->start[t];
-        work += (size_t)b->n[t] * nh * hd;
-    }
+    for (int t = 0; t < B; t++) work += (size_t)b->n[t] * nh * hd;
     if (work >= ATTEND_POOL_WORK) {
         pool_run(attend_chunk, b, (int64_t)B * nkv); /* one kv head of one row per chunk */
     } else { /* a short context: less work than waking the pool */
         for (int c = 0; c < B * nkv; c++) attend_chunk(b, c);
     }
     if ((err = block_product(b, 1, B, b->att))) return err;
-    add_residual(b, x, B, d->wo.bias, d->attn_post_norm);
     /* FFN */
-    for (int t = 0; t < B; t++) rms_norm(x + (size_t)t * D, d->ffn_norm, D, d->eps, b->h + (size_t)t * D);
+    block_each_row(row_ffn_in, b, B);
     if ((err = block_product(b, 2, B, b->h))) return err;
-    glu_fn glu = g_glu;
-    for (int t = 0; t < B; t++) {
-        float *f = b->f + t * b->nf;
-        if (d->gated) add_bias(f, d->w_in.bias, (int64_t)b->nf);
-        glu(d->gated, d->gate_act, d->up_act, f, d->gated ? NULL : d->w_in.bias, d->d_ff,
-            b->act + (size_t)t * d->d_ff);
-    }
+    block_each_row(row_glu, b, B);
     if ((err = block_product(b, 3, B, b->act))) return err;
-    add_residual(b, x, B, d->down.bias, d->ffn_post_norm);
+    block_each_row(row_ffn_out, b, B);
     return 0;
 }
 
