@@ -147,7 +147,7 @@ def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: 
                 sets = [torch.sort(p)[0].to(torch.int32) for p in perms]
                 n = len(pool)
 
-                def call(i: int) -> None:
+                def call(i: int, pool=pool) -> None:  # this pool, not the name (deleted below)
                     kernels.sparse_ffn(x, pool[i % n], sets[i % 16], out)
 
                 bw_before = measure_read_bandwidth(threads, nbytes=BW_BYTES, repeats=3)

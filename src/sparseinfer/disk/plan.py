@@ -104,7 +104,7 @@ class DiskPlan:
     def summary(self) -> str:
         gates = sum(self.gate_counts) - sum(self.ram_counts) if self.gate_counts else 0
         fast = sum(self.fast_counts)
-        lines = [f"  disk tier: "
+        lines = ["  disk tier: "
                  + (f"{fast} neurons on the fast device, " if fast else "")
                  + f"{sum(self.ram_counts) - fast} neurons in RAM"
                  + (f" and {gates} more neurons' gate rows" if gates else "")

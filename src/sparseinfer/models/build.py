@@ -33,7 +33,7 @@ from ..sparse.packed import DTYPES as PACKED_DTYPES
 from ..sparse.packed import (Q4_BYTES, Q4_GROUP, PackedFFN, empty_hugepages, int8_block,
                              quantize_int8, quantize_q4_0)
 from .loading import FileTensor, ModelSource, open_source, unpermute_qk
-from .model import FFN, Norm, Transformer
+from .model import Norm, Transformer
 from .plan import Plan, make_plan
 
 log = logging.getLogger(__name__)

@@ -416,7 +416,7 @@ def format_summary(profile: Profile, predictors: Predictors | None = None,
                   f"{np.mean([r['pred_density'] for r in rows]):9.3f}")
     total += f" {sum(r['hot'] for r in rows):7d}"
     lines.append(total)
-    mode = (f"relu (h != 0)" if profile.mode == "relu" else
+    mode = ("relu (h != 0)" if profile.mode == "relu" else
             f"magnitude ({profile.score} > t_l, target density {profile.target_density:g})")
     lines.append(f"{profile.n_tokens} profiled tokens; {profile.n_layers} layers x {d} neurons; "
                  f"activity: {mode}")

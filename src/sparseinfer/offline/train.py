@@ -77,7 +77,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..config import FFN_KINDS
 from ..errors import SparseInferError
