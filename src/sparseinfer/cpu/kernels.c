@@ -40,6 +40,11 @@
 #define SI_AVX512 0
 #endif
 
+INLINE int ld16(const uint8_t *p) { /* an unaligned 16-bit word */
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
 INLINE float f16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -2132,6 +2137,22 @@ INLINE void prefetch_slice(const uint8_t *const *pf, const int npf, const size_t
     const size_t o = slice * (size_t)i, end = o + slice < pf_bytes ? o + slice : pf_bytes;
     if (o >= end) return;
     const int far = (size_t)npf * pf_bytes > PF_NEAR_BYTES;
+    if (npf == 4) { /* the usual 4 bundles (a group's), their lines side by side, unrolled */
+        for (size_t q = o; q < end; q += 64) {
+            if (far) {
+                _mm_prefetch((const char *)(pf[0] + q), _MM_HINT_T1);
+                _mm_prefetch((const char *)(pf[1] + q), _MM_HINT_T1);
+                _mm_prefetch((const char *)(pf[2] + q), _MM_HINT_T1);
+                _mm_prefetch((const char *)(pf[3] + q), _MM_HINT_T1);
+            } else {
+                _mm_prefetch((const char *)(pf[0] + q), _MM_HINT_T0);
+                _mm_prefetch((const char *)(pf[1] + q), _MM_HINT_T0);
+                _mm_prefetch((const char *)(pf[2] + q), _MM_HINT_T0);
+                _mm_prefetch((const char *)(pf[3] + q), _MM_HINT_T0);
+            }
+        }
+        return;
+    }
     for (int n = 0; n < npf; n++) prefetch(pf[n] + o, (int)(end - o), far);
 }
 
@@ -2231,7 +2252,53 @@ INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int n
 #else
     const __m256i m4 = _mm256_set1_epi32(0x0F);
 #endif
-    for (int b = 0; b < nb; b++) {
+    int b = 0;
+#if !SI_NARROW
+    /* 8 blocks at a time: each row's 8 scales times its h in one multiply, the blocks' sums of
+     * them (the -8 term) in three adds; per block a broadcast from c. The same products and sums,
+     * in the same order, as the block-by-block loop below (the same bits). */
+    float c[4][8], z8[8];
+    for (; R <= 4 && b + 8 <= nb; b += 8) {
+        __m256 ssum = _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = rp[r] + (size_t)b * 18;
+            __m128i hv = _mm_cvtsi32_si128(ld16(p));
+            hv = _mm_insert_epi16(hv, ld16(p + 18), 1);
+            hv = _mm_insert_epi16(hv, ld16(p + 36), 2);
+            hv = _mm_insert_epi16(hv, ld16(p + 54), 3);
+            hv = _mm_insert_epi16(hv, ld16(p + 72), 4);
+            hv = _mm_insert_epi16(hv, ld16(p + 90), 5);
+            hv = _mm_insert_epi16(hv, ld16(p + 108), 6);
+            hv = _mm_insert_epi16(hv, ld16(p + 126), 7);
+            const __m256 cr = _mm256_mul_ps(_mm256_set1_ps(h[r]), _mm256_cvtph_ps(hv));
+            _mm256_storeu_ps(c[r], cr);
+            ssum = _mm256_add_ps(ssum, cr);
+        }
+        _mm256_storeu_ps(z8, _mm256_mul_ps(_mm256_set1_ps(-8.0f), ssum));
+        for (int j = 0; j < 8; j++) {
+            float *o = out + 32 * (size_t)(b + j);
+            prefetch_slice(pf, npf, pf_bytes, slice, b + j);
+            __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8);
+            __m256 o2 = _mm256_loadu_ps(o + 16), o3 = _mm256_loadu_ps(o + 24);
+            for (int r = 0; r < R; r++) {
+                const uint8_t *p = rp[r] + (size_t)(b + j) * 18;
+                const __m256 s = _mm256_broadcast_ss(&c[r][j]);
+                const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 2)));
+                const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 10)));
+                o0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, m4)), s, o0);
+                o1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, m4)), s, o1);
+                o2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), s, o2);
+                o3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), s, o3);
+            }
+            const __m256 z = _mm256_broadcast_ss(&z8[j]);
+            _mm256_storeu_ps(o, _mm256_add_ps(o0, z));
+            _mm256_storeu_ps(o + 8, _mm256_add_ps(o1, z));
+            _mm256_storeu_ps(o + 16, _mm256_add_ps(o2, z));
+            _mm256_storeu_ps(o + 24, _mm256_add_ps(o3, z));
+        }
+    }
+#endif
+    for (; b < nb; b++) {
         float *o = out + 32 * (size_t)b;
         prefetch_slice(pf, npf, pf_bytes, slice, b);
         __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8);
