@@ -2239,6 +2239,23 @@ INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int n
     for (int r = 0; r < R; r++) y[r] = hsum(acc[r]) + cs[r];
 }
 
+#if !SI_NARROW
+/* o[0..3] (a block's 32 outputs) += s * (row block p's nibbles, unsigned): q4_axpy's per row
+ * and block work; the -8 is added once per block by the caller (through the scales' sum). */
+INLINE void q4_axpy_block(const uint8_t *p, const __m256 s, const __m256i m4, __m256 *o) {
+    const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 2)));
+    const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 10)));
+    o[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, m4)), s, o[0]);
+    o[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, m4)), s, o[1]);
+    o[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), s, o[2]);
+    o[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), s, o[3]);
+}
+/* out[0..32) = o[0..3] + z */
+INLINE void q4_axpy_store(float *out, const __m256 *o, const __m256 z) {
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + 8 * i, _mm256_add_ps(o[i], z));
+}
+#endif
+
 /* out += sum_r h[r] * row_r for R Q4_0 rows of nb blocks. AVX2: a block's bytes 0..7 and 8..15
  * widened to int32 straight from memory, their low nibbles (elements 0..15) and high ones
  * (16..31) a mask or a shift away; w = d*(q - 8): the -8 applied once per block through the sum
@@ -2278,23 +2295,11 @@ INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int n
         for (int j = 0; j < 8; j++) {
             float *o = out + 32 * (size_t)(b + j);
             prefetch_slice(pf, npf, pf_bytes, slice, b + j);
-            __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8);
-            __m256 o2 = _mm256_loadu_ps(o + 16), o3 = _mm256_loadu_ps(o + 24);
-            for (int r = 0; r < R; r++) {
-                const uint8_t *p = rp[r] + (size_t)(b + j) * 18;
-                const __m256 s = _mm256_broadcast_ss(&c[r][j]);
-                const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 2)));
-                const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 10)));
-                o0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, m4)), s, o0);
-                o1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, m4)), s, o1);
-                o2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), s, o2);
-                o3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), s, o3);
-            }
-            const __m256 z = _mm256_broadcast_ss(&z8[j]);
-            _mm256_storeu_ps(o, _mm256_add_ps(o0, z));
-            _mm256_storeu_ps(o + 8, _mm256_add_ps(o1, z));
-            _mm256_storeu_ps(o + 16, _mm256_add_ps(o2, z));
-            _mm256_storeu_ps(o + 24, _mm256_add_ps(o3, z));
+            __m256 acc[4] = {_mm256_loadu_ps(o), _mm256_loadu_ps(o + 8), _mm256_loadu_ps(o + 16),
+                             _mm256_loadu_ps(o + 24)};
+            for (int r = 0; r < R; r++)
+                q4_axpy_block(rp[r] + (size_t)(b + j) * 18, _mm256_broadcast_ss(&c[r][j]), m4, acc);
+            q4_axpy_store(o, acc, _mm256_broadcast_ss(&z8[j]));
         }
     }
 #endif
@@ -2321,12 +2326,9 @@ INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int n
             o3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), s, o3);
 #else
             ssum += sr;
-            const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 2)));
-            const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 10)));
-            o0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, m4)), s, o0);
-            o1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, m4)), s, o1);
-            o2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), s, o2);
-            o3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), s, o3);
+            __m256 acc[4] = {o0, o1, o2, o3};
+            q4_axpy_block(p, s, m4, acc);
+            o0 = acc[0], o1 = acc[1], o2 = acc[2], o3 = acc[3];
 #endif
         }
 #if !SI_NARROW

@@ -397,7 +397,8 @@ static int quantize_rows(const float *x, int64_t T, int cols, int need_q, int ne
     if (!err && need_k) err = grow((void **)&S.kbs, &S.cap_kbs, (size_t)T * (cols / 16) * sizeof(int16_t));
     if (!err && need_k) err = grow((void **)&S.ks, &S.cap_ks, (size_t)T * (cols / 32) * sizeof(float));
     if (err) return err;
-    const quant_job_t j = {.x = x, .cols = cols, .nb = nb, .ng = ng, .need_q = need_q, .need_k = need_k};
+    const quant_job_t j = {.x = x, .cols = cols, .nb = nb, .ng = ng, .need_q = need_q,
+                           .need_k = need_k};
     if (T >= QUANT_POOL_ROWS) pool_run(quant_chunk, &j, T);
     else
         for (int64_t t = 0; t < T; t++) quant_chunk(&j, t);
