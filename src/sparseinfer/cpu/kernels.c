@@ -2129,6 +2129,8 @@ void FN(si_quantize_xk)(const float *x, int cols, int8_t *q, float *d, int16_t *
  * prefetch_slice fetches slice i of each. As prefetch's groups (above), more than PF_NEAR_BYTES
  * in all go into L2 only: into L1 (32 KiB on Zen 3/4) the next 4 bundles of a 7B layer (27 KiB)
  * evicted x and the output rows the down axpy adds into (measured in benchmarks/RESULTS.md). */
+#define PF_BLOCKS 4 /* the block-by-block kernels fetch ahead in bursts, every PF_BLOCKS blocks: a
+                     * line a bundle every block was 6% slower (plain AVX2 q4, RESULTS.md) */
 INLINE size_t slice_bytes(const size_t pf_bytes, const int parts) {
     return ((pf_bytes + (size_t)parts - 1) / (size_t)parts + 63) / 64 * 64;
 }
@@ -2164,11 +2166,11 @@ INLINE void prefetch_slice(const uint8_t *const *pf, const int npf, const size_t
  * rows with their scales (8 halves gathered through memory, one convert). */
 INLINE void q4_dots8(const uint8_t *const *rp, const si_xq *x, int nb, float *y,
                      const uint8_t *const *pf, const int npf, size_t pf_bytes) {
-    const size_t slice = slice_bytes(pf_bytes, nb);
+    const size_t slice = slice_bytes(pf_bytes, (nb + PF_BLOCKS - 1) / PF_BLOCKS);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        prefetch_slice(pf, npf, pf_bytes, slice, b);
+        if (b % PF_BLOCKS == 0) prefetch_slice(pf, npf, pf_bytes, slice, b / PF_BLOCKS);
         __m256i a[4];
         uint16_t h[8];
         for (int r = 0; r < 4; r++) {
@@ -2203,7 +2205,7 @@ INLINE void q4_dots8(const uint8_t *const *rp, const si_xq *x, int nb, float *y,
  * bundle is a few KB, over before the hardware prefetcher ramps up. */
 INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int nb, float *y,
                     const uint8_t *const *pf, const int npf, size_t pf_bytes) {
-    const size_t slice = slice_bytes(pf_bytes, nb);
+    const size_t slice = slice_bytes(pf_bytes, (nb + PF_BLOCKS - 1) / PF_BLOCKS);
     __m256 acc[8];
     float cs[8];
 #if SI_NARROW
@@ -2217,7 +2219,7 @@ INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int n
     for (int b = 0; b < nb; b++) {
         const __m256i xv = loadx(x, b);
         const float xd = x->d[b], xs = x->s[b];
-        prefetch_slice(pf, npf, pf_bytes, slice, b);
+        if (b % PF_BLOCKS == 0) prefetch_slice(pf, npf, pf_bytes, slice, b / PF_BLOCKS);
         for (int r = 0; r < R; r++) {
             const uint8_t *p = rp[r] + (size_t)b * 18;
             const float dw = f16(p);
@@ -2263,7 +2265,7 @@ INLINE void q4_axpy_store(float *out, const __m256 *o, const __m256 z) {
  * fetched a slice per block meanwhile, as q4_dots does. */
 INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int nb, float *out,
                     const uint8_t *const *pf, const int npf, size_t pf_bytes) {
-    const size_t slice = slice_bytes(pf_bytes, nb);
+    const size_t slice = slice_bytes(pf_bytes, (nb + PF_BLOCKS - 1) / PF_BLOCKS);
 #if SI_NARROW
     const __m256i k8 = _mm256_set1_epi8(8);
 #else
@@ -2294,7 +2296,8 @@ INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int n
         _mm256_storeu_ps(z8, _mm256_mul_ps(_mm256_set1_ps(-8.0f), ssum));
         for (int j = 0; j < 8; j++) {
             float *o = out + 32 * (size_t)(b + j);
-            prefetch_slice(pf, npf, pf_bytes, slice, b + j);
+            if ((b + j) % PF_BLOCKS == 0)
+                prefetch_slice(pf, npf, pf_bytes, slice, (b + j) / PF_BLOCKS);
             __m256 acc[4] = {_mm256_loadu_ps(o), _mm256_loadu_ps(o + 8), _mm256_loadu_ps(o + 16),
                              _mm256_loadu_ps(o + 24)};
             for (int r = 0; r < R; r++)
@@ -2305,7 +2308,7 @@ INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int n
 #endif
     for (; b < nb; b++) {
         float *o = out + 32 * (size_t)b;
-        prefetch_slice(pf, npf, pf_bytes, slice, b);
+        if (b % PF_BLOCKS == 0) prefetch_slice(pf, npf, pf_bytes, slice, b / PF_BLOCKS);
         __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8);
         __m256 o2 = _mm256_loadu_ps(o + 16), o3 = _mm256_loadu_ps(o + 24);
 #if !SI_NARROW
