@@ -2129,8 +2129,8 @@ void FN(si_quantize_xk)(const float *x, int cols, int8_t *q, float *d, int16_t *
  * prefetch_slice fetches slice i of each. As prefetch's groups (above), more than PF_NEAR_BYTES
  * in all go into L2 only: into L1 (32 KiB on Zen 3/4) the next 4 bundles of a 7B layer (27 KiB)
  * evicted x and the output rows the down axpy adds into (measured in benchmarks/RESULTS.md). */
-#define PF_BLOCKS 4 /* the block-by-block kernels fetch ahead in bursts, every PF_BLOCKS blocks: a
-                     * line a bundle every block was 6% slower (plain AVX2 q4, RESULTS.md) */
+#define PF_BLOCKS 4 /* the block-by-block kernels fetch ahead in bursts, every PF_BLOCKS blocks
+                     * (faster than a line a bundle every block: benchmarks/RESULTS.md) */
 INLINE size_t slice_bytes(const size_t pf_bytes, const int parts) {
     return ((pf_bytes + (size_t)parts - 1) / (size_t)parts + 63) / 64 * 64;
 }
