@@ -45,11 +45,7 @@ INLINE int ld16(const uint8_t *p) { /* an unaligned 16-bit word */
     memcpy(&v, p, 2);
     return v;
 }
-INLINE float f16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
+INLINE float f16(const uint8_t *p) { return _cvtsh_ss((unsigned short)ld16(p)); }
 
 /* 8 int32 sums of 4 products each: unsigned bytes a times signed bytes b. */
 INLINE __m256i dot_us(__m256i a, __m256i b) {
@@ -2139,20 +2135,10 @@ INLINE void prefetch_slice(const uint8_t *const *pf, const int npf, const size_t
     const size_t o = slice * (size_t)i, end = o + slice < pf_bytes ? o + slice : pf_bytes;
     if (o >= end) return;
     const int far = (size_t)npf * pf_bytes > PF_NEAR_BYTES;
-    if (npf == 4) { /* the usual 4 bundles (a group's), their lines side by side, unrolled */
-        for (size_t q = o; q < end; q += 64) {
-            if (far) {
-                _mm_prefetch((const char *)(pf[0] + q), _MM_HINT_T1);
-                _mm_prefetch((const char *)(pf[1] + q), _MM_HINT_T1);
-                _mm_prefetch((const char *)(pf[2] + q), _MM_HINT_T1);
-                _mm_prefetch((const char *)(pf[3] + q), _MM_HINT_T1);
-            } else {
-                _mm_prefetch((const char *)(pf[0] + q), _MM_HINT_T0);
-                _mm_prefetch((const char *)(pf[1] + q), _MM_HINT_T0);
-                _mm_prefetch((const char *)(pf[2] + q), _MM_HINT_T0);
-                _mm_prefetch((const char *)(pf[3] + q), _MM_HINT_T0);
-            }
-        }
+    if (npf == 4) { /* the usual 4 bundles (a group's), their lines side by side: a constant
+                     * count, unrolled */
+        for (size_t q = o; q < end; q += 64)
+            for (int n = 0; n < 4; n++) prefetch(pf[n] + q, 64, far);
         return;
     }
     for (int n = 0; n < npf; n++) prefetch(pf[n] + o, (int)(end - o), far);

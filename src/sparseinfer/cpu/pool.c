@@ -345,9 +345,16 @@ static int xk_served(void) { /* the kinds this ISA's kernels take in blocks of 1
     return g_isa == ISA_AVX512 ? XK_Q6K | XK_Q5K : g_isa == ISA_AVX2 ? XK_Q6K : 0;
 }
 
-/* Row t of a quantize_rows call: its descriptor S.xq[t] and its blocks (rows are independent:
- * quant_chunk is a pool chunk). */
-#define QUANT_POOL_ROWS 4 /* rows from which quantize_rows splits them over the pool */
+/* fn(job, t) for each of n independent rows: on the pool from ROWS_POOL_MIN rows, else on the
+ * calling thread (a row's numbers are the same whichever thread computes it). */
+#define ROWS_POOL_MIN 4
+static void each_row(chunk_fn fn, const void *job, int64_t n) {
+    if (n >= ROWS_POOL_MIN) pool_run(fn, job, n);
+    else
+        for (int64_t t = 0; t < n; t++) fn(job, t);
+}
+
+/* Row t of a quantize_rows call: its descriptor S.xq[t] and its blocks. */
 typedef struct {
     const float *x;
     int cols, need_q, need_k;
@@ -399,9 +406,7 @@ static int quantize_rows(const float *x, int64_t T, int cols, int need_q, int ne
     if (err) return err;
     const quant_job_t j = {.x = x, .cols = cols, .nb = nb, .ng = ng, .need_q = need_q,
                            .need_k = need_k};
-    if (T >= QUANT_POOL_ROWS) pool_run(quant_chunk, &j, T);
-    else
-        for (int64_t t = 0; t < T; t++) quant_chunk(&j, t);
+    each_row(quant_chunk, &j, T);
     return 0;
 }
 
@@ -978,8 +983,7 @@ static void add_residual(const block_t *b, int t, const float *bias, const float
     for (int i = 0; i < D; i++) xt[i] += a[i];
 }
 
-/* The per-row steps of block_rows between its pool jobs, each row t a pool chunk (rows are
- * independent; a row's numbers are the same whichever thread computes it). */
+/* The per-row steps of block_rows between its pool jobs (each_row's chunks: row t). */
 static void row_attn_in(const void *jp, int64_t t) { /* h[t] = rmsnorm(x[t]) */
     const block_t *b = jp;
     const int D = b->d.d_model;
@@ -1018,12 +1022,6 @@ static void row_ffn_out(const void *jp, int64_t t) { /* x[t] += down's */
     const block_t *b = jp;
     add_residual(b, (int)t, b->d.down.bias, b->d.ffn_post_norm);
 }
-#define ROWS_POOL_MIN 4 /* rows from which block_rows splits its per-row steps over the pool */
-static void block_each_row(chunk_fn fn, block_t *b, int B) {
-    if (B >= ROWS_POOL_MIN) pool_run(fn, b, B);
-    else
-        for (int t = 0; t < B; t++) fn(b, t);
-}
 
 /* Weight k over B rows of x (each cols wide) into its output buffer, row t at t * total rows:
  * the one-row GEMV job, or a GEMM whose matrices write their columns of each row in place. */
@@ -1047,8 +1045,8 @@ static int block_product(block_t *b, int k, int B, const float *x) {
  * place); row t at b->pos[t] with its own caches b->kc/vc[t] and rope rows b->cs/sn[t]:
  *   x += wo(attention(rope(qkv(rmsnorm(x)))));  x += down(glu(w_in(rmsnorm(x))))
  * (with the desc's optional q/k norms, post-norms, window and scale: see qgemv.h)
- * Pool dispatches: the four matrix products (each quantizing its x rows over the pool from
- * QUANT_POOL_ROWS rows), the heads, and from ROWS_POOL_MIN rows the per-row steps between them.
+ * Pool dispatches: the four matrix products, the heads, and from ROWS_POOL_MIN rows (each_row)
+ * the products' x rows' quantization and the per-row steps between them.
  * The caller holds g_call_lock, has called block_scratch(b, B, max_seq) and filled the rows. */
 static int block_rows(block_t *b, float *x, int B, int max_seq) {
     const si_block_desc *d = &b->d;
@@ -1058,9 +1056,9 @@ static int block_rows(block_t *b, float *x, int B, int max_seq) {
     b->max_seq = max_seq;
     b->scale = d->scale > 0.0f ? d->scale : 1.0f / sqrtf((float)hd);
     /* attention */
-    block_each_row(row_attn_in, b, B);
+    each_row(row_attn_in, b, B);
     if ((err = block_product(b, 0, B, b->h))) return err;
-    block_each_row(row_qkv_out, b, B);
+    each_row(row_qkv_out, b, B);
     size_t work = 0;
     for (int t = 0; t < B; t++) work += (size_t)b->n[t] * nh * hd;
     if (work >= ATTEND_POOL_WORK) {
@@ -1070,11 +1068,11 @@ static int block_rows(block_t *b, float *x, int B, int max_seq) {
     }
     if ((err = block_product(b, 1, B, b->att))) return err;
     /* FFN */
-    block_each_row(row_ffn_in, b, B);
+    each_row(row_ffn_in, b, B);
     if ((err = block_product(b, 2, B, b->h))) return err;
-    block_each_row(row_glu, b, B);
+    each_row(row_glu, b, B);
     if ((err = block_product(b, 3, B, b->act))) return err;
-    block_each_row(row_ffn_out, b, B);
+    each_row(row_ffn_out, b, B);
     return 0;
 }
 
