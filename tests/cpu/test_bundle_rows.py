@@ -1,6 +1,7 @@
 """cpu.bundle_rows: a sparse model's neuron rows made from the file's Q4_0 or F16 matrix in C,
 against sparse/packed.py's torch quantizers on the float weights (gguf-py dequantizes Q4_0), bit
-for bit: Q4_0 and int8 (block 32) output, rows and transposed columns, strided outputs, ties."""
+for bit: q4 rows and int8 (block 32) output, rows and transposed columns, strided outputs, ties;
+Q4_0 rows into q4 rows keep gguf-py's numbers exactly."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from sparseinfer import cpu
-from sparseinfer.sparse.packed import quantize_int8, quantize_q4_0
+from sparseinfer.sparse.packed import dequantize_q4_rows, q4_rows, quantize_int8, quantize_q4_rows
 
 gguf = pytest.importorskip("gguf")
 
@@ -50,7 +51,11 @@ def test_bundle_rows_equal_torch_quantizers(rows, cols, transpose, out_dtype, sr
     if out_dtype == "q4":
         store = torch.full((n, 3, length // 32 * 18), 7, dtype=torch.uint8)
         cpu.bundle_rows(raw, src, rows, cols, transpose, store[:, 1])
-        assert torch.equal(store[:, 1], quantize_q4_0(w))
+        if src == "Q4_0" and not transpose:  # the file's numbers, moved: no second rounding
+            assert torch.equal(store[:, 1], q4_rows(torch.from_numpy(raw.reshape(n, -1))))
+            assert torch.equal(dequantize_q4_rows(store[:, 1]), w)
+        else:
+            assert torch.equal(store[:, 1], quantize_q4_rows(w))
     else:
         store = torch.full((n, 3, length), 7, dtype=torch.int8)
         sc = torch.full((n, 3, length // 32), -1.0)
@@ -95,7 +100,7 @@ class _Tensor:
 def test_loader_rows_equal_the_quantized_float_weights(dtype, down, monkeypatch):
     """The loader's bundles (build._packed_ffn) from Q4_0 gate/up and a Q4_0 down (transposed)
     or a converted file's F16 down_t, made in C: each matrix as the torch quantizer makes it from
-    the float weights (q4 gate/up: the file's own blocks, copied)."""
+    the float weights (q4 gate/up: the file's own numbers, moved into q4 rows)."""
     from types import SimpleNamespace
 
     from sparseinfer.cpu import ops
@@ -125,13 +130,15 @@ def test_loader_rows_equal_the_quantized_float_weights(dtype, down, monkeypatch)
     src = SimpleNamespace(config=SimpleNamespace(d_model=D, d_ff=F), tensors=ts, path="test")
     names = ("layers.0.ffn.gate.weight", "layers.0.ffn.up.weight", name)
     packed = _packed_ffn(src, names, "swiglu", dtype, None)
-    assert calls == (["Q4_0", "Q4_0"] if dtype == "int8" else []) + [down.split()[0]]
+    assert calls == ["Q4_0", "Q4_0", down.split()[0]]
     want = [ts[n].float() for n in names[:2]] + [down_rows]
     for m, w in enumerate(want):
         if dtype == "q4" and m < 2:
-            assert np.array_equal(packed.rows[:, m].numpy(), ts[names[m]].raw().reshape(F, -1))
+            raw = torch.from_numpy(ts[names[m]].raw().reshape(F, -1))
+            assert torch.equal(packed.rows[:, m], q4_rows(raw))
+            assert torch.equal(dequantize_q4_rows(packed.rows[:, m]), w)
         elif dtype == "q4":
-            assert torch.equal(packed.rows[:, m], quantize_q4_0(w))
+            assert torch.equal(packed.rows[:, m], quantize_q4_rows(w))
         else:
             q, s = quantize_int8(w, 32)
             assert torch.equal(packed.rows[:, m], q) and torch.equal(packed.scales[:, m], s)

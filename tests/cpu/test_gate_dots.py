@@ -1,4 +1,4 @@
-"""The raw gate dot products of Q4_0 bundles alone (``cpu.sparse_q4_gates``,
+"""The raw gate dot products of q4 bundles alone (``cpu.sparse_q4_gates``,
 ``kernels.gate_dots``), for a caller that takes the ReLU gates of some neurons first (the disk
 tier's cold neurons) and then runs the FFN kernel over the neurons whose gate fired.
 
@@ -30,7 +30,7 @@ import torch
 from sparseinfer import cpu
 from sparseinfer.cpu import reference as cpu_ref
 from sparseinfer.sparse import kernels
-from sparseinfer.sparse.packed import PackedFFN
+from sparseinfer.sparse.packed import PackedFFN, q4_blocks
 
 from .ffn_cases import random_ffn
 
@@ -42,7 +42,7 @@ def gate_ref(ffn: PackedFFN, x: torch.Tensor,
              idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 ``gate_i · rounded_x(x)`` with gguf-py's Q4_0 decoder, and the float32
     summation slack of the kernel's sums (per block products, nb + 16 roundings)."""
-    raw = ffn.rows[idx.long(), 0].numpy()
+    raw = q4_blocks(ffn.rows[idx.long(), 0]).numpy()  # the q4 rows' Q4_0 blocks
     g = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_0).reshape(len(idx), ffn.d_model)
     g = torch.from_numpy(np.ascontiguousarray(g)).double()
     xr = cpu_ref.rounded_x(x).double()
@@ -157,7 +157,7 @@ def test_gate_errors():
         cpu.sparse_q4_gates(ffn.rows.to(torch.int8), idx, x)
     with pytest.raises(ValueError, match="rows: expected uint8"):
         cpu.sparse_q4_gates(ffn.rows[:, 0, 0].contiguous(), idx, x)
-    with pytest.raises(ValueError, match=r"rows of 54 bytes \(Q4_0 of d_model 96"):
+    with pytest.raises(ValueError, match=r"rows of 54 bytes \(q4 rows of d_model 96"):
         cpu.sparse_q4_gates(ffn.rows, idx, torch.randn(96))
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu.sparse_q4_gates(ffn.rows[:, 0, :36].contiguous(), idx, torch.randn(48))

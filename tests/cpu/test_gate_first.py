@@ -39,10 +39,10 @@ def ffn_with_signed_gates(kind: str, dtype: str, x: torch.Tensor) -> tuple[Packe
 def poison_up_rows(ffn: PackedFFN, silent: torch.Tensor) -> PackedFFN:
     """The same FFN with NaN scales in the up rows of ``silent`` neurons."""
     rows, scales = ffn.rows.clone(), None if ffn.scales is None else ffn.scales.clone()
-    if ffn.dtype == "q4":  # Q4_0 blocks of 18 bytes, a float16 scale first: 0x7E00 is NaN
+    if ffn.dtype == "q4":  # q4 rows: the blocks' float16 scales first; 0x7E00 is NaN
         for b in range(D_MODEL // 32):
-            rows[silent, 1, 18 * b] = 0x00
-            rows[silent, 1, 18 * b + 1] = 0x7E
+            rows[silent, 1, 2 * b] = 0x00
+            rows[silent, 1, 2 * b + 1] = 0x7E
     else:
         scales[silent, 1] = float("nan")
     return replace(ffn, rows=rows, scales=scales)

@@ -1,5 +1,5 @@
-"""Sparse FFN over Q4_0 neuron bundles (``PackedFFN`` dtype "q4", C kernel) vs the pure-torch
-reference on the same blocks, and the q4 codec vs gguf-py's Q4_0."""
+"""Sparse FFN over q4 neuron bundles (``PackedFFN`` dtype "q4", C kernel) vs the pure-torch
+reference on the same rows, and the q4 codec vs gguf-py's Q4_0."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from sparseinfer import cpu
 from sparseinfer.config import FFN_KINDS
 from sparseinfer.cpu import reference as cpu_ref
 from sparseinfer.sparse import kernels
-from sparseinfer.sparse.packed import PackedFFN, dequantize_q4_0, quantize_q4_0
+from sparseinfer.sparse.packed import (PackedFFN, dequantize_q4_0, dequantize_q4_rows, q4_blocks,
+                                       q4_rows, quantize_q4_0, quantize_q4_rows)
 from sparseinfer.sparse.reference import neuron_coefs, sparse_ffn_batch_ref, sparse_ffn_ref
 
 from .ffn_cases import random_ffn
@@ -57,11 +58,19 @@ def test_q4_codec_matches_gguf():
     assert np.array_equal(raw.numpy(), want)
     deq = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.Q4_0)
     assert torch.equal(dequantize_q4_0(raw), torch.from_numpy(deq))
+    # q4 rows: the same bytes, each row's scales first, then its blocks' quants
+    rows = quantize_q4_rows(w)
+    nb = 96 // 32
+    assert torch.equal(rows[:, : 2 * nb].reshape(7, nb, 2), raw.reshape(7, nb, 18)[..., :2])
+    assert torch.equal(rows[:, 2 * nb :].reshape(7, nb, 16), raw.reshape(7, nb, 18)[..., 2:])
+    assert torch.equal(q4_blocks(rows), raw) and torch.equal(q4_rows(raw), rows)
+    assert torch.equal(dequantize_q4_rows(rows), torch.from_numpy(deq))
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "geglu", "relu", "reglu", "drelu"])  # relu gates: gates first
 @pytest.mark.parametrize("density", [0.0, 0.1, 1.0])
-@pytest.mark.parametrize("d_model,d_ff", [(64, 45), (256, 130), (160, 70)])  # 2, 8, 5 blocks
+# 2, 8, 5, 18 blocks: scales 8 blocks at a time and one by one, AVX-512's groups and their tail
+@pytest.mark.parametrize("d_model,d_ff", [(64, 45), (256, 130), (160, 70), (576, 40)])
 @pytest.mark.parametrize("isa", ["avx2", "avx2_128", "avx512"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_sparse_q4_matches_reference(kind, density, d_model, d_ff, isa, threads):

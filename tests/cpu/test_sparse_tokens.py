@@ -1,7 +1,7 @@
 """Several tokens through one sparse C call (a continuous-batching step over the union of the
 rows' active sets) give each token the bits of a call for that token alone: each token skips the
 down rows of its own neurons whose h is 0 and adds the rest in its own groups of 4, whatever the
-other tokens. Both bundle kinds (Q4_0 and int8 rows), gated and ReLU-family FFNs, 1 and 2 threads,
+other tokens. Both bundle kinds (q4 and int8 rows), gated and ReLU-family FFNs, 1 and 2 threads,
 every instruction set this CPU has."""
 
 from __future__ import annotations

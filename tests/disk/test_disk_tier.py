@@ -470,6 +470,18 @@ def test_gate_rows_in_ram_read_fewer_bytes_same_logits(bundled, reference, kind)
         load(bundled["q4"], "auto", disk_options=DiskOptions(**base, gate_counts=(120, 60)))
 
 
+def test_q4_bundles_of_q4_0_blocks_are_refused(sparse_file, tmp_path, monkeypatch):
+    """A q4 bundled file without the q4 rows' layout key (written before the rows put their
+    scales first: Q4_0 blocks) is refused with what to do, not read as q4 rows."""
+    from sparseinfer.disk import layout
+
+    monkeypatch.setattr(layout, "Q4_LAYOUT_KEY", "sparseinfer.bundle.unrelated")
+    old = bundle_file(sparse_file, tmp_path / "old.gguf", "q4")
+    monkeypatch.undo()
+    with pytest.raises(SparseInferError, match=r"q4_layout: expected 'scales-first'.*bundle"):
+        layout_of(open_source(old))
+
+
 def test_truncated_file_gives_one_clear_error(bundled, tmp_path):
     path = tmp_path / "cut.gguf"
     shutil.copy(bundled["q4"], path)

@@ -2118,7 +2118,21 @@ void FN(si_quantize_xk)(const float *x, int cols, int8_t *q, float *d, int16_t *
     }
 }
 
-/* ------------------------------------------------------------------ sparse FFN, Q4_0 bundles */
+/* ------------------------------------------------------------------ sparse FFN, q4 rows */
+
+/* A q4 row (PackedFFN dtype "q4") of nb = d_model / 32 blocks is Q4_0's numbers split by kind:
+ * the nb fp16 scales first (block b's at byte 2b), then the nb x 16 quant bytes (block b's at
+ * 2nb + 16b; byte j = q[j] | q[j + 16] << 4, w = d (q - 8)): nb * 18 bytes as Q4_0's blocks. A
+ * pass over several rows loads 8 blocks' scales of a row at once, and a block's 16 quant bytes
+ * are on a 16-byte boundary of the row when nb is a multiple of 8 (Q4_0's 18-byte blocks cross
+ * cache lines). */
+INLINE const uint8_t *q4r_q(const uint8_t *row, const int nb, const int b) {
+    return row + 2 * (size_t)nb + 16 * (size_t)b;
+}
+/* The scales of blocks b..b+7 of a row as 8 floats */
+INLINE __m256 q4r_d8(const uint8_t *row, const int b) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * (size_t)b)));
+}
 
 /* The next neurons' bundles (pf[0..npf), pf_bytes each) are fetched a slice per step while the
  * current rows are walked in `parts` steps: slice_bytes is a slice's size (whole cache lines),
@@ -2145,53 +2159,87 @@ INLINE void prefetch_slice(const uint8_t *const *pf, const int npf, const size_t
 }
 
 #if !SI_AVX512 && !SI_NARROW
+/* 8 rows' 8 words each (s[r]: words of row r) -> c[j]: word j of each row (an 8 x 8 transpose
+ * of 16-bit words) */
+INLINE void transpose8x16(const __m128i *s, __m128i *c) {
+    __m128i a[8], t[8];
+    for (int k = 0; k < 4; k++) {
+        a[2 * k] = _mm_unpacklo_epi16(s[2 * k], s[2 * k + 1]);
+        a[2 * k + 1] = _mm_unpackhi_epi16(s[2 * k], s[2 * k + 1]);
+    }
+    for (int k = 0; k < 2; k++)
+        for (int h = 0; h < 2; h++) {
+            t[4 * k + 2 * h] = _mm_unpacklo_epi32(a[4 * k + h], a[4 * k + 2 + h]);
+            t[4 * k + 2 * h + 1] = _mm_unpackhi_epi32(a[4 * k + h], a[4 * k + 2 + h]);
+        }
+    for (int j = 0; j < 4; j++) {
+        c[2 * j] = _mm_unpacklo_epi64(t[j], t[4 + j]);
+        c[2 * j + 1] = _mm_unpackhi_epi64(t[j], t[4 + j]);
+    }
+}
 /* q4_dots (below) for 8 rows in plain AVX2, each lane a row as in the panels: per block the 8
  * rows' quant words are transposed in registers (rows r and r + 4 in one load, then 32- and
  * 64-bit unpacks), so lane r of vector c holds word c of row r; one maddubs per word and nibble
  * half against x's word broadcast, the int16 sums widened once, one FMA per block for all 8
- * rows with their scales (8 halves gathered through memory, one convert). */
+ * rows with their scales (h: block b's 8 scales, fp16, lane r row r). */
+INLINE void q4_dots8_block(const uint8_t *const *rp, const int nb, const si_xq *x, const int b,
+                           const __m128i h, __m256 *acc, __m256 *accm) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i a[4];
+    for (int r = 0; r < 4; r++)
+        a[r] = _mm256_loadu2_m128i((const __m128i *)q4r_q(rp[r + 4], nb, b),
+                                   (const __m128i *)q4r_q(rp[r], nb, b));
+    const __m256i t0 = _mm256_unpacklo_epi32(a[0], a[1]), t1 = _mm256_unpackhi_epi32(a[0], a[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(a[2], a[3]), t3 = _mm256_unpackhi_epi32(a[2], a[3]);
+    const __m256i w[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                          _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+    __m256i s16 = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(w[c], m4),
+                                                         _mm256_set1_epi32(x_word(x, b, c))));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w[c], 4), m4),
+                                                         _mm256_set1_epi32(x_word(x, b, 4 + c))));
+    }
+    const __m256 d = _mm256_cvtph_ps(h);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1))),
+                           _mm256_mul_ps(d, _mm256_set1_ps(x->d[b])), *acc);
+    *accm = _mm256_fmadd_ps(d, _mm256_set1_ps(x->s[b]), *accm);
+}
+/* The 8 rows' scales 8 blocks at a time: 8 loads and a transpose (the last nb % 8 blocks' one
+ * by one). */
 INLINE void q4_dots8(const uint8_t *const *rp, const si_xq *x, int nb, float *y,
                      const uint8_t *const *pf, const int npf, size_t pf_bytes) {
     const size_t slice = slice_bytes(pf_bytes, (nb + PF_BLOCKS - 1) / PF_BLOCKS);
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
+    int b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        __m128i s[8], h[8];
+        for (int r = 0; r < 8; r++) s[r] = _mm_loadu_si128((const __m128i *)(rp[r] + 2 * (size_t)b));
+        transpose8x16(s, h);
+        for (int j = 0; j < 8; j++) {
+            if ((b + j) % PF_BLOCKS == 0) prefetch_slice(pf, npf, pf_bytes, slice, (b + j) / PF_BLOCKS);
+            q4_dots8_block(rp, nb, x, b + j, h[j], &acc, &accm);
+        }
+    }
+    for (; b < nb; b++) {
         if (b % PF_BLOCKS == 0) prefetch_slice(pf, npf, pf_bytes, slice, b / PF_BLOCKS);
-        __m256i a[4];
-        uint16_t h[8];
-        for (int r = 0; r < 4; r++) {
-            const uint8_t *p0 = rp[r] + (size_t)b * 18, *p4 = rp[r + 4] + (size_t)b * 18;
-            a[r] = _mm256_loadu2_m128i((const __m128i *)(p4 + 2), (const __m128i *)(p0 + 2));
-            memcpy(&h[r], p0, 2);
-            memcpy(&h[r + 4], p4, 2);
-        }
-        const __m256i t0 = _mm256_unpacklo_epi32(a[0], a[1]), t1 = _mm256_unpackhi_epi32(a[0], a[1]);
-        const __m256i t2 = _mm256_unpacklo_epi32(a[2], a[3]), t3 = _mm256_unpackhi_epi32(a[2], a[3]);
-        const __m256i w[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
-                              _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
-        __m256i s16 = _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) {
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(w[c], m4),
-                                                             _mm256_set1_epi32(x_word(x, b, c))));
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w[c], 4), m4),
-                                                             _mm256_set1_epi32(x_word(x, b, 4 + c))));
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1))),
-                              _mm256_mul_ps(d, _mm256_set1_ps(x->d[b])), acc);
-        accm = _mm256_fmadd_ps(d, _mm256_set1_ps(x->s[b]), accm);
+        __m128i h = _mm_setzero_si128();
+        for (int r = 0; r < 8; r++) h = _mm_insert_epi16(h, ld16(rp[r] + 2 * (size_t)b), r);
+        q4_dots8_block(rp, nb, x, b, h, &acc, &accm);
     }
     /* w = d (q - 8): the zero point through x's block sums */
     _mm256_storeu_ps(y, _mm256_fmadd_ps(accm, _mm256_set1_ps(-8.0f), acc));
 }
 #endif
 
-/* Dot products of R Q4_0 rows (pointers) with x: y[r] = row_r · x. The next neurons' bundles
- * (pf[0..npf), pf_bytes each) are fetched a slice per block while these rows are walked: a
- * bundle is a few KB, over before the hardware prefetcher ramps up. */
-INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int nb, float *y,
-                    const uint8_t *const *pf, const int npf, size_t pf_bytes) {
-    const size_t slice = slice_bytes(pf_bytes, (nb + PF_BLOCKS - 1) / PF_BLOCKS);
+/* Dot products of R q4 rows (pointers; nb blocks each) with x over blocks b0..nb-1: y[r] =
+ * row_r . x there. The next neurons' bundles (pf[0..npf), pf_bytes each) are fetched a slice per
+ * PF_BLOCKS blocks while these rows are walked: a bundle is a few KB, over before the hardware
+ * prefetcher ramps up. */
+INLINE void q4_dots_from(const uint8_t *const *rp, const int R, const si_xq *x, const int b0,
+                         int nb, float *y, const uint8_t *const *pf, const int npf,
+                         size_t pf_bytes) {
+    const size_t slice = slice_bytes(pf_bytes, (nb - b0 + PF_BLOCKS - 1) / PF_BLOCKS);
     __m256 acc[8];
     float cs[8];
 #if SI_NARROW
@@ -2202,20 +2250,23 @@ INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int n
         acc[r] = _mm256_setzero_ps();
         cs[r] = 0.0f;
     }
-    for (int b = 0; b < nb; b++) {
+    for (int b = b0; b < nb; b++) {
         const __m256i xv = loadx(x, b);
         const float xd = x->d[b], xs = x->s[b];
-        if (b % PF_BLOCKS == 0) prefetch_slice(pf, npf, pf_bytes, slice, b / PF_BLOCKS);
+        if ((b - b0) % PF_BLOCKS == 0) prefetch_slice(pf, npf, pf_bytes, slice, (b - b0) / PF_BLOCKS);
         for (int r = 0; r < R; r++) {
-            const uint8_t *p = rp[r] + (size_t)b * 18;
-            const float dw = f16(p);
+            const uint8_t *q = q4r_q(rp[r], nb, b);
+            const float dw = f16(rp[r] + 2 * (size_t)b);
             cs[r] -= 8.0f * dw * xs;
 #if SI_NARROW
             (void)xv;
-            const __m128 d4 = _mm_cvtepi32_ps(dot_b32_128(SI_Q4_0, p, x->q + 32 * (size_t)b));
-            accn[r] = _mm_fmadd_ps(d4, _mm_set1_ps(dw * xd), accn[r]);
+            const __m128i v = load128(q), m4 = _mm_set1_epi8(0x0F);
+            const __m128i d4 = dot_unpacked_128(_mm_and_si128(v, m4),
+                                                _mm_and_si128(_mm_srli_epi16(v, 4), m4),
+                                                x->q + 32 * (size_t)b);
+            accn[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(d4), _mm_set1_ps(dw * xd), accn[r]);
 #else
-            const __m256i dot = dot_us(nib32(p + 2), xv);
+            const __m256i dot = dot_us(nib32(q), xv);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * xd), acc[r]);
 #endif
         }
@@ -2226,13 +2277,18 @@ INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int n
 #endif
     for (int r = 0; r < R; r++) y[r] = hsum(acc[r]) + cs[r];
 }
+INLINE void q4_dots(const uint8_t *const *rp, const int R, const si_xq *x, int nb, float *y,
+                    const uint8_t *const *pf, const int npf, size_t pf_bytes) {
+    q4_dots_from(rp, R, x, 0, nb, y, pf, npf, pf_bytes);
+}
 
 #if !SI_NARROW
-/* o[0..3] (a block's 32 outputs) += s * (row block p's nibbles, unsigned): q4_axpy's per row
- * and block work; the -8 is added once per block by the caller (through the scales' sum). */
-INLINE void q4_axpy_block(const uint8_t *p, const __m256 s, const __m256i m4, __m256 *o) {
-    const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 2)));
-    const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 10)));
+/* o[0..3] (a block's 32 outputs) += s * (the block's quants q: nibbles, unsigned): q4_axpy's
+ * per row and block work; the -8 is added once per block by the caller (through the scales'
+ * sum). */
+INLINE void q4_axpy_block(const uint8_t *q, const __m256 s, const __m256i m4, __m256 *o) {
+    const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
     o[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, m4)), s, o[0]);
     o[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, m4)), s, o[1]);
     o[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), s, o[2]);
@@ -2244,68 +2300,61 @@ INLINE void q4_axpy_store(float *out, const __m256 *o, const __m256 z) {
 }
 #endif
 
-/* out += sum_r h[r] * row_r for R Q4_0 rows of nb blocks. AVX2: a block's bytes 0..7 and 8..15
- * widened to int32 straight from memory, their low nibbles (elements 0..15) and high ones
- * (16..31) a mask or a shift away; w = d*(q - 8): the -8 applied once per block through the sum
- * of the rows' scales (as the AVX-512 q4_axpy_g does per group). pf[0..npf) (pf_bytes each) are
- * fetched a slice per block meanwhile, as q4_dots does. */
-INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int nb, float *out,
-                    const uint8_t *const *pf, const int npf, size_t pf_bytes) {
-    const size_t slice = slice_bytes(pf_bytes, (nb + PF_BLOCKS - 1) / PF_BLOCKS);
+/* out += sum_r h[r] * row_r over blocks b0..nb-1 of R q4 rows (out: the whole row's outputs).
+ * AVX2: a block's bytes 0..7 and 8..15 widened to int32 straight from memory, their low nibbles
+ * (elements 0..15) and high ones (16..31) a mask or a shift away; w = d*(q - 8): the -8 applied
+ * once per block through the sum of the rows' scales (as the AVX-512 q4_axpy_g does per group).
+ * pf[0..npf) (pf_bytes each) are fetched a slice per PF_BLOCKS blocks meanwhile, as q4_dots
+ * does. */
+INLINE void q4_axpy_from(const uint8_t *const *rp, const float *h, const int R, const int b0,
+                         int nb, float *out, const uint8_t *const *pf, const int npf,
+                         size_t pf_bytes) {
+    const size_t slice = slice_bytes(pf_bytes, (nb - b0 + PF_BLOCKS - 1) / PF_BLOCKS);
 #if SI_NARROW
     const __m256i k8 = _mm256_set1_epi8(8);
 #else
     const __m256i m4 = _mm256_set1_epi32(0x0F);
 #endif
-    int b = 0;
+    int b = b0;
 #if !SI_NARROW
-    /* 8 blocks at a time: each row's 8 scales times its h in one multiply, the blocks' sums of
-     * them (the -8 term) in three adds; per block a broadcast from c. The same products and sums,
-     * in the same order, as the block-by-block loop below (the same bits). */
+    /* 8 blocks at a time: each row's 8 scales (one load) times its h in one multiply, the
+     * blocks' sums of them (the -8 term) in three adds; per block a broadcast from c. The same
+     * products and sums, in the same order, as the block-by-block loop below (the same bits). */
     float c[4][8], z8[8];
     for (; R <= 4 && b + 8 <= nb; b += 8) {
         __m256 ssum = _mm256_setzero_ps();
         for (int r = 0; r < R; r++) {
-            const uint8_t *p = rp[r] + (size_t)b * 18;
-            __m128i hv = _mm_cvtsi32_si128(ld16(p));
-            hv = _mm_insert_epi16(hv, ld16(p + 18), 1);
-            hv = _mm_insert_epi16(hv, ld16(p + 36), 2);
-            hv = _mm_insert_epi16(hv, ld16(p + 54), 3);
-            hv = _mm_insert_epi16(hv, ld16(p + 72), 4);
-            hv = _mm_insert_epi16(hv, ld16(p + 90), 5);
-            hv = _mm_insert_epi16(hv, ld16(p + 108), 6);
-            hv = _mm_insert_epi16(hv, ld16(p + 126), 7);
-            const __m256 cr = _mm256_mul_ps(_mm256_set1_ps(h[r]), _mm256_cvtph_ps(hv));
+            const __m256 cr = _mm256_mul_ps(_mm256_set1_ps(h[r]), q4r_d8(rp[r], b));
             _mm256_storeu_ps(c[r], cr);
             ssum = _mm256_add_ps(ssum, cr);
         }
         _mm256_storeu_ps(z8, _mm256_mul_ps(_mm256_set1_ps(-8.0f), ssum));
         for (int j = 0; j < 8; j++) {
             float *o = out + 32 * (size_t)(b + j);
-            if ((b + j) % PF_BLOCKS == 0)
-                prefetch_slice(pf, npf, pf_bytes, slice, (b + j) / PF_BLOCKS);
+            if ((b + j - b0) % PF_BLOCKS == 0)
+                prefetch_slice(pf, npf, pf_bytes, slice, (b + j - b0) / PF_BLOCKS);
             __m256 acc[4] = {_mm256_loadu_ps(o), _mm256_loadu_ps(o + 8), _mm256_loadu_ps(o + 16),
                              _mm256_loadu_ps(o + 24)};
             for (int r = 0; r < R; r++)
-                q4_axpy_block(rp[r] + (size_t)(b + j) * 18, _mm256_broadcast_ss(&c[r][j]), m4, acc);
+                q4_axpy_block(q4r_q(rp[r], nb, b + j), _mm256_broadcast_ss(&c[r][j]), m4, acc);
             q4_axpy_store(o, acc, _mm256_broadcast_ss(&z8[j]));
         }
     }
 #endif
     for (; b < nb; b++) {
         float *o = out + 32 * (size_t)b;
-        if (b % PF_BLOCKS == 0) prefetch_slice(pf, npf, pf_bytes, slice, b / PF_BLOCKS);
+        if ((b - b0) % PF_BLOCKS == 0) prefetch_slice(pf, npf, pf_bytes, slice, (b - b0) / PF_BLOCKS);
         __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8);
         __m256 o2 = _mm256_loadu_ps(o + 16), o3 = _mm256_loadu_ps(o + 24);
 #if !SI_NARROW
         float ssum = 0.0f;
 #endif
         for (int r = 0; r < R; r++) {
-            const uint8_t *p = rp[r] + (size_t)b * 18;
-            const float sr = h[r] * f16(p);
+            const uint8_t *q = q4r_q(rp[r], nb, b);
+            const float sr = h[r] * f16(rp[r] + 2 * (size_t)b);
             const __m256 s = _mm256_set1_ps(sr);
 #if SI_NARROW /* the two nibble halves straight into 128-bit registers */
-            const __m128i v = load128(p + 2), m4 = _mm_set1_epi8(0x0F);
+            const __m128i v = load128(q), m4 = _mm_set1_epi8(0x0F);
             const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m4), _mm256_castsi256_si128(k8));
             const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4),
                                             _mm256_castsi256_si128(k8));
@@ -2316,7 +2365,7 @@ INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int n
 #else
             ssum += sr;
             __m256 acc[4] = {o0, o1, o2, o3};
-            q4_axpy_block(p, s, m4, acc);
+            q4_axpy_block(q, s, m4, acc);
             o0 = acc[0], o1 = acc[1], o2 = acc[2], o3 = acc[3];
 #endif
         }
@@ -2330,15 +2379,39 @@ INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int n
         _mm256_storeu_ps(o + 24, o3);
     }
 }
+INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int nb, float *out,
+                    const uint8_t *const *pf, const int npf, size_t pf_bytes) {
+    q4_axpy_from(rp, h, R, 0, nb, out, pf, npf, pf_bytes);
+}
 
 #if SI_AVX512
-/* y[r] = row_r . x for R Q4_0 rows (pointers), the first G groups from xg, the rest block by
- * block (q4_dots); the next bundles fetched as q4_dots does, a slice per group. */
+/* A q4 row's scales for the groups: groups g..g+7's 32 in one load (q4r_sc8, g a multiple of 8:
+ * past the row's last group it reads quant bytes, unused; a row has 18 nb >= 8 g + 64 bytes);
+ * group g's 4 as 16 floats, each on its block's 4 lanes (q4r_d16, lb = q4r_lanes()). Loaded
+ * with each group instead (8 bytes from the row's start while its quants stream from further
+ * on), they cost the AVX-512 loops 4-5% from memory (benchmarks/RESULTS.md). */
+INLINE __m512i q4r_sc8(const uint8_t *row, const int g) {
+    return _mm512_loadu_si512((const void *)(row + 8 * (size_t)g));
+}
+INLINE __m512i q4r_lanes(void) { /* word j / 4 on lanes j < 16 */
+    int16_t v[32] = {0};
+    for (int j = 0; j < 16; j++) v[j] = (int16_t)(j / 4);
+    return _mm512_loadu_si512((const void *)v);
+}
+INLINE __m512 q4r_d16(const __m512i sc, const __m512i lb, const int g) {
+    const __m512i si = _mm512_add_epi16(lb, _mm512_set1_epi16((short)(4 * (g % 8))));
+    return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(si, sc)));
+}
+
+/* y[r] = row_r . x for R q4 rows (pointers), the first G groups (4 blocks: the row's 64 quant
+ * bytes from 64g, in the order q4g_dot takes) from xg, the rest block by block (q4_dots_from);
+ * the next bundles fetched as q4_dots does, a slice per group. */
 INLINE void q4_dots_g(const uint8_t *const *rp, const int R, const si_xq *x, int nb, float *y,
                       const uint8_t *const *pf, const int npf, size_t pf_bytes) {
     const int G = nb / 4;
     const size_t slice = slice_bytes(pf_bytes, G);
-    const __m512i qidx = q4g_qidx(18), didx = q4g_didx(18, 0), lb = lane_block();
+    const __m512i lb = lane_block(), sl = q4r_lanes();
+    __m512i sc[8];
     __m512 acc[8];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
@@ -2346,29 +2419,25 @@ INLINE void q4_dots_g(const uint8_t *const *rp, const int R, const si_xq *x, int
         const __m512i z = xg_z(xg);
         const __m512 xd = xg_f4(xg, XG_D, lb);
         prefetch_slice(pf, npf, pf_bytes, slice, g);
+        if (g % 8 == 0)
+            for (int r = 0; r < R; r++) sc[r] = q4r_sc8(rp[r], g);
         for (int r = 0; r < R; r++) {
-            __m512i a;
-            const __m512i q = q4g_quants(rp[r] + 72 * (size_t)g, 18, qidx, &a);
+            const __m512i q = _mm512_loadu_si512((const void *)q4r_q(rp[r], nb, 4 * g));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4g_dot(nib_lo(q), nib_hi(q), z, xg)),
-                                     _mm512_mul_ps(q4g_halfs(a, didx), xd), acc[r]);
+                                     _mm512_mul_ps(q4r_d16(sc[r], sl, g), xd), acc[r]);
         }
     }
     float tail[8] = {0};
-    if (nb > 4 * G) {
-        const uint8_t *tp[8];
-        for (int r = 0; r < R; r++) tp[r] = rp[r] + 72 * (size_t)G;
-        const si_xq xt = {.q = x->q + 128 * (size_t)G, .d = x->d + 4 * (size_t)G, .s = x->s + 4 * (size_t)G};
-        q4_dots(tp, R, &xt, nb - 4 * G, tail, NULL, 0, 0);
-    }
+    if (nb > 4 * G) q4_dots_from(rp, R, x, 4 * G, nb, tail, NULL, 0, 0);
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];
 }
 
-/* The grouped axpy keeps each group's 128 outputs in a lane order of its own: its gathered
- * quant bytes (q4g_quants) are 16 dwords, and nibble n (0..7) of dword l is a shift and a mask
- * away, with no byte shuffle, so register n accumulates nibble n of every dword. Element
- * 128g + 16n + l of that order is weight 32k + i + 16(n % 2) of the group (k = l / 4, i =
- * 4(l % 4) + n / 2): natural index NAT(n, l) below. si_sparse_q4 puts `out` in this order before
- * the neurons and back after. */
+/* The grouped axpy keeps each group's 128 outputs in a lane order of its own: its 64 quant bytes
+ * are 16 dwords, and nibble n (0..7) of dword l is a shift and a mask away, with no byte
+ * shuffle, so register n accumulates nibble n of every dword. Element 128g + 16n + l of that
+ * order is weight 32k + i + 16(n % 2) of the group (k = l / 4, i = 4(l % 4) + n / 2): natural
+ * index NAT(n, l) below. si_sparse_q4 puts `out` in this order before the neurons and back
+ * after. */
 #define NAT(n, l) (32 * ((l) / 4) + 4 * ((l) % 4) + (n) / 2 + 16 * ((n) % 2))
 static void q4g_order(float *out, int G, int back) {
     float tmp[128];
@@ -2384,24 +2453,26 @@ static void q4g_order(float *out, int G, int back) {
 }
 #undef NAT
 
-/* out += sum_r h[r] * row_r for R Q4_0 rows of nb blocks: the first G = nb / 4 groups into out
+/* out += sum_r h[r] * row_r for R q4 rows of nb blocks: the first G = nb / 4 groups into out
  * in q4g_order's lane order, 128 outputs in 8 registers at a time; the last nb % 4 blocks through
- * q4_axpy (natural order). w = d*(q - 8): the -8 is applied once per group, through the sum of
- * the scales. pf[0..npf) (pf_bytes each) are fetched a slice per group meanwhile. */
+ * q4_axpy_from (natural order). w = d*(q - 8): the -8 is applied once per group, through the sum
+ * of the scales. pf[0..npf) (pf_bytes each) are fetched a slice per group meanwhile. */
 INLINE void q4_axpy_g(const uint8_t *const *rp, const float *h, const int R, int nb, float *out,
                       const uint8_t *const *pf, const int npf, size_t pf_bytes) {
     const int G = nb / 4;
     const size_t slice = slice_bytes(pf_bytes, G);
-    const __m512i qidx = q4g_qidx(18), didx = q4g_didx(18, 0), m4 = _mm512_set1_epi32(0x0F);
+    const __m512i m4 = _mm512_set1_epi32(0x0F), sl = q4r_lanes();
+    __m512i sc[4];
     for (int g = 0; g < G; g++) {
         float *o = out + 128 * (size_t)g;
         prefetch_slice(pf, npf, pf_bytes, slice, g);
+        if (g % 8 == 0)
+            for (int r = 0; r < R; r++) sc[r] = q4r_sc8(rp[r], g);
         __m512 acc[8], ssum = _mm512_setzero_ps();
         for (int n = 0; n < 8; n++) acc[n] = _mm512_loadu_ps(o + 16 * n);
         for (int r = 0; r < R; r++) {
-            __m512i a;
-            const __m512i q = q4g_quants(rp[r] + 72 * (size_t)g, 18, qidx, &a);
-            const __m512 s = _mm512_mul_ps(q4g_halfs(a, didx), _mm512_set1_ps(h[r]));
+            const __m512i q = _mm512_loadu_si512((const void *)q4r_q(rp[r], nb, 4 * g));
+            const __m512 s = _mm512_mul_ps(q4r_d16(sc[r], sl, g), _mm512_set1_ps(h[r]));
             ssum = _mm512_add_ps(ssum, s);
             acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, m4)), s, acc[0]);
 #define NIB(n)                                                                                 \
@@ -2413,15 +2484,11 @@ INLINE void q4_axpy_g(const uint8_t *const *rp, const float *h, const int R, int
         const __m512 z = _mm512_mul_ps(ssum, _mm512_set1_ps(-8.0f));
         for (int n = 0; n < 8; n++) _mm512_storeu_ps(o + 16 * n, _mm512_add_ps(acc[n], z));
     }
-    if (nb > 4 * G) {
-        const uint8_t *tp[8];
-        for (int r = 0; r < R; r++) tp[r] = rp[r] + 72 * (size_t)G;
-        q4_axpy(tp, h, R, nb - 4 * G, out + 128 * (size_t)G, NULL, 0, 0);
-    }
+    if (nb > 4 * G) q4_axpy_from(rp, h, R, 4 * G, nb, out, NULL, 0, 0);
 }
 #endif
 
-/* y[r] = row_r . x for R <= 8 Q4_0 rows (pointers), each row's sum by the same arithmetic
+/* y[r] = row_r . x for R <= 8 q4 rows (pointers), each row's sum by the same arithmetic
  * whatever R and whichever rows share its pass: si_sparse_q4's ReLU gates and up rows (gates
  * first) and si_sparse_q4_gates, so that a neuron's gate is the same bits in a call over any set
  * that holds it, wherever it falls in the passes. Plain AVX2's q4_dots8 works 8 rows, one per
@@ -2462,7 +2529,7 @@ static inline float act(int code, float z) {
 }
 
 /* Neurons idx[0..k) of bundles (bundle_bytes apart; each: [gate row,] up row, down column, all
- * Q4_0 rows of d_model), for T tokens: out[t] += sum_i h_i(x_t) * down_i. Neurons are walked 4 at
+ * q4 rows of d_model), for T tokens: out[t] += sum_i h_i(x_t) * down_i. Neurons are walked 4 at
  * a time (gate and up of 4 neurons: 8 streams; then their 4 down rows in one pass over out), each
  * group reused from cache for every token (SPARSE_TOKENS tokens at a time). Each token skips
  * the down rows of its neurons whose h comes out 0 (ReLU-family neurons selected that did not
@@ -2645,7 +2712,7 @@ void FN(si_sparse_q4)(const uint8_t *bundles, size_t bundle_bytes, int gated, co
 }
 
 /* The raw gate dot products z[i] = gate_i . x (before the activation) of neurons idx[0..k) of
- * Q4_0 bundles, for one token x: the gate row is the first d_model / 32 * 18 bytes at bundles +
+ * q4 bundles, for one token x: the gate row is the first d_model / 32 * 18 bytes at bundles +
  * idx[i] * bundle_bytes, and nothing else of a bundle is read (bundle_bytes may be the stride of
  * an array of gate rows alone). 8 neurons a pass, the next 8 gate rows fetched meanwhile, by the
  * arithmetic of si_sparse_q4's ReLU gates (q4_dots_fixed, on the same x: quantized, and grouped

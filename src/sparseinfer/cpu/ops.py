@@ -67,7 +67,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q5_0x16": (13, 32, 22),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
-ABI_VERSION = 18
+ABI_VERSION = 19
 
 
 class CpuLibraryError(SparseInferError):
@@ -252,9 +252,10 @@ def bundle_rows(raw: np.ndarray, type_name: str, rows: int, cols: int, transpose
                 out: torch.Tensor, scales: torch.Tensor | None = None) -> None:
     """Neuron rows from a Q4_0 or F16 matrix ``raw`` (the file's bytes, [rows, cols]) into
     ``out``: its rows (gate/up, a converted file's down_t) or, ``transpose``, its columns (a Q4_0
-    down), quantized per 32 as ``sparse.packed``'s ``quantize_q4_0`` (``out`` uint8
+    down), quantized per 32 as ``sparse.packed``'s ``quantize_q4_rows`` (``out`` uint8
     [n, L / 32 · 18]) or ``quantize_int8`` with block 32 (``out`` int8 [n, L], ``scales`` float32
-    [n, L / 32]) quantize the float weights, bit for bit, on the library's pool. ``out`` and
+    [n, L / 32]) quantize the float weights, bit for bit, on the library's pool; a Q4_0 matrix's
+    rows into q4 rows keep their numbers (``sparse.packed.q4_rows``: the bytes moved). ``out`` and
     ``scales`` may be views with a row stride (``PackedFFN.rows[:, m]``); their rows must be
     contiguous."""
     if type_name not in ("Q4_0", "F16"):
@@ -523,10 +524,10 @@ def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.T
                   out: torch.Tensor, gate_act: int, up_act: int,
                   up_bias: torch.Tensor | None = None,
                   mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Sparse FFN over neuron bundles of Q4_0 rows: ``out[t] = sum_{i in idx} h_i(x[t]) ·
+    """Sparse FFN over neuron bundles of q4 rows: ``out[t] = sum_{i in idx} h_i(x[t]) ·
     down_i`` with ``h_i = act_g(gate_i · x) · act_u(up_i · x)`` (gated) or ``act_u(up_i · x +
     b_i)``. ``rows``: uint8 ``[d_ff, n_mats, d_model / 32 · 18]`` (per neuron: [gate,] up, down
-    column, each Q4_0 blocks); ``idx`` int32 [k]; ``x``, ``out`` float32 [T, d_model]; activation
+    column, each a q4 row: ``sparse.packed.q4_rows``); ``idx`` int32 [k]; ``x``, ``out`` float32 [T, d_model]; activation
     codes as ``sparse.kernels.ACT_CODES`` (0 identity, 1 relu, 2 silu, 3 gelu, 4 gelu-tanh). Only the active
     neurons' bytes are read, 4 neurons at a time; with a ReLU gate (ReGLU, dReLU) the gate rows
     go first and a neuron's up row is read only if its gate fired (its down row only if h is
@@ -552,7 +553,7 @@ def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.T
 
 def sparse_q4_gates(rows: torch.Tensor, idx: torch.Tensor, x: torch.Tensor,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """The raw gate dot products ``z[i] = gate_{idx[i]} · x`` (before the activation) of Q4_0
+    """The raw gate dot products ``z[i] = gate_{idx[i]} · x`` (before the activation) of q4
     neuron bundles, for one token ``x`` (float32 [d_model]), by exactly the arithmetic of
     ``sparse_ffn_q4``'s ReLU gates on the same x (rounded to int8 blocks as it rounds it): for
     ReGLU / dReLU, ``z[i] > 0`` is exactly that kernel's "gate fired" and ``relu(z[i])`` its gate
@@ -578,7 +579,7 @@ def sparse_q4_gates(rows: torch.Tensor, idx: torch.Tensor, x: torch.Tensor,
     _check_f32(x, (d_model,), "x")
     d_ff, width = rows.shape
     if d_model % 32 or width != d_model // 32 * 18:
-        raise ValueError(f"rows: expected rows of {d_model // 32 * 18} bytes (Q4_0 of d_model "
+        raise ValueError(f"rows: expected rows of {d_model // 32 * 18} bytes (q4 rows of d_model "
                          f"{d_model}, a multiple of 32), got {list(rows.shape)}")
     if rows.device.type != "cpu" or (d_ff > 1 and (rows.stride(1) != 1
                                                    or rows.stride(0) < width)):

@@ -29,7 +29,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 18
+#define SI_ABI_VERSION 19
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
@@ -1320,10 +1320,11 @@ int si_to_panels(int type, const uint8_t *src, int64_t rows, int cols, uint8_t *
 
 /* ------------------------------------------------------------------ neuron rows from Q4_0 or F16 */
 
-/* A sparse model's neuron rows (PackedFFN: Q4_0 or int8 with a scale per 32) from a Q4_0 or F16
- * matrix of the file, at load, without a float32 copy of it: gate/up rows (and a converted
- * file's F16 down_t) as they are, a down matrix's columns transposed. Each output row's blocks
- * of 32 are quantized as sparse/packed.py's torch references do (quantize_q4_0, quantize_int8
+/* A sparse model's neuron rows (PackedFFN: q4 rows, or int8 with a scale per 32) from a Q4_0 or
+ * F16 matrix of the file, at load, without a float32 copy of it: gate/up rows (and a converted
+ * file's F16 down_t) as they are, a down matrix's columns transposed. Q4_0 rows as they are
+ * into q4 rows keep their numbers (the bytes moved); any other output row's blocks of 32 are
+ * quantized as sparse/packed.py's torch references do (quantize_q4_rows, quantize_int8
  * with block 32), bit for bit: the same float operations in AVX2 vectors, no FMA (these
  * functions add avx2 and f16c to this file's baseline x86-64, not fma), fp16 scales rounded to
  * nearest even. The source weights (d (q - 8), or fp16) are exact in float32. */
@@ -1331,7 +1332,8 @@ typedef struct {
     const uint8_t *src;
     int64_t rows, cols, row_bytes; /* the matrix [rows, cols] */
     int f16, transpose, out_i8;     /* f16: F16 weights, else Q4_0 blocks */
-    uint8_t *dst; /* output row o at dst + o * dst_stride: Q4_0 blocks, or int8 values */
+    uint8_t *dst; /* output row o at dst + o * dst_stride: a q4 row (kernels.c: its scales,
+                   * then its quants), or int8 values */
     int64_t dst_stride;
     float *scales; /* int8: output row o's scales at scales + o * scales_stride */
     int64_t scales_stride;
@@ -1357,9 +1359,10 @@ __attribute__((target("avx2"))) static __m256i bytes32(const __m256i *q) {
     return _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* 32 weights -> one Q4_0 block: d = v[argmax |v|] / -8 (the first of equal maxima), q =
- * min(15, trunc(v / d + 8.5)) through 1 / d, as quantize_q4_0. */
-__attribute__((target("avx2,f16c"))) static void q4_0_block(const float *v, uint8_t *out) {
+/* 32 weights -> one Q4_0 block, its fp16 scale at dp and its 16 quant bytes at qp: d =
+ * v[argmax |v|] / -8 (the first of equal maxima), q = min(15, trunc(v / d + 8.5)) through 1 / d,
+ * as quantize_q4_0. */
+__attribute__((target("avx2,f16c"))) static void q4_0_block(const float *v, uint8_t *dp, uint8_t *qp) {
     __m256 x[4], a[4];
     const float amax = abs32(v, x, a);
     uint32_t at = 0; /* bit 8k + l: |v[8k + l]| is the largest */
@@ -1375,8 +1378,8 @@ __attribute__((target("avx2,f16c"))) static void q4_0_block(const float *v, uint
     const __m256i b = bytes32(q); /* q[i] | q[i + 16] << 4 (each at most 15: no carry) */
     const __m128i packed = _mm_or_si128(_mm256_castsi256_si128(b), _mm_slli_epi16(_mm256_extracti128_si256(b, 1), 4));
     const uint16_t h = (uint16_t)_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
-    memcpy(out, &h, 2);
-    _mm_storeu_si128((__m128i *)(out + 2), packed);
+    memcpy(dp, &h, 2);
+    _mm_storeu_si128((__m128i *)qp, packed);
 }
 
 /* 32 weights -> int8 with s = max |v| / 127, q = round-half-even(v / s) (1 where s is 0),
@@ -1420,8 +1423,11 @@ __attribute__((target("avx2,f16c"))) static void src_weights(const bundle_job *j
 __attribute__((target("avx2,f16c"))) static void bundle_out(const bundle_job *j, int64_t o, int64_t b, const float *v) {
     if (j->out_i8)
         j->scales[o * j->scales_stride + b] = i8_block(v, (int8_t *)(j->dst + o * j->dst_stride + 32 * b));
-    else
-        q4_0_block(v, j->dst + o * j->dst_stride + 18 * b);
+    else { /* a q4 row of n = (transposed ? rows : cols) / 32 blocks: scales, then quants */
+        uint8_t *row = j->dst + o * j->dst_stride;
+        const int64_t n = (j->transpose ? j->rows : j->cols) / 32;
+        q4_0_block(v, row + 2 * b, row + 2 * n + 16 * b);
+    }
 }
 
 /* Chunk c: output rows 32c .. 32c + 31 (transposed: one column of source blocks, read as 32 x 32
@@ -1430,9 +1436,16 @@ __attribute__((target("avx2,f16c"))) static void bundle_chunk(const void *jp, in
     const bundle_job *j = jp;
     float v[32], tile[32][32];
     if (!j->transpose) {
-        const int64_t o1 = 32 * c + 32 < j->rows ? 32 * c + 32 : j->rows;
+        const int64_t o1 = 32 * c + 32 < j->rows ? 32 * c + 32 : j->rows, nb = j->cols / 32;
         for (int64_t o = 32 * c; o < o1; o++)
-            for (int64_t b = 0; b < j->cols / 32; b++) {
+            for (int64_t b = 0; b < nb; b++) {
+                if (!j->f16 && !j->out_i8) { /* Q4_0 rows to q4 rows: the same numbers, moved */
+                    const uint8_t *p = j->src + o * j->row_bytes + 18 * b;
+                    uint8_t *row = j->dst + o * j->dst_stride;
+                    memcpy(row + 2 * b, p, 2);
+                    memcpy(row + 2 * nb + 16 * b, p + 2, 16);
+                    continue;
+                }
                 src_weights(j, o, b, v);
                 bundle_out(j, o, b, v);
             }

@@ -6,8 +6,9 @@ contiguous read, and a run of neighbouring neurons one read.
 ``bundle_file`` rewrites a sparse GGUF (``sparseinfer convert``'s output, with separate
 ``ffn_gate`` / ``ffn_up`` / ``ffn_down_t`` tensors) into this layout; everything else (attention,
 norms, embeddings, predictors, statistics, metadata) is copied byte for byte. The row storage is
-the one the runtime computes with (``q4``: GGUF Q4_0 blocks, the gate/up blocks of a Q4_0 file
-copied as they are; ``fp32``), so the bytes read from disk go to the kernels unchanged. Tensor
+the one the runtime computes with (``q4``: q4 rows, GGUF Q4_0's numbers with each row's scales
+first, ``sparse.packed.q4_rows``; the gate/up numbers of a Q4_0 file kept as they are; ``fp32``),
+so the bytes read from disk go to the kernels unchanged. Tensor
 data starts on a ``DATA_ALIGN`` boundary, so with an aligned stride every neuron read is aligned
 for O_DIRECT.
 
@@ -51,6 +52,9 @@ BUNDLE = "blk.{}.ffn_bundle"
 GATES = "blk.{}.ffn_bundle_gate"
 POSITIONS = "blk.{}.ffn_bundle_pos"
 BUNDLE_DTYPES = ("q4", "fp32")  # row storages without per-row scales
+# q4 rows' layout (sparse.packed.q4_rows: each row's scales, then its quants), written with q4
+# bundles; files from before it held Q4_0 blocks, which the kernels no longer read
+Q4_LAYOUT_KEY, Q4_LAYOUT = "sparseinfer.bundle.q4_layout", "scales-first"
 STRIDE_ALIGN = 512  # bytes: the logical block size O_DIRECT needs on common disks
 DATA_ALIGN = 4096
 COPY_CHUNK = 1024  # neurons per read when copying a reordered file's neurons into RAM
@@ -136,6 +140,12 @@ def layout_of(src) -> BundleLayout:
     if dtype not in BUNDLE_DTYPES:
         raise SparseInferError(f"{src.path}: sparseinfer.bundle.dtype: expected one of "
                                f"{list(BUNDLE_DTYPES)}, found {dtype!r}")
+    if dtype == "q4" and str(src.metadata.get(Q4_LAYOUT_KEY, "")) != Q4_LAYOUT:
+        raise SparseInferError(f"{src.path}: {Q4_LAYOUT_KEY}: expected {Q4_LAYOUT!r} (q4 rows "
+                               f"with their scales first), found "
+                               f"{src.metadata.get(Q4_LAYOUT_KEY)!r} (Q4_0 blocks, from an "
+                               f"older sparseinfer): bundle the sparse GGUF again with `python "
+                               f"-m sparseinfer.disk bundle`")
     stride = int(src.metadata.get("sparseinfer.bundle.stride", 0))
     gate_stride = int(src.metadata.get("sparseinfer.bundle.gate_stride", 0))
     n_mats = 3 if cfg.ffn.gated else 2
@@ -332,6 +342,8 @@ def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4",
         _copy_fields(writer, reader, lambda k: not k.startswith(
             ("GGUF.", "general.architecture", "general.alignment")))
         writer.add_string("sparseinfer.bundle.dtype", dtype)
+        if dtype == "q4":
+            writer.add_string(Q4_LAYOUT_KEY, Q4_LAYOUT)
         writer.add_uint32("sparseinfer.bundle.stride", stride)
         if gates_apart:
             writer.add_uint32("sparseinfer.bundle.gate_stride", gate_stride)

@@ -31,7 +31,7 @@ from ..quant.linear import FloatLinear, GGMLLinear, Int4Linear, Int8Linear
 from ..sparse.ffn import SparseFFN
 from ..sparse.packed import DTYPES as PACKED_DTYPES
 from ..sparse.packed import (Q4_BYTES, Q4_GROUP, PackedFFN, empty_hugepages, int8_block,
-                             quantize_int8, quantize_q4_0)
+                             quantize_int8, quantize_q4_rows)
 from .loading import FileTensor, ModelSource, open_source, unpermute_qk
 from .model import Norm, Transformer
 from .plan import Plan, make_plan
@@ -262,19 +262,13 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
     for m, (canon, half) in enumerate(mats):
         t = src.tensors[canon]
         down = canon.endswith("ffn.down.weight")
-        if dtype == "q4" and t.kind == "Q4_0" and not down:
-            # the file's own Q4_0 blocks are the rows' layout: copied, never rounded twice
-            raw = np.asarray(t.raw()).reshape(-1, width)  # (read-only map)
-            rows[:, m].numpy()[...] = raw if half is None else raw[half]
-            if half is None or half.start:
-                t.release()
-            continue
         stored = (D, F) if down else (F if half is None else 2 * F, D)
         if (t.kind in ("Q4_0", "F16") and tuple(t.shape) == stored and D % Q4_GROUP == 0
                 and (dtype == "q4" or (dtype == "int8" and block == Q4_GROUP))):
             # rows made from the file's Q4_0 or F16 weights in C (a down matrix's columns, a
             # converted file's F16 down_t rows), as the torch quantizers below would from the
-            # float weights, without that float copy
+            # float weights, without that float copy; Q4_0 rows into q4 rows keep the file's
+            # numbers (moved into the rows' layout, never rounded twice)
             from ..cpu.ops import bundle_rows
 
             raw = np.asarray(t.raw()).reshape(stored[0], -1)
@@ -298,7 +292,7 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
         if dtype == "int8":
             rows[:, m], scales[:, m] = quantize_int8(w, block)
         elif dtype == "q4":
-            rows[:, m] = quantize_q4_0(w)
+            rows[:, m] = quantize_q4_rows(w)
         else:
             rows[:, m] = w
         del w

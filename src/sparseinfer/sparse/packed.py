@@ -5,9 +5,10 @@
 to back (LLM-in-a-Flash "row-column bundling"). Storage is fp32, bf16, int8 or q4; int8 rows carry
 float32 symmetric absmax scales per block of ``block`` consecutive weights of one row
 (``block == d_model`` means one scale per row; a last block shorter than ``block`` is allowed).
-q4 rows are GGUF Q4_0 blocks (per 32 weights: an fp16 scale ``d`` and 16 bytes of nibbles,
-``w = d · (q − 8)``), so ``rows`` is uint8 ``[d_ff, n_mats, d_model / 32 · 18]``; they run in the
-C kernel ``sparseinfer.cpu.sparse_ffn_q4`` (int8 rows with blocks a multiple of 8 in
+q4 rows hold GGUF Q4_0's numbers (per block of 32 weights an fp16 scale ``d`` and 16 bytes of
+nibbles, ``w = d · (q − 8)``) split by kind: a row's nb = d_model / 32 scales first, then its
+blocks' quant bytes (``q4_rows``), so ``rows`` is uint8 ``[d_ff, n_mats, d_model / 32 · 18]``;
+they run in the C kernel ``sparseinfer.cpu.sparse_ffn_q4`` (int8 rows with blocks a multiple of 8 in
 ``sparse_ffn_i8``, other storage in numba: ``kernels.py``).
 
 The kernels (``kernels.py``) and the torch references (``reference.py``) read only this layout.
@@ -67,6 +68,37 @@ def dequantize_q4_0(raw: torch.Tensor) -> torch.Tensor:
     qs = blk[..., 2:]
     q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float() - 8.0
     return (q * scale).reshape(*lead, width // Q4_BYTES * Q4_GROUP)
+
+
+def q4_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_0 rows ``blocks`` (uint8 ``[..., nb · 18]``) as q4 rows, the same bytes split by kind:
+    the nb fp16 scales (block b's at byte 2b), then the nb × 16 quant bytes (block b's at
+    2nb + 16b). The kernels (cpu/kernels.c) load a row's scales 8 blocks at a time, and its
+    quants without Q4_0's 18-byte blocks crossing cache lines."""
+    *lead, width = blocks.shape
+    nb = width // Q4_BYTES
+    blk = blocks.reshape(*lead, nb, Q4_BYTES)
+    return torch.cat([blk[..., :2].reshape(*lead, 2 * nb), blk[..., 2:].reshape(*lead, 16 * nb)],
+                     dim=-1)
+
+
+def q4_blocks(rows: torch.Tensor) -> torch.Tensor:
+    """The Q4_0 rows of q4 rows ``rows`` (``q4_rows``' inverse)."""
+    *lead, width = rows.shape
+    nb = width // Q4_BYTES
+    d = rows[..., : 2 * nb].reshape(*lead, nb, 2)
+    q = rows[..., 2 * nb :].reshape(*lead, nb, 16)
+    return torch.cat([d, q], dim=-1).reshape(*lead, width)
+
+
+def quantize_q4_rows(w: torch.Tensor) -> torch.Tensor:
+    """q4 rows of the rows of ``w`` ``[..., d]``: ``quantize_q4_0``'s blocks as ``q4_rows``."""
+    return q4_rows(quantize_q4_0(w))
+
+
+def dequantize_q4_rows(rows: torch.Tensor) -> torch.Tensor:
+    """float32 ``[..., d]`` of q4 rows (uint8 ``[..., d / 32 · 18]``; the reference)."""
+    return dequantize_q4_0(q4_blocks(rows))
 
 
 HUGE_PAGE = 2 * 2**20
@@ -186,7 +218,7 @@ class PackedFFN:
 
     @property
     def row_width(self) -> int:
-        """Elements of ``rows`` per row: d_model, or bytes of Q4_0 blocks for q4."""
+        """Elements of ``rows`` per row: d_model, or bytes of a q4 row (Q4_0's) for q4."""
         return self.d_model // Q4_GROUP * Q4_BYTES if self.dtype == "q4" else self.d_model
 
     @property
@@ -221,8 +253,8 @@ class PackedFFN:
         """Bundle nn.Linear-layout weights: gate/up ``[d_ff, d_model]``, down ``[d_model, d_ff]``.
 
         int8 quantizes each row symmetrically (absmax) per block of ``block`` weights
-        (``block=0`` → one scale per row); q4 quantizes each row (and down column) to Q4_0
-        blocks of 32 (``quantize_q4_0``; d_model a multiple of 32).
+        (``block=0`` → one scale per row); q4 quantizes each row (and down column) to Q4_0's
+        blocks of 32 as q4 rows (``quantize_q4_rows``; d_model a multiple of 32).
         """
         if kind not in FFN_KINDS:
             raise ValueError(f"kind: expected one of {sorted(FFN_KINDS)}, got {kind!r}")
@@ -249,7 +281,7 @@ class PackedFFN:
         scales = None
         if dtype == "q4":
             for m, w in enumerate(mats):
-                rows[:, m] = quantize_q4_0(w)
+                rows[:, m] = quantize_q4_rows(w)
         elif dtype == "int8":
             block = block or d_model
             if not 0 < block <= d_model:
@@ -269,7 +301,7 @@ class PackedFFN:
         """Dequantized bundled rows ``[k, n_mats, d_model]`` fp32 (all neurons if None)."""
         rows = self.rows if neurons is None else self.rows.index_select(0, neurons)
         if self.dtype == "q4":
-            return dequantize_q4_0(rows)
+            return dequantize_q4_rows(rows)
         w = rows.to(torch.float32)
         if self.scales is not None:
             s = self.scales if neurons is None else self.scales.index_select(0, neurons)
