@@ -4,6 +4,7 @@ errors, what runs (``print(model)``), and converted files against their source."
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -13,6 +14,7 @@ from sparseinfer.models.build import FileEmbedding, load
 from sparseinfer.models.loading import open_source
 from sparseinfer.models.plan import make_plan
 from sparseinfer.quant.linear import FloatLinear, GGMLLinear, Int4Linear, Int8Linear
+from sparseinfer.sparse.packed import dequantize_q4_rows, q4_rows
 
 D, F, LAYERS, HEADS, KV = 64, 128, 2, 4, 2
 
@@ -281,8 +283,10 @@ def test_info_prints_the_plan_without_loading(quant_gguf, capsys, monkeypatch):
 @pytest.mark.slow
 def test_q4_rows_keep_a_q4_0_files_blocks(converted):
     """--ffn-dtype q4 on a file whose gate/up are Q4_0: the bundled rows are the file's own
-    blocks byte for byte (no second rounding); the transposed down projection (F32 in the
-    sparse file) is quantized once."""
+    blocks' bytes (no second rounding) in the q4 rows' layout, the same numbers as gguf-py
+    reads from the file; the transposed down projection (F32 in the sparse file) is quantized
+    once."""
+
     lm = load(converted["output"], "auto", ffn_dtype="q4", threshold=-float("inf"))
     ffn = lm.model.layers[1].ffn
     assert ffn.packed.dtype == "q4"
@@ -290,7 +294,10 @@ def test_q4_rows_keep_a_q4_0_files_blocks(converted):
         raw = np.asarray(lm.source.tensors[lm.source.tensors and
                                            f"layers.1.ffn.{('gate', 'up')[m]}.weight"].raw())
         assert lm.source.tensors[f"layers.1.ffn.{('gate', 'up')[m]}.weight"].name == name
-        np.testing.assert_array_equal(ffn.packed.rows[:, m].numpy(), raw.reshape(F, -1))
+        rows = ffn.packed.rows[:, m]
+        assert torch.equal(rows, q4_rows(torch.from_numpy(raw.reshape(F, -1).copy())))
+        want = gguf.quants.dequantize(raw.reshape(F, -1), gguf.GGMLQuantizationType.Q4_0)
+        np.testing.assert_array_equal(dequantize_q4_rows(rows).numpy(), want.reshape(F, -1))
     want = _logits(load(converted["output"], "auto", threshold=-float("inf")).model)
     assert _rel(_logits(lm.model), want) < 0.1  # the down projection rounded to 4 bits
 
