@@ -103,10 +103,12 @@ def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: 
     print("# pat: the same neurons' bundled rows (not int8's scales) of the same layers read by "
           "cpu.read_gather in the q4 kernel's order and look-ahead, nothing computed: what the "
           "memory gives for this pattern (best call); %pat = GB/s / pat")  # fmt: skip
+    print("# huge: the share of the pool's rows the kernel gave 2 MiB pages (PackedFFN asks for "
+          "them; 4 KiB pages cost the sparse rows 10-20%)")
     hdr = (f"{'model':<13} {'dtype':<8} {'dens':>4} {'k':>5} {'sparse (p50)':>20} {'MB':>6} "
            f"{'GB/s':>5} {'bw':>4} {'%bw':>4} {'pat':>4} {'%pat':>4} {'dense (p50)':>20} "
            f"{'dense path':<13} "
-           f"{'speedup':>7}")  # fmt: skip
+           f"{'speedup':>7} {'huge':>4}")  # fmt: skip
     print(hdr)
     print("-" * len(hdr))
     g = torch.Generator().manual_seed(0)
@@ -140,7 +142,10 @@ def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: 
                 gc.collect()
             dense_label = min(dense, key=lambda k: min(dense[k]))
             t_dense = min(dense[dense_label])
+            huge0 = anon_huge_bytes()
             pool = pool_of(base, base.nbytes)
+            huge = (anon_huge_bytes() - huge0) / sum(
+                lay.rows.numel() * lay.rows.element_size() for lay in pool[1:])
             for density in densities:
                 k = round(f * density)
                 perms = (torch.randperm(f, generator=g)[:k] for _ in range(16))
@@ -164,11 +169,23 @@ def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: 
                       f"{nbytes / 1e6:>6.2f} {gbs:>5.1f} {bw:>4.0f} {gbs / bw:>4.0%} "
                       f"{fmt_pat(pat, gbs)} "
                       f"{fmt_time(t_dense):>9} ({fmt_time(p50_dense):>8}) "
-                      f"{dense_label:<13} {t_dense / t:>6.1f}x")  # fmt: skip
+                      f"{dense_label:<13} {t_dense / t:>6.1f}x {min(huge, 1.0):>4.0%}")  # fmt: skip
             del pool, base
             gc.collect()
     print(f"# read bandwidth over the run: {min(bws):.1f}..{max(bws):.1f} GB/s; "
           f"load average at the end {os.getloadavg()[0]:.2f}")  # fmt: skip
+
+
+def anon_huge_bytes() -> int:
+    """This process's anonymous memory in transparent huge pages (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def gather_bandwidth(pool: list[PackedFFN], sets: list[torch.Tensor], n_calls: int) -> float:
