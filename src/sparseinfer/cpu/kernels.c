@@ -2234,9 +2234,8 @@ INLINE void q4_dots8(const uint8_t *const *rp, const si_xq *x, int nb, float *y,
 
 /* Dot products of R q4 rows (pointers; nb blocks each) with x over blocks b0..nb-1: y[r] =
  * row_r . x there. The next neurons' bundles (pf[0..npf), pf_bytes each) are fetched a slice per
- * PF_BLOCKS blocks while these rows are walked: a bundle is a few KB, which a hardware
- * prefetcher may not follow in time (with Q4_0's 18-byte blocks Zen 4's did not; with the q4
- * rows it does, and the look-ahead neither gains nor costs there: benchmarks/RESULTS.md). */
+ * PF_BLOCKS blocks while these rows are walked: a bundle is a few KB, over before the hardware
+ * prefetcher ramps up. */
 INLINE void q4_dots_from(const uint8_t *const *rp, const int R, const si_xq *x, const int b0,
                          int nb, float *y, const uint8_t *const *pf, const int npf,
                          size_t pf_bytes) {
