@@ -196,6 +196,9 @@ def main() -> None:
                    "firing, as kernels.py --kind reglu --fire; default: SwiGLU")
     args = p.parse_args()
     old = build_rev(args.rev) if args.rev else args.old
+    if old.is_file() and args.new.is_file() and old.read_bytes() == args.new.read_bytes():
+        raise SystemExit(f"{old} and {args.new} are the same bytes: nothing to compare (is "
+                         f"sparseinfer installed from another tree? it is {sparseinfer.__file__})")
     libs = {"old": load(old, args.isa, args.threads), "new": load(args.new, args.isa, args.threads)}
     versions = {name: lib.si_abi_version() for name, lib in libs.items()}
     if versions["old"] != versions["new"] and sorted(versions.values()) != [Q4_ROWS_ABI - 1,
