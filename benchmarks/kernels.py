@@ -188,10 +188,14 @@ def anon_huge_bytes() -> int:
     return 0
 
 
-def gather_bandwidth(pool: list[PackedFFN], sets: list[torch.Tensor], n_calls: int) -> float:
+def gather_bandwidth(pool: list[PackedFFN], sets: list[torch.Tensor],
+                     n_calls: int) -> float | None:
     """GB/s of the best ``cpu.read_gather`` call over the pool's layers and the active sets, as
-    the kernel's calls cycle over them (every neuron's whole bundle of rows)."""
+    the kernel's calls cycle over them (every neuron's whole bundle of rows); None where a
+    bundle is not a multiple of 8 bytes, which the probe cannot read (SmolLM2's q4: 972)."""
     stride = pool[0].rows[0].numel() * pool[0].rows.element_size()
+    if stride % 8:
+        return None
     n = len(pool)
     ts = call_times(lambda i: cpu.read_gather(pool[i % n].rows, stride, stride, sets[i % 16]),
                     n_calls)
@@ -199,7 +203,8 @@ def gather_bandwidth(pool: list[PackedFFN], sets: list[torch.Tensor], n_calls: i
 
 
 def fmt_pat(pat: float | None, gbs: float) -> str:
-    """The pat and %pat columns (blank for ReLU gates, whose kernel skips rows the probe reads)."""
+    """The pat and %pat columns (blank for ReLU gates, whose kernel skips rows the probe reads,
+    and where the probe cannot read the bundles)."""
     return f"{'-':>4} {'-':>4}" if pat is None else f"{pat:>4.0f} {gbs / pat:>4.0%}"
 
 
