@@ -527,11 +527,12 @@ def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.T
     """Sparse FFN over neuron bundles of q4 rows: ``out[t] = sum_{i in idx} h_i(x[t]) ·
     down_i`` with ``h_i = act_g(gate_i · x) · act_u(up_i · x)`` (gated) or ``act_u(up_i · x +
     b_i)``. ``rows``: uint8 ``[d_ff, n_mats, d_model / 32 · 18]`` (per neuron: [gate,] up, down
-    column, each a q4 row: ``sparse.packed.q4_rows``); ``idx`` int32 [k]; ``x``, ``out`` float32 [T, d_model]; activation
-    codes as ``sparse.kernels.ACT_CODES`` (0 identity, 1 relu, 2 silu, 3 gelu, 4 gelu-tanh). Only the active
-    neurons' bytes are read, 4 neurons at a time; with a ReLU gate (ReGLU, dReLU) the gate rows
-    go first and a neuron's up row is read only if its gate fired (its down row only if h is
-    not 0); ``x`` is rounded to int8 blocks as in ``gemv``.
+    column, each a q4 row: ``sparse.packed.q4_rows``); ``idx`` int32 [k]; ``x``, ``out`` float32
+    [T, d_model]; activation codes as ``sparse.kernels.ACT_CODES`` (0 identity, 1 relu, 2 silu,
+    3 gelu, 4 gelu-tanh). Only the active neurons' bytes are read, 4 neurons at a time; with a
+    ReLU gate (ReGLU, dReLU) the gate rows go first and a neuron's up row is read only if its
+    gate fired (its down row only if h is not 0); ``x`` is rounded to int8 blocks as in
+    ``gemv``.
     ``mask`` (bool or uint8 [T, k], optional): token t takes only the neurons ``idx[i]`` with
     ``mask[t, i]`` (its own set within the union ``idx``: each bundle still read once for all).
     (Reference: ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN`` of dtype "q4".)"""

@@ -8,9 +8,8 @@ contiguous read, and a run of neighbouring neurons one read.
 norms, embeddings, predictors, statistics, metadata) is copied byte for byte. The row storage is
 the one the runtime computes with (``q4``: q4 rows, GGUF Q4_0's numbers with each row's scales
 first, ``sparse.packed.q4_rows``; the gate/up numbers of a Q4_0 file kept as they are; ``fp32``),
-so the bytes read from disk go to the kernels unchanged. Tensor
-data starts on a ``DATA_ALIGN`` boundary, so with an aligned stride every neuron read is aligned
-for O_DIRECT.
+so the bytes read from disk go to the kernels unchanged. Tensor data starts on a ``DATA_ALIGN``
+boundary, so with an aligned stride every neuron read is aligned for O_DIRECT.
 
 The rows need not be in neuron order: ``bundle_file(..., orders=...)`` writes each layer's
 neurons in a given order (``order.py``: co-activated neurons side by side, so that one token's
