@@ -310,7 +310,7 @@ def main() -> int:
         return 0
 
     from sparseinfer.bench import cpu_model
-    from sparseinfer.disk.layout import is_bundled
+    from sparseinfer.disk.layout import Q4_LAYOUT, Q4_LAYOUT_KEY, bundle_file, is_bundled
     from sparseinfer.models.loading import open_source
 
     if os.geteuid() != 0 or not CGROOT.is_dir():
@@ -329,9 +329,11 @@ def main() -> int:
                     return 1
                 path = sparse.with_name(sparse.stem + (".gates" if apart else ".bundled")
                                         + ".gguf")
+                if path.exists() and open_source(path).metadata.get(Q4_LAYOUT_KEY) != Q4_LAYOUT:
+                    print(f"{path}: bundled by an older sparseinfer (Q4_0 blocks): bundling "
+                          f"again", file=sys.stderr)
+                    path.unlink()
                 if not path.exists():
-                    from sparseinfer.disk.layout import bundle_file
-
                     t0 = time.perf_counter()
                     bundle_file(sparse, path, "q4", gates_apart=apart)
                     print(f"bundled {sparse} -> {path} in {time.perf_counter() - t0:.0f} s",
