@@ -2389,7 +2389,7 @@ INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int n
  * past the row's last group it reads quant bytes, unused; a row has 18 nb >= 8 g + 64 bytes);
  * group g's 4 as 16 floats, each on its block's 4 lanes (q4r_d16, lb = q4r_lanes()). Loaded
  * with each group instead (8 bytes from the row's start while its quants stream from further
- * on), they cost the AVX-512 loops 4-5% from memory (benchmarks/RESULTS.md). */
+ * on), they slowed the AVX-512 loops from memory (benchmarks/RESULTS.md). */
 INLINE __m512i q4r_sc8(const uint8_t *row, const int g) {
     return _mm512_loadu_si512((const void *)(row + 8 * (size_t)g));
 }
