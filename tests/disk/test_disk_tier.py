@@ -482,6 +482,65 @@ def test_q4_bundles_of_q4_0_blocks_are_refused(sparse_file, tmp_path, monkeypatc
         layout_of(open_source(old))
 
 
+def _old_bundled(sparse_file, path, monkeypatch, **kw):
+    """A q4 bundled file as sparseinfer wrote it before q4 rows put their scales first: no
+    layout key (written under an unrelated name), every bundle and gate row Q4_0 blocks (the
+    rows turned back in place, with gguf-py's tensor offsets)."""
+    import gguf
+
+    from sparseinfer.disk import layout
+    from sparseinfer.sparse.packed import q4_blocks
+
+    monkeypatch.setattr(layout, "Q4_LAYOUT_KEY", "sparseinfer.bundle.unrelated")
+    bundle_file(sparse_file, path, "q4", **kw)
+    monkeypatch.undo()
+    cfg = open_source(sparse_file).config
+    row = cfg.d_model // 32 * 18
+    for t in gguf.GGUFReader(path).tensors:
+        if "ffn_bundle" in t.name and not t.name.endswith("_pos"):
+            a = np.memmap(path, np.uint8, "r+", int(t.data_offset),
+                          (cfg.d_ff, int(t.n_bytes) // cfg.d_ff))
+            for m in range(min(3, a.shape[1] // row)):
+                part = a[:, m * row:(m + 1) * row]
+                part[...] = q4_blocks(torch.from_numpy(np.array(part))).numpy()
+            a.flush()
+            del a
+    return path
+
+
+@pytest.mark.parametrize("kind", ["q4", "q4-gates-shuffled"])
+def test_upgrade_rewrites_q4_0_bundles_as_a_fresh_bundle(sparse_file, bundled, tmp_path,
+                                                         monkeypatch, capsys, kind):
+    """``python -m sparseinfer.disk upgrade``: a bundled file of Q4_0 blocks (refused as it is)
+    becomes, tensor for tensor, the file bundling its sparse GGUF now writes; a file already
+    in the new layout is refused with nothing to do."""
+    import gguf
+
+    from sparseinfer.disk.__main__ import main as disk_main
+
+    cfg = open_source(sparse_file).config
+    rng = np.random.default_rng(7)  # the orders of the fixture's shuffled files
+    kw = ({"gates_apart": False} if kind == "q4" else
+          {"orders": [rng.permutation(cfg.d_ff) for _ in range(cfg.n_layers)],
+           "order_name": "random", "gates_apart": True})
+    old = _old_bundled(sparse_file, tmp_path / "old.gguf", monkeypatch, **kw)
+    with pytest.raises(SparseInferError, match="sparseinfer.disk upgrade"):
+        layout_of(open_source(old))
+    new = tmp_path / "new.gguf"
+    assert disk_main(["upgrade", str(old), str(new)]) == 0
+    layout_of(open_source(new))  # accepted
+    fresh = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(bundled[kind]).tensors}
+    before = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(old).tensors}
+    assert not np.array_equal(before[BUNDLE.format(0)], fresh[BUNDLE.format(0)])
+    got = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(new).tensors}
+    assert got.keys() == fresh.keys()
+    for name, want in fresh.items():
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+    capsys.readouterr()
+    assert disk_main(["upgrade", str(new), str(tmp_path / "again.gguf")]) == 1
+    assert "nothing to upgrade" in capsys.readouterr().err
+
+
 def test_truncated_file_gives_one_clear_error(bundled, tmp_path):
     path = tmp_path / "cut.gguf"
     shutil.copy(bundled["q4"], path)

@@ -3,7 +3,11 @@
 ready for ``--ram-budget``; with the profile directory its convert kept (``--keep-work``), in
 co-activation order (``order.py``); with the gate rows in their own tensor (by default for q4 rows
 of a ReLU-gated FFN), the disk tier reads up and down rows only for the neurons whose gate fired
-(``tier.py``)."""
+(``tier.py``).
+
+``python -m sparseinfer.disk upgrade OLD.gguf NEW.gguf``: rewrite a q4 bundled file made before q4
+rows put their scales first (which the kernels no longer read) with the same numbers in the new
+layout, for when its sparse GGUF is gone (else bundle that again)."""
 
 from __future__ import annotations
 
@@ -28,10 +32,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="the gate rows in their own tensor, so the disk tier reads up and down "
                         "rows only where the gate fired (ReGLU/dReLU; auto: for q4 rows of "
                         "such an FFN)")
+    u = sub.add_parser("upgrade", help="rewrite a q4 bundled file of Q4_0 blocks (an older "
+                                       "sparseinfer's) with its rows' scales first")
+    u.add_argument("src")
+    u.add_argument("out")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from .layout import bundle_file
+    from .layout import bundle_file, upgrade_file
 
+    if args.cmd == "upgrade":
+        try:
+            out = upgrade_file(args.src, args.out)
+        except SparseInferError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(out)
+        return 0
     try:
         orders = None if args.profile is None else _orders(args.src, args.profile)
         apart = {"auto": None, "yes": True, "no": False}[args.gates_apart]

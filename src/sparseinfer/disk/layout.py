@@ -143,8 +143,8 @@ def layout_of(src) -> BundleLayout:
         raise SparseInferError(f"{src.path}: {Q4_LAYOUT_KEY}: expected {Q4_LAYOUT!r} (q4 rows "
                                f"with their scales first), found "
                                f"{src.metadata.get(Q4_LAYOUT_KEY)!r} (Q4_0 blocks, from an "
-                               f"older sparseinfer): bundle the sparse GGUF again with `python "
-                               f"-m sparseinfer.disk bundle`")
+                               f"older sparseinfer): rewrite it with `python -m "
+                               f"sparseinfer.disk upgrade {src.path} NEW.gguf`")
     stride = int(src.metadata.get("sparseinfer.bundle.stride", 0))
     gate_stride = int(src.metadata.get("sparseinfer.bundle.gate_stride", 0))
     n_mats = 3 if cfg.ffn.gated else 2
@@ -282,11 +282,11 @@ def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4",
     ``order_name`` in the metadata; None: neuron order. ``gates_apart``: the gate rows in a
     tensor of their own (FFNs with a ReLU gate only); None: for q4 rows of such an FFN, which
     the disk tier then computes gates first (fp32 rows it would read in two parts)."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGMLQuantizationType
 
     from ..models.build import _packed_ffn
     from ..models.loading import open_source
-    from ..offline.export import _copy_fields, check_output_path
+    from ..offline.export import check_output_path
 
     if dtype not in BUNDLE_DTYPES:
         raise SparseInferError(f"bundle dtype: expected one of {list(BUNDLE_DTYPES)}, got "
@@ -330,16 +330,8 @@ def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4",
         return tuple(([p + "gate.weight"] if cfg.ffn.gated else []) + [p + "up.weight", down])
 
     reader = src.reader
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp",
-                                    dir=out_path.parent if str(out_path.parent) else ".")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    arch = str(src.metadata.get("general.architecture", cfg.arch))
-    writer = GGUFWriter(tmp, arch)
-    writer.add_custom_alignment(DATA_ALIGN)
-    try:
-        _copy_fields(writer, reader, lambda k: not k.startswith(
-            ("GGUF.", "general.architecture", "general.alignment")))
+
+    def add_kv(writer) -> None:
         writer.add_string("sparseinfer.bundle.dtype", dtype)
         if dtype == "q4":
             writer.add_string(Q4_LAYOUT_KEY, Q4_LAYOUT)
@@ -347,31 +339,109 @@ def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4",
         if gates_apart:
             writer.add_uint32("sparseinfer.bundle.gate_stride", gate_stride)
         writer.add_string("sparseinfer.bundle.order", "neuron" if orders is None else order_name)
-        plan = []  # (name, torch shape, type, nbytes, make)
-        for t in reader.tensors:
-            m = _FFN_ROWS.match(t.name)
-            if m:
-                i = int(m.group(1))
-                if m.group(2) in ("down_t", "down"):  # the bundle takes the layer's place
-                    order = None if orders is None else np.asarray(orders[i], dtype=np.int64)
-                    packed = _Packed(lambda i=i: _packed_ffn(src, names(i), cfg.ffn_kind, dtype,
-                                                             None))
-                    if gates_apart:  # (made once for both tensors)
-                        plan.append((GATES.format(i), (cfg.d_ff, gate_stride),
-                                     GGMLQuantizationType.I8, cfg.d_ff * gate_stride,
-                                     lambda p=packed, order=order: _bundle_bytes(
-                                         p.get(), gate_stride, order, 0, row)))
-                    plan.append((BUNDLE.format(i), (cfg.d_ff, stride), GGMLQuantizationType.I8,
-                                 cfg.d_ff * stride, lambda p=packed, order=order: _bundle_bytes(
-                                     p.pop(), stride, order, gates_apart * row, nbytes)))
-                    if order is not None:
-                        pos = positions_of(order)
-                        plan.append((POSITIONS.format(i), (cfg.d_ff,), GGMLQuantizationType.I32,
-                                     pos.nbytes, lambda pos=pos: pos))
-                continue
-            shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-            plan.append((t.name, shape, t.tensor_type, int(t.n_bytes),
-                         lambda t=t: np.asarray(t.data)))
+
+    plan = []  # (name, torch shape, type, nbytes, make)
+    for t in reader.tensors:
+        m = _FFN_ROWS.match(t.name)
+        if m:
+            i = int(m.group(1))
+            if m.group(2) in ("down_t", "down"):  # the bundle takes the layer's place
+                order = None if orders is None else np.asarray(orders[i], dtype=np.int64)
+                packed = _Packed(lambda i=i: _packed_ffn(src, names(i), cfg.ffn_kind, dtype,
+                                                         None))
+                if gates_apart:  # (made once for both tensors)
+                    plan.append((GATES.format(i), (cfg.d_ff, gate_stride),
+                                 GGMLQuantizationType.I8, cfg.d_ff * gate_stride,
+                                 lambda p=packed, order=order: _bundle_bytes(
+                                     p.get(), gate_stride, order, 0, row)))
+                plan.append((BUNDLE.format(i), (cfg.d_ff, stride), GGMLQuantizationType.I8,
+                             cfg.d_ff * stride, lambda p=packed, order=order: _bundle_bytes(
+                                 p.pop(), stride, order, gates_apart * row, nbytes)))
+                if order is not None:
+                    pos = positions_of(order)
+                    plan.append((POSITIONS.format(i), (cfg.d_ff,), GGMLQuantizationType.I32,
+                                 pos.nbytes, lambda pos=pos: pos))
+            continue
+        plan.append(_as_is(t))
+    _write_gguf(out_path, reader, str(src.metadata.get("general.architecture", cfg.arch)),
+                add_kv, plan)
+    log.info("wrote %s: %s bundles of %d bytes (stride %d)%s", out_path, dtype, nbytes, stride,
+             f", gate rows apart (stride {gate_stride})" if gates_apart else "")
+    return out_path
+
+
+def upgrade_file(src_path: str | Path, out_path: str | Path) -> Path:
+    """Rewrite a q4 bundled file from before q4 rows put their scales first (its rows Q4_0
+    blocks, no ``Q4_LAYOUT_KEY``) with its rows as q4 rows (``sparse.packed.q4_rows``): the same
+    numbers, bytes, order and everything else, so a bundled file whose sparse GGUF is gone need
+    not be converted again. Returns ``out_path``."""
+    from ..models.loading import open_source
+    from ..offline.export import check_output_path
+    from ..sparse.packed import q4_rows
+
+    out_path = check_output_path(out_path)
+    src = open_source(src_path)
+    if not is_bundled(src) or src.reader is None:
+        raise SparseInferError(f"{src_path}: expected a bundled GGUF (python -m sparseinfer.disk "
+                               f"bundle), found none of its {BUNDLE.format(0)!r}")
+    md = src.metadata
+    if md.get("sparseinfer.bundle.dtype") != "q4" or md.get(Q4_LAYOUT_KEY) == Q4_LAYOUT:
+        raise SparseInferError(f"{src_path}: expected q4 bundles of Q4_0 blocks (no "
+                               f"{Q4_LAYOUT_KEY}), found {md.get('sparseinfer.bundle.dtype')!r}"
+                               f" bundles, {Q4_LAYOUT_KEY} {md.get(Q4_LAYOUT_KEY)!r}: nothing "
+                               f"to upgrade")
+    cfg = src.config
+    row = cfg.d_model // Q4_GROUP * Q4_BYTES
+    rows_in = {BUNDLE: (3 if cfg.ffn.gated else 2) - bool(md.get("sparseinfer.bundle.gate_stride")),
+               GATES: 1}
+    names = {name.format(i): n for name, n in rows_in.items() for i in range(cfg.n_layers)}
+
+    def upgraded(t, n: int) -> np.ndarray:
+        a = np.array(t.data).view(np.uint8).reshape(cfg.d_ff, -1)  # a copy, rows rewritten
+        if a.shape[1] < n * row:
+            raise SparseInferError(f"{src_path}: {t.name}: expected rows of at least "
+                                   f"{n * row} bytes, found {a.shape[1]}")
+        for m in range(n):
+            part = a[:, m * row:(m + 1) * row]
+            part[...] = q4_rows(torch.from_numpy(part.copy())).numpy()
+        return a.view(np.int8)
+
+    plan = [(t.name, tuple(int(k) for k in reversed(t.shape.tolist())), t.tensor_type,
+             int(t.n_bytes), lambda t=t, n=names[t.name]: upgraded(t, n))
+            if t.name in names else _as_is(t) for t in src.reader.tensors]
+    _write_gguf(out_path, src.reader, str(md.get("general.architecture", cfg.arch)),
+                lambda writer: writer.add_string(Q4_LAYOUT_KEY, Q4_LAYOUT), plan,
+                drop=(Q4_LAYOUT_KEY,))
+    log.info("wrote %s: %s's q4 bundles with each row's scales first", out_path, src_path)
+    return out_path
+
+
+def _as_is(t) -> tuple:
+    """A GGUF tensor of the source, for ``_write_gguf``'s plan, copied as it is."""
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+    return (t.name, shape, t.tensor_type, int(t.n_bytes), lambda: np.asarray(t.data))
+
+
+def _write_gguf(out_path: Path, reader, arch: str, add_kv, plan: list[tuple],
+                drop: tuple[str, ...] = ()) -> None:
+    """Write ``out_path`` (through a temporary file beside it, renamed at the end): the fields
+    of ``reader`` but GGUF's own and the keys in ``drop``, those ``add_kv(writer)`` adds, and
+    the tensors of ``plan`` ((name, torch shape, type, nbytes, make), ``make()`` giving the
+    bytes, called in order) with their data on ``DATA_ALIGN`` boundaries."""
+    from gguf import GGUFWriter
+
+    from ..offline.export import _copy_fields
+
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp",
+                                    dir=out_path.parent if str(out_path.parent) else ".")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    writer = GGUFWriter(tmp, arch)
+    writer.add_custom_alignment(DATA_ALIGN)
+    try:
+        _copy_fields(writer, reader, lambda k: not k.startswith(
+            ("GGUF.", "general.architecture", "general.alignment")) and k not in drop)
+        add_kv(writer)
         for name, shape, qtype, n, _ in plan:
             writer.add_tensor_info(name, shape, np.dtype(np.float32), n, raw_dtype=qtype)
         writer.write_header_to_file()
@@ -393,9 +463,6 @@ def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4",
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
-    log.info("wrote %s: %s bundles of %d bytes (stride %d)%s", out_path, dtype, nbytes, stride,
-             f", gate rows apart (stride {gate_stride})" if gates_apart else "")
-    return out_path
 
 
 def relu_gated(kind: str) -> bool:
