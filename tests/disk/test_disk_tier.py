@@ -478,7 +478,8 @@ def test_q4_bundles_of_q4_0_blocks_are_refused(sparse_file, tmp_path, monkeypatc
     monkeypatch.setattr(layout, "Q4_LAYOUT_KEY", "sparseinfer.bundle.unrelated")
     old = bundle_file(sparse_file, tmp_path / "old.gguf", "q4")
     monkeypatch.undo()
-    with pytest.raises(SparseInferError, match=r"q4_layout: expected 'scales-first'.*bundle"):
+    with pytest.raises(SparseInferError,
+                       match=r"q4_layout: expected 'scales-first'.*sparseinfer.disk upgrade"):
         layout_of(open_source(old))
 
 
