@@ -276,12 +276,13 @@ def read_packed(src, layer: int, start: int, stop: int, up_bias=None,
 
 def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4",
                 orders: list[np.ndarray] | None = None, order_name: str = "coactivation",
-                gates_apart: bool | None = None) -> Path:
+                gates_apart: bool | None = None, progress=None) -> Path:
     """Rewrite the sparse GGUF ``src_path`` with bundled neuron rows (see the module docstring);
     ``orders``: per layer, the neurons in the order their rows are written (``order.py``), named
     ``order_name`` in the metadata; None: neuron order. ``gates_apart``: the gate rows in a
     tensor of their own (FFNs with a ReLU gate only); None: for q4 rows of such an FFN, which
-    the disk tier then computes gates first (fp32 rows it would read in two parts)."""
+    the disk tier then computes gates first (fp32 rows it would read in two parts).
+    ``progress``: as ``_write_gguf``'s."""
     from gguf import GGMLQuantizationType
 
     from ..models.build import _packed_ffn
@@ -364,17 +365,17 @@ def bundle_file(src_path: str | Path, out_path: str | Path, dtype: str = "q4",
             continue
         plan.append(_as_is(t))
     _write_gguf(out_path, reader, str(src.metadata.get("general.architecture", cfg.arch)),
-                add_kv, plan)
+                add_kv, plan, progress=progress)
     log.info("wrote %s: %s bundles of %d bytes (stride %d)%s", out_path, dtype, nbytes, stride,
              f", gate rows apart (stride {gate_stride})" if gates_apart else "")
     return out_path
 
 
-def upgrade_file(src_path: str | Path, out_path: str | Path) -> Path:
+def upgrade_file(src_path: str | Path, out_path: str | Path, progress=None) -> Path:
     """Rewrite a q4 bundled file from before q4 rows put their scales first (its rows Q4_0
     blocks, no ``Q4_LAYOUT_KEY``) with its rows as q4 rows (``sparse.packed.q4_rows``): the same
     numbers, bytes, order and everything else, so a bundled file whose sparse GGUF is gone need
-    not be converted again. Returns ``out_path``."""
+    not be converted again. ``progress``: as ``_write_gguf``'s. Returns ``out_path``."""
     from ..models.loading import open_source
     from ..offline.export import check_output_path
     from ..sparse.packed import q4_rows
@@ -401,9 +402,10 @@ def upgrade_file(src_path: str | Path, out_path: str | Path) -> Path:
         if a.shape[1] < n * row:
             raise SparseInferError(f"{src_path}: {t.name}: expected rows of at least "
                                    f"{n * row} bytes, found {a.shape[1]}")
-        for m in range(n):
-            part = a[:, m * row:(m + 1) * row]
-            part[...] = q4_rows(torch.from_numpy(part.copy())).numpy()
+        for lo in range(0, cfg.d_ff, COPY_CHUNK):  # (bounded temporaries)
+            for m in range(n):
+                part = a[lo:lo + COPY_CHUNK, m * row:(m + 1) * row]
+                part[...] = q4_rows(torch.from_numpy(part.copy())).numpy()
         return a.view(np.int8)
 
     plan = [(t.name, tuple(int(k) for k in reversed(t.shape.tolist())), t.tensor_type,
@@ -411,7 +413,7 @@ def upgrade_file(src_path: str | Path, out_path: str | Path) -> Path:
             if t.name in names else _as_is(t) for t in src.reader.tensors]
     _write_gguf(out_path, src.reader, str(md.get("general.architecture", cfg.arch)),
                 lambda writer: writer.add_string(Q4_LAYOUT_KEY, Q4_LAYOUT), plan,
-                drop=(Q4_LAYOUT_KEY,))
+                drop=(Q4_LAYOUT_KEY,), progress=progress)
     log.info("wrote %s: %s's q4 bundles with each row's scales first", out_path, src_path)
     return out_path
 
@@ -423,11 +425,13 @@ def _as_is(t) -> tuple:
 
 
 def _write_gguf(out_path: Path, reader, arch: str, add_kv, plan: list[tuple],
-                drop: tuple[str, ...] = ()) -> None:
+                drop: tuple[str, ...] = (), progress=None) -> None:
     """Write ``out_path`` (through a temporary file beside it, renamed at the end): the fields
     of ``reader`` but GGUF's own and the keys in ``drop``, those ``add_kv(writer)`` adds, and
     the tensors of ``plan`` ((name, torch shape, type, nbytes, make), ``make()`` giving the
-    bytes, called in order) with their data on ``DATA_ALIGN`` boundaries."""
+    bytes, called in order) with their data on ``DATA_ALIGN`` boundaries. ``progress`` (None,
+    or given the bytes to write, a callable taking each tensor's bytes as they are written:
+    ``offline.pipeline.Bars``' stages are such)."""
     from gguf import GGUFWriter
 
     from ..offline.export import _copy_fields
@@ -447,12 +451,15 @@ def _write_gguf(out_path: Path, reader, arch: str, add_kv, plan: list[tuple],
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        step = progress(sum(p[3] for p in plan)) if progress else None
         for name, _, _, n, make in plan:
             data = make()
             if data.nbytes != n:
                 raise SparseInferError(f"tensor {name}: expected {n} bytes, produced "
                                        f"{data.nbytes}")
             writer.write_tensor_data(data)
+            if step:
+                step(n)
         writer.close()
         os.replace(tmp, out_path)
     except OSError as e:
