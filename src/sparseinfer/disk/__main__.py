@@ -42,21 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     from .layout import bundle_file, upgrade_file
 
     bars = Bars()
-    if args.cmd == "upgrade":
-        try:
-            out = upgrade_file(args.src, args.out, progress=lambda n: bars("upgrade", n, "B"))
-        except SparseInferError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        finally:
-            bars.close()
-        print(out)
-        return 0
+    progress = lambda n: bars(args.cmd, n, "B")  # noqa: E731  (the bytes written)
     try:
-        orders = None if args.profile is None else _orders(args.src, args.profile)
-        apart = {"auto": None, "yes": True, "no": False}[args.gates_apart]
-        out = bundle_file(args.src, args.out, args.dtype, orders, gates_apart=apart,
-                          progress=lambda n: bars("bundle", n, "B"))
+        if args.cmd == "upgrade":
+            out = upgrade_file(args.src, args.out, progress=progress)
+        else:
+            orders = None if args.profile is None else _orders(args.src, args.profile)
+            apart = {"auto": None, "yes": True, "no": False}[args.gates_apart]
+            out = bundle_file(args.src, args.out, args.dtype, orders, gates_apart=apart,
+                              progress=progress)
     except SparseInferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
