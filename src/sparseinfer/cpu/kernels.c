@@ -2223,9 +2223,9 @@ INLINE void q4_dots8(const uint8_t *const *rp, const si_xq *x, int nb, float *y,
     }
     for (; b < nb; b++) {
         if (b % PF_BLOCKS == 0) prefetch_slice(pf, npf, pf_bytes, slice, b / PF_BLOCKS);
-        __m128i h = _mm_setzero_si128();
-        for (int r = 0; r < 8; r++) h = _mm_insert_epi16(h, ld16(rp[r] + 2 * (size_t)b), r);
-        q4_dots8_block(rp, nb, x, b, h, &acc, &accm);
+        uint16_t h[8];
+        for (int r = 0; r < 8; r++) h[r] = (uint16_t)ld16(rp[r] + 2 * (size_t)b);
+        q4_dots8_block(rp, nb, x, b, _mm_loadu_si128((const __m128i *)h), &acc, &accm);
     }
     /* w = d (q - 8): the zero point through x's block sums */
     _mm256_storeu_ps(y, _mm256_fmadd_ps(accm, _mm256_set1_ps(-8.0f), acc));

@@ -1420,14 +1420,22 @@ __attribute__((target("avx2,f16c"))) static void src_weights(const bundle_job *j
     }
 }
 
+/* Block b of output q4 row o: where its fp16 scale (*dp) and its 16 quant bytes (*qp) go (a
+ * row of n = (transposed ? rows : cols) / 32 blocks: the scales, then the quants). */
+static void q4_row_at(const bundle_job *j, int64_t o, int64_t b, uint8_t **dp, uint8_t **qp) {
+    uint8_t *row = j->dst + o * j->dst_stride;
+    const int64_t n = (j->transpose ? j->rows : j->cols) / 32;
+    *dp = row + 2 * b, *qp = row + 2 * n + 16 * b;
+}
+
 __attribute__((target("avx2,f16c"))) static void bundle_out(const bundle_job *j, int64_t o, int64_t b, const float *v) {
-    if (j->out_i8)
+    if (j->out_i8) {
         j->scales[o * j->scales_stride + b] = i8_block(v, (int8_t *)(j->dst + o * j->dst_stride + 32 * b));
-    else { /* a q4 row of n = (transposed ? rows : cols) / 32 blocks: scales, then quants */
-        uint8_t *row = j->dst + o * j->dst_stride;
-        const int64_t n = (j->transpose ? j->rows : j->cols) / 32;
-        q4_0_block(v, row + 2 * b, row + 2 * n + 16 * b);
+        return;
     }
+    uint8_t *dp, *qp;
+    q4_row_at(j, o, b, &dp, &qp);
+    q4_0_block(v, dp, qp);
 }
 
 /* Chunk c: output rows 32c .. 32c + 31 (transposed: one column of source blocks, read as 32 x 32
@@ -1436,14 +1444,16 @@ __attribute__((target("avx2,f16c"))) static void bundle_chunk(const void *jp, in
     const bundle_job *j = jp;
     float v[32], tile[32][32];
     if (!j->transpose) {
-        const int64_t o1 = 32 * c + 32 < j->rows ? 32 * c + 32 : j->rows, nb = j->cols / 32;
+        const int64_t o1 = 32 * c + 32 < j->rows ? 32 * c + 32 : j->rows;
+        const int move = !j->f16 && !j->out_i8; /* Q4_0 rows to q4 rows: the same numbers */
         for (int64_t o = 32 * c; o < o1; o++)
-            for (int64_t b = 0; b < nb; b++) {
-                if (!j->f16 && !j->out_i8) { /* Q4_0 rows to q4 rows: the same numbers, moved */
+            for (int64_t b = 0; b < j->cols / 32; b++) {
+                if (move) {
                     const uint8_t *p = j->src + o * j->row_bytes + 18 * b;
-                    uint8_t *row = j->dst + o * j->dst_stride;
-                    memcpy(row + 2 * b, p, 2);
-                    memcpy(row + 2 * nb + 16 * b, p + 2, 16);
+                    uint8_t *dp, *qp;
+                    q4_row_at(j, o, b, &dp, &qp);
+                    memcpy(dp, p, 2);
+                    memcpy(qp, p + 2, 16);
                     continue;
                 }
                 src_weights(j, o, b, v);

@@ -408,9 +408,8 @@ def upgrade_file(src_path: str | Path, out_path: str | Path, progress=None) -> P
                 part[...] = q4_rows(torch.from_numpy(part.copy())).numpy()
         return a.view(np.int8)
 
-    plan = [(t.name, tuple(int(k) for k in reversed(t.shape.tolist())), t.tensor_type,
-             int(t.n_bytes), lambda t=t, n=names[t.name]: upgraded(t, n))
-            if t.name in names else _as_is(t) for t in src.reader.tensors]
+    plan = [_entry(t, lambda t=t, n=names[t.name]: upgraded(t, n)) if t.name in names
+            else _as_is(t) for t in src.reader.tensors]
     _write_gguf(out_path, src.reader, str(md.get("general.architecture", cfg.arch)),
                 lambda writer: writer.add_string(Q4_LAYOUT_KEY, Q4_LAYOUT), plan,
                 drop=(Q4_LAYOUT_KEY,), progress=progress)
@@ -418,10 +417,15 @@ def upgrade_file(src_path: str | Path, out_path: str | Path, progress=None) -> P
     return out_path
 
 
+def _entry(t, make) -> tuple:
+    """A GGUF tensor of the source in ``_write_gguf``'s plan, its bytes from ``make()``."""
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+    return (t.name, shape, t.tensor_type, int(t.n_bytes), make)
+
+
 def _as_is(t) -> tuple:
     """A GGUF tensor of the source, for ``_write_gguf``'s plan, copied as it is."""
-    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-    return (t.name, shape, t.tensor_type, int(t.n_bytes), lambda: np.asarray(t.data))
+    return _entry(t, lambda: np.asarray(t.data))
 
 
 def _write_gguf(out_path: Path, reader, arch: str, add_kv, plan: list[tuple],
