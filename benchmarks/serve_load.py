@@ -3,7 +3,7 @@
     python benchmarks/serve_load.py [--engine real|synthetic] [--model PATH] [--clients 1,4,8,16]
                                     [--parallel 1,8] [--requests-per-client 2]
                                     [--max-tokens 32] [--max-queue 16] [--budget 120]
-                                    [--prefill-chunk 64] [--no-cache-prompt]
+                                    [--prefill-chunk 64] [--step-rows 0,8] [--no-cache-prompt]
                                     [--client openai|raw]
 
 The server runs in a child process (its own GIL) on 127.0.0.1, port 0, over the real Engine on
@@ -17,7 +17,8 @@ truncated (a stream that ended without finish_reason and usage; must be 0), p50 
 first token (includes queueing), p50 / p95 inter-token latency (gaps between content chunks of
 one answer), and aggregate completion tokens/s. Every ``--parallel`` value gets its own server
 process (1: the one-at-a-time worker on the fused single-token path; N > 1: continuous batching,
-``serve --parallel N``), measured in the same run.
+``serve --parallel N``; each ``--step-rows`` value its own server too: the batch's row budget,
+``serve --batch-step-rows``), measured in the same run.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class SyntheticEngine:
 
 def _server_process(conn, engine_kind: str, n_ctx: int, threads: int, max_queue: int,
                     parallel: int, prefill_chunk: int, model: str | None,
-                    cache_prompt: bool = True) -> None:
+                    cache_prompt: bool = True, step_rows: int = 0) -> None:
     from sparseinfer.threads import passive_wait
 
     passive_wait()  # as `sparseinfer serve` does, before torch and numba start their pools
@@ -104,7 +105,7 @@ def _server_process(conn, engine_kind: str, n_ctx: int, threads: int, max_queue:
             from sparseinfer.server.batching import BatchEngine
 
             engine = BatchEngine(engine, parallel, prefill_chunk=prefill_chunk,
-                                 cache_prompt=cache_prompt)
+                                 cache_prompt=cache_prompt, step_rows=step_rows)
     else:
         engine = SyntheticEngine(n_ctx=n_ctx)
     with ServerThread(create_app(engine, max_queue=max_queue)) as srv:
@@ -314,7 +315,8 @@ def start_server(target, *args):
     return proc, parent, base_url, model
 
 
-def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list[Level]:
+def serve_and_measure(args, kind: str, parallel: int, step_rows: int,
+                      levels: list[int]) -> list[Level]:
     # imported here, not at the top: the server process re-imports this module and must set its
     # OpenMP wait policy before numba (which sparseinfer.bench loads) starts
     from sparseinfer.bench import percentile as pct
@@ -322,13 +324,13 @@ def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list
     t_load = time.perf_counter()
     proc, parent, base_url, model = start_server(
         _server_process, kind, args.ctx_size, args.threads, args.max_queue, parallel,
-        args.prefill_chunk, args.model, not args.no_cache_prompt)
+        args.prefill_chunk, args.model, not args.no_cache_prompt, step_rows)
     ready = time.perf_counter() - t_load
     print(
         f"\nparallel={parallel} engine={kind} model={model} server={base_url} "
         f"(ready in {ready:.1f} s) max_tokens={args.max_tokens} max_queue={args.max_queue} "
         f"requests/level={args.requests_per_client} x clients threads={args.threads}"
-        + (f" prefill_chunk={args.prefill_chunk}" if parallel > 1 else "")
+        + (f" prefill_chunk={args.prefill_chunk} step_rows={step_rows}" if parallel > 1 else "")
         + (" no_cache_prompt" if parallel > 1 and args.no_cache_prompt else "")
     )
     results: list[Level] = []
@@ -358,7 +360,8 @@ def serve_and_measure(args, kind: str, parallel: int, levels: list[int]) -> list
                 print(f"        {n} x {err}")
             if args.json:
                 print(json.dumps({
-                    "engine": kind, "parallel": parallel, "clients": c, "issued": lv.issued,
+                    "engine": kind, "parallel": parallel, "step_rows": step_rows,
+                    "clients": c, "issued": lv.issued,
                     "completed": lv.completed, "failed": lv.failed, "rejected": lv.rejected,
                     "lost": lv.lost, "truncated": lv.truncated,
                     "ttft_p50": pct(lv.ttft, 0.5), "ttft_p95": pct(lv.ttft, 0.95),
@@ -389,6 +392,9 @@ def main() -> int:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--prefill-chunk", type=int, default=64,
                    help="--parallel N > 1: prompt tokens prefilled between two decode steps")
+    p.add_argument("--step-rows", default="0",
+                   help="--parallel N > 1: comma-separated row budgets of a step that decodes "
+                        "(serve --batch-step-rows; 0: none), each its own server")
     p.add_argument("--no-cache-prompt", action="store_true",
                    help="--parallel N > 1: run every prompt in full (serve --no-cache-prompt)")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -416,12 +422,15 @@ def main() -> int:
     print(f"# {cpu_model()}; client: {args.client}")
     bad = False
     summary = {}
+    budgets = [int(x) for x in args.step_rows.split(",")]
     for parallel in (int(x) for x in args.parallel.split(",")):
-        results = serve_and_measure(args, kind, parallel, levels)
-        bad |= any(lv.lost or lv.truncated for lv in results)
-        summary[parallel] = {lv.clients: lv for lv in results}
+        for step_rows in budgets if parallel > 1 else [0]:
+            results = serve_and_measure(args, kind, parallel, step_rows, levels)
+            bad |= any(lv.lost or lv.truncated for lv in results)
+            label = f"{parallel}" + (f" step_rows={step_rows}" if parallel > 1 else "")
+            summary[label] = {lv.clients: lv for lv in results}
     print("\nratios (same run); 'one stream' = 1 client on the same server / on --parallel 1:")
-    serial = summary.get(1, {}).get(1)
+    serial = summary.get("1", {}).get(1)
     for parallel, by_c in summary.items():
         one = by_c.get(1)
         if one is None or not one.wall or not one.tokens:

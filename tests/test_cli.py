@@ -170,6 +170,11 @@ def no_load(monkeypatch):
     (["run", "-p", "hi", "-c", "4"], "-c/--ctx-size: expected at least 8"),
     (["run", "-p", "hi", "-m", "/no/such/model.gguf"], "model not found: /no/such/model.gguf"),
     (["serve", "--port", "70000"], "--port: expected 0-65535"),
+    (["serve", "--port", "0", "-np", "0"], "-np/--parallel: expected a positive number"),
+    (["serve", "--port", "0", "-np", "2", "--batch-prefill-chunk", "0"],
+     "--batch-prefill-chunk: expected a positive number"),
+    (["serve", "--port", "0", "-np", "2", "--batch-step-rows", "-1"],
+     "--batch-step-rows: expected 0 (no budget) or a positive number, got -1"),
 ])
 def test_bad_arguments_rejected_before_loading(no_load, capsys, argv, message):
     assert main(argv) == 1

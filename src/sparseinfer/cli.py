@@ -123,6 +123,14 @@ def _check_model_args(args) -> None:
     if getattr(args, "n_predict", -1) < -1:
         raise SparseInferError(f"-n/--n-predict: expected -1 (until EOS) or a count >= 0, got "
                                f"{args.n_predict}")
+    if getattr(args, "parallel", 1) < 1:
+        raise SparseInferError(f"-np/--parallel: expected a positive number, got {args.parallel}")
+    if getattr(args, "batch_prefill_chunk", 1) < 1:
+        raise SparseInferError(f"--batch-prefill-chunk: expected a positive number, got "
+                               f"{args.batch_prefill_chunk}")
+    if getattr(args, "batch_step_rows", 0) < 0:
+        raise SparseInferError(f"--batch-step-rows: expected 0 (no budget) or a positive number, "
+                               f"got {args.batch_step_rows}")
     if args.model is not None and not Path(args.model).exists():
         raise SparseInferError(f"model not found: {args.model} (-m: expected a GGUF file or "
                                f"a Hugging Face model directory)")
@@ -381,7 +389,8 @@ def cmd_serve(args) -> int:
         from .server.batching import BatchEngine
 
         engine = BatchEngine(engine, args.parallel, prefill_chunk=args.batch_prefill_chunk,
-                             cache_prompt=not args.no_cache_prompt)
+                             cache_prompt=not args.no_cache_prompt,
+                             step_rows=args.batch_step_rows)
     logging.getLogger("sparseinfer.server").setLevel(logging.INFO)  # the bound address, requests
     print(f"serving {engine.name} (Ctrl-C to stop)", file=sys.stderr)
     try:
@@ -462,6 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-prefill-chunk", type=int, default=64, metavar="N",
                    help="with --parallel: prompt tokens run with each decode step "
                         "(smaller: steadier inter-token latency, slower first tokens)")
+    s.add_argument("--batch-step-rows", type=int, default=0, metavar="N",
+                   help="with --parallel: while any request generates, a step runs at most N "
+                        "rows, a newcomer's prompt taking those its neighbours leave (at least "
+                        "one): steadier inter-token latency, slower first tokens (0: no budget; "
+                        "8 fills the C kernels' pass of 8 rows)")
     s.add_argument("--no-cache-prompt", action="store_true",
                    help="with --parallel: run every prompt in full, even where a free slot's "
                         "cache holds its beginning (a shared system prompt, earlier turns)")

@@ -67,6 +67,41 @@ def test_prompt_prefix_is_reused_and_changes_nothing(batched):
     assert got == want and len(got) == 12
 
 
+def test_step_row_budget_runs_a_newcomers_prompt_beside_the_generating_rows(real_engine_server):
+    """``step_rows``: a prompt that arrives while another sequence generates takes only the rows
+    the budget leaves in each step (budget 2: one generating row + one prompt row), where without
+    a budget it runs as one chunk beside that row; both sequences' tokens are the same either way
+    (seeded sampling: a row's numbers do not depend on what else its step runs)."""
+    from sparseinfer.config import SamplingParams
+    from sparseinfer.engine import TokenEvent
+    from sparseinfer.server.batching import BatchEngine
+
+    _, engine, *_ = real_engine_server
+    first = engine.encode("Once upon a time")
+    second = engine.encode("The history of the city of London begins with the Romans, who "
+                           "built a bridge across the river")
+    pa = SamplingParams(max_tokens=64, temperature=0.9, seed=5, ignore_eos=True)
+    pb = SamplingParams(max_tokens=6, temperature=0.9, seed=6, ignore_eos=True)
+
+    def tokens(events):
+        return [e.token_id for e in events if isinstance(e, TokenEvent) and e.token_id >= 0]
+
+    def run(step_rows: int) -> tuple[list[int], list[int], int]:
+        be = BatchEngine(engine, parallel=2, step_rows=step_rows, cache_prompt=False)
+        try:
+            a = be.stream(first, pa)
+            got_a = tokens([next(a)])  # the first token: `first` is generating now
+            got_b = tokens(be.stream(second, pb))
+            return got_a + tokens(a), got_b, be.max_rows_decoding
+        finally:
+            be.close()
+
+    a0, b0, rows0 = run(0)
+    a2, b2, rows2 = run(2)
+    assert rows0 == 1 + len(second) and rows2 == 2
+    assert (a2, b2) == (a0, b0) and len(a0) == 64 and len(b0) == 6
+
+
 @pytest.mark.slow
 def test_concurrent_answers_equal_alone(batched):
     srv, be = batched

@@ -10,7 +10,10 @@ One loop thread owns the model. Each of its iterations, at a token boundary:
 2. drops sequences whose consumer stopped (stop string, cancelled, client gone): the slot is
    free for the next one;
 3. takes one chunk (``prefill_chunk`` tokens) of the oldest sequence still reading its prompt,
-   so a newcomer's long prompt never stalls the others for more than a chunk;
+   so a newcomer's long prompt never stalls the others for more than a chunk; with a row budget
+   (``step_rows``, Sarathi-Serve's token budget) a step that also decodes takes only the prompt
+   rows the budget leaves (at least one), so the generating streams' steps stay as short as
+   their own rows make them, at the newcomer's first token's expense;
 4. runs one ``models.batch.decode_step`` over the next token of every sequence that is
    generating and the prompt chunk's tokens (as llama.cpp's server mixes them in one batch):
    the weights are read once for all rows, each row attends to its own slot up to its own
@@ -86,16 +89,19 @@ class BatchEngine:
     docstring. Tokenizing and templating are delegated to ``engine`` (thread-safe)."""
 
     def __init__(self, engine: Engine, parallel: int, prefill_chunk: int = 64,
-                 cache_prompt: bool = True) -> None:
+                 cache_prompt: bool = True, step_rows: int = 0) -> None:
         if parallel < 1:
             raise ValueError(f"parallel: expected >= 1, got {parallel}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk: expected >= 1, got {prefill_chunk}")
+        if step_rows < 0:
+            raise ValueError(f"step_rows: expected >= 0 (0: no budget), got {step_rows}")
         self.engine = engine
         self.name = engine.name
         self.n_ctx = engine.n_ctx
         self.parallel = parallel
         self.prefill_chunk = prefill_chunk
+        self.step_rows = step_rows
         self.model = engine.model
         self.cache = self.model.new_cache(parallel, self.n_ctx)
         from ..fused.decode import attend_rows, supports
@@ -117,7 +123,8 @@ class BatchEngine:
         self._tasks: deque[tuple[Any, queue.Queue]] = deque()
         self._closed = False
         self.steps = 0  # decode steps run (for tests and benchmarks)
-        self.max_batch = 0  # the most rows one decode step has had
+        self.max_batch = 0  # the most sequences one decode step has had
+        self.max_rows_decoding = 0  # the most rows of a step that also decoded
         self._thread = threading.Thread(target=self._loop, name="sparseinfer-batch", daemon=True)
         self._thread.start()
 
@@ -300,7 +307,10 @@ class BatchEngine:
         if prefilling:  # 3. one chunk of the oldest prompt, as more rows of the same step
             seq = prefilling[0]
             start = seq.prefilled
-            chunk = seq.prompt[start:start + self.prefill_chunk]
+            take = self.prefill_chunk
+            if decoding and self.step_rows:  # the rows the budget leaves, at least one
+                take = min(take, max(1, self.step_rows - len(decoding)))
+            chunk = seq.prompt[start:start + take]
             tokens += chunk
             positions += range(start, start + len(chunk))
             slots += [seq.slot] * len(chunk)
@@ -317,6 +327,8 @@ class BatchEngine:
                              torch.tensor(logit_rows, dtype=torch.long))
         self.steps += 1
         self.max_batch = max(self.max_batch, len(decoding) + bool(prefilling))
+        if decoding:
+            self.max_rows_decoding = max(self.max_rows_decoding, len(tokens))
         for row, seq in enumerate(takers):  # 5. sample each sequence's row
             self._sampled(seq, logits[row])
 
