@@ -2303,7 +2303,7 @@ INLINE void q4_axpy_store(float *out, const __m256 *o, const __m256 z) {
 /* out += sum_r h[r] * row_r over blocks b0..nb-1 of R q4 rows (out: the whole row's outputs).
  * AVX2: a block's bytes 0..7 and 8..15 widened to int32 straight from memory, their low nibbles
  * (elements 0..15) and high ones (16..31) a mask or a shift away; w = d*(q - 8): the -8 applied
- * once per block through the sum of the rows' scales (as the AVX-512 q4_axpy_g does per group).
+ * once per block through the sum of the rows' scales.
  * pf[0..npf) (pf_bytes each) are fetched a slice per PF_BLOCKS blocks meanwhile, as q4_dots
  * does. */
 INLINE void q4_axpy_from(const uint8_t *const *rp, const float *h, const int R, const int b0,
@@ -2385,22 +2385,14 @@ INLINE void q4_axpy(const uint8_t *const *rp, const float *h, const int R, int n
 }
 
 #if SI_AVX512
-/* A q4 row's scales for the groups: groups g..g+7's 32 in one load (q4r_sc8, g a multiple of 8:
- * past the row's last group it reads quant bytes, unused; a row has 18 nb >= 8 g + 64 bytes);
- * group g's 4 as 16 floats, each on its block's 4 lanes (q4r_d16, lb = q4r_lanes()). Loaded
- * with each group instead (8 bytes from the row's start while its quants stream from further
- * on), they slowed the AVX-512 loops from memory (benchmarks/RESULTS.md). */
-INLINE __m512i q4r_sc8(const uint8_t *row, const int g) {
-    return _mm512_loadu_si512((const void *)(row + 8 * (size_t)g));
-}
-INLINE __m512i q4r_lanes(void) { /* word j / 4 on lanes j < 16 */
-    int16_t v[32] = {0};
-    for (int j = 0; j < 16; j++) v[j] = (int16_t)(j / 4);
-    return _mm512_loadu_si512((const void *)v);
-}
-INLINE __m512 q4r_d16(const __m512i sc, const __m512i lb, const int g) {
-    const __m512i si = _mm512_add_epi16(lb, _mm512_set1_epi16((short)(4 * (g % 8))));
-    return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(si, sc)));
+/* A q4 row's 16 scales from block 4g (g a multiple of 4) as floats, in block order (past the
+ * row's last block they are its quant bytes, unused: a row has 18 nb >= 8 g + 32 bytes). The
+ * AVX-512 loops take them 4 groups at a time, multiplied by x's scales (dots) or the neuron's
+ * coefficient (axpy) in one operation, and then each group's 4 on their lanes by one permute;
+ * loaded with each group (8 bytes from the row's start while its quants stream from further on)
+ * they slowed the loops from memory (benchmarks/RESULTS.md). */
+INLINE __m512 q4r_d16x4(const uint8_t *row, const int g) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 8 * (size_t)g)));
 }
 
 /* y[r] = row_r . x for R q4 rows (pointers), the first G groups (4 blocks: the row's 64 quant
@@ -2410,21 +2402,26 @@ INLINE void q4_dots_g(const uint8_t *const *rp, const int R, const si_xq *x, int
                       const uint8_t *const *pf, const int npf, size_t pf_bytes) {
     const int G = nb / 4;
     const size_t slice = slice_bytes(pf_bytes, G);
-    const __m512i lb = lane_block(), sl = q4r_lanes();
-    __m512i sc[8];
+    const __m512i lb = lane_block();
+    __m512 pr[8]; /* row r's scales times x's for the 16 blocks from 4 (g - g % 4) */
     __m512 acc[8];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
         const uint8_t *xg = xg_at(x, g);
         const __m512i z = xg_z(xg);
-        const __m512 xd = xg_f4(xg, XG_D, lb);
         prefetch_slice(pf, npf, pf_bytes, slice, g);
-        if (g % 8 == 0)
-            for (int r = 0; r < R; r++) sc[r] = q4r_sc8(rp[r], g);
+        if (g % 4 == 0) {
+            const int left = 4 * (G - g); /* blocks of whole groups from here */
+            const __m512 xd = _mm512_maskz_loadu_ps(left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1),
+                                                    x->d + 4 * (size_t)g);
+            for (int r = 0; r < R; r++) /* past the last group: quant bytes, lanes unused */
+                pr[r] = _mm512_mul_ps(q4r_d16x4(rp[r], g), xd);
+        }
+        const __m512i pi = _mm512_add_epi32(lb, _mm512_set1_epi32(4 * (g % 4)));
         for (int r = 0; r < R; r++) {
             const __m512i q = _mm512_loadu_si512((const void *)q4r_q(rp[r], nb, 4 * g));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4g_dot(nib_lo(q), nib_hi(q), z, xg)),
-                                     _mm512_mul_ps(q4r_d16(sc[r], sl, g), xd), acc[r]);
+                                     _mm512_permutexvar_ps(pi, pr[r]), acc[r]);
         }
     }
     float tail[8] = {0};
@@ -2455,34 +2452,37 @@ static void q4g_order(float *out, int G, int back) {
 
 /* out += sum_r h[r] * row_r for R q4 rows of nb blocks: the first G = nb / 4 groups into out
  * in q4g_order's lane order, 128 outputs in 8 registers at a time; the last nb % 4 blocks through
- * q4_axpy_from (natural order). w = d*(q - 8): the -8 is applied once per group, through the sum
- * of the scales. pf[0..npf) (pf_bytes each) are fetched a slice per group meanwhile. */
+ * q4_axpy_from (natural order). w = d*(q - 8), q - 8 looked up as a float by a permute (a
+ * shift, a permute and an FMA per 16 weights, where a mask and a convert took two more
+ * operations than the permute). pf[0..npf) (pf_bytes each) are fetched a slice per group
+ * meanwhile. */
 INLINE void q4_axpy_g(const uint8_t *const *rp, const float *h, const int R, int nb, float *out,
                       const uint8_t *const *pf, const int npf, size_t pf_bytes) {
     const int G = nb / 4;
     const size_t slice = slice_bytes(pf_bytes, G);
-    const __m512i m4 = _mm512_set1_epi32(0x0F), sl = q4r_lanes();
-    __m512i sc[4];
+    const __m512i lb = lane_block();
+    /* q - 8 for every nibble value q: a permute picks a lane by the low 4 bits of each dword,
+     * so a nibble needs only its shift (none for the first) instead of a mask and a convert */
+    const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m512 hd[4]; /* row r's scales times its h for the 16 blocks from 4 (g - g % 4) */
     for (int g = 0; g < G; g++) {
         float *o = out + 128 * (size_t)g;
         prefetch_slice(pf, npf, pf_bytes, slice, g);
-        if (g % 8 == 0)
-            for (int r = 0; r < R; r++) sc[r] = q4r_sc8(rp[r], g);
-        __m512 acc[8], ssum = _mm512_setzero_ps();
+        if (g % 4 == 0)
+            for (int r = 0; r < R; r++) hd[r] = _mm512_mul_ps(q4r_d16x4(rp[r], g), _mm512_set1_ps(h[r]));
+        const __m512i pi = _mm512_add_epi32(lb, _mm512_set1_epi32(4 * (g % 4)));
+        __m512 acc[8];
         for (int n = 0; n < 8; n++) acc[n] = _mm512_loadu_ps(o + 16 * n);
         for (int r = 0; r < R; r++) {
             const __m512i q = _mm512_loadu_si512((const void *)q4r_q(rp[r], nb, 4 * g));
-            const __m512 s = _mm512_mul_ps(q4r_d16(sc[r], sl, g), _mm512_set1_ps(h[r]));
-            ssum = _mm512_add_ps(ssum, s);
-            acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, m4)), s, acc[0]);
+            const __m512 s = _mm512_permutexvar_ps(pi, hd[r]);
+            acc[0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, lut), s, acc[0]);
 #define NIB(n)                                                                                 \
-    acc[n] = _mm512_fmadd_ps(                                                                  \
-        _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(q, 4 * (n)), m4)), s, acc[n])
+    acc[n] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4 * (n)), lut), s, acc[n])
             NIB(1); NIB(2); NIB(3); NIB(4); NIB(5); NIB(6); NIB(7);
 #undef NIB
         }
-        const __m512 z = _mm512_mul_ps(ssum, _mm512_set1_ps(-8.0f));
-        for (int n = 0; n < 8; n++) _mm512_storeu_ps(o + 16 * n, _mm512_add_ps(acc[n], z));
+        for (int n = 0; n < 8; n++) _mm512_storeu_ps(o + 16 * n, acc[n]);
     }
     if (nb > 4 * G) q4_axpy_from(rp, h, R, 4 * G, nb, out, NULL, 0, 0);
 }
