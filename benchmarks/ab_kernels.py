@@ -1,7 +1,7 @@
 """Two builds of the C library against each other in one process: the sparse FFN kernels.
 
     python benchmarks/ab_kernels.py --rev HEAD~1 [--isa avx2] [--dtypes q4 int8/32 q4-gates] [-t 2]
-    python benchmarks/ab_kernels.py --old path/to/libsicpu.so ...
+    python benchmarks/ab_kernels.py --old path/to/libsicpu.so ... [--hot]
 
 ``--rev`` checks that revision out in a temporary git worktree, builds its library there and
 removes the worktree after; "new" is this tree's built library (``python -m
@@ -12,7 +12,9 @@ change of a few percent can be told from this VM's drift from minute to minute (
 bandwidth moving 30-60 GB/s), which separate runs of ``kernels.py`` cannot. Prints per build the best, p10, p50 and mean call
 time, the new / old ratios, and in how many rounds (one block of each) new was faster. Outputs of
 the two builds are compared once (equal, or the largest difference, printed). A build from before
-q4 rows put their scales first (ABI 18) is given the same numbers as Q4_0 blocks.
+q4 rows put their scales first (ABI 18) is given the same numbers as Q4_0 blocks. ``--hot``: one
+layer and one active set instead, in cache after the first call: the kernels' arithmetic without
+the memory.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def caller(lib: ctypes.CDLL, layer: PackedFFN, x: torch.Tensor, out: torch.Tenso
 
 
 def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_block: int,
-        fire: float | None, gates: bool = False) -> None:
+        fire: float | None, gates: bool = False, hot: bool = False) -> None:
     kb = kernels_bench()
     d, f = kb.SHAPES["llama-7b"]
     g = torch.Generator().manual_seed(0)
@@ -138,6 +140,9 @@ def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_b
                 mine.rows.copy_(q4_blocks(layer.rows))
     k = round(0.10 * f)
     sets = [torch.sort(torch.randperm(f, generator=g)[:k])[0].to(torch.int32) for _ in range(16)]
+    if hot:  # one layer, one active set: its bundles (a few MB) stay in the L3 cache
+        pools = {name: layers[:1] for name, layers in pools.items()}
+        sets = sets[:1]
     outs = {name: torch.zeros(d) for name in libs}  # the gates write only out[:k]
     ga = SILU if fire is None else RELU
     calls = {name: [caller(lib, layer, x, outs[name], ga, gates) for layer in pools[name]]
@@ -155,7 +160,7 @@ def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_b
             ts = []
             for _ in range(per_block):
                 t0 = time.perf_counter()
-                calls[name][i % len(pool)](sets[i % 16])
+                calls[name][i % len(calls[name])](sets[i % len(sets)])
                 ts.append(time.perf_counter() - t0)
                 i += 1
             times[name] += ts
@@ -164,7 +169,8 @@ def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_b
     label = "q4 gate rows alone" if gates else kb.dtype_name(dtype, block, d)
     mb = k * (base.rows[0, 0].numel() if gates else base.bytes_per_neuron) / 1e6
     fired = "" if fire is None else f", ReGLU with {fire:.0%} of the gates firing"
-    print(f"\nllama-7b {label}, 10% ({k} neurons, {mb:.2f} MB a call{fired}); outputs "
+    where = ", in cache (--hot)" if hot else ""
+    print(f"\nllama-7b {label}, 10% ({k} neurons, {mb:.2f} MB a call{fired}{where}); outputs "
           f"{'equal' if diff == 0 else f'differ by up to {diff:.3g}'}")
     stats = {}
     for name, ts in times.items():
@@ -192,6 +198,8 @@ def main() -> None:
                    "tier's ReLU gates apart)")
     p.add_argument("--rounds", type=int, default=60, help="blocks of each build (default 60)")
     p.add_argument("--per-block", type=int, default=20, help="calls a block (default 20)")
+    p.add_argument("--hot", action="store_true", help="one layer and one active set, called "
+                   "again and again: the bundles stay in cache, so the kernels' arithmetic alone")
     p.add_argument("--fire", type=float, help="ReGLU (ReLU gates) with this share of the gates "
                    "firing, as kernels.py --kind reglu --fire; default: SwiGLU")
     args = p.parse_args()
@@ -210,7 +218,8 @@ def main() -> None:
     for name in args.dtypes:
         dtype, block = {"q4": ("q4", 0), "int8/row": ("int8", 0), "int8/32": ("int8", 32),
                         "q4-gates": ("q4", 0)}[name]
-        run(libs, dtype, block, args.rounds, args.per_block, args.fire, name == "q4-gates")
+        run(libs, dtype, block, args.rounds, args.per_block, args.fire, name == "q4-gates",
+            args.hot)
 
 
 if __name__ == "__main__":
