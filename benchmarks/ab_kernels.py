@@ -129,7 +129,8 @@ def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_b
         gate = gate - torch.outer(torch.ones(f), x) * (thr / (x @ x))
     kind = "swiglu" if fire is None else "reglu"
     base = PackedFFN.from_dense(kind, gate, up, down, dtype=dtype, block=block)
-    pool = kb.pool_of(base, base.nbytes)
+    # --hot: the one layer, its bundles (a few MB at 10%) in the L3 cache after the first call
+    pool = [base] if hot else kb.pool_of(base, base.nbytes)
     pools = {name: pool for name in libs}
     for name, lib in libs.items():
         if dtype == "q4" and lib.si_abi_version() < Q4_ROWS_ABI:  # its own copies, as pool_of's
@@ -139,10 +140,8 @@ def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_b
             for mine, layer in zip(pools[name], pool):
                 mine.rows.copy_(q4_blocks(layer.rows))
     k = round(0.10 * f)
-    sets = [torch.sort(torch.randperm(f, generator=g)[:k])[0].to(torch.int32) for _ in range(16)]
-    if hot:  # one layer, one active set: its bundles (a few MB) stay in the L3 cache
-        pools = {name: layers[:1] for name, layers in pools.items()}
-        sets = sets[:1]
+    sets = [torch.sort(torch.randperm(f, generator=g)[:k])[0].to(torch.int32)
+            for _ in range(1 if hot else 16)]
     outs = {name: torch.zeros(d) for name in libs}  # the gates write only out[:k]
     ga = SILU if fire is None else RELU
     calls = {name: [caller(lib, layer, x, outs[name], ga, gates) for layer in pools[name]]

@@ -2430,8 +2430,8 @@ INLINE void q4_dots_g(const uint8_t *const *rp, const int R, const si_xq *x, int
 }
 
 /* The grouped axpy keeps each group's 128 outputs in a lane order of its own: its 64 quant bytes
- * are 16 dwords, and nibble n (0..7) of dword l is a shift and a mask away, with no byte
- * shuffle, so register n accumulates nibble n of every dword. Element 128g + 16n + l of that
+ * are 16 dwords, and nibble n (0..7) of dword l is a shift away (a permute reads only a dword's
+ * low 4 bits), with no byte shuffle, so register n accumulates nibble n of every dword. Element 128g + 16n + l of that
  * order is weight 32k + i + 16(n % 2) of the group (k = l / 4, i = 4(l % 4) + n / 2): natural
  * index NAT(n, l) below. si_sparse_q4 puts `out` in this order before the neurons and back
  * after. */
@@ -2452,10 +2452,9 @@ static void q4g_order(float *out, int G, int back) {
 
 /* out += sum_r h[r] * row_r for R q4 rows of nb blocks: the first G = nb / 4 groups into out
  * in q4g_order's lane order, 128 outputs in 8 registers at a time; the last nb % 4 blocks through
- * q4_axpy_from (natural order). w = d*(q - 8), q - 8 looked up as a float by a permute (a
- * shift, a permute and an FMA per 16 weights, where a mask and a convert took two more
- * operations than the permute). pf[0..npf) (pf_bytes each) are fetched a slice per group
- * meanwhile. */
+ * q4_axpy_from (natural order). w = d*(q - 8), q - 8 looked up as a float by a permute: a
+ * shift, a permute and an FMA per 16 weights (a mask and a convert in the permute's place cost
+ * one operation more). pf[0..npf) (pf_bytes each) are fetched a slice per group meanwhile. */
 INLINE void q4_axpy_g(const uint8_t *const *rp, const float *h, const int R, int nb, float *out,
                       const uint8_t *const *pf, const int npf, size_t pf_bytes) {
     const int G = nb / 4;
