@@ -311,12 +311,15 @@ def test_gates_first_reads_up_and_down_rows_only_where_the_gate_fired(bundled):
     from gguf.quants import dequantize
 
     from sparseinfer.disk.layout import part_view
+    from sparseinfer.sparse.packed import q4_blocks
 
     opts = DiskOptions(ram_counts=(0, 0), cache_slots=192, prefetch=True, read_gap=0)
     d = load(bundled["q4-gates"], "auto", disk_options=opts)
     lay = layout_of(d.source)
-    gates = [dequantize(part_view(d.source, i, 0, lay.d_ff, lay, "gate").reshape(lay.d_ff, -1),
-                        GGMLQuantizationType.Q4_0) for i in range(d.source.config.n_layers)]
+    gates = [dequantize(q4_blocks(torch.from_numpy(  # the q4 rows' Q4_0 blocks
+        part_view(d.source, i, 0, lay.d_ff, lay, "gate").reshape(lay.d_ff, -1).copy())).numpy(),
+        GGMLQuantizationType.Q4_0) for i in range(d.source.config.n_layers)]
+    assert all(np.isfinite(g).all() for g in gates)
     state = {"x": {}, "decoding": False}
     reads = []  # (layer, x of that layer, neurons whose up/down rows were read)
     n_gates = 0  # gate rows read while decoding
