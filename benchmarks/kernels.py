@@ -1,7 +1,7 @@
 """Sparse FFN kernels vs the dense FFN and vs the memory-bandwidth floor.
 
     python benchmarks/kernels.py [-t THREADS] [--quick] [--shape S] [--dtypes q4 int8/32] [--isa avx2]
-                                [--kind reglu [--fire 0.17]] [--float-x]
+                                [--kind reglu [--fire 0.17]] [--float-x] [--sets hot-first]
 
 For a Llama-7B FFN (4096 x 11008, SwiGLU) and SmolLM2-135M's (576 x 1536, SwiGLU), each storage
 dtype and density: time of ``kernels.sparse_ffn`` on a random active set, the effective bandwidth
@@ -9,6 +9,12 @@ of the bytes it must read (active neurons' bundled rows + scales), that as a sha
 read bandwidth, that as a share of what the memory gives for the same bundles read in the same
 order with nothing computed (``cpu.read_gather``: the access pattern's own ceiling), and the
 speedup over the best dense torch FFN of the same weights in the same run.
+
+Active sets: ``random`` (default) draws k of the neurons uniformly, the worst case for the
+memory (every bundle a jump); ``hot-first`` draws them with the firing rates of
+``relu_7b.py``'s generator (a capped power law: the 20% most active neurons carry 80% of the
+activations, as PowerInfer measured on ReLU models) over neurons ordered hottest first, as
+``sparseinfer convert`` writes them, so the hot neurons' bundles lie side by side.
 
 Honest-timing rules: every call gets a different layer (a pool of copies larger than the L3
 cache, like the layers of a real model) and a different random active set, so nothing is served
@@ -28,6 +34,7 @@ import statistics
 import time
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from sparseinfer import cpu
@@ -84,9 +91,32 @@ def time_dense(base: PackedFFN, x: torch.Tensor, weights: str, n_calls: int) -> 
     return ts
 
 
+def hot_first_rates(d_ff: int, density: float) -> torch.Tensor:
+    """``relu_7b.firing_rates`` (mean ``density``), the hottest neuron first."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from relu_7b import firing_rates
+
+    rates = np.sort(firing_rates(d_ff, density, np.random.default_rng(0)))[::-1]
+    return torch.from_numpy(rates.copy())
+
+
+def active_sets(f: int, k: int, sets: str, density: float, g: torch.Generator
+                ) -> list[torch.Tensor]:
+    """16 sorted int32 sets of k of f neurons: uniform (``random``), or weighted by the
+    ``hot-first`` rates without replacement."""
+    if sets == "random":
+        draws = [torch.randperm(f, generator=g)[:k] for _ in range(16)]
+    else:
+        w = hot_first_rates(f, density)
+        draws = [torch.multinomial(w, k, replacement=False, generator=g) for _ in range(16)]
+    return [torch.sort(p)[0].to(torch.int32) for p in draws]
+
+
 def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: int,
         dtypes: tuple[tuple[str, int], ...] = DTYPES, kind: str = "swiglu",
-        fire: float | None = None) -> None:
+        fire: float | None = None, sets_kind: str = "random") -> None:
     torch.set_num_threads(threads)
     kernels.set_threads(threads)
     cpu.set_threads(threads)  # q4 rows run in the C library's own pool
@@ -97,7 +127,7 @@ def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: 
     print(f"# {threads} threads; {kind} FFN{fired}; measured read bandwidth {bws[0]:.1f} GB/s; "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     print("# times: best call (p50 in brackets) of calls cycling over a pool of layer copies "
-          f">= {POOL_BYTES >> 20} MiB and 16 random active sets")
+          f">= {POOL_BYTES >> 20} MiB and 16 active sets ({sets_kind})")
     print("# bw: read bandwidth measured just before and after each row, the higher one (on this "
           "VM it drifts between ~33 and ~60 GB/s from minute to minute); %bw = GB/s / bw")  # fmt: skip
     print("# pat: the same neurons' bundled rows (not int8's scales) of the same layers read by "
@@ -148,8 +178,7 @@ def run(threads: int, shapes: list[str], densities: tuple[float, ...], n_calls: 
                 lay.rows.numel() * lay.rows.element_size() for lay in pool[1:])
             for density in densities:
                 k = round(f * density)
-                perms = (torch.randperm(f, generator=g)[:k] for _ in range(16))
-                sets = [torch.sort(p)[0].to(torch.int32) for p in perms]
+                sets = active_sets(f, k, sets_kind, density, g)
                 n = len(pool)
 
                 def call(i: int, pool=pool) -> None:  # this pool, not the name (deleted below)
@@ -232,6 +261,9 @@ def main() -> None:
     p.add_argument("--float-x", action="store_true",
                    help="int8 rows: gate/up products on float32 x with converted weights (the "
                         "kernel before x was rounded to int8 per 32), for an A/B")
+    p.add_argument("--sets", default="random", choices=["random", "hot-first"],
+                   help="active sets: uniform (default), or power-law firing rates over neurons "
+                        "ordered hottest first (see above)")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if a.isa:
@@ -241,7 +273,7 @@ def main() -> None:
     densities = (0.10,) if a.quick else DENSITIES
     dtypes = tuple(names[n] for n in a.dtypes) if a.dtypes else DTYPES
     run(a.threads, a.shape or list(SHAPES), densities, n_calls=32 if a.quick else 96,
-        dtypes=dtypes, kind=a.kind, fire=a.fire)
+        dtypes=dtypes, kind=a.kind, fire=a.fire, sets_kind=a.sets)
 
 
 if __name__ == "__main__":
