@@ -98,6 +98,7 @@ def test_errors_name_expected_and_found():
         cpu.QuantMatrix("Q4_1x16", raw, 20, 32)
 
 
+@pytest.mark.slow
 def test_loaded_model_holds_panels(smollm2_path):
     """SmolLM2's Q4_1 projections and Q8_0 head load as panels; a layer's down projection
     decodes to what gguf-py decodes from the file's own rows."""

@@ -49,7 +49,9 @@ def test_bad_arguments_say_what_was_expected():
         cpu.topk(torch.zeros(3, dtype=torch.float64), 1)
 
 
-@pytest.mark.parametrize("n,k", [(1, 1), (7, 3), (1000, 40), (49152, 40), (49152, 1000)])
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 3), (1000, 40),
+                                 pytest.param(49152, 40, marks=pytest.mark.slow),
+                                 pytest.param(49152, 1000, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("params", [(1.0, 0.0, 1.0), (0.95, 0.05, 0.8), (0.5, 0.0, 1.5),
                                     (1.0, 0.3, 0.2), (0.9, 0.1, 1e-3)])
 def test_sample_topk_picks_what_the_numpy_reference_picks(n, k, params):

@@ -769,6 +769,7 @@ def test_pin_mapped_locks_the_tensor_pages(smollm2_path):
     assert locked() - before >= n - 2 * 4096  # whole pages inside the tensor, at least
 
 
+@pytest.mark.slow
 def test_convert_writes_a_bundled_file(tiny_model_dir, tmp_path, caplog):
     """`convert --disk-bundle q4 --disk-order coactivation` leaves the bundled layout in place of
     the plain sparse file (no temporary file behind), its neurons in co-activation order (its

@@ -302,6 +302,7 @@ def test_q4_rows_keep_a_q4_0_files_blocks(converted):
     assert _rel(_logits(lm.model), want) < 0.1  # the down projection rounded to 4 bits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["dense", "sparse"])
 def test_kv_cache_type(quant_gguf, converted, which):
     """``--cache-type``: auto holds keys and values in float16 (half the bytes per token) where
