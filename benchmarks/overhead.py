@@ -81,7 +81,7 @@ def main() -> int:
     from sparseinfer.config import SamplingParams
     from sparseinfer.engine import Engine, set_threads
     from sparseinfer.fused.decode import FusedDecode
-    from sparseinfer.generate import prefill, sample
+    from sparseinfer.generate import Uniforms, prefill, sample
 
     engine = Engine.load(a.model, n_ctx=512, dtype=a.dtype, threads=a.threads[0])
     m = engine.model
@@ -96,7 +96,7 @@ def main() -> int:
     print(f"# model {m.cfg.d_model}x{L} layers, plan {engine.dtype}; fused decode: {path}")
     greedy = SamplingParams(temperature=0.0)
     topp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
-    rng = torch.Generator().manual_seed(0)
+    rng = Uniforms(0)  # a sequence's seeded draws, as the engine samples
     ids = engine.encode("It is a truth universally acknowledged, that a single man in possession")
     numba_path = None  # the same blocks through the numba kernels, timed alongside
     if path.startswith("C block"):
