@@ -2,11 +2,25 @@
 non-streamed completions of 32 tokens; prints the wall time, /health during the run, a 400 from
 ``--max-tokens-limit`` and the /metrics counters.
 
-    PYTHONPATH=src python benchmarks/serve_issue10.py 4
+    python benchmarks/serve_issue10.py [N]     # N: --parallel (default 4)
 """
-import subprocess, sys, re, time, threading, httpx, os, signal
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("parallel", nargs="?", type=int, default=4, help="the server's -np (default 4)")
+args = ap.parse_args()
 env = dict(os.environ, PYTHONPATH="src")
-p = subprocess.Popen([sys.executable, "-m", "sparseinfer", "serve", "--port", "0", "-np", sys.argv[1], "-t", "1", "--max-tokens-limit", "64"], stderr=subprocess.PIPE, text=True, env=env)
+p = subprocess.Popen([sys.executable, "-m", "sparseinfer", "serve", "--port", "0", "-np", str(args.parallel),
+                      "-t", "1", "--max-tokens-limit", "64"], stderr=subprocess.PIPE, text=True, env=env)
 port = None
 t0 = time.time()
 while port is None and time.time() - t0 < 200:
