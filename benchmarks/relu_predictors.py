@@ -66,7 +66,10 @@ def train_model(out: Path, steps: int, d_model: int, d_ff: int, seq: int = 128,
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.05)
+    # warm-up 5% of the steps, at least 2 (OneCycleLR divides by zero when its first phase is
+    # under two steps: --steps 20 failed)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps,
+                                                pct_start=min(0.5, max(0.05, 2 / steps)))
     g = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     for step in range(steps):
@@ -91,6 +94,8 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--d-ff", type=int, default=1024)
     a = ap.parse_args()
+    if a.steps < 4:
+        ap.error(f"--steps: expected at least 4 training steps, got {a.steps}")
     torch.set_num_threads(a.threads)
     a.out.mkdir(parents=True, exist_ok=True)
     if not (a.out / "model.safetensors").exists():
