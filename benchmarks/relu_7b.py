@@ -135,7 +135,7 @@ def write_model(path: Path, shape: str, density: float, gate_rank: int, noise: f
     up = tiled(F, D, 1 / math.sqrt(D))
     down = tiled(D, F, 0.05 / math.sqrt(F * density), zero_rows=CONST)
     ones = np.ones(D, dtype=np.float32)
-    rates, biases = [], []
+    rates = []
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(f"random ReGLU llama-{shape}")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparseinfer.errors import SparseInferError
-from sparseinfer.models.build import FileEmbedding, load
+from sparseinfer.models.build import load
 from sparseinfer.models.loading import open_source
 from sparseinfer.models.plan import make_plan
 from sparseinfer.quant.linear import FloatLinear, GGMLLinear, Int4Linear, Int8Linear
