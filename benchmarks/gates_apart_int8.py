@@ -1,0 +1,95 @@
+"""What q4 gate rows beside int8 up/down rows would save a ReLU-gated sparse FFN (a spike: the
+layout itself is not built).
+
+    python benchmarks/gates_apart_int8.py [--density 0.40] [--fire 0.19] [--rounds 12] [-t 2]
+
+A Llama-7B-shaped ReGLU FFN (4096 x 11008, random weights, the gates shifted so that a share
+``--fire`` of all neurons fire for x) and active sets of ``--density`` of the neurons, pools of 4
+layer copies (not served from cache). Times, alternated in blocks of 8 calls:
+
+- A: the default for a quantized file, int8 rows (a scale per 32) with the gates first
+  (``kernels.sparse_ffn``: every selected neuron's int8 gate row, up and down rows where it fired);
+- B: the gate dot products over q4 gate rows (``kernels.gate_dots``: half the bytes of an int8
+  gate row, the file's Q4_0 numbers), then the int8 rows over the fired neurons alone. B reads
+  the fired neurons' int8 gate rows a second time (the int8 kernel computes its gates itself),
+  so B/A is an upper bound of what the split layout would take.
+
+Prints the CPU, the read bandwidth, the neurons selected and fired, and both p50s and B/A.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--density", type=float, default=0.40, help="neurons selected (default 0.40)")
+    p.add_argument("--fire", type=float, default=0.19,
+                   help="share of all neurons whose gate fires for x (default 0.19)")
+    p.add_argument("--rounds", type=int, default=12, help="blocks of 8 calls of each (default 12)")
+    p.add_argument("-t", "--threads", type=int, default=2)
+    a = p.parse_args()
+    from sparseinfer.threads import passive_wait
+
+    passive_wait()
+    import torch
+    from kernels import pool_of
+
+    from sparseinfer import cpu
+    from sparseinfer.bench import cpu_model, measure_read_bandwidth
+    from sparseinfer.sparse import kernels
+    from sparseinfer.sparse.packed import PackedFFN
+
+    cpu.set_threads(a.threads)
+    kernels.set_threads(a.threads)
+    torch.set_num_threads(a.threads)
+    d, f = 4096, 11008
+    g = torch.Generator().manual_seed(0)
+    gate = torch.randn(f, d, generator=g) / math.sqrt(d)
+    up = torch.randn(f, d, generator=g) / math.sqrt(d)
+    down = torch.randn(d, f, generator=g) / math.sqrt(f)
+    x = torch.randn(d, generator=g)
+    thr = torch.quantile(gate @ x, 1.0 - a.fire)  # as kernels.py --fire
+    gate = gate - torch.outer(torch.ones(f), x) * (thr / (x @ x))
+    i8, q4 = (PackedFFN.from_dense("reglu", gate, up, down, dtype=dt, block=b)
+              for dt, b in (("int8", 32), ("q4", 0)))
+    i8, q4 = pool_of(i8, i8.nbytes)[:4], pool_of(q4, q4.nbytes)[:4]  # 4 layers each
+    k = round(a.density * f)
+    sets = [torch.sort(torch.randperm(f, generator=g)[:k])[0].to(torch.int32) for _ in range(8)]
+    out = torch.empty(d)
+
+    def int8_gates_first(i: int) -> None:
+        kernels.sparse_ffn(x, i8[i % 4], sets[i % 8], out)
+
+    def q4_gates_then_int8(i: int) -> None:
+        idx = sets[i % 8]
+        fired = idx[kernels.gate_dots(x, q4[i % 4], idx) > 0]
+        kernels.sparse_ffn(x, i8[(i + 1) % 4], fired, out)
+
+    fired = int((kernels.gate_dots(x, q4[0], sets[0]) > 0).sum())
+    print(f"# {cpu_model()}; {a.threads} threads; read bandwidth "
+          f"{measure_read_bandwidth(a.threads):.1f} GB/s; 7B ReGLU FFN: {k} neurons selected, "
+          f"{fired} of them fired ({fired / k:.0%})")
+    times = {int8_gates_first: [], q4_gates_then_int8: []}
+    fns = list(times)
+    for r in range(a.rounds):
+        for fn in fns if r % 2 == 0 else fns[::-1]:
+            for i in range(8):
+                t0 = time.perf_counter()
+                fn(i + r)
+                times[fn].append(time.perf_counter() - t0)
+    ta, tb = (statistics.median(times[fn]) * 1e6 for fn in fns)
+    print(f"A int8 rows, gates first:            p50 {ta:7.0f} us")
+    print(f"B q4 gates, then int8 rows of fired: p50 {tb:7.0f} us   B/A {tb / ta:.3f}")
+
+
+if __name__ == "__main__":
+    main()
