@@ -1,20 +1,26 @@
-"""What q4 gate rows beside int8 up/down rows would save a ReLU-gated sparse FFN (a spike: the
-layout itself is not built).
+"""What q4 gate rows beside int8 up/down rows save a ReLU-gated sparse FFN.
 
     python benchmarks/gates_apart_int8.py [--density 0.40] [--fire 0.19] [--rounds 12] [-t 2]
+                                          [--isa avx2]
 
 A Llama-7B-shaped ReGLU FFN (4096 x 11008, random weights, the gates shifted so that a share
 ``--fire`` of all neurons fire for x) and active sets of ``--density`` of the neurons, pools of 4
 layer copies (not served from cache). Times, alternated in blocks of 8 calls:
 
-- A: the default for a quantized file, int8 rows (a scale per 32) with the gates first
-  (``kernels.sparse_ffn``: every selected neuron's int8 gate row, up and down rows where it fired);
-- B: the gate dot products over q4 gate rows (``kernels.gate_dots``: half the bytes of an int8
-  gate row, the file's Q4_0 numbers), then the int8 rows over the fired neurons alone. B reads
-  the fired neurons' int8 gate rows a second time (the int8 kernel computes its gates itself),
-  so B/A is an upper bound of what the split layout would take.
+- A: int8 rows (a scale per 32) alone, gates first (``cpu.sparse_ffn_i8`` as
+  ``kernels.sparse_ffn`` runs it without ``PackedFFN.gates``: every selected neuron's int8 gate
+  row, its up and down rows where it fired; ``run --no-q4-gates``);
+- B: the first spike: the gate dot products over q4 gate rows (``kernels.gate_dots``, half the
+  bytes of an int8 gate row, the file's Q4_0 numbers), then A's kernel over the fired neurons
+  alone, which reads their int8 gate rows a second time;
+- C: what a one-token call with the gates apart runs (``cpu.sparse_ffn_i8_q4g``, the default
+  for a ReLU gate stored as Q4_0): every gate over the q4 rows on the pool, then only the fired
+  neurons' int8 up and down rows (their int8 gate rows never read);
+- D: the same gates in A's one pass (``cpu.sparse_ffn_i8(..., gates=)``, what several tokens
+  of a prompt or a batched step run).
 
-Prints the CPU, the read bandwidth, the neurons selected and fired, and both p50s and B/A.
+Prints the CPU, the read bandwidth, the neurons selected and fired, the p50s and their ratios to
+A.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,6 +43,8 @@ def main() -> None:
                    help="share of all neurons whose gate fires for x (default 0.19)")
     p.add_argument("--rounds", type=int, default=12, help="blocks of 8 calls of each (default 12)")
     p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("--isa", default="auto", help="the C library's kernels: auto (default), avx512, "
+                   "avx2 or avx2_128 (this CPU's)")
     a = p.parse_args()
     from sparseinfer.threads import passive_wait
 
@@ -46,8 +55,9 @@ def main() -> None:
     from sparseinfer import cpu
     from sparseinfer.bench import cpu_model, measure_read_bandwidth
     from sparseinfer.sparse import kernels
-    from sparseinfer.sparse.packed import PackedFFN
+    from sparseinfer.sparse.packed import PackedFFN, empty_hugepages
 
+    cpu.set_isa(a.isa)
     cpu.set_threads(a.threads)
     kernels.set_threads(a.threads)
     torch.set_num_threads(a.threads)
@@ -74,11 +84,27 @@ def main() -> None:
         fired = idx[kernels.gate_dots(x, q4[i % 4], idx) > 0]
         kernels.sparse_ffn(x, i8[(i + 1) % 4], fired, out)
 
+    gates = []  # the q4 gate rows alone, as PackedFFN.gates holds them
+    for q in q4:
+        gates.append(empty_hugepages((f, q.rows.shape[2]), torch.uint8))
+        gates[-1].copy_(q.rows[:, 0])
+    apart = [replace(i8[n], gates=gates[(n + 1) % 4]) for n in range(4)]
+    x1, out1 = x.reshape(1, -1), out.reshape(1, -1)
+
+    def q4_gates_two_passes(i: int) -> None:  # (kernels.sparse_ffn: cpu.sparse_ffn_i8_q4g)
+        kernels.sparse_ffn(x, apart[(i + 2) % 4], sets[i % 8], out)
+
+    def q4_gates_one_pass(i: int) -> None:
+        f8 = apart[(i + 2) % 4]
+        cpu.sparse_ffn_i8(f8.rows, f8.scales, f8.block, True, sets[i % 8], x1, out1, 1, 0,
+                          gates=f8.gates)
+
     fired = int((kernels.gate_dots(x, q4[0], sets[0]) > 0).sum())
-    print(f"# {cpu_model()}; {a.threads} threads; read bandwidth "
+    print(f"# {cpu_model()}; {cpu.get_isa()} kernels; {a.threads} threads; read bandwidth "
           f"{measure_read_bandwidth(a.threads):.1f} GB/s; 7B ReGLU FFN: {k} neurons selected, "
           f"{fired} of them fired ({fired / k:.0%})")
-    times = {int8_gates_first: [], q4_gates_then_int8: []}
+    times = {int8_gates_first: [], q4_gates_then_int8: [], q4_gates_two_passes: [],
+             q4_gates_one_pass: []}
     fns = list(times)
     for r in range(a.rounds):
         for fn in fns if r % 2 == 0 else fns[::-1]:
@@ -86,9 +112,11 @@ def main() -> None:
                 t0 = time.perf_counter()
                 fn(i + r)
                 times[fn].append(time.perf_counter() - t0)
-    ta, tb = (statistics.median(times[fn]) * 1e6 for fn in fns)
-    print(f"A int8 rows, gates first:            p50 {ta:7.0f} us")
-    print(f"B q4 gates, then int8 rows of fired: p50 {tb:7.0f} us   B/A {tb / ta:.3f}")
+    ta, tb, tc, td = (statistics.median(times[fn]) * 1e6 for fn in fns)
+    print(f"A int8 rows alone, gates first:         p50 {ta:6.0f} us")
+    print(f"B q4 gate dots, then A over the fired:  p50 {tb:6.0f} us   B/A {tb / ta:.3f}")
+    print(f"C q4 gates apart, two passes (1 token): p50 {tc:6.0f} us   C/A {tc / ta:.3f}")
+    print(f"D q4 gates apart, A's one pass:         p50 {td:6.0f} us   D/A {td / ta:.3f}")
 
 
 if __name__ == "__main__":

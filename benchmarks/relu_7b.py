@@ -194,7 +194,13 @@ def _peak_mb() -> float:
     return float("nan")
 
 
-def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, sparse: bool) -> dict:
+# the sparse FFN rows --sparse-rows can ask for: Engine.load options (``run --ffn-dtype ...``)
+SPARSE_ROWS = {"q4": {"ffn_dtype": "q4"},  # 4-bit bundles, the down rows rounded again
+               "int8": {"ffn_dtype": "int8", "q4_gates": False},  # int8 bundles alone
+               "int8-q4-gates": {"ffn_dtype": "int8", "q4_gates": True}}  # + the file's gates
+
+
+def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, rows: str | None) -> dict:
     from sparseinfer.threads import passive_wait
 
     passive_wait()  # as the CLI does, before torch and numba start their pools
@@ -204,7 +210,7 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, sparse: bool) -> d
 
     cpu.set_threads(threads)
     t0 = time.perf_counter()
-    opts = {"ffn_dtype": "q4"} if sparse else {}  # 4-bit rows: ``run --ffn-dtype q4``
+    opts = SPARSE_ROWS[rows] if rows else {}
     engine = Engine.load(path, n_ctx=n_ctx, threads=threads, **opts)
     t_load = time.perf_counter() - t0
     ids = engine.encode(PROMPT)
@@ -370,6 +376,10 @@ def main() -> int:
     ap.add_argument("--ranks", default="32,64", help="predictor ranks convert tries")
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--skip-convert", action="store_true", help="reuse sparse.gguf")
+    ap.add_argument("--sparse-rows", default="q4",
+                    help=f"the sparse FFN's rows, one run each, comma-separated: "
+                         f"{', '.join(SPARSE_ROWS)} (default q4; int8-q4-gates: int8 bundles "
+                         f"beside the file's Q4_0 gate rows, the default of `run`)")
     ap.add_argument("--no-run", action="store_true",
                     help="stop after writing and converting (the files for beyond_ram.py)")
     ap.add_argument("--no-llama-cpp", action="store_true")
@@ -399,9 +409,15 @@ def main() -> int:
     if args.no_run:
         return 0
     common = dict(threads=args.threads, n_tokens=args.tokens, n_ctx=args.ctx)
+    kinds = args.sparse_rows.split(",")
+    if not kinds or any(k not in SPARSE_ROWS for k in kinds):
+        ap.error(f"--sparse-rows: expected some of {', '.join(SPARSE_ROWS)}, got "
+                 f"{args.sparse_rows!r}")
     bw = measure_read_bandwidth(args.threads)
-    rows = {"sparse (ours)": run_isolated(_ours, path=str(sparse), sparse=True, **common),
-            "dense (ours)": run_isolated(_ours, path=str(dense), sparse=False, **common)}
+    rows = {}
+    for k in kinds:
+        rows[f"sparse {k}"] = run_isolated(_ours, path=str(sparse), rows=k, **common)
+    rows["dense (ours)"] = run_isolated(_ours, path=str(dense), rows=None, **common)
     if not args.no_llama_cpp:
         try:
             import llama_cpp  # noqa: F401
@@ -414,33 +430,40 @@ def main() -> int:
           f"average {os.getloadavg()[0]:.1f}")
     print("\ndecode: tokens/s generating greedily after the prompt; text: the same step fed "
           "held-out text token by token (density, GB/token and bandwidth are the text run's)")
-    print(f"\n{'engine':14s} {'load s':>7s} {'peak RSS':>9s} {'prefill':>8s} {'decode':>7s} "
+    print(f"\n{'engine':19s} {'load s':>7s} {'peak RSS':>9s} {'prefill':>8s} {'decode':>7s} "
           f"{'text':>7s} {'density':>8s} {'GB/token':>9s} {'GB/s':>6s} {'of BW':>6s} "
           f"{'floor':>6s}")
     for name, r in rows.items():
         if "error" in r:
-            print(f"{name:14s} error: {r['error']}")
+            print(f"{name:19s} error: {r['error']}")
             continue
         gbs = r["bytes_per_token"] * r["text_tok_s"] / 1e9
         dens = f"{r['density']:.1%}" if "density" in r else "-"
-        print(f"{name:14s} {r['load_s']:7.1f} {r['peak_rss_mb']:8.0f}M {r['prefill_tok_s']:8.2f} "
+        print(f"{name:19s} {r['load_s']:7.1f} {r['peak_rss_mb']:8.0f}M {r['prefill_tok_s']:8.2f} "
               f"{r['decode_tok_s']:7.2f} {r['text_tok_s']:7.2f} {dens:>8s} {r['bytes_per_token'] / 1e9:9.2f} {gbs:6.1f} "
               f"{gbs / bw:6.0%} {bw * 1e9 / r['bytes_per_token']:6.2f}")
-    sp, de, cpp = (rows.get(k, {}) for k in ("sparse (ours)", "dense (ours)", "llama.cpp"))
-    if "decode_tok_s" in sp:
+    de, cpp = rows.get("dense (ours)", {}), rows.get("llama.cpp", {})
+    for kind in kinds:
+        name = f"sparse {kind}"
+        sp = rows[name]
+        if "decode_tok_s" not in sp:
+            continue
+        print(f"\n{name}:")
         for col in ("decode", "text"):
-            ratios = [f"sparse / {k}: {sp[col + '_tok_s'] / r[col + '_tok_s']:.2f}x"
-                      for k, r in (("dense (ours)", de), ("llama.cpp", cpp))
+            ratios = [f"/ {k}: {sp[col + '_tok_s'] / r[col + '_tok_s']:.2f}x"
+                      for k, r in [*((f"sparse {j}", rows[f"sparse {j}"]) for j in kinds
+                                     if j != kind), ("dense (ours)", de), ("llama.cpp", cpp)]
                       if col + "_tok_s" in r]
-            print(f"{col}: " + ", ".join(ratios))
-        print(f"density generating: {sp['generated_density']:.1%}, on the text: "
+            print(f"  {col}: " + ", ".join(ratios))
+        print(f"  density generating: {sp['generated_density']:.1%}, on the text: "
               f"{sp['density']:.1%}")
-        for k in ("sparse (ours)", "dense (ours)"):
-            if "layer_us" in rows[k]:
-                print(f"{k}: one layer, median µs: " + ", ".join(
-                    f"{n} {v:.0f}" for n, v in rows[k]["layer_us"].items()))
-        print("per-layer density: " + " ".join(f"{d:.2f}" for d in sp["layer_densities"]))
-        print(sp["plan"])
+        print("  one layer, median µs: " + ", ".join(
+            f"{n} {v:.0f}" for n, v in sp["layer_us"].items()))
+        print("  per-layer density: " + " ".join(f"{d:.2f}" for d in sp["layer_densities"]))
+        print("  " + sp["plan"].replace("\n", "\n  "))
+    if "layer_us" in de:
+        print("dense (ours): one layer, median µs: " + ", ".join(
+            f"{n} {v:.0f}" for n, v in de["layer_us"].items()))
     if args.json:
         print(json.dumps(rows, indent=1, default=str))
     return 0

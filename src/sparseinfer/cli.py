@@ -57,6 +57,11 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                     help="storage of the sparse FFN rows (int8: a scale per 32 weights; q4: Q4_0 "
                          "blocks of 32, C kernels, the fastest; auto: int8 for a quantized "
                          "file, else fp32)")
+    sp.add_argument("--no-q4-gates", action="store_true",
+                    help="with int8 rows of a ReLU gate stored as Q4_0: do not also hold the "
+                         "file's 4-bit gate rows (by default the kernels take the gates from "
+                         "them, reading half the bytes per predicted neuron; they cost "
+                         "d_model x 0.56 bytes per neuron of memory)")
     sp.add_argument("--ram-budget", type=float, default=None,
                     help="GiB this process may hold, page cache of the model file included: "
                          "the hottest FFN neurons stay in RAM, the rest are read from the file "
@@ -143,7 +148,8 @@ def _engine(args):
     engine = Engine.load(args.model, n_ctx=args.ctx_size, threads=args.threads,
                          dtype=args.dtype, dense=args.dense, threshold=args.sparse_threshold,
                          device=args.device, vram_budget=args.vram_budget,
-                         ffn_dtype=args.ffn_dtype, mode=args.sparse_mode,
+                         ffn_dtype=args.ffn_dtype, q4_gates=not args.no_q4_gates,
+                         mode=args.sparse_mode,
                          gpu_index=args.gpu_index, kv_type=args.cache_type,
                          **_disk_options(args))
     if args.dtype == "auto":
@@ -366,6 +372,7 @@ def cmd_info(args) -> int:
         for k in sorted(k for k in src.metadata if k.startswith(("powerinfer.", "sparseinfer."))):
             print(f"  {k} = {src.metadata[k]}")
     plan = make_plan(src, args.dtype, dense=args.dense, ffn_dtype=args.ffn_dtype,
+                     q4_gates=not args.no_q4_gates,
                      mode=args.sparse_mode, device=args.device, kv_type=args.cache_type,
                      n_ctx=min(args.ctx_size, cfg.max_seq_len), **_disk_options(args))
     print(plan.summary())

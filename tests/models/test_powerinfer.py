@@ -246,6 +246,33 @@ def test_convert_reprofiles_a_powerinfer_file(pwri, tmp_path, capsys):
     assert "sparse FFN" in capsys.readouterr().err
 
 
+def test_q4_0_file_gates_stay_4_bit(pwri):
+    """A ReGLU file whose gates are Q4_0: the int8 bundles keep the file's gate rows beside them
+    as q4 rows (its bytes, moved), which the kernels read instead of the int8 gate rows, for one
+    token (``sparse_ffn_i8_q4g``) and a prompt (``sparse_ffn_i8`` with the gates) alike; all
+    neurons active, both near the file's dense function (as the test below bounds the default);
+    ``q4_gates=False`` (``--no-q4-gates``) leaves them out and the plan that much smaller."""
+    from sparseinfer.sparse.packed import q4_rows
+
+    path, _ = pwri("reglu", "q4_0")
+    lm = load(path, "auto", threshold=-float("inf"))
+    off = load(path, "auto", threshold=-float("inf"), q4_gates=False)
+    cfg = lm.plan.config
+    assert lm.plan.sparse.q4_gates and not off.plan.sparse.q4_gates
+    assert "q4 gates" in lm.plan.summary() and "q4 gates" not in off.plan.summary()
+    assert lm.plan.nbytes - off.plan.nbytes == cfg.n_layers * cfg.d_ff * cfg.d_model // 32 * 18
+    src = open_source(path)
+    for i, blk in enumerate(lm.model.layers):
+        raw = np.asarray(src.tensors[f"layers.{i}.ffn.gate.weight"].raw())
+        want = q4_rows(torch.from_numpy(raw.reshape(cfg.d_ff, -1).copy()))
+        assert torch.equal(blk.ffn.packed.gates, want)
+        assert off.model.layers[i].ffn.packed.gates is None
+    exact = _logits(load(path, "fp32", dense=True).model)
+    assert _rel(_decode_logits(lm.model), exact) < 0.05
+    assert _rel(_logits(lm.model), exact) < 0.05
+    assert _rel(_decode_logits(off.model), exact) < 0.05
+
+
 def test_q4_0_powerinfer_file(pwri):
     """A PowerInfer file with Q4_0 matrices (as its quantizer writes them): the dense parts run
     on the file's blocks, the FFN rows are its dequantized blocks; all neurons active equals the

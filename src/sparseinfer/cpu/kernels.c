@@ -2905,20 +2905,36 @@ INLINE void i8_ups(const int R, const int32_t *nid, const float *g, const int8_t
 }
 
 /* The gate dot products of R neurons (positions pos[0..R) in idx); those that fire join the
- * token's queue of up rows (un[0..*nu), ug), whose 4 go through i8_ups together. */
+ * token's queue of up rows (un[0..*nu), ug), whose 4 go through i8_ups together. With gq (q4
+ * gate rows apart, gstride bytes apart; x rounded, xqt with its rearranged copies) the gates are
+ * those rows' products, by si_sparse_q4_gates' arithmetic (q4_dots_fixed: each neuron's z the
+ * same bits in any pass), and the bundles' int8 gate rows are not read. */
 INLINE void i8_gates(const int R, const int *pos, const int32_t *idx, const int8_t *rows,
                      size_t bundle_bytes, const float *scales, int nbk, int block, int ga, int ua,
-                     const float *xt, const si_xq *xqt, int d_model, int32_t *un, float *ug,
-                     int *nu, const int8_t **qd, const float **qs, float *qh, int *nq, float *o) {
-    const int8_t *gr[4];
-    const float *gs[4];
-    for (int n = 0; n < R; n++) {
-        gr[n] = rows + (size_t)idx[pos[n]] * bundle_bytes;
-        gs[n] = scales + (size_t)idx[pos[n]] * 3 * nbk;
-    }
+                     const float *xt, const si_xq *xqt, int d_model, const uint8_t *gq,
+                     size_t gstride, int32_t *un, float *ug, int *nu, const int8_t **qd,
+                     const float **qs, float *qh, int *nq, float *o) {
     float zg[4];
-    if (xqt) i8_dots_q(gr, gs, R, xqt, d_model, block, zg);
-    else i8_dots(gr, gs, R, xt, d_model, block, zg);
+    if (gq) {
+        const uint8_t *in[4];
+        for (int n = 0; n < R; n++) in[n] = gq + (size_t)idx[pos[n]] * gstride;
+        const int nb = d_model / 32;
+#if SI_AVX512
+        const int grouped = nb / 4 && xqt->g; /* as si_sparse_q4_gates' */
+#else
+        const int grouped = 0;
+#endif
+        q4_dots_fixed(in, R, xqt, nb, grouped, zg, NULL, 0, 0);
+    } else {
+        const int8_t *gr[4];
+        const float *gs[4];
+        for (int n = 0; n < R; n++) {
+            gr[n] = rows + (size_t)idx[pos[n]] * bundle_bytes;
+            gs[n] = scales + (size_t)idx[pos[n]] * 3 * nbk;
+        }
+        if (xqt) i8_dots_q(gr, gs, R, xqt, d_model, block, zg);
+        else i8_dots(gr, gs, R, xt, d_model, block, zg);
+    }
     for (int n = 0; n < R; n++) {
         const float g = act(ga, zg[n]);
         if (g == 0.0f) continue;
@@ -2931,10 +2947,31 @@ INLINE void i8_gates(const int R, const int *pos, const int32_t *idx, const int8
     }
 }
 
+/* Gated int8 bundles with their gates given (computed elsewhere, e.g. from the file's 4-bit gate
+ * rows: si_sparse_i8_q4g): out[d_model] += sum_i g[i] * act(ua, up_{nid[i]} . x) * down_{nid[i]}
+ * for one token, g[i] the activated gate of neuron nid[i] (not 0: the neurons that fired). Only
+ * the up and down rows are read (bytes d_model..3 d_model of each bundle), 4 neurons at a time
+ * and their down rows queued as si_sparse_i8's gates-first path does. */
+void FN(si_sparse_i8_ups)(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
+                          int block, const int32_t *nid, const float *g, int k, const float *x,
+                          const si_xq *xq, int d_model, int ua, float *out) {
+    const int8_t *qd[4];
+    const float *qs[4];
+    float qh[4];
+    int nq = 0, i = 0;
+    for (; i + 4 <= k; i += 4)
+        i8_ups(4, nid + i, g + i, rows, bundle_bytes, scales, nbk, block, ua, x, xq, d_model, qd,
+               qs, qh, &nq, out);
+    for (; i < k; i++)
+        i8_ups(1, nid + i, g + i, rows, bundle_bytes, scales, nbk, block, ua, x, xq, d_model, qd,
+               qs, qh, &nq, out);
+    for (int n = 0; n < nq; n++) i8_axpy(&qd[n], &qs[n], &qh[n], 1, d_model, block, out);
+}
+
 void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
                       int block, int gated, const int32_t *idx, int k, const uint8_t *mask,
                       size_t mstride, const float *x, const si_xq *xq, int T, int d_model, int ga,
-                      int ua, const float *bias, float *out) {
+                      int ua, const float *bias, float *out, const uint8_t *gq, size_t gstride) {
     const int gate_first = gated && ga == SI_ACT_RELU; /* as si_sparse_q4 */
     for (int t0 = 0; t0 < T; t0 += SPARSE_TOKENS) {
         const int t1 = T - t0 < SPARSE_TOKENS ? T : t0 + SPARSE_TOKENS;
@@ -2954,7 +2991,8 @@ void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scal
 #define NEURONS(R, pos, t)                                                                     \
     (gate_first                                                                                \
          ? i8_gates(R, pos, idx, rows, bundle_bytes, scales, nbk, block, ga, ua,                 \
-                    x + (size_t)(t) * d_model, xq ? &xq[t] : NULL, d_model, un[(t) - t0],       \
+                    x + (size_t)(t) * d_model, xq ? &xq[t] : NULL, d_model, gq, gstride,        \
+                    un[(t) - t0],                                                               \
                     ug[(t) - t0], &nu[(t) - t0], qd[(t) - t0], qs[(t) - t0], qh[(t) - t0],      \
                     &nq[(t) - t0], out + (size_t)(t) * d_model)                                 \
          : i8_neurons(R, pos, idx, rows, bundle_bytes, scales, nbk, block, gated, ga, ua, bias,  \

@@ -67,7 +67,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q5_0x16": (13, 32, 22),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
-ABI_VERSION = 19
+ABI_VERSION = 20
 
 
 class CpuLibraryError(SparseInferError):
@@ -95,7 +95,10 @@ def _load() -> ctypes.CDLL:
     lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, vp,
                                  vp]
     lib.si_sparse_q4_gates.argtypes = [vp, ctypes.c_size_t, vp, ci, ci, vp, ci, vp]
-    lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, ci, vp, vp]
+    lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, ci, vp, vp,
+                                 vp, ctypes.c_size_t]
+    lib.si_sparse_i8_q4g.argtypes = [vp, vp, ci, vp, ctypes.c_size_t, vp, ci, ci, vp, ci, ci, ci,
+                                     vp]
     lib.si_predict_f16.argtypes = [vp, vp, ci, ci, ci, vp, vp, vp, vp, vp, vp]
     lib.si_topk.argtypes = [vp, i64, ci, vp, vp]
     dbl = ctypes.c_double
@@ -634,16 +637,42 @@ def i8_rounds_x(block: int, d_model: int) -> bool:
 def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: bool,
                   idx: torch.Tensor, x: torch.Tensor, out: torch.Tensor, gate_act: int,
                   up_act: int, up_bias: torch.Tensor | None = None,
-                  round_x: bool | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+                  round_x: bool | None = None, mask: torch.Tensor | None = None,
+                  gates: torch.Tensor | None = None) -> torch.Tensor:
     """``sparse_ffn_q4`` over int8 neuron bundles (``PackedFFN`` dtype "int8"): ``rows`` int8
     ``[d_ff, n_mats, d_model]``, ``scales`` float32 ``[d_ff, n_mats, ceil(d_model / block)]``
     (one per ``block`` weights of a row; ``block`` and ``d_model`` multiples of 8).
     ``round_x``: the gate/up dot products take ``x`` rounded to int8 per 32 as ``gemv`` does
     (integer products; needs ``block`` and ``d_model`` multiples of 32, the default where they
     are), else ``x`` stays float32 and the weights are converted. The down rows always take the
-    float coefficients. ReLU gates first and ``mask`` as ``sparse_ffn_q4``'s. (Reference:
-    ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN`` of dtype "int8", on
-    ``cpu.reference.quantize_x_ref``'s x where rounded.)"""
+    float coefficients. ReLU gates first and ``mask`` as ``sparse_ffn_q4``'s. ``gates`` (a
+    ReLU gate, x rounded): the gate rows apart as q4 rows, uint8 ``[d_ff, d_model / 32 · 18]``
+    with contiguous rows any stride apart (``PackedFFN.gates``: the file's Q4_0 gate rows,
+    ``sparse.packed.q4_rows``): the gates are their products by ``sparse_q4_gates``' arithmetic
+    and the bundles' int8 gate rows are not read (half the bytes of a neuron that does not
+    fire). (Reference: ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN`` of dtype "int8",
+    on ``cpu.reference.quantize_x_ref``'s x where rounded; with ``gates``, on their
+    dequantized rows.)"""
+    d_ff, d_model, T, round_x = _check_i8(rows, scales, block, gated, x, out, round_x)
+    bias, mk = _check_idx_bias(idx, up_bias, d_ff, mask, T)
+    gp, gstride = None, 0
+    if gates is not None:
+        if not gated or gate_act != 1 or not round_x:
+            raise ValueError(f"gates: q4 gate rows apart need a ReLU gate (code 1) and x rounded "
+                             f"(round_x), got gated {gated}, gate_act {gate_act}, round_x "
+                             f"{round_x}")
+        gp, gstride = _q4_gate_rows(gates, d_ff, d_model)
+    _check(_lib.si_sparse_i8(rows.data_ptr(), scales.data_ptr(), block, int(gated),
+                             idx.data_ptr(), idx.shape[0], mk, d_ff, x.data_ptr(), int(round_x),
+                             T, d_model, gate_act, up_act, bias, out.data_ptr(), gp, gstride),
+           "sparse_ffn_i8")
+    return out
+
+
+def _check_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: bool, x: torch.Tensor,
+              out: torch.Tensor, round_x: bool | None) -> tuple[int, int, int, bool]:
+    """The int8 bundles' arguments of ``sparse_ffn_i8`` checked: ``(d_ff, d_model, T,
+    round_x)``, round_x's default decided."""
     d_ff, n_mats, d_model = rows.shape
     if x.dim() != 2 or x.shape[1] != d_model:
         raise ValueError(f"x: expected float32 [T, {d_model}], got {list(x.shape)}")
@@ -662,11 +691,43 @@ def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: b
         raise ValueError(f"round_x: block and d_model must be multiples of 32, got {block}, "
                          f"{d_model}")
     _check_f32(scales, (d_ff, n_mats, -(-d_model // block)), "scales")
-    bias, mk = _check_idx_bias(idx, up_bias, d_ff, mask, T)
-    _check(_lib.si_sparse_i8(rows.data_ptr(), scales.data_ptr(), block, int(gated),
-                             idx.data_ptr(), idx.shape[0], mk, d_ff, x.data_ptr(), int(round_x),
-                             T, d_model, gate_act, up_act, bias, out.data_ptr()),
-           "sparse_ffn_i8")
+    return d_ff, d_model, T, round_x
+
+
+def _q4_gate_rows(gates: torch.Tensor, d_ff: int, d_model: int) -> tuple[int, int]:
+    """The pointer and row stride (bytes) of q4 gate rows ``gates``, checked: CPU uint8
+    ``[d_ff, d_model / 32 · 18]``, each row's bytes contiguous, rows at least a row apart."""
+    width = d_model // 32 * 18
+    if (not isinstance(gates, torch.Tensor) or gates.dtype != torch.uint8 or d_model % 32
+            or tuple(gates.shape) != (d_ff, width) or gates.device.type != "cpu"
+            or (d_ff > 1 and (gates.stride(1) != 1 or gates.stride(0) < width))):
+        raise ValueError(f"gates: expected CPU uint8 [{d_ff}, {width}] q4 rows of contiguous "
+                         f"bytes at least a row apart, got "
+                         f"{getattr(gates, 'dtype', type(gates).__name__)} "
+                         f"{list(getattr(gates, 'shape', ()))}")
+    return gates.data_ptr(), gates.stride(0) if d_ff > 1 else width
+
+
+def sparse_ffn_i8_q4g(rows: torch.Tensor, scales: torch.Tensor, block: int, gates: torch.Tensor,
+                      idx: torch.Tensor, x: torch.Tensor, out: torch.Tensor, up_act: int,
+                      round_x: bool | None = None) -> torch.Tensor:
+    """``sparse_ffn_i8`` for one token over gated int8 bundles with a ReLU gate whose gates are
+    also held apart as q4 rows (``gates``: uint8 ``[d_ff, d_model / 32 · 18]``, contiguous rows
+    any stride apart, e.g. the file's Q4_0 gate rows as ``sparse.packed.q4_rows``): the gate dot
+    products of ``idx``'s neurons over the q4 rows (``sparse_q4_gates``' arithmetic), then the
+    up and down int8 rows of the neurons whose gate fired only — the bundles' int8 gate rows are
+    not read. ``x``, ``out``: float32 [1, d_model]; ``round_x`` as ``sparse_ffn_i8``'s (for the
+    up products). (Reference: ``sparse.reference.sparse_ffn_ref`` with the q4 rows' gates:
+    ``tests/cpu/test_q4_gates.py``.)"""
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"x: expected float32 [1, d_model] (one token), got {list(x.shape)}")
+    d_ff, d_model, _, round_x = _check_i8(rows, scales, block, True, x, out, round_x)
+    gp, gstride = _q4_gate_rows(gates, d_ff, d_model)
+    _check_idx_bias(idx, None, d_ff)
+    _check(_lib.si_sparse_i8_q4g(rows.data_ptr(), scales.data_ptr(), block, gp, gstride,
+                                 idx.data_ptr(),
+                                 idx.shape[0], d_ff, x.data_ptr(), int(round_x), d_model, up_act,
+                                 out.data_ptr()), "sparse_ffn_i8_q4g")
     return out
 
 

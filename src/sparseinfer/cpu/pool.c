@@ -29,7 +29,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 19
+#define SI_ABI_VERSION 20
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
@@ -67,8 +67,12 @@ typedef void (*gates_fn)(const uint8_t *, size_t, const int32_t *, int, const si
 static gates_fn g_gates;
 typedef void (*sparse_i8_fn)(const int8_t *, size_t, const float *, int, int, int, const int32_t *,
                              int, const uint8_t *, size_t, const float *, const si_xq *, int, int,
-                             int, int, const float *, float *);
+                             int, int, const float *, float *, const uint8_t *, size_t);
 static sparse_i8_fn g_sparse_i8;
+typedef void (*sparse_i8_ups_fn)(const int8_t *, size_t, const float *, int, int, const int32_t *,
+                                 const float *, int, const float *, const si_xq *, int, int,
+                                 float *);
+static sparse_i8_ups_fn g_sparse_i8_ups;
 typedef void (*attend_fn)(const float *, const float *, const float *, int, int, float, int,
                           float *, size_t, float *);
 typedef void (*attend16_fn)(const float *, const uint16_t *, const uint16_t *, int, int, float,
@@ -121,6 +125,7 @@ int si_set_isa(int isa) {
     g_sparse = PICK(si_sparse_q4);
     g_gates = PICK(si_sparse_q4_gates);
     g_sparse_i8 = PICK(si_sparse_i8);
+    g_sparse_i8_ups = PICK(si_sparse_i8_ups);
     g_attend = PICK(si_attend_group);
     g_attend16 = PICK(si_attend_group16);
     g_glu = PICK(si_glu);
@@ -550,6 +555,11 @@ typedef struct {
      * x rounded to int8 per 32 into S.xq too (integer dot products; block a multiple of 32) */
     const float *scales;
     int nbk, block, round_x;
+    const float *gv; /* int8 bundles, gated, one token: idx[i]'s activated gate given (not 0),
+                      * only its up and down rows read (si_sparse_i8_q4g); else NULL */
+    const uint8_t *gq; /* int8 bundles with a ReLU gate: the gates' q4 rows apart (gstride
+                        * bytes apart), read instead of the bundles' int8 gate rows; or NULL */
+    size_t gstride;
 } sparse_job_t;
 
 static struct {
@@ -562,10 +572,14 @@ static void sparse_part(const sparse_job_t *j, int i0, int k, int t0, int T, flo
     memset(o, 0, sizeof(float) * j->d_model * (size_t)T);
     const int32_t *idx = j->idx + i0;
     const uint8_t *mask = j->mask ? j->mask + (size_t)t0 * j->k + i0 : NULL;
-    if (j->scales)
+    if (j->gv)
+        g_sparse_i8_ups((const int8_t *)j->bundles, j->bundle_bytes, j->scales, j->nbk, j->block,
+                        idx, j->gv + i0, k, j->x, j->round_x ? S.xq : NULL, j->d_model, j->ua, o);
+    else if (j->scales)
         g_sparse_i8((const int8_t *)j->bundles, j->bundle_bytes, j->scales, j->nbk, j->block,
                     j->gated, idx, k, mask, (size_t)j->k, j->x + (size_t)t0 * j->d_model,
-                    j->round_x ? S.xq + t0 : NULL, T, j->d_model, j->ga, j->ua, j->bias, o);
+                    j->round_x ? S.xq + t0 : NULL, T, j->d_model, j->ga, j->ua, j->bias, o, j->gq,
+                    j->gstride);
     else
         g_sparse(j->bundles, j->bundle_bytes, j->gated, idx, k, mask, (size_t)j->k, S.xq + t0, T,
                  j->d_model, j->ga, j->ua, j->bias, o);
@@ -598,17 +612,16 @@ static int sparse_ranges(int k) {
 
 /* Split job j over the pool (up to SPARSE_BY_NEURON_T tokens: neuron ranges (sparse_ranges)
  * into partial sums, added at the end; else token ranges), after quantizing x for Q4_0 bundles;
- * holds the call lock throughout. */
-static int sparse_run(sparse_job_t *j) {
+ * the caller holds the call lock. */
+static int sparse_run_locked(sparse_job_t *j) {
     const int nt = P.n_workers + 1;
     if (j->T <= SPARSE_BY_NEURON_T) {
         j->n_chunks = sparse_ranges(j->k);
     } else {
         j->n_chunks = j->T < 4 * nt ? j->T : 4 * nt;
     }
-    pthread_mutex_lock(&g_call_lock);
     int err = !j->scales ? quantize_rows(j->x, j->T, j->d_model, 1, 1, 0)
-              : j->round_x ? quantize_rows(j->x, j->T, j->d_model, 1, 0, 0) : 0;
+              : j->round_x ? quantize_rows(j->x, j->T, j->d_model, 1, j->gq != NULL, 0) : 0;
     const size_t dt = (size_t)j->T * j->d_model; /* one chunk's partial sums */
     if (!err && j->T <= SPARSE_BY_NEURON_T && j->n_chunks > 1) {
         const size_t need = (size_t)j->n_chunks * dt;
@@ -630,6 +643,13 @@ static int sparse_run(sparse_job_t *j) {
             }
         }
     }
+    return err;
+}
+
+/* sparse_run_locked under the call lock. */
+static int sparse_run(sparse_job_t *j) {
+    pthread_mutex_lock(&g_call_lock);
+    const int err = sparse_run_locked(j);
     pthread_mutex_unlock(&g_call_lock);
     return err;
 }
@@ -696,18 +716,76 @@ int si_sparse_q4_gates(const void *bundles, size_t bundle_bytes, const int32_t *
 /* The same over int8 bundles (PackedFFN dtype "int8"): rows int8 [d_ff, n_mats, d_model], scales
  * float32 [d_ff, n_mats, nbk] per block of `block` weights (a multiple of 8, as d_model);
  * x float32 [T, d_model], as is (round_x 0) or rounded to int8 per 32 for the gate/up dot
- * products (round_x 1: block and d_model multiples of 32). */
+ * products (round_x 1: block and d_model multiples of 32). gates (or NULL): a ReLU gate's rows
+ * apart as q4 rows (d_ff of them, gate_stride bytes apart; needs round_x): the gates are their
+ * products (as si_sparse_q4_gates computes them) and the bundles' int8 gate rows are not read. */
 int si_sparse_i8(const void *rows, const float *scales, int block, int gated, const int32_t *idx,
                  int k, const uint8_t *mask, int d_ff, const float *x, int round_x, int T,
-                 int d_model, int ga, int ua, const float *bias, float *out) {
+                 int d_model, int ga, int ua, const float *bias, float *out, const void *gates,
+                 size_t gate_stride) {
     const int err = sparse_args(d_model, round_x ? 32 : 8, T, k, ga, ua, idx, d_ff);
     if (err) return err;
     if (block <= 0 || block % (round_x ? 32 : 8) || block > d_model) return EINVAL;
+    if (gates && (!gated || ga != SI_ACT_RELU || !round_x ||
+                  gate_stride < (size_t)d_model / 32 * 18))
+        return EINVAL;
     const int nm = gated ? 3 : 2;
     sparse_job_t j = {rows, (size_t)nm * d_model, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx,
                       mask, bias, out, NULL, x, scales, (d_model + block - 1) / block, block,
-                      round_x ? 1 : 0};
+                      round_x ? 1 : 0, NULL, gates, gate_stride};
     return sparse_run(&j);
+}
+
+/* Gated int8 bundles (as si_sparse_i8's, ReLU gate) with their gates apart in q4 rows (gates:
+ * d_ff rows of Q4_0's numbers, scales first, gate_stride bytes apart; see si_sparse_q4_gates),
+ * one token: the gate dot products of idx's neurons over the q4 rows (si_sparse_q4_gates'
+ * arithmetic), then the up and down int8 rows of the neurons whose gate fired only
+ * (si_sparse_i8_ups): a neuron's int8 gate row is never read. out = sum over the fired of
+ * relu(z_i) act(ua, up_i . x) down_i, x as si_sparse_i8 takes it (round_x). */
+static struct {
+    float *z, *g;
+    int32_t *nid;
+    int cap;
+} GQ;
+
+int si_sparse_i8_q4g(const void *rows, const float *scales, int block, const void *gates,
+                     size_t gate_stride, const int32_t *idx, int k, int d_ff, const float *x,
+                     int round_x, int d_model, int ua, float *out) {
+    const int err = sparse_args(d_model, 32, 1, k, SI_ACT_RELU, ua, idx, d_ff);
+    if (err) return err;
+    if (block <= 0 || block % (round_x ? 32 : 8) || block > d_model) return EINVAL;
+    if (gate_stride < (size_t)d_model / 32 * 18) return EINVAL; /* rows would overlap */
+    memset(out, 0, sizeof(float) * (size_t)d_model);
+    if (k == 0) return 0;
+    pthread_mutex_lock(&g_call_lock);
+    int e = 0;
+    if (k > GQ.cap) {
+        free(GQ.z), free(GQ.g), free(GQ.nid);
+        GQ.z = malloc(sizeof(float) * (size_t)k), GQ.g = malloc(sizeof(float) * (size_t)k);
+        GQ.nid = malloc(sizeof(int32_t) * (size_t)k);
+        GQ.cap = GQ.z && GQ.g && GQ.nid ? k : 0;
+        if (!GQ.cap) e = ENOMEM;
+    }
+    if (!e) e = quantize_rows(x, 1, d_model, 1, 1, 0); /* as si_sparse_q4_gates' */
+    int m = 0;
+    if (!e) {
+        const int nt = P.n_workers + 1;
+        int n = (k + 63) / 64;
+        n = n > 4 * nt ? 4 * nt : n;
+        gates_job_t gj = {gates, gate_stride, idx, k, d_model, ((k + n - 1) / n + 7) / 8 * 8, GQ.z};
+        pool_run(gates_chunk, &gj, (k + gj.ch - 1) / gj.ch);
+        for (int i = 0; i < k; i++)
+            if (GQ.z[i] > 0.0f) GQ.nid[m] = idx[i], GQ.g[m++] = GQ.z[i];
+    }
+    if (!e && m) {
+        const int nm = 3;
+        sparse_job_t j = {rows, (size_t)nm * d_model, 1, m, 1, d_model, SI_ACT_RELU, ua, 1,
+                          GQ.nid, NULL, NULL, out, NULL, x, scales, (d_model + block - 1) / block,
+                          block, round_x ? 1 : 0, GQ.g};
+        e = sparse_run_locked(&j); /* (x quantized again, as si_sparse_i8 takes it) */
+    }
+    pthread_mutex_unlock(&g_call_lock);
+    return e;
 }
 
 /* ------------------------------------------------------------------ predictor (F16 weights) */

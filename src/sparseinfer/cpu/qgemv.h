@@ -89,7 +89,11 @@ typedef struct {
                             int nbk, int block, int gated, const int32_t *idx, int k,          \
                             const uint8_t *mask, size_t mstride, const float *x,              \
                             const si_xq *xq, int T, int d_model, int ga, int ua,              \
-                            const float *bias, float *out);                                    \
+                            const float *bias, float *out, const uint8_t *gq, size_t gstride); \
+    void si_sparse_i8_ups_##isa(const int8_t *rows, size_t bundle_bytes, const float *scales,  \
+                                int nbk, int block, const int32_t *nid, const float *g, int k, \
+                                const float *x, const si_xq *xq, int d_model, int ua,         \
+                                float *out);                                                   \
     void si_quantize_xk_##isa(const float *x, int cols, int8_t *q, float *d, int16_t *bs,      \
                               float *ks);                                                      \
     void si_attend_group_##isa(const float *q, const float *kc, const float *vc, int n, int hd, \

@@ -246,9 +246,10 @@ def _fill_linear(module: nn.Module, ws: WeightSource, origin: str, shape, panels
 
 
 def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
-                up_bias: torch.Tensor | None) -> PackedFFN:
+                up_bias: torch.Tensor | None, q4_gates: bool = False) -> PackedFFN:
     """Bundle one layer's gate/up/down rows (down from ``down_t`` or transposed from ``down``),
-    one matrix at a time, straight into the rows' storage."""
+    one matrix at a time, straight into the rows' storage; ``q4_gates`` (``plan.q4_gates_apart``:
+    the gate a Q4_0 tensor) also keeps the gate rows apart as q4 rows, the file's numbers."""
     cfg = src.config
     D, F = cfg.d_model, cfg.d_ff
     # (tensor, its rows for this matrix): a fused w_in (Phi-3) gives the gate rows, then up's
@@ -259,6 +260,8 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
     rows = empty_hugepages((F, n_mats, width), PACKED_DTYPES[dtype])
     block = int8_block(D) if dtype == "int8" else 0
     scales = torch.empty(F, n_mats, D // block) if dtype == "int8" else None
+    gates = empty_hugepages((F, D // Q4_GROUP * Q4_BYTES), torch.uint8) if q4_gates else None
+    filled = False
     for m, (canon, half) in enumerate(mats):
         t = src.tensors[canon]
         down = canon.endswith("ffn.down.weight")
@@ -276,6 +279,9 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
                 raw = raw[half]
             bundle_rows(raw, t.kind, *((D, F) if down else (F, D)), down, rows[:, m],
                         scales[:, m] if dtype == "int8" else None)
+            if gates is not None and m == 0:  # (the plan saw a Q4_0 gate: this branch)
+                bundle_rows(raw, t.kind, F, D, False, gates)
+                filled = True
             if half is None or half.start:
                 t.release()
             continue
@@ -296,7 +302,9 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
         else:
             rows[:, m] = w
         del w
-    return PackedFFN(kind, dtype, D, F, rows, scales, block, up_bias)
+    if gates is not None and not filled:
+        raise ModelFileError(f"{src.path}: expected Q4_0 gate rows in {names[0]!r} for q4 gates")
+    return PackedFFN(kind, dtype, D, F, rows, scales, block, up_bias, gates)
 
 
 def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
@@ -368,7 +376,7 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
                 packed = read_packed(src, i, 0, cfg.d_ff, up_bias, bundle_layout)
             else:
                 packed = _packed_ffn(src, wp.sources, cfg.ffn_kind, plan.sparse.ffn_dtype,
-                                     up_bias)
+                                     up_bias, plan.sparse.q4_gates)
             if plan.sparse.gpu_index is not None:  # a mask placement: its neurons first
                 order = torch.from_numpy(np.argsort(~plan.sparse.gpu_index[i], kind="stable"))
                 packed = packed.select(order)

@@ -87,6 +87,9 @@ class SparsePlan:
     gpu_index: tuple | None = None  # per layer: boolean mask of fast-tier neurons (PowerInfer)
     bundled: str | None = None  # row storage of a file with bundled neurons (disk/layout.py)
     disk: object | None = None  # disk.plan.DiskPlan: cold neurons read from the file
+    # int8 rows of a ReLU gate: the file's Q4_0 gate rows also held apart, as q4 rows, from which
+    # the C kernels take the gates (sparse/packed.py; ``q4_gates_apart``)
+    q4_gates: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,8 +157,8 @@ class Plan:
             r[1] += w.nbytes
         lines = [f"plan: {self.config.name or self.config.arch}, --dtype {self.dtype}, device "
                  f"{self.device}, fused decode {'on' if self.fused_decode else 'off'}"
-                 + (f", sparse FFN ({self.sparse.selector}, {self.sparse.ffn_dtype} rows)"
-                    if self.sparse else "")]
+                 + (f", sparse FFN ({self.sparse.selector}, {self.sparse.ffn_dtype} rows"
+                    f"{', q4 gates' if self.sparse.q4_gates else ''})" if self.sparse else "")]
         for (storage, origin), (n, b) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
             lines.append(f"  {storage:6s} {origin:12s} {n:5d} weights {b / 2**20:10.1f} MiB")
         lines.append(f"  total  {self.nbytes / 2**20:10.1f} MiB + KV cache "
@@ -179,7 +182,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
               split_tiers: bool | None = None, min_split: int = 256,
               fused: bool = True, gpu_index: str | None = None,
               ram_budget: float | None = None, disk_options=None,
-              n_ctx: int | None = None, kv_type: str = "auto") -> Plan:
+              n_ctx: int | None = None, kv_type: str = "auto", q4_gates: bool = True) -> Plan:
     """The plan for ``src`` (see the module docstring). ``dense`` ignores predictors; ``mode``
     picks the sparse selector; ``fused`` allows the fused single-token decode kernels;
     ``gpu_index``: a PowerInfer GPU index file (``blk.N.gpu_idx`` masks) used as the placement;
@@ -189,7 +192,8 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     llama.cpp holds them) where the default weights (``--dtype auto``) can decode through the
     fused kernels, whose attention reads them in C (``cpu.DecodeBlock``, ``cpu.attend_token``),
     else the activations' type; an asked-for fp16 cache works everywhere (the torch paths cast
-    it)."""
+    it). ``q4_gates``: hold a ReLU gate's rows apart as the file's 4-bit rows beside int8
+    bundles where the file allows (``q4_gates_apart``; False: not, saving their memory)."""
     if dtype not in DTYPE_CHOICES:
         raise SparseInferError(f"dtype: expected one of {list(DTYPE_CHOICES)}, got {dtype!r}")
     if ffn_dtype not in FFN_DTYPES:
@@ -222,7 +226,8 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
         ffn_dtype = _auto_ffn_dtype(src, dtype) if ffn_dtype == "auto" else ffn_dtype
         sparse = _sparse_plan(src, mode, ffn_dtype, threshold, device, vram_budget, split_tiers,
                               min_split, gpu_index)
-        sparse = replace(sparse, bundled=bundled)
+        sparse = replace(sparse, bundled=bundled,
+                         q4_gates=q4_gates and q4_gates_apart(src, ffn_dtype, bundled))
     elif threshold is not None or vram_budget is not None:
         log.warning("%s has no predictors (or --dense): sparse options ignored, running dense",
                     src.path)
@@ -330,7 +335,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                 check(s)
             n_mats = 3 if cfg.ffn.gated else 2
             elt = ROW_BYTES[sparse.ffn_dtype]
-            nbytes = int(n_mats * F * D * elt)
+            nbytes = int(n_mats * F * D * elt) + (F * D // 32 * 18 if sparse.q4_gates else 0)
             fc1 = src.extras.get(f"blk.{i}.fc1.weight")
             fc2 = src.extras.get(f"blk.{i}.fc2.weight")
             if sparse.selector == "predictor" and (fc1 is None or fc2 is None):
@@ -340,7 +345,8 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                 n = math.prod(fc1.shape) + math.prod(fc2.shape)  # fp32, else 16-bit in memory
                 nbytes += n * (4 if sparse.ffn_dtype == "fp32" else 2)
             weights.append(WeightPlan(p + "ffn", "sparse", (*ins, down), (F, D), nbytes,
-                                      f"{sparse.ffn_dtype} rows"))
+                                      f"{sparse.ffn_dtype} rows"
+                                      + (" + q4 gates" if sparse.q4_gates else "")))
         else:
             ins = [p + f"ffn.{n}.weight" for n in (("gate", "up") if cfg.ffn.gated else ("up",))]
             if p + "ffn.w_in.weight" in src.tensors:  # Phi-3: gate and up as one tensor
@@ -400,6 +406,24 @@ def _c_blocks(cfg: ModelConfig, weights: list[WeightPlan], sparse) -> bool:
     storage = {w.module: w.storage for w in weights}
     return all(storage.get(f"layers.{i}.{name}") in ("ggml", "fp32")
                for i in range(cfg.n_layers) for name in _BLOCK_LINEARS)
+
+
+def q4_gates_apart(src: ModelSource, ffn_dtype: str, bundled: str | None) -> bool:
+    """Whether int8 sparse rows can take their gates from the file's own 4-bit gate rows: a
+    ReLU gate (ReGLU, dReLU) stored as Q4_0 in every layer (its numbers kept exactly, as q4
+    rows), rows of whole blocks of 32, bundles made at load (not a file's bundles). Then a
+    token reads half the bytes for each selected neuron's gate, and the int8 rows of the
+    neurons whose gate fired only (benchmarks/gates_apart_int8.py, RESULTS.md)."""
+    cfg = src.config
+    kind = cfg.ffn
+    if (bundled is not None or ffn_dtype != "int8" or not kind.gated or kind.gate_act != "relu"
+            or cfg.d_model % INT8_BLOCK):
+        return False
+    for i in range(cfg.n_layers):
+        t = src.tensors.get(f"layers.{i}.ffn.gate.weight")
+        if t is None or t.kind != "Q4_0" or tuple(t.shape) != (cfg.d_ff, cfg.d_model):
+            return False
+    return True
 
 
 def _auto_ffn_dtype(src: ModelSource, dtype: str) -> str:

@@ -521,7 +521,11 @@ def _run_c(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor
            mask: torch.Tensor | None = None) -> torch.Tensor:
     """q4 or int8 rows (``in_c``): the C kernels (``sparseinfer.cpu.sparse_ffn_q4`` /
     ``sparse_ffn_i8``) on [T, d] x and out (``mask``: each token's own neurons among idx), in
-    the C library's thread pool."""
+    the C library's thread pool. int8 bundles with their gates apart (``ffn.gates``) take the
+    gates from those q4 rows: one token without a mask in two passes over the pool (every gate,
+    then the fired neurons' up and down rows: ``sparse_ffn_i8_q4g``, measured faster than one
+    pass, benchmarks/gates_apart_int8.py), else in ``sparse_ffn_i8``'s one pass; a neuron's
+    gate is the same bits either way."""
     from .. import cpu  # the C library: loaded (or reported missing) on first use
 
     if ffn.rows.device.type != "cpu":
@@ -534,9 +538,13 @@ def _run_c(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor
         if ffn.dtype == "q4":
             cpu.sparse_ffn_q4(ffn.rows, kind.gated, idx, x.contiguous(), out, ga,
                               ACT_CODES[kind.up_act], ffn.up_bias, mask)
+        elif ffn.gates is not None and mask is None and x.shape[0] == 1:
+            cpu.sparse_ffn_i8_q4g(ffn.rows, ffn.scales, ffn.block, ffn.gates, idx, x.contiguous(),
+                                  out, ACT_CODES[kind.up_act])
         else:
             cpu.sparse_ffn_i8(ffn.rows, ffn.scales, ffn.block, kind.gated, idx, x.contiguous(),
-                              out, ga, ACT_CODES[kind.up_act], ffn.up_bias, rounds_x(ffn), mask)
+                              out, ga, ACT_CODES[kind.up_act], ffn.up_bias, rounds_x(ffn), mask,
+                              ffn.gates)
     except RuntimeError as e:
         if "out of range" in str(e):
             raise IndexError(f"idx: expected neuron indices in [0, {ffn.d_ff})") from e

@@ -11,6 +11,13 @@ blocks' quant bytes (``q4_rows``), so ``rows`` is uint8 ``[d_ff, n_mats, d_model
 they run in the C kernel ``sparseinfer.cpu.sparse_ffn_q4`` (int8 rows with blocks a multiple of 8 in
 ``sparse_ffn_i8``, other storage in numba: ``kernels.py``).
 
+int8 bundles of a ReLU gate (ReGLU, dReLU) may also hold their gate rows apart as q4 rows
+(``gates``, uint8 ``[d_ff, d_model / 32 · 18]``: a file's Q4_0 gate rows, its own numbers): the C
+kernels then take the gates from those rows — half the bytes of an int8 gate row, and most
+selected neurons of a ReLU model do not fire, so that is most of what they read — and read a
+neuron's int8 rows only for its up and down rows, where its gate fired. The bundles keep their
+int8 gate rows (the other kernels and the references read them).
+
 The kernels (``kernels.py``) and the torch references (``reference.py``) read only this layout.
 """
 
@@ -124,6 +131,12 @@ def empty_hugepages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return buf.view(dtype).view(shape)
 
 
+def _select_rows(t: torch.Tensor, neurons: torch.Tensor) -> torch.Tensor:
+    """Rows ``neurons`` of ``t`` into a new tensor in huge pages."""
+    out = empty_hugepages((neurons.numel(), *t.shape[1:]), t.dtype)
+    return torch.index_select(t, 0, neurons, out=out)
+
+
 def n_blocks(d_model: int, block: int) -> int:
     """Number of int8 scale blocks per row (the last one may be short)."""
     return -(-d_model // block)
@@ -165,6 +178,7 @@ class PackedFFN:
     scales: torch.Tensor | None = None  # int8: [d_ff, n_mats, ceil(d_model / block)] float32
     block: int = 0  # int8 scale block size (d_model = per row); 0 if not int8
     up_bias: torch.Tensor | None = None  # [d_ff] fp32 (ungated MLPs); None = no bias
+    gates: torch.Tensor | None = None  # int8 bundles, ReLU gate: the gate rows as q4 rows too
     # Per-object cache for the kernels (numpy views, dense copies); not part of the value.
     _cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -207,6 +221,20 @@ class PackedFFN:
                 )
             if not self.up_bias.is_contiguous():
                 raise ValueError("up_bias: expected a contiguous tensor")
+        if self.gates is not None:
+            kind = FFN_KINDS[self.kind]
+            if self.dtype != "int8" or not kind.gated or kind.gate_act != "relu":
+                raise ValueError(f"gates: q4 gate rows apart expected only for int8 bundles of a "
+                                 f"ReLU gate, got {self.dtype} rows of kind {self.kind!r}")
+            want_g = (self.d_ff, self.d_model // Q4_GROUP * Q4_BYTES)
+            if self.block % Q4_GROUP:  # the kernels take x rounded per 32 for both
+                raise ValueError(f"gates: expected int8 scale blocks a multiple of {Q4_GROUP} "
+                                 f"with q4 gate rows, got {self.block}")
+            if (self.d_model % Q4_GROUP or self.gates.dtype != torch.uint8
+                    or tuple(self.gates.shape) != want_g or not self.gates.is_contiguous()):
+                raise ValueError(f"gates: expected contiguous uint8 {want_g} (d_model a multiple "
+                                 f"of {Q4_GROUP}), got {self.gates.dtype} "
+                                 f"{tuple(self.gates.shape)}")
 
     @property
     def gated(self) -> bool:
@@ -234,7 +262,7 @@ class PackedFFN:
     @property
     def nbytes(self) -> int:
         n = self.rows.numel() * self.rows.element_size()
-        for t in (self.scales, self.up_bias):
+        for t in (self.scales, self.up_bias, self.gates):
             if t is not None:
                 n += t.numel() * t.element_size()
         return n
@@ -321,8 +349,7 @@ class PackedFFN:
         neurons = torch.as_tensor(neurons, dtype=torch.long).reshape(-1)
         if neurons.numel() and not (0 <= int(neurons.min()) and int(neurons.max()) < self.d_ff):
             raise ValueError(f"neurons: expected indices in [0, {self.d_ff}), got out-of-range")
-        rows = empty_hugepages((neurons.numel(), *self.rows.shape[1:]), self.rows.dtype)
-        torch.index_select(self.rows, 0, neurons, out=rows)
+        rows = _select_rows(self.rows, neurons)
         pick = lambda t: None if t is None else t.index_select(0, neurons).contiguous()  # noqa: E731
         return replace(
             self,
@@ -330,5 +357,6 @@ class PackedFFN:
             rows=rows,
             scales=pick(self.scales),
             up_bias=pick(self.up_bias),
+            gates=None if self.gates is None else _select_rows(self.gates, neurons),
         )
 

@@ -24,7 +24,7 @@ class SparseInfo:
     """What the sparse runtime did to a model (shown by the CLI, used by benchmarks)."""
 
     mode: str
-    ffn_dtype: str
+    ffn_dtype: str  # the rows' storage ("int8 + q4 gates": with the file's gate rows apart)
     device: str
     thresholds: list[float]
     hot_counts: list[int]
@@ -60,7 +60,8 @@ def sparse_info(model, plan) -> SparseInfo | None:
     if sp is None:
         return None
     modules = [b.ffn for b in model.layers if isinstance(b.ffn, SparseFFN)]
-    return SparseInfo(sp.selector, sp.ffn_dtype, sp.device, list(sp.thresholds),
+    rows = sp.ffn_dtype + (" + q4 gates" if sp.q4_gates else "")
+    return SparseInfo(sp.selector, rows, sp.device, list(sp.thresholds),
                       list(sp.hot_counts), modules)
 
 
