@@ -13,9 +13,10 @@ layer copies (not served from cache). Times, alternated in blocks of 8 calls:
 - B: the first spike: the gate dot products over q4 gate rows (``kernels.gate_dots``, half the
   bytes of an int8 gate row, the file's Q4_0 numbers), then A's kernel over the fired neurons
   alone, which reads their int8 gate rows a second time;
-- C: what a one-token call with the gates apart runs (``cpu.sparse_ffn_i8_q4g``, the default
-  for a ReLU gate stored as Q4_0): every gate over the q4 rows on the pool, then only the fired
-  neurons' int8 up and down rows (their int8 gate rows never read);
+- C: what a one-token call with the gates apart runs (``PackedFFN.with_q4_gates``: int8 bundles
+  of up and down rows, the gates as q4 rows; ``cpu.sparse_ffn_i8_q4g``, the default for a ReLU
+  gate stored as Q4_0): every gate over the q4 rows on the pool, then only the fired neurons'
+  up and down rows;
 - D: the same gates in A's one pass (``cpu.sparse_ffn_i8(..., gates=)``, what several tokens
   of a prompt or a batched step run).
 
@@ -31,7 +32,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,7 +88,7 @@ def main() -> None:
     for q in q4:
         gates.append(empty_hugepages((f, q.rows.shape[2]), torch.uint8))
         gates[-1].copy_(q.rows[:, 0])
-    apart = [replace(i8[n], gates=gates[(n + 1) % 4]) for n in range(4)]
+    apart = [i8[n].with_q4_gates(gates[(n + 1) % 4]) for n in range(4)]  # up/down rows only
     x1, out1 = x.reshape(1, -1), out.reshape(1, -1)
 
     def q4_gates_two_passes(i: int) -> None:  # (kernels.sparse_ffn: cpu.sparse_ffn_i8_q4g)

@@ -260,7 +260,7 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, rows: str | None) 
     out["bytes_per_token"] = dense_bytes
     if info is not None:
         dens = info.density()
-        rows = sum(f.rows.nbytes for m in info.modules for f, _ in m._rows() if f.d_ff)
+        rows = sum(f.nbytes for m in info.modules for f, _ in m._rows() if f.d_ff)  # all parts
         preds = sum(t.nbytes for m in info.modules if m.predictor is not None
                     for t in (m.predictor.fc1, m.predictor.fc2, m.predictor.bias)
                     if t is not None)

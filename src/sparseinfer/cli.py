@@ -58,10 +58,10 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                          "blocks of 32, C kernels, the fastest; auto: int8 for a quantized "
                          "file, else fp32)")
     sp.add_argument("--no-q4-gates", action="store_true",
-                    help="with int8 rows of a ReLU gate stored as Q4_0: do not also hold the "
-                         "file's 4-bit gate rows (by default the kernels take the gates from "
-                         "them, reading half the bytes per predicted neuron; they cost "
-                         "d_model x 0.56 bytes per neuron of memory)")
+                    help="int8 rows of a ReLU gate stored as Q4_0: make int8 gate rows too "
+                         "(by default the file's 4-bit gate rows are kept apart and the kernels "
+                         "take the gates from them: less memory, half the bytes read per "
+                         "predicted neuron; this option is for comparisons)")
     sp.add_argument("--ram-budget", type=float, default=None,
                     help="GiB this process may hold, page cache of the model file included: "
                          "the hottest FFN neurons stay in RAM, the rest are read from the file "

@@ -1,17 +1,19 @@
 """int8 neuron bundles of a ReLU gate with their gate rows apart as q4 rows (``PackedFFN.gates``:
-a file's Q4_0 gate rows, its own numbers): ``cpu.sparse_ffn_i8_q4g`` (one token: every gate over
-the q4 rows, then the fired neurons' int8 up and down rows) and ``cpu.sparse_ffn_i8(...,
-gates=)`` (any tokens, masks: the gates of each pass from the q4 rows), as ``kernels.sparse_ffn``
-/ ``sparse_ffn_batch`` pick them.
+a file's Q4_0 gate rows, its own numbers; the bundles hold the up and down rows):
+``cpu.sparse_ffn_i8_q4g`` (one token: every gate over the q4 rows, then the fired neurons' int8
+up and down rows) and ``cpu.sparse_ffn_i8(..., gates=)`` (any tokens, masks: the gates of each
+pass from the q4 rows), as ``kernels.sparse_ffn`` / ``sparse_ffn_batch`` pick them.
 
 - Against a float64 reference whose gates are gguf-py's dequantized Q4_0 blocks of those rows
   (an independent decoder) and whose up and down rows are the bundles' int8 numbers, on x as the
   kernels round it; ReGLU and dReLU, every ISA and thread count here, sets that fill and do not
   fill the passes, one token and several, with and without a mask.
-- The bundles' int8 gate rows are never read: overwritten with NaN scales, the outputs hold.
+- Given whole bundles (an int8 gate row first) and the gates apart, the kernels read no int8
+  gate row: with those rows' scales blown up, the outputs are the two-row bundles' own.
 - A neuron's gate is the same bits in both kernels (the fired sets agree with
   ``cpu.sparse_q4_gates``), so one token decoded alone and in a batch sums the same terms.
-- ``PackedFFN`` refuses gates where they do not apply; ``select`` carries them; errors."""
+- ``PackedFFN``: ``rows_fp32`` puts the gate rows back in their place; gates refused where they
+  do not apply; ``select`` and ``packed_to_device`` carry them; errors."""
 
 from __future__ import annotations
 
@@ -35,12 +37,19 @@ EPS = torch.finfo(torch.float32).eps
 
 
 def ffn_with_gates(kind: str, d_model: int, d_ff: int, seed: int) -> PackedFFN:
-    """int8 bundles (scales per 32) and the same gate weights as q4 rows (quantized from the
-    float gate, as a Q4_0 file holds them)."""
-    ffn = random_ffn(kind, d_model, d_ff, seed, "int8", 32)
+    """int8 bundles (scales per 32) of up and down rows, the gate apart as q4 rows (quantized
+    from the float gate, as a Q4_0 file holds them)."""
+    return whole_bundles(kind, d_model, d_ff, seed).with_q4_gates(
+        quantize_q4_rows(random_gate(d_model, d_ff, seed)))
+
+
+def whole_bundles(kind: str, d_model: int, d_ff: int, seed: int) -> PackedFFN:
+    return random_ffn(kind, d_model, d_ff, seed, "int8", 32)
+
+
+def random_gate(d_model: int, d_ff: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)  # (random_ffn's gate: the first draw)
-    gate = torch.randn(d_ff, d_model, generator=gen) / d_model ** 0.5
-    return replace(ffn, gates=quantize_q4_rows(gate))
+    return torch.randn(d_ff, d_model, generator=gen) / d_model ** 0.5
 
 
 def reference(ffn: PackedFFN, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -52,7 +61,7 @@ def reference(ffn: PackedFFN, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch
     raw = q4_blocks(ffn.gates[i]).numpy()
     g = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(
         raw, gguf.GGMLQuantizationType.Q4_0).reshape(len(i), ffn.d_model))).double()
-    w = ffn.rows_fp32(i).double()
+    w = ffn.rows_fp32(i).double()  # (gate, up, down): up and down are the int8 numbers
     xr = cpu_ref.rounded_x(x).double()
     z, u = g @ xr, w[:, 1] @ xr
     up = torch.relu(u) if FFN_KINDS[ffn.kind].up_act == "relu" else u
@@ -90,23 +99,22 @@ def test_q4_gates_match_the_reference(kind, k, isa, threads):
         torch.testing.assert_close(got_m[t].double(), want, rtol=0, atol=tol)
 
 
-def test_the_int8_gate_rows_are_not_read(isa, threads):
-    """Scales of 1e30 on every int8 gate row: a read would blow the output up."""
+def test_whole_bundles_with_gates_apart_skip_their_int8_gates(isa, threads):
+    """Scales of 1e30 on every int8 gate row of whole bundles: a read would blow the output up."""
     ffn = ffn_with_gates("reglu", 128, 90, seed=3)
-    scales = ffn.scales.clone()
+    whole = whole_bundles("reglu", 128, 90, seed=3)
+    scales = whole.scales.clone()
     scales[:, 0] = 1e30
-    poisoned = replace(ffn, scales=scales)
     idx = idx_of(90, 60, seed=4)
     X = torch.randn(2, 128, generator=torch.Generator().manual_seed(6))
-    one, two = torch.empty(128), torch.empty(2, 128)
-    kernels.sparse_ffn(X[0], poisoned, idx, one)
-    kernels.sparse_ffn_batch(X, poisoned, idx, two)
-    for t, got in ((0, one), (0, two[0]), (1, two[1])):
+    one, two = torch.empty(1, 128), torch.empty(2, 128)
+    cpu.sparse_ffn_i8_q4g(whole.rows, scales, 32, ffn.gates, idx, X[:1], one, 0)
+    cpu.sparse_ffn_i8(whole.rows, scales, 32, True, idx, X, two, 1, 0, gates=ffn.gates)
+    for t, got in ((0, one[0]), (0, two[0]), (1, two[1])):
         want, tol = reference(ffn, X[t], idx)
         torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)
-    # without the gates apart the same bundles do read them
-    bad = torch.empty(128)
-    kernels.sparse_ffn(X[0], replace(poisoned, gates=None), idx, bad)
+    bad = torch.empty(128)  # without the gates apart the same bundles read them
+    kernels.sparse_ffn(X[0], replace(whole, scales=scales), idx, bad)
     assert bad.abs().max() > 1e20
 
 
@@ -129,11 +137,26 @@ def test_one_token_and_a_batch_fire_the_same_neurons(isa):
 
 
 def test_packed_ffn_gates_rules():
+    whole = whole_bundles("reglu", 64, 20, seed=0)
     ffn = ffn_with_gates("reglu", 64, 20, seed=0)
+    assert ffn.rows.shape == (20, 2, 64) and ffn.stored_mats == 2 and ffn.n_mats == 3
+    assert torch.equal(ffn.rows, whole.rows[:, 1:]) and torch.equal(ffn.scales, whole.scales[:, 1:])
+    w = ffn.rows_fp32()  # the gate in its place: the q4 rows' numbers, by gguf-py too
+    g = gguf.quants.dequantize(q4_blocks(ffn.gates).numpy(), gguf.GGMLQuantizationType.Q4_0)
+    assert torch.equal(w[:, 0], torch.from_numpy(g.reshape(20, 64)))
+    assert torch.equal(w[:, 1:], whole.rows_fp32()[:, 1:])
+    gate, up, down = ffn.dequantized()
+    assert torch.equal(gate, w[:, 0]) and torch.equal(down, whole.dequantized()[2])
+    assert ffn.nbytes == whole.nbytes - 20 * (64 + 2 * 4) + ffn.gates.numel()
+    assert ffn.bytes_per_neuron == 2 * (64 + 2 * 4) + 36
     sel = ffn.select(torch.tensor([5, 2, 19]))
     assert torch.equal(sel.gates, ffn.gates[[5, 2, 19]])
-    assert ffn.nbytes == replace(ffn, gates=None).nbytes + ffn.gates.numel()
-    assert packed_to_device(ffn, torch.device("cpu")).gates is None  # the C kernels' only
+    assert torch.equal(sel.rows_fp32(), w[[5, 2, 19]])
+    assert torch.equal(packed_to_device(ffn, torch.device("cpu")).gates, ffn.gates)
+    with pytest.raises(ValueError, match="already apart"):
+        ffn.with_q4_gates(ffn.gates)
+    with pytest.raises(ValueError, match=r"rows: expected shape \(20, 2, 64\)"):
+        replace(whole, gates=ffn.gates)
     swiglu = random_ffn("swiglu", 64, 20, 0, "int8", 32)
     with pytest.raises(ValueError, match="only for int8 bundles of a ReLU gate"):
         replace(swiglu, gates=ffn.gates)
@@ -149,6 +172,7 @@ def test_packed_ffn_gates_rules():
 
 def test_q4_gates_errors():
     ffn = ffn_with_gates("reglu", 64, 8, seed=0)
+    whole = whole_bundles("reglu", 64, 8, seed=0)
     idx = torch.tensor([1, 2], dtype=torch.int32)
     x, out = torch.zeros(1, 64), torch.empty(1, 64)
     with pytest.raises(ValueError, match=r"gates: expected CPU uint8 \[8, 36\] q4 rows"):
@@ -161,6 +185,10 @@ def test_q4_gates_errors():
     with pytest.raises(ValueError, match="need a ReLU gate"):
         cpu.sparse_ffn_i8(ffn.rows, ffn.scales, 32, True, idx, x, out, 1, 0, round_x=False,
                           gates=ffn.gates)
+    with pytest.raises(ValueError, match=r"rows: expected contiguous int8 \[d_ff, 3, d_model\]"):
+        cpu.sparse_ffn_i8(ffn.rows, ffn.scales, 32, True, idx, x, out, 1, 0)  # no gates given
+    with pytest.raises(ValueError, match=r"scales: expected contiguous float32 \[8, 2, 2\]"):
+        cpu.sparse_ffn_i8_q4g(ffn.rows, whole.scales, 32, ffn.gates, idx, x, out, 0)
     with pytest.raises(IndexError, match=r"expected neuron indices in \[0, 8\)"):
         kernels.sparse_ffn(torch.zeros(64), ffn, torch.tensor([1, 8], dtype=torch.int32),
                            torch.empty(64))

@@ -246,12 +246,13 @@ def test_convert_reprofiles_a_powerinfer_file(pwri, tmp_path, capsys):
     assert "sparse FFN" in capsys.readouterr().err
 
 
-def test_q4_0_file_gates_stay_4_bit(pwri):
-    """A ReGLU file whose gates are Q4_0: the int8 bundles keep the file's gate rows beside them
-    as q4 rows (its bytes, moved), which the kernels read instead of the int8 gate rows, for one
-    token (``sparse_ffn_i8_q4g``) and a prompt (``sparse_ffn_i8`` with the gates) alike; all
-    neurons active, both near the file's dense function (as the test below bounds the default);
-    ``q4_gates=False`` (``--no-q4-gates``) leaves them out and the plan that much smaller."""
+def test_q4_0_file_gates_stay_4_bit(pwri, tmp_path):
+    """A ReGLU file whose gates are Q4_0: the file's gate rows are kept apart as q4 rows (its
+    bytes, moved) and the int8 bundles hold up and down rows; the kernels take the gates from
+    them for one token (``sparse_ffn_i8_q4g``) and a prompt (``sparse_ffn_i8`` with the gates)
+    alike; all neurons active, both near the file's dense function (as the test below bounds
+    the default); ``q4_gates=False`` (``--no-q4-gates``) makes int8 gate rows instead, the plan
+    that much larger."""
     from sparseinfer.sparse.packed import q4_rows
 
     path, _ = pwri("reglu", "q4_0")
@@ -260,17 +261,27 @@ def test_q4_0_file_gates_stay_4_bit(pwri):
     cfg = lm.plan.config
     assert lm.plan.sparse.q4_gates and not off.plan.sparse.q4_gates
     assert "q4 gates" in lm.plan.summary() and "q4 gates" not in off.plan.summary()
-    assert lm.plan.nbytes - off.plan.nbytes == cfg.n_layers * cfg.d_ff * cfg.d_model // 32 * 18
+    D = cfg.d_model  # an int8 row: D bytes and D / 32 float32 scales; a q4 row: 18 per 32
+    assert off.plan.nbytes - lm.plan.nbytes == cfg.n_layers * cfg.d_ff * (D + D // 32 * 4
+                                                                          - D // 32 * 18)
     src = open_source(path)
     for i, blk in enumerate(lm.model.layers):
         raw = np.asarray(src.tensors[f"layers.{i}.ffn.gate.weight"].raw())
         want = q4_rows(torch.from_numpy(raw.reshape(cfg.d_ff, -1).copy()))
-        assert torch.equal(blk.ffn.packed.gates, want)
+        assert torch.equal(blk.ffn.packed.gates, want) and blk.ffn.packed.stored_mats == 2
         assert off.model.layers[i].ffn.packed.gates is None
     exact = _logits(load(path, "fp32", dense=True).model)
     assert _rel(_decode_logits(lm.model), exact) < 0.05
     assert _rel(_logits(lm.model), exact) < 0.05
     assert _rel(_decode_logits(off.model), exact) < 0.05
+    # two tiers (CPU standing in for the fast device): the hot neurons' torch path reads the
+    # gates apart through rows_fp32, on x as it is (the C kernels round it)
+    rng = np.random.default_rng(4)
+    masks = [rng.random(cfg.d_ff) < 0.3 for _ in range(cfg.n_layers)]
+    two = load(path, "auto", threshold=-float("inf"), split_tiers=True,
+               gpu_index=str(_gpu_index(tmp_path / "gpu.idx", masks)))
+    assert all(b.ffn.split and b.ffn.hot.gates is not None for b in two.model.layers)
+    assert _rel(_decode_logits(two.model), exact) < 0.05
 
 
 def test_q4_0_powerinfer_file(pwri):

@@ -2883,16 +2883,18 @@ INLINE void i8_neurons(const int R, const int *pos, const int32_t *idx, const in
 }
 
 /* ReLU gates first (as si_sparse_q4): the up dot products, h and the down queue of R neurons
- * whose gates fired (ids nid[0..R), relu(gate) g[0..R)). */
+ * whose gates fired (ids nid[0..R), relu(gate) g[0..R)). A bundle's up and down rows are its
+ * last two (bundle_bytes / d_model rows: 3, or 2 when the gates are apart). */
 INLINE void i8_ups(const int R, const int32_t *nid, const float *g, const int8_t *rows,
                    size_t bundle_bytes, const float *scales, int nbk, int block, int ua,
                    const float *xt, const si_xq *xqt, int d_model, const int8_t **qd,
                    const float **qs, float *qh, int *nq, float *o) {
     const int8_t *ur[4];
     const float *us[4];
+    const size_t nm = bundle_bytes / (size_t)d_model;
     for (int n = 0; n < R; n++) {
-        ur[n] = rows + (size_t)nid[n] * bundle_bytes + d_model;
-        us[n] = scales + (size_t)nid[n] * 3 * nbk + nbk;
+        ur[n] = rows + (size_t)nid[n] * bundle_bytes + (nm - 2) * (size_t)d_model;
+        us[n] = scales + (size_t)nid[n] * nm * nbk + (nm - 2) * nbk;
     }
     float zu[4];
     if (xqt) i8_dots_q(ur, us, R, xqt, d_model, block, zu);

@@ -95,10 +95,10 @@ def _load() -> ctypes.CDLL:
     lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, vp,
                                  vp]
     lib.si_sparse_q4_gates.argtypes = [vp, ctypes.c_size_t, vp, ci, ci, vp, ci, vp]
-    lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, ci, vp, vp,
-                                 vp, ctypes.c_size_t]
-    lib.si_sparse_i8_q4g.argtypes = [vp, vp, ci, vp, ctypes.c_size_t, vp, ci, ci, vp, ci, ci, ci,
-                                     vp]
+    lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, ci, vp,
+                                 vp, vp, ctypes.c_size_t]
+    lib.si_sparse_i8_q4g.argtypes = [vp, vp, ci, ci, vp, ctypes.c_size_t, vp, ci, ci, vp, ci, ci,
+                                     ci, vp]
     lib.si_predict_f16.argtypes = [vp, vp, ci, ci, ci, vp, vp, vp, vp, vp, vp]
     lib.si_topk.argtypes = [vp, i64, ci, vp, vp]
     dbl = ctypes.c_double
@@ -649,11 +649,12 @@ def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: b
     ReLU gate, x rounded): the gate rows apart as q4 rows, uint8 ``[d_ff, d_model / 32 · 18]``
     with contiguous rows any stride apart (``PackedFFN.gates``: the file's Q4_0 gate rows,
     ``sparse.packed.q4_rows``): the gates are their products by ``sparse_q4_gates``' arithmetic
-    and the bundles' int8 gate rows are not read (half the bytes of a neuron that does not
-    fire). (Reference: ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN`` of dtype "int8",
-    on ``cpu.reference.quantize_x_ref``'s x where rounded; with ``gates``, on their
-    dequantized rows.)"""
-    d_ff, d_model, T, round_x = _check_i8(rows, scales, block, gated, x, out, round_x)
+    and ``rows`` may hold the up and down rows alone (``[d_ff, 2, d_model]``; with 3, the int8
+    gate rows are not read). (Reference: ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN``
+    of dtype "int8", on ``cpu.reference.quantize_x_ref``'s x where rounded; with ``gates``, on
+    their dequantized rows.)"""
+    d_ff, d_model, T, round_x = _check_i8(rows, scales, block, gated, x, out, round_x,
+                                          gates is not None)
     bias, mk = _check_idx_bias(idx, up_bias, d_ff, mask, T)
     gp, gstride = None, 0
     if gates is not None:
@@ -663,25 +664,29 @@ def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: b
                              f"{round_x}")
         gp, gstride = _q4_gate_rows(gates, d_ff, d_model)
     _check(_lib.si_sparse_i8(rows.data_ptr(), scales.data_ptr(), block, int(gated),
-                             idx.data_ptr(), idx.shape[0], mk, d_ff, x.data_ptr(), int(round_x),
-                             T, d_model, gate_act, up_act, bias, out.data_ptr(), gp, gstride),
+                             rows.shape[1], idx.data_ptr(), idx.shape[0], mk, d_ff, x.data_ptr(),
+                             int(round_x), T, d_model, gate_act, up_act, bias, out.data_ptr(), gp, gstride),
            "sparse_ffn_i8")
     return out
 
 
 def _check_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: bool, x: torch.Tensor,
-              out: torch.Tensor, round_x: bool | None) -> tuple[int, int, int, bool]:
-    """The int8 bundles' arguments of ``sparse_ffn_i8`` checked: ``(d_ff, d_model, T,
-    round_x)``, round_x's default decided."""
+              out: torch.Tensor, round_x: bool | None,
+              apart: bool = False) -> tuple[int, int, int, bool]:
+    """The int8 bundles' arguments of ``sparse_ffn_i8`` checked (``apart``: q4 gate rows given,
+    the bundles with or without their int8 gate rows): ``(d_ff, d_model, T, round_x)``,
+    round_x's default decided."""
     d_ff, n_mats, d_model = rows.shape
     if x.dim() != 2 or x.shape[1] != d_model:
         raise ValueError(f"x: expected float32 [T, {d_model}], got {list(x.shape)}")
     T = x.shape[0]
     _check_f32(x, (T, d_model), "x")
     _check_f32(out, (T, d_model), "out")
-    if rows.dtype != torch.int8 or not rows.is_contiguous() or n_mats != (3 if gated else 2):
-        raise ValueError(f"rows: expected contiguous int8 [d_ff, {3 if gated else 2}, d_model], "
-                         f"got {rows.dtype} {list(rows.shape)}")
+    mats = "2 or 3" if apart else 3 if gated else 2
+    if (rows.dtype != torch.int8 or not rows.is_contiguous()
+            or n_mats not in ((2, 3) if apart else (3 if gated else 2,))):
+        raise ValueError(f"rows: expected contiguous int8 [d_ff, {mats}, d_model], got "
+                         f"{rows.dtype} {list(rows.shape)}")
     if d_model % 8 or block <= 0 or block % 8 or block > d_model:
         raise ValueError(f"block, d_model: expected multiples of 8 with block <= d_model, got "
                          f"{block}, {d_model}")
@@ -711,20 +716,22 @@ def _q4_gate_rows(gates: torch.Tensor, d_ff: int, d_model: int) -> tuple[int, in
 def sparse_ffn_i8_q4g(rows: torch.Tensor, scales: torch.Tensor, block: int, gates: torch.Tensor,
                       idx: torch.Tensor, x: torch.Tensor, out: torch.Tensor, up_act: int,
                       round_x: bool | None = None) -> torch.Tensor:
-    """``sparse_ffn_i8`` for one token over gated int8 bundles with a ReLU gate whose gates are
-    also held apart as q4 rows (``gates``: uint8 ``[d_ff, d_model / 32 · 18]``, contiguous rows
-    any stride apart, e.g. the file's Q4_0 gate rows as ``sparse.packed.q4_rows``): the gate dot
-    products of ``idx``'s neurons over the q4 rows (``sparse_q4_gates``' arithmetic), then the
-    up and down int8 rows of the neurons whose gate fired only — the bundles' int8 gate rows are
-    not read. ``x``, ``out``: float32 [1, d_model]; ``round_x`` as ``sparse_ffn_i8``'s (for the
-    up products). (Reference: ``sparse.reference.sparse_ffn_ref`` with the q4 rows' gates:
+    """``sparse_ffn_i8`` for one token over gated int8 bundles of a ReLU gate whose gates are
+    held apart as q4 rows (``gates``: uint8 ``[d_ff, d_model / 32 · 18]``, contiguous rows any
+    stride apart, e.g. the file's Q4_0 gate rows as ``sparse.packed.q4_rows``; ``rows`` int8
+    ``[d_ff, 2, d_model]``, up and down, or ``[d_ff, 3, d_model]`` whose int8 gate rows are not
+    read): the gate dot products of ``idx``'s neurons over the q4 rows (``sparse_q4_gates``'
+    arithmetic) on the pool, then the up and down rows of the neurons whose gate fired only.
+    ``x``, ``out``: float32 [1, d_model]; ``round_x`` as ``sparse_ffn_i8``'s (for the up
+    products). (Reference: ``sparse.reference.sparse_ffn_ref`` with the q4 rows' gates:
     ``tests/cpu/test_q4_gates.py``.)"""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"x: expected float32 [1, d_model] (one token), got {list(x.shape)}")
-    d_ff, d_model, _, round_x = _check_i8(rows, scales, block, True, x, out, round_x)
+    d_ff, d_model, _, round_x = _check_i8(rows, scales, block, True, x, out, round_x, True)
     gp, gstride = _q4_gate_rows(gates, d_ff, d_model)
     _check_idx_bias(idx, None, d_ff)
-    _check(_lib.si_sparse_i8_q4g(rows.data_ptr(), scales.data_ptr(), block, gp, gstride,
+    _check(_lib.si_sparse_i8_q4g(rows.data_ptr(), scales.data_ptr(), block, rows.shape[1], gp,
+                                 gstride,
                                  idx.data_ptr(),
                                  idx.shape[0], d_ff, x.data_ptr(), int(round_x), d_model, up_act,
                                  out.data_ptr()), "sparse_ffn_i8_q4g")

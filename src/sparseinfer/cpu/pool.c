@@ -718,29 +718,32 @@ int si_sparse_q4_gates(const void *bundles, size_t bundle_bytes, const int32_t *
  * x float32 [T, d_model], as is (round_x 0) or rounded to int8 per 32 for the gate/up dot
  * products (round_x 1: block and d_model multiples of 32). gates (or NULL): a ReLU gate's rows
  * apart as q4 rows (d_ff of them, gate_stride bytes apart; needs round_x): the gates are their
- * products (as si_sparse_q4_gates computes them) and the bundles' int8 gate rows are not read. */
-int si_sparse_i8(const void *rows, const float *scales, int block, int gated, const int32_t *idx,
-                 int k, const uint8_t *mask, int d_ff, const float *x, int round_x, int T,
-                 int d_model, int ga, int ua, const float *bias, float *out, const void *gates,
-                 size_t gate_stride) {
+ * products (as si_sparse_q4_gates computes them) and a bundle's int8 rows read are its up and
+ * down rows only, its last two (n_mats 2: the bundles hold no gate row; 3: it is skipped). */
+int si_sparse_i8(const void *rows, const float *scales, int block, int gated, int n_mats,
+                 const int32_t *idx, int k, const uint8_t *mask, int d_ff, const float *x,
+                 int round_x, int T, int d_model, int ga, int ua, const float *bias, float *out,
+                 const void *gates, size_t gate_stride) {
     const int err = sparse_args(d_model, round_x ? 32 : 8, T, k, ga, ua, idx, d_ff);
     if (err) return err;
     if (block <= 0 || block % (round_x ? 32 : 8) || block > d_model) return EINVAL;
     if (gates && (!gated || ga != SI_ACT_RELU || !round_x ||
                   gate_stride < (size_t)d_model / 32 * 18))
         return EINVAL;
-    const int nm = gated ? 3 : 2;
+    if (n_mats != (gated && !gates ? 3 : 2) && !(gates && n_mats == 3)) return EINVAL;
+    const int nm = n_mats;
     sparse_job_t j = {rows, (size_t)nm * d_model, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx,
                       mask, bias, out, NULL, x, scales, (d_model + block - 1) / block, block,
                       round_x ? 1 : 0, NULL, gates, gate_stride};
     return sparse_run(&j);
 }
 
-/* Gated int8 bundles (as si_sparse_i8's, ReLU gate) with their gates apart in q4 rows (gates:
- * d_ff rows of Q4_0's numbers, scales first, gate_stride bytes apart; see si_sparse_q4_gates),
- * one token: the gate dot products of idx's neurons over the q4 rows (si_sparse_q4_gates'
- * arithmetic), then the up and down int8 rows of the neurons whose gate fired only
- * (si_sparse_i8_ups): a neuron's int8 gate row is never read. out = sum over the fired of
+/* Gated int8 bundles (as si_sparse_i8's, ReLU gate; n_mats 2, up and down rows, or 3 with an
+ * int8 gate row first that is not read) with their gates apart in q4 rows (gates: d_ff rows of
+ * Q4_0's numbers, scales first, gate_stride bytes apart; see si_sparse_q4_gates), one token:
+ * the gate dot products of idx's neurons over the q4 rows (si_sparse_q4_gates' arithmetic) on
+ * the pool, then the up and down int8 rows of the neurons whose gate fired only
+ * (si_sparse_i8_ups), their ranges on the pool. out = sum over the fired of
  * relu(z_i) act(ua, up_i . x) down_i, x as si_sparse_i8 takes it (round_x). */
 static struct {
     float *z, *g;
@@ -748,13 +751,14 @@ static struct {
     int cap;
 } GQ;
 
-int si_sparse_i8_q4g(const void *rows, const float *scales, int block, const void *gates,
-                     size_t gate_stride, const int32_t *idx, int k, int d_ff, const float *x,
-                     int round_x, int d_model, int ua, float *out) {
+int si_sparse_i8_q4g(const void *rows, const float *scales, int block, int n_mats,
+                     const void *gates, size_t gate_stride, const int32_t *idx, int k, int d_ff,
+                     const float *x, int round_x, int d_model, int ua, float *out) {
     const int err = sparse_args(d_model, 32, 1, k, SI_ACT_RELU, ua, idx, d_ff);
     if (err) return err;
     if (block <= 0 || block % (round_x ? 32 : 8) || block > d_model) return EINVAL;
     if (gate_stride < (size_t)d_model / 32 * 18) return EINVAL; /* rows would overlap */
+    if (n_mats != 2 && n_mats != 3) return EINVAL;
     memset(out, 0, sizeof(float) * (size_t)d_model);
     if (k == 0) return 0;
     pthread_mutex_lock(&g_call_lock);
@@ -778,7 +782,7 @@ int si_sparse_i8_q4g(const void *rows, const float *scales, int block, const voi
             if (GQ.z[i] > 0.0f) GQ.nid[m] = idx[i], GQ.g[m++] = GQ.z[i];
     }
     if (!e && m) {
-        const int nm = 3;
+        const int nm = n_mats;
         sparse_job_t j = {rows, (size_t)nm * d_model, 1, m, 1, d_model, SI_ACT_RELU, ua, 1,
                           GQ.nid, NULL, NULL, out, NULL, x, scales, (d_model + block - 1) / block,
                           block, round_x ? 1 : 0, GQ.g};

@@ -249,19 +249,30 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
                 up_bias: torch.Tensor | None, q4_gates: bool = False) -> PackedFFN:
     """Bundle one layer's gate/up/down rows (down from ``down_t`` or transposed from ``down``),
     one matrix at a time, straight into the rows' storage; ``q4_gates`` (``plan.q4_gates_apart``:
-    the gate a Q4_0 tensor) also keeps the gate rows apart as q4 rows, the file's numbers."""
+    the gate a Q4_0 tensor) keeps the gate rows apart as q4 rows, the file's numbers, and the
+    bundles hold the up and down rows."""
     cfg = src.config
     D, F = cfg.d_model, cfg.d_ff
     # (tensor, its rows for this matrix): a fused w_in (Phi-3) gives the gate rows, then up's
     mats = [(c, h) for c in names
             for h in ((slice(0, F), slice(F, 2 * F)) if c.endswith("ffn.w_in.weight") else (None,))]
+    gates = None
+    if q4_gates:
+        from ..cpu.ops import bundle_rows  # (the C library: loaded only where it is needed)
+
+        t = src.tensors[names[0]]
+        if t.kind != "Q4_0" or tuple(t.shape) != (F, D):
+            raise ModelFileError(f"{src.path}: tensor {t.name!r}: expected Q4_0 {(F, D)} gate "
+                                 f"rows to keep apart, found {t.kind} {tuple(t.shape)}")
+        gates = empty_hugepages((F, D // Q4_GROUP * Q4_BYTES), torch.uint8)
+        bundle_rows(np.asarray(t.raw()).reshape(F, -1), "Q4_0", F, D, False, gates)
+        t.release()
+        mats = mats[1:]
     n_mats = len(mats)
     width = D // Q4_GROUP * Q4_BYTES if dtype == "q4" else D
     rows = empty_hugepages((F, n_mats, width), PACKED_DTYPES[dtype])
     block = int8_block(D) if dtype == "int8" else 0
     scales = torch.empty(F, n_mats, D // block) if dtype == "int8" else None
-    gates = empty_hugepages((F, D // Q4_GROUP * Q4_BYTES), torch.uint8) if q4_gates else None
-    filled = False
     for m, (canon, half) in enumerate(mats):
         t = src.tensors[canon]
         down = canon.endswith("ffn.down.weight")
@@ -279,9 +290,6 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
                 raw = raw[half]
             bundle_rows(raw, t.kind, *((D, F) if down else (F, D)), down, rows[:, m],
                         scales[:, m] if dtype == "int8" else None)
-            if gates is not None and m == 0:  # (the plan saw a Q4_0 gate: this branch)
-                bundle_rows(raw, t.kind, F, D, False, gates)
-                filled = True
             if half is None or half.start:
                 t.release()
             continue
@@ -302,8 +310,6 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
         else:
             rows[:, m] = w
         del w
-    if gates is not None and not filled:
-        raise ModelFileError(f"{src.path}: expected Q4_0 gate rows in {names[0]!r} for q4 gates")
     return PackedFFN(kind, dtype, D, F, rows, scales, block, up_bias, gates)
 
 

@@ -87,8 +87,8 @@ class SparsePlan:
     gpu_index: tuple | None = None  # per layer: boolean mask of fast-tier neurons (PowerInfer)
     bundled: str | None = None  # row storage of a file with bundled neurons (disk/layout.py)
     disk: object | None = None  # disk.plan.DiskPlan: cold neurons read from the file
-    # int8 rows of a ReLU gate: the file's Q4_0 gate rows also held apart, as q4 rows, from which
-    # the C kernels take the gates (sparse/packed.py; ``q4_gates_apart``)
+    # int8 rows of a ReLU gate: the file's Q4_0 gate rows held apart as q4 rows instead of int8
+    # ones, the C kernels taking the gates from them (sparse/packed.py; ``q4_gates_apart``)
     q4_gates: bool = False
 
 
@@ -193,7 +193,8 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     fused kernels, whose attention reads them in C (``cpu.DecodeBlock``, ``cpu.attend_token``),
     else the activations' type; an asked-for fp16 cache works everywhere (the torch paths cast
     it). ``q4_gates``: hold a ReLU gate's rows apart as the file's 4-bit rows beside int8
-    bundles where the file allows (``q4_gates_apart``; False: not, saving their memory)."""
+    bundles of up and down rows where the file allows (``q4_gates_apart``; False: int8 gate
+    rows in the bundles)."""
     if dtype not in DTYPE_CHOICES:
         raise SparseInferError(f"dtype: expected one of {list(DTYPE_CHOICES)}, got {dtype!r}")
     if ffn_dtype not in FFN_DTYPES:
@@ -335,7 +336,10 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                 check(s)
             n_mats = 3 if cfg.ffn.gated else 2
             elt = ROW_BYTES[sparse.ffn_dtype]
-            nbytes = int(n_mats * F * D * elt) + (F * D // 32 * 18 if sparse.q4_gates else 0)
+            if sparse.q4_gates:  # the gate rows apart: the file's 4-bit rows, not int8
+                nbytes = int((n_mats - 1) * F * D * elt) + F * D // 32 * 18
+            else:
+                nbytes = int(n_mats * F * D * elt)
             fc1 = src.extras.get(f"blk.{i}.fc1.weight")
             fc2 = src.extras.get(f"blk.{i}.fc2.weight")
             if sparse.selector == "predictor" and (fc1 is None or fc2 is None):
@@ -413,7 +417,8 @@ def q4_gates_apart(src: ModelSource, ffn_dtype: str, bundled: str | None) -> boo
     ReLU gate (ReGLU, dReLU) stored as Q4_0 in every layer (its numbers kept exactly, as q4
     rows), rows of whole blocks of 32, bundles made at load (not a file's bundles). Then a
     token reads half the bytes for each selected neuron's gate, and the int8 rows of the
-    neurons whose gate fired only (benchmarks/gates_apart_int8.py, RESULTS.md)."""
+    neurons whose gate fired only, and the layer holds 18 bytes per 32 gate weights instead of
+    36 (benchmarks/gates_apart_int8.py, relu_7b.py; RESULTS.md)."""
     cfg = src.config
     kind = cfg.ffn
     if (bundled is not None or ffn_dtype != "int8" or not kind.gated or kind.gate_act != "relu"

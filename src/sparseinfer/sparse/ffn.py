@@ -380,9 +380,9 @@ class SparseFFN(nn.Module):
 
 
 def packed_to_device(p: PackedFFN, device: torch.device) -> PackedFFN:
-    """``p``'s tensors on ``device`` (a fast tier's rows; q4 gate rows apart are for the C
-    kernels only, so they stay behind)."""
+    """``p``'s tensors on ``device`` (a fast tier's rows)."""
     from dataclasses import replace
 
     mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return replace(p, rows=mv(p.rows), scales=mv(p.scales), up_bias=mv(p.up_bias), gates=None)
+    return replace(p, rows=mv(p.rows), scales=mv(p.scales), up_bias=mv(p.up_bias),
+                   gates=mv(p.gates))

@@ -419,6 +419,8 @@ def _views(ffn: PackedFFN) -> _Views:
     if v is None:
         if ffn.rows.device.type != "cpu":
             raise ValueError(f"ffn.rows: expected a CPU tensor, got one on {ffn.rows.device}")
+        if ffn.gates is not None:  # (they need blocks of 32: in_c)
+            raise ValueError("ffn.gates: q4 gate rows apart run in the C kernels only")
         if ffn.dtype == "bf16":
             rows = ffn.rows.view(torch.int16).numpy().view(np.uint16)
         else:

@@ -11,12 +11,12 @@ blocks' quant bytes (``q4_rows``), so ``rows`` is uint8 ``[d_ff, n_mats, d_model
 they run in the C kernel ``sparseinfer.cpu.sparse_ffn_q4`` (int8 rows with blocks a multiple of 8 in
 ``sparse_ffn_i8``, other storage in numba: ``kernels.py``).
 
-int8 bundles of a ReLU gate (ReGLU, dReLU) may also hold their gate rows apart as q4 rows
-(``gates``, uint8 ``[d_ff, d_model / 32 · 18]``: a file's Q4_0 gate rows, its own numbers): the C
-kernels then take the gates from those rows — half the bytes of an int8 gate row, and most
-selected neurons of a ReLU model do not fire, so that is most of what they read — and read a
-neuron's int8 rows only for its up and down rows, where its gate fired. The bundles keep their
-int8 gate rows (the other kernels and the references read them).
+int8 bundles of a ReLU gate (ReGLU, dReLU) may hold their gate rows apart as q4 rows instead
+(``gates``, uint8 ``[d_ff, d_model / 32 · 18]``: a file's Q4_0 gate rows, its own numbers; the
+bundles then hold the up and down rows alone, ``rows`` ``[d_ff, 2, d_model]``): the C kernels
+take the gates from those rows — half the bytes of an int8 gate row, and most selected neurons
+of a ReLU model do not fire, so that is most of what they read — and read a neuron's int8 rows
+where its gate fired. ``rows_fp32`` and everything built on it see the three matrices.
 
 The kernels (``kernels.py``) and the torch references (``reference.py``) read only this layout.
 """
@@ -178,7 +178,7 @@ class PackedFFN:
     scales: torch.Tensor | None = None  # int8: [d_ff, n_mats, ceil(d_model / block)] float32
     block: int = 0  # int8 scale block size (d_model = per row); 0 if not int8
     up_bias: torch.Tensor | None = None  # [d_ff] fp32 (ungated MLPs); None = no bias
-    gates: torch.Tensor | None = None  # int8 bundles, ReLU gate: the gate rows as q4 rows too
+    gates: torch.Tensor | None = None  # int8, ReLU gate: the gate rows apart, as q4 rows
     # Per-object cache for the kernels (numpy views, dense copies); not part of the value.
     _cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -190,7 +190,21 @@ class PackedFFN:
         if self.dtype == "q4" and self.d_model % Q4_GROUP:
             raise ValueError(f"d_model: expected a multiple of {Q4_GROUP} for q4, got "
                              f"{self.d_model}")
-        want = (self.d_ff, self.n_mats, self.row_width)
+        if self.gates is not None:
+            kind = FFN_KINDS[self.kind]
+            if self.dtype != "int8" or not kind.gated or kind.gate_act != "relu":
+                raise ValueError(f"gates: q4 gate rows apart expected only for int8 bundles of a "
+                                 f"ReLU gate, got {self.dtype} rows of kind {self.kind!r}")
+            want_g = (self.d_ff, self.d_model // Q4_GROUP * Q4_BYTES)
+            if self.block % Q4_GROUP:  # the kernels take x rounded per 32 for both
+                raise ValueError(f"gates: expected int8 scale blocks a multiple of {Q4_GROUP} "
+                                 f"with q4 gate rows, got {self.block}")
+            if (self.d_model % Q4_GROUP or self.gates.dtype != torch.uint8
+                    or tuple(self.gates.shape) != want_g or not self.gates.is_contiguous()):
+                raise ValueError(f"gates: expected contiguous uint8 {want_g} (d_model a multiple "
+                                 f"of {Q4_GROUP}), got {self.gates.dtype} "
+                                 f"{tuple(self.gates.shape)}")
+        want = (self.d_ff, self.stored_mats, self.row_width)
         if tuple(self.rows.shape) != want:
             raise ValueError(f"rows: expected shape {want}, got {tuple(self.rows.shape)}")
         if self.rows.dtype != DTYPES[self.dtype]:
@@ -203,7 +217,7 @@ class PackedFFN:
         if self.dtype == "int8":
             if not 0 < self.block <= self.d_model:
                 raise ValueError(f"block: expected 1..{self.d_model} for int8, got {self.block}")
-            want_s = (self.d_ff, self.n_mats, n_blocks(self.d_model, self.block))
+            want_s = (self.d_ff, self.stored_mats, n_blocks(self.d_model, self.block))
             if self.scales is None or tuple(self.scales.shape) != want_s:
                 found = None if self.scales is None else tuple(self.scales.shape)
                 raise ValueError(f"scales: expected shape {want_s}, got {found}")
@@ -221,28 +235,19 @@ class PackedFFN:
                 )
             if not self.up_bias.is_contiguous():
                 raise ValueError("up_bias: expected a contiguous tensor")
-        if self.gates is not None:
-            kind = FFN_KINDS[self.kind]
-            if self.dtype != "int8" or not kind.gated or kind.gate_act != "relu":
-                raise ValueError(f"gates: q4 gate rows apart expected only for int8 bundles of a "
-                                 f"ReLU gate, got {self.dtype} rows of kind {self.kind!r}")
-            want_g = (self.d_ff, self.d_model // Q4_GROUP * Q4_BYTES)
-            if self.block % Q4_GROUP:  # the kernels take x rounded per 32 for both
-                raise ValueError(f"gates: expected int8 scale blocks a multiple of {Q4_GROUP} "
-                                 f"with q4 gate rows, got {self.block}")
-            if (self.d_model % Q4_GROUP or self.gates.dtype != torch.uint8
-                    or tuple(self.gates.shape) != want_g or not self.gates.is_contiguous()):
-                raise ValueError(f"gates: expected contiguous uint8 {want_g} (d_model a multiple "
-                                 f"of {Q4_GROUP}), got {self.gates.dtype} "
-                                 f"{tuple(self.gates.shape)}")
-
     @property
     def gated(self) -> bool:
         return FFN_KINDS[self.kind].gated
 
     @property
     def n_mats(self) -> int:
+        """Matrices per neuron: gate (gated kinds), up, down."""
         return 3 if self.gated else 2
+
+    @property
+    def stored_mats(self) -> int:
+        """Rows per neuron in ``rows``: ``n_mats``, less the gate when it is apart."""
+        return self.n_mats - (self.gates is not None)
 
     @property
     def row_width(self) -> int:
@@ -251,12 +256,14 @@ class PackedFFN:
 
     @property
     def bytes_per_neuron(self) -> int:
-        """Bytes one active neuron reads: its bundled rows, scales and bias."""
-        n = self.n_mats * self.row_width * self.rows.element_size()
+        """Bytes one active neuron reads: its bundled rows, scales, bias and gate row apart."""
+        n = self.stored_mats * self.row_width * self.rows.element_size()
         if self.scales is not None:
             n += self.scales[0].numel() * 4
         if self.up_bias is not None:
             n += 4
+        if self.gates is not None:
+            n += self.gates.shape[1]
         return n
 
     @property
@@ -326,15 +333,32 @@ class PackedFFN:
         return cls(kind, dtype, d_model, d_ff, rows, scales, block, bias)
 
     def rows_fp32(self, neurons: torch.Tensor | None = None) -> torch.Tensor:
-        """Dequantized bundled rows ``[k, n_mats, d_model]`` fp32 (all neurons if None)."""
-        rows = self.rows if neurons is None else self.rows.index_select(0, neurons)
+        """Dequantized bundled rows ``[k, n_mats, d_model]`` fp32 (all neurons if None; gate
+        rows apart in their place)."""
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if neurons is None else t.index_select(0, neurons)
+
+        rows = pick(self.rows)
         if self.dtype == "q4":
             return dequantize_q4_rows(rows)
         w = rows.to(torch.float32)
         if self.scales is not None:
-            s = self.scales if neurons is None else self.scales.index_select(0, neurons)
-            w = w * expand_scales(s, self.block, self.d_model)
+            w = w * expand_scales(pick(self.scales), self.block, self.d_model)
+        if self.gates is not None:
+            w = torch.cat([dequantize_q4_rows(pick(self.gates)).unsqueeze(1), w], dim=1)
         return w
+
+    def with_q4_gates(self, gates: torch.Tensor) -> PackedFFN:
+        """These int8 bundles with their gate rows apart as the q4 rows ``gates`` (uint8
+        ``[d_ff, d_model / 32 · 18]``, e.g. ``quantize_q4_rows(gate)``), the int8 gate rows
+        dropped."""
+        if self.gates is not None or self.dtype != "int8" or not self.gated:
+            raise ValueError(f"with_q4_gates: expected int8 bundles with their gate rows, got "
+                             f"{self.dtype} rows of kind {self.kind!r}"
+                             f"{' already apart' if self.gates is not None else ''}")
+        rows = empty_hugepages((self.d_ff, 2, self.row_width), self.rows.dtype)
+        rows.copy_(self.rows[:, 1:])
+        return replace(self, rows=rows, scales=self.scales[:, 1:].contiguous(), gates=gates)
 
     def dequantized(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """fp32 ``(gate | None, up, down)`` in nn.Linear layout."""
