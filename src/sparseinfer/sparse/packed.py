@@ -175,7 +175,8 @@ class PackedFFN:
     d_model: int
     d_ff: int
     rows: torch.Tensor  # [d_ff, n_mats, d_model]; n_mats = 3 (gate, up, down_t) or 2 (up, down_t)
-    scales: torch.Tensor | None = None  # int8: [d_ff, n_mats, ceil(d_model / block)] float32
+    # (gates apart: [d_ff, stored_mats = 2, d_model])
+    scales: torch.Tensor | None = None  # int8: [d_ff, stored_mats, ceil(d_model / block)] float32
     block: int = 0  # int8 scale block size (d_model = per row); 0 if not int8
     up_bias: torch.Tensor | None = None  # [d_ff] fp32 (ungated MLPs); None = no bias
     gates: torch.Tensor | None = None  # int8, ReLU gate: the gate rows apart, as q4 rows
@@ -235,6 +236,7 @@ class PackedFFN:
                 )
             if not self.up_bias.is_contiguous():
                 raise ValueError("up_bias: expected a contiguous tensor")
+
     @property
     def gated(self) -> bool:
         return FFN_KINDS[self.kind].gated
