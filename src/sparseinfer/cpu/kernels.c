@@ -2952,8 +2952,8 @@ INLINE void i8_gates(const int R, const int *pos, const int32_t *idx, const int8
 /* Gated int8 bundles with their gates given (computed elsewhere, e.g. from the file's 4-bit gate
  * rows: si_sparse_i8_q4g): out[d_model] += sum_i g[i] * act(ua, up_{nid[i]} . x) * down_{nid[i]}
  * for one token, g[i] the activated gate of neuron nid[i] (not 0: the neurons that fired). Only
- * the up and down rows are read (bytes d_model..3 d_model of each bundle), 4 neurons at a time
- * and their down rows queued as si_sparse_i8's gates-first path does. */
+ * the up and down rows are read (a bundle's last two rows), 4 neurons at a time and their down
+ * rows queued as si_sparse_i8's gates-first path does. */
 void FN(si_sparse_i8_ups)(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
                           int block, const int32_t *nid, const float *g, int k, const float *x,
                           const si_xq *xq, int d_model, int ua, float *out) {
@@ -2994,9 +2994,8 @@ void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scal
     (gate_first                                                                                \
          ? i8_gates(R, pos, idx, rows, bundle_bytes, scales, nbk, block, ga, ua,                 \
                     x + (size_t)(t) * d_model, xq ? &xq[t] : NULL, d_model, gq, gstride,        \
-                    un[(t) - t0],                                                               \
-                    ug[(t) - t0], &nu[(t) - t0], qd[(t) - t0], qs[(t) - t0], qh[(t) - t0],      \
-                    &nq[(t) - t0], out + (size_t)(t) * d_model)                                 \
+                    un[(t) - t0], ug[(t) - t0], &nu[(t) - t0], qd[(t) - t0], qs[(t) - t0],      \
+                    qh[(t) - t0], &nq[(t) - t0], out + (size_t)(t) * d_model)                   \
          : i8_neurons(R, pos, idx, rows, bundle_bytes, scales, nbk, block, gated, ga, ua, bias,  \
                       x + (size_t)(t) * d_model, xq ? &xq[t] : NULL, d_model, qd[(t) - t0],     \
                       qs[(t) - t0], qh[(t) - t0], &nq[(t) - t0], out + (size_t)(t) * d_model))
