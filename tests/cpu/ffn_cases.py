@@ -29,3 +29,9 @@ def ref_x(ffn: PackedFFN, x: torch.Tensor) -> torch.Tensor:
     """The x whose products the C kernel sums for ``ffn``'s gate/up rows: rounded to int8 per 32
     where it rounds (``kernels.rounds_x``), else as is."""
     return cpu_ref.rounded_x(x) if kernels.rounds_x(ffn) else x
+
+
+def idx_of(d_ff: int, k: int, seed: int) -> torch.Tensor:
+    """k of d_ff neurons drawn with ``seed``, ascending, int32."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.sort(torch.randperm(d_ff, generator=g)[:k])[0].to(torch.int32)

@@ -32,7 +32,7 @@ from sparseinfer.cpu import reference as cpu_ref
 from sparseinfer.sparse import kernels
 from sparseinfer.sparse.packed import PackedFFN, q4_blocks
 
-from .ffn_cases import random_ffn
+from .ffn_cases import idx_of, random_ffn
 
 gguf = pytest.importorskip("gguf")
 EPS = torch.finfo(torch.float32).eps
@@ -48,11 +48,6 @@ def gate_ref(ffn: PackedFFN, x: torch.Tensor,
     xr = cpu_ref.rounded_x(x).double()
     slack = (ffn.d_model // 32 + 16) * EPS * (g.abs() @ xr.abs()) + 1e-30
     return g @ xr, slack
-
-
-def idx_of(d_ff: int, k: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.sort(torch.randperm(d_ff, generator=g)[:k])[0].to(torch.int32)
 
 
 def guarded_gate_rows(rows: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from sparseinfer.sparse import kernels
 from sparseinfer.sparse.ffn import packed_to_device
 from sparseinfer.sparse.packed import PackedFFN, q4_blocks, quantize_q4_rows
 
-from .ffn_cases import random_ffn
+from .ffn_cases import idx_of, random_ffn
 
 gguf = pytest.importorskip("gguf")
 EPS = torch.finfo(torch.float32).eps
@@ -69,11 +69,6 @@ def reference(ffn: PackedFFN, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch
     # float32 slack of the kernels' sums: the gate/up products and the down axpys
     mag = (torch.relu(g.abs() @ xr.abs()) * (w[:, 1].abs() @ xr.abs())) @ w[:, 2].abs()
     return h @ w[:, 2], float(64 * EPS * (mag.max() + 1.0))
-
-
-def idx_of(d_ff: int, k: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.sort(torch.randperm(d_ff, generator=g)[:k])[0].to(torch.int32)
 
 
 @pytest.mark.parametrize("kind", ["reglu", "drelu"])

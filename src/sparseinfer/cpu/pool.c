@@ -696,19 +696,25 @@ static void gates_chunk(const void *jp, int64_t c) {
     g_gates(j->bundles, j->bundle_bytes, j->idx + i0, n, S.xq, j->d_model, j->z + i0);
 }
 
+/* The gate pass over the pool (k > 0), x already in S.xq; the caller holds the call lock. */
+static void gates_pass(const void *bundles, size_t bundle_bytes, const int32_t *idx, int k,
+                       int d_model, float *z) {
+    const int nt = P.n_workers + 1;
+    int n = (k + 63) / 64;
+    n = n > 4 * nt ? 4 * nt : n;
+    gates_job_t j = {bundles, bundle_bytes, idx, k, d_model, ((k + n - 1) / n + 7) / 8 * 8, z};
+    pool_run(gates_chunk, &j, (k + j.ch - 1) / j.ch);
+}
+
 int si_sparse_q4_gates(const void *bundles, size_t bundle_bytes, const int32_t *idx, int k,
                        int d_ff, const float *x, int d_model, float *z) {
     const int err = sparse_args(d_model, 32, 1, k, 0, 0, idx, d_ff);
     if (err) return err;
     if (bundle_bytes < (size_t)d_model / 32 * 18) return EINVAL; /* rows would overlap */
     if (k == 0) return 0;
-    const int nt = P.n_workers + 1;
-    int n = (k + 63) / 64;
-    n = n > 4 * nt ? 4 * nt : n;
-    gates_job_t j = {bundles, bundle_bytes, idx, k, d_model, ((k + n - 1) / n + 7) / 8 * 8, z};
     pthread_mutex_lock(&g_call_lock);
     int e = quantize_rows(x, 1, d_model, 1, 1, 0); /* as sparse_run's, so the same x */
-    if (!e) pool_run(gates_chunk, &j, (k + j.ch - 1) / j.ch);
+    if (!e) gates_pass(bundles, bundle_bytes, idx, k, d_model, z);
     pthread_mutex_unlock(&g_call_lock);
     return e;
 }
@@ -773,11 +779,7 @@ int si_sparse_i8_q4g(const void *rows, const float *scales, int block, int n_mat
     if (!e) e = quantize_rows(x, 1, d_model, 1, 1, 0); /* as si_sparse_q4_gates' */
     int m = 0;
     if (!e) {
-        const int nt = P.n_workers + 1;
-        int n = (k + 63) / 64;
-        n = n > 4 * nt ? 4 * nt : n;
-        gates_job_t gj = {gates, gate_stride, idx, k, d_model, ((k + n - 1) / n + 7) / 8 * 8, GQ.z};
-        pool_run(gates_chunk, &gj, (k + gj.ch - 1) / gj.ch);
+        gates_pass(gates, gate_stride, idx, k, d_model, GQ.z);
         for (int i = 0; i < k; i++)
             if (GQ.z[i] > 0.0f) GQ.nid[m] = idx[i], GQ.g[m++] = GQ.z[i];
     }

@@ -337,7 +337,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
             n_mats = 3 if cfg.ffn.gated else 2
             elt = ROW_BYTES[sparse.ffn_dtype]
             if sparse.q4_gates:  # the gate rows apart: the file's 4-bit rows, not int8
-                nbytes = int((n_mats - 1) * F * D * elt) + F * D // 32 * 18
+                nbytes = int(((n_mats - 1) * elt + ROW_BYTES["q4"]) * F * D)
             else:
                 nbytes = int(n_mats * F * D * elt)
             fc1 = src.extras.get(f"blk.{i}.fc1.weight")
