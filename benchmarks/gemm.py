@@ -9,8 +9,9 @@ and again (its weights stay in cache: the arithmetic rate, GMAC/s); (2) from mem
 of SmolLM2's four projection shapes as distinct matrices (~70 MB, past the last-level cache),
 all of them per pass, the time of one pass (what a decode step's products cost). Weights are
 gguf-py-quantized random values; the CPU model is printed beside the figures. ``--k-quants``:
-the hot measurement of a 4096 x 4096 Q4_K, Q5_K and Q6_K matrix instead (random blocks with
-small positive fp16 scales: gguf-py cannot quantize to K-quants).
+the hot measurement of a 4096 x 4096 Q4_K, Q5_K and Q6_K matrix instead, and Q4_K in the
+loader's panels (random blocks with small positive fp16 scales: gguf-py cannot quantize to
+K-quants).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def k_quants(threads, Ts, rng, cpu_name: str, product) -> None:
     import torch
 
     from sparseinfer import cpu
+    from sparseinfer.cpu.panels import PANEL_TYPES, to_panels
 
     rows = cols = 4096
     fp16_fields = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -101,12 +103,15 @@ def k_quants(threads, Ts, rng, cpu_name: str, product) -> None:
             scale = rng.uniform(0.0, 0.02, (blocks.shape[0], 1)).astype(np.float16)
             blocks[:, off:off + 2] = scale.view(np.uint8)
         mats[name] = cpu.QuantMatrix(name, blocks.reshape(-1), rows, cols)
+        if name in PANEL_TYPES:  # the loader's layout for it (cpu/panels.py)
+            mats[PANEL_TYPES[name]] = cpu.QuantMatrix(
+                PANEL_TYPES[name], to_panels(blocks.reshape(rows, -1), name, rows, cols), rows, cols)
     print(f"# {cpu_name}; K-quants {rows}x{cols}, hot, best of 3 rounds, GMAC/s")
     for nt in threads:
         cpu.set_threads(nt)
         print(f"\n{nt} thread(s)  " + "  ".join(f"{'x' + str(T):>6}" for T in Ts))
         for name, m in mats.items():
-            line = f"  {name:6s}"
+            line = f"  {name:8s}"
             for T in Ts:
                 X, out = torch.randn(T, cols), torch.empty(rows)
                 t = best_of(product(m, X, out), max(20, int(1e9 / (rows * cols * T))))

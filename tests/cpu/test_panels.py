@@ -1,5 +1,6 @@
-"""Q4_0 / Q4_1 / Q8_0 / Q5_0 in panels of 16 rows (cpu/panels.py, the Q4_0x16 / Q4_1x16 /
-Q8_0x16 / Q5_0x16 kernels): the rearrangement (C, against numpy) round-trips and puts the bytes where qgemv.h says;
+"""Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K in panels of 16 rows (cpu/panels.py, the Q4_0x16 / Q4_1x16 /
+Q8_0x16 / Q5_0x16 / Q4_Kx16 kernels): the rearrangement (C, against numpy) round-trips and puts
+the bytes where qgemv.h says;
 the ISAs agree (Q4 bit for bit); a loaded model holds its matrices as panels and still decodes
 what the file's rows decode (tests/cpu/test_qgemv.py compares the kernels with the references
 over shapes, ISAs, threads and batch sizes)."""
@@ -56,18 +57,70 @@ def test_round_trip_and_layout(type_name, threads):
                                         2 * bsize + 2 * words + 4 * c + 4])
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0"])
+def q4_k_rows(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_K blocks (gguf-py only dequantizes them): random bytes, small positive fp16 d
+    and dmin."""
+    blocks = rng.integers(0, 256, (rows * cols // 256, 144), dtype=np.uint8)
+    for off in (0, 2):
+        scale = rng.uniform(0.0, 0.02, (blocks.shape[0], 1)).astype(np.float16)
+        blocks[:, off:off + 2] = scale.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q4_k_round_trip_and_layout(threads):
+    """Q4_K: the C rearrangement equals the numpy one over 35 panels, both undo exactly, and
+    every field sits where qgemv.h says, each six-bit scale and minimum decoded here bit by bit
+    from the file's 12 bytes as llama.cpp's get_scale_min_k4 reads them."""
+    rng = np.random.default_rng(0)
+    rows, cols = 560, 768
+    raw = q4_k_rows(rows, cols, rng)
+    before = cpu.get_threads()
+    cpu.set_threads(threads)
+    try:
+        pan = to_panels(raw, "Q4_K", rows, cols)
+    finally:
+        cpu.set_threads(before)
+    assert pan.shape == (raw.size,)
+    assert np.array_equal(pan, to_panels_ref(raw, "Q4_K", rows, cols))
+    assert np.array_equal(from_panels(pan, "Q4_K", rows, cols), raw)
+    blk = pan.reshape(rows // 16, cols // 256, 2304)[1, 2]  # panel 1, super-block column 2
+    src = raw[16:32, 2 * 144:3 * 144]  # its 16 rows' blocks in the file
+    assert np.array_equal(blk[:32], src[:, 0:2].reshape(-1))  # d x 16
+    assert np.array_equal(blk[32:64], src[:, 2:4].reshape(-1))  # dmin x 16
+    for r in range(16):
+        q = [int(v) for v in src[r, 4:16]]
+        for j in range(8):
+            if j < 4:
+                sc, m = q[j] & 63, q[j + 4] & 63
+            else:
+                sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4)
+                m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+            for off, hoff, v in ((64, 192, sc), (128, 224, m)):
+                assert (int(blk[off + 16 * (j % 4) + r]) >> (4 * (j // 4))) & 15 == v & 15
+                word = int(blk[hoff + 2 * r]) | int(blk[hoff + 1 + 2 * r]) << 8
+                assert (word >> (2 * j)) & 3 == v >> 4
+        for w in range(32):  # quant word w: the file's qs bytes 4w .. 4w + 3
+            assert np.array_equal(blk[256 + 64 * w + 4 * r:256 + 64 * w + 4 * r + 4],
+                                  src[r, 16 + 4 * w:20 + 4 * w])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K"])
 def test_isas_agree(type_name):
-    """Q4 and Q5_0 panels: the AVX-512 and AVX2 kernels do the same integer sums and float
-    operations per row, bit for bit (Q5_0: the same 256-bit code in every build). Q8_0: the AVX-512 kernel adds 128 to every weight and takes it back
+    """Q4 (Q4_K too) and Q5_0 panels: the AVX-512 and AVX2 kernels do the same integer sums and
+    float operations per row, bit for bit (Q5_0: the same 256-bit code in every build). Q8_0: the AVX-512 kernel adds 128 to every weight and takes it back
     in float, so the ISAs agree to float rounding."""
     isas = [i for i in ("avx512", "avx2", "avx2_128") if i in cpu.available_isas()]
     if len(isas) < 2:
         pytest.skip("one instruction set on this CPU")
     rng = np.random.default_rng(1)
     rows, cols = 64, 576
-    raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
-                               gguf.GGMLQuantizationType[type_name])
+    if type_name == "Q4_K":
+        cols = 512
+        raw = q4_k_rows(rows, cols, rng)
+    else:
+        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
+                                   gguf.GGMLQuantizationType[type_name])
     mat = cpu.QuantMatrix(type_name + "x16", to_panels(raw, type_name, rows, cols), rows, cols)
     X = torch.randn(5, cols, generator=torch.Generator().manual_seed(0))
     got = {}
@@ -96,6 +149,8 @@ def test_errors_name_expected_and_found():
         to_panels(raw, "Q4_1", 16, 32)
     with pytest.raises(ValueError, match="rows a multiple of 16, got 20"):
         cpu.QuantMatrix("Q4_1x16", raw, 20, 32)
+    with pytest.raises(ValueError, match="cols of 256, got rows=16 cols=96"):
+        to_panels(np.zeros(16 * 96, np.uint8), "Q4_K", 16, 96)
 
 
 @pytest.mark.slow

@@ -46,6 +46,7 @@ INLINE int ld16(const uint8_t *p) { /* an unaligned 16-bit word */
     return v;
 }
 INLINE float f16(const uint8_t *p) { return _cvtsh_ss((unsigned short)ld16(p)); }
+INLINE __m128i load128(const void *p) { return _mm_loadu_si128((const __m128i *)p); }
 
 /* 8 int32 sums of 4 products each: unsigned bytes a times signed bytes b. */
 INLINE __m256i dot_us(__m256i a, __m256i b) {
@@ -324,7 +325,6 @@ INLINE __m256i pair_q4(const uint8_t *q, const int bsize, const int8_t *xp) {
  * uses per block (vinserti128 to pair the nibble halves, vpermps to broadcast a block's scale)
  * cost several operations, so a block is worked in 128-bit registers with no lane crossing: the
  * low nibbles against x's first 16 bytes, the high ones against its last 16. */
-INLINE __m128i load128(const void *p) { return _mm_loadu_si128((const __m128i *)p); }
 
 /* Bits 0..15 of `bits` -> byte i = 0x10 if bit i is set, else 0. */
 INLINE __m128i bit5_128(uint32_t bits) {
@@ -1139,7 +1139,11 @@ INLINE void rows_f32(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
 #define PANEL_AHEAD 8192 /* bytes: the panel rows' stream fetched this far ahead */
 #endif
 INLINE int panel_bytes(const int type) {
-    return type == SI_Q4_0P ? 16 * 18 : type == SI_Q4_1P ? 16 * 20 : type == SI_Q5_0P ? 16 * 22 : 16 * 34;
+    return type == SI_Q4_0P   ? 16 * 18
+           : type == SI_Q4_1P ? 16 * 20
+           : type == SI_Q5_0P ? 16 * 22
+           : type == SI_Q4_KP ? 16 * 18 /* a super-block column's 16 x 144 bytes per 256 */
+                              : 16 * 34;
 }
 
 INLINE int32_t x_word(const si_xq *x, const int b, const int c) {
@@ -1262,6 +1266,226 @@ INLINE void panel_q4_1(const int type, const uint8_t *p, const si_xq *x, const i
     for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + 8 * h, _mm256_add_ps(acc[h], accm[h]));
 }
 
+/* Q4_K in panels (SI_Q4_KP, qgemv.h): per super-block column of a panel, the 16 rows' d and
+ * dmin, their six-bit sub-block scales and minima (low nibbles two to a byte, row by row; the
+ * top two bits of a row's 8 in one 16-bit word), then each pair of sub-blocks' 32 quant bytes as
+ * 8 words of 16 rows x 4 bytes. Sub-block j is the low (j even) or high (j odd) nibbles of pair
+ * j / 2, so a 32-weight sub-block is a Q4_1 block to the panel kernels: per x row, 8 integer dot
+ * products of 4 x bytes against 4 weights of each of 16 rows, then y_r += (d_r sc_rj) x_d *
+ * sum_r + (-dmin_r m_rj) x_s, the two terms in separate accumulators added at the end (the
+ * scale and minimum products are exact in float: 11 x 6 bits). The GEMV is the same arithmetic
+ * with one x row, and the AVX2 builds' two halves do the same integer sums and float operations
+ * per row: every GEMM row is its GEMV bit for bit, on every ISA. Against the row-major K-quant
+ * kernels: no horizontal sums and no permutes of the 8 sub-block scales to lanes, each
+ * super-block's scales decoded once for all the pass's x rows. */
+#define K4P_BYTES (16 * 144) /* one super-block column of a panel */
+
+/* Half h (rows 8h .. 8h + 7) of a super-block column's fields: d, -dmin, and the top bits of
+ * the scales and minima as 8 int32 each. */
+typedef struct {
+    __m256 d, nmin;
+    __m256i hs, hm;
+} k4p_fields8;
+INLINE k4p_fields8 k4p_half_fields(const uint8_t *pb, const int h) {
+    k4p_fields8 f;
+    f.d = _mm256_cvtph_ps(load128(pb + 16 * h));
+    f.nmin = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(load128(pb + 32 + 16 * h)));
+    f.hs = _mm256_cvtepu16_epi32(load128(pb + 192 + 16 * h));
+    f.hm = _mm256_cvtepu16_epi32(load128(pb + 224 + 16 * h));
+    return f;
+}
+/* Lanes of sub-block j's six-bit fields (scales: lo = pb + 64, top = f.hs; minima: pb + 128,
+ * f.hm) of half h as 8 int32. */
+INLINE __m256i k4p_six8(const uint8_t *lo, const __m256i top, const int j, const int h) {
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(lo + 16 * (j & 3) + 8 * h)));
+    if (j >= 4) a = _mm256_srli_epi32(a, 4);
+    a = _mm256_and_si256(a, _mm256_set1_epi32(15));
+    const __m256i t = _mm256_and_si256(_mm256_srli_epi32(top, 2 * j), _mm256_set1_epi32(3));
+    return _mm256_or_si256(a, _mm256_slli_epi32(t, 4));
+}
+/* Sub-block j's scale products d sc (S) and minimum terms -dmin m (M) of half h. */
+INLINE void k4p_sm8(const uint8_t *pb, const k4p_fields8 *f, const int j, const int h, __m256 *S,
+                    __m256 *M) {
+    *S = _mm256_mul_ps(_mm256_cvtepi32_ps(k4p_six8(pb + 64, f->hs, j, h)), f->d);
+    *M = _mm256_mul_ps(_mm256_cvtepi32_ps(k4p_six8(pb + 128, f->hm, j, h)), f->nmin);
+}
+/* Half h (rows 8h .. 8h + 7) of sub-block j as unsigned bytes, word c in w[c]. */
+INLINE void k4p_half(const uint8_t *pb, const int j, const int h, __m256i *w) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const uint8_t *q = pb + 256 + 512 * (j >> 1) + 32 * h;
+    for (int c = 0; c < 8; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * c));
+        w[c] = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(v, 4) : v, m4);
+    }
+}
+/* Their 8 rows' integer sums against x block b: the 8 words' products summed in int16 (at most 8
+ * x 2 x 15 x 127 = 30480: no saturation), widened once. */
+INLINE __m256i k4p_half_dot(const __m256i *w, const si_xq *x, const int b) {
+    __m256i s16 = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++)
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(x_word(x, b, c))));
+    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+}
+
+#if SI_AVX512
+/* Sub-block j's fields of all 16 rows as 16 int32 (k4p_six8's, in one 512-bit register). */
+INLINE __m512i k4p_six16(const uint8_t *f, const __m512i hw, const int j) {
+    __m512i a = _mm512_cvtepu8_epi32(load128(f + 16 * (j & 3)));
+    if (j >= 4) a = _mm512_srli_epi32(a, 4);
+    a = _mm512_and_si512(a, _mm512_set1_epi32(15));
+    const __m512i h = _mm512_and_si512(_mm512_srli_epi32(hw, 2 * j), _mm512_set1_epi32(3));
+    return _mm512_or_si512(a, _mm512_slli_epi32(h, 4));
+}
+/* panel_k4 (below) for one x row: a pair of sub-blocks per pass over its quant words (each
+ * loaded once for both nibbles), their integer sums in four independent chains; the same float
+ * operations per row in the same order (the integer sums are exact: the same bits). */
+INLINE void panel_k4_1(const uint8_t *p, const si_xq *x, const int nsb, float *y) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *pb = p + (size_t)sb * K4P_BYTES;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
+        const __m512 nmin = _mm512_sub_ps(_mm512_setzero_ps(),
+                                          _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32))));
+        const __m512i hs = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pb + 192)));
+        const __m512i hm = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pb + 224)));
+        for (int pr = 0; pr < 4; pr++) {
+            const uint8_t *q = pb + 256 + 512 * pr;
+            const int b0 = 8 * sb + 2 * pr, b1 = b0 + 1;
+            __m512i s[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                            _mm512_setzero_si512()};
+            for (int c = 0; c < 8; c++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(q + 64 * c));
+                const int k = c >> 2; /* words 0..3 and 4..7 in separate chains */
+                s[k] = _mm512_dpbusd_epi32(s[k], _mm512_and_si512(v, m4), _mm512_set1_epi32(x_word(x, b0, c)));
+                s[2 + k] = _mm512_dpbusd_epi32(s[2 + k], _mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
+                                               _mm512_set1_epi32(x_word(x, b1, c)));
+            }
+            const int j0 = 2 * pr, j1 = j0 + 1;
+            const __m512 S0 = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 64, hs, j0)), d);
+            const __m512 M0 = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 128, hm, j0)), nmin);
+            const __m512 S1 = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 64, hs, j1)), d);
+            const __m512 M1 = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 128, hm, j1)), nmin);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[0], s[1])),
+                                  _mm512_mul_ps(S0, _mm512_set1_ps(x->d[b0])), acc);
+            accm = _mm512_fmadd_ps(M0, _mm512_set1_ps(x->s[b0]), accm);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[2], s[3])),
+                                  _mm512_mul_ps(S1, _mm512_set1_ps(x->d[b1])), acc);
+            accm = _mm512_fmadd_ps(M1, _mm512_set1_ps(x->s[b1]), accm);
+        }
+    }
+    _mm512_storeu_ps(y, _mm512_add_ps(acc, accm));
+}
+/* 16 rows (the panel at p, nsb super-block columns) against nt <= PANEL_T x rows: y[t * ys + r]. */
+INLINE void panel_k4(const uint8_t *p, const si_xq *x, const int nt, const int nsb, float *y,
+                     const int64_t ys) {
+    if (nt == 1) {
+        panel_k4_1(p, x, nsb, y);
+        return;
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[PANEL_T], accm[PANEL_T];
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *pb = p + (size_t)sb * K4P_BYTES;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
+        const __m512 nmin = _mm512_sub_ps(_mm512_setzero_ps(),
+                                          _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32))));
+        const __m512i hs = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pb + 192)));
+        const __m512i hm = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pb + 224)));
+        for (int j = 0; j < 8; j++) {
+            for (int o = 320 * j; o < 320 * j + 320 && o < K4P_BYTES; o += 64)
+                _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+            const __m512 S = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 64, hs, j)), d);
+            const __m512 M = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 128, hm, j)), nmin);
+            const uint8_t *q = pb + 256 + 512 * (j >> 1);
+            __m512i w[8];
+            for (int c = 0; c < 8; c++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(q + 64 * c));
+                w[c] = _mm512_and_si512((j & 1) ? _mm512_srli_epi16(v, 4) : v, m4);
+            }
+            const int b = 8 * sb + j;
+#pragma GCC unroll 8
+            for (int t = 0; t < nt; t++) {
+                __m512i sum = _mm512_setzero_si512();
+                for (int c = 0; c < 8; c++)
+                    sum = _mm512_dpbusd_epi32(sum, w[c], _mm512_set1_epi32(x_word(&x[t], b, c)));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(S, _mm512_set1_ps(x[t].d[b])),
+                                         acc[t]);
+                accm[t] = _mm512_fmadd_ps(M, _mm512_set1_ps(x[t].s[b]), accm[t]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; t++) _mm512_storeu_ps(y + t * ys, _mm512_add_ps(acc[t], accm[t]));
+}
+#else
+/* The AVX2 builds: two halves of 8 rows, one after the other over the panel for several x rows
+ * (as panel_q4), both per sub-block for one (as panel_q4_1); the same operations per row. */
+INLINE void panel_k4(const uint8_t *p, const si_xq *x, const int nt, const int nsb, float *y,
+                     const int64_t ys) {
+    if (nt == 1) { /* a pair of sub-blocks per pass over its quant words, each loaded once */
+        const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {acc[0], acc[1]};
+        for (int sb = 0; sb < nsb; sb++) {
+            const uint8_t *pb = p + (size_t)sb * K4P_BYTES;
+            for (int h = 0; h < 2; h++) {
+                const k4p_fields8 f = k4p_half_fields(pb, h);
+                for (int pr = 0; pr < 4; pr++) {
+                    const int j0 = 2 * pr, b0 = 8 * sb + j0;
+                    const uint8_t *q = pb + 256 + 512 * pr + 32 * h;
+                    __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+                    for (int c = 0; c < 8; c++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * c));
+                        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(v, m4),
+                                                                       _mm256_set1_epi32(x_word(x, b0, c))));
+                        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                                                                       _mm256_set1_epi32(x_word(x, b0 + 1, c))));
+                    }
+                    for (int k = 0; k < 2; k++) {
+                        __m256 S, M;
+                        k4p_sm8(pb, &f, j0 + k, h, &S, &M);
+                        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(k ? s1 : s0, one)),
+                                                 _mm256_mul_ps(S, _mm256_set1_ps(x->d[b0 + k])), acc[h]);
+                        accm[h] = _mm256_fmadd_ps(M, _mm256_set1_ps(x->s[b0 + k]), accm[h]);
+                    }
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + 8 * h, _mm256_add_ps(acc[h], accm[h]));
+        return;
+    }
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[PANEL_T], accm[PANEL_T];
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
+        for (int sb = 0; sb < nsb; sb++) {
+            const uint8_t *pb = p + (size_t)sb * K4P_BYTES;
+            const k4p_fields8 f = k4p_half_fields(pb, h);
+            for (int j = 0; j < 8; j++) {
+                if (h == 0)
+                    for (int o = 320 * j; o < 320 * j + 320 && o < K4P_BYTES; o += 64)
+                        _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+                __m256 S, M;
+                __m256i w[8];
+                k4p_sm8(pb, &f, j, h, &S, &M);
+                k4p_half(pb, j, h, w);
+                const int b = 8 * sb + j;
+#pragma GCC unroll 8
+                for (int t = 0; t < nt; t++) {
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k4p_half_dot(w, &x[t], b)),
+                                             _mm256_mul_ps(S, _mm256_set1_ps(x[t].d[b])), acc[t]);
+                    accm[t] = _mm256_fmadd_ps(M, _mm256_set1_ps(x[t].s[b]), accm[t]);
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * h, _mm256_add_ps(acc[t], accm[t]));
+    }
+}
+#endif
+
 #if SI_AVX512
 /* 16 rows (the panel at p, nb block columns) against nt <= PANEL_T x rows: y[t * ys + r]. Per
  * block column, 8 vectors of unsigned weight bytes, word c of the x block against vector c:
@@ -1270,6 +1494,10 @@ INLINE void panel_q4_1(const int type, const uint8_t *p, const si_xq *x, const i
  * (m = -128 d; Q4_0: -8 d; Q4_1: the block's m), against x's s. */
 INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
                   float *y, const int64_t ys) {
+    if (type == SI_Q4_KP) {
+        panel_k4(p, x, nt, nb / 8, y, ys);
+        return;
+    }
     if (type == SI_Q5_0P) {
         if (nt == 1) panel_q4_1(type, p, x, nb, y);
         else panel_q4(type, p, x, nt, nb, y, ys);
@@ -1364,6 +1592,10 @@ INLINE void panel_q8_1(const uint8_t *p, const si_xq *x, const int nb, float *y)
 }
 INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
                   float *y, const int64_t ys) {
+    if (type == SI_Q4_KP) {
+        panel_k4(p, x, nt, nb / 8, y, ys);
+        return;
+    }
     if (type == SI_Q8_0P) {
         if (nt == 1) panel_q8_1(p, x, nb, y);
         else panel_q8(p, x, nt, nb, y, ys);
@@ -1390,6 +1622,7 @@ static void panel_rows(const int type, const uint8_t *w, const int nrows, const 
         if (type == SI_Q4_0P) PR(SI_Q4_0P, N);                                                 \
         else if (type == SI_Q4_1P) PR(SI_Q4_1P, N);                                            \
         else if (type == SI_Q5_0P) PR(SI_Q5_0P, N);                                            \
+        else if (type == SI_Q4_KP) PR(SI_Q4_KP, N);                                            \
         else PR(SI_Q8_0P, N);                                                                  \
         break
         switch (nt) {

@@ -1,6 +1,7 @@
-"""Q4_0 / Q4_1 / Q8_0 / Q5_0 weights rearranged in panels of 16 rows for the C kernels (types
-``Q4_0x16`` / ``Q4_1x16`` / ``Q8_0x16`` / ``Q5_0x16``; layout in ``qgemv.h``; Q5_0's fifth bits
-transposed within their word): one integer dot product then
+"""Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K weights rearranged in panels of 16 rows for the C kernels
+(types ``Q4_0x16`` / ``Q4_1x16`` / ``Q8_0x16`` / ``Q5_0x16`` / ``Q4_Kx16``; layout in
+``qgemv.h``; Q5_0's fifth bits transposed within their word; Q4_K's six-bit scales and minima
+regrouped, each sub-block of 32 a block to the kernels): one integer dot product then
 multiplies 4 bytes of the input with 4 weights of each of 16 rows, and the products stay in one
 lane per row, so a GEMM over a few input rows does a third to half of the instructions of the
 row-major kernels (a batched decode step, a prompt). The bytes per row are the file's; the
@@ -17,10 +18,12 @@ import numpy as np
 
 PANEL = 16  # rows per panel
 # the file's type -> its panel type (cpu.TYPES)
-PANEL_TYPES = {"Q4_0": "Q4_0x16", "Q4_1": "Q4_1x16", "Q8_0": "Q8_0x16", "Q5_0": "Q5_0x16"}
+PANEL_TYPES = {"Q4_0": "Q4_0x16", "Q4_1": "Q4_1x16", "Q8_0": "Q8_0x16", "Q5_0": "Q5_0x16",
+               "Q4_K": "Q4_Kx16"}
 FILE_TYPES = {v: k for k, v in PANEL_TYPES.items()}
 # fp16 words (scale, Q4_1's minimum) per block, block bytes; the rest are 4-byte quant words
-_FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34), "Q5_0": (1, 22)}
+_FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34), "Q5_0": (1, 22), "Q4_K": (2, 144)}
+_ELEMS = {"Q4_K": 256}  # weights per block (32 for the others)
 # Q5_0's first 4-byte word (its 32 fifth bits) is stored transposed: bit 8k + s <- bit 4s + k
 # (bit order within the little-endian word), so a shift lines up one quant word's bits
 _BITS_T = np.array([4 * (b % 8) + b // 8 for b in range(32)])
@@ -43,11 +46,12 @@ def check_panel_shape(raw: np.ndarray, type_name: str, rows: int, cols: int
     of ``rows`` x ``cols`` held in ``raw``; ValueError saying what was expected otherwise."""
     if type_name not in _FIELDS:
         raise ValueError(f"type: expected one of {list(_FIELDS)}, got {type_name!r}")
-    if rows < 1 or rows % PANEL or cols < 32 or cols % 32:
+    elems = _ELEMS.get(type_name, 32)
+    if rows < 1 or rows % PANEL or cols < elems or cols % elems:
         raise ValueError(f"{type_name} panels: expected rows a multiple of {PANEL} and cols of "
-                         f"32, got rows={rows} cols={cols}")
+                         f"{elems}, got rows={rows} cols={cols}")
     words, bsize = _FIELDS[type_name]
-    nb = cols // 32
+    nb = cols // elems
     if raw.size != rows * nb * bsize:
         raise ValueError(f"{type_name} [{rows}, {cols}]: expected {rows * nb * bsize} bytes, "
                          f"got {raw.size}")
@@ -67,6 +71,8 @@ def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.n
     minima), then their quant words (4 per Q4 block, 8 per Q8_0; Q5_0: its fifth-bit word,
     transposed, then 4), word by word."""
     words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
+    if type_name == "Q4_K":
+        return _k4_to_panels(np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, 144))
     nq = (bsize - 2 * words) // 4  # quant words per block
     blk = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, bsize)
     scales = blk[..., : 2 * words].reshape(-1, PANEL, nb, words, 2)  # (P, 16, nb, words, 2)
@@ -83,6 +89,9 @@ def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.n
 def from_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
     """``to_panels`` undone: the file's rows (uint8, rows x row bytes)."""
     words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
+    if type_name == "Q4_K":
+        return _k4_from_panels(np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, nb, 2304),
+                               rows)
     nq = (bsize - 2 * words) // 4
     pan = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, nb, bsize * PANEL)
     scales = pan[..., : 2 * words * PANEL].reshape(-1, nb, words, PANEL, 2)
@@ -93,3 +102,55 @@ def from_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.nda
     if type_name == "Q5_0":
         out[..., 2:6] = _transpose_bits(out[..., 2:6], inverse=True)
     return out.reshape(rows, nb * bsize)
+
+
+def _k4_fields(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 scale bytes (uint8 [..., 12]) -> its 8 six-bit scales and 8 minima."""
+    a, b, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
+    m = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return sc, m
+
+
+def _k4_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """``_k4_fields`` undone: the 12 scale bytes."""
+    a = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    b = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
+    c = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    return np.concatenate([a, b, c], axis=-1).astype(np.uint8)
+
+
+def _k4_to_panels(blk: np.ndarray) -> np.ndarray:
+    """Q4_K blocks (P, 16 rows, nsb, 144) -> Q4_Kx16 panels, flat (layout in qgemv.h)."""
+    P, _, nsb, _ = blk.shape
+    out = np.empty((P, nsb, 2304), dtype=np.uint8)
+    out[..., :64] = blk[..., :4].reshape(P, PANEL, nsb, 2, 2).transpose(0, 2, 3, 1, 4).reshape(
+        P, nsb, 64)  # d x 16, then dmin x 16
+    for (off, hoff), f in zip(((64, 192), (128, 224)), _k4_fields(blk[..., 4:16])):
+        lo = (f[..., :4] & 15) | ((f[..., 4:] & 15) << 4)  # (P, 16, nsb, 4)
+        out[..., off:off + 64] = lo.transpose(0, 2, 3, 1).reshape(P, nsb, 64)
+        hi = sum(((f[..., j].astype(np.uint16) >> 4) & 3) << (2 * j) for j in range(8))
+        out[..., hoff:hoff + 32] = np.ascontiguousarray(
+            hi.astype("<u2").transpose(0, 2, 1)).view(np.uint8).reshape(P, nsb, 32)
+    quants = blk[..., 16:].reshape(P, PANEL, nsb, 32, 4).transpose(0, 2, 3, 1, 4)
+    out[..., 256:] = quants.reshape(P, nsb, 2048)
+    return out.reshape(-1)
+
+
+def _k4_from_panels(pan: np.ndarray, rows: int) -> np.ndarray:
+    """``_k4_to_panels`` undone: the file's rows (uint8, rows x row bytes)."""
+    P, nsb, _ = pan.shape
+    out = np.empty((P, PANEL, nsb, 144), dtype=np.uint8)
+    out[..., :4] = pan[..., :64].reshape(P, nsb, 2, PANEL, 2).transpose(0, 3, 1, 2, 4).reshape(
+        P, PANEL, nsb, 4)
+    fields = []
+    for off, hoff in ((64, 192), (128, 224)):
+        lo = pan[..., off:off + 64].reshape(P, nsb, 4, PANEL).transpose(0, 3, 1, 2)  # (P,16,nsb,4)
+        hi = np.ascontiguousarray(pan[..., hoff:hoff + 32]).view("<u2").reshape(
+            P, nsb, PANEL).transpose(0, 2, 1)  # (P, 16, nsb)
+        top = np.stack([(hi >> (2 * j)) & 3 for j in range(8)], axis=-1).astype(np.uint8) << 4
+        fields.append(np.concatenate([lo & 15, lo >> 4], axis=-1) | top)
+    out[..., 4:16] = _k4_bytes(*fields)
+    out[..., 16:] = pan[..., 256:].reshape(P, nsb, 32, PANEL, 4).transpose(0, 3, 1, 2, 4).reshape(
+        P, PANEL, nsb, 128)
+    return out.reshape(rows, nsb * 144)

@@ -29,15 +29,15 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 20
+#define SI_ABI_VERSION 21
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
 
 /* ------------------------------------------------------------------ types */
 
-static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32, 32};
-static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34, 22};
+static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32, 32, 256};
+static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34, 22, 144};
 
 int si_abi_version(void) { return SI_ABI_VERSION; }
 int si_block_elems(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_ELEMS[type] : 0; }
@@ -1385,10 +1385,57 @@ static void panel_chunk(const void *jp, int64_t c) {
         }
 }
 
-/* Q4_0 / Q4_1 / Q5_0 / Q8_0 rows (src: rows x cols / 32 blocks, as the file stores them) into
- * panels of 16 rows (dst, the same size; layout of SI_Q4_0P ... SI_Q5_0P in qgemv.h), on the
- * pool. */
+/* Q4_K rows into SI_Q4_KP panels (qgemv.h): per row and super-block, its d and dmin words, its
+ * 8 six-bit scales and minima (the 12 bytes unpacked as the kernels' scales_k does) regrouped,
+ * and its 32 quant words (j->nb: super-blocks per row). */
+static void panel_chunk_k4(const void *jp, int64_t c) {
+    const panel_job *j = jp;
+    const size_t rb = (size_t)j->nb * 144, pb = (size_t)SI_PANEL * 144;
+    const int64_t p1 = (c + 1) * j->panels_per_chunk < j->n_panels ? (c + 1) * j->panels_per_chunk
+                                                                     : j->n_panels;
+    for (int64_t p = c * j->panels_per_chunk; p < p1; p++)
+        for (int r = 0; r < SI_PANEL; r++) {
+            const uint8_t *q = j->src + ((size_t)p * SI_PANEL + r) * rb;
+            uint8_t *o = j->dst + (size_t)p * j->nb * pb;
+            for (int b = 0; b < j->nb; b++, q += 144, o += pb) {
+                const uint8_t *s = q + 4;
+                uint8_t sc[8], m[8];
+                for (int k = 0; k < 4; k++) {
+                    sc[k] = s[k] & 63;
+                    m[k] = s[4 + k] & 63;
+                    sc[4 + k] = (uint8_t)((s[8 + k] & 15) | ((s[k] >> 6) << 4));
+                    m[4 + k] = (uint8_t)((s[8 + k] >> 4) | ((s[4 + k] >> 6) << 4));
+                }
+                memcpy(o + 2 * r, q, 2);
+                memcpy(o + 32 + 2 * r, q + 2, 2);
+                uint16_t hs = 0, hm = 0;
+                for (int k = 0; k < 8; k++) {
+                    if (k < 4) {
+                        o[64 + 16 * k + r] = (uint8_t)((sc[k] & 15) | ((sc[k + 4] & 15) << 4));
+                        o[128 + 16 * k + r] = (uint8_t)((m[k] & 15) | ((m[k + 4] & 15) << 4));
+                    }
+                    hs |= (uint16_t)((sc[k] >> 4) << (2 * k));
+                    hm |= (uint16_t)((m[k] >> 4) << (2 * k));
+                }
+                memcpy(o + 192 + 2 * r, &hs, 2);
+                memcpy(o + 224 + 2 * r, &hm, 2);
+                for (int w = 0; w < 32; w++) memcpy(o + 256 + 64 * w + 4 * r, q + 16 + 4 * w, 4);
+            }
+        }
+}
+
+/* Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K rows (src: as the file stores them) into panels of 16 rows
+ * (dst, the same size; layout of SI_Q4_0P ... SI_Q4_KP in qgemv.h), on the pool. */
 int si_to_panels(int type, const uint8_t *src, int64_t rows, int cols, uint8_t *dst) {
+    if (type == SI_Q4_K) {
+        if (rows < SI_PANEL || rows % SI_PANEL || cols < 256 || cols % 256) return EINVAL;
+        panel_job j = {src, dst, 0, 0, 144, cols / 256, 0, 0, rows / SI_PANEL};
+        j.panels_per_chunk = (j.n_panels + 31) / 32;
+        pthread_mutex_lock(&g_call_lock);
+        pool_run(panel_chunk_k4, &j, (j.n_panels + j.panels_per_chunk - 1) / j.panels_per_chunk);
+        pthread_mutex_unlock(&g_call_lock);
+        return 0;
+    }
     if ((type != SI_Q4_0 && type != SI_Q4_1 && type != SI_Q5_0 && type != SI_Q8_0) ||
         rows < SI_PANEL || rows % SI_PANEL || cols < 32 || cols % 32)
         return EINVAL;

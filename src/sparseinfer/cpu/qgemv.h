@@ -38,12 +38,21 @@ enum si_type {
      * k, low nibble for s < 4, high for s >= 4: one shift puts the bits of all 4 bytes of a word
      * at bit 4 of their bytes. */
     SI_Q5_0P = 13,
-    SI_N_TYPES = 14,
+    /* Q4_K in panels: per super-block column (256 weights) of a panel, 2304 bytes: [d x 16
+     * (fp16), dmin x 16 (fp16), scales' low nibbles: 4 x 16 bytes (byte k of row r: sc[k] & 15 |
+     * (sc[k + 4] & 15) << 4), minima's the same, scales' top bits: 16 words (row r's: bits 2j,
+     * 2j + 1 = sc[j] >> 4), minima's the same, quants: 32 x (16 rows x 4 bytes)], where quant
+     * word 8p + c of row r is bytes 32p + 4c .. 32p + 4c + 3 of its qs (sub-block 2p in their low
+     * nibbles, 2p + 1 in the high). sc[j], m[j]: the six-bit fields of the file's 12 scale bytes.
+     * The same bytes per row as the file. */
+    SI_Q4_KP = 14,
+    SI_N_TYPES = 15,
 };
-#define SI_PANEL 16 /* rows per panel of SI_Q4_0P / SI_Q4_1P / SI_Q8_0P / SI_Q5_0P */
+#define SI_PANEL 16 /* rows per panel of SI_Q4_0P ... SI_Q4_KP */
 
 static inline int si_is_panel(int type) {
-    return type == SI_Q4_0P || type == SI_Q4_1P || type == SI_Q8_0P || type == SI_Q5_0P;
+    return type == SI_Q4_0P || type == SI_Q4_1P || type == SI_Q8_0P || type == SI_Q5_0P ||
+           type == SI_Q4_KP;
 }
 
 /* One quantized activation vector: q[cols] int8, d[cols/32], s[cols/32]; f the fp32 source (F16
