@@ -1,5 +1,5 @@
-"""Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K in panels of 16 rows (cpu/panels.py, the Q4_0x16 / Q4_1x16 /
-Q8_0x16 / Q5_0x16 / Q4_Kx16 kernels): the rearrangement (C, against numpy) round-trips and puts
+"""Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K in panels of 16 rows (cpu/panels.py, the Q4_0x16 ...
+Q5_Kx16 kernels): the rearrangement (C, against numpy) round-trips and puts
 the bytes where qgemv.h says;
 the ISAs agree (Q4 bit for bit); a loaded model holds its matrices as panels and still decodes
 what the file's rows decode (tests/cpu/test_qgemv.py compares the kernels with the references
@@ -57,10 +57,10 @@ def test_round_trip_and_layout(type_name, threads):
                                         2 * bsize + 2 * words + 4 * c + 4])
 
 
-def q4_k_rows(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K blocks (gguf-py only dequantizes them): random bytes, small positive fp16 d
-    and dmin."""
-    blocks = rng.integers(0, 256, (rows * cols // 256, 144), dtype=np.uint8)
+def k_rows(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_K / Q5_K blocks (gguf-py only dequantizes them): random bytes, small positive
+    fp16 d and dmin."""
+    blocks = rng.integers(0, 256, (rows * cols // 256, cpu.TYPES[type_name][2]), dtype=np.uint8)
     for off in (0, 2):
         scale = rng.uniform(0.0, 0.02, (blocks.shape[0], 1)).astype(np.float16)
         blocks[:, off:off + 2] = scale.view(np.uint8)
@@ -68,24 +68,26 @@ def q4_k_rows(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_q4_k_round_trip_and_layout(threads):
-    """Q4_K: the C rearrangement equals the numpy one over 35 panels, both undo exactly, and
-    every field sits where qgemv.h says, each six-bit scale and minimum decoded here bit by bit
-    from the file's 12 bytes as llama.cpp's get_scale_min_k4 reads them."""
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
+def test_k_quant_round_trip_and_layout(type_name, threads):
+    """Q4_K / Q5_K: the C rearrangement equals the numpy one over 35 panels, both undo exactly,
+    and every field sits where qgemv.h says, each six-bit scale and minimum decoded here bit by
+    bit from the file's 12 bytes as llama.cpp's get_scale_min_k4 reads them."""
     rng = np.random.default_rng(0)
     rows, cols = 560, 768
-    raw = q4_k_rows(rows, cols, rng)
+    bsize = cpu.TYPES[type_name][2]
+    raw = k_rows(type_name, rows, cols, rng)
     before = cpu.get_threads()
     cpu.set_threads(threads)
     try:
-        pan = to_panels(raw, "Q4_K", rows, cols)
+        pan = to_panels(raw, type_name, rows, cols)
     finally:
         cpu.set_threads(before)
     assert pan.shape == (raw.size,)
-    assert np.array_equal(pan, to_panels_ref(raw, "Q4_K", rows, cols))
-    assert np.array_equal(from_panels(pan, "Q4_K", rows, cols), raw)
-    blk = pan.reshape(rows // 16, cols // 256, 2304)[1, 2]  # panel 1, super-block column 2
-    src = raw[16:32, 2 * 144:3 * 144]  # its 16 rows' blocks in the file
+    assert np.array_equal(pan, to_panels_ref(raw, type_name, rows, cols))
+    assert np.array_equal(from_panels(pan, type_name, rows, cols), raw)
+    blk = pan.reshape(rows // 16, cols // 256, 16 * bsize)[1, 2]  # panel 1, super-block column 2
+    src = raw[16:32, 2 * bsize:3 * bsize]  # its 16 rows' blocks in the file
     assert np.array_equal(blk[:32], src[:, 0:2].reshape(-1))  # d x 16
     assert np.array_equal(blk[32:64], src[:, 2:4].reshape(-1))  # dmin x 16
     for r in range(16):
@@ -100,14 +102,18 @@ def test_q4_k_round_trip_and_layout(threads):
                 assert (int(blk[off + 16 * (j % 4) + r]) >> (4 * (j // 4))) & 15 == v & 15
                 word = int(blk[hoff + 2 * r]) | int(blk[hoff + 1 + 2 * r]) << 8
                 assert (word >> (2 * j)) & 3 == v >> 4
+        qo, qs = (256, 16) if type_name == "Q4_K" else (768, 48)
         for w in range(32):  # quant word w: the file's qs bytes 4w .. 4w + 3
+            assert np.array_equal(blk[qo + 64 * w + 4 * r:qo + 64 * w + 4 * r + 4],
+                                  src[r, qs + 4 * w:qs + 4 + 4 * w])
+        for w in range(8 if type_name == "Q5_K" else 0):  # fifth-bit word w: qh bytes 4w ..
             assert np.array_equal(blk[256 + 64 * w + 4 * r:256 + 64 * w + 4 * r + 4],
                                   src[r, 16 + 4 * w:20 + 4 * w])
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_K"])
 def test_isas_agree(type_name):
-    """Q4 (Q4_K too) and Q5_0 panels: the AVX-512 and AVX2 kernels do the same integer sums and
+    """Q4 (Q4_K too), Q5_0 and Q5_K panels: the AVX-512 and AVX2 kernels do the same integer sums and
     float operations per row, bit for bit (Q5_0: the same 256-bit code in every build). Q8_0: the AVX-512 kernel adds 128 to every weight and takes it back
     in float, so the ISAs agree to float rounding."""
     isas = [i for i in ("avx512", "avx2", "avx2_128") if i in cpu.available_isas()]
@@ -115,9 +121,9 @@ def test_isas_agree(type_name):
         pytest.skip("one instruction set on this CPU")
     rng = np.random.default_rng(1)
     rows, cols = 64, 576
-    if type_name == "Q4_K":
+    if type_name in ("Q4_K", "Q5_K"):
         cols = 512
-        raw = q4_k_rows(rows, cols, rng)
+        raw = k_rows(type_name, rows, cols, rng)
     else:
         raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
                                    gguf.GGMLQuantizationType[type_name])
@@ -184,3 +190,15 @@ def test_weight_source_gives_panels_or_the_files_rows(smollm2_path):
     assert (kind, kind0, rows) == ("Q4_1x16", "Q4_1", 576)
     assert not raw0.flags.writeable  # the read-only map itself
     assert np.array_equal(from_panels(raw, "Q4_1", 576, 1536), raw0)
+
+
+def test_panel_type_by_isa():
+    """The loader's choice: every panel type on AVX-512 and avx2_128, Q5_K kept as rows for plain
+    AVX2's kernels (their panel GEMV read slower from memory); types without panels stay rows."""
+    from sparseinfer.cpu.panels import PANEL_TYPES, panel_type
+
+    for isa in ("avx512", "avx2_128"):
+        assert {t: panel_type(t, isa) for t in PANEL_TYPES} == PANEL_TYPES
+    assert panel_type("Q5_K", "avx2") is None and panel_type("Q4_K", "avx2") == "Q4_Kx16"
+    assert panel_type("Q6_K", "avx512") is None and panel_type("F16", "avx2") is None
+    assert panel_type("Q4_1") == "Q4_1x16"  # the active kernels

@@ -1143,6 +1143,7 @@ INLINE int panel_bytes(const int type) {
            : type == SI_Q4_1P ? 16 * 20
            : type == SI_Q5_0P ? 16 * 22
            : type == SI_Q4_KP ? 16 * 18 /* a super-block column's 16 x 144 bytes per 256 */
+           : type == SI_Q5_KP ? 16 * 22 /* 16 x 176 per 256 */
                               : 16 * 34;
 }
 
@@ -1266,19 +1267,22 @@ INLINE void panel_q4_1(const int type, const uint8_t *p, const si_xq *x, const i
     for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + 8 * h, _mm256_add_ps(acc[h], accm[h]));
 }
 
-/* Q4_K in panels (SI_Q4_KP, qgemv.h): per super-block column of a panel, the 16 rows' d and
- * dmin, their six-bit sub-block scales and minima (low nibbles two to a byte, row by row; the
- * top two bits of a row's 8 in one 16-bit word), then each pair of sub-blocks' 32 quant bytes as
- * 8 words of 16 rows x 4 bytes. Sub-block j is the low (j even) or high (j odd) nibbles of pair
- * j / 2, so a 32-weight sub-block is a Q4_1 block to the panel kernels: per x row, 8 integer dot
- * products of 4 x bytes against 4 weights of each of 16 rows, then y_r += (d_r sc_rj) x_d *
- * sum_r + (-dmin_r m_rj) x_s, the two terms in separate accumulators added at the end (the
- * scale and minimum products are exact in float: 11 x 6 bits). The GEMV is the same arithmetic
- * with one x row, and the AVX2 builds' two halves do the same integer sums and float operations
- * per row: every GEMM row is its GEMV bit for bit, on every ISA. Against the row-major K-quant
- * kernels: no horizontal sums and no permutes of the 8 sub-block scales to lanes, each
- * super-block's scales decoded once for all the pass's x rows. */
-#define K4P_BYTES (16 * 144) /* one super-block column of a panel */
+/* Q4_K and Q5_K in panels (SI_Q4_KP, SI_Q5_KP, qgemv.h): per super-block column of a panel, the
+ * 16 rows' d and dmin, their six-bit sub-block scales and minima (low nibbles two to a byte, row
+ * by row; the top two bits of a row's 8 in one 16-bit word), Q5_K's fifth bits as 8 words of 16
+ * rows x 4 bytes, then each pair of sub-blocks' 32 quant bytes as 8 such words. Sub-block j is
+ * the low (j even) or high (j odd) nibbles of pair j / 2, with bit j of the fifth-bit bytes, so
+ * a 32-weight sub-block is a Q4_1 block to the panel kernels: per x row, 8 integer dot products
+ * of 4 x bytes against 4 weights of each of 16 rows, then y_r += (d_r sc_rj) x_d * sum_r +
+ * (-dmin_r m_rj) x_s, the two terms in separate accumulators added at the end (the scale and
+ * minimum products are exact in float: 11 x 6 bits). The GEMV is the same arithmetic with one x
+ * row, and the AVX2 builds' two halves do the same integer sums and float operations per row:
+ * every GEMM row is its GEMV bit for bit, on every ISA. Against the row-major K-quant kernels:
+ * no horizontal sums and no permutes of the 8 sub-block scales to lanes, each super-block's
+ * scales decoded once for all the pass's x rows. */
+INLINE int k45p_bytes(const int five) { return 16 * (five ? 176 : 144); } /* a super-block column */
+INLINE int k45p_qoff(const int five) { return five ? 768 : 256; }          /* its quant words */
+#define K45P_QH 256 /* Q5_K's fifth-bit words */
 
 /* Half h (rows 8h .. 8h + 7) of a super-block column's fields: d, -dmin, and the top bits of
  * the scales and minima as 8 int32 each. */
@@ -1309,22 +1313,30 @@ INLINE void k4p_sm8(const uint8_t *pb, const k4p_fields8 *f, const int j, const 
     *S = _mm256_mul_ps(_mm256_cvtepi32_ps(k4p_six8(pb + 64, f->hs, j, h)), f->d);
     *M = _mm256_mul_ps(_mm256_cvtepi32_ps(k4p_six8(pb + 128, f->hm, j, h)), f->nmin);
 }
-/* Half h (rows 8h .. 8h + 7) of sub-block j as unsigned bytes, word c in w[c]. */
-INLINE void k4p_half(const uint8_t *pb, const int j, const int h, __m256i *w) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const uint8_t *q = pb + 256 + 512 * (j >> 1) + 32 * h;
-    for (int c = 0; c < 8; c++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * c));
-        w[c] = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(v, 4) : v, m4);
+/* Word c of half h of sub-block j as unsigned bytes (Q5_K: bit j of its fifth-bit bytes, moved
+ * to bit 4 by one 16-bit shift: no bit crosses a byte under the 0x10 mask). */
+INLINE __m256i k45p_word(const int five, const uint8_t *pb, const int j, const int h, const int c) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(pb + k45p_qoff(five) + 512 * (j >> 1) + 64 * c + 32 * h));
+    __m256i w = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+    if (five) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(pb + K45P_QH + 64 * c + 32 * h));
+        w = _mm256_or_si256(w, _mm256_and_si256(shift16(qh, 4 - j), _mm256_set1_epi8(0x10)));
     }
+    return w;
 }
-/* Their 8 rows' integer sums against x block b: the 8 words' products summed in int16 (at most 8
- * x 2 x 15 x 127 = 30480: no saturation), widened once. */
-INLINE __m256i k4p_half_dot(const __m256i *w, const si_xq *x, const int b) {
-    __m256i s16 = _mm256_setzero_si256();
-    for (int c = 0; c < 8; c++)
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(x_word(x, b, c))));
-    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+/* Half h of sub-block j's 8 rows' integer sums against x block b (w: its words, k45p_word): the
+ * words' products summed
+ * in int16 (4-bit: 8 words, at most 8 x 2 x 15 x 127 = 30480; 5-bit: two chains of 4 words, at
+ * most 4 x 2 x 31 x 127 = 31496 each: no saturation), widened once a chain. */
+INLINE __m256i k45p_half_dot(const int five, const __m256i *w, const si_xq *x, const int b) {
+    const __m256i one = _mm256_set1_epi16(1);
+    __m256i s16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int c = 0; c < 8; c++) {
+        const int k = five ? c >> 2 : 0;
+        s16[k] = _mm256_add_epi16(s16[k], _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(x_word(x, b, c))));
+    }
+    const __m256i sum = _mm256_madd_epi16(s16[0], one);
+    return five ? _mm256_add_epi32(sum, _mm256_madd_epi16(s16[1], one)) : sum;
 }
 
 #if SI_AVX512
@@ -1336,32 +1348,43 @@ INLINE __m512i k4p_six16(const uint8_t *f, const __m512i hw, const int j) {
     const __m512i h = _mm512_and_si512(_mm512_srli_epi32(hw, 2 * j), _mm512_set1_epi32(3));
     return _mm512_or_si512(a, _mm512_slli_epi32(h, 4));
 }
-/* panel_k4 (below) for one x row: a pair of sub-blocks per pass over its quant words (each
+/* Bit j of each byte of v at bit 4 (the rest of the byte whatever: masked by the caller). */
+INLINE __m512i bit_to4_512(const __m512i v, const int j) {
+    return j <= 4 ? _mm512_slli_epi16(v, 4 - j) : _mm512_srli_epi16(v, j - 4);
+}
+/* Word c of sub-block j of the super-block column at pb, all 16 rows, as unsigned bytes; v its
+ * quant word as loaded (shared by the pair's two sub-blocks). */
+INLINE __m512i k45p_word16(const int five, const uint8_t *pb, const __m512i v, const int j, const int c) {
+    const __m512i w = _mm512_and_si512((j & 1) ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
+    if (!five) return w;
+    const __m512i qh = _mm512_loadu_si512((const void *)(pb + K45P_QH + 64 * c));
+    return _mm512_ternarylogic_epi32(w, bit_to4_512(qh, j), _mm512_set1_epi8(0x10), 0xF8); /* w | (h & 0x10) */
+}
+/* panel_k45 (below) for one x row: a pair of sub-blocks per pass over its quant words (each
  * loaded once for both nibbles), their integer sums in four independent chains; the same float
  * operations per row in the same order (the integer sums are exact: the same bits). */
-INLINE void panel_k4_1(const uint8_t *p, const si_xq *x, const int nsb, float *y) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
+INLINE void panel_k45_1(const int five, const uint8_t *p, const si_xq *x, const int nsb, float *y) {
+    const int bb = k45p_bytes(five);
     __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
-        const uint8_t *pb = p + (size_t)sb * K4P_BYTES;
+        const uint8_t *pb = p + (size_t)sb * bb;
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
         const __m512 nmin = _mm512_sub_ps(_mm512_setzero_ps(),
                                           _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32))));
         const __m512i hs = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pb + 192)));
         const __m512i hm = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pb + 224)));
         for (int pr = 0; pr < 4; pr++) {
-            const uint8_t *q = pb + 256 + 512 * pr;
-            const int b0 = 8 * sb + 2 * pr, b1 = b0 + 1;
+            const uint8_t *q = pb + k45p_qoff(five) + 512 * pr;
+            const int j0 = 2 * pr, j1 = j0 + 1, b0 = 8 * sb + j0, b1 = b0 + 1;
             __m512i s[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
                             _mm512_setzero_si512()};
             for (int c = 0; c < 8; c++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(q + 64 * c));
                 const int k = c >> 2; /* words 0..3 and 4..7 in separate chains */
-                s[k] = _mm512_dpbusd_epi32(s[k], _mm512_and_si512(v, m4), _mm512_set1_epi32(x_word(x, b0, c)));
-                s[2 + k] = _mm512_dpbusd_epi32(s[2 + k], _mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
+                s[k] = _mm512_dpbusd_epi32(s[k], k45p_word16(five, pb, v, j0, c), _mm512_set1_epi32(x_word(x, b0, c)));
+                s[2 + k] = _mm512_dpbusd_epi32(s[2 + k], k45p_word16(five, pb, v, j1, c),
                                                _mm512_set1_epi32(x_word(x, b1, c)));
             }
-            const int j0 = 2 * pr, j1 = j0 + 1;
             const __m512 S0 = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 64, hs, j0)), d);
             const __m512 M0 = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 128, hm, j0)), nmin);
             const __m512 S1 = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 64, hs, j1)), d);
@@ -1377,34 +1400,32 @@ INLINE void panel_k4_1(const uint8_t *p, const si_xq *x, const int nsb, float *y
     _mm512_storeu_ps(y, _mm512_add_ps(acc, accm));
 }
 /* 16 rows (the panel at p, nsb super-block columns) against nt <= PANEL_T x rows: y[t * ys + r]. */
-INLINE void panel_k4(const uint8_t *p, const si_xq *x, const int nt, const int nsb, float *y,
-                     const int64_t ys) {
+INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const int nt, const int nsb,
+                      float *y, const int64_t ys) {
     if (nt == 1) {
-        panel_k4_1(p, x, nsb, y);
+        panel_k45_1(five, p, x, nsb, y);
         return;
     }
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const int bb = k45p_bytes(five);
     __m512 acc[PANEL_T], accm[PANEL_T];
 #pragma GCC unroll 8
     for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
-        const uint8_t *pb = p + (size_t)sb * K4P_BYTES;
+        const uint8_t *pb = p + (size_t)sb * bb;
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
         const __m512 nmin = _mm512_sub_ps(_mm512_setzero_ps(),
                                           _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32))));
         const __m512i hs = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pb + 192)));
         const __m512i hm = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pb + 224)));
         for (int j = 0; j < 8; j++) {
-            for (int o = 320 * j; o < 320 * j + 320 && o < K4P_BYTES; o += 64)
+            for (int o = (bb / 8) * j; o < (bb / 8) * (j + 1); o += 64)
                 _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
             const __m512 S = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 64, hs, j)), d);
             const __m512 M = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 128, hm, j)), nmin);
-            const uint8_t *q = pb + 256 + 512 * (j >> 1);
+            const uint8_t *q = pb + k45p_qoff(five) + 512 * (j >> 1);
             __m512i w[8];
-            for (int c = 0; c < 8; c++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(q + 64 * c));
-                w[c] = _mm512_and_si512((j & 1) ? _mm512_srli_epi16(v, 4) : v, m4);
-            }
+            for (int c = 0; c < 8; c++)
+                w[c] = k45p_word16(five, pb, _mm512_loadu_si512((const void *)(q + 64 * c)), j, c);
             const int b = 8 * sb + j;
 #pragma GCC unroll 8
             for (int t = 0; t < nt; t++) {
@@ -1422,33 +1443,43 @@ INLINE void panel_k4(const uint8_t *p, const si_xq *x, const int nt, const int n
 }
 #else
 /* The AVX2 builds: two halves of 8 rows, one after the other over the panel for several x rows
- * (as panel_q4), both per sub-block for one (as panel_q4_1); the same operations per row. */
-INLINE void panel_k4(const uint8_t *p, const si_xq *x, const int nt, const int nsb, float *y,
-                     const int64_t ys) {
-    if (nt == 1) { /* a pair of sub-blocks per pass over its quant words, each loaded once */
-        const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+ * (as panel_q4), both per super-block for one (as panel_q4_1); the same operations per row. */
+INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const int nt, const int nsb,
+                      float *y, const int64_t ys) {
+    const int bb = k45p_bytes(five);
+    if (nt == 1) { /* a pair of sub-blocks per pass over its words, each loaded once for both */
+        const __m256i m4 = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10), one = _mm256_set1_epi16(1);
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {acc[0], acc[1]};
         for (int sb = 0; sb < nsb; sb++) {
-            const uint8_t *pb = p + (size_t)sb * K4P_BYTES;
+            const uint8_t *pb = p + (size_t)sb * bb;
             for (int h = 0; h < 2; h++) {
                 const k4p_fields8 f = k4p_half_fields(pb, h);
                 for (int pr = 0; pr < 4; pr++) {
                     const int j0 = 2 * pr, b0 = 8 * sb + j0;
-                    const uint8_t *q = pb + 256 + 512 * pr + 32 * h;
-                    __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+                    const uint8_t *q = pb + k45p_qoff(five) + 512 * pr + 32 * h;
+                    /* int16 chains as k45p_half_dot's: [sub-block][words 0..3, 4..7 (Q5_K)] */
+                    __m256i s16[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
+                                         {_mm256_setzero_si256(), _mm256_setzero_si256()}};
                     for (int c = 0; c < 8; c++) {
                         const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * c));
-                        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(v, m4),
-                                                                       _mm256_set1_epi32(x_word(x, b0, c))));
-                        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
-                                                                       _mm256_set1_epi32(x_word(x, b0 + 1, c))));
+                        __m256i w0 = _mm256_and_si256(v, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        if (five) {
+                            const __m256i qh = _mm256_loadu_si256((const __m256i *)(pb + K45P_QH + 64 * c + 32 * h));
+                            w0 = _mm256_or_si256(w0, _mm256_and_si256(shift16(qh, 4 - j0), b5));
+                            w1 = _mm256_or_si256(w1, _mm256_and_si256(shift16(qh, 3 - j0), b5));
+                        }
+                        const int k = five ? c >> 2 : 0;
+                        s16[0][k] = _mm256_add_epi16(s16[0][k], _mm256_maddubs_epi16(w0, _mm256_set1_epi32(x_word(x, b0, c))));
+                        s16[1][k] = _mm256_add_epi16(s16[1][k], _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x_word(x, b0 + 1, c))));
                     }
-                    for (int k = 0; k < 2; k++) {
+                    for (int u = 0; u < 2; u++) {
+                        __m256i sum = _mm256_madd_epi16(s16[u][0], one);
+                        if (five) sum = _mm256_add_epi32(sum, _mm256_madd_epi16(s16[u][1], one));
                         __m256 S, M;
-                        k4p_sm8(pb, &f, j0 + k, h, &S, &M);
-                        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(k ? s1 : s0, one)),
-                                                 _mm256_mul_ps(S, _mm256_set1_ps(x->d[b0 + k])), acc[h]);
-                        accm[h] = _mm256_fmadd_ps(M, _mm256_set1_ps(x->s[b0 + k]), accm[h]);
+                        k4p_sm8(pb, &f, j0 + u, h, &S, &M);
+                        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(S, _mm256_set1_ps(x->d[b0 + u])),
+                                                 acc[h]);
+                        accm[h] = _mm256_fmadd_ps(M, _mm256_set1_ps(x->s[b0 + u]), accm[h]);
                     }
                 }
             }
@@ -1461,20 +1492,20 @@ INLINE void panel_k4(const uint8_t *p, const si_xq *x, const int nt, const int n
 #pragma GCC unroll 8
         for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
         for (int sb = 0; sb < nsb; sb++) {
-            const uint8_t *pb = p + (size_t)sb * K4P_BYTES;
+            const uint8_t *pb = p + (size_t)sb * bb;
             const k4p_fields8 f = k4p_half_fields(pb, h);
             for (int j = 0; j < 8; j++) {
                 if (h == 0)
-                    for (int o = 320 * j; o < 320 * j + 320 && o < K4P_BYTES; o += 64)
+                    for (int o = (bb / 8) * j; o < (bb / 8) * (j + 1); o += 64)
                         _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
                 __m256 S, M;
-                __m256i w[8];
                 k4p_sm8(pb, &f, j, h, &S, &M);
-                k4p_half(pb, j, h, w);
+                __m256i w[8];
+                for (int c = 0; c < 8; c++) w[c] = k45p_word(five, pb, j, h, c);
                 const int b = 8 * sb + j;
 #pragma GCC unroll 8
                 for (int t = 0; t < nt; t++) {
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k4p_half_dot(w, &x[t], b)),
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k45p_half_dot(five, w, &x[t], b)),
                                              _mm256_mul_ps(S, _mm256_set1_ps(x[t].d[b])), acc[t]);
                     accm[t] = _mm256_fmadd_ps(M, _mm256_set1_ps(x[t].s[b]), accm[t]);
                 }
@@ -1494,8 +1525,8 @@ INLINE void panel_k4(const uint8_t *p, const si_xq *x, const int nt, const int n
  * (m = -128 d; Q4_0: -8 d; Q4_1: the block's m), against x's s. */
 INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
                   float *y, const int64_t ys) {
-    if (type == SI_Q4_KP) {
-        panel_k4(p, x, nt, nb / 8, y, ys);
+    if (type == SI_Q4_KP || type == SI_Q5_KP) {
+        panel_k45(type == SI_Q5_KP, p, x, nt, nb / 8, y, ys);
         return;
     }
     if (type == SI_Q5_0P) {
@@ -1592,8 +1623,8 @@ INLINE void panel_q8_1(const uint8_t *p, const si_xq *x, const int nb, float *y)
 }
 INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
                   float *y, const int64_t ys) {
-    if (type == SI_Q4_KP) {
-        panel_k4(p, x, nt, nb / 8, y, ys);
+    if (type == SI_Q4_KP || type == SI_Q5_KP) {
+        panel_k45(type == SI_Q5_KP, p, x, nt, nb / 8, y, ys);
         return;
     }
     if (type == SI_Q8_0P) {
@@ -1623,6 +1654,7 @@ static void panel_rows(const int type, const uint8_t *w, const int nrows, const 
         else if (type == SI_Q4_1P) PR(SI_Q4_1P, N);                                            \
         else if (type == SI_Q5_0P) PR(SI_Q5_0P, N);                                            \
         else if (type == SI_Q4_KP) PR(SI_Q4_KP, N);                                            \
+        else if (type == SI_Q5_KP) PR(SI_Q5_KP, N);                                            \
         else PR(SI_Q8_0P, N);                                                                  \
         break
         switch (nt) {

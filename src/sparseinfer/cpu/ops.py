@@ -60,13 +60,14 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q6_K": (7, 256, 210),
     "F16": (8, 1, 2),
     "F32": (9, 1, 4),
-    # Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K in panels of 16 rows (cpu/panels.py): the same bytes,
-    # rearranged
+    # Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K in panels of 16 rows (cpu/panels.py): the same
+    # bytes, rearranged
     "Q4_0x16": (10, 32, 18),
     "Q4_1x16": (11, 32, 20),
     "Q8_0x16": (12, 32, 34),
     "Q5_0x16": (13, 32, 22),
     "Q4_Kx16": (14, 256, 144),
+    "Q5_Kx16": (15, 256, 176),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
 ABI_VERSION = 21
@@ -243,8 +244,9 @@ def _check_rows_at(positions: torch.Tensor, slots: torch.Tensor, B: int, max_seq
 
 
 def to_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
-    """``panels.to_panels_ref`` on the library's pool: Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K rows as the file
-    stores them -> the same bytes in panels of 16 rows (a new array; qgemv.h has the layout)."""
+    """``panels.to_panels_ref`` on the library's pool: rows of a ``panels.PANEL_TYPES`` type as
+    the file stores them -> the same bytes in panels of 16 rows (a new array; qgemv.h has the
+    layout)."""
     src = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8)).reshape(-1)
     check_panel_shape(src, type_name, rows, cols)
     out = np.empty(src.size, dtype=np.uint8)

@@ -1,7 +1,7 @@
-"""Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K weights rearranged in panels of 16 rows for the C kernels
-(types ``Q4_0x16`` / ``Q4_1x16`` / ``Q8_0x16`` / ``Q5_0x16`` / ``Q4_Kx16``; layout in
-``qgemv.h``; Q5_0's fifth bits transposed within their word; Q4_K's six-bit scales and minima
-regrouped, each sub-block of 32 a block to the kernels): one integer dot product then
+"""Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K weights rearranged in panels of 16 rows for the C
+kernels (types ``Q4_0x16`` ... ``Q5_Kx16``; layout in ``qgemv.h``; Q5_0's fifth bits transposed
+within their word; the K-quants' six-bit scales and minima regrouped, each sub-block of 32 a
+block to the kernels): one integer dot product then
 multiplies 4 bytes of the input with 4 weights of each of 16 rows, and the products stay in one
 lane per row, so a GEMM over a few input rows does a third to half of the instructions of the
 row-major kernels (a batched decode step, a prompt). The bytes per row are the file's; the
@@ -19,11 +19,15 @@ import numpy as np
 PANEL = 16  # rows per panel
 # the file's type -> its panel type (cpu.TYPES)
 PANEL_TYPES = {"Q4_0": "Q4_0x16", "Q4_1": "Q4_1x16", "Q8_0": "Q8_0x16", "Q5_0": "Q5_0x16",
-               "Q4_K": "Q4_Kx16"}
+               "Q4_K": "Q4_Kx16", "Q5_K": "Q5_Kx16"}
 FILE_TYPES = {v: k for k, v in PANEL_TYPES.items()}
+# the file's types the loader keeps as rows for one ISA's kernels, whose GEMV (a decode step)
+# reads their panels slower from memory than the rows (benchmarks/RESULTS.md, K-quants in panels)
+ROWS_ON_ISA = {"avx2": frozenset({"Q5_K"})}
 # fp16 words (scale, Q4_1's minimum) per block, block bytes; the rest are 4-byte quant words
-_FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34), "Q5_0": (1, 22), "Q4_K": (2, 144)}
-_ELEMS = {"Q4_K": 256}  # weights per block (32 for the others)
+_FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34), "Q5_0": (1, 22), "Q4_K": (2, 144),
+           "Q5_K": (2, 176)}
+_ELEMS = {"Q4_K": 256, "Q5_K": 256}  # weights per block (32 for the others)
 # Q5_0's first 4-byte word (its 32 fifth bits) is stored transposed: bit 8k + s <- bit 4s + k
 # (bit order within the little-endian word), so a shift lines up one quant word's bits
 _BITS_T = np.array([4 * (b % 8) + b // 8 for b in range(32)])
@@ -38,6 +42,19 @@ def _transpose_bits(words: np.ndarray, inverse: bool = False) -> np.ndarray:
     else:
         out = bits[..., _BITS_T]
     return np.packbits(out, axis=-1, bitorder="little")
+
+
+def panel_type(type_name: str, isa: str | None = None) -> str | None:
+    """The panel type the loader rearranges ``type_name`` matrices into for the kernels of
+    ``isa`` (default: the active ones, ``cpu.get_isa()``), or None where they stay the file's
+    rows. Every ISA's kernels take every panel type: this is speed, not correctness."""
+    if type_name not in PANEL_TYPES:
+        return None
+    if isa is None:
+        from .ops import get_isa  # the library loads on first use
+
+        isa = get_isa()
+    return None if type_name in ROWS_ON_ISA.get(isa, ()) else PANEL_TYPES[type_name]
 
 
 def check_panel_shape(raw: np.ndarray, type_name: str, rows: int, cols: int
@@ -71,8 +88,8 @@ def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.n
     minima), then their quant words (4 per Q4 block, 8 per Q8_0; Q5_0: its fifth-bit word,
     transposed, then 4), word by word."""
     words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
-    if type_name == "Q4_K":
-        return _k4_to_panels(np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, 144))
+    if type_name in _ELEMS:
+        return _k45_to_panels(np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, bsize))
     nq = (bsize - 2 * words) // 4  # quant words per block
     blk = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, bsize)
     scales = blk[..., : 2 * words].reshape(-1, PANEL, nb, words, 2)  # (P, 16, nb, words, 2)
@@ -89,9 +106,9 @@ def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.n
 def from_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
     """``to_panels`` undone: the file's rows (uint8, rows x row bytes)."""
     words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
-    if type_name == "Q4_K":
-        return _k4_from_panels(np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, nb, 2304),
-                               rows)
+    if type_name in _ELEMS:
+        return _k45_from_panels(np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, nb, 16 * bsize),
+                                rows)
     nq = (bsize - 2 * words) // 4
     pan = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, nb, bsize * PANEL)
     scales = pan[..., : 2 * words * PANEL].reshape(-1, nb, words, PANEL, 2)
@@ -104,43 +121,48 @@ def from_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.nda
     return out.reshape(rows, nb * bsize)
 
 
-def _k4_fields(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's 12 scale bytes (uint8 [..., 12]) -> its 8 six-bit scales and 8 minima."""
+def _k_fields(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K / Q5_K block's 12 scale bytes (uint8 [..., 12]) -> its 8 six-bit scales and 8 minima."""
     a, b, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
     m = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
     return sc, m
 
 
-def _k4_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """``_k4_fields`` undone: the 12 scale bytes."""
+def _k_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """``_k_fields`` undone: the 12 scale bytes."""
     a = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
     b = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
     c = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
     return np.concatenate([a, b, c], axis=-1).astype(np.uint8)
 
 
-def _k4_to_panels(blk: np.ndarray) -> np.ndarray:
-    """Q4_K blocks (P, 16 rows, nsb, 144) -> Q4_Kx16 panels, flat (layout in qgemv.h)."""
-    P, _, nsb, _ = blk.shape
-    out = np.empty((P, nsb, 2304), dtype=np.uint8)
+def _k45_to_panels(blk: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K blocks (P, 16 rows, nsb, 144 / 176) -> Q4_Kx16 / Q5_Kx16 panels, flat (layout
+    in qgemv.h)."""
+    P, _, nsb, bsize = blk.shape
+    out = np.empty((P, nsb, 16 * bsize), dtype=np.uint8)
     out[..., :64] = blk[..., :4].reshape(P, PANEL, nsb, 2, 2).transpose(0, 2, 3, 1, 4).reshape(
         P, nsb, 64)  # d x 16, then dmin x 16
-    for (off, hoff), f in zip(((64, 192), (128, 224)), _k4_fields(blk[..., 4:16])):
+    for (off, hoff), f in zip(((64, 192), (128, 224)), _k_fields(blk[..., 4:16])):
         lo = (f[..., :4] & 15) | ((f[..., 4:] & 15) << 4)  # (P, 16, nsb, 4)
         out[..., off:off + 64] = lo.transpose(0, 2, 3, 1).reshape(P, nsb, 64)
         hi = sum(((f[..., j].astype(np.uint16) >> 4) & 3) << (2 * j) for j in range(8))
         out[..., hoff:hoff + 32] = np.ascontiguousarray(
             hi.astype("<u2").transpose(0, 2, 1)).view(np.uint8).reshape(P, nsb, 32)
-    quants = blk[..., 16:].reshape(P, PANEL, nsb, 32, 4).transpose(0, 2, 3, 1, 4)
-    out[..., 256:] = quants.reshape(P, nsb, 2048)
+    if bsize == 176:  # Q5_K's fifth bits: 8 words
+        out[..., 256:768] = blk[..., 16:48].reshape(P, PANEL, nsb, 8, 4).transpose(
+            0, 2, 3, 1, 4).reshape(P, nsb, 512)
+    quants = blk[..., bsize - 128:].reshape(P, PANEL, nsb, 32, 4).transpose(0, 2, 3, 1, 4)
+    out[..., 16 * bsize - 2048:] = quants.reshape(P, nsb, 2048)
     return out.reshape(-1)
 
 
-def _k4_from_panels(pan: np.ndarray, rows: int) -> np.ndarray:
-    """``_k4_to_panels`` undone: the file's rows (uint8, rows x row bytes)."""
-    P, nsb, _ = pan.shape
-    out = np.empty((P, PANEL, nsb, 144), dtype=np.uint8)
+def _k45_from_panels(pan: np.ndarray, rows: int) -> np.ndarray:
+    """``_k45_to_panels`` undone: the file's rows (uint8, rows x row bytes)."""
+    P, nsb, pbytes = pan.shape
+    bsize = pbytes // PANEL
+    out = np.empty((P, PANEL, nsb, bsize), dtype=np.uint8)
     out[..., :4] = pan[..., :64].reshape(P, nsb, 2, PANEL, 2).transpose(0, 3, 1, 2, 4).reshape(
         P, PANEL, nsb, 4)
     fields = []
@@ -150,7 +172,10 @@ def _k4_from_panels(pan: np.ndarray, rows: int) -> np.ndarray:
             P, nsb, PANEL).transpose(0, 2, 1)  # (P, 16, nsb)
         top = np.stack([(hi >> (2 * j)) & 3 for j in range(8)], axis=-1).astype(np.uint8) << 4
         fields.append(np.concatenate([lo & 15, lo >> 4], axis=-1) | top)
-    out[..., 4:16] = _k4_bytes(*fields)
-    out[..., 16:] = pan[..., 256:].reshape(P, nsb, 32, PANEL, 4).transpose(0, 3, 1, 2, 4).reshape(
-        P, PANEL, nsb, 128)
-    return out.reshape(rows, nsb * 144)
+    out[..., 4:16] = _k_bytes(*fields)
+    if bsize == 176:
+        out[..., 16:48] = pan[..., 256:768].reshape(P, nsb, 8, PANEL, 4).transpose(
+            0, 3, 1, 2, 4).reshape(P, PANEL, nsb, 32)
+    out[..., bsize - 128:] = pan[..., pbytes - 2048:].reshape(P, nsb, 32, PANEL, 4).transpose(
+        0, 3, 1, 2, 4).reshape(P, PANEL, nsb, 128)
+    return out.reshape(rows, nsb * bsize)

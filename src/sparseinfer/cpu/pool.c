@@ -36,8 +36,8 @@
 
 /* ------------------------------------------------------------------ types */
 
-static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32, 32, 256};
-static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34, 22, 144};
+static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32, 32, 256, 256};
+static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34, 22, 144, 176};
 
 int si_abi_version(void) { return SI_ABI_VERSION; }
 int si_block_elems(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_ELEMS[type] : 0; }
@@ -1350,7 +1350,7 @@ typedef struct {
     const uint8_t *src;
     uint8_t *dst;
     int words, nq, bsize, nb; /* fp16 words, quant words (4 bytes) per block; bytes; blocks */
-    int bits; /* Q5_0: quant word 0 is the fifth bits, stored transposed (bits_t) */
+    int bits; /* Q5_0: quant word 0 is the fifth bits, stored transposed (bits_t); Q5_K's fifth bits */
     int64_t panels_per_chunk, n_panels;
 } panel_job;
 
@@ -1385,19 +1385,21 @@ static void panel_chunk(const void *jp, int64_t c) {
         }
 }
 
-/* Q4_K rows into SI_Q4_KP panels (qgemv.h): per row and super-block, its d and dmin words, its
- * 8 six-bit scales and minima (the 12 bytes unpacked as the kernels' scales_k does) regrouped,
- * and its 32 quant words (j->nb: super-blocks per row). */
-static void panel_chunk_k4(const void *jp, int64_t c) {
+/* Q4_K / Q5_K rows into SI_Q4_KP / SI_Q5_KP panels (qgemv.h): per row and super-block, its d
+ * and dmin words, its 8 six-bit scales and minima (the 12 bytes unpacked as the kernels'
+ * scales_k does) regrouped, Q5_K's 8 fifth-bit words, and its 32 quant words (j->nb:
+ * super-blocks per row; j->bits: Q5_K). */
+static void panel_chunk_k45(const void *jp, int64_t c) {
     const panel_job *j = jp;
-    const size_t rb = (size_t)j->nb * 144, pb = (size_t)SI_PANEL * 144;
+    const int bs = j->bsize, qo = j->bits ? 768 : 256;
+    const size_t rb = (size_t)j->nb * bs, pb = (size_t)SI_PANEL * bs;
     const int64_t p1 = (c + 1) * j->panels_per_chunk < j->n_panels ? (c + 1) * j->panels_per_chunk
                                                                      : j->n_panels;
     for (int64_t p = c * j->panels_per_chunk; p < p1; p++)
         for (int r = 0; r < SI_PANEL; r++) {
             const uint8_t *q = j->src + ((size_t)p * SI_PANEL + r) * rb;
             uint8_t *o = j->dst + (size_t)p * j->nb * pb;
-            for (int b = 0; b < j->nb; b++, q += 144, o += pb) {
+            for (int b = 0; b < j->nb; b++, q += bs, o += pb) {
                 const uint8_t *s = q + 4;
                 uint8_t sc[8], m[8];
                 for (int k = 0; k < 4; k++) {
@@ -1419,20 +1421,22 @@ static void panel_chunk_k4(const void *jp, int64_t c) {
                 }
                 memcpy(o + 192 + 2 * r, &hs, 2);
                 memcpy(o + 224 + 2 * r, &hm, 2);
-                for (int w = 0; w < 32; w++) memcpy(o + 256 + 64 * w + 4 * r, q + 16 + 4 * w, 4);
+                for (int w = 0; j->bits && w < 8; w++) memcpy(o + 256 + 64 * w + 4 * r, q + 16 + 4 * w, 4);
+                for (int w = 0; w < 32; w++) memcpy(o + qo + 64 * w + 4 * r, q + bs - 128 + 4 * w, 4);
             }
         }
 }
 
-/* Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K rows (src: as the file stores them) into panels of 16 rows
- * (dst, the same size; layout of SI_Q4_0P ... SI_Q4_KP in qgemv.h), on the pool. */
+/* Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K rows (src: as the file stores them) into panels of 16
+ * rows (dst, the same size; layout of SI_Q4_0P ... SI_Q5_KP in qgemv.h), on the pool. */
 int si_to_panels(int type, const uint8_t *src, int64_t rows, int cols, uint8_t *dst) {
-    if (type == SI_Q4_K) {
+    if (type == SI_Q4_K || type == SI_Q5_K) {
         if (rows < SI_PANEL || rows % SI_PANEL || cols < 256 || cols % 256) return EINVAL;
-        panel_job j = {src, dst, 0, 0, 144, cols / 256, 0, 0, rows / SI_PANEL};
+        panel_job j = {src, dst, 0, 0, BLOCK_BYTES[type], cols / 256, type == SI_Q5_K, 0,
+                       rows / SI_PANEL};
         j.panels_per_chunk = (j.n_panels + 31) / 32;
         pthread_mutex_lock(&g_call_lock);
-        pool_run(panel_chunk_k4, &j, (j.n_panels + j.panels_per_chunk - 1) / j.panels_per_chunk);
+        pool_run(panel_chunk_k45, &j, (j.n_panels + j.panels_per_chunk - 1) / j.panels_per_chunk);
         pthread_mutex_unlock(&g_call_lock);
         return 0;
     }

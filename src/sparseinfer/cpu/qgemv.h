@@ -46,13 +46,17 @@ enum si_type {
      * nibbles, 2p + 1 in the high). sc[j], m[j]: the six-bit fields of the file's 12 scale bytes.
      * The same bytes per row as the file. */
     SI_Q4_KP = 14,
-    SI_N_TYPES = 15,
+    /* Q5_K in panels: per super-block column, 2816 bytes: SI_Q4_KP's 256 bytes of d, dmin,
+     * scales and minima, then the fifth bits: 8 x (16 rows x 4 bytes), word c of row r its qh
+     * bytes 4c .. 4c + 3 (bit j of qh byte l: sub-block j's weight l), then SI_Q4_KP's quants. */
+    SI_Q5_KP = 15,
+    SI_N_TYPES = 16,
 };
-#define SI_PANEL 16 /* rows per panel of SI_Q4_0P ... SI_Q4_KP */
+#define SI_PANEL 16 /* rows per panel of SI_Q4_0P ... SI_Q5_KP */
 
 static inline int si_is_panel(int type) {
     return type == SI_Q4_0P || type == SI_Q4_1P || type == SI_Q8_0P || type == SI_Q5_0P ||
-           type == SI_Q4_KP;
+           type == SI_Q4_KP || type == SI_Q5_KP;
 }
 
 /* One quantized activation vector: q[cols] int8, d[cols/32], s[cols/32]; f the fp32 source (F16

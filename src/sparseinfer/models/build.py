@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..cpu.panels import FILE_TYPES, PANEL, PANEL_TYPES, to_panels
+from ..cpu.panels import FILE_TYPES, PANEL, panel_type, to_panels
 from ..errors import ModelFileError, SparseInferError
 from ..quant import blocks as qb
 from ..quant.linear import FloatLinear, GGMLLinear, Int4Linear, Int8Linear
@@ -176,9 +176,9 @@ class WeightSource:
     def ggml_parts(self, panels: bool = True) -> list[tuple[str, np.ndarray, int]]:
         """(type, bytes, rows) of each source: views of the mapped file as stored, except Q/K
         rows that llama.cpp permuted, copied back into rotate-half order, and (``panels``)
-        Q4_0 / Q4_1 / Q8_0 matrices of whole panels, rearranged into panels of 16 rows
-        (``cpu/panels.py``: the C kernels' fastest layout for several input rows). A copy's
-        mapped pages are released."""
+        matrices of whole panels of a type ``cpu.panels.panel_type`` names for the active
+        kernels, rearranged into panels of 16 rows (the C kernels' fastest layout for several
+        input rows). A copy's mapped pages are released."""
         parts = []
         for canon in self.names:
             t = self.src.tensors[canon]
@@ -187,9 +187,10 @@ class WeightSource:
             heads = self._qk_heads(canon)
             if heads:
                 raw = np.ascontiguousarray(raw[unpermute_qk(torch.arange(rows), heads).numpy()])
-            if panels and kind in PANEL_TYPES and rows % PANEL == 0:
+            ptype = panel_type(kind) if panels else None
+            if ptype and rows % PANEL == 0:
                 raw = to_panels(raw, kind, rows, t.shape[1])
-                kind = PANEL_TYPES[kind]
+                kind = ptype
             if heads or kind in FILE_TYPES:  # a copy: the file's pages are not needed
                 t.release()
             parts.append((kind, raw, rows))
