@@ -58,10 +58,10 @@ def test_round_trip_and_layout(type_name, threads):
 
 
 def k_rows(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K / Q5_K blocks (gguf-py only dequantizes them): random bytes, small positive
-    fp16 d and dmin."""
+    """Random K-quant blocks (gguf-py only dequantizes them): random bytes, small positive fp16
+    scales (Q4_K / Q5_K: d and dmin; Q6_K: d)."""
     blocks = rng.integers(0, 256, (rows * cols // 256, cpu.TYPES[type_name][2]), dtype=np.uint8)
-    for off in (0, 2):
+    for off in (208,) if type_name == "Q6_K" else (0, 2):
         scale = rng.uniform(0.0, 0.02, (blocks.shape[0], 1)).astype(np.float16)
         blocks[:, off:off + 2] = scale.view(np.uint8)
     return blocks.reshape(rows, -1)
@@ -111,9 +111,37 @@ def test_k_quant_round_trip_and_layout(type_name, threads):
                                   src[r, 16 + 4 * w:20 + 4 * w])
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q6_k_round_trip_and_layout(threads):
+    """Q6_K: the C rearrangement equals the numpy one over 35 panels, both undo exactly, and
+    every field sits where qgemv.h says."""
+    rng = np.random.default_rng(2)
+    rows, cols = 560, 768
+    raw = k_rows("Q6_K", rows, cols, rng)
+    before = cpu.get_threads()
+    cpu.set_threads(threads)
+    try:
+        pan = to_panels(raw, "Q6_K", rows, cols)
+    finally:
+        cpu.set_threads(before)
+    assert np.array_equal(pan, to_panels_ref(raw, "Q6_K", rows, cols))
+    assert np.array_equal(from_panels(pan, "Q6_K", rows, cols), raw)
+    blk = pan.reshape(rows // 16, cols // 256, 3360)[1, 2]  # panel 1, super-block column 2
+    src = raw[16:32, 2 * 210:3 * 210]
+    for r in range(16):
+        assert np.array_equal(blk[2 * r:2 * r + 2], src[r, 208:210])  # d
+        assert all(blk[32 + 16 * i + r] == src[r, 192 + i] for i in range(16))  # scales
+        for v in range(16):  # qh words
+            assert np.array_equal(blk[288 + 64 * v + 4 * r:292 + 64 * v + 4 * r],
+                                  src[r, 128 + 4 * v:132 + 4 * v])
+        for u in range(32):  # ql words
+            assert np.array_equal(blk[1312 + 64 * u + 4 * r:1316 + 64 * u + 4 * r],
+                                  src[r, 4 * u:4 + 4 * u])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_isas_agree(type_name):
-    """Q4 (Q4_K too), Q5_0 and Q5_K panels: the AVX-512 and AVX2 kernels do the same integer sums and
+    """Q4 (Q4_K too), Q5_0, Q5_K and Q6_K panels: the AVX-512 and AVX2 kernels do the same integer sums and
     float operations per row, bit for bit (Q5_0: the same 256-bit code in every build). Q8_0: the AVX-512 kernel adds 128 to every weight and takes it back
     in float, so the ISAs agree to float rounding."""
     isas = [i for i in ("avx512", "avx2", "avx2_128") if i in cpu.available_isas()]
@@ -121,7 +149,7 @@ def test_isas_agree(type_name):
         pytest.skip("one instruction set on this CPU")
     rng = np.random.default_rng(1)
     rows, cols = 64, 576
-    if type_name in ("Q4_K", "Q5_K"):
+    if type_name in ("Q4_K", "Q5_K", "Q6_K"):
         cols = 512
         raw = k_rows(type_name, rows, cols, rng)
     else:
@@ -193,12 +221,14 @@ def test_weight_source_gives_panels_or_the_files_rows(smollm2_path):
 
 
 def test_panel_type_by_isa():
-    """The loader's choice: every panel type on AVX-512 and avx2_128, Q5_K kept as rows for plain
-    AVX2's kernels (their panel GEMV read slower from memory); types without panels stay rows."""
+    """The loader's choice: every panel type on AVX-512 and avx2_128, Q5_K and Q6_K kept as rows
+    for plain AVX2's kernels (their panel GEMV read slower from memory); types without panels
+    stay rows."""
     from sparseinfer.cpu.panels import PANEL_TYPES, panel_type
 
     for isa in ("avx512", "avx2_128"):
         assert {t: panel_type(t, isa) for t in PANEL_TYPES} == PANEL_TYPES
     assert panel_type("Q5_K", "avx2") is None and panel_type("Q4_K", "avx2") == "Q4_Kx16"
-    assert panel_type("Q6_K", "avx512") is None and panel_type("F16", "avx2") is None
+    assert panel_type("Q6_K", "avx2") is None and panel_type("Q6_K", "avx2_128") == "Q6_Kx16"
+    assert panel_type("Q5_1", "avx512") is None and panel_type("F16", "avx2") is None
     assert panel_type("Q4_1") == "Q4_1x16"  # the active kernels

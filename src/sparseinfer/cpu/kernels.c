@@ -1144,6 +1144,7 @@ INLINE int panel_bytes(const int type) {
            : type == SI_Q5_0P ? 16 * 22
            : type == SI_Q4_KP ? 16 * 18 /* a super-block column's 16 x 144 bytes per 256 */
            : type == SI_Q5_KP ? 16 * 22 /* 16 x 176 per 256 */
+           : type == SI_Q6_KP ? 16 * 210 / 8
                               : 16 * 34;
 }
 
@@ -1517,6 +1518,130 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
 }
 #endif
 
+/* Q6_K in panels (SI_Q6_KP, qgemv.h) against x in blocks of 128 (x->kq, kd, kbs): per super-block
+ * column, the 16 rows' d, their int8 scales (scale i of every row, 16 bytes), then the rows' qh
+ * and ql words (16 rows x 4 bytes each). Group s (32 weights) of half h takes the low (s < 2) or
+ * high nibbles of ql words 16h + 8(s % 2) + c and bits 2s, 2s + 1 of qh words 8h + c (c = 0..7:
+ * weights 4c .. 4c + 3), unsigned 6-bit (q + 32); its 16-weight sub-block k = 2s + c / 4 has
+ * scale 8h + k. Per x row and half: per sub-block, 4 integer dot products (16 rows in lanes),
+ * 32 x (x's sum over the 16, kbs) taken off, times the rows' scales, summed in int32 (at most
+ * 8 x (16 x 63 x 127 + 32 x 2032) x 128 < 2^31); then one convert and one FMA with d kd. The
+ * integer sums are exact and the float operations the same on every ISA and for any number of
+ * x rows: the GEMM rows are their GEMV bit for bit, on every ISA. */
+#define Q6P_BYTES (16 * 210)
+#define Q6P_SC 32
+#define Q6P_QH 288
+#define Q6P_QL 1312
+
+/* Word c of group s of half h, rows 8 rh .. 8 rh + 7, as unsigned bytes (q + 32). */
+INLINE __m256i q6p_word8(const uint8_t *pb, const int h, const int s, const int c, const int rh) {
+    const __m256i l = _mm256_loadu_si256((const __m256i *)(pb + Q6P_QL + 64 * (16 * h + 8 * (s & 1) + c) + 32 * rh));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(pb + Q6P_QH + 64 * (8 * h + c) + 32 * rh));
+    const __m256i lo = _mm256_and_si256((s >> 1) ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(0x0F));
+    return _mm256_or_si256(lo, _mm256_and_si256(shift16(qh, 4 - 2 * s), _mm256_set1_epi8(0x30)));
+}
+
+#if SI_AVX512
+/* Word c of group s of half h, all 16 rows. */
+INLINE __m512i q6p_word16(const uint8_t *pb, const int h, const int s, const int c) {
+    const __m512i l = _mm512_loadu_si512((const void *)(pb + Q6P_QL + 64 * (16 * h + 8 * (s & 1) + c)));
+    const __m512i qh = _mm512_loadu_si512((const void *)(pb + Q6P_QH + 64 * (8 * h + c)));
+    const __m512i hi = _mm512_and_si512(bit_to4_512(qh, 2 * s), _mm512_set1_epi8(0x30));
+    return _mm512_ternarylogic_epi32((s >> 1) ? _mm512_srli_epi16(l, 4) : l, hi, _mm512_set1_epi8(0x0F),
+                                     0xEC); /* (l & 0x0F) | hi */
+}
+/* 16 rows (the panel at p, nsb super-block columns) against nt <= PANEL_T x rows: y[t * ys + r]. */
+INLINE void panel_q6k(const uint8_t *p, const si_xq *x, const int nt, const int nsb, float *y,
+                      const int64_t ys) {
+    __m512 acc[PANEL_T];
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *pb = p + (size_t)sb * Q6P_BYTES;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
+        for (int h = 0; h < 2; h++) {
+            __m512i isum[PANEL_T];
+#pragma GCC unroll 8
+            for (int t = 0; t < nt; t++) isum[t] = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k++) {
+                const int s = k >> 1, c0 = 4 * (k & 1), i = 8 * h + k;
+                for (int o = 0; o < Q6P_BYTES / 16; o += 64)
+                    _mm_prefetch((const char *)(pb + PANEL_AHEAD + (Q6P_BYTES / 16) * i + o), _MM_HINT_T0);
+                __m512i w[4];
+                for (int c = 0; c < 4; c++) w[c] = q6p_word16(pb, h, s, c0 + c);
+                const __m512i sc = _mm512_cvtepi8_epi32(load128(pb + Q6P_SC + 16 * i));
+                const size_t xo = 256 * (size_t)sb + 128 * h + 32 * s + 4 * c0;
+#pragma GCC unroll 8
+                for (int t = 0; t < nt; t++) {
+                    __m512i dot = _mm512_set1_epi32(-32 * (int32_t)x[t].kbs[16 * (size_t)sb + i]);
+                    for (int c = 0; c < 4; c++) {
+                        int32_t xw;
+                        memcpy(&xw, x[t].kq + xo + 4 * c, 4);
+                        dot = _mm512_dpbusd_epi32(dot, w[c], _mm512_set1_epi32(xw));
+                    }
+                    isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(dot, sc));
+                }
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < nt; t++)
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]),
+                                         _mm512_mul_ps(d, _mm512_set1_ps(x[t].kd[2 * (size_t)sb + h])), acc[t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; t++) _mm512_storeu_ps(y + t * ys, acc[t]);
+}
+#else
+/* The AVX2 builds: two halves of 8 rows, one after the other; the same integer sums (the
+ * products of two words summed in int16: at most 4 x 63 x 127 = 32004) and float operations. */
+INLINE void panel_q6k(const uint8_t *p, const si_xq *x, const int nt, const int nsb, float *y,
+                      const int64_t ys) {
+    const __m256i one = _mm256_set1_epi16(1);
+    for (int rh = 0; rh < 2; rh++) {
+        __m256 acc[PANEL_T];
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+        for (int sb = 0; sb < nsb; sb++) {
+            const uint8_t *pb = p + (size_t)sb * Q6P_BYTES;
+            const __m256 d = _mm256_cvtph_ps(load128(pb + 16 * rh));
+            for (int h = 0; h < 2; h++) {
+                __m256i isum[PANEL_T];
+#pragma GCC unroll 8
+                for (int t = 0; t < nt; t++) isum[t] = _mm256_setzero_si256();
+                for (int k = 0; k < 8; k++) {
+                    const int s = k >> 1, c0 = 4 * (k & 1), i = 8 * h + k;
+                    if (rh == 0)
+                        for (int o = 0; o < Q6P_BYTES / 16; o += 64)
+                            _mm_prefetch((const char *)(pb + PANEL_AHEAD + (Q6P_BYTES / 16) * i + o), _MM_HINT_T0);
+                    __m256i w[4];
+                    for (int c = 0; c < 4; c++) w[c] = q6p_word8(pb, h, s, c0 + c, rh);
+                    const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(pb + Q6P_SC + 16 * i + 8 * rh)));
+                    const size_t xo = 256 * (size_t)sb + 128 * h + 32 * s + 4 * c0;
+#pragma GCC unroll 8
+                    for (int t = 0; t < nt; t++) {
+                        int32_t xw[4];
+                        memcpy(xw, x[t].kq + xo, 16);
+                        const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xw[0])),
+                                                           _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(xw[1])));
+                        const __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], _mm256_set1_epi32(xw[2])),
+                                                           _mm256_maddubs_epi16(w[3], _mm256_set1_epi32(xw[3])));
+                        __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(a, one), _mm256_madd_epi16(b, one));
+                        dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-32 * (int32_t)x[t].kbs[16 * (size_t)sb + i]));
+                        isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(dot, sc));
+                    }
+                }
+#pragma GCC unroll 8
+                for (int t = 0; t < nt; t++)
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]),
+                                             _mm256_mul_ps(d, _mm256_set1_ps(x[t].kd[2 * (size_t)sb + h])), acc[t]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * rh, acc[t]);
+    }
+}
+#endif
+
 #if SI_AVX512
 /* 16 rows (the panel at p, nb block columns) against nt <= PANEL_T x rows: y[t * ys + r]. Per
  * block column, 8 vectors of unsigned weight bytes, word c of the x block against vector c:
@@ -1527,6 +1652,10 @@ INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt
                   float *y, const int64_t ys) {
     if (type == SI_Q4_KP || type == SI_Q5_KP) {
         panel_k45(type == SI_Q5_KP, p, x, nt, nb / 8, y, ys);
+        return;
+    }
+    if (type == SI_Q6_KP) {
+        panel_q6k(p, x, nt, nb / 8, y, ys);
         return;
     }
     if (type == SI_Q5_0P) {
@@ -1627,6 +1756,10 @@ INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt
         panel_k45(type == SI_Q5_KP, p, x, nt, nb / 8, y, ys);
         return;
     }
+    if (type == SI_Q6_KP) {
+        panel_q6k(p, x, nt, nb / 8, y, ys);
+        return;
+    }
     if (type == SI_Q8_0P) {
         if (nt == 1) panel_q8_1(p, x, nb, y);
         else panel_q8(p, x, nt, nb, y, ys);
@@ -1655,6 +1788,7 @@ static void panel_rows(const int type, const uint8_t *w, const int nrows, const 
         else if (type == SI_Q5_0P) PR(SI_Q5_0P, N);                                            \
         else if (type == SI_Q4_KP) PR(SI_Q4_KP, N);                                            \
         else if (type == SI_Q5_KP) PR(SI_Q5_KP, N);                                            \
+        else if (type == SI_Q6_KP) PR(SI_Q6_KP, N);                                            \
         else PR(SI_Q8_0P, N);                                                                  \
         break
         switch (nt) {

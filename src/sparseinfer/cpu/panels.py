@@ -1,7 +1,7 @@
-"""Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K weights rearranged in panels of 16 rows for the C
-kernels (types ``Q4_0x16`` ... ``Q5_Kx16``; layout in ``qgemv.h``; Q5_0's fifth bits transposed
-within their word; the K-quants' six-bit scales and minima regrouped, each sub-block of 32 a
-block to the kernels): one integer dot product then
+"""Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K weights rearranged in panels of 16 rows for
+the C kernels (types ``Q4_0x16`` ... ``Q6_Kx16``; layout in ``qgemv.h``; Q5_0's fifth bits
+transposed within their word; Q4_K/Q5_K's six-bit scales and minima regrouped, each sub-block of
+32 a block to the kernels; Q6_K's scales row by row): one integer dot product then
 multiplies 4 bytes of the input with 4 weights of each of 16 rows, and the products stay in one
 lane per row, so a GEMM over a few input rows does a third to half of the instructions of the
 row-major kernels (a batched decode step, a prompt). The bytes per row are the file's; the
@@ -19,15 +19,15 @@ import numpy as np
 PANEL = 16  # rows per panel
 # the file's type -> its panel type (cpu.TYPES)
 PANEL_TYPES = {"Q4_0": "Q4_0x16", "Q4_1": "Q4_1x16", "Q8_0": "Q8_0x16", "Q5_0": "Q5_0x16",
-               "Q4_K": "Q4_Kx16", "Q5_K": "Q5_Kx16"}
+               "Q4_K": "Q4_Kx16", "Q5_K": "Q5_Kx16", "Q6_K": "Q6_Kx16"}
 FILE_TYPES = {v: k for k, v in PANEL_TYPES.items()}
 # the file's types the loader keeps as rows for one ISA's kernels, whose GEMV (a decode step)
 # reads their panels slower from memory than the rows (benchmarks/RESULTS.md, K-quants in panels)
-ROWS_ON_ISA = {"avx2": frozenset({"Q5_K"})}
+ROWS_ON_ISA = {"avx2": frozenset({"Q5_K", "Q6_K"})}
 # fp16 words (scale, Q4_1's minimum) per block, block bytes; the rest are 4-byte quant words
 _FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34), "Q5_0": (1, 22), "Q4_K": (2, 144),
-           "Q5_K": (2, 176)}
-_ELEMS = {"Q4_K": 256, "Q5_K": 256}  # weights per block (32 for the others)
+           "Q5_K": (2, 176), "Q6_K": (1, 210)}
+_ELEMS = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # weights per block (32 for the others)
 # Q5_0's first 4-byte word (its 32 fifth bits) is stored transposed: bit 8k + s <- bit 4s + k
 # (bit order within the little-endian word), so a shift lines up one quant word's bits
 _BITS_T = np.array([4 * (b % 8) + b // 8 for b in range(32)])
@@ -88,6 +88,8 @@ def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.n
     minima), then their quant words (4 per Q4 block, 8 per Q8_0; Q5_0: its fifth-bit word,
     transposed, then 4), word by word."""
     words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
+    if type_name == "Q6_K":
+        return _q6k_to_panels(np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, 210))
     if type_name in _ELEMS:
         return _k45_to_panels(np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, bsize))
     nq = (bsize - 2 * words) // 4  # quant words per block
@@ -106,6 +108,9 @@ def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.n
 def from_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
     """``to_panels`` undone: the file's rows (uint8, rows x row bytes)."""
     words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
+    if type_name == "Q6_K":
+        return _q6k_from_panels(np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, nb, 3360),
+                                rows)
     if type_name in _ELEMS:
         return _k45_from_panels(np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, nb, 16 * bsize),
                                 rows)
@@ -179,3 +184,30 @@ def _k45_from_panels(pan: np.ndarray, rows: int) -> np.ndarray:
     out[..., bsize - 128:] = pan[..., pbytes - 2048:].reshape(P, nsb, 32, PANEL, 4).transpose(
         0, 3, 1, 2, 4).reshape(P, PANEL, nsb, 128)
     return out.reshape(rows, nsb * bsize)
+
+
+# Q6_K's block: ql [0, 128), qh [128, 192), 16 int8 scales [192, 208), d [208, 210); its panel:
+# d x 16, scales (scale i of the 16 rows), qh words, ql words (qgemv.h)
+_Q6_PARTS = ((208, 210, 2, 0), (192, 208, 1, 32), (128, 192, 4, 288), (0, 128, 4, 1312))
+
+
+def _q6k_to_panels(blk: np.ndarray) -> np.ndarray:
+    """Q6_K blocks (P, 16 rows, nsb, 210) -> Q6_Kx16 panels, flat (layout in qgemv.h)."""
+    P, _, nsb, _ = blk.shape
+    out = np.empty((P, nsb, 3360), dtype=np.uint8)
+    for lo, hi, unit, off in _Q6_PARTS:  # each part's units (bytes or words) row-interleaved
+        n = (hi - lo) // unit
+        part = blk[..., lo:hi].reshape(P, PANEL, nsb, n, unit).transpose(0, 2, 3, 1, 4)
+        out[..., off:off + PANEL * (hi - lo)] = part.reshape(P, nsb, -1)
+    return out.reshape(-1)
+
+
+def _q6k_from_panels(pan: np.ndarray, rows: int) -> np.ndarray:
+    """``_q6k_to_panels`` undone: the file's rows (uint8, rows x row bytes)."""
+    P, nsb, _ = pan.shape
+    out = np.empty((P, PANEL, nsb, 210), dtype=np.uint8)
+    for lo, hi, unit, off in _Q6_PARTS:
+        n = (hi - lo) // unit
+        part = pan[..., off:off + PANEL * (hi - lo)].reshape(P, nsb, n, PANEL, unit)
+        out[..., lo:hi] = part.transpose(0, 3, 1, 2, 4).reshape(P, PANEL, nsb, hi - lo)
+    return out.reshape(rows, nsb * 210)

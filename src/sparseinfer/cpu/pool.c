@@ -36,8 +36,8 @@
 
 /* ------------------------------------------------------------------ types */
 
-static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32, 32, 256, 256};
-static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34, 22, 144, 176};
+static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32, 32, 256, 256, 256};
+static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34, 22, 144, 176, 210};
 
 int si_abi_version(void) { return SI_ABI_VERSION; }
 int si_block_elems(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_ELEMS[type] : 0; }
@@ -342,12 +342,15 @@ static int scratch(size_t nq, size_t nb, size_t nt, size_t ng) {
 }
 
 /* The weight types that read x in blocks of 128 (x->kq ...), by ISA: Q6_K on plain AVX2 and
- * AVX-512 (XK_Q6K), Q5_K on AVX-512 (XK_Q5K). A job records the kinds its matrices are
- * (xk_kind); whether x is made in blocks of 128 is decided when it runs, on the ISA then. */
-enum { XK_Q6K = 1, XK_Q5K = 2 };
-static int xk_kind(int type) { return type == SI_Q6_K ? XK_Q6K : type == SI_Q5_K ? XK_Q5K : 0; }
+ * AVX-512 (XK_Q6K), Q5_K on AVX-512 (XK_Q5K), Q6_K panels on every ISA (XK_Q6P). A job records
+ * the kinds its matrices are (xk_kind); whether x is made in blocks of 128 is decided when it
+ * runs, on the ISA then. */
+enum { XK_Q6K = 1, XK_Q5K = 2, XK_Q6P = 4 };
+static int xk_kind(int type) {
+    return type == SI_Q6_K ? XK_Q6K : type == SI_Q5_K ? XK_Q5K : type == SI_Q6_KP ? XK_Q6P : 0;
+}
 static int xk_served(void) { /* the kinds this ISA's kernels take in blocks of 128 */
-    return g_isa == ISA_AVX512 ? XK_Q6K | XK_Q5K : g_isa == ISA_AVX2 ? XK_Q6K : 0;
+    return XK_Q6P | (g_isa == ISA_AVX512 ? XK_Q6K | XK_Q5K : g_isa == ISA_AVX2 ? XK_Q6K : 0);
 }
 
 /* fn(job, t) for each of n independent rows: on the pool from ROWS_POOL_MIN rows, else on the
@@ -1427,9 +1430,38 @@ static void panel_chunk_k45(const void *jp, int64_t c) {
         }
 }
 
-/* Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K rows (src: as the file stores them) into panels of 16
- * rows (dst, the same size; layout of SI_Q4_0P ... SI_Q5_KP in qgemv.h), on the pool. */
+/* Q6_K rows into SI_Q6_KP panels (qgemv.h): per row and super-block, its d, its 16 scales, its
+ * 16 qh words and its 32 ql words (j->nb: super-blocks per row). */
+static void panel_chunk_q6k(const void *jp, int64_t c) {
+    const panel_job *j = jp;
+    const size_t rb = (size_t)j->nb * 210, pb = (size_t)SI_PANEL * 210;
+    const int64_t p1 = (c + 1) * j->panels_per_chunk < j->n_panels ? (c + 1) * j->panels_per_chunk
+                                                                     : j->n_panels;
+    for (int64_t p = c * j->panels_per_chunk; p < p1; p++)
+        for (int r = 0; r < SI_PANEL; r++) {
+            const uint8_t *q = j->src + ((size_t)p * SI_PANEL + r) * rb;
+            uint8_t *o = j->dst + (size_t)p * j->nb * pb;
+            for (int b = 0; b < j->nb; b++, q += 210, o += pb) {
+                memcpy(o + 2 * r, q + 208, 2);
+                for (int i = 0; i < 16; i++) o[32 + 16 * i + r] = q[192 + i];
+                for (int v = 0; v < 16; v++) memcpy(o + 288 + 64 * v + 4 * r, q + 128 + 4 * v, 4);
+                for (int u = 0; u < 32; u++) memcpy(o + 1312 + 64 * u + 4 * r, q + 4 * u, 4);
+            }
+        }
+}
+
+/* Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K rows (src: as the file stores them) into panels
+ * of 16 rows (dst, the same size; layout of SI_Q4_0P ... SI_Q6_KP in qgemv.h), on the pool. */
 int si_to_panels(int type, const uint8_t *src, int64_t rows, int cols, uint8_t *dst) {
+    if (type == SI_Q6_K) {
+        if (rows < SI_PANEL || rows % SI_PANEL || cols < 256 || cols % 256) return EINVAL;
+        panel_job j = {src, dst, 0, 0, 210, cols / 256, 0, 0, rows / SI_PANEL};
+        j.panels_per_chunk = (j.n_panels + 31) / 32;
+        pthread_mutex_lock(&g_call_lock);
+        pool_run(panel_chunk_q6k, &j, (j.n_panels + j.panels_per_chunk - 1) / j.panels_per_chunk);
+        pthread_mutex_unlock(&g_call_lock);
+        return 0;
+    }
     if (type == SI_Q4_K || type == SI_Q5_K) {
         if (rows < SI_PANEL || rows % SI_PANEL || cols < 256 || cols % 256) return EINVAL;
         panel_job j = {src, dst, 0, 0, BLOCK_BYTES[type], cols / 256, type == SI_Q5_K, 0,

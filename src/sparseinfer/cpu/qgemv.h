@@ -50,13 +50,17 @@ enum si_type {
      * scales and minima, then the fifth bits: 8 x (16 rows x 4 bytes), word c of row r its qh
      * bytes 4c .. 4c + 3 (bit j of qh byte l: sub-block j's weight l), then SI_Q4_KP's quants. */
     SI_Q5_KP = 15,
-    SI_N_TYPES = 16,
+    /* Q6_K in panels: per super-block column, 3360 bytes: [d x 16 (fp16), scales: 16 x (16 rows'
+     * int8 scale i), qh: 16 x (16 rows x 4 bytes: the row's qh word v = bytes 4v .. 4v + 3), ql: 32
+     * x (16 rows x 4 bytes: ql word u)]. */
+    SI_Q6_KP = 16,
+    SI_N_TYPES = 17,
 };
-#define SI_PANEL 16 /* rows per panel of SI_Q4_0P ... SI_Q5_KP */
+#define SI_PANEL 16 /* rows per panel of SI_Q4_0P ... SI_Q6_KP */
 
 static inline int si_is_panel(int type) {
     return type == SI_Q4_0P || type == SI_Q4_1P || type == SI_Q8_0P || type == SI_Q5_0P ||
-           type == SI_Q4_KP || type == SI_Q5_KP;
+           type == SI_Q4_KP || type == SI_Q5_KP || type == SI_Q6_KP;
 }
 
 /* One quantized activation vector: q[cols] int8, d[cols/32], s[cols/32]; f the fp32 source (F16
@@ -73,7 +77,7 @@ typedef struct {
     /* x in blocks of 128 (si_quantize_xk; llama.cpp's Q8_K takes 256): kq[cols] int8, kd[cols /
      * 128] scales, kbs[cols / 16] sums of kq per 16, ks[cols / 32] the rounded x's sums per 32
      * (kd times the sums of kq); for the kernels that sum half a super-block in integers (plain
-     * AVX2's Q6_K, AVX-512's Q5_K and Q6_K); NULL elsewhere */
+     * AVX2's Q6_K, AVX-512's Q5_K and Q6_K, every ISA's Q6_K panels); NULL elsewhere */
     const int8_t *kq;
     const float *kd;
     const int16_t *kbs;
