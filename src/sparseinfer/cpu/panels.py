@@ -86,14 +86,14 @@ def to_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarr
 def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
     """``to_panels`` in numpy: per panel and block column, the 16 rows' scales (and Q4_1's
     minima), then their quant words (4 per Q4 block, 8 per Q8_0; Q5_0: its fifth-bit word,
-    transposed, then 4), word by word."""
+    transposed, then 4), word by word; the K-quants as qgemv.h lays them out."""
     words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
-    if type_name == "Q6_K":
-        return _q6k_to_panels(np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, 210))
-    if type_name in _ELEMS:
-        return _k45_to_panels(np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, bsize))
-    nq = (bsize - 2 * words) // 4  # quant words per block
     blk = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, bsize)
+    if type_name == "Q6_K":
+        return _q6k_to_panels(blk)
+    if type_name in _ELEMS:
+        return _k45_to_panels(blk)
+    nq = (bsize - 2 * words) // 4  # quant words per block
     scales = blk[..., : 2 * words].reshape(-1, PANEL, nb, words, 2)  # (P, 16, nb, words, 2)
     quants = blk[..., 2 * words :].reshape(-1, PANEL, nb, nq, 4)  # (P, 16, nb, word, 4)
     out = np.empty((rows // PANEL, nb, bsize * PANEL), dtype=np.uint8)
@@ -108,14 +108,12 @@ def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.n
 def from_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
     """``to_panels`` undone: the file's rows (uint8, rows x row bytes)."""
     words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
-    if type_name == "Q6_K":
-        return _q6k_from_panels(np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, nb, 3360),
-                                rows)
-    if type_name in _ELEMS:
-        return _k45_from_panels(np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, nb, 16 * bsize),
-                                rows)
-    nq = (bsize - 2 * words) // 4
     pan = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, nb, bsize * PANEL)
+    if type_name == "Q6_K":
+        return _q6k_from_panels(pan, rows)
+    if type_name in _ELEMS:
+        return _k45_from_panels(pan, rows)
+    nq = (bsize - 2 * words) // 4
     scales = pan[..., : 2 * words * PANEL].reshape(-1, nb, words, PANEL, 2)
     quants = pan[..., 2 * words * PANEL :].reshape(-1, nb, nq, PANEL, 4)
     out = np.empty((rows // PANEL, PANEL, nb, bsize), dtype=np.uint8)
@@ -127,7 +125,8 @@ def from_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.nda
 
 
 def _k_fields(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A Q4_K / Q5_K block's 12 scale bytes (uint8 [..., 12]) -> its 8 six-bit scales and 8 minima."""
+    """A Q4_K / Q5_K block's 12 scale bytes (uint8 [..., 12]) -> its 8 six-bit scales and its 8
+    minima."""
     a, b, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
     m = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)

@@ -1349,13 +1349,17 @@ int si_stack_decode_rows(void *const *blocks, int n, float *x, int B, const int3
 
 /* ------------------------------------------------------------------ panels (layout) */
 
-typedef struct {
+typedef struct panel_job panel_job;
+/* One row's block (q: in the file; o: its panel's block column; r: the row in its panel). */
+typedef void (*panel_block_fn)(const panel_job *j, const uint8_t *q, uint8_t *o, int r);
+struct panel_job {
     const uint8_t *src;
     uint8_t *dst;
     int words, nq, bsize, nb; /* fp16 words, quant words (4 bytes) per block; bytes; blocks */
     int bits; /* Q5_0: quant word 0 is the fifth bits, stored transposed (bits_t); Q5_K's fifth bits */
     int64_t panels_per_chunk, n_panels;
-} panel_job;
+    panel_block_fn block;
+};
 
 /* A Q5_0 block's 32 fifth bits as SI_Q5_0P stores them: bit 8k + s = bit 4s + k. */
 static uint32_t bits_t(uint32_t h) {
@@ -1363,6 +1367,56 @@ static uint32_t bits_t(uint32_t h) {
     for (int k = 0; k < 4; k++)
         for (int s = 0; s < 8; s++) o |= ((h >> (4 * s + k)) & 1u) << (8 * k + s);
     return o;
+}
+
+/* Q4_0 / Q4_1 / Q5_0 / Q8_0: the block's fp16 words, then its quant words. */
+static void block_b32(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
+    for (int w = 0; w < j->words; w++) memcpy(o + 32 * w + 2 * r, q + 2 * w, 2);
+    for (int k = 0; k < j->nq; k++) memcpy(o + 32 * j->words + 64 * k + 4 * r, q + 2 * j->words + 4 * k, 4);
+    if (j->bits) {
+        uint32_t h;
+        memcpy(&h, q + 2 * j->words, 4);
+        h = bits_t(h);
+        memcpy(o + 32 * j->words + 4 * r, &h, 4);
+    }
+}
+
+/* Q4_K / Q5_K (j->bits: Q5_K): d and dmin, the 8 six-bit scales and minima (the 12 bytes
+ * unpacked as the kernels' scales_k does) regrouped, Q5_K's 8 fifth-bit words, the 32 quant
+ * words. */
+static void block_k45(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
+    const int bs = j->bsize, qo = j->bits ? 768 : 256;
+    const uint8_t *s = q + 4;
+    uint8_t sc[8], m[8];
+    for (int k = 0; k < 4; k++) {
+        sc[k] = s[k] & 63;
+        m[k] = s[4 + k] & 63;
+        sc[4 + k] = (uint8_t)((s[8 + k] & 15) | ((s[k] >> 6) << 4));
+        m[4 + k] = (uint8_t)((s[8 + k] >> 4) | ((s[4 + k] >> 6) << 4));
+    }
+    memcpy(o + 2 * r, q, 2);
+    memcpy(o + 32 + 2 * r, q + 2, 2);
+    uint16_t hs = 0, hm = 0;
+    for (int k = 0; k < 8; k++) {
+        if (k < 4) {
+            o[64 + 16 * k + r] = (uint8_t)((sc[k] & 15) | ((sc[k + 4] & 15) << 4));
+            o[128 + 16 * k + r] = (uint8_t)((m[k] & 15) | ((m[k + 4] & 15) << 4));
+        }
+        hs |= (uint16_t)((sc[k] >> 4) << (2 * k));
+        hm |= (uint16_t)((m[k] >> 4) << (2 * k));
+    }
+    memcpy(o + 192 + 2 * r, &hs, 2);
+    memcpy(o + 224 + 2 * r, &hm, 2);
+    for (int w = 0; j->bits && w < 8; w++) memcpy(o + 256 + 64 * w + 4 * r, q + 16 + 4 * w, 4);
+    for (int w = 0; w < 32; w++) memcpy(o + qo + 64 * w + 4 * r, q + bs - 128 + 4 * w, 4);
+}
+
+/* Q6_K: d, the 16 scales, the 16 qh words, the 32 ql words. */
+static void block_q6k(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
+    memcpy(o + 2 * r, q + 208, 2);
+    for (int i = 0; i < 16; i++) o[32 + 16 * i + r] = q[192 + i];
+    for (int v = 0; v < 16; v++) memcpy(o + 288 + 64 * v + 4 * r, q + 128 + 4 * v, 4);
+    for (int u = 0; u < 32; u++) memcpy(o + 1312 + 64 * u + 4 * r, q + 4 * u, 4);
 }
 
 static void panel_chunk(const void *jp, int64_t c) {
@@ -1374,110 +1428,22 @@ static void panel_chunk(const void *jp, int64_t c) {
         for (int r = 0; r < SI_PANEL; r++) { /* each source row read front to back */
             const uint8_t *q = j->src + ((size_t)p * SI_PANEL + r) * rb;
             uint8_t *o = j->dst + (size_t)p * j->nb * pb;
-            for (int b = 0; b < j->nb; b++, q += j->bsize, o += pb) {
-                for (int w = 0; w < j->words; w++) memcpy(o + 32 * w + 2 * r, q + 2 * w, 2);
-                for (int k = 0; k < j->nq; k++)
-                    memcpy(o + 32 * j->words + 64 * k + 4 * r, q + 2 * j->words + 4 * k, 4);
-                if (j->bits) {
-                    uint32_t h;
-                    memcpy(&h, q + 2 * j->words, 4);
-                    h = bits_t(h);
-                    memcpy(o + 32 * j->words + 4 * r, &h, 4);
-                }
-            }
-        }
-}
-
-/* Q4_K / Q5_K rows into SI_Q4_KP / SI_Q5_KP panels (qgemv.h): per row and super-block, its d
- * and dmin words, its 8 six-bit scales and minima (the 12 bytes unpacked as the kernels'
- * scales_k does) regrouped, Q5_K's 8 fifth-bit words, and its 32 quant words (j->nb:
- * super-blocks per row; j->bits: Q5_K). */
-static void panel_chunk_k45(const void *jp, int64_t c) {
-    const panel_job *j = jp;
-    const int bs = j->bsize, qo = j->bits ? 768 : 256;
-    const size_t rb = (size_t)j->nb * bs, pb = (size_t)SI_PANEL * bs;
-    const int64_t p1 = (c + 1) * j->panels_per_chunk < j->n_panels ? (c + 1) * j->panels_per_chunk
-                                                                     : j->n_panels;
-    for (int64_t p = c * j->panels_per_chunk; p < p1; p++)
-        for (int r = 0; r < SI_PANEL; r++) {
-            const uint8_t *q = j->src + ((size_t)p * SI_PANEL + r) * rb;
-            uint8_t *o = j->dst + (size_t)p * j->nb * pb;
-            for (int b = 0; b < j->nb; b++, q += bs, o += pb) {
-                const uint8_t *s = q + 4;
-                uint8_t sc[8], m[8];
-                for (int k = 0; k < 4; k++) {
-                    sc[k] = s[k] & 63;
-                    m[k] = s[4 + k] & 63;
-                    sc[4 + k] = (uint8_t)((s[8 + k] & 15) | ((s[k] >> 6) << 4));
-                    m[4 + k] = (uint8_t)((s[8 + k] >> 4) | ((s[4 + k] >> 6) << 4));
-                }
-                memcpy(o + 2 * r, q, 2);
-                memcpy(o + 32 + 2 * r, q + 2, 2);
-                uint16_t hs = 0, hm = 0;
-                for (int k = 0; k < 8; k++) {
-                    if (k < 4) {
-                        o[64 + 16 * k + r] = (uint8_t)((sc[k] & 15) | ((sc[k + 4] & 15) << 4));
-                        o[128 + 16 * k + r] = (uint8_t)((m[k] & 15) | ((m[k + 4] & 15) << 4));
-                    }
-                    hs |= (uint16_t)((sc[k] >> 4) << (2 * k));
-                    hm |= (uint16_t)((m[k] >> 4) << (2 * k));
-                }
-                memcpy(o + 192 + 2 * r, &hs, 2);
-                memcpy(o + 224 + 2 * r, &hm, 2);
-                for (int w = 0; j->bits && w < 8; w++) memcpy(o + 256 + 64 * w + 4 * r, q + 16 + 4 * w, 4);
-                for (int w = 0; w < 32; w++) memcpy(o + qo + 64 * w + 4 * r, q + bs - 128 + 4 * w, 4);
-            }
-        }
-}
-
-/* Q6_K rows into SI_Q6_KP panels (qgemv.h): per row and super-block, its d, its 16 scales, its
- * 16 qh words and its 32 ql words (j->nb: super-blocks per row). */
-static void panel_chunk_q6k(const void *jp, int64_t c) {
-    const panel_job *j = jp;
-    const size_t rb = (size_t)j->nb * 210, pb = (size_t)SI_PANEL * 210;
-    const int64_t p1 = (c + 1) * j->panels_per_chunk < j->n_panels ? (c + 1) * j->panels_per_chunk
-                                                                     : j->n_panels;
-    for (int64_t p = c * j->panels_per_chunk; p < p1; p++)
-        for (int r = 0; r < SI_PANEL; r++) {
-            const uint8_t *q = j->src + ((size_t)p * SI_PANEL + r) * rb;
-            uint8_t *o = j->dst + (size_t)p * j->nb * pb;
-            for (int b = 0; b < j->nb; b++, q += 210, o += pb) {
-                memcpy(o + 2 * r, q + 208, 2);
-                for (int i = 0; i < 16; i++) o[32 + 16 * i + r] = q[192 + i];
-                for (int v = 0; v < 16; v++) memcpy(o + 288 + 64 * v + 4 * r, q + 128 + 4 * v, 4);
-                for (int u = 0; u < 32; u++) memcpy(o + 1312 + 64 * u + 4 * r, q + 4 * u, 4);
-            }
+            for (int b = 0; b < j->nb; b++, q += j->bsize, o += pb) j->block(j, q, o, r);
         }
 }
 
 /* Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K rows (src: as the file stores them) into panels
  * of 16 rows (dst, the same size; layout of SI_Q4_0P ... SI_Q6_KP in qgemv.h), on the pool. */
 int si_to_panels(int type, const uint8_t *src, int64_t rows, int cols, uint8_t *dst) {
-    if (type == SI_Q6_K) {
-        if (rows < SI_PANEL || rows % SI_PANEL || cols < 256 || cols % 256) return EINVAL;
-        panel_job j = {src, dst, 0, 0, 210, cols / 256, 0, 0, rows / SI_PANEL};
-        j.panels_per_chunk = (j.n_panels + 31) / 32;
-        pthread_mutex_lock(&g_call_lock);
-        pool_run(panel_chunk_q6k, &j, (j.n_panels + j.panels_per_chunk - 1) / j.panels_per_chunk);
-        pthread_mutex_unlock(&g_call_lock);
-        return 0;
-    }
-    if (type == SI_Q4_K || type == SI_Q5_K) {
-        if (rows < SI_PANEL || rows % SI_PANEL || cols < 256 || cols % 256) return EINVAL;
-        panel_job j = {src, dst, 0, 0, BLOCK_BYTES[type], cols / 256, type == SI_Q5_K, 0,
-                       rows / SI_PANEL};
-        j.panels_per_chunk = (j.n_panels + 31) / 32;
-        pthread_mutex_lock(&g_call_lock);
-        pool_run(panel_chunk_k45, &j, (j.n_panels + j.panels_per_chunk - 1) / j.panels_per_chunk);
-        pthread_mutex_unlock(&g_call_lock);
-        return 0;
-    }
-    if ((type != SI_Q4_0 && type != SI_Q4_1 && type != SI_Q5_0 && type != SI_Q8_0) ||
-        rows < SI_PANEL || rows % SI_PANEL || cols < 32 || cols % 32)
-        return EINVAL;
-    const int words = type == SI_Q4_1 ? 2 : 1;
-    panel_job j = {src, dst, words, (BLOCK_BYTES[type] - 2 * words) / 4, BLOCK_BYTES[type],
-                   cols / 32, type == SI_Q5_0, 0, rows / SI_PANEL};
+    const int b32 = type == SI_Q4_0 || type == SI_Q4_1 || type == SI_Q5_0 || type == SI_Q8_0;
+    const int k45 = type == SI_Q4_K || type == SI_Q5_K;
+    if (!(b32 || k45 || type == SI_Q6_K)) return EINVAL;
+    const int elems = BLOCK_ELEMS[type];
+    if (rows < SI_PANEL || rows % SI_PANEL || cols < elems || cols % elems) return EINVAL;
+    const int words = !b32 ? 0 : type == SI_Q4_1 ? 2 : 1;
+    panel_job j = {src, dst, words, b32 ? (BLOCK_BYTES[type] - 2 * words) / 4 : 0, BLOCK_BYTES[type],
+                   cols / elems, type == SI_Q5_0 || type == SI_Q5_K, 0, rows / SI_PANEL,
+                   b32 ? block_b32 : k45 ? block_k45 : block_q6k};
     j.panels_per_chunk = (j.n_panels + 31) / 32; /* 32 chunks: the threads stay even */
     pthread_mutex_lock(&g_call_lock);
     pool_run(panel_chunk, &j, (j.n_panels + j.panels_per_chunk - 1) / j.panels_per_chunk);
