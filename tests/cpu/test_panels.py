@@ -18,15 +18,10 @@ from sparseinfer.cpu.panels import from_panels, to_panels, to_panels_ref
 gguf = pytest.importorskip("gguf")
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0"])
-def test_round_trip_and_layout(type_name, threads):
-    """The C rearrangement equals the numpy one (over 35 panels: several pool chunks), both
-    undo exactly, and the bytes sit where qgemv.h says."""
-    rng = np.random.default_rng(0)
-    rows, cols = 560, 96
-    w = rng.standard_normal((rows, cols)).astype(np.float32)
-    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])  # (rows, row bytes)
+def checked_panels(raw: np.ndarray, type_name: str, rows: int, cols: int, threads: int
+                   ) -> np.ndarray:
+    """``to_panels`` on ``threads`` threads, checked against the numpy rearrangement and undone
+    exactly by ``from_panels``."""
     before = cpu.get_threads()
     cpu.set_threads(threads)
     try:
@@ -36,6 +31,19 @@ def test_round_trip_and_layout(type_name, threads):
     assert pan.shape == (raw.size,)
     assert np.array_equal(pan, to_panels_ref(raw, type_name, rows, cols))
     assert np.array_equal(from_panels(pan, type_name, rows, cols), raw)
+    return pan
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0"])
+def test_round_trip_and_layout(type_name, threads):
+    """The C rearrangement equals the numpy one (over 35 panels: several pool chunks), both
+    undo exactly, and the bytes sit where qgemv.h says."""
+    rng = np.random.default_rng(0)
+    rows, cols = 560, 96
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])  # (rows, row bytes)
+    pan = checked_panels(raw, type_name, rows, cols, threads)
     # the layout qgemv.h states: panel 1, block column 2: 16 scales, then quant word c of row r
     words, bsize = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34), "Q5_0": (1, 22)}[type_name]
     blk = pan.reshape(rows // 16, cols // 32, 16 * bsize)[1, 2]
@@ -77,15 +85,7 @@ def test_k_quant_round_trip_and_layout(type_name, threads):
     rows, cols = 560, 768
     bsize = cpu.TYPES[type_name][2]
     raw = k_rows(type_name, rows, cols, rng)
-    before = cpu.get_threads()
-    cpu.set_threads(threads)
-    try:
-        pan = to_panels(raw, type_name, rows, cols)
-    finally:
-        cpu.set_threads(before)
-    assert pan.shape == (raw.size,)
-    assert np.array_equal(pan, to_panels_ref(raw, type_name, rows, cols))
-    assert np.array_equal(from_panels(pan, type_name, rows, cols), raw)
+    pan = checked_panels(raw, type_name, rows, cols, threads)
     blk = pan.reshape(rows // 16, cols // 256, 16 * bsize)[1, 2]  # panel 1, super-block column 2
     src = raw[16:32, 2 * bsize:3 * bsize]  # its 16 rows' blocks in the file
     assert np.array_equal(blk[:32], src[:, 0:2].reshape(-1))  # d x 16
@@ -118,14 +118,7 @@ def test_q6_k_round_trip_and_layout(threads):
     rng = np.random.default_rng(2)
     rows, cols = 560, 768
     raw = k_rows("Q6_K", rows, cols, rng)
-    before = cpu.get_threads()
-    cpu.set_threads(threads)
-    try:
-        pan = to_panels(raw, "Q6_K", rows, cols)
-    finally:
-        cpu.set_threads(before)
-    assert np.array_equal(pan, to_panels_ref(raw, "Q6_K", rows, cols))
-    assert np.array_equal(from_panels(pan, "Q6_K", rows, cols), raw)
+    pan = checked_panels(raw, "Q6_K", rows, cols, threads)
     blk = pan.reshape(rows // 16, cols // 256, 3360)[1, 2]  # panel 1, super-block column 2
     src = raw[16:32, 2 * 210:3 * 210]
     for r in range(16):

@@ -1341,6 +1341,20 @@ INLINE __m256i k45p_half_dot(const int five, const __m256i *w, const si_xq *x, c
 }
 
 #if SI_AVX512
+/* One block of 32 weights of 16 panel rows (w: its 8 words as unsigned bytes; d, m: the rows'
+ * scales and minimum terms) against block b of x rows 0 .. nt - 1: acc[t] += d x_d sum,
+ * accm[t] += m x_s. The Q4/Q8_0 panels' and the Q4_K/Q5_K panels' step, the same operations. */
+INLINE void panel_block16(const __m512i *w, const __m512 d, const __m512 m, const si_xq *x,
+                          const int nt, const int b, __m512 *acc, __m512 *accm) {
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; t++) {
+        __m512i sum = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c++)
+            sum = _mm512_dpbusd_epi32(sum, w[c], _mm512_set1_epi32(x_word(&x[t], b, c)));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x[t].d[b])), acc[t]);
+        accm[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[t].s[b]), accm[t]);
+    }
+}
 /* Sub-block j's fields of all 16 rows as 16 int32 (k4p_six8's, in one 512-bit register). */
 INLINE __m512i k4p_six16(const uint8_t *f, const __m512i hw, const int j) {
     __m512i a = _mm512_cvtepu8_epi32(load128(f + 16 * (j & 3)));
@@ -1427,16 +1441,7 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
             __m512i w[8];
             for (int c = 0; c < 8; c++)
                 w[c] = k45p_word16(five, pb, _mm512_loadu_si512((const void *)(q + 64 * c)), j, c);
-            const int b = 8 * sb + j;
-#pragma GCC unroll 8
-            for (int t = 0; t < nt; t++) {
-                __m512i sum = _mm512_setzero_si512();
-                for (int c = 0; c < 8; c++)
-                    sum = _mm512_dpbusd_epi32(sum, w[c], _mm512_set1_epi32(x_word(&x[t], b, c)));
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(S, _mm512_set1_ps(x[t].d[b])),
-                                         acc[t]);
-                accm[t] = _mm512_fmadd_ps(M, _mm512_set1_ps(x[t].s[b]), accm[t]);
-            }
+            panel_block16(w, S, M, x, nt, 8 * sb + j, acc, accm);
         }
     }
 #pragma GCC unroll 8
@@ -1685,15 +1690,7 @@ INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt
                 w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
             }
         }
-#pragma GCC unroll 8
-        for (int t = 0; t < nt; t++) {
-            __m512i sum = _mm512_setzero_si512();
-            for (int c = 0; c < 8; c++)
-                sum = _mm512_dpbusd_epi32(sum, w[c], _mm512_set1_epi32(x_word(&x[t], b, c)));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x[t].d[b])),
-                                     acc[t]);
-            accm[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[t].s[b]), accm[t]);
-        }
+        panel_block16(w, d, m, x, nt, b, acc, accm);
     }
 #pragma GCC unroll 8
     for (int t = 0; t < nt; t++) _mm512_storeu_ps(y + t * ys, _mm512_add_ps(acc[t], accm[t]));
