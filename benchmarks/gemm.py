@@ -9,7 +9,7 @@ and again (its weights stay in cache: the arithmetic rate, GMAC/s); (2) from mem
 of SmolLM2's four projection shapes as distinct matrices (~70 MB, past the last-level cache),
 all of them per pass, the time of one pass (what a decode step's products cost). Weights are
 gguf-py-quantized random values; the CPU model is printed beside the figures. ``--k-quants``:
-the hot measurement of a 4096 x 4096 Q4_K, Q5_K and Q6_K matrix instead, and Q4_K in the
+the hot measurement of a 4096 x 4096 Q4_K, Q5_K and Q6_K matrix instead, each also in the
 loader's panels (random blocks with small positive fp16 scales: gguf-py cannot quantize to
 K-quants).
 """
