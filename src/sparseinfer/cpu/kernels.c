@@ -1363,6 +1363,25 @@ INLINE __m512i k4p_six16(const uint8_t *f, const __m512i hw, const int j) {
     const __m512i h = _mm512_and_si512(_mm512_srli_epi32(hw, 2 * j), _mm512_set1_epi32(3));
     return _mm512_or_si512(a, _mm512_slli_epi32(h, 4));
 }
+/* A super-block column's fields, all 16 rows: d, -dmin, and the top bits of the scales and
+ * minima as 16 int32 each (k4p_half_fields' in one 512-bit register). */
+typedef struct {
+    __m512 d, nmin;
+    __m512i hs, hm;
+} k4p_fields16;
+INLINE k4p_fields16 k4p_fields(const uint8_t *pb) {
+    k4p_fields16 f;
+    f.d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
+    f.nmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32))));
+    f.hs = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pb + 192)));
+    f.hm = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pb + 224)));
+    return f;
+}
+/* Sub-block j's scale products d sc (S) and minimum terms -dmin m (M), all 16 rows. */
+INLINE void k4p_sm16(const uint8_t *pb, const k4p_fields16 *f, const int j, __m512 *S, __m512 *M) {
+    *S = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 64, f->hs, j)), f->d);
+    *M = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 128, f->hm, j)), f->nmin);
+}
 /* Bit j of each byte of v at bit 4 (the rest of the byte whatever: masked by the caller). */
 INLINE __m512i bit_to4_512(const __m512i v, const int j) {
     return j <= 4 ? _mm512_slli_epi16(v, 4 - j) : _mm512_srli_epi16(v, j - 4);
@@ -1383,11 +1402,7 @@ INLINE void panel_k45_1(const int five, const uint8_t *p, const si_xq *x, const 
     __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *pb = p + (size_t)sb * bb;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
-        const __m512 nmin = _mm512_sub_ps(_mm512_setzero_ps(),
-                                          _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32))));
-        const __m512i hs = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pb + 192)));
-        const __m512i hm = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pb + 224)));
+        const k4p_fields16 f = k4p_fields(pb);
         for (int pr = 0; pr < 4; pr++) {
             const uint8_t *q = pb + k45p_qoff(five) + 512 * pr;
             const int j0 = 2 * pr, j1 = j0 + 1, b0 = 8 * sb + j0, b1 = b0 + 1;
@@ -1400,16 +1415,13 @@ INLINE void panel_k45_1(const int five, const uint8_t *p, const si_xq *x, const 
                 s[2 + k] = _mm512_dpbusd_epi32(s[2 + k], k45p_word16(five, pb, v, j1, c),
                                                _mm512_set1_epi32(x_word(x, b1, c)));
             }
-            const __m512 S0 = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 64, hs, j0)), d);
-            const __m512 M0 = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 128, hm, j0)), nmin);
-            const __m512 S1 = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 64, hs, j1)), d);
-            const __m512 M1 = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 128, hm, j1)), nmin);
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[0], s[1])),
-                                  _mm512_mul_ps(S0, _mm512_set1_ps(x->d[b0])), acc);
-            accm = _mm512_fmadd_ps(M0, _mm512_set1_ps(x->s[b0]), accm);
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[2], s[3])),
-                                  _mm512_mul_ps(S1, _mm512_set1_ps(x->d[b1])), acc);
-            accm = _mm512_fmadd_ps(M1, _mm512_set1_ps(x->s[b1]), accm);
+            for (int u = 0; u < 2; u++) {
+                __m512 S, M;
+                k4p_sm16(pb, &f, j0 + u, &S, &M);
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[2 * u], s[2 * u + 1])),
+                                      _mm512_mul_ps(S, _mm512_set1_ps(x->d[b0 + u])), acc);
+                accm = _mm512_fmadd_ps(M, _mm512_set1_ps(x->s[b0 + u]), accm);
+            }
         }
     }
     _mm512_storeu_ps(y, _mm512_add_ps(acc, accm));
@@ -1427,16 +1439,12 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
     for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *pb = p + (size_t)sb * bb;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
-        const __m512 nmin = _mm512_sub_ps(_mm512_setzero_ps(),
-                                          _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32))));
-        const __m512i hs = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pb + 192)));
-        const __m512i hm = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pb + 224)));
+        const k4p_fields16 f = k4p_fields(pb);
         for (int j = 0; j < 8; j++) {
             for (int o = (bb / 8) * j; o < (bb / 8) * (j + 1); o += 64)
                 _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
-            const __m512 S = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 64, hs, j)), d);
-            const __m512 M = _mm512_mul_ps(_mm512_cvtepi32_ps(k4p_six16(pb + 128, hm, j)), nmin);
+            __m512 S, M;
+            k4p_sm16(pb, &f, j, &S, &M);
             const uint8_t *q = pb + k45p_qoff(five) + 512 * (j >> 1);
             __m512i w[8];
             for (int c = 0; c < 8; c++)
