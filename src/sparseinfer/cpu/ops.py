@@ -670,7 +670,8 @@ def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: b
         gp, gstride = _q4_gate_rows(gates, d_ff, d_model)
     _check(_lib.si_sparse_i8(rows.data_ptr(), scales.data_ptr(), block, int(gated),
                              rows.shape[1], idx.data_ptr(), idx.shape[0], mk, d_ff, x.data_ptr(),
-                             int(round_x), T, d_model, gate_act, up_act, bias, out.data_ptr(), gp, gstride),
+                             int(round_x), T, d_model, gate_act, up_act, bias, out.data_ptr(),
+                             gp, gstride),
            "sparse_ffn_i8")
     return out
 
@@ -736,10 +737,9 @@ def sparse_ffn_i8_q4g(rows: torch.Tensor, scales: torch.Tensor, block: int, gate
     gp, gstride = _q4_gate_rows(gates, d_ff, d_model)
     _check_idx_bias(idx, None, d_ff)
     _check(_lib.si_sparse_i8_q4g(rows.data_ptr(), scales.data_ptr(), block, rows.shape[1], gp,
-                                 gstride,
-                                 idx.data_ptr(),
-                                 idx.shape[0], d_ff, x.data_ptr(), int(round_x), d_model, up_act,
-                                 out.data_ptr()), "sparse_ffn_i8_q4g")
+                                 gstride, idx.data_ptr(), idx.shape[0], d_ff, x.data_ptr(),
+                                 int(round_x), d_model, up_act, out.data_ptr()),
+           "sparse_ffn_i8_q4g")
     return out
 
 
