@@ -1255,6 +1255,7 @@ INLINE void panel_q4_1(const int type, const uint8_t *p, const si_xq *x, const i
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {acc[0], acc[1]};
     for (int b = 0; b < nb; b++) {
         const uint8_t *pb = p + (size_t)b * bb;
+        for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
             __m256 d, m;
             __m256i lo[4], hi[4];
@@ -1404,6 +1405,8 @@ INLINE void panel_k45_1(const int five, const uint8_t *p, const si_xq *x, const 
         const uint8_t *pb = p + (size_t)sb * bb;
         const k4p_fields16 f = k4p_fields(pb);
         for (int pr = 0; pr < 4; pr++) {
+            for (int o = (bb / 4) * pr; o < (bb / 4) * (pr + 1); o += 64)
+                _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
             const uint8_t *q = pb + k45p_qoff(five) + 512 * pr;
             const int j0 = 2 * pr, j1 = j0 + 1, b0 = 8 * sb + j0, b1 = b0 + 1;
             __m512i s[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
@@ -1469,6 +1472,9 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
             for (int h = 0; h < 2; h++) {
                 const k4p_fields8 f = k4p_half_fields(pb, h);
                 for (int pr = 0; pr < 4; pr++) {
+                    if (h == 0)
+                        for (int o = (bb / 4) * pr; o < (bb / 4) * (pr + 1); o += 64)
+                            _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
                     const int j0 = 2 * pr, b0 = 8 * sb + j0;
                     const uint8_t *q = pb + k45p_qoff(five) + 512 * pr + 32 * h;
                     /* int16 chains as k45p_half_dot's: [sub-block][words 0..3, 4..7 (Q5_K)] */
@@ -1749,6 +1755,7 @@ INLINE void panel_q8_1(const uint8_t *p, const si_xq *x, const int nb, float *y)
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < nb; b++) {
         const uint8_t *pb = p + (size_t)b * bb;
+        for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
         for (int h = 0; h < 2; h++)
             acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_half_dot(pb, h, x, b)),
                                      _mm256_mul_ps(q8_half_d(pb, h), _mm256_set1_ps(x->d[b])), acc[h]);

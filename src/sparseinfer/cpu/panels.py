@@ -22,8 +22,9 @@ PANEL_TYPES = {"Q4_0": "Q4_0x16", "Q4_1": "Q4_1x16", "Q8_0": "Q8_0x16", "Q5_0": 
                "Q4_K": "Q4_Kx16", "Q5_K": "Q5_Kx16", "Q6_K": "Q6_Kx16"}
 FILE_TYPES = {v: k for k, v in PANEL_TYPES.items()}
 # the file's types the loader keeps as rows for one ISA's kernels, whose GEMV (a decode step)
-# reads their panels slower from memory than the rows (benchmarks/RESULTS.md, K-quants in panels)
-ROWS_ON_ISA = {"avx2": frozenset({"Q5_K", "Q6_K"})}
+# reads their panels slower from memory than the rows (benchmarks/RESULTS.md: plain AVX2's Q6_K
+# panel GEMV is bound by its arithmetic)
+ROWS_ON_ISA = {"avx2": frozenset({"Q6_K"})}
 # fp16 words (scale, Q4_1's minimum) per block, block bytes; the rest are 4-byte quant words
 _FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34), "Q5_0": (1, 22), "Q4_K": (2, 144),
            "Q5_K": (2, 176), "Q6_K": (1, 210)}
