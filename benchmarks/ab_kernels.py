@@ -1,6 +1,8 @@
-"""Two builds of the C library against each other in one process: the sparse FFN kernels.
+"""Two builds of the C library against each other in one process: the sparse FFN kernels, or
+the GEMV of given block types (``--gemv``).
 
     python benchmarks/ab_kernels.py --rev HEAD~1 [--isa avx2] [--dtypes q4 int8/32 q4-gates] [-t 2]
+    python benchmarks/ab_kernels.py --rev HEAD~1 --isa avx512 --gemv Q4_Kx16 Q5_Kx16 --rounds 8
     python benchmarks/ab_kernels.py --old path/to/libsicpu.so ... [--hot]
 
 ``--rev`` checks that revision out in a temporary git worktree, builds its library there and
@@ -82,6 +84,7 @@ def load(path: Path, isa: str, threads: int) -> ctypes.CDLL:
                                  vp]
     lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, ci, vp, vp]
     lib.si_sparse_q4_gates.argtypes = [vp, ctypes.c_size_t, vp, ci, ci, vp, ci, vp]
+    lib.si_gemv.argtypes = [ci, vp, vp, vp, ci, vp, vp]
     if lib.si_set_isa(ISAS[isa]) != 0:
         raise SystemExit(f"{path}: this CPU cannot run {isa}")
     if lib.si_set_threads(threads) != 0:
@@ -183,6 +186,63 @@ def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_b
           f"mean {n[3] / o[3]:.3f}; new faster in {wins} of {rounds} rounds")
 
 
+GEMV_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # llama-7b's projections
+GEMV_POOL = 1 << 30  # bytes of random blocks the matrices are windows of (past the L3 cache)
+
+
+def run_gemv(libs: dict[str, ctypes.CDLL], type_name: str, rounds: int, per_block: int,
+             hot: bool) -> None:
+    """One GEMV (``si_gemv``, a decode step's product) of a ``type_name`` matrix at each 7B
+    shape (``--hot``: one 256 x 4096 matrix, in cache) with the two builds, alternated in blocks
+    of calls, each call on the next matrix of a pool larger than the L3 cache. The weights are
+    random bytes (a scale may be inf or NaN: the time is the same); outputs compared as bits."""
+    from sparseinfer import cpu
+
+    _, elems, size = cpu.TYPES[type_name]
+    buf = np.random.default_rng(0).integers(0, 256, GEMV_POOL, dtype=np.uint8)
+    for rows, cols in [(256, 4096)] if hot else GEMV_SHAPES:
+        nbytes = rows * cols // elems * size
+        mats = [cpu.QuantMatrix(type_name, buf[i * nbytes:(i + 1) * nbytes], rows, cols)
+                for i in range(1 if hot else GEMV_POOL // nbytes)]
+        x = torch.randn(cols)
+        outs = {name: torch.empty(rows) for name in libs}
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
+
+        def args(m, out):
+            return (1, (ctypes.c_int * 1)(m.code), (vp * 1)(m.ptr), (i64 * 1)(rows), cols,
+                    x.data_ptr(), (vp * 1)(out.data_ptr()))
+
+        calls = {name: [args(m, outs[name]) for m in mats] for name in libs}
+        for name, lib in libs.items():
+            if lib.si_gemv(*calls[name][0]) != 0:
+                raise SystemExit(f"{name}: si_gemv refused {type_name}")
+        same = np.array_equal(outs["old"].numpy(), outs["new"].numpy(), equal_nan=True)
+        times: dict[str, list[float]] = {name: [] for name in libs}
+        wins, i = 0, 0
+        for r in range(rounds):
+            means = {}
+            for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
+                f, cs, ts = libs[name].si_gemv, calls[name], []
+                for _ in range(per_block):
+                    t0 = time.perf_counter()
+                    f(*cs[i % len(cs)])
+                    ts.append(time.perf_counter() - t0)
+                    i += 1
+                times[name] += ts
+                means[name] = statistics.fmean(ts)
+            wins += means["new"] < means["old"]
+        print(f"\n{type_name} GEMV {rows}x{cols} ({nbytes / 1e6:.2f} MB a call"
+              f"{', in cache (--hot)' if hot else ''}); outputs {'equal' if same else 'DIFFER'}")
+        med = {}
+        for name, ts in times.items():
+            a = np.array(ts)
+            med[name] = np.median(a)
+            print(f"  {name}: best {nbytes / a.min() / 1e9:5.1f} GB/s  p50 "
+                  f"{nbytes / med[name] / 1e9:5.1f} GB/s  ({len(a)} calls)")
+        print(f"  new / old speed at p50 {med['old'] / med['new']:.3f}; new faster in {wins} of "
+              f"{rounds} rounds")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -195,6 +255,8 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", choices=["q4", "int8/row", "int8/32", "q4-gates"],
                    default=["q4"], help="q4-gates: the gate rows' dot products alone (the disk "
                    "tier's ReLU gates apart)")
+    p.add_argument("--gemv", nargs="+", metavar="TYPE", help="instead of the sparse FFN: the "
+                   "GEMV of these cpu.TYPES (e.g. Q4_Kx16) at the 7B shapes")
     p.add_argument("--rounds", type=int, default=60, help="blocks of each build (default 60)")
     p.add_argument("--per-block", type=int, default=20, help="calls a block (default 20)")
     p.add_argument("--hot", action="store_true", help="one layer and one active set, called "
@@ -214,7 +276,9 @@ def main() -> None:
                          "not take the same arguments")
     print(f"# CPU: {cpu_model()}; kernels: {args.isa}; {args.threads} threads; old {old}; "
           f"new {args.new}")
-    for name in args.dtypes:
+    for type_name in args.gemv or []:
+        run_gemv(libs, type_name, args.rounds, args.per_block, args.hot)
+    for name in [] if args.gemv else args.dtypes:
         dtype, block = {"q4": ("q4", 0), "int8/row": ("int8", 0), "int8/32": ("int8", 32),
                         "q4-gates": ("q4", 0)}[name]
         run(libs, dtype, block, args.rounds, args.per_block, args.fire, name == "q4-gates",
