@@ -211,17 +211,3 @@ def test_weight_source_gives_panels_or_the_files_rows(smollm2_path):
     assert (kind, kind0, rows) == ("Q4_1x16", "Q4_1", 576)
     assert not raw0.flags.writeable  # the read-only map itself
     assert np.array_equal(from_panels(raw, "Q4_1", 576, 1536), raw0)
-
-
-def test_panel_type_by_isa():
-    """The loader's choice: every panel type on AVX-512 and avx2_128, Q6_K kept as rows for
-    plain AVX2's kernels (its panel GEMV reads slower from memory); types without panels stay
-    rows."""
-    from sparseinfer.cpu.panels import PANEL_TYPES, panel_type
-
-    for isa in ("avx512", "avx2_128"):
-        assert {t: panel_type(t, isa) for t in PANEL_TYPES} == PANEL_TYPES
-    assert panel_type("Q5_K", "avx2") == "Q5_Kx16" and panel_type("Q4_K", "avx2") == "Q4_Kx16"
-    assert panel_type("Q6_K", "avx2") is None and panel_type("Q6_K", "avx2_128") == "Q6_Kx16"
-    assert panel_type("Q5_1", "avx512") is None and panel_type("F16", "avx2") is None
-    assert panel_type("Q4_1") == "Q4_1x16"  # the active kernels

@@ -1611,10 +1611,69 @@ INLINE void panel_q6k(const uint8_t *p, const si_xq *x, const int nt, const int 
     for (int t = 0; t < nt; t++) _mm512_storeu_ps(y + t * ys, acc[t]);
 }
 #else
+/* panel_q6k (below) for one x row: one pass over the panel, both halves of 8 rows per
+ * super-block half, each qh word and ql word loaded once for the 4 and 2 groups that use it;
+ * the same integer sums (exact) and float operations per row, in the same order. */
+INLINE void panel_q6k_1(const uint8_t *p, const si_xq *x, const int nsb, float *y) {
+    const __m256i one = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *pb = p + (size_t)sb * Q6P_BYTES;
+        for (int o = 0; o < Q6P_BYTES; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *xq = x->kq + 256 * (size_t)sb + 128 * h;
+            const int16_t *kbs = x->kbs + 16 * (size_t)sb + 8 * h;
+            for (int rh = 0; rh < 2; rh++) {
+                __m256i isum = _mm256_setzero_si256();
+                for (int cg = 0; cg < 2; cg++) { /* words 4 cg .. 4 cg + 3: sub-blocks 2 s + cg */
+                    __m256i d32[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                                      _mm256_setzero_si256()};
+                    for (int c = 4 * cg; c < 4 * cg + 4; c += 2) {
+                        __m256i a[4];
+                        for (int u = 0; u < 2; u++) {
+                            const int cc = c + u;
+                            const __m256i qh = _mm256_loadu_si256((const __m256i *)(pb + Q6P_QH + 64 * (8 * h + cc) + 32 * rh));
+                            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(pb + Q6P_QL + 64 * (16 * h + cc) + 32 * rh));
+                            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(pb + Q6P_QL + 64 * (16 * h + 8 + cc) + 32 * rh));
+                            const __m256i w[4] = {
+                                _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+                                _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30)),
+                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+                            for (int g = 0; g < 4; g++) {
+                                int32_t xw;
+                                memcpy(&xw, xq + 32 * g + 4 * cc, 4);
+                                const __m256i pr = _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(xw));
+                                a[g] = u ? _mm256_add_epi16(a[g], pr) : pr;
+                            }
+                        }
+                        for (int g = 0; g < 4; g++) d32[g] = _mm256_add_epi32(d32[g], _mm256_madd_epi16(a[g], one));
+                    }
+                    for (int g = 0; g < 4; g++) {
+                        const int i = 2 * g + cg; /* the sub-block's scale, of this half's 8 */
+                        const __m256i sc = _mm256_cvtepi8_epi32(
+                            _mm_loadl_epi64((const __m128i *)(pb + Q6P_SC + 16 * (8 * h + i) + 8 * rh)));
+                        const __m256i dot = _mm256_add_epi32(d32[g], _mm256_set1_epi32(-32 * (int32_t)kbs[i]));
+                        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(dot, sc));
+                    }
+                }
+                const __m256 d = _mm256_cvtph_ps(load128(pb + 16 * rh));
+                acc[rh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(x->kd[2 * (size_t)sb + h])),
+                                          acc[rh]);
+            }
+        }
+    }
+    for (int rh = 0; rh < 2; rh++) _mm256_storeu_ps(y + 8 * rh, acc[rh]);
+}
 /* The AVX2 builds: two halves of 8 rows, one after the other; the same integer sums (the
  * products of two words summed in int16: at most 4 x 63 x 127 = 32004) and float operations. */
 INLINE void panel_q6k(const uint8_t *p, const si_xq *x, const int nt, const int nsb, float *y,
                       const int64_t ys) {
+    if (nt == 1) {
+        panel_q6k_1(p, x, nsb, y);
+        return;
+    }
     const __m256i one = _mm256_set1_epi16(1);
     for (int rh = 0; rh < 2; rh++) {
         __m256 acc[PANEL_T];

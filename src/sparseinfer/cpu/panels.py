@@ -21,10 +21,6 @@ PANEL = 16  # rows per panel
 PANEL_TYPES = {"Q4_0": "Q4_0x16", "Q4_1": "Q4_1x16", "Q8_0": "Q8_0x16", "Q5_0": "Q5_0x16",
                "Q4_K": "Q4_Kx16", "Q5_K": "Q5_Kx16", "Q6_K": "Q6_Kx16"}
 FILE_TYPES = {v: k for k, v in PANEL_TYPES.items()}
-# the file's types the loader keeps as rows for one ISA's kernels, whose GEMV (a decode step)
-# reads their panels slower from memory than the rows (benchmarks/RESULTS.md: plain AVX2's Q6_K
-# panel GEMV is bound by its arithmetic)
-ROWS_ON_ISA = {"avx2": frozenset({"Q6_K"})}
 # fp16 words (scale, Q4_1's minimum) per block, block bytes; the rest are 4-byte quant words
 _FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34), "Q5_0": (1, 22), "Q4_K": (2, 144),
            "Q5_K": (2, 176), "Q6_K": (1, 210)}
@@ -43,19 +39,6 @@ def _transpose_bits(words: np.ndarray, inverse: bool = False) -> np.ndarray:
     else:
         out = bits[..., _BITS_T]
     return np.packbits(out, axis=-1, bitorder="little")
-
-
-def panel_type(type_name: str, isa: str | None = None) -> str | None:
-    """The panel type the loader rearranges ``type_name`` matrices into for the kernels of
-    ``isa`` (default: the active ones, ``cpu.get_isa()``), or None where they stay the file's
-    rows. Every ISA's kernels take every panel type: this is speed, not correctness."""
-    if type_name not in PANEL_TYPES:
-        return None
-    if isa is None:
-        from .ops import get_isa  # the library loads on first use
-
-        isa = get_isa()
-    return None if type_name in ROWS_ON_ISA.get(isa, ()) else PANEL_TYPES[type_name]
 
 
 def check_panel_shape(raw: np.ndarray, type_name: str, rows: int, cols: int

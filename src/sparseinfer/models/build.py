@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..cpu.panels import FILE_TYPES, PANEL, panel_type, to_panels
+from ..cpu.panels import FILE_TYPES, PANEL, PANEL_TYPES, to_panels
 from ..errors import ModelFileError, SparseInferError
 from ..quant import blocks as qb
 from ..quant.linear import FloatLinear, GGMLLinear, Int4Linear, Int8Linear
@@ -176,9 +176,9 @@ class WeightSource:
     def ggml_parts(self, panels: bool = True) -> list[tuple[str, np.ndarray, int]]:
         """(type, bytes, rows) of each source: views of the mapped file as stored, except Q/K
         rows that llama.cpp permuted, copied back into rotate-half order, and (``panels``)
-        matrices of whole panels of a type ``cpu.panels.panel_type`` names for the active
-        kernels, rearranged into panels of 16 rows (the C kernels' fastest layout for several
-        input rows). A copy's mapped pages are released."""
+        matrices of whole panels of a type with a panel layout (``cpu.panels.PANEL_TYPES``),
+        rearranged into panels of 16 rows (the C kernels' fastest layout for several input
+        rows, and as fast for one). A copy's mapped pages are released."""
         parts = []
         for canon in self.names:
             t = self.src.tensors[canon]
@@ -187,7 +187,7 @@ class WeightSource:
             heads = self._qk_heads(canon)
             if heads:
                 raw = np.ascontiguousarray(raw[unpermute_qk(torch.arange(rows), heads).numpy()])
-            ptype = panel_type(kind) if panels else None
+            ptype = PANEL_TYPES.get(kind) if panels else None
             if ptype and rows % PANEL == 0:
                 raw = to_panels(raw, kind, rows, t.shape[1])
                 kind = ptype
