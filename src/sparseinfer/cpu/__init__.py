@@ -5,9 +5,9 @@ The weights are the tensor's bytes as the GGUF file stores them (row-major rows 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16 and F32, and Q4_0x16 ... Q6_Kx16: Q4_0 /
 Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K rearranged in panels of 16 rows (``panels.to_panels``;
 the loader does it for every such matrix whose rows are a multiple of 16: a GEMM over a few
-rows of x then takes a third to half of the instructions, and the GEMV is as fast or faster). The input
-vector is quantized once per call to int8 blocks of 32 (scale ``max|x|/127``, as llama.cpp's
-q8_0) and each block of weights is an integer dot product with it (F16 and F32 use fp32 ``x`` as is).
+rows of x then takes a third to half of the instructions, and the GEMV is as fast or faster).
+The input vector is quantized once per call to int8 blocks of 32 (scale ``max|x|/127``, as
+llama.cpp's q8_0) and each block of weights is an integer dot product with it (F16 and F32 use fp32 ``x`` as is).
 
     from sparseinfer import cpu
     wq = cpu.QuantMatrix("Q4_K", raw, rows, cols)         # raw: uint8 bytes, not copied
