@@ -82,7 +82,8 @@ def load(path: Path, isa: str, threads: int) -> ctypes.CDLL:
     vp, ci = ctypes.c_void_p, ctypes.c_int
     lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, vp,
                                  vp]
-    lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, ci, vp, vp]
+    lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, ci, vp,
+                                 vp, vp, ctypes.c_size_t]
     lib.si_sparse_q4_gates.argtypes = [vp, ctypes.c_size_t, vp, ci, ci, vp, ci, vp]
     lib.si_gemv.argtypes = [ci, vp, vp, vp, ci, vp, vp]
     if lib.si_set_isa(ISAS[isa]) != 0:
@@ -113,8 +114,9 @@ def caller(lib: ctypes.CDLL, layer: PackedFFN, x: torch.Tensor, out: torch.Tenso
     else:
         def call(idx: torch.Tensor) -> int:
             return lib.si_sparse_i8(layer.rows.data_ptr(), layer.scales.data_ptr(), layer.block, 1,
-                                    idx.data_ptr(), idx.numel(), None, f, x.data_ptr(), 1, 1, d,
-                                    ga, IDENTITY, None, out.data_ptr())
+                                    layer.rows.shape[1], idx.data_ptr(), idx.numel(), None, f,
+                                    x.data_ptr(), 1, 1, d, ga, IDENTITY, None, out.data_ptr(),
+                                    None, 0)
     return call
 
 
