@@ -8,8 +8,10 @@ step, and the sampling (``BatchEngine._sampled``, every row) — their differenc
 in-process loop of the same step (``benchmarks/gemm.py``, scratch loops) is what serving costs the
 loop: the GIL held by the server's request threads and event loop, their CPU and the clients' on
 the same cores. Iterations whose step had exactly N rows (N streams decoding, no prompt) are
-reported apart from those carrying a newcomer's prompt chunk and those with fewer streams; the
-clients' inter-token gaps beside them show how much of their tail is the steps'.
+reported apart from those carrying a newcomer's prompt chunk and those with fewer streams. A
+stream's inter-token gaps are taken at each hand-over on a token's way out — the batch loop
+handing it to the stream's thread, that thread passing it to the event loop, the event loop
+formatting its SSE chunk, the client reading it — so that each stage's share of the tail shows.
 
     python benchmarks/serve_steps.py [--clients 8] [--parallel 8] [--client raw|openai]
 
@@ -37,7 +39,9 @@ def _timed_server(conn, *server_args) -> None:
     passive_wait()  # before the import below starts torch (``_server_process`` does it again)
     import serve_load as sl
 
+    import sparseinfer.server.app as app
     import sparseinfer.server.batching as batching
+    import sparseinfer.server.queue as jobs
 
     log: list[tuple[str, float, float, int]] = []
     clock = time.monotonic
@@ -58,11 +62,28 @@ def _timed_server(conn, *server_args) -> None:
     def timed_sampled(self, seq, logits):
         t0 = clock()
         sampled(self, seq, logits)
-        log.append(("sample", t0, clock(), 0))
+        log.append(("sample", t0, clock(), id(seq)))  # the sequence's token handed over at the end
+
+    emit = jobs.Job.emit
+
+    def timed_emit(self, item):
+        emit(self, item)  # a request's thread hands an event to the event loop
+        t = clock()
+        log.append(("emit", t, t, id(self)))
 
     batching.decode_step = timed_step
     batching.BatchEngine._iterate = timed_iterate
+    chunk = app.OpenAIServer._chunk
+
+    def timed_chunk(self, call, rid, *a, **k):
+        out = chunk(self, call, rid, *a, **k)  # the event loop formats a stream's SSE chunk
+        t = clock()
+        log.append(("chunk", t, t, hash(rid)))
+        return out
+
     batching.BatchEngine._sampled = timed_sampled
+    jobs.Job.emit = timed_emit
+    app.OpenAIServer._chunk = timed_chunk
     sl._server_process(conn, *server_args)
     conn.send(log)
 
@@ -71,7 +92,7 @@ def _iterations(log):
     """Per iteration: (rows of its step, iterate s, step s, sampling s); iterations without a
     step (nothing to run) are left out."""
     out = []
-    inner = [e for e in log if e[0] != "iterate"]
+    inner = [e for e in log if e[0] in ("step", "sample")]
     i = 0
     for kind, t0, t1, _ in log:
         if kind != "iterate":
@@ -88,6 +109,21 @@ def _iterations(log):
             i += 1
         if rows is not None:
             out.append((rows, t1 - t0, step, samp))
+    return out
+
+
+def gaps(log, kind: str) -> list[float]:
+    """The gaps between consecutive ``kind`` entries of each sequence or job (by the entry's id),
+    in s: a stream's tokens as the batch loop handed them over ("sample"), as its request
+    thread passed them to the event loop ("emit"), or as the event loop formatted their chunks
+    ("chunk")."""
+    last: dict[int, float] = {}
+    out = []
+    for k, _, t1, key in log:
+        if k == kind:
+            if key in last:
+                out.append(t1 - last[key])
+            last[key] = t1
     return out
 
 
@@ -132,8 +168,13 @@ def main() -> int:
     print(f"model={model} parallel={args.parallel} clients={args.clients} "
           f"answers={lv.completed}/{lv.issued} tokens={lv.tokens} in {lv.wall:.2f} s: "
           f"{lv.tokens / lv.wall:.1f} tok/s")
-    print("inter-token gaps seen by the clients, p50 / p90 / p95 / p99: "
-          + " / ".join(f"{pct(lv.itl, q) * 1e3:.1f}" for q in (0.5, 0.9, 0.95, 0.99)) + " ms")
+    print("inter-token gaps, p50 / p90 / p95 / p99 (ms): where the tail is added")
+    for name, v in (("handed over by the batch loop", gaps(log, "sample")),
+                    ("passed to the event loop", gaps(log, "emit")),
+                    ("formatted by the event loop", gaps(log, "chunk")),
+                    ("seen by the clients", lv.itl)):
+        print(f"  {name:30s} " + " / ".join(f"{pct(v, q) * 1e3:5.1f}"
+                                              for q in (0.5, 0.9, 0.95, 0.99)))
     print(f"iterations whose step had {args.parallel} rows (decoding only): {len(full)}")
     for j, name in ((1, "iteration"), (2, "decode_step"), (3, "sampling")):
         v = [x[j] for x in full]
