@@ -71,8 +71,6 @@ def _timed_server(conn, *server_args) -> None:
         t = clock()
         log.append(("emit", t, t, id(self)))
 
-    batching.decode_step = timed_step
-    batching.BatchEngine._iterate = timed_iterate
     chunk = app.OpenAIServer._chunk
 
     def timed_chunk(self, call, rid, *a, **k):
@@ -81,6 +79,8 @@ def _timed_server(conn, *server_args) -> None:
         log.append(("chunk", t, t, hash(rid)))
         return out
 
+    batching.decode_step = timed_step
+    batching.BatchEngine._iterate = timed_iterate
     batching.BatchEngine._sampled = timed_sampled
     jobs.Job.emit = timed_emit
     app.OpenAIServer._chunk = timed_chunk
