@@ -1229,7 +1229,7 @@ INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int
         for (int b = 0; b < nb; b++) {
             const uint8_t *pb = p + (size_t)b * bb;
             if (h == 0)
-                for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+                prefetch(pb + PANEL_AHEAD, bb, 0);
             __m256 d, m;
             __m256i lo[4], hi[4];
             q4_half_dm(type, pb, h, &d, &m);
@@ -1255,7 +1255,7 @@ INLINE void panel_q4_1(const int type, const uint8_t *p, const si_xq *x, const i
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {acc[0], acc[1]};
     for (int b = 0; b < nb; b++) {
         const uint8_t *pb = p + (size_t)b * bb;
-        for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+        prefetch(pb + PANEL_AHEAD, bb, 0);
         for (int h = 0; h < 2; h++) {
             __m256 d, m;
             __m256i lo[4], hi[4];
@@ -1405,8 +1405,7 @@ INLINE void panel_k45_1(const int five, const uint8_t *p, const si_xq *x, const 
         const uint8_t *pb = p + (size_t)sb * bb;
         const k4p_fields16 f = k4p_fields(pb);
         for (int pr = 0; pr < 4; pr++) {
-            for (int o = (bb / 4) * pr; o < (bb / 4) * (pr + 1); o += 64)
-                _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+            prefetch(pb + PANEL_AHEAD + (bb / 4) * pr, bb / 4, 0);
             const uint8_t *q = pb + k45p_qoff(five) + 512 * pr;
             const int j0 = 2 * pr, j1 = j0 + 1, b0 = 8 * sb + j0, b1 = b0 + 1;
             __m512i s[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
@@ -1444,8 +1443,7 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
         const uint8_t *pb = p + (size_t)sb * bb;
         const k4p_fields16 f = k4p_fields(pb);
         for (int j = 0; j < 8; j++) {
-            for (int o = (bb / 8) * j; o < (bb / 8) * (j + 1); o += 64)
-                _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+            prefetch(pb + PANEL_AHEAD + (bb / 8) * j, bb / 8, 0);
             __m512 S, M;
             k4p_sm16(pb, &f, j, &S, &M);
             const uint8_t *q = pb + k45p_qoff(five) + 512 * (j >> 1);
@@ -1473,8 +1471,7 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
                 const k4p_fields8 f = k4p_half_fields(pb, h);
                 for (int pr = 0; pr < 4; pr++) {
                     if (h == 0)
-                        for (int o = (bb / 4) * pr; o < (bb / 4) * (pr + 1); o += 64)
-                            _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+                        prefetch(pb + PANEL_AHEAD + (bb / 4) * pr, bb / 4, 0);
                     const int j0 = 2 * pr, b0 = 8 * sb + j0;
                     const uint8_t *q = pb + k45p_qoff(five) + 512 * pr + 32 * h;
                     /* int16 chains as k45p_half_dot's: [sub-block][words 0..3, 4..7 (Q5_K)] */
@@ -1516,8 +1513,7 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
             const k4p_fields8 f = k4p_half_fields(pb, h);
             for (int j = 0; j < 8; j++) {
                 if (h == 0)
-                    for (int o = (bb / 8) * j; o < (bb / 8) * (j + 1); o += 64)
-                        _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+                    prefetch(pb + PANEL_AHEAD + (bb / 8) * j, bb / 8, 0);
                 __m256 S, M;
                 k4p_sm8(pb, &f, j, h, &S, &M);
                 __m256i w[8];
@@ -1584,8 +1580,7 @@ INLINE void panel_q6k(const uint8_t *p, const si_xq *x, const int nt, const int 
             for (int t = 0; t < nt; t++) isum[t] = _mm512_setzero_si512();
             for (int k = 0; k < 8; k++) {
                 const int s = k >> 1, c0 = 4 * (k & 1), i = 8 * h + k;
-                for (int o = 0; o < Q6P_BYTES / 16; o += 64)
-                    _mm_prefetch((const char *)(pb + PANEL_AHEAD + (Q6P_BYTES / 16) * i + o), _MM_HINT_T0);
+                prefetch(pb + PANEL_AHEAD + (Q6P_BYTES / 16) * i, Q6P_BYTES / 16, 0);
                 __m512i w[4];
                 for (int c = 0; c < 4; c++) w[c] = q6p_word16(pb, h, s, c0 + c);
                 const __m512i sc = _mm512_cvtepi8_epi32(load128(pb + Q6P_SC + 16 * i));
@@ -1619,7 +1614,7 @@ INLINE void panel_q6k_1(const uint8_t *p, const si_xq *x, const int nsb, float *
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *pb = p + (size_t)sb * Q6P_BYTES;
-        for (int o = 0; o < Q6P_BYTES; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+        prefetch(pb + PANEL_AHEAD, Q6P_BYTES, 0);
         for (int h = 0; h < 2; h++) {
             const uint8_t *xq = x->kq + 256 * (size_t)sb + 128 * h;
             const int16_t *kbs = x->kbs + 16 * (size_t)sb + 8 * h;
@@ -1689,8 +1684,7 @@ INLINE void panel_q6k(const uint8_t *p, const si_xq *x, const int nt, const int 
                 for (int k = 0; k < 8; k++) {
                     const int s = k >> 1, c0 = 4 * (k & 1), i = 8 * h + k;
                     if (rh == 0)
-                        for (int o = 0; o < Q6P_BYTES / 16; o += 64)
-                            _mm_prefetch((const char *)(pb + PANEL_AHEAD + (Q6P_BYTES / 16) * i + o), _MM_HINT_T0);
+                        prefetch(pb + PANEL_AHEAD + (Q6P_BYTES / 16) * i, Q6P_BYTES / 16, 0);
                     __m256i w[4];
                     for (int c = 0; c < 4; c++) w[c] = q6p_word8(pb, h, s, c0 + c, rh);
                     const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(pb + Q6P_SC + 16 * i + 8 * rh)));
@@ -1748,7 +1742,7 @@ INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt
     for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *pb = p + (size_t)b * bb;
-        for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+        prefetch(pb + PANEL_AHEAD, bb, 0);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
         const __m512 m = type == SI_Q4_1P ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32)))
                                           : _mm512_mul_ps(d, _mm512_set1_ps(type == SI_Q4_0P ? -8.0f : -128.0f));
@@ -1797,7 +1791,7 @@ INLINE void panel_q8(const uint8_t *p, const si_xq *x, const int nt, const int n
         for (int b = 0; b < nb; b++) {
             const uint8_t *pb = p + (size_t)b * bb;
             if (h == 0)
-                for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+                prefetch(pb + PANEL_AHEAD, bb, 0);
             const __m256 d = q8_half_d(pb, h);
 #pragma GCC unroll 8
             for (int t = 0; t < nt; t++)
@@ -1814,7 +1808,7 @@ INLINE void panel_q8_1(const uint8_t *p, const si_xq *x, const int nb, float *y)
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < nb; b++) {
         const uint8_t *pb = p + (size_t)b * bb;
-        for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)(pb + PANEL_AHEAD + o), _MM_HINT_T0);
+        prefetch(pb + PANEL_AHEAD, bb, 0);
         for (int h = 0; h < 2; h++)
             acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_half_dot(pb, h, x, b)),
                                      _mm256_mul_ps(q8_half_d(pb, h), _mm256_set1_ps(x->d[b])), acc[h]);
