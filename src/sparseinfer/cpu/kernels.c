@@ -1548,12 +1548,16 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
 #define Q6P_QH 288
 #define Q6P_QL 1312
 
+/* Group s's word as unsigned bytes (q + 32), from its ql word l and qh word as loaded. */
+INLINE __m256i q6p_bits8(const __m256i l, const __m256i qh, const int s) {
+    const __m256i lo = _mm256_and_si256((s >> 1) ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(0x0F));
+    return _mm256_or_si256(lo, _mm256_and_si256(shift16(qh, 4 - 2 * s), _mm256_set1_epi8(0x30)));
+}
 /* Word c of group s of half h, rows 8 rh .. 8 rh + 7, as unsigned bytes (q + 32). */
 INLINE __m256i q6p_word8(const uint8_t *pb, const int h, const int s, const int c, const int rh) {
     const __m256i l = _mm256_loadu_si256((const __m256i *)(pb + Q6P_QL + 64 * (16 * h + 8 * (s & 1) + c) + 32 * rh));
     const __m256i qh = _mm256_loadu_si256((const __m256i *)(pb + Q6P_QH + 64 * (8 * h + c) + 32 * rh));
-    const __m256i lo = _mm256_and_si256((s >> 1) ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(0x0F));
-    return _mm256_or_si256(lo, _mm256_and_si256(shift16(qh, 4 - 2 * s), _mm256_set1_epi8(0x30)));
+    return q6p_bits8(l, qh, s);
 }
 
 #if SI_AVX512
@@ -1610,7 +1614,7 @@ INLINE void panel_q6k(const uint8_t *p, const si_xq *x, const int nt, const int 
  * super-block half, each qh word and ql word loaded once for the 4 and 2 groups that use it;
  * the same integer sums (exact) and float operations per row, in the same order. */
 INLINE void panel_q6k_1(const uint8_t *p, const si_xq *x, const int nsb, float *y) {
-    const __m256i one = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i one = _mm256_set1_epi16(1);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *pb = p + (size_t)sb * Q6P_BYTES;
@@ -1630,16 +1634,11 @@ INLINE void panel_q6k_1(const uint8_t *p, const si_xq *x, const int nsb, float *
                             const __m256i qh = _mm256_loadu_si256((const __m256i *)(pb + Q6P_QH + 64 * (8 * h + cc) + 32 * rh));
                             const __m256i l0 = _mm256_loadu_si256((const __m256i *)(pb + Q6P_QL + 64 * (16 * h + cc) + 32 * rh));
                             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(pb + Q6P_QL + 64 * (16 * h + 8 + cc) + 32 * rh));
-                            const __m256i w[4] = {
-                                _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
-                                _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
-                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30)),
-                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
-                            for (int g = 0; g < 4; g++) {
+                            for (int g = 0; g < 4; g++) { /* group g: ql word l0 (g even) or l1 */
                                 int32_t xw;
                                 memcpy(&xw, xq + 32 * g + 4 * cc, 4);
-                                const __m256i pr = _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(xw));
+                                const __m256i pr = _mm256_maddubs_epi16(q6p_bits8((g & 1) ? l1 : l0, qh, g),
+                                                                        _mm256_set1_epi32(xw));
                                 a[g] = u ? _mm256_add_epi16(a[g], pr) : pr;
                             }
                         }
