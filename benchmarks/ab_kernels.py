@@ -34,6 +34,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -120,6 +121,28 @@ def caller(lib: ctypes.CDLL, layer: PackedFFN, x: torch.Tensor, out: torch.Tenso
     return call
 
 
+def alternate(call: Callable[[str, int], object], rounds: int, per_block: int
+              ) -> tuple[dict[str, list[float]], int]:
+    """``call(name, i)`` for the builds "old" and "new" in alternating blocks of ``per_block``
+    calls (i counting every call), each call timed: (seconds per call by build, the rounds in
+    which new's block was the faster on average)."""
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    wins, i = 0, 0
+    for r in range(rounds):
+        means = {}
+        for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
+            ts = []
+            for _ in range(per_block):
+                t0 = time.perf_counter()
+                call(name, i)
+                ts.append(time.perf_counter() - t0)
+                i += 1
+            times[name] += ts
+            means[name] = statistics.fmean(ts)
+        wins += means["new"] < means["old"]
+    return times, wins
+
+
 def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_block: int,
         fire: float | None, gates: bool = False, hot: bool = False) -> None:
     kb = kernels_bench()
@@ -155,21 +178,8 @@ def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_b
         if cs[0](sets[0]) != 0:
             raise SystemExit(f"{name}: the kernel refused its arguments")
     diff = (outs["old"] - outs["new"]).abs().max().item()
-    times: dict[str, list[float]] = {name: [] for name in libs}
-    wins = 0
-    i = 0
-    for r in range(rounds):
-        means = {}
-        for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
-            ts = []
-            for _ in range(per_block):
-                t0 = time.perf_counter()
-                calls[name][i % len(calls[name])](sets[i % len(sets)])
-                ts.append(time.perf_counter() - t0)
-                i += 1
-            times[name] += ts
-            means[name] = statistics.fmean(ts)
-        wins += means["new"] < means["old"]
+    times, wins = alternate(lambda name, i: calls[name][i % len(calls[name])](sets[i % len(sets)]),
+                            rounds, per_block)
     label = "q4 gate rows alone" if gates else kb.dtype_name(dtype, block, d)
     mb = k * (base.rows[0, 0].numel() if gates else base.bytes_per_neuron) / 1e6
     fired = "" if fire is None else f", ReGLU with {fire:.0%} of the gates firing"
@@ -219,20 +229,9 @@ def run_gemv(libs: dict[str, ctypes.CDLL], type_name: str, rounds: int, per_bloc
             if lib.si_gemv(*calls[name][0]) != 0:
                 raise SystemExit(f"{name}: si_gemv refused {type_name}")
         same = np.array_equal(outs["old"].numpy(), outs["new"].numpy(), equal_nan=True)
-        times: dict[str, list[float]] = {name: [] for name in libs}
-        wins, i = 0, 0
-        for r in range(rounds):
-            means = {}
-            for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
-                f, cs, ts = libs[name].si_gemv, calls[name], []
-                for _ in range(per_block):
-                    t0 = time.perf_counter()
-                    f(*cs[i % len(cs)])
-                    ts.append(time.perf_counter() - t0)
-                    i += 1
-                times[name] += ts
-                means[name] = statistics.fmean(ts)
-            wins += means["new"] < means["old"]
+        times, wins = alternate(
+            lambda name, i: libs[name].si_gemv(*calls[name][i % len(calls[name])]), rounds,
+            per_block)
         print(f"\n{type_name} GEMV {rows}x{cols} ({nbytes / 1e6:.2f} MB a call"
               f"{', in cache (--hot)' if hot else ''}); outputs {'equal' if same else 'DIFFER'}")
         med = {}
