@@ -4,10 +4,12 @@ the GEMV of given block types (``--gemv``).
     python benchmarks/ab_kernels.py --rev HEAD~1 [--isa avx2] [--dtypes q4 int8/32 q4-gates] [-t 2]
     python benchmarks/ab_kernels.py --rev HEAD~1 --isa avx512 --gemv Q4_Kx16 Q5_Kx16 --rounds 8
     python benchmarks/ab_kernels.py --old path/to/libsicpu.so ... [--hot]
+    python benchmarks/ab_kernels.py --same --isa avx2 --new-isa avx2_vnni --gemv Q4_Kx16 --hot
 
 ``--rev`` checks that revision out in a temporary git worktree, builds its library there and
 removes the worktree after; "new" is this tree's built library (``python -m
-sparseinfer.cpu.build``). Both are loaded side by side (each with its own thread pool) and called
+sparseinfer.cpu.build``); ``--same``: this library against itself, ``--new-isa`` then naming the
+other kernel variant (two ISAs of one build). Both are loaded side by side (each with its own thread pool) and called
 on the same inputs — a 7B-shape SwiGLU FFN (``--fire``: ReGLU), a pool of layer copies larger
 than the L3 cache, 16 random active sets at 10% density — in alternating blocks of calls, so a
 change of a few percent can be told from this VM's drift from minute to minute (memory
@@ -44,7 +46,7 @@ from sparseinfer.bench import cpu_model
 from sparseinfer.sparse.packed import PackedFFN, empty_hugepages, q4_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
-ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
+ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2, "avx2_vnni": 3}
 Q4_ROWS_ABI = 19  # the first ABI whose q4 rows are scales, then quants (before: Q4_0 blocks)
 IDENTITY, RELU, SILU = 0, 1, 2  # sparse/kernels.py ACT_CODES
 
@@ -249,9 +251,12 @@ def main() -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--rev", help="git revision whose library is 'old' (built in a worktree)")
     src.add_argument("--old", type=Path, help="a built libsicpu.so to use as 'old'")
+    src.add_argument("--same", action="store_true", help="'old' is the 'new' library too (with "
+                     "--new-isa: two kernel variants of one build)")
     p.add_argument("--new", type=Path, default=Path(sparseinfer.__file__).parent / "cpu" / "libsicpu.so",
                    help="default: this tree's library")
     p.add_argument("--isa", choices=list(ISAS), default="avx2")
+    p.add_argument("--new-isa", choices=list(ISAS), help="the kernels 'new' runs (default --isa)")
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--dtypes", nargs="+", choices=["q4", "int8/row", "int8/32", "q4-gates"],
                    default=["q4"], help="q4-gates: the gate rows' dot products alone (the disk "
@@ -265,17 +270,25 @@ def main() -> None:
     p.add_argument("--fire", type=float, help="ReGLU (ReLU gates) with this share of the gates "
                    "firing, as kernels.py --kind reglu --fire; default: SwiGLU")
     args = p.parse_args()
-    old = build_rev(args.rev) if args.rev else args.old
-    if old.is_file() and args.new.is_file() and old.read_bytes() == args.new.read_bytes():
-        raise SystemExit(f"{old} and {args.new} are the same bytes: nothing to compare (is "
-                         f"sparseinfer installed from another tree? it is {sparseinfer.__file__})")
-    libs = {"old": load(old, args.isa, args.threads), "new": load(args.new, args.isa, args.threads)}
+    new_isa = args.new_isa or args.isa
+    old = build_rev(args.rev) if args.rev else args.new if args.same else args.old
+    new = args.new
+    if old.is_file() and new.is_file() and old.read_bytes() == new.read_bytes():
+        if new_isa == args.isa:
+            raise SystemExit(f"{old} and {new} are the same bytes and --isa: nothing to compare "
+                             f"(is sparseinfer installed from another tree? it is "
+                             f"{sparseinfer.__file__})")
+        tmp = Path(tempfile.mkdtemp(prefix="ab_kernels_"))  # its own copy: its own pool and ISA
+        atexit.register(shutil.rmtree, tmp, True)
+        new = Path(shutil.copy(new, tmp / "new.so"))
+    libs = {"old": load(old, args.isa, args.threads), "new": load(new, new_isa, args.threads)}
     versions = {name: lib.si_abi_version() for name, lib in libs.items()}
     if versions["old"] != versions["new"] and sorted(versions.values()) != [Q4_ROWS_ABI - 1,
                                                                             Q4_ROWS_ABI]:
         raise SystemExit(f"the two libraries' ABI versions differ ({versions}): their calls may "
                          "not take the same arguments")
-    print(f"# CPU: {cpu_model()}; kernels: {args.isa}; {args.threads} threads; old {old}; "
+    isas = args.isa if new_isa == args.isa else f"old {args.isa}, new {new_isa}"
+    print(f"# CPU: {cpu_model()}; kernels: {isas}; {args.threads} threads; old {old}; "
           f"new {args.new}")
     for type_name in args.gemv or []:
         run_gemv(libs, type_name, args.rounds, args.per_block, args.hot)

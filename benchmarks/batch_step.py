@@ -2,7 +2,7 @@
 
     python benchmarks/batch_step.py [--model PATH] [--threads 2] [--rows 1,8] [--positions 2,100,400]
                                     [--repeats 30] [--batch-mode auto,union,masked,dense]
-                                    [--ffn-dtype q4]
+                                    [--ffn-dtype q4] [--isa avx2_vnni]
 
 For each row count B and position, the median time of a step of B sequences (all at that position,
 in slots 0..B-1, random tokens) on the default model (or ``--model``), and the same for one token
@@ -37,10 +37,13 @@ def main() -> None:
                    help="sparse files: comma-separated FFN batch modes (auto, union, masked, dense)")
     p.add_argument("--ffn-dtype", default="auto",
                    help="sparse files: the FFN rows (as `run --ffn-dtype`: auto, q4, int8, ...)")
+    p.add_argument("--isa", default="auto", help="the C kernels' variant (cpu.set_isa; default "
+                   "auto: the CPU's best)")
     a = p.parse_args()
     from sparseinfer.threads import passive_wait
 
     passive_wait()  # as the CLI does, before torch and numba start their pools
+    from sparseinfer import cpu
     from sparseinfer.bench import cpu_model
     from sparseinfer.engine import Engine
     from sparseinfer.fused.decode import attend_rows
@@ -52,13 +55,15 @@ def main() -> None:
     positions = [int(q) for q in a.positions.split(",")]
     n_ctx = max(positions) + 1
     opts = {} if a.ffn_dtype == "auto" else {"ffn_dtype": a.ffn_dtype}
+    cpu.set_isa(a.isa)
     engine = Engine.load(a.model, n_ctx=n_ctx, threads=a.threads, **opts)
     model = engine.model
     cache, single = model.new_cache(max(rows), n_ctx), model.new_cache(1, n_ctx)
     modes = a.batch_mode.split(",")
     if engine.sparse_info is None and modes != ["auto"]:
         raise SystemExit(f"--batch-mode: {engine.name} has no sparse layers")
-    print(f"# {cpu_model()}; threads {a.threads}; {engine.name}; median of {a.repeats}")
+    print(f"# {cpu_model()}; kernels {cpu.get_isa()}; threads {a.threads}; {engine.name}; "
+          f"median of {a.repeats}")
     print(f"{'mode':>6} {'rows':>4} {'pos':>5} {'step ms':>8} {'tok/s':>8} {'1-token ms':>10} "
           f"{'x 1-token':>9}")
     gen = torch.Generator().manual_seed(0)

@@ -5,6 +5,7 @@
     python benchmarks/big.py --shape 13b --out /tmp/big --tokens 8
     python benchmarks/big.py --shape 7b --out /tmp/big --rounds 5
     python benchmarks/big.py --shape 7b --out /tmp/big --qtype q4_k_m   # the Q4_K_M mix (or q5_k_m)
+    python benchmarks/big.py --shape 7b --out /tmp/big --isa avx2_vnni  # another of our kernel variants
 
 The file holds random weights (a few random matrices reused across layers: bytes are what
 matter for speed and memory, not values) and SmolLM2's tokenizer. Each engine runs in its own
@@ -134,7 +135,7 @@ def _peak_mb() -> float:
     return float("nan")
 
 
-def _ours(path: str, threads: int, n_tokens: int, n_ctx: int) -> dict:
+def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, isa: str = "auto") -> dict:
     t0 = time.perf_counter()
     from sparseinfer.threads import passive_wait
 
@@ -149,6 +150,7 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int) -> dict:
     from sparseinfer.sparse import kernels  # noqa: F401
 
     cpu.set_threads(threads)
+    cpu.set_isa(isa)
     t_import = time.perf_counter() - t0
     rss0 = _rss_mb()
     t0 = time.perf_counter()
@@ -214,6 +216,8 @@ def main() -> int:
                          "fresh process after a read-bandwidth probe at its thread count, this "
                          "many rounds (issue 14: what a second thread adds, against what the "
                          "memory gives it)")
+    ap.add_argument("--isa", default="auto", help="our C kernels' variant (cpu.set_isa; default "
+                    "auto: the CPU's best)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -234,12 +238,13 @@ def main() -> int:
             print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in "
                   f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
     size = path.stat().st_size
-    print(f"CPU: {cpu_model()}; {args.threads} threads; file {size / 2**30:.2f} GiB",
+    print(f"CPU: {cpu_model()}; {args.threads} threads; our kernels {args.isa}; file "
+          f"{size / 2**30:.2f} GiB",
           file=sys.stderr)
     rows = {}
     common = dict(path=str(path), threads=args.threads, n_tokens=args.tokens, n_ctx=args.ctx)
     bw = measure_read_bandwidth(args.threads)
-    rows["sparseinfer"] = run_isolated(_ours, **common)
+    rows["sparseinfer"] = run_isolated(_ours, **common, isa=args.isa)
     if not args.no_llama_cpp:
         try:
             import llama_cpp  # noqa: F401
@@ -280,7 +285,7 @@ def main() -> int:
               f"{'cpp pre':>8} {'ratio':>6}")
         dec, pre = [], []
         for i in range(args.rounds):
-            a, b = run_isolated(_ours, **common), run_isolated(_llama_cpp, **common)
+            a, b = run_isolated(_ours, **common, isa=args.isa), run_isolated(_llama_cpp, **common)
             if "error" in a or "error" in b:
                 print(f"{i + 1:5d} error: {a.get('error') or b.get('error')}")
                 continue
@@ -295,7 +300,7 @@ def main() -> int:
                   f"{max(dec):.2f}x, {sum(r >= 1.0 for r in dec)} of {len(dec)} >= 1.0x); median "
                   f"prefill {statistics.median(pre):.2f}x")
     if args.scaling > 0 and args.threads > 1:
-        _scaling(common, args.threads, args.scaling)
+        _scaling({**common, "isa": args.isa}, args.threads, args.scaling)
     if args.json:
         print(json.dumps(rows, indent=1, default=str))
     return 0

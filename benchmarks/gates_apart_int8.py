@@ -44,7 +44,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12, help="blocks of 8 calls of each (default 12)")
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--isa", default="auto", help="the C library's kernels: auto (default), avx512, "
-                   "avx2 or avx2_128 (this CPU's)")
+                   "avx2, avx2_vnni or avx2_128 (this CPU's)")
     a = p.parse_args()
     from sparseinfer.threads import passive_wait
 

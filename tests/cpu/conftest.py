@@ -7,7 +7,7 @@ import pytest
 from sparseinfer import cpu
 
 
-@pytest.fixture(params=["avx2", "avx2_128", "avx512"])
+@pytest.fixture(params=["avx2", "avx2_vnni", "avx2_128", "avx512"])
 def isa(request):
     """Each kernel variant this CPU can run (the others skip), restored to "auto" after."""
     if request.param not in cpu.available_isas():

@@ -137,7 +137,7 @@ def test_isas_agree(type_name):
     """Q4 (Q4_K too), Q5_0, Q5_K and Q6_K panels: the AVX-512 and AVX2 kernels do the same integer sums and
     float operations per row, bit for bit (Q5_0: the same 256-bit code in every build). Q8_0: the AVX-512 kernel adds 128 to every weight and takes it back
     in float, so the ISAs agree to float rounding."""
-    isas = [i for i in ("avx512", "avx2", "avx2_128") if i in cpu.available_isas()]
+    isas = [i for i in ("avx512", "avx2", "avx2_vnni", "avx2_128") if i in cpu.available_isas()]
     if len(isas) < 2:
         pytest.skip("one instruction set on this CPU")
     rng = np.random.default_rng(1)

@@ -324,9 +324,18 @@ def test_missing_compiler_and_missing_library_say_what_to_do(monkeypatch, tmp_pa
         ops._load()
 
 
+def test_compiler_flag_probe(tmp_path):
+    """The build asks the compiler whether it takes -mavxvnni (the avx2_vnni variant is built as
+    plain AVX2 where it does not): a flag every compiler here knows, and one none does."""
+    cc = cpu_build.find_compiler()
+    assert cpu_build._accepts(cc, "-mavx2", str(tmp_path))
+    assert not cpu_build._accepts(cc, "-mno-such-flag-sparseinfer", str(tmp_path))
+
+
 def test_best_isa_follows_the_cpu():
     """``best_isa`` against /proc/cpuinfo: AVX-512 with VNNI, else the 128-bit AVX2 variant on
-    AMD Zen/Zen+ (family 23, models below 48) and Hygon (family 24), else AVX2."""
+    AMD Zen/Zen+ (family 23, models below 48) and Hygon (family 24), else AVX2 with AVX-VNNI,
+    else AVX2."""
     info = Path("/proc/cpuinfo").read_text()
     field = lambda name: re.search(rf"^{name}\s*:\s*(.*)$", info, re.M).group(1).strip()  # noqa: E731
     vendor, family, model = field("vendor_id"), int(field("cpu family")), int(field("model"))
@@ -336,6 +345,8 @@ def test_best_isa_follows_the_cpu():
     elif (vendor == "AuthenticAMD" and family == 23 and model < 48) or (
             vendor == "HygonGenuine" and family == 24):
         want = "avx2_128"
+    elif "avx_vnni" in flags:
+        want = "avx2_vnni"
     else:
         want = "avx2"
     assert cpu.best_isa() == want

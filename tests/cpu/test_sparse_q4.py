@@ -72,7 +72,7 @@ def test_q4_codec_matches_gguf():
 # 2, 8, 5, 18, 20 blocks: scales 8 blocks at a time and one by one, AVX-512's groups (their
 # scales 4 groups a chunk: 20 blocks = 5 groups, a second chunk of one) and their tail
 @pytest.mark.parametrize("d_model,d_ff", [(64, 45), (256, 130), (160, 70), (576, 40), (640, 30)])
-@pytest.mark.parametrize("isa", ["avx2", "avx2_128", "avx512"])
+@pytest.mark.parametrize("isa", ["avx2", "avx2_vnni", "avx2_128", "avx512"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_sparse_q4_matches_reference(kind, density, d_model, d_ff, isa, threads):
     if isa not in cpu.available_isas():

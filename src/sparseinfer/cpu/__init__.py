@@ -29,8 +29,10 @@ llama.cpp's q8_0) and each block of weights is an integer dot product with it (F
     cpu.read_runs(fd, start, length, first, pick, dest, stride, out, 512, 8, False)  # disk reads
     cpu.read_gather(rows, stride, nbytes, idx)           # a read probe: the sparse kernels' pattern
 
-Variants: AVX2+FMA; the same in 128-bit registers (``"avx2_128"``, for CPUs whose vector units
-split 256-bit instructions: AMD Zen and Zen+); and AVX-512 (F/BW/VL) with VNNI. ``best_isa()``
+Variants: AVX2+FMA; the same with AVX-VNNI's byte dot products (``"avx2_vnni"``, CPUs with
+AVX-VNNI and no AVX-512: Intel from Alder Lake); the same in 128-bit registers (``"avx2_128"``,
+for CPUs whose vector units split 256-bit instructions: AMD Zen and Zen+); and AVX-512
+(F/BW/VL) with VNNI. ``best_isa()``
 is chosen at import; ``set_isa(name)`` forces another. Threads: a persistent pool inside the library
 (``set_threads``, 1 until set); idle workers spin briefly (``set_spin_us``) and then sleep;
 ``pool_stats`` counts the chunks the caller and the workers ran. A call's rows are split in

@@ -1,8 +1,10 @@
 """Build the C kernel library: ``python3 -m sparseinfer.cpu.build`` (``install.sh`` runs it).
 
-One shared library, ``libsicpu.so`` beside this file: ``kernels.c`` compiled twice (AVX2+FMA+F16C,
-and AVX-512 F/BW/VL + VNNI) and ``pool.c`` for baseline x86-64, which picks a variant at run time
-from what the CPU reports. The sources' hash is compiled in, so an import can tell a library
+One shared library, ``libsicpu.so`` beside this file: ``kernels.c`` compiled once per variant
+(AVX2+FMA+F16C; the same with AVX-VNNI; the same in 128-bit registers; AVX-512 F/BW/VL + VNNI)
+and ``pool.c`` for baseline x86-64, which picks a variant at run time from what the CPU
+reports. A compiler too old for ``-mavxvnni`` (GCC < 11, Clang < 12) builds that variant as
+plain AVX2. The sources' hash is compiled in, so an import can tell a library
 built from older sources (``sparseinfer.cpu`` then asks for a rebuild).
 """
 
@@ -30,6 +32,8 @@ ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                "-mavx512vnni"],
+    # AVX2 with AVX-VNNI (Intel from Alder Lake: no AVX-512): vpdpbusd in 256-bit registers
+    "avx2_vnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
     # AVX2 for 128-bit vector units (AMD Zen/Zen+): blocks worked in 128-bit registers
     "avx2_128": ["-mavx2", "-mfma", "-mf16c", "-DSI_NARROW=1"],
 }
@@ -61,6 +65,14 @@ def find_compiler() -> str:
                      f"`{BUILD_COMMAND}` (or ./install.sh) again")
 
 
+def _accepts(cc: str, flag: str, tmp: str) -> bool:
+    """Whether compiler ``cc`` takes ``flag``."""
+    src = os.path.join(tmp, "probe.c")
+    Path(src).write_text("int si_probe;\n")
+    proc = subprocess.run([cc, flag, "-c", src, "-o", src + ".o"], capture_output=True)
+    return proc.returncode == 0
+
+
 def _run(cmd: list[str]) -> None:
     log.info("%s", " ".join(cmd))
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -79,6 +91,9 @@ def build(out: Path = LIB) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         objs = []
         for isa, flags in ISA_FLAGS.items():
+            if "-mavxvnni" in flags and not _accepts(cc, "-mavxvnni", tmp):
+                log.warning("%s does not take -mavxvnni: the avx2_vnni kernels are plain AVX2", cc)
+                flags = [f for f in flags if f != "-mavxvnni"]
             obj = os.path.join(tmp, f"kernels_{isa}.o")
             _run([cc, *COMMON, *flags, f"-DSI_ISA={isa}", "-c", str(HERE / "kernels.c"),
                   "-o", obj])

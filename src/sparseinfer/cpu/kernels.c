@@ -1,7 +1,8 @@
 /* Row kernels over native GGUF blocks, compiled once per instruction set (SI_ISA = avx2,
- * avx512 or avx2_128; the build passes the matching -m flags). Most of it is 256-bit wide; the
- * AVX-512 build (SI_AVX512) has its integer dot product in VNNI vpdpbusd, which replaces the
- * two-instruction AVX2 sequence (vpmaddubsw + vpmaddwd) and cannot saturate, and 512-bit kernels
+ * avx2_vnni, avx512 or avx2_128; the build passes the matching -m flags). Most of it is 256-bit
+ * wide; the AVX-512 and avx2_vnni builds have their integer dot products in VNNI vpdpbusd, which
+ * replaces the two-instruction AVX2 sequence (vpmaddubsw + vpmaddwd) and cannot saturate
+ * (dot_us, chain_add); the AVX-512 build (SI_AVX512) also has 512-bit kernels
  * of its own: Q4_0/Q4_1/Q5_0 in groups of 4 blocks against x rearranged once per row
  * (si_xgroups), Q4_K/Q5_K/Q6_K 64 weights per vector, short Q8_0 rows two blocks per step, and
  * the sparse Q4_0 bundles in groups of 4; the avx2_128 build (SI_NARROW) works the blocks in
@@ -26,7 +27,7 @@
 #include "qgemv.h"
 
 #ifndef SI_ISA
-#error "compile with -DSI_ISA=avx2, avx512 or avx2_128 (with -DSI_NARROW=1)"
+#error "compile with -DSI_ISA=avx2, avx512, avx2_vnni (with -mavxvnni) or avx2_128 (with -DSI_NARROW=1)"
 #endif
 #define SI_CAT2(a, b) a##_##b
 #define SI_CAT(a, b) SI_CAT2(a, b)
@@ -48,12 +49,36 @@ INLINE int ld16(const uint8_t *p) { /* an unaligned 16-bit word */
 INLINE float f16(const uint8_t *p) { return _cvtsh_ss((unsigned short)ld16(p)); }
 INLINE __m128i load128(const void *p) { return _mm_loadu_si128((const __m128i *)p); }
 
-/* 8 int32 sums of 4 products each: unsigned bytes a times signed bytes b. */
-INLINE __m256i dot_us(__m256i a, __m256i b) {
+/* Byte products in 256-bit vectors: unsigned bytes a times signed bytes b, 4 products per
+ * 32-bit lane. With VNNI (AVX-512's, or AVX-VNNI on CPUs without AVX-512) one vpdpbusd adds
+ * them into int32 lanes; plain AVX2 needs two instructions (vpmaddubsw into int16 pairs,
+ * vpmaddwd to widen). A chain sums several such products: chain_add keeps it in int16 on plain
+ * AVX2 (each caller bounds its chain so that nothing saturates) and in int32 with VNNI;
+ * chain_sum gives the int32 lane sums. The integers are the same either way. */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#define SI_DPBUSD(s, a, b) _mm256_dpbusd_epi32(s, a, b)
+#elif defined(__AVXVNNI__)
+#define SI_DPBUSD(s, a, b) _mm256_dpbusd_avx_epi32(s, a, b)
+#endif
+INLINE __m256i dot_us(__m256i a, __m256i b) { /* 8 int32 sums of 4 products each */
+#ifdef SI_DPBUSD
+    return SI_DPBUSD(_mm256_setzero_si256(), a, b);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+}
+INLINE __m256i chain_add(__m256i s, __m256i a, __m256i b) {
+#ifdef SI_DPBUSD
+    return SI_DPBUSD(s, a, b);
+#else
+    return _mm256_add_epi16(s, _mm256_maddubs_epi16(a, b));
+#endif
+}
+INLINE __m256i chain_sum(__m256i s) {
+#ifdef SI_DPBUSD
+    return s;
+#else
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 #endif
 }
 
@@ -305,9 +330,8 @@ INLINE void pair_unpack(const uint8_t *q, const int bsize, __m256i *lo, __m256i 
     *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
 }
 INLINE __m256i pair_dot(__m256i lo, __m256i hi, const int8_t *xp) {
-    const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xp)),
-                                       _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 32))));
-    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+    const __m256i s = chain_add(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)xp));
+    return chain_sum(chain_add(s, hi, _mm256_loadu_si256((const __m256i *)(xp + 32))));
 }
 INLINE __m256i pair_q4(const uint8_t *q, const int bsize, const int8_t *xp) {
     __m256i lo, hi;
@@ -1175,11 +1199,10 @@ INLINE void q5_half(const uint8_t *pb, const int h, __m256i *lo, __m256i *hi) {
 INLINE __m256i q5_half_dot(const __m256i *lo, const __m256i *hi, const si_xq *x, const int b) {
     __m256i sl = _mm256_setzero_si256(), sh = _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
-        sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(x_word(x, b, c))));
-        sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(x_word(x, b, 4 + c))));
+        sl = chain_add(sl, lo[c], _mm256_set1_epi32(x_word(x, b, c)));
+        sh = chain_add(sh, hi[c], _mm256_set1_epi32(x_word(x, b, 4 + c)));
     }
-    const __m256i one = _mm256_set1_epi16(1);
-    return _mm256_add_epi32(_mm256_madd_epi16(sl, one), _mm256_madd_epi16(sh, one));
+    return _mm256_add_epi32(chain_sum(sl), chain_sum(sh));
 }
 /* Q4_0 / Q4_1 panels in two 256-bit halves (rows 0..7, 8..15), the AVX2 builds' kernel (the
  * AVX-512 one below does 16 rows at once), and Q5_0 panels' kernel in every build: the 8 byte
@@ -1197,11 +1220,9 @@ INLINE void q4_half(const uint8_t *pb, const int qoff, const int h, __m256i *lo,
 }
 INLINE __m256i q4_half_dot(const __m256i *lo, const __m256i *hi, const si_xq *x, const int b) {
     __m256i s16 = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++)
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(x_word(x, b, c))));
-    for (int c = 0; c < 4; c++)
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(x_word(x, b, 4 + c))));
-    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+    for (int c = 0; c < 4; c++) s16 = chain_add(s16, lo[c], _mm256_set1_epi32(x_word(x, b, c)));
+    for (int c = 0; c < 4; c++) s16 = chain_add(s16, hi[c], _mm256_set1_epi32(x_word(x, b, 4 + c)));
+    return chain_sum(s16);
 }
 /* Half h's scales d and minima m (Q4_0: -8 d; Q5_0: -16 d). */
 INLINE void q4_half_dm(const int type, const uint8_t *pb, const int h, __m256 *d, __m256 *m) {
@@ -1331,14 +1352,13 @@ INLINE __m256i k45p_word(const int five, const uint8_t *pb, const int j, const i
  * in int16 (4-bit: 8 words, at most 8 x 2 x 15 x 127 = 30480; 5-bit: two chains of 4 words, at
  * most 4 x 2 x 31 x 127 = 31496 each: no saturation), widened once a chain. */
 INLINE __m256i k45p_half_dot(const int five, const __m256i *w, const si_xq *x, const int b) {
-    const __m256i one = _mm256_set1_epi16(1);
     __m256i s16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int c = 0; c < 8; c++) {
         const int k = five ? c >> 2 : 0;
-        s16[k] = _mm256_add_epi16(s16[k], _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(x_word(x, b, c))));
+        s16[k] = chain_add(s16[k], w[c], _mm256_set1_epi32(x_word(x, b, c)));
     }
-    const __m256i sum = _mm256_madd_epi16(s16[0], one);
-    return five ? _mm256_add_epi32(sum, _mm256_madd_epi16(s16[1], one)) : sum;
+    const __m256i sum = chain_sum(s16[0]);
+    return five ? _mm256_add_epi32(sum, chain_sum(s16[1])) : sum;
 }
 
 #if SI_AVX512
@@ -1463,7 +1483,7 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
                       float *y, const int64_t ys) {
     const int bb = k45p_bytes(five);
     if (nt == 1) { /* a pair of sub-blocks per pass over its words, each loaded once for both */
-        const __m256i m4 = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10), one = _mm256_set1_epi16(1);
+        const __m256i m4 = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10);
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {acc[0], acc[1]};
         for (int sb = 0; sb < nsb; sb++) {
             const uint8_t *pb = p + (size_t)sb * bb;
@@ -1486,12 +1506,12 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
                             w1 = _mm256_or_si256(w1, _mm256_and_si256(shift16(qh, 3 - j0), b5));
                         }
                         const int k = five ? c >> 2 : 0;
-                        s16[0][k] = _mm256_add_epi16(s16[0][k], _mm256_maddubs_epi16(w0, _mm256_set1_epi32(x_word(x, b0, c))));
-                        s16[1][k] = _mm256_add_epi16(s16[1][k], _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x_word(x, b0 + 1, c))));
+                        s16[0][k] = chain_add(s16[0][k], w0, _mm256_set1_epi32(x_word(x, b0, c)));
+                        s16[1][k] = chain_add(s16[1][k], w1, _mm256_set1_epi32(x_word(x, b0 + 1, c)));
                     }
                     for (int u = 0; u < 2; u++) {
-                        __m256i sum = _mm256_madd_epi16(s16[u][0], one);
-                        if (five) sum = _mm256_add_epi32(sum, _mm256_madd_epi16(s16[u][1], one));
+                        __m256i sum = chain_sum(s16[u][0]);
+                        if (five) sum = _mm256_add_epi32(sum, chain_sum(s16[u][1]));
                         __m256 S, M;
                         k4p_sm8(pb, &f, j0 + u, h, &S, &M);
                         acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(S, _mm256_set1_ps(x->d[b0 + u])),
@@ -1614,7 +1634,6 @@ INLINE void panel_q6k(const uint8_t *p, const si_xq *x, const int nt, const int 
  * super-block half, each qh word and ql word loaded once for the 4 and 2 groups that use it;
  * the same integer sums (exact) and float operations per row, in the same order. */
 INLINE void panel_q6k_1(const uint8_t *p, const si_xq *x, const int nsb, float *y) {
-    const __m256i one = _mm256_set1_epi16(1);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *pb = p + (size_t)sb * Q6P_BYTES;
@@ -1628,7 +1647,8 @@ INLINE void panel_q6k_1(const uint8_t *p, const si_xq *x, const int nsb, float *
                     __m256i d32[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                                       _mm256_setzero_si256()};
                     for (int c = 4 * cg; c < 4 * cg + 4; c += 2) {
-                        __m256i a[4];
+                        __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                                        _mm256_setzero_si256()};
                         for (int u = 0; u < 2; u++) {
                             const int cc = c + u;
                             const __m256i qh = _mm256_loadu_si256((const __m256i *)(pb + Q6P_QH + 64 * (8 * h + cc) + 32 * rh));
@@ -1637,12 +1657,10 @@ INLINE void panel_q6k_1(const uint8_t *p, const si_xq *x, const int nsb, float *
                             for (int g = 0; g < 4; g++) { /* group g: ql word l0 (g even) or l1 */
                                 int32_t xw;
                                 memcpy(&xw, xq + 32 * g + 4 * cc, 4);
-                                const __m256i pr = _mm256_maddubs_epi16(q6p_bits8((g & 1) ? l1 : l0, qh, g),
-                                                                        _mm256_set1_epi32(xw));
-                                a[g] = u ? _mm256_add_epi16(a[g], pr) : pr;
+                                a[g] = chain_add(a[g], q6p_bits8((g & 1) ? l1 : l0, qh, g), _mm256_set1_epi32(xw));
                             }
                         }
-                        for (int g = 0; g < 4; g++) d32[g] = _mm256_add_epi32(d32[g], _mm256_madd_epi16(a[g], one));
+                        for (int g = 0; g < 4; g++) d32[g] = _mm256_add_epi32(d32[g], chain_sum(a[g]));
                     }
                     for (int g = 0; g < 4; g++) {
                         const int i = 2 * g + cg; /* the sub-block's scale, of this half's 8 */
@@ -1668,7 +1686,6 @@ INLINE void panel_q6k(const uint8_t *p, const si_xq *x, const int nt, const int 
         panel_q6k_1(p, x, nsb, y);
         return;
     }
-    const __m256i one = _mm256_set1_epi16(1);
     for (int rh = 0; rh < 2; rh++) {
         __m256 acc[PANEL_T];
 #pragma GCC unroll 8
@@ -1692,11 +1709,10 @@ INLINE void panel_q6k(const uint8_t *p, const si_xq *x, const int nt, const int 
                     for (int t = 0; t < nt; t++) {
                         int32_t xw[4];
                         memcpy(xw, x[t].kq + xo, 16);
-                        const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xw[0])),
-                                                           _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(xw[1])));
-                        const __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], _mm256_set1_epi32(xw[2])),
-                                                           _mm256_maddubs_epi16(w[3], _mm256_set1_epi32(xw[3])));
-                        __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(a, one), _mm256_madd_epi16(b, one));
+                        const __m256i z = _mm256_setzero_si256();
+                        const __m256i a = chain_add(chain_add(z, w[0], _mm256_set1_epi32(xw[0])), w[1], _mm256_set1_epi32(xw[1]));
+                        const __m256i b = chain_add(chain_add(z, w[2], _mm256_set1_epi32(xw[2])), w[3], _mm256_set1_epi32(xw[3]));
+                        __m256i dot = _mm256_add_epi32(chain_sum(a), chain_sum(b));
                         dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-32 * (int32_t)x[t].kbs[16 * (size_t)sb + i]));
                         isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(dot, sc));
                     }
@@ -1772,8 +1788,7 @@ INLINE __m256i q8_half_dot(const uint8_t *pb, const int h, const si_xq *x, const
     for (int c = 0; c < 8; c++) {
         const __m256i w = _mm256_loadu_si256((const __m256i *)(pb + 32 + 64 * c + 32 * h));
         const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x_word(x, b, c)), w);
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), xs),
-                                                      _mm256_set1_epi16(1)));
+        sum = _mm256_add_epi32(sum, dot_us(_mm256_abs_epi8(w), xs));
     }
     return sum;
 }
@@ -2333,7 +2348,6 @@ static int kt_x_make(const si_xq *x, const int nt, const int nsb, kt_x *xt) {
 INLINE void multi_k45t(const int five, const uint8_t *p, const kt_x *xt, const int nt, const int nsb,
                        float *y, const int64_t ys) {
     const int bsize = five ? 176 : 144;
-    const __m256i one = _mm256_set1_epi16(1);
     __m256 acc[8], accm[8];
     for (int j = 0; j < 8; j++) acc[j] = accm[j] = _mm256_setzero_ps();
     uint8_t wb[256] __attribute__((aligned(32)));
@@ -2358,18 +2372,18 @@ INLINE void multi_k45t(const int five, const uint8_t *p, const kt_x *xt, const i
                     int32_t wa, wc;
                     memcpy(&wa, wj + 4 * c, 4);
                     memcpy(&wc, wj + 16 + 4 * c, 4);
-                    a = _mm256_add_epi16(a, _mm256_maddubs_epi16(_mm256_set1_epi32(wa), xq[8 * j + c]));
-                    b = _mm256_add_epi16(b, _mm256_maddubs_epi16(_mm256_set1_epi32(wc), xq[8 * j + 4 + c]));
+                    a = chain_add(a, _mm256_set1_epi32(wa), xq[8 * j + c]);
+                    b = chain_add(b, _mm256_set1_epi32(wc), xq[8 * j + 4 + c]);
                 }
-                s32 = _mm256_add_epi32(_mm256_madd_epi16(a, one), _mm256_madd_epi16(b, one));
+                s32 = _mm256_add_epi32(chain_sum(a), chain_sum(b));
             } else { /* 8 words in int16: at most 8 x 3810 (sums8_16) */
                 __m256i a = _mm256_setzero_si256();
                 for (int c = 0; c < 8; c++) {
                     int32_t wa;
                     memcpy(&wa, wj + 4 * c, 4);
-                    a = _mm256_add_epi16(a, _mm256_maddubs_epi16(_mm256_set1_epi32(wa), xq[8 * j + c]));
+                    a = chain_add(a, _mm256_set1_epi32(wa), xq[8 * j + c]);
                 }
-                s32 = _mm256_madd_epi16(a, one);
+                s32 = chain_sum(a);
             }
             const __m256 scale = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(scf[j]), xt->d[8 * (size_t)sb + j]), dv);
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), scale, acc[j]);
@@ -2658,13 +2672,12 @@ INLINE void q4_dots8_block(const uint8_t *const *rp, const int nb, const si_xq *
                           _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
     __m256i s16 = _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(w[c], m4),
-                                                         _mm256_set1_epi32(x_word(x, b, c))));
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w[c], 4), m4),
-                                                         _mm256_set1_epi32(x_word(x, b, 4 + c))));
+        s16 = chain_add(s16, _mm256_and_si256(w[c], m4), _mm256_set1_epi32(x_word(x, b, c)));
+        s16 = chain_add(s16, _mm256_and_si256(_mm256_srli_epi16(w[c], 4), m4),
+                        _mm256_set1_epi32(x_word(x, b, 4 + c)));
     }
     const __m256 d = _mm256_cvtph_ps(h);
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1))),
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chain_sum(s16)),
                            _mm256_mul_ps(d, _mm256_set1_ps(x->d[b])), *acc);
     *accm = _mm256_fmadd_ps(d, _mm256_set1_ps(x->s[b]), *accm);
 }
@@ -3247,7 +3260,6 @@ INLINE void i8_dots(const int8_t *const *rp, const float *const *sp, const int R
  * path, and no conversion of the weights. */
 INLINE void i8_dots_q(const int8_t *const *rp, const float *const *sp, const int R,
                       const si_xq *xq, const int d, const int block, float *y) {
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const int nbk = (d + block - 1) / block;
@@ -3260,8 +3272,7 @@ INLINE void i8_dots_q(const int8_t *const *rp, const float *const *sp, const int
             const __m256 xd = _mm256_set1_ps(xq->d[j / 32]);
             for (int r = 0; r < R; r++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(rp[r] + j));
-                const __m256i dot = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), ones);
+                const __m256i dot = dot_us(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
                 p[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), xd, p[r]);
             }
         }

@@ -70,7 +70,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q5_Kx16": (15, 256, 176),
     "Q6_Kx16": (16, 256, 210),
 }
-ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2}
+ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2, "avx2_vnni": 3}
 ABI_VERSION = 21
 
 
@@ -141,13 +141,14 @@ def available_isas() -> list[str]:
 def best_isa() -> str:
     """The variant ``"auto"`` picks: ``"avx512"`` where the CPU has AVX-512 with VNNI, else
     ``"avx2_128"`` on CPUs whose vector units split 256-bit instructions (AMD Zen, Zen+), else
-    ``"avx2"``."""
+    ``"avx2_vnni"`` where the CPU has AVX-VNNI (Intel from Alder Lake), else ``"avx2"``."""
     code = _lib.si_best_isa()
     return next(name for name, c in ISAS.items() if c == code)
 
 
 def set_isa(name: str = "auto") -> None:
-    """Use the ``"avx2"``, ``"avx2_128"`` or ``"avx512"`` kernels, or ``"auto"`` (``best_isa``)."""
+    """Use the ``"avx2"``, ``"avx2_vnni"``, ``"avx2_128"`` or ``"avx512"`` kernels, or ``"auto"``
+    (``best_isa``)."""
     if name == "auto":
         name = best_isa()
     if name not in ISAS:

@@ -52,7 +52,7 @@ typedef int (*xgroups_fn)(const si_xq *, int, uint8_t *);
 typedef void (*sparse_fn)(const uint8_t *, size_t, int, const int32_t *, int, const uint8_t *,
                           size_t, const si_xq *, int, int, int, int, const float *, float *);
 
-enum { ISA_AVX2 = 0, ISA_AVX512 = 1, ISA_AVX2_128 = 2 };
+enum { ISA_AVX2 = 0, ISA_AVX512 = 1, ISA_AVX2_128 = 2, ISA_AVX2_VNNI = 3 };
 static int g_isa = -1;
 static rows_fn g_rows;
 typedef void (*rows_multi_fn)(int, const uint8_t *, size_t, int, const si_xq *, int, int, float *,
@@ -86,6 +86,7 @@ int si_isa_supported(int isa) {
     __builtin_cpu_init();
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     if (isa == ISA_AVX2 || isa == ISA_AVX2_128) return avx2;
+    if (isa == ISA_AVX2_VNNI) return avx2 && __builtin_cpu_supports("avxvnni");
     if (isa == ISA_AVX512)
         return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -106,17 +107,23 @@ static int narrow_vector_units(void) {
 }
 
 /* The variant "auto" picks: AVX-512 (with VNNI) if present, else AVX2 in 128-bit registers on
- * CPUs with narrow vector units, else AVX2. */
+ * CPUs with narrow vector units, else AVX2 with AVX-VNNI's 256-bit byte dot products if present
+ * (Intel from Alder Lake), else AVX2. */
 int si_best_isa(void) {
     if (si_isa_supported(ISA_AVX512)) return ISA_AVX512;
     if (!si_isa_supported(ISA_AVX2)) return -1;
-    return narrow_vector_units() ? ISA_AVX2_128 : ISA_AVX2;
+    if (narrow_vector_units()) return ISA_AVX2_128;
+    return si_isa_supported(ISA_AVX2_VNNI) ? ISA_AVX2_VNNI : ISA_AVX2;
 }
 
 int si_set_isa(int isa) {
     if (!si_isa_supported(isa)) return -1;
     g_isa = isa;
-#define PICK(fn) (isa == ISA_AVX512 ? fn##_avx512 : isa == ISA_AVX2_128 ? fn##_avx2_128 : fn##_avx2)
+#define PICK(fn)                                                                                  \
+    (isa == ISA_AVX512     ? fn##_avx512                                                         \
+     : isa == ISA_AVX2_128 ? fn##_avx2_128                                                       \
+     : isa == ISA_AVX2_VNNI ? fn##_avx2_vnni                                                     \
+                            : fn##_avx2)
     g_rows = PICK(si_rows);
     g_rows_multi = PICK(si_rows_multi);
     g_quant = PICK(si_quantize_x);
@@ -350,7 +357,9 @@ static int xk_kind(int type) {
     return type == SI_Q6_K ? XK_Q6K : type == SI_Q5_K ? XK_Q5K : type == SI_Q6_KP ? XK_Q6P : 0;
 }
 static int xk_served(void) { /* the kinds this ISA's kernels take in blocks of 128 */
-    return XK_Q6P | (g_isa == ISA_AVX512 ? XK_Q6K | XK_Q5K : g_isa == ISA_AVX2 ? XK_Q6K : 0);
+    return XK_Q6P | (g_isa == ISA_AVX512                              ? XK_Q6K | XK_Q5K
+                     : g_isa == ISA_AVX2 || g_isa == ISA_AVX2_VNNI ? XK_Q6K
+                                                                   : 0);
 }
 
 /* fn(job, t) for each of n independent rows: on the pool from ROWS_POOL_MIN rows, else on the

@@ -153,5 +153,6 @@ typedef struct {
 SI_DECLARE(avx2)
 SI_DECLARE(avx512)
 SI_DECLARE(avx2_128)
+SI_DECLARE(avx2_vnni)
 
 #endif

@@ -52,7 +52,7 @@ def x_block(type_name: str) -> int:
     weights of ``type_name``: 128 for Q6_K on plain AVX2 and AVX-512, for Q5_K on AVX-512 and
     for Q6_K panels, else 32."""
     isa = get_isa()
-    if (type_name == "Q6_K" and isa in ("avx2", "avx512")) or (type_name == "Q5_K" and isa == "avx512"):
+    if (type_name == "Q6_K" and isa in ("avx2", "avx2_vnni", "avx512")) or (type_name == "Q5_K" and isa == "avx512"):
         return 128
     if type_name == "Q6_Kx16":  # every ISA's kernel
         return 128
