@@ -11,7 +11,11 @@ the same cores. Iterations whose step had exactly N rows (N streams decoding, no
 reported apart from those carrying a newcomer's prompt chunk and those with fewer streams. A
 stream's inter-token gaps are taken at each hand-over on a token's way out — the batch loop
 handing it to the stream's thread, that thread passing it to the event loop, the event loop
-formatting its SSE chunk, the client reading it — so that each stage's share of the tail shows.
+running the hand-over (waking for it), the stream's generator reading it, formatting its SSE
+chunk, uvicorn writing it, the client reading it — so that each stage's share of the tail
+shows, with the time between consecutive hand-overs of one token. Per server thread: its time
+on a core and its time runnable but waiting for one (``/proc``'s ``schedstat``), per token;
+and Python's garbage collections during the run.
 
     python benchmarks/serve_steps.py [--clients 8] [--parallel 8] [--client raw|openai]
 
@@ -23,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -64,12 +70,34 @@ def _timed_server(conn, *server_args) -> None:
         sampled(self, seq, logits)
         log.append(("sample", t0, clock(), id(seq)))  # the sequence's token handed over at the end
 
-    emit = jobs.Job.emit
+    def timed_emit(self, item):  # a request's thread hands an event to the event loop
+        def put(item=item):  # run by the event loop
+            t = clock()
+            log.append(("queued", t, t, id(self)))
+            self._events.put_nowait(item)
 
-    def timed_emit(self, item):
-        emit(self, item)  # a request's thread hands an event to the event loop
         t = clock()
         log.append(("emit", t, t, id(self)))
+        try:
+            self._loop.call_soon_threadsafe(put)
+        except RuntimeError:
+            self.cancel.set()
+
+    get = jobs.Job.get
+
+    async def timed_get(self):
+        out = await get(self)  # the stream's generator has the event
+        t = clock()
+        log.append(("got", t, t, id(self)))
+        return out
+
+    sse = app.OpenAIServer._sse
+
+    async def timed_sse(self, call, job, *a, **k):
+        async for part in sse(self, call, job, *a, **k):
+            t = clock()
+            yield part  # uvicorn writes it to the socket, then asks for the next
+            log.append(("sent", t, clock(), id(job)))
 
     chunk = app.OpenAIServer._chunk
 
@@ -79,13 +107,41 @@ def _timed_server(conn, *server_args) -> None:
         log.append(("chunk", t, t, hash(rid)))
         return out
 
+    gc_start = {}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_start[0] = clock()
+        else:
+            log.append(("gc", gc_start.get(0, clock()), clock(), info["generation"]))
+
+    gc.callbacks.append(on_gc)
     batching.decode_step = timed_step
     batching.BatchEngine._iterate = timed_iterate
     batching.BatchEngine._sampled = timed_sampled
     jobs.Job.emit = timed_emit
+    jobs.Job.get = timed_get
+    app.OpenAIServer._sse = timed_sse
     app.OpenAIServer._chunk = timed_chunk
-    sl._server_process(conn, *server_args)
-    conn.send(log)
+    names = {}
+
+    def stop_hook():
+        for t in threading.enumerate():
+            names[t.native_id] = t.name
+
+    recv = conn.recv
+
+    class Conn:  # the stop message: note which thread is which first
+        def send(self, m):
+            conn.send(m)
+
+        def recv(self):
+            m = recv()
+            stop_hook()
+            return m
+
+    sl._server_process(Conn(), *server_args)
+    conn.send((log, names))
 
 
 def _iterations(log):
@@ -127,6 +183,31 @@ def gaps(log, kind: str) -> list[float]:
     return out
 
 
+def lags(log, first: str, then: str) -> list[float]:
+    """Per event of each job, the time from its ``first`` entry to its ``then`` entry (the k-th
+    of one matched with the k-th of the other), in s."""
+    at: dict[str, dict[int, list[float]]] = {first: {}, then: {}}
+    for k, _, t1, key in log:
+        if k in at:
+            at[k].setdefault(key, []).append(t1)
+    return [b - a for key, ts in at[first].items()
+            for a, b in zip(ts, at[then].get(key, ()))]
+
+
+def _task_cpu(pid: int) -> dict[int, tuple[float, float]]:
+    """Each thread of process ``pid``: its time on a core so far and its time runnable but
+    waiting for one (``schedstat``), in s."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                run, wait, _ = f.read().split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(run) / 1e9, int(wait) / 1e9)
+    return out
+
+
 def main() -> int:
     import serve_load as sl
 
@@ -152,13 +233,16 @@ def main() -> int:
         args.prefill_chunk, args.model)
     try:
         asyncio.run(sl.run_level(base_url, model, 2, 2, 4, 600, 600, args.client))  # warm-up
+        cpu0 = _task_cpu(proc.pid)
         since = time.monotonic()
         lv = asyncio.run(sl.run_level(base_url, model, args.clients,
                                       args.clients * args.requests_per_client, args.max_tokens,
                                       600, 600, args.client))
+        cpu1 = _task_cpu(proc.pid)
     finally:
         conn.send("stop")
-    log = [e for e in conn.recv() if e[1] >= since]
+    log, names = conn.recv()
+    log = [e for e in log if e[1] >= since]
     proc.join(30)
     its = _iterations(log)
     full = [x for x in its if x[0] == args.parallel]
@@ -171,10 +255,36 @@ def main() -> int:
     print("inter-token gaps, p50 / p90 / p95 / p99 (ms): where the tail is added")
     for name, v in (("handed over by the batch loop", gaps(log, "sample")),
                     ("passed to the event loop", gaps(log, "emit")),
+                    ("queued by the event loop", gaps(log, "queued")),
+                    ("read by the stream", gaps(log, "got")),
                     ("formatted by the event loop", gaps(log, "chunk")),
+                    ("written by uvicorn", gaps(log, "sent")),
                     ("seen by the clients", lv.itl)):
         print(f"  {name:30s} " + " / ".join(f"{pct(v, q) * 1e3:5.1f}"
                                               for q in (0.5, 0.9, 0.95, 0.99)))
+    print("time from one hand-over to the next, p50 / p90 / p95 / p99 (ms)")
+    for name, v in (("event loop wakes for an event", lags(log, "emit", "queued")),
+                    ("the stream reads it", lags(log, "queued", "got")),
+                    ("uvicorn writes a chunk", [e[2] - e[1] for e in log if e[0] == "sent"])):
+        print(f"  {name:30s} " + " / ".join(f"{pct(v, q) * 1e3:5.2f}"
+                                              for q in (0.5, 0.9, 0.95, 0.99)))
+    roles: dict[str, list[float]] = {}
+    for tid, (run, wait) in cpu1.items():
+        name = names.get(tid, "C pool / other")
+        name = "request threads" if name.startswith("sparseinfer-worker") else name
+        was = cpu0.get(tid, (0.0, 0.0))
+        role = roles.setdefault(name, [0.0, 0.0])
+        role[0] += run - was[0]
+        role[1] += wait - was[1]
+    print(f"server threads per token streamed: µs on a core / µs runnable, waiting for one "
+          f"({lv.tokens} tokens in {lv.wall:.2f} s)")
+    for name, (run, wait) in sorted(roles.items(), key=lambda x: -x[1][0]):
+        print(f"  {name:30s} {run / lv.tokens * 1e6:7.0f} / {wait / lv.tokens * 1e6:7.0f}")
+    for g in (0, 1, 2):
+        v = [e[2] - e[1] for e in log if e[0] == "gc" and e[3] == g]
+        if v:
+            print(f"garbage collections of generation {g}: {len(v)}, p50 {pct(v, 0.5) * 1e3:.2f} "
+                  f"max {max(v) * 1e3:.2f} ms, {sum(v) * 1e3:.1f} ms in all")
     print(f"iterations whose step had {args.parallel} rows (decoding only): {len(full)}")
     for j, name in ((1, "iteration"), (2, "decode_step"), (3, "sampling")):
         v = [x[j] for x in full]
