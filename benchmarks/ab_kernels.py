@@ -1,10 +1,11 @@
 """Two builds of the C library against each other in one process: the sparse FFN kernels, or
-the GEMV of given block types (``--gemv``).
+the GEMV of given block types (``--gemv``; with ``--rows-of-x``, their GEMM).
 
     python benchmarks/ab_kernels.py --rev HEAD~1 [--isa avx2] [--dtypes q4 int8/32 q4-gates] [-t 2]
     python benchmarks/ab_kernels.py --rev HEAD~1 --isa avx512 --gemv Q4_Kx16 Q5_Kx16 --rounds 8
     python benchmarks/ab_kernels.py --old path/to/libsicpu.so ... [--hot]
     python benchmarks/ab_kernels.py --same --isa avx2 --new-isa avx2_vnni --gemv Q4_Kx16 --hot
+    python benchmarks/ab_kernels.py --rev HEAD~1 --isa avx512 --gemv Q4_1x16 --rows-of-x 8 --hot
 
 ``--rev`` checks that revision out in a temporary git worktree, builds its library there and
 removes the worktree after; "new" is this tree's built library (``python -m
@@ -89,6 +90,7 @@ def load(path: Path, isa: str, threads: int) -> ctypes.CDLL:
                                  vp, vp, ctypes.c_size_t]
     lib.si_sparse_q4_gates.argtypes = [vp, ctypes.c_size_t, vp, ci, ci, vp, ci, vp]
     lib.si_gemv.argtypes = [ci, vp, vp, vp, ci, vp, vp]
+    lib.si_gemm.argtypes = [ci, vp, ctypes.c_int64, ci, vp, ctypes.c_int64, vp]
     if lib.si_set_isa(ISAS[isa]) != 0:
         raise SystemExit(f"{path}: this CPU cannot run {isa}")
     if lib.si_set_threads(threads) != 0:
@@ -205,11 +207,12 @@ GEMV_POOL = 1 << 30  # bytes of random blocks the matrices are windows of (past 
 
 
 def run_gemv(libs: dict[str, ctypes.CDLL], type_name: str, rounds: int, per_block: int,
-             hot: bool) -> None:
-    """One GEMV (``si_gemv``, a decode step's product) of a ``type_name`` matrix at each 7B
-    shape (``--hot``: one 256 x 4096 matrix, in cache) with the two builds, alternated in blocks
-    of calls, each call on the next matrix of a pool larger than the L3 cache. The weights are
-    random bytes (a scale may be inf or NaN: the time is the same); outputs compared as bits."""
+             hot: bool, t_rows: int = 1) -> None:
+    """One GEMV (``si_gemv``, a decode step's product; ``t_rows`` > 1: ``si_gemm`` over that
+    many rows of x, a batched step's) of a ``type_name`` matrix at each 7B shape (``--hot``: one
+    256 x 4096 matrix, in cache) with the two builds, alternated in blocks of calls, each call
+    on the next matrix of a pool larger than the L3 cache. The weights are random bytes (a scale
+    may be inf or NaN: the time is the same); outputs compared as bits."""
     from sparseinfer import cpu
 
     _, elems, size = cpu.TYPES[type_name]
@@ -218,23 +221,28 @@ def run_gemv(libs: dict[str, ctypes.CDLL], type_name: str, rounds: int, per_bloc
         nbytes = rows * cols // elems * size
         mats = [cpu.QuantMatrix(type_name, buf[i * nbytes:(i + 1) * nbytes], rows, cols)
                 for i in range(1 if hot else GEMV_POOL // nbytes)]
-        x = torch.randn(cols)
-        outs = {name: torch.empty(rows) for name in libs}
+        x = torch.randn(t_rows, cols)
+        outs = {name: torch.empty(t_rows, rows) for name in libs}
         vp, i64 = ctypes.c_void_p, ctypes.c_int64
 
         def args(m, out):
+            if t_rows > 1:
+                return (m.code, vp(m.ptr), i64(rows), cols, vp(x.data_ptr()), i64(t_rows),
+                        vp(out.data_ptr()))
             return (1, (ctypes.c_int * 1)(m.code), (vp * 1)(m.ptr), (i64 * 1)(rows), cols,
                     x.data_ptr(), (vp * 1)(out.data_ptr()))
 
+        fn = "si_gemm" if t_rows > 1 else "si_gemv"
         calls = {name: [args(m, outs[name]) for m in mats] for name in libs}
         for name, lib in libs.items():
-            if lib.si_gemv(*calls[name][0]) != 0:
-                raise SystemExit(f"{name}: si_gemv refused {type_name}")
+            if getattr(lib, fn)(*calls[name][0]) != 0:
+                raise SystemExit(f"{name}: {fn} refused {type_name}")
         same = np.array_equal(outs["old"].numpy(), outs["new"].numpy(), equal_nan=True)
         times, wins = alternate(
-            lambda name, i: libs[name].si_gemv(*calls[name][i % len(calls[name])]), rounds,
+            lambda name, i: getattr(libs[name], fn)(*calls[name][i % len(calls[name])]), rounds,
             per_block)
-        print(f"\n{type_name} GEMV {rows}x{cols} ({nbytes / 1e6:.2f} MB a call"
+        what = f"GEMM x{t_rows}" if t_rows > 1 else "GEMV"
+        print(f"\n{type_name} {what} {rows}x{cols} ({nbytes / 1e6:.2f} MB a call"
               f"{', in cache (--hot)' if hot else ''}); outputs {'equal' if same else 'DIFFER'}")
         med = {}
         for name, ts in times.items():
@@ -263,6 +271,8 @@ def main() -> None:
                    "tier's ReLU gates apart)")
     p.add_argument("--gemv", nargs="+", metavar="TYPE", help="instead of the sparse FFN: the "
                    "GEMV of these cpu.TYPES (e.g. Q4_Kx16) at the 7B shapes")
+    p.add_argument("--rows-of-x", type=int, default=1, help="with --gemv: a GEMM over this many "
+                   "rows of x (a batched decode step's), not a GEMV")
     p.add_argument("--rounds", type=int, default=60, help="blocks of each build (default 60)")
     p.add_argument("--per-block", type=int, default=20, help="calls a block (default 20)")
     p.add_argument("--hot", action="store_true", help="one layer and one active set, called "
@@ -291,7 +301,7 @@ def main() -> None:
     print(f"# CPU: {cpu_model()}; kernels: {isas}; {args.threads} threads; old {old}; "
           f"new {args.new}")
     for type_name in args.gemv or []:
-        run_gemv(libs, type_name, args.rounds, args.per_block, args.hot)
+        run_gemv(libs, type_name, args.rounds, args.per_block, args.hot, args.rows_of_x)
     for name in [] if args.gemv else args.dtypes:
         dtype, block = {"q4": ("q4", 0), "int8/row": ("int8", 0), "int8/32": ("int8", 32),
                         "q4-gates": ("q4", 0)}[name]
