@@ -67,6 +67,13 @@ INLINE __m256i dot_us(__m256i a, __m256i b) { /* 8 int32 sums of 4 products each
     return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
 #endif
 }
+INLINE __m256i dot_us_add(__m256i s, __m256i a, __m256i b) { /* s + dot_us(a, b) */
+#ifdef SI_DPBUSD
+    return SI_DPBUSD(s, a, b);
+#else
+    return _mm256_add_epi32(s, dot_us(a, b));
+#endif
+}
 INLINE __m256i chain_add(__m256i s, __m256i a, __m256i b) {
 #ifdef SI_DPBUSD
     return SI_DPBUSD(s, a, b);
@@ -1788,7 +1795,7 @@ INLINE __m256i q8_half_dot(const uint8_t *pb, const int h, const si_xq *x, const
     for (int c = 0; c < 8; c++) {
         const __m256i w = _mm256_loadu_si256((const __m256i *)(pb + 32 + 64 * c + 32 * h));
         const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x_word(x, b, c)), w);
-        sum = _mm256_add_epi32(sum, dot_us(_mm256_abs_epi8(w), xs));
+        sum = dot_us_add(sum, _mm256_abs_epi8(w), xs);
     }
     return sum;
 }
