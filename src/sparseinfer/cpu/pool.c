@@ -82,11 +82,18 @@ static attend_fn g_attend;
 static attend16_fn g_attend16;
 static glu_fn g_glu;
 
+/* AVX-VNNI: CPUID leaf 7 subleaf 1, EAX bit 4 (read directly: __builtin_cpu_supports knows it
+ * only from GCC 11). The OS saves the YMM state if AVX2 is usable (the caller checks that). */
+static int has_avx_vnni(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1);
+}
+
 int si_isa_supported(int isa) {
     __builtin_cpu_init();
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     if (isa == ISA_AVX2 || isa == ISA_AVX2_128) return avx2;
-    if (isa == ISA_AVX2_VNNI) return avx2 && __builtin_cpu_supports("avxvnni");
+    if (isa == ISA_AVX2_VNNI) return avx2 && has_avx_vnni();
     if (isa == ISA_AVX512)
         return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
