@@ -54,40 +54,27 @@ INLINE __m128i load128(const void *p) { return _mm_loadu_si128((const __m128i *)
  * them into int32 lanes; plain AVX2 needs two instructions (vpmaddubsw into int16 pairs,
  * vpmaddwd to widen). A chain sums several such products: chain_add keeps it in int16 on plain
  * AVX2 (each caller bounds its chain so that nothing saturates) and in int32 with VNNI;
- * chain_sum gives the int32 lane sums. The integers are the same either way. */
+ * chain_sum gives the int32 lane sums. dot_us: the 8 int32 sums of one product; dot_us_add: s
+ * plus them. The integers are the same either way. */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define SI_DPBUSD(s, a, b) _mm256_dpbusd_epi32(s, a, b)
 #elif defined(__AVXVNNI__)
 #define SI_DPBUSD(s, a, b) _mm256_dpbusd_avx_epi32(s, a, b)
 #endif
-INLINE __m256i dot_us(__m256i a, __m256i b) { /* 8 int32 sums of 4 products each */
 #ifdef SI_DPBUSD
-    return SI_DPBUSD(_mm256_setzero_si256(), a, b);
+INLINE __m256i dot_us_add(__m256i s, __m256i a, __m256i b) { return SI_DPBUSD(s, a, b); }
+INLINE __m256i chain_add(__m256i s, __m256i a, __m256i b) { return SI_DPBUSD(s, a, b); }
+INLINE __m256i chain_sum(__m256i s) { return s; }
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
-#endif
-}
-INLINE __m256i dot_us_add(__m256i s, __m256i a, __m256i b) { /* s + dot_us(a, b) */
-#ifdef SI_DPBUSD
-    return SI_DPBUSD(s, a, b);
-#else
-    return _mm256_add_epi32(s, dot_us(a, b));
-#endif
-}
 INLINE __m256i chain_add(__m256i s, __m256i a, __m256i b) {
-#ifdef SI_DPBUSD
-    return SI_DPBUSD(s, a, b);
-#else
     return _mm256_add_epi16(s, _mm256_maddubs_epi16(a, b));
-#endif
 }
-INLINE __m256i chain_sum(__m256i s) {
-#ifdef SI_DPBUSD
-    return s;
-#else
-    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
-#endif
+INLINE __m256i chain_sum(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
+INLINE __m256i dot_us_add(__m256i s, __m256i a, __m256i b) {
+    return _mm256_add_epi32(s, chain_sum(_mm256_maddubs_epi16(a, b)));
 }
+#endif
+INLINE __m256i dot_us(__m256i a, __m256i b) { return dot_us_add(_mm256_setzero_si256(), a, b); }
 
 INLINE float hsum(__m256 v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
