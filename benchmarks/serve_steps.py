@@ -70,18 +70,26 @@ def _timed_server(conn, *server_args) -> None:
         sampled(self, seq, logits)
         log.append(("sample", t0, clock(), id(seq)))  # the sequence's token handed over at the end
 
-    def timed_emit(self, item):  # a request's thread hands an event to the event loop
-        def put(item=item):  # run by the event loop
-            t = clock()
-            log.append(("queued", t, t, id(self)))
-            self._events.put_nowait(item)
+    class TimedQueue(asyncio.Queue):  # a job's events: the event loop runs each put_nowait
+        def __init__(self, key: int):
+            super().__init__()
+            self.key = key
 
+        def put_nowait(self, item):
+            t = clock()
+            log.append(("queued", t, t, self.key))
+            super().put_nowait(item)
+
+    init, emit = jobs.Job.__init__, jobs.Job.emit
+
+    def timed_init(self, *a, **k):
+        init(self, *a, **k)
+        self._events = TimedQueue(id(self))
+
+    def timed_emit(self, item):  # a request's thread hands an event to the event loop
         t = clock()
         log.append(("emit", t, t, id(self)))
-        try:
-            self._loop.call_soon_threadsafe(put)
-        except RuntimeError:
-            self.cancel.set()
+        emit(self, item)
 
     get = jobs.Job.get
 
@@ -119,6 +127,7 @@ def _timed_server(conn, *server_args) -> None:
     batching.decode_step = timed_step
     batching.BatchEngine._iterate = timed_iterate
     batching.BatchEngine._sampled = timed_sampled
+    jobs.Job.__init__ = timed_init
     jobs.Job.emit = timed_emit
     jobs.Job.get = timed_get
     app.OpenAIServer._sse = timed_sse
