@@ -3590,6 +3590,19 @@ INLINE void softmax_row(float *scores, const int n, const float m) {
     for (s = 0; s < n; s++) scores[s] *= inv;
 }
 
+/* Attention's look-ahead, called as keys s..s+7 are scored: the key rows ATTEND_AHEAD positions on
+ * and the value rows of s..s+7 (their weighted sum follows the scores). One sequence's keys and
+ * values of one head are short runs (a few KB to a few hundred) that the hardware prefetchers
+ * alone leave waiting on memory; `rowb`: bytes of one row (hd values). */
+#define ATTEND_AHEAD 16
+INLINE void attend_fetch(const void *kc, const void *vc, const int s, const int n, const size_t rowb) {
+    const char *k = (const char *)kc + (size_t)(s + ATTEND_AHEAD) * rowb;
+    const char *v = (const char *)vc + (size_t)s * rowb;
+    const int ks = n - s - ATTEND_AHEAD; /* key rows left to fetch there */
+    if (ks > 0) prefetch((const uint8_t *)k, (int)((ks < 8 ? ks : 8) * rowb), 0);
+    prefetch((const uint8_t *)v, (int)(8 * rowb), 0);
+}
+
 /* One head's attention for one token over positions 0..n-1: out = softmax(scale · K q) · V, with
  * kc/vc this head's K/V rows (hd values apart: float32, or float16 when f16); scores: n floats
  * of scratch. Scores 8 keys at a time (8 independent dot products, one transposing sum); the
@@ -3600,8 +3613,10 @@ INLINE void attend_impl(const int f16, const float *q, const void *kc, const voi
     const __m256 sc = _mm256_set1_ps(scale);
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int s = 0;
+    const size_t rowb = (size_t)hd * (f16 ? 2 : 4);
     for (; s + 8 <= n; s += 8) {
         const size_t k = (size_t)s * hd;
+        attend_fetch(kc, vc, s, n, rowb);
         __m256 a[8];
         for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
         for (int j = 0; j < hd8; j += 8) {
@@ -3674,8 +3689,10 @@ INLINE void attend_heads_512(const int f16, const float *q, const void *kc, cons
     __m256 mv[3];
     for (int h = 0; h < H; h++) mv[h] = _mm256_set1_ps(-INFINITY);
     int s = 0;
+    const size_t rowb = (size_t)hd * (f16 ? 2 : 4);
     for (; s + 8 <= n; s += 8) {
         const size_t k = (size_t)s * hd;
+        attend_fetch(kc, vc, s, n, rowb);
         __m512 a[3][8];
         for (int h = 0; h < H; h++)
             for (int i = 0; i < 8; i++) a[h][i] = _mm512_setzero_ps();
