@@ -3606,9 +3606,10 @@ INLINE void attend_fetch(const void *kc, const void *vc, const int s, const int 
 /* One head's attention for one token over positions 0..n-1: out = softmax(scale · K q) · V, with
  * kc/vc this head's K/V rows (hd values apart: float32, or float16 when f16); scores: n floats
  * of scratch. Scores 8 keys at a time (8 independent dot products, one transposing sum); the
- * weighted sum of V in registers, 64 columns at a time. */
+ * weighted sum of V in registers, 64 columns at a time. `fetch`: look ahead (attend_fetch), for
+ * the first of the heads that share these keys and values. */
 INLINE void attend_impl(const int f16, const float *q, const void *kc, const void *vc, int n, int hd,
-                        float scale, float *scores, float *out) {
+                        float scale, float *scores, float *out, const int fetch) {
     const int hd8 = hd & ~7;
     const __m256 sc = _mm256_set1_ps(scale);
     __m256 mv = _mm256_set1_ps(-INFINITY);
@@ -3616,7 +3617,7 @@ INLINE void attend_impl(const int f16, const float *q, const void *kc, const voi
     const size_t rowb = (size_t)hd * (f16 ? 2 : 4);
     for (; s + 8 <= n; s += 8) {
         const size_t k = (size_t)s * hd;
-        attend_fetch(kc, vc, s, n, rowb);
+        if (fetch) attend_fetch(kc, vc, s, n, rowb);
         __m256 a[8];
         for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
         for (int j = 0; j < hd8; j += 8) {
@@ -3681,10 +3682,11 @@ INLINE __m512 kv16f(const int f16, const void *p, const size_t i) {
  * registers: each key and value row is loaded (and converted from float16) once for the H
  * heads. Scores 8 keys at a time (8 x H accumulators of 16 columns, one transposing sum per
  * head); the weighted sum of V 64 columns at a time (4 x H accumulators), then 16 at a time.
- * Head h's scores in scores + h sstride, its output at out + h hd. */
+ * Head h's scores in scores + h sstride, its output at out + h hd; `fetch`: look ahead
+ * (attend_fetch) — the first pass over a K/V head, not the next ones that find it in cache. */
 INLINE void attend_heads_512(const int f16, const float *q, const void *kc, const void *vc,
                              const int n, const int hd, const float scale, const int H,
-                             float *scores, const size_t sstride, float *out) {
+                             float *scores, const size_t sstride, float *out, const int fetch) {
     const __m256 sc = _mm256_set1_ps(scale);
     __m256 mv[3];
     for (int h = 0; h < H; h++) mv[h] = _mm256_set1_ps(-INFINITY);
@@ -3692,7 +3694,7 @@ INLINE void attend_heads_512(const int f16, const float *q, const void *kc, cons
     const size_t rowb = (size_t)hd * (f16 ? 2 : 4);
     for (; s + 8 <= n; s += 8) {
         const size_t k = (size_t)s * hd;
-        attend_fetch(kc, vc, s, n, rowb);
+        if (fetch) attend_fetch(kc, vc, s, n, rowb);
         __m512 a[3][8];
         for (int h = 0; h < H; h++)
             for (int i = 0; i < 8; i++) a[h][i] = _mm512_setzero_ps();
@@ -3771,9 +3773,9 @@ INLINE void attend_group_impl(const int f16, const float *q, const void *kc, con
             const float *qh = q + (size_t)h0 * hd;
             float *sh = scores + h0 * sstride, *oh = out + (size_t)h0 * hd;
             switch (G - h0 < 3 ? G - h0 : 3) {
-            case 1: attend_heads_512(f16, qh, kc, vc, n, hd, scale, 1, sh, sstride, oh); break;
-            case 2: attend_heads_512(f16, qh, kc, vc, n, hd, scale, 2, sh, sstride, oh); break;
-            default: attend_heads_512(f16, qh, kc, vc, n, hd, scale, 3, sh, sstride, oh); break;
+            case 1: attend_heads_512(f16, qh, kc, vc, n, hd, scale, 1, sh, sstride, oh, !h0); break;
+            case 2: attend_heads_512(f16, qh, kc, vc, n, hd, scale, 2, sh, sstride, oh, !h0); break;
+            default: attend_heads_512(f16, qh, kc, vc, n, hd, scale, 3, sh, sstride, oh, !h0); break;
             }
         }
         return;
@@ -3781,7 +3783,7 @@ INLINE void attend_group_impl(const int f16, const float *q, const void *kc, con
 #endif
     for (int h = 0; h < G; h++)
         attend_impl(f16, q + (size_t)h * hd, kc, vc, n, hd, scale, scores + h * sstride,
-                    out + (size_t)h * hd);
+                    out + (size_t)h * hd, !h);
 }
 void FN(si_attend_group)(const float *q, const float *kc, const float *vc, int n, int hd,
                          float scale, int G, float *scores, size_t sstride, float *out) {
