@@ -3592,7 +3592,7 @@ INLINE void softmax_row(float *scores, const int n, const float m) {
 
 /* Attention's look-ahead, called as keys s..s+7 are scored: the key rows ATTEND_AHEAD positions on
  * and the value rows of s..s+7 (their weighted sum follows the scores). One sequence's keys and
- * values of one head are short runs (a few KB to a few hundred) that the hardware prefetchers
+ * values of one head are short runs (a few KB to a few hundred KB) that the hardware prefetchers
  * alone leave waiting on memory; `rowb`: bytes of one row (hd values). */
 #define ATTEND_AHEAD 16
 INLINE void attend_fetch(const void *kc, const void *vc, const int s, const int n, const size_t rowb) {
