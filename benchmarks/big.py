@@ -243,9 +243,9 @@ def main() -> int:
           file=sys.stderr)
     rows = {}
     common = dict(path=str(path), threads=args.threads, n_tokens=args.tokens, n_ctx=args.ctx)
-    ours = dict(common, isa=args.isa)  # our engine's arguments: llama.cpp's and the kernels
+    our_args = dict(common, isa=args.isa)  # our engine's: llama.cpp's and the kernels'
     bw = measure_read_bandwidth(args.threads)
-    rows["sparseinfer"] = run_isolated(_ours, **ours)
+    rows["sparseinfer"] = run_isolated(_ours, **our_args)
     if not args.no_llama_cpp:
         try:
             import llama_cpp  # noqa: F401
@@ -286,7 +286,7 @@ def main() -> int:
               f"{'cpp pre':>8} {'ratio':>6}")
         dec, pre = [], []
         for i in range(args.rounds):
-            a, b = run_isolated(_ours, **ours), run_isolated(_llama_cpp, **common)
+            a, b = run_isolated(_ours, **our_args), run_isolated(_llama_cpp, **common)
             if "error" in a or "error" in b:
                 print(f"{i + 1:5d} error: {a.get('error') or b.get('error')}")
                 continue
@@ -301,7 +301,7 @@ def main() -> int:
                   f"{max(dec):.2f}x, {sum(r >= 1.0 for r in dec)} of {len(dec)} >= 1.0x); median "
                   f"prefill {statistics.median(pre):.2f}x")
     if args.scaling > 0 and args.threads > 1:
-        _scaling(ours, args.threads, args.scaling)
+        _scaling(our_args, args.threads, args.scaling)
     if args.json:
         print(json.dumps(rows, indent=1, default=str))
     return 0
