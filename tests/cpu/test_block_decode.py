@@ -69,10 +69,11 @@ def check(kw, pos, S=48, seed=0):
 @pytest.mark.parametrize("pos", [0, pytest.param(1, marks=pytest.mark.slow), 9,
                                  pytest.param(47, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("nh,nkv,hd,d", [(4, 2, 16, 64), (4, 4, 8, 64), (8, 2, 20, 64),
-                                         (8, 2, 64, 1024)])
+                                         (8, 2, 64, 1024), (9, 3, 64, 576), (8, 1, 64, 512)])
 def test_block_matches_reference(isa, threads, pos, nh, nkv, hd, d):
-    """The last shape spreads over the pool: products in several chunks, and at pos 47 the
-    heads in parallel (the small ones run on the calling thread alone)."""
+    """The last three shapes spread over the pool: products in several chunks, and at pos 47
+    the kv heads in parallel (the small ones run on the calling thread alone) — SmolLM2's 3 and
+    Gemma-3 270M's 1, fewer than or not a multiple of 2 threads."""
     check(make(np.random.default_rng(pos + nh), d=d, nh=nh, nkv=nkv, hd=hd, d_ff=256), pos)
 
 
