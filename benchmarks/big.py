@@ -243,7 +243,7 @@ def main() -> int:
           file=sys.stderr)
     rows = {}
     common = dict(path=str(path), threads=args.threads, n_tokens=args.tokens, n_ctx=args.ctx)
-    our_args = dict(common, isa=args.isa)  # our engine's: llama.cpp's and the kernels'
+    our_args = dict(common, isa=args.isa)  # llama.cpp's arguments and our kernel variant
     bw = measure_read_bandwidth(args.threads)
     rows["sparseinfer"] = run_isolated(_ours, **our_args)
     if not args.no_llama_cpp:

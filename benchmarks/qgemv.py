@@ -140,7 +140,7 @@ def fmt(t: float) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--isa", nargs="+", default=cpu.available_isas(), choices=["avx2", "avx2_vnni", "avx2_128", "avx512"])
+    p.add_argument("--isa", nargs="+", default=cpu.available_isas(), choices=list(cpu.ops.ISAS))
     p.add_argument("--types", nargs="+", default=TYPES, choices=list(cpu.TYPES))
     p.add_argument("--model", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--calls", type=int, default=40)

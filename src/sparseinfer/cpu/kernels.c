@@ -122,7 +122,8 @@ INLINE __m256i bit5(const uint8_t *p) {
     return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
 }
 
-/* Prefetch `n` bytes (a compile-time constant after inlining) starting at p. The rows of a chunk
+/* Prefetch `n` bytes (for the panel and row passes a compile-time constant after inlining;
+ * attention's run lengths vary) starting at p. The rows of a chunk
  * are contiguous, so while a group of 4 rows is walked, the next group's bytes are fetched at the
  * same pace: a short row (a few KB) is otherwise over before the hardware prefetcher ramps up.
  * `far` (a group of more than PF_NEAR_BYTES) fetches into L2 only: into L1 the next group would
@@ -3593,9 +3594,11 @@ INLINE void softmax_row(float *scores, const int n, const float m) {
 /* Attention's look-ahead, called as keys s..s+7 are scored: the key rows ATTEND_AHEAD positions on
  * and the value rows of s..s+7 (their weighted sum follows the scores). One sequence's keys and
  * values of one head are short runs (a few KB to a few hundred KB) that the hardware prefetchers
- * alone leave waiting on memory; `rowb`: bytes of one row (hd values). */
+ * alone leave waiting on memory. Rows of hd values, float16 when f16 (else float32). */
 #define ATTEND_AHEAD 16
-INLINE void attend_fetch(const void *kc, const void *vc, const int s, const int n, const size_t rowb) {
+INLINE void attend_fetch(const int f16, const void *kc, const void *vc, const int s, const int n,
+                         const int hd) {
+    const size_t rowb = (size_t)hd * (f16 ? 2 : 4);
     const char *k = (const char *)kc + (size_t)(s + ATTEND_AHEAD) * rowb;
     const char *v = (const char *)vc + (size_t)s * rowb;
     const int ks = n - s - ATTEND_AHEAD; /* key rows left to fetch there */
@@ -3614,10 +3617,9 @@ INLINE void attend_impl(const int f16, const float *q, const void *kc, const voi
     const __m256 sc = _mm256_set1_ps(scale);
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int s = 0;
-    const size_t rowb = (size_t)hd * (f16 ? 2 : 4);
     for (; s + 8 <= n; s += 8) {
         const size_t k = (size_t)s * hd;
-        if (fetch) attend_fetch(kc, vc, s, n, rowb);
+        if (fetch) attend_fetch(f16, kc, vc, s, n, hd);
         __m256 a[8];
         for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
         for (int j = 0; j < hd8; j += 8) {
@@ -3691,10 +3693,9 @@ INLINE void attend_heads_512(const int f16, const float *q, const void *kc, cons
     __m256 mv[3];
     for (int h = 0; h < H; h++) mv[h] = _mm256_set1_ps(-INFINITY);
     int s = 0;
-    const size_t rowb = (size_t)hd * (f16 ? 2 : 4);
     for (; s + 8 <= n; s += 8) {
         const size_t k = (size_t)s * hd;
-        if (fetch) attend_fetch(kc, vc, s, n, rowb);
+        if (fetch) attend_fetch(f16, kc, vc, s, n, hd);
         __m512 a[3][8];
         for (int h = 0; h < H; h++)
             for (int i = 0; i < 8; i++) a[h][i] = _mm512_setzero_ps();
