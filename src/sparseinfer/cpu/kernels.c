@@ -1846,14 +1846,24 @@ INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt
 #endif
 
 /* nrows (a multiple of 16) panel rows at w against x rows x[0..T): y[t * ys + r]; x rows
- * PANEL_T at a time (the count a constant, so the accumulators stay in registers). */
+ * PANEL_T at a time (the count a constant, so the accumulators stay in registers). AVX-512
+ * takes each panel against every group of x rows while the panel is in L1, so that a GEMM of
+ * more than PANEL_T rows reads its weights once; the 256-bit builds, slower at the arithmetic,
+ * ran faster taking each group of x rows against the whole chunk (benchmarks/RESULTS.md). */
 static void panel_rows(const int type, const uint8_t *w, const int nrows, const si_xq *x,
                        const int T, const int nb, float *y, const int64_t ys) {
     const size_t pb = (size_t)nb * panel_bytes(type);
+#if SI_AVX512
+    for (int r0 = 0; r0 < nrows; r0 += SI_PANEL) {
+        const int r1 = r0 + SI_PANEL;
+#else
+    {
+        const int r0 = 0, r1 = nrows;
+#endif
     for (int t0 = 0; t0 < T; t0 += PANEL_T) {
         const int nt = T - t0 < PANEL_T ? T - t0 : PANEL_T;
 #define PR(TY, N)                                                                              \
-    for (int r = 0; r < nrows; r += SI_PANEL)                                                  \
+    for (int r = r0; r < r1; r += SI_PANEL)                                                    \
         panel(TY, w + (size_t)(r / SI_PANEL) * pb, x + t0, N, nb, y + t0 * ys + r, ys)
 #define PRN(N)                                                                                 \
     case N:                                                                                    \
@@ -1871,6 +1881,7 @@ static void panel_rows(const int type, const uint8_t *w, const int nrows, const 
         }
 #undef PRN
 #undef PR
+    }
     }
 }
 
