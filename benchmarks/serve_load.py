@@ -3,7 +3,8 @@
     python benchmarks/serve_load.py [--engine real|synthetic] [--model PATH] [--clients 1,4,8,16]
                                     [--parallel 1,8] [--requests-per-client 2]
                                     [--max-tokens 32] [--max-queue 16] [--budget 120]
-                                    [--prefill-chunk 64] [--step-rows 0,8] [--no-cache-prompt]
+                                    [--prefill-chunk 64] [--step-rows 0,8] [--step-ratio 0,3]
+                                    [--no-cache-prompt]
                                     [--client openai|raw]
 
 The server runs in a child process (its own GIL) on 127.0.0.1, port 0, over the real Engine on
@@ -14,11 +15,12 @@ generator on the server's own cores) share ``--requests-per-client`` x C request
 ``--budget`` seconds, and every started one is awaited. Reported per level: completed / failed /
 rejected (429) / lost (must be 0: every request ends in a full answer or an explicit error),
 truncated (a stream that ended without finish_reason and usage; must be 0), p50 / p95 time to
-first token (includes queueing), p50 / p95 inter-token latency (gaps between content chunks of
+first token (includes queueing), p50 / p95 / largest inter-token latency (gaps between content chunks of
 one answer), and aggregate completion tokens/s. Every ``--parallel`` value gets its own server
 process (1: the one-at-a-time worker on the fused single-token path; N > 1: continuous batching,
-``serve --parallel N``; each ``--step-rows`` value its own server too: the batch's row budget,
-``serve --batch-step-rows``), measured in the same run.
+``serve --parallel N``; each ``--step-rows`` and ``--step-ratio`` value its own server too: the
+budget of a newcomer's prompt rows in a step that also decodes, ``serve --batch-step-rows`` /
+``--batch-step-ratio``), measured in the same run.
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ class SyntheticEngine:
 
 def _server_process(conn, engine_kind: str, n_ctx: int, threads: int, max_queue: int,
                     parallel: int, prefill_chunk: int, model: str | None,
-                    cache_prompt: bool = True, step_rows: int = 0) -> None:
+                    cache_prompt: bool = True, step_rows: int = 0,
+                    step_ratio: float = 3.0) -> None:
     from sparseinfer.threads import passive_wait
 
     passive_wait()  # as `sparseinfer serve` does, before torch and numba start their pools
@@ -102,10 +105,11 @@ def _server_process(conn, engine_kind: str, n_ctx: int, threads: int, max_queue:
 
         engine = Engine.load(model, n_ctx=n_ctx, threads=threads)
         if parallel > 1:
-            from sparseinfer.server.batching import BatchEngine
+            from sparseinfer.server.batching import BatchEngine, prompt_budget
 
             engine = BatchEngine(engine, parallel, prefill_chunk=prefill_chunk,
-                                 cache_prompt=cache_prompt, step_rows=step_rows)
+                                 cache_prompt=cache_prompt,
+                                 budget=prompt_budget(step_rows, step_ratio))
     else:
         engine = SyntheticEngine(n_ctx=n_ctx)
     with ServerThread(create_app(engine, max_queue=max_queue)) as srv:
@@ -315,7 +319,7 @@ def start_server(target, *args):
     return proc, parent, base_url, model
 
 
-def serve_and_measure(args, kind: str, parallel: int, step_rows: int,
+def serve_and_measure(args, kind: str, parallel: int, step_rows: int, step_ratio: float,
                       levels: list[int]) -> list[Level]:
     # imported here, not at the top: the server process re-imports this module and must set its
     # OpenMP wait policy before numba (which sparseinfer.bench loads) starts
@@ -324,13 +328,14 @@ def serve_and_measure(args, kind: str, parallel: int, step_rows: int,
     t_load = time.perf_counter()
     proc, parent, base_url, model = start_server(
         _server_process, kind, args.ctx_size, args.threads, args.max_queue, parallel,
-        args.prefill_chunk, args.model, not args.no_cache_prompt, step_rows)
+        args.prefill_chunk, args.model, not args.no_cache_prompt, step_rows, step_ratio)
     ready = time.perf_counter() - t_load
     print(
         f"\nparallel={parallel} engine={kind} model={model} server={base_url} "
         f"(ready in {ready:.1f} s) max_tokens={args.max_tokens} max_queue={args.max_queue} "
         f"requests/level={args.requests_per_client} x clients threads={args.threads}"
-        + (f" prefill_chunk={args.prefill_chunk} step_rows={step_rows}" if parallel > 1 else "")
+        + (f" prefill_chunk={args.prefill_chunk} step_rows={step_rows} step_ratio={step_ratio}"
+           if parallel > 1 else "")
         + (" no_cache_prompt" if parallel > 1 and args.no_cache_prompt else "")
     )
     results: list[Level] = []
@@ -341,7 +346,7 @@ def serve_and_measure(args, kind: str, parallel: int, step_rows: int,
         print(
             f"{'clients':>7} {'issued':>6} {'done':>5} {'failed':>6} {'429':>4} {'lost':>4} "
             f"{'trunc':>5} {'ttft p50':>9} {'ttft p95':>9} {'itl p50':>8} {'itl p95':>8} "
-            f"{'tok/s':>7} {'wall s':>7}"
+            f"{'itl max':>8} {'tok/s':>7} {'wall s':>7}"
         )
         for c in levels:
             lv = asyncio.run(
@@ -353,7 +358,7 @@ def serve_and_measure(args, kind: str, parallel: int, step_rows: int,
                 f"{c:>7} {lv.issued:>6} {lv.completed:>5} {lv.failed:>6} {lv.rejected:>4} "
                 f"{lv.lost:>4} {lv.truncated:>5} {pct(lv.ttft, 0.5):>8.3f}s "
                 f"{pct(lv.ttft, 0.95):>8.3f}s {pct(lv.itl, 0.5) * 1e3:>6.1f}ms "
-                f"{pct(lv.itl, 0.95) * 1e3:>6.1f}ms "
+                f"{pct(lv.itl, 0.95) * 1e3:>6.1f}ms {max(lv.itl, default=0.0) * 1e3:>6.1f}ms "
                 f"{lv.tokens / lv.wall if lv.wall else 0:>7.1f} {lv.wall:>7.1f}"
             )
             for err, n in lv.errors.items():
@@ -361,11 +366,13 @@ def serve_and_measure(args, kind: str, parallel: int, step_rows: int,
             if args.json:
                 print(json.dumps({
                     "engine": kind, "parallel": parallel, "step_rows": step_rows,
+                    "step_ratio": step_ratio,
                     "clients": c, "issued": lv.issued,
                     "completed": lv.completed, "failed": lv.failed, "rejected": lv.rejected,
                     "lost": lv.lost, "truncated": lv.truncated,
                     "ttft_p50": pct(lv.ttft, 0.5), "ttft_p95": pct(lv.ttft, 0.95),
                     "itl_p50": pct(lv.itl, 0.5), "itl_p95": pct(lv.itl, 0.95),
+                    "itl_max": max(lv.itl, default=None),
                     "ttft_mean": statistics.fmean(lv.ttft) if lv.ttft else None,
                     "tokens": lv.tokens, "wall": lv.wall,
                 }))
@@ -394,7 +401,12 @@ def main() -> int:
                    help="--parallel N > 1: prompt tokens prefilled between two decode steps")
     p.add_argument("--step-rows", default="0",
                    help="--parallel N > 1: comma-separated row budgets of a step that decodes "
-                        "(serve --batch-step-rows; 0: none), each its own server")
+                        "(serve --batch-step-rows; 0: none, --step-ratio's instead), each its "
+                        "own server")
+    p.add_argument("--step-ratio", default="3",
+                   help="--parallel N > 1: comma-separated time budgets of a step that decodes "
+                        "and takes prompt rows (serve --batch-step-ratio; 0: a whole "
+                        "--prefill-chunk), each its own server")
     p.add_argument("--no-cache-prompt", action="store_true",
                    help="--parallel N > 1: run every prompt in full (serve --no-cache-prompt)")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -422,12 +434,14 @@ def main() -> int:
     print(f"# {cpu_model()}; client: {args.client}")
     bad = False
     summary = {}
-    budgets = [int(x) for x in args.step_rows.split(",")]
+    budgets = [(int(r), 0.0 if int(r) else float(q)) for r in args.step_rows.split(",")
+               for q in (args.step_ratio.split(",") if not int(r) else ["0"])]
     for parallel in (int(x) for x in args.parallel.split(",")):
-        for step_rows in budgets if parallel > 1 else [0]:
-            results = serve_and_measure(args, kind, parallel, step_rows, levels)
+        for step_rows, step_ratio in budgets if parallel > 1 else [(0, 0.0)]:
+            results = serve_and_measure(args, kind, parallel, step_rows, step_ratio, levels)
             bad |= any(lv.lost or lv.truncated for lv in results)
-            label = f"{parallel}" + (f" step_rows={step_rows}" if parallel > 1 else "")
+            label = f"{parallel}" + (f" step_rows={step_rows} step_ratio={step_ratio}"
+                                     if parallel > 1 else "")
             summary[label] = {lv.clients: lv for lv in results}
     print("\nratios (same run); 'one stream' = 1 client on the same server / on --parallel 1:")
     serial = summary.get("1", {}).get(1)

@@ -175,6 +175,10 @@ def no_load(monkeypatch):
      "--batch-prefill-chunk: expected a positive number"),
     (["serve", "--port", "0", "-np", "2", "--batch-step-rows", "-1"],
      "--batch-step-rows: expected 0 (no budget) or a positive number, got -1"),
+    (["serve", "--port", "0", "-np", "2", "--batch-step-ratio", "0.5"],
+     "--batch-step-ratio: expected 0 (no budget) or a finite number > 1, got 0.5"),
+    (["serve", "--port", "0", "-np", "2", "--batch-step-ratio", "inf"],
+     "--batch-step-ratio: expected 0 (no budget) or a finite number > 1, got inf"),
 ])
 def test_bad_arguments_rejected_before_loading(no_load, capsys, argv, message):
     assert main(argv) == 1

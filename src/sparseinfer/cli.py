@@ -136,6 +136,10 @@ def _check_model_args(args) -> None:
     if getattr(args, "batch_step_rows", 0) < 0:
         raise SparseInferError(f"--batch-step-rows: expected 0 (no budget) or a positive number, "
                                f"got {args.batch_step_rows}")
+    ratio = getattr(args, "batch_step_ratio", 0.0)
+    if ratio != 0 and not 1.0 < ratio < math.inf:
+        raise SparseInferError(f"--batch-step-ratio: expected 0 (no budget) or a finite number "
+                               f"> 1, got {ratio}")
     if args.model is not None and not Path(args.model).exists():
         raise SparseInferError(f"model not found: {args.model} (-m: expected a GGUF file or "
                                f"a Hugging Face model directory)")
@@ -393,11 +397,11 @@ def cmd_serve(args) -> int:
 
     engine = _engine(args)
     if args.parallel > 1:
-        from .server.batching import BatchEngine
+        from .server.batching import BatchEngine, prompt_budget
 
         engine = BatchEngine(engine, args.parallel, prefill_chunk=args.batch_prefill_chunk,
                              cache_prompt=not args.no_cache_prompt,
-                             step_rows=args.batch_step_rows)
+                             budget=prompt_budget(args.batch_step_rows, args.batch_step_ratio))
     logging.getLogger("sparseinfer.server").setLevel(logging.INFO)  # the bound address, requests
     print(f"serving {engine.name} (Ctrl-C to stop)", file=sys.stderr)
     try:
@@ -478,11 +482,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-prefill-chunk", type=int, default=64, metavar="N",
                    help="with --parallel: prompt tokens run with each decode step "
                         "(smaller: steadier inter-token latency, slower first tokens)")
+    s.add_argument("--batch-step-ratio", type=float, default=3.0, metavar="R",
+                   help="with --parallel: while any request generates, a newcomer's prompt "
+                        "takes the tokens per step that keep the step within R times a step of "
+                        "the generating requests alone, by the step times measured (default 3; "
+                        "smaller: steadier streams, slower first tokens; 0: a whole "
+                        "--batch-prefill-chunk per step)")
     s.add_argument("--batch-step-rows", type=int, default=0, metavar="N",
-                   help="with --parallel: while any request generates, a step runs at most N "
-                        "rows, a newcomer's prompt taking those its neighbours leave (at least "
-                        "one): steadier inter-token latency, slower first tokens (0: no budget; "
-                        "8 fills the C kernels' pass of 8 rows)")
+                   help="with --parallel: instead of --batch-step-ratio, while any request "
+                        "generates a step runs at most N rows, a newcomer's prompt taking those "
+                        "its neighbours leave (at least one) (0: not this budget; 8 fills the C "
+                        "kernels' pass of 8 rows)")
     s.add_argument("--no-cache-prompt", action="store_true",
                    help="with --parallel: run every prompt in full, even where a free slot's "
                         "cache holds its beginning (a shared system prompt, earlier turns)")

@@ -67,16 +67,14 @@ def test_prompt_prefix_is_reused_and_changes_nothing(batched):
     assert got == want and len(got) == 12
 
 
-def test_step_row_budget_runs_a_newcomers_prompt_beside_the_generating_rows(real_engine_server):
-    """``step_rows``: a prompt that arrives while another sequence generates takes only the rows
-    the budget leaves in each step (budget 2: one generating row + one prompt row), where without
-    a budget it runs as one chunk beside that row; both sequences' tokens are the same either way
-    (seeded sampling: a row's numbers do not depend on what else its step runs)."""
+def _newcomer_beside_a_generating_stream(engine, budget):
+    """A prompt that arrives while another sequence generates, on a 2-slot batch engine with
+    ``budget``: (the first sequence's tokens, the newcomer's, the most rows of a step that also
+    decoded, the newcomer's prompt length)."""
     from sparseinfer.config import SamplingParams
     from sparseinfer.engine import TokenEvent
     from sparseinfer.server.batching import BatchEngine
 
-    _, engine, *_ = real_engine_server
     first = engine.encode("Once upon a time")
     second = engine.encode("The history of the city of London begins with the Romans, who "
                            "built a bridge across the river")
@@ -86,20 +84,95 @@ def test_step_row_budget_runs_a_newcomers_prompt_beside_the_generating_rows(real
     def tokens(events):
         return [e.token_id for e in events if isinstance(e, TokenEvent) and e.token_id >= 0]
 
-    def run(step_rows: int) -> tuple[list[int], list[int], int]:
-        be = BatchEngine(engine, parallel=2, step_rows=step_rows, cache_prompt=False)
-        try:
-            a = be.stream(first, pa)
-            got_a = tokens([next(a)])  # the first token: `first` is generating now
-            got_b = tokens(be.stream(second, pb))
-            return got_a + tokens(a), got_b, be.max_rows_decoding
-        finally:
-            be.close()
+    be = BatchEngine(engine, parallel=2, budget=budget, cache_prompt=False)
+    try:
+        a = be.stream(first, pa)
+        got_a = tokens([next(a)])  # the first token: `first` is generating now
+        got_b = tokens(be.stream(second, pb))
+        return got_a + tokens(a), got_b, be.max_rows_decoding, len(second)
+    finally:
+        be.close()
 
-    a0, b0, rows0 = run(0)
-    a2, b2, rows2 = run(2)
-    assert rows0 == 1 + len(second) and rows2 == 2
+
+def test_step_row_budget_runs_a_newcomers_prompt_beside_the_generating_rows(real_engine_server):
+    """``RowBudget``: a prompt that arrives while another sequence generates takes only the rows
+    the budget leaves in each step (budget 2: one generating row + one prompt row), where without
+    a budget (``WholeChunk``) it runs as one chunk beside that row; both sequences' tokens are the
+    same either way (seeded sampling: a row's numbers do not depend on what else its step runs)."""
+    from sparseinfer.server.batching import RowBudget, WholeChunk
+
+    _, engine, *_ = real_engine_server
+    a0, b0, rows0, n = _newcomer_beside_a_generating_stream(engine, WholeChunk())
+    a2, b2, rows2, _ = _newcomer_beside_a_generating_stream(engine, RowBudget(2))
+    assert rows0 == 1 + n and rows2 == 2
     assert (a2, b2) == (a0, b0) and len(a0) == 64 and len(b0) == 6
+
+
+def test_the_engine_asks_its_budget_and_tells_it_each_steps_time(real_engine_server):
+    """The loop asks the budget how many prompt rows each step beside generating ones takes and
+    reports every step's rows and time to it: a budget that gives 3 sees the newcomer's prompt
+    in steps of 3 prompt rows (the rest last) beside the one generating row, and steps of that
+    row alone before and after; the tokens are those of a whole-chunk run."""
+    from sparseinfer.server.batching import PromptBudget, WholeChunk
+
+    class Threes(PromptBudget):
+        def __init__(self):
+            self.seen: list[tuple[int, int, float]] = []
+
+        def rows(self, decoding, chunk):
+            return chunk if not decoding else min(chunk, 3)
+
+        def observe(self, decoding, prompt, seconds):
+            self.seen.append((decoding, prompt, seconds))
+
+    _, engine, *_ = real_engine_server
+    want = _newcomer_beside_a_generating_stream(engine, WholeChunk())
+    threes = Threes()
+    got = _newcomer_beside_a_generating_stream(engine, threes)
+    n = got[3]
+    assert got[:2] == want[:2] and got[2] == 4
+    carrying = [p for d, p, _ in threes.seen if d == 1 and p]
+    assert carrying == [3] * (n // 3) + ([n % 3] if n % 3 else [])
+    assert any(d == 1 and p == 0 for d, p, _ in threes.seen)  # the generating row alone
+    assert all(s > 0 for *_, s in threes.seen)
+
+
+def test_time_budget_keeps_a_carrying_step_within_its_ratio_of_the_generating_steps():
+    """``TimeBudget(1.5)`` from the times it is told: before it knows them, as many prompt rows
+    as generating ones; then the rows whose measured cost keeps the step within 1.5 times a
+    step of the generating rows alone (the step of the nearest number of generating rows it has
+    seen), at most twice the last carrying step's, at least 1, at most the chunk; a whole chunk
+    when nothing generates; slower prompt rows give fewer."""
+    from sparseinfer.server.batching import TimeBudget, prompt_budget, RowBudget, WholeChunk
+
+    u = 1 / 256  # times in binary fractions of a second: the arithmetic exact
+    b = TimeBudget(1.5)
+    assert b.rows(0, 64) == 64 and b.rows(4, 64) == 4 and b.rows(4, 2) == 2
+    b.observe(4, 0, 32 * u)  # 4 generating rows alone: 32 u; the budget 1.5 x that: 16 u more
+    assert b.rows(4, 64) == 4  # the prompt rows' cost not known yet
+    b.observe(4, 2, 34 * u)  # 2 prompt rows added 2 u: 1 u a row
+    assert b.rows(4, 64) == 4  # 16 rows would fit, but at most twice the last 2
+    b.observe(4, 4, 36 * u)
+    b.observe(4, 8, 40 * u)
+    assert b.rows(4, 64) == 16 and b.rows(4, 10) == 10
+    assert b.rows(8, 64) == 16  # 8 generating rows: the nearest seen (4) stands in
+    b.observe(4, 16, 32 * u + 16 * 13 * u)  # slower now: 13 u a row; the average 1 + 12 / 4 = 4
+    assert b.rows(4, 64) == 4  # 16 u / 4 u
+    for _ in range(30):
+        b.observe(4, 1, 1.0)  # a prompt row costing 0.9 s
+    assert b.rows(4, 64) == 1
+    b.observe(0, 7, 5.0)  # a step with nothing generating changes nothing
+    assert b.rows(4, 64) == 1 and b.rows(0, 64) == 64
+    for bad in (1.0, 0.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="ratio: expected a finite number > 1"):
+            TimeBudget(bad)
+    assert isinstance(prompt_budget(), TimeBudget) and prompt_budget().ratio == 3.0
+    assert prompt_budget(8, 1.5) == RowBudget(8)
+    assert isinstance(prompt_budget(0, 0), WholeChunk)
+    with pytest.raises(ValueError, match="step_rows: expected 0"):
+        prompt_budget(-1)
+    with pytest.raises(ValueError, match="step_ratio: expected 0"):
+        prompt_budget(0, 0.9)
 
 
 @pytest.mark.slow

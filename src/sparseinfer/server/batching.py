@@ -9,11 +9,13 @@ One loop thread owns the model. Each of its iterations, at a token boundary:
    again — only where that changes no number (``Transformer.rows_exact``);
 2. drops sequences whose consumer stopped (stop string, cancelled, client gone): the slot is
    free for the next one;
-3. takes one chunk (``prefill_chunk`` tokens) of the oldest sequence still reading its prompt,
-   so a newcomer's long prompt never stalls the others for more than a chunk; with a row budget
-   (``step_rows``, Sarathi-Serve's token budget) a step that also decodes takes only the prompt
-   rows the budget leaves (at least one), so the generating streams' steps stay as short as
-   their own rows make them, at the newcomer's first token's expense;
+3. takes prompt rows of the oldest sequence still reading its prompt: a whole chunk
+   (``prefill_chunk`` tokens) while nothing generates, and while something does as many as the
+   ``PromptBudget`` gives (Sarathi-Serve's token budget): by default ``TimeBudget``, the rows
+   that keep the step within 3 times a step of the generating rows alone by the step times
+   measured so far (at 7B a whole chunk held every running stream for over half a second; a
+   tighter ratio holds them less and delays the newcomer's first token more:
+   benchmarks/RESULTS.md), or a fixed ``RowBudget``, or ``WholeChunk``;
 4. runs one ``models.batch.decode_step`` over the next token of every sequence that is
    generating and the prompt chunk's tokens (as llama.cpp's server mixes them in one batch):
    the weights are read once for all rows, each row attends to its own slot up to its own
@@ -32,6 +34,7 @@ one-sequence prefill or what else runs in its steps.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -59,6 +62,100 @@ def common_prefix(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+class PromptBudget:
+    """How many of a newcomer's prompt tokens a step takes beside ``decoding`` generating rows
+    (at most ``chunk``, at least one), told each step's time. Called on the loop thread only."""
+
+    def rows(self, decoding: int, chunk: int) -> int:
+        raise NotImplementedError
+
+    def observe(self, decoding: int, prompt: int, seconds: float) -> None:
+        """A step ran ``decoding`` generating rows and ``prompt`` prompt rows in ``seconds``."""
+
+
+class WholeChunk(PromptBudget):
+    """No budget: a whole chunk in every step (llama.cpp's server mixes its batch the same way)."""
+
+    def rows(self, decoding: int, chunk: int) -> int:
+        return chunk
+
+
+@dataclass(frozen=True)
+class RowBudget(PromptBudget):
+    """Steps of at most ``step_rows`` rows while something generates: the prompt takes the rows
+    the generating ones leave (at least one)."""
+
+    step_rows: int
+
+    def __post_init__(self) -> None:
+        if self.step_rows < 1:
+            raise ValueError(f"step_rows: expected >= 1, got {self.step_rows}")
+
+    def rows(self, decoding: int, chunk: int) -> int:
+        return chunk if not decoding else min(chunk, max(1, self.step_rows - decoding))
+
+
+class TimeBudget(PromptBudget):
+    """While something generates, the prompt rows that keep a step within ``ratio`` times a step
+    of the generating rows alone: from the measured times of those steps (by how many rows
+    generate) and of the prompt rows each carrying step added, both as moving averages. Until
+    both are known a step takes as many prompt rows as rows generate; after that at most twice
+    what the last carrying step took, so a wrong estimate costs one step, not a whole chunk."""
+
+    SMOOTH = 0.25  # the weight of each new time in the moving averages
+
+    def __init__(self, ratio: float = 3.0) -> None:
+        if not 1.0 < ratio < math.inf:
+            raise ValueError(f"ratio: expected a finite number > 1, got {ratio}")
+        self.ratio = ratio
+        self.step_s: dict[int, float] = {}  # generating rows -> seconds of a step of them alone
+        self.row_s: float | None = None  # seconds one prompt row adds to a step
+        self.last = 0  # prompt rows the last step that carried some took
+
+    def _alone(self, decoding: int) -> float | None:
+        if not self.step_s:
+            return None
+        return self.step_s[min(self.step_s, key=lambda n: (abs(n - decoding), n))]
+
+    def rows(self, decoding: int, chunk: int) -> int:
+        if not decoding:
+            return chunk
+        alone = self._alone(decoding)
+        if alone is None or self.row_s is None:
+            n = decoding
+        else:
+            n = int((self.ratio - 1.0) * alone / max(self.row_s, 1e-9))
+            n = min(n, 2 * max(1, self.last))
+        return max(1, min(chunk, n))
+
+    def observe(self, decoding: int, prompt: int, seconds: float) -> None:
+        if not decoding:
+            return
+        if not prompt:
+            old = self.step_s.get(decoding)
+            self.step_s[decoding] = seconds if old is None else old + self.SMOOTH * (seconds - old)
+            return
+        self.last = prompt
+        alone = self._alone(decoding)
+        if alone is None:
+            return
+        row = max(seconds - alone, 0.0) / prompt
+        self.row_s = row if self.row_s is None else self.row_s + self.SMOOTH * (row - self.row_s)
+
+
+def prompt_budget(step_rows: int = 0, step_ratio: float = 3.0) -> PromptBudget:
+    """The budget ``serve`` options ask for: ``RowBudget(step_rows)`` when it is positive, else
+    ``TimeBudget(step_ratio)``, or ``WholeChunk`` when that is 0."""
+    if step_rows < 0:
+        raise ValueError(f"step_rows: expected 0 (none) or a positive number, got {step_rows}")
+    if step_ratio != 0 and not 1.0 < step_ratio < math.inf:
+        raise ValueError(f"step_ratio: expected 0 (none) or a finite number > 1, got "
+                         f"{step_ratio}")
+    if step_rows:
+        return RowBudget(step_rows)
+    return TimeBudget(step_ratio) if step_ratio else WholeChunk()
 
 
 @dataclass(eq=False)
@@ -89,19 +186,17 @@ class BatchEngine:
     docstring. Tokenizing and templating are delegated to ``engine`` (thread-safe)."""
 
     def __init__(self, engine: Engine, parallel: int, prefill_chunk: int = 64,
-                 cache_prompt: bool = True, step_rows: int = 0) -> None:
+                 cache_prompt: bool = True, budget: PromptBudget | None = None) -> None:
         if parallel < 1:
             raise ValueError(f"parallel: expected >= 1, got {parallel}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk: expected >= 1, got {prefill_chunk}")
-        if step_rows < 0:
-            raise ValueError(f"step_rows: expected >= 0 (0: no budget), got {step_rows}")
         self.engine = engine
         self.name = engine.name
         self.n_ctx = engine.n_ctx
         self.parallel = parallel
         self.prefill_chunk = prefill_chunk
-        self.step_rows = step_rows
+        self.budget = TimeBudget() if budget is None else budget
         self.model = engine.model
         self.cache = self.model.new_cache(parallel, self.n_ctx)
         from ..fused.decode import attend_rows, supports
@@ -304,12 +399,10 @@ class BatchEngine:
         slots = [s.slot for s in decoding]
         takers = list(decoding)  # the sequences that get a logits row, in row order
         prefilling = [s for s in self._active if s.prefilled < len(s.prompt)]
-        if prefilling:  # 3. one chunk of the oldest prompt, as more rows of the same step
+        if prefilling:  # 3. the oldest prompt's next rows, as more rows of the same step
             seq = prefilling[0]
             start = seq.prefilled
-            take = self.prefill_chunk
-            if decoding and self.step_rows:  # the rows the budget leaves, at least one
-                take = min(take, max(1, self.step_rows - len(decoding)))
+            take = self.budget.rows(len(decoding), self.prefill_chunk)
             chunk = seq.prompt[start:start + take]
             tokens += chunk
             positions += range(start, start + len(chunk))
@@ -322,9 +415,11 @@ class BatchEngine:
         logit_rows = list(range(len(decoding)))
         if len(takers) > len(decoding):  # the prompt's last row: its first token
             logit_rows.append(len(tokens) - 1)
+        t0 = time.perf_counter()
         logits = decode_step(self.model, torch.tensor(tokens), torch.tensor(positions),  # 4.
                              self.cache, torch.tensor(slots), self._kernel,
                              torch.tensor(logit_rows, dtype=torch.long))
+        self.budget.observe(len(decoding), len(tokens) - len(decoding), time.perf_counter() - t0)
         self.steps += 1
         self.max_batch = max(self.max_batch, len(decoding) + bool(prefilling))
         if decoding:
