@@ -137,64 +137,6 @@ def test_the_engine_asks_its_budget_and_tells_it_each_steps_time(real_engine_ser
     assert all(s > 0 for *_, s in threes.seen)
 
 
-def test_prompts_waiting_together_share_a_step(real_engine_server):
-    """Two prompts admitted in the same iteration while another sequence generates run in one
-    step (the second's rows where the first's end, within the budget's rows), each with its own
-    first token's row; every sequence's tokens are those it gets served alone (seeded)."""
-    from sparseinfer.config import SamplingParams
-    from sparseinfer.engine import TokenEvent
-    from sparseinfer.server.batching import BatchEngine, WholeChunk
-
-    class Gate(WholeChunk):
-        """Holds the loop after its first step of the generating row alone until released."""
-
-        def __init__(self):
-            self.held, self.release, self.seen = threading.Event(), threading.Event(), []
-
-        def observe(self, decoding, prompt, seconds):
-            self.seen.append((decoding, prompt))
-            if decoding and not prompt:
-                self.held.set()
-                self.release.wait(60)
-
-    _, engine, *_ = real_engine_server
-    ids = [engine.encode(p) for p in ("Once upon a time", "The capital of France is",
-                                      "def fib(n):")]
-    params = [SamplingParams(max_tokens=n, temperature=0.9, seed=s, ignore_eos=True)
-              for n, s in ((24, 1), (5, 2), (5, 3))]
-
-    def tokens(events):
-        return [e.token_id for e in events if isinstance(e, TokenEvent) and e.token_id >= 0]
-
-    alone = BatchEngine(engine, parallel=1, budget=WholeChunk(), cache_prompt=False)
-    try:
-        want = [tokens(alone.stream(i, p)) for i, p in zip(ids, params)]
-    finally:
-        alone.close()
-    gate = Gate()
-    be = BatchEngine(engine, parallel=3, budget=gate, cache_prompt=False)
-    got: list = [None] * 3
-    try:
-        a = be.stream(ids[0], params[0])
-        first = tokens([next(a)])  # the first sequence generates; the loop then waits at gate
-        assert gate.held.wait(60)
-        threads = [threading.Thread(target=lambda i=i: got.__setitem__(
-            i, tokens(be.stream(ids[i], params[i])))) for i in (1, 2)]
-        for th in threads:
-            th.start()
-        assert wait_until(lambda: len(be._incoming) == 2, timeout=30)
-        gate.release.set()
-        got[0] = first + tokens(a)
-        for th in threads:
-            th.join(60)
-    finally:
-        gate.release.set()
-        be.close()
-    assert got == want
-    assert (1, len(ids[1]) + len(ids[2])) in gate.seen
-    assert be.max_rows_decoding == 1 + len(ids[1]) + len(ids[2]) and be.max_batch == 3
-
-
 def test_time_budget_keeps_a_carrying_step_within_its_ratio_of_the_generating_steps():
     """``TimeBudget(1.5)`` from the times it is told: before it knows them, as many prompt rows
     as generating ones; then the rows whose measured cost keeps the step within 1.5 times a
