@@ -434,8 +434,10 @@ def main() -> int:
     print(f"# {cpu_model()}; client: {args.client}")
     bad = False
     summary = {}
-    budgets = [(int(r), 0.0 if int(r) else float(q)) for r in args.step_rows.split(",")
-               for q in (args.step_ratio.split(",") if not int(r) else ["0"])]
+    ratios = [float(q) for q in args.step_ratio.split(",")]
+    # (step_rows, step_ratio) per server: a row budget replaces the time budget, as in serve
+    budgets = [b for r in (int(v) for v in args.step_rows.split(","))
+               for b in ([(0, q) for q in ratios] if r == 0 else [(r, 0.0)])]
     for parallel in (int(x) for x in args.parallel.split(",")):
         for step_rows, step_ratio in budgets if parallel > 1 else [(0, 0.0)]:
             results = serve_and_measure(args, kind, parallel, step_rows, step_ratio, levels)
