@@ -71,3 +71,39 @@ def test_bad_arguments_say_what_was_expected():
         cpu.predict_f16(p, x.double(), torch.empty(50, dtype=torch.int32))
     with pytest.raises(ValueError, match="length >= 50"):
         cpu.predict_f16(p, x, torch.empty(10, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("d_model,d_ff,r", [(64, 100, 16), (576, 1536, 16), (512, 777, 64)])
+@pytest.mark.parametrize("T", [1, 3, 8, 20])
+def test_mask_rows_equal_each_token_alone(isa, threads, d_model, d_ff, r, T):
+    """Several tokens at once (a batched step's masks): each row exactly the set the lone call
+    selects for that token (its logits a GEMM row, bit for bit its GEMV), thresholds at the
+    median logit so that many neurons sit near them."""
+    fc1, fc2, _ = case(d_model, d_ff, r, seed=d_model + T)
+    x = torch.randn(T, d_model, generator=torch.Generator().manual_seed(T))
+    logits = (fc2.double() @ torch.relu(fc1.double() @ x.double().t())).t()
+    thr = logits.median(dim=0).values.float()
+    cpu.set_threads(threads)
+    try:
+        p = cpu.F16Predictor(fc1, fc2, thr)
+        mask = cpu.predict_f16_mask(p, x)
+        idx = torch.empty(d_ff, dtype=torch.int32)
+        alone = []
+        for t in range(T):
+            k = cpu.predict_f16(p, x[t].contiguous(), idx)
+            alone.append(idx[:k].tolist())
+    finally:
+        cpu.set_threads(1)
+    assert mask.dtype == torch.bool and mask.shape == (T, d_ff)
+    for t in range(T):
+        assert torch.nonzero(mask[t]).reshape(-1).tolist() == alone[t], t
+    assert 0 < mask.sum() < T * d_ff
+
+
+def test_mask_bad_input_says_what_was_expected():
+    fc1, fc2, x = case(64, 50, 32, seed=4)
+    p = cpu.F16Predictor(fc1, fc2, torch.zeros(50))
+    with pytest.raises(ValueError, match=r"float32 \[T, 64\]"):
+        cpu.predict_f16_mask(p, x)  # one token without its T axis
+    assert cpu.predict_f16_mask(p, x.view(1, 64)).shape == (1, 50)

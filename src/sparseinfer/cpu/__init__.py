@@ -77,6 +77,7 @@ __all__ = [
     "attend_token",
     "attend_token_raw",
     "predict_f16",
+    "predict_f16_mask",
     "pool_stats",
     "topk",
     "sample_topk",

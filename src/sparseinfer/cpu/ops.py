@@ -104,6 +104,7 @@ def _load() -> ctypes.CDLL:
     lib.si_sparse_i8_q4g.argtypes = [vp, vp, ci, ci, vp, ctypes.c_size_t, vp, ci, ci, vp, ci, ci,
                                      ci, vp]
     lib.si_predict_f16.argtypes = [vp, vp, ci, ci, ci, vp, vp, vp, vp, vp, vp]
+    lib.si_predict_f16_rows.argtypes = [vp, vp, ci, ci, ci, vp, ci, vp, vp, vp, vp]
     lib.si_topk.argtypes = [vp, i64, ci, vp, vp]
     dbl = ctypes.c_double
     lib.si_sample.argtypes = [vp, i64, ci, dbl, dbl, dbl, dbl, vp]
@@ -788,6 +789,25 @@ def predict_f16(p: F16Predictor, x: torch.Tensor, out_idx: torch.Tensor) -> int:
     _check(_lib.si_predict_f16(*p._args, x.data_ptr(), *p._tail, out_idx.data_ptr(),
                                ctypes.byref(p._k)), "predict_f16")
     return p._k.value
+
+
+def predict_f16_mask(p: F16Predictor, x: torch.Tensor) -> torch.Tensor:
+    """The neurons ``p`` selects for each of T tokens ``x`` (float32 [T, d_model]): bool
+    [T, d_ff], row t exactly the set ``predict_f16`` gives token t alone (each token's logits
+    a GEMM row, its GEMV bit for bit)."""
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2 or \
+            x.shape[1] != p.d_model:
+        raise ValueError(f"x: expected contiguous float32 [T, {p.d_model}], got {x.dtype} "
+                         f"{list(x.shape)}")
+    T = x.shape[0]
+    mask = torch.empty(T, p.d_ff, dtype=torch.bool)
+    if T == 0:
+        return mask
+    hidden, logits = torch.empty(T, p.r), torch.empty(T, p.d_ff)
+    _check(_lib.si_predict_f16_rows(*p._args, x.data_ptr(), T, p.thresholds.data_ptr(),
+                                    hidden.data_ptr(), logits.data_ptr(), mask.data_ptr()),
+           "predict_f16_mask")
+    return mask
 
 
 # ---- one token's attention outside the C block -------------------------------------------------

@@ -838,6 +838,28 @@ int si_predict_f16(const void *fc1, const void *fc2, int r, int d_model, int d_f
     return 0;
 }
 
+/* The same for T tokens x [T, d_model]: mask[t * d_ff + i] = 1 where token t selects neuron i
+ * (hidden [T, r] and logits [T, d_ff] scratch). Each token's logits are a GEMM row, which is its
+ * GEMV bit for bit: a token selects what si_predict_f16 selects for it alone. */
+int si_predict_f16_rows(const void *fc1, const void *fc2, int r, int d_model, int d_ff,
+                        const float *x, int T, const float *thr, float *hidden, float *logits,
+                        uint8_t *mask) {
+    const int t = SI_F16;
+    int64_t rows = r;
+    int err = run(1, &t, &fc1, &rows, d_model, x, T, &hidden);
+    if (err) return err;
+    for (size_t i = 0; i < (size_t)T * r; i++) hidden[i] = hidden[i] > 0.0f ? hidden[i] : 0.0f;
+    rows = d_ff;
+    err = run(1, &t, &fc2, &rows, r, hidden, T, &logits);
+    if (err) return err;
+    for (int q = 0; q < T; q++) {
+        const float *z = logits + (size_t)q * d_ff;
+        uint8_t *m = mask + (size_t)q * d_ff;
+        for (int i = 0; i < d_ff; i++) m[i] = z[i] >= thr[i];
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ llama block, one token per row */
 
 /* A block decodes one token of each of B sequences per call (B = 1: si_block_decode; B > 1:

@@ -187,6 +187,13 @@ class Predicted(Selector):
         p = self.predictor
         if self.on_residual:
             x = residual.reshape(x.shape).float()
+        if self._c is not None and x.device.type == "cpu":
+            # the C library's pool, as ``active`` (each token the set it gets alone; torch's
+            # small matmuls would wake its own thread team every layer)
+            from ..cpu import predict_f16_mask
+
+            return predict_f16_mask(self._c, x.reshape(-1, x.shape[-1]).contiguous()).reshape(
+                *x.shape[:-1], -1)
         z = torch.relu(x @ p.fc1.float().t()) @ p.fc2.float().t()
         if p.bias is not None:
             z = z + p.bias
