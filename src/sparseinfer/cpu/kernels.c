@@ -3450,11 +3450,168 @@ void FN(si_sparse_i8_ups)(const int8_t *rows, size_t bundle_bytes, const float *
     for (int n = 0; n < nq; n++) i8_axpy(&qd[n], &qs[n], &qh[n], 1, d_model, block, out);
 }
 
+#if SI_AVX512
+/* Several tokens, each with its own set (a mask within the union idx), over gated int8 bundles
+ * with x rounded (xq) and a gate that is not ReLU (no gates first): each neuron's gate and up
+ * rows are read once for up to I8B_TOKENS tokens, one 512-bit vector holding a 32-wide chunk of
+ * both rows (gate in the low half, up in the high), and a group of 4 down rows is converted to
+ * float once and added to every token's out. Each token's numbers are those of a call for it
+ * alone, bit for bit (tests/cpu/test_sparse_i8_batch.py):
+ * - the rows' bytes go unsigned (w ^ 0x80 = w + 128) into vpdpbusd with the token's x, from a
+ *   start of -128 times each lane's 4 x bytes: every 32-bit lane is the exact integer sum of
+ *   i8_dots_q's maddubs dot (|w| times x with w's sign), and each 256-bit half then takes
+ *   i8_dots_q's float steps lane for lane (p per block, acc, hsum);
+ * - the down rows: every column of a token's out is a chain of fmas over its neurons in idx
+ *   order, as i8_axpy's; a neuron the token does not take (masked, or h 0) adds w * 0, which
+ *   leaves the sum as it is (out starts at +0 and never becomes -0). */
+#define I8B_TOKENS 8
+
+typedef struct {
+    const int8_t *q;      /* x rounded, d_model bytes */
+    const float *d;       /* its scale per 32 */
+    const int32_t *corr;  /* per chunk of 32: -128 times each 4-byte lane's sum (8 lanes) */
+} i8b_x;
+
+INLINE __m512 i8b_pair(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+                                               _mm256_castps_pd(hi), 1));
+}
+
+/* zg[j], zu[j]: gate row g and up row u (scales gs, us per block) times token tk[j]'s x, for N
+ * tokens (N a constant at each call: the accumulators stay in registers). */
+INLINE void i8b_dots(const int N, const int8_t *g, const int8_t *u, const float *gs,
+                     const float *us, const i8b_x *xs, const int *tk, const int d_model,
+                     const int block, float *zg, float *zu) {
+    __m512 acc[I8B_TOKENS], p[I8B_TOKENS];
+    const i8b_x *x[I8B_TOKENS];
+    for (int j = 0; j < N; j++) acc[j] = _mm512_setzero_ps(), x[j] = &xs[tk[j]];
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const int nbk = (d_model + block - 1) / block;
+    for (int b = 0; b < nbk; b++) {
+        const int j1 = (b + 1) * block < d_model ? (b + 1) * block : d_model;
+        for (int j = 0; j < N; j++) p[j] = _mm512_setzero_ps();
+        for (int c0 = b * block; c0 < j1; c0 += 32) {
+            const __m512i w = _mm512_xor_si512(
+                _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(g + c0))),
+                                   _mm256_loadu_si256((const __m256i *)(u + c0)), 1), flip);
+            const int c = c0 / 32;
+            for (int j = 0; j < N; j++) {
+                const __m512i s0 = _mm512_broadcast_i64x4(
+                    _mm256_loadu_si256((const __m256i *)(x[j]->corr + 8 * c)));
+                const __m512i xv = _mm512_broadcast_i64x4(
+                    _mm256_loadu_si256((const __m256i *)(x[j]->q + c0)));
+                const __m512i dot = _mm512_dpbusd_epi32(s0, w, xv);
+                p[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(x[j]->d[c]), p[j]);
+            }
+        }
+        const __m512 sv = i8b_pair(_mm256_set1_ps(gs[b]), _mm256_set1_ps(us[b]));
+        for (int j = 0; j < N; j++) acc[j] = _mm512_fmadd_ps(p[j], sv, acc[j]);
+    }
+    for (int j = 0; j < N; j++) {
+        zg[j] = hsum(_mm512_castps512_ps256(acc[j]));
+        zu[j] = hsum(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1)));
+    }
+}
+
+/* out[j] += sum_r h[r][j] s_r[b] down_r over each block b, for the n tokens tk[0..n) of a pass
+ * (out: the pass's first token's row; d_model apart), R <= 4 down rows. */
+INLINE void i8b_down(const int R, const int8_t *const *dr, const float *const *ds,
+                     const float (*h)[I8B_TOKENS], const int *tk, const int n, const int d_model,
+                     const int block, float *out) {
+    const int nbk = (d_model + block - 1) / block;
+    float cs[4][I8B_TOKENS];
+    for (int b = 0; b < nbk; b++) {
+        for (int r = 0; r < R; r++)
+            _mm256_storeu_ps(cs[r], _mm256_mul_ps(_mm256_loadu_ps(h[r]), _mm256_set1_ps(ds[r][b])));
+        const int j1 = (b + 1) * block < d_model ? (b + 1) * block : d_model;
+        for (int col = b * block; col < j1; col += 16) {
+            __m512 w[4];
+            for (int r = 0; r < R; r++)
+                w[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(dr[r] + col)));
+            for (int q = 0; q < n; q++) {
+                float *o = out + (size_t)tk[q] * d_model + col;
+                __m512 v = _mm512_loadu_ps(o);
+                for (int r = 0; r < R; r++) v = _mm512_fmadd_ps(w[r], _mm512_set1_ps(cs[r][tk[q]]), v);
+                _mm512_storeu_ps(o, v);
+            }
+        }
+    }
+}
+
+/* The batched pass described above: T tokens (passes of I8B_TOKENS), neurons idx[0..k) in
+ * groups of 4. */
+static void i8_batch(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
+                     int block, const int32_t *idx, int k, const uint8_t *mask, size_t mstride,
+                     const si_xq *xq, int T, int d_model, int ga, int ua, float *out) {
+    const int nc = d_model / 32;
+    int32_t corr[I8B_TOKENS * nc * 8];
+    for (int t0 = 0; t0 < T; t0 += I8B_TOKENS) {
+        const int nt = T - t0 < I8B_TOKENS ? T - t0 : I8B_TOKENS;
+        i8b_x xs[I8B_TOKENS];
+        for (int j = 0; j < nt; j++) {
+            const int8_t *q = xq[t0 + j].q;
+            int32_t *cj = corr + (size_t)j * nc * 8;
+            for (int l = 0; l < nc * 8; l++)
+                cj[l] = -128 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+            xs[j] = (i8b_x){q, xq[t0 + j].d, cj};
+        }
+        float *o = out + (size_t)t0 * d_model;
+        for (int i = 0; i < k; i += 4) {
+            const int R = k - i < 4 ? k - i : 4;
+            float h[4][I8B_TOKENS] = {{0}};
+            const int8_t *dr[4];
+            const float *ds[4];
+            unsigned fired = 0; /* tokens with some h not 0 among the R neurons */
+            for (int r = 0; r < R; r++) {
+                const int8_t *base = rows + (size_t)idx[i + r] * bundle_bytes;
+                const float *sb = scales + (size_t)idx[i + r] * 3 * nbk;
+                dr[r] = base + 2 * (size_t)d_model, ds[r] = sb + 2 * nbk;
+                int tk[I8B_TOKENS], n = 0;
+                for (int j = 0; j < nt; j++)
+                    if (!mask || mask[(size_t)(t0 + j) * mstride + i + r]) tk[n++] = j;
+                float zg[I8B_TOKENS], zu[I8B_TOKENS];
+#define I8B_DOTS(N) i8b_dots(N, base, base + d_model, sb, sb + nbk, xs, tk, d_model, block, zg, zu)
+                switch (n) {
+                case 0: continue;
+                case 1: I8B_DOTS(1); break;
+                case 2: I8B_DOTS(2); break;
+                case 3: I8B_DOTS(3); break;
+                case 4: I8B_DOTS(4); break;
+                case 5: I8B_DOTS(5); break;
+                case 6: I8B_DOTS(6); break;
+                case 7: I8B_DOTS(7); break;
+                default: I8B_DOTS(8); break;
+                }
+#undef I8B_DOTS
+                for (int q = 0; q < n; q++) {
+                    const float hv = act(ga, zg[q]) * act(ua, zu[q]);
+                    h[r][tk[q]] = hv;
+                    if (hv != 0.0f) fired |= 1u << tk[q];
+                }
+            }
+            int tk[I8B_TOKENS], n = 0;
+            for (int j = 0; j < nt; j++)
+                if (fired >> j & 1) tk[n++] = j;
+            const float(*hc)[I8B_TOKENS] = (const float(*)[I8B_TOKENS])h;
+            if (n && R == 4) i8b_down(4, dr, ds, hc, tk, n, d_model, block, o); /* (R constant) */
+            else if (n) i8b_down(R, dr, ds, hc, tk, n, d_model, block, o);
+        }
+    }
+}
+#endif
+
 void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
                       int block, int gated, const int32_t *idx, int k, const uint8_t *mask,
                       size_t mstride, const float *x, const si_xq *xq, int T, int d_model, int ga,
                       int ua, const float *bias, float *out, const uint8_t *gq, size_t gstride) {
     const int gate_first = gated && ga == SI_ACT_RELU; /* as si_sparse_q4 */
+#if SI_AVX512
+    if (T > 1 && xq && gated && !gate_first && block % 32 == 0 && d_model % 32 == 0) {
+        i8_batch(rows, bundle_bytes, scales, nbk, block, idx, k, mask, mstride, xq, T, d_model, ga,
+                 ua, out);
+        return;
+    }
+#endif
     for (int t0 = 0; t0 < T; t0 += SPARSE_TOKENS) {
         const int t1 = T - t0 < SPARSE_TOKENS ? T : t0 + SPARSE_TOKENS;
         /* per token: its neurons waiting for their dot products (positions in idx, 4 computed
