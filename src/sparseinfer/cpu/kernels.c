@@ -3465,11 +3465,16 @@ void FN(si_sparse_i8_ups)(const int8_t *rows, size_t bundle_bytes, const float *
  *   order, as i8_axpy's; a neuron the token does not take (masked, or h 0) adds w * 0, which
  *   leaves the sum as it is (out starts at +0 and never becomes -0). */
 #define I8B_TOKENS 8
+#define I8B_MAX_D 16384 /* widest x: a pass's records (below) on the stack, at most 384 KiB */
 
+/* A token's x for the batched pass, per chunk of 32: its 32 bytes, the start of each 4-byte
+ * lane's sum (-128 times the lane's x bytes) and the chunk's scale, in one record (one pointer
+ * per token in the inner loop). */
 typedef struct {
-    const int8_t *q;      /* x rounded, d_model bytes */
-    const float *d;       /* its scale per 32 */
-    const int32_t *corr;  /* per chunk of 32: -128 times each 4-byte lane's sum (8 lanes) */
+    int8_t q[32];
+    int32_t corr[8];
+    float d;
+    float pad[7];
 } i8b_x;
 
 INLINE __m512 i8b_pair(__m256 lo, __m256 hi) {
@@ -3480,11 +3485,11 @@ INLINE __m512 i8b_pair(__m256 lo, __m256 hi) {
 /* zg[j], zu[j]: gate row g and up row u (scales gs, us per block) times token tk[j]'s x, for N
  * tokens (N a constant at each call: the accumulators stay in registers). */
 INLINE void i8b_dots(const int N, const int8_t *g, const int8_t *u, const float *gs,
-                     const float *us, const i8b_x *xs, const int *tk, const int d_model,
+                     const float *us, const i8b_x *const *xs, const int *tk, const int d_model,
                      const int block, float *zg, float *zu) {
     __m512 acc[I8B_TOKENS], p[I8B_TOKENS];
     const i8b_x *x[I8B_TOKENS];
-    for (int j = 0; j < N; j++) acc[j] = _mm512_setzero_ps(), x[j] = &xs[tk[j]];
+    for (int j = 0; j < N; j++) acc[j] = _mm512_setzero_ps(), x[j] = xs[tk[j]];
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const int nbk = (d_model + block - 1) / block;
     for (int b = 0; b < nbk; b++) {
@@ -3497,11 +3502,11 @@ INLINE void i8b_dots(const int N, const int8_t *g, const int8_t *u, const float 
             const int c = c0 / 32;
             for (int j = 0; j < N; j++) {
                 const __m512i s0 = _mm512_broadcast_i64x4(
-                    _mm256_loadu_si256((const __m256i *)(x[j]->corr + 8 * c)));
+                    _mm256_load_si256((const __m256i *)x[j][c].corr));
                 const __m512i xv = _mm512_broadcast_i64x4(
-                    _mm256_loadu_si256((const __m256i *)(x[j]->q + c0)));
+                    _mm256_load_si256((const __m256i *)x[j][c].q));
                 const __m512i dot = _mm512_dpbusd_epi32(s0, w, xv);
-                p[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(x[j]->d[c]), p[j]);
+                p[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(x[j][c].d), p[j]);
             }
         }
         const __m512 sv = i8b_pair(_mm256_set1_ps(gs[b]), _mm256_set1_ps(us[b]));
@@ -3544,16 +3549,22 @@ static void i8_batch(const int8_t *rows, size_t bundle_bytes, const float *scale
                      int block, const int32_t *idx, int k, const uint8_t *mask, size_t mstride,
                      const si_xq *xq, int T, int d_model, int ga, int ua, float *out) {
     const int nc = d_model / 32;
-    int32_t corr[I8B_TOKENS * nc * 8];
+    i8b_x recs[I8B_TOKENS * nc] __attribute__((aligned(64)));
     for (int t0 = 0; t0 < T; t0 += I8B_TOKENS) {
         const int nt = T - t0 < I8B_TOKENS ? T - t0 : I8B_TOKENS;
-        i8b_x xs[I8B_TOKENS];
+        const i8b_x *xs[I8B_TOKENS];
         for (int j = 0; j < nt; j++) {
             const int8_t *q = xq[t0 + j].q;
-            int32_t *cj = corr + (size_t)j * nc * 8;
-            for (int l = 0; l < nc * 8; l++)
-                cj[l] = -128 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
-            xs[j] = (i8b_x){q, xq[t0 + j].d, cj};
+            i8b_x *rj = recs + (size_t)j * nc;
+            for (int c = 0; c < nc; c++) {
+                memcpy(rj[c].q, q + 32 * c, 32);
+                for (int l = 0; l < 8; l++) {
+                    const int8_t *b = q + 32 * c + 4 * l;
+                    rj[c].corr[l] = -128 * (b[0] + b[1] + b[2] + b[3]);
+                }
+                rj[c].d = xq[t0 + j].d[c];
+            }
+            xs[j] = rj;
         }
         float *o = out + (size_t)t0 * d_model;
         for (int i = 0; i < k; i += 4) {
@@ -3606,7 +3617,8 @@ void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scal
                       int ua, const float *bias, float *out, const uint8_t *gq, size_t gstride) {
     const int gate_first = gated && ga == SI_ACT_RELU; /* as si_sparse_q4 */
 #if SI_AVX512
-    if (T > 1 && xq && gated && !gate_first && block % 32 == 0 && d_model % 32 == 0) {
+    if (T > 1 && xq && gated && !gate_first && block % 32 == 0 && d_model % 32 == 0 &&
+        d_model <= I8B_MAX_D) {
         i8_batch(rows, bundle_bytes, scales, nbk, block, idx, k, mask, mstride, xq, T, d_model, ga,
                  ua, out);
         return;
