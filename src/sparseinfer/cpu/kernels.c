@@ -3454,8 +3454,8 @@ void FN(si_sparse_i8_ups)(const int8_t *rows, size_t bundle_bytes, const float *
 /* Several tokens, each with its own set (a mask within the union idx), over gated int8 bundles
  * with x rounded (xq) and a gate that is not ReLU (no gates first): each neuron's gate and up
  * rows are read once for up to I8B_TOKENS tokens, one 512-bit vector holding a 32-wide chunk of
- * both rows (gate in the low half, up in the high), and a group of 4 down rows is converted to
- * float once and added to every token's out. Each token's numbers are those of a call for it
+ * both rows (gate in the low half, up in the high), and a group of I8B_GROUP down rows is
+ * converted to float once and added to every token's out. Each token's numbers are those of a call for it
  * alone, bit for bit (tests/cpu/test_sparse_i8_batch.py):
  * - the rows' bytes go unsigned (w ^ 0x80 = w + 128) into vpdpbusd with the token's x, from a
  *   start of -128 times each lane's 4 x bytes: every 32-bit lane is the exact integer sum of
@@ -3465,6 +3465,7 @@ void FN(si_sparse_i8_ups)(const int8_t *rows, size_t bundle_bytes, const float *
  *   order, as i8_axpy's; a neuron the token does not take (masked, or h 0) adds w * 0, which
  *   leaves the sum as it is (out starts at +0 and never becomes -0). */
 #define I8B_TOKENS 8
+#define I8B_GROUP 8 /* neurons whose down rows go over out together (16: no faster) */
 #define I8B_MAX_D 16384 /* widest x: a pass's records (below) on the stack, at most 384 KiB */
 
 /* A token's x for the batched pass, per chunk of 32: its 32 bytes, the start of each 4-byte
@@ -3519,18 +3520,18 @@ INLINE void i8b_dots(const int N, const int8_t *g, const int8_t *u, const float 
 }
 
 /* out[j] += sum_r h[r][j] s_r[b] down_r over each block b, for the n tokens tk[0..n) of a pass
- * (out: the pass's first token's row; d_model apart), R <= 4 down rows. */
+ * (out: the pass's first token's row; d_model apart), R <= I8B_GROUP down rows. */
 INLINE void i8b_down(const int R, const int8_t *const *dr, const float *const *ds,
                      const float (*h)[I8B_TOKENS], const int *tk, const int n, const int d_model,
                      const int block, float *out) {
     const int nbk = (d_model + block - 1) / block;
-    float cs[4][I8B_TOKENS];
+    float cs[I8B_GROUP][I8B_TOKENS];
     for (int b = 0; b < nbk; b++) {
         for (int r = 0; r < R; r++)
             _mm256_storeu_ps(cs[r], _mm256_mul_ps(_mm256_loadu_ps(h[r]), _mm256_set1_ps(ds[r][b])));
         const int j1 = (b + 1) * block < d_model ? (b + 1) * block : d_model;
         for (int col = b * block; col < j1; col += 16) {
-            __m512 w[4];
+            __m512 w[I8B_GROUP];
             for (int r = 0; r < R; r++)
                 w[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(dr[r] + col)));
             for (int q = 0; q < n; q++) {
@@ -3544,7 +3545,7 @@ INLINE void i8b_down(const int R, const int8_t *const *dr, const float *const *d
 }
 
 /* The batched pass described above: T tokens (passes of I8B_TOKENS), neurons idx[0..k) in
- * groups of 4. */
+ * groups of I8B_GROUP. */
 static void i8_batch(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
                      int block, const int32_t *idx, int k, const uint8_t *mask, size_t mstride,
                      const si_xq *xq, int T, int d_model, int ga, int ua, float *out) {
@@ -3567,11 +3568,11 @@ static void i8_batch(const int8_t *rows, size_t bundle_bytes, const float *scale
             xs[j] = rj;
         }
         float *o = out + (size_t)t0 * d_model;
-        for (int i = 0; i < k; i += 4) {
-            const int R = k - i < 4 ? k - i : 4;
-            float h[4][I8B_TOKENS] = {{0}};
-            const int8_t *dr[4];
-            const float *ds[4];
+        for (int i = 0; i < k; i += I8B_GROUP) {
+            const int R = k - i < I8B_GROUP ? k - i : I8B_GROUP;
+            float h[I8B_GROUP][I8B_TOKENS] = {{0}};
+            const int8_t *dr[I8B_GROUP];
+            const float *ds[I8B_GROUP];
             unsigned fired = 0; /* tokens with some h not 0 among the R neurons */
             for (int r = 0; r < R; r++) {
                 const int8_t *base = rows + (size_t)idx[i + r] * bundle_bytes;
@@ -3604,7 +3605,8 @@ static void i8_batch(const int8_t *rows, size_t bundle_bytes, const float *scale
             for (int j = 0; j < nt; j++)
                 if (fired >> j & 1) tk[n++] = j;
             const float(*hc)[I8B_TOKENS] = (const float(*)[I8B_TOKENS])h;
-            if (n && R == 4) i8b_down(4, dr, ds, hc, tk, n, d_model, block, o); /* (R constant) */
+            if (n && R == I8B_GROUP) /* (R a constant) */
+                i8b_down(I8B_GROUP, dr, ds, hc, tk, n, d_model, block, o);
             else if (n) i8b_down(R, dr, ds, hc, tk, n, d_model, block, o);
         }
     }
