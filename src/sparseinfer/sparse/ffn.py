@@ -347,9 +347,11 @@ class SparseFFN(nn.Module):
         else:
             r = None if residual is None else residual.float().reshape(B * T, D)
             rows = self.selector.mask(self, xf, r)  # [B*T, d_ff]
-            idx = torch.nonzero(rows.any(dim=0)).reshape(-1).to(torch.int32)
+            taken = rows.any(dim=0)
+            # (a union of every neuron, as a few tokens of a dense-ish FFN take: no gather)
+            idx = self._all if taken.all() else torch.nonzero(taken).reshape(-1).to(torch.int32)
         own = own and rows is not None
-        mask = rows[:, idx.long()].contiguous() if own else None
+        mask = None if not own else rows if idx is self._all else rows[:, idx.long()].contiguous()
         self.stats.tokens += B * T
         self.stats.active += int(mask.sum()) if own else int(idx.numel()) * B * T
         out = torch.empty(B * T, D, dtype=torch.float32)
