@@ -84,7 +84,7 @@ def test_mask_gives_each_token_its_own_set(kind, dtype, block, T, isa, threads):
 @pytest.mark.parametrize("kind", ["swiglu", "geglu", "reglu", "relu"])
 @pytest.mark.parametrize("block", [32, 0])
 @pytest.mark.parametrize("T", [2, 8, 20])
-@pytest.mark.parametrize("k", [120, 117])  # groups of 4 neurons, and a last group of 1
+@pytest.mark.parametrize("k", [120, 117])  # whole groups of neurons (4, 8), and a short last one
 @pytest.mark.parametrize("threads", [1], indirect=True)
 def test_masked_int8_tokens_are_their_own_calls_bit_for_bit(kind, block, T, k, isa, threads):
     """With a mask each token gets every bit of a call for its own neurons alone (on one

@@ -3455,8 +3455,8 @@ void FN(si_sparse_i8_ups)(const int8_t *rows, size_t bundle_bytes, const float *
  * with x rounded (xq) and a gate that is not ReLU (no gates first): each neuron's gate and up
  * rows are read once for up to I8B_TOKENS tokens, one 512-bit vector holding a 32-wide chunk of
  * both rows (gate in the low half, up in the high), and a group of I8B_GROUP down rows is
- * converted to float once and added to every token's out. Each token's numbers are those of a call for it
- * alone, bit for bit (tests/cpu/test_sparse_i8_batch.py):
+ * converted to float once and added to every token's out. Each token's numbers are those of a
+ * call for it alone, bit for bit (tests/cpu/test_sparse_tokens.py):
  * - the rows' bytes go unsigned (w ^ 0x80 = w + 128) into vpdpbusd with the token's x, from a
  *   start of -128 times each lane's 4 x bytes: every 32-bit lane is the exact integer sum of
  *   i8_dots_q's maddubs dot (|w| times x with w's sign), and each 256-bit half then takes
