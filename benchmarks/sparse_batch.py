@@ -3,7 +3,7 @@ sparse file's own rows, against the one-token call.
 
     python benchmarks/sparse_batch.py [--model /work/conv/smollm2.sparse.gguf] [--layer 10]
                                       [--tokens 1,2,8,32,64] [--density 0.93] [-t 2]
-                                      [--repeats 400]
+                                      [--repeats 400] [--isa avx2]
 
 Layer ``--layer`` of the sparse GGUF ``--model`` (its packed rows, as ``run`` loads them), T
 random tokens, each with its own random active set of ``--density`` of the neurons (the sparse
@@ -28,6 +28,7 @@ def main() -> None:
     p.add_argument("--density", type=float, default=0.93)
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=400)
+    p.add_argument("--isa", default="auto", help="the C kernels' variant (cpu.set_isa)")
     a = p.parse_args()
     from sparseinfer.threads import passive_wait
 
@@ -39,6 +40,7 @@ def main() -> None:
     from sparseinfer.engine import Engine
     from sparseinfer.sparse import kernels
 
+    cpu.set_isa(a.isa)
     engine = Engine.load(a.model, n_ctx=128, threads=a.threads)
     if engine.sparse_info is None:
         raise SystemExit(f"--model: expected a sparse GGUF, {engine.name} has no sparse layers")

@@ -412,6 +412,38 @@ HEADS = [(8, 2, 64), (9, 3, 64), (4, 1, 256), (4, 4, 80), (14, 2, 32), (6, 2, 24
 
 
 @pytest.mark.parametrize("kv", [torch.float32, torch.float16])
+@pytest.mark.parametrize("slots,positions", [([2, 0, 3], [5, 99, 0]), ([1, 1, 1, 0], [30, 31, 32, 3]),
+                                             ([0], [64])], ids=["apart", "prompt", "one"])
+@pytest.mark.parametrize("heads", HEADS[:3], ids=lambda h: "x".join(map(str, h)))
+def test_attend_rows_are_each_rows_own_call(isa, threads, kv, slots, positions, heads):
+    """``cpu.attend_rows_raw`` (a batched step's rows in one call, their heads in one pool
+    dispatch) gives every row the bits of its own ``attend_token`` call, and writes the caches
+    alike: rows in their own slots, and a prompt's rows sharing one (increasing positions)."""
+    import math
+
+    g = torch.Generator().manual_seed(len(slots) + heads[0])
+    (nh, nkv, hd), S, n_slots = heads, 100, 4
+    B, width = len(slots), (nh + 2 * nkv) * hd
+    qkv = torch.randn(B, width, generator=g)
+    kc = torch.randn(n_slots, nkv, S, hd, generator=g).to(kv)
+    vc = torch.randn(n_slots, nkv, S, hd, generator=g).to(kv)
+    kr, vr = kc.clone(), vc.clone()
+    cos, sin = torch.randn(S, hd, generator=g), torch.randn(S, hd, generator=g)
+    want = torch.empty(B, nh * hd)
+    for t, (slot, pos) in enumerate(zip(slots, positions)):
+        cpu.attend_token(qkv[t].clone(), kr[slot], vr[slot], pos, cos[pos].contiguous(),
+                         sin[pos].contiguous(), nh, 1 / math.sqrt(hd), want[t])
+    got, q = torch.full((B, nh * hd), float("nan")), qkv.clone()
+    pos_t, slot_t = torch.tensor(positions, dtype=torch.int32), torch.tensor(slots, dtype=torch.int32)
+    cpu.attend_rows_raw(q.data_ptr(), B, width, kc.data_ptr(), vc.data_ptr(),
+                        kc.stride(0) * kc.element_size(), kv == torch.float16, pos_t.data_ptr(),
+                        slot_t.data_ptr(), cos.data_ptr(), sin.data_ptr(), nh, nkv, hd, S, False,
+                        1 / math.sqrt(hd), got.data_ptr())
+    assert torch.equal(got, want)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pos", [0, 7, 39, 99])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: "x".join(map(str, h)))

@@ -76,6 +76,7 @@ __all__ = [
     "F16Predictor",
     "attend_token",
     "attend_token_raw",
+    "attend_rows_raw",
     "predict_f16",
     "predict_f16_mask",
     "pool_stats",

@@ -817,6 +817,12 @@ _lib.si_attend_token.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void
                                  ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                  ctypes.c_float, ctypes.c_void_p]
 _attend_token = _lib.si_attend_token
+_lib.si_attend_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                ctypes.c_float, ctypes.c_void_p]
+_attend_rows = _lib.si_attend_rows
 
 
 def attend_token(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int,
@@ -853,6 +859,22 @@ def attend_token_raw(qkv_ptr: int, k_ptr: int, v_ptr: int, kv16: bool, pos: int,
                        n_kv_heads, head_dim, max_seq, int(interleaved), scale, out_ptr)
     if rc:
         _check(rc, "attend_token")
+
+
+def attend_rows_raw(qkv_ptr: int, B: int, qkv_stride: int, k_ptr: int, v_ptr: int,
+                    slot_bytes: int, kv16: bool, pos_ptr: int, slots_ptr: int, cos_ptr: int,
+                    sin_ptr: int, n_heads: int, n_kv_heads: int, head_dim: int, max_seq: int,
+                    interleaved: bool, scale: float, out_ptr: int) -> None:
+    """``attend_token_raw`` for B rows in one call (a batched step's sequences): row t's qkv at
+    ``qkv_ptr + t * qkv_stride`` floats, its caches ``slot_bytes`` times ``slots[t]`` (int32
+    at ``slots_ptr``) past ``k_ptr``/``v_ptr``, its position ``pos[t]`` (int32 at ``pos_ptr``),
+    its output row t of ``out_ptr`` [B, n_heads * head_dim]; every row's heads in one pool
+    dispatch, each row's numbers those of its own ``attend_token`` call. Unchecked addresses."""
+    rc = _attend_rows(qkv_ptr, B, qkv_stride, k_ptr, v_ptr, slot_bytes, int(kv16), pos_ptr,
+                      slots_ptr, cos_ptr, sin_ptr, n_heads, n_kv_heads, head_dim, max_seq,
+                      int(interleaved), scale, out_ptr)
+    if rc:
+        _check(rc, "attend_rows")
 
 
 # ---- one-token llama block ------------------------------------------------------------------

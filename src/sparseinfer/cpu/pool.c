@@ -1241,6 +1241,17 @@ static void token_attend_chunk(const void *jp, int64_t g) {
                  j->group, j->scores, j->max_seq, j->out);
 }
 
+/* chunk c of several rows' jobs (si_attend_rows): row c / nkv, kv head c % nkv */
+typedef struct {
+    const token_attend_job *rows;
+    int nkv;
+} rows_attend_job;
+
+static void rows_attend_chunk(const void *jp, int64_t c) {
+    const rows_attend_job *j = jp;
+    token_attend_chunk(&j->rows[c / j->nkv], c % j->nkv);
+}
+
 /* ------------------------------------------------------------------ a read probe (benchmarks) */
 
 /* What the memory gives for the sparse kernels' access pattern with no arithmetic: bytes
@@ -1320,6 +1331,49 @@ int si_attend_token(float *qkv, void *kc, void *vc, int kv16, int pos, const flo
             pool_run(token_attend_chunk, &j, n_kv_heads);
         else
             for (int g = 0; g < n_kv_heads; g++) token_attend_chunk(&j, g);
+    }
+    pthread_mutex_unlock(&g_call_lock);
+    return err;
+}
+
+/* si_attend_token for B rows at once: row t's qkv at qkv + t * qkv_stride floats, its caches at
+ * kc/vc + slots[t] * slot_bytes, its position pos[t] (rope rows cos/sin + pos[t] * head_dim), its
+ * output at out + t * n_heads * head_dim. Rope and cache writes row by row, then every row's kv
+ * heads in one pool dispatch (or on the calling thread for little work): each row's numbers are
+ * its lone call's. */
+int si_attend_rows(float *qkv, int B, int64_t qkv_stride, void *kc, void *vc, int64_t slot_bytes,
+                   int kv16, const int32_t *pos, const int32_t *slots, const float *cos,
+                   const float *sin, int n_heads, int n_kv_heads, int head_dim, int max_seq,
+                   int interleaved, float scale, float *out) {
+    if (B < 1) return B ? EINVAL : 0;
+    if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads || head_dim < 2 || head_dim % 2)
+        return EINVAL;
+    for (int t = 0; t < B; t++)
+        if (pos[t] < 0 || pos[t] >= max_seq || slots[t] < 0) return ERANGE;
+    const int hd = head_dim;
+    token_attend_job jobs[B];
+    pthread_mutex_lock(&g_call_lock);
+    int err = grow((void **)&R.scores, &R.scores_cap,
+                   (size_t)B * n_heads * max_seq * sizeof(float));
+    if (!err) {
+        size_t work = 0;
+        for (int t = 0; t < B; t++) {
+            float *q = qkv + (size_t)t * qkv_stride;
+            uint8_t *k = (uint8_t *)kc + (size_t)slots[t] * slot_bytes;
+            uint8_t *v = (uint8_t *)vc + (size_t)slots[t] * slot_bytes;
+            rope_heads(q, n_heads + n_kv_heads, hd, interleaved, cos + (size_t)pos[t] * hd,
+                       sin + (size_t)pos[t] * hd);
+            write_kv(q, n_heads, n_kv_heads, hd, k, v, kv16, pos[t], max_seq);
+            jobs[t] = (token_attend_job){q, k, v, kv16 != 0, pos[t] + 1, hd, n_heads / n_kv_heads,
+                                         max_seq, scale, R.scores + (size_t)t * n_heads * max_seq,
+                                         out + (size_t)t * n_heads * hd};
+            work += (size_t)(pos[t] + 1) * n_heads * hd;
+        }
+        rows_attend_job j = {jobs, n_kv_heads};
+        if (work >= ATTEND_POOL_WORK)
+            pool_run(rows_attend_chunk, &j, (int64_t)B * n_kv_heads);
+        else
+            for (int c = 0; c < B * n_kv_heads; c++) rows_attend_chunk(&j, c);
     }
     pthread_mutex_unlock(&g_call_lock);
     return err;

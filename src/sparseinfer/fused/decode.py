@@ -346,14 +346,13 @@ def supports(model) -> bool:
 
 def attend_rows(cfg, layer: int, qkv: Tensor, rows, cache: KVCache, rope) -> Tensor:
     """``Rows.kernel``: ``Attention.attend_rows`` of a plain layer with the fused kernel: rope,
-    cache write and attention of each row in one call, row after row (no torch ops, so a row's
-    numbers do not depend on the batch): numba's for a float32 cache, the C library's
-    (``cpu.attend_token``) for a float16 one. Needs ``supports(model)``; the cache is the
-    batch's (slots in dimension 1)."""
+    cache write and attention of each row (no torch ops, so a row's numbers do not depend on the
+    batch): numba's row after row for a float32 cache, the C library's for a float16 one (every
+    row in one call, ``cpu.attend_rows_raw``, each row as its own ``cpu.attend_token``). Needs
+    ``supports(model)``; the cache is the batch's (slots in dimension 1)."""
     nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     qkv = qkv.float().contiguous()
     out = torch.empty(qkv.shape[0], nh * hd)
-    pos_slots = zip(rows.positions.tolist(), rows.slots.tolist())
     if cache.k.dtype == torch.float16:
         from .. import cpu
 
@@ -362,13 +361,12 @@ def attend_rows(cfg, layer: int, qkv: Tensor, rows, cache: KVCache, rope) -> Ten
         k_p, v_p, _ = FusedDecode._layer_cache(cache, layer)
         if not (cache.k[layer, 0].is_contiguous() and cache.v[layer, 0].is_contiguous()):
             raise ValueError("the KV cache: expected each slot's keys and values contiguous")
-        slot_bytes, row_bytes = cache.k.stride(1) * 2, qkv.shape[1] * 4
-        for i, (pos, slot) in enumerate(pos_slots):
-            cpu.attend_token_raw(qkv.data_ptr() + i * row_bytes, k_p + slot * slot_bytes,
-                                 v_p + slot * slot_bytes, True, pos, cos_p + pos * hd * 4,
-                                 sin_p + pos * hd * 4, nh, nkv, hd, cache.max_seq,
-                                 bool(cfg.rope_interleaved), 1.0 / math.sqrt(hd),
-                                 out.data_ptr() + i * nh * hd * 4)
+        positions = rows.positions.to(torch.int32).contiguous()
+        slots = rows.slots.to(torch.int32).contiguous()
+        cpu.attend_rows_raw(qkv.data_ptr(), qkv.shape[0], qkv.shape[1], k_p, v_p,
+                            cache.k.stride(1) * 2, True, positions.data_ptr(), slots.data_ptr(),
+                            cos_p, sin_p, nh, nkv, hd, cache.max_seq,
+                            bool(cfg.rope_interleaved), 1.0 / math.sqrt(hd), out.data_ptr())
         return out
     q_rows = qkv.numpy()
     out_np = out.numpy()
@@ -376,7 +374,7 @@ def attend_rows(cfg, layer: int, qkv: Tensor, rows, cache: KVCache, rope) -> Ten
     kc, vc = cache.k[layer].numpy(), cache.v[layer].numpy()  # (slots, nkv, max_seq, hd)
     scores = np.empty(cache.max_seq, dtype=np.float32)
     scale = np.float32(1.0 / math.sqrt(hd))
-    for i, (pos, slot) in enumerate(pos_slots):
+    for i, (pos, slot) in enumerate(zip(rows.positions.tolist(), rows.slots.tolist())):
         _attend(q_rows[i], kc[slot], vc[slot], pos, cos[pos], sin[pos], nh, nkv, scale, scores,
                 out_np[i], cfg.rope_interleaved)
     return out
