@@ -3520,26 +3520,34 @@ INLINE void i8b_dots(const int N, const int8_t *g, const int8_t *u, const float 
 }
 
 /* out[j] += sum_r h[r][j] s_r[b] down_r over each block b, for the n tokens tk[0..n) of a pass
- * (out: the pass's first token's row; d_model apart), R <= I8B_GROUP down rows. */
+ * (out: the pass's first token's row; d_model apart), R <= I8B_GROUP down rows; 32 columns at a
+ * time (blocks are multiples of 32): their R rows converted once, each token's R coefficients
+ * broadcast once for both halves. */
 INLINE void i8b_down(const int R, const int8_t *const *dr, const float *const *ds,
                      const float (*h)[I8B_TOKENS], const int *tk, const int n, const int d_model,
                      const int block, float *out) {
-    const int nbk = (d_model + block - 1) / block;
     float cs[I8B_GROUP][I8B_TOKENS];
-    for (int b = 0; b < nbk; b++) {
-        for (int r = 0; r < R; r++)
-            _mm256_storeu_ps(cs[r], _mm256_mul_ps(_mm256_loadu_ps(h[r]), _mm256_set1_ps(ds[r][b])));
-        const int j1 = (b + 1) * block < d_model ? (b + 1) * block : d_model;
-        for (int col = b * block; col < j1; col += 16) {
-            __m512 w[I8B_GROUP];
+    for (int col = 0; col < d_model; col += 32) {
+        if (col % block == 0) {
+            const int b = col / block;
             for (int r = 0; r < R; r++)
-                w[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(dr[r] + col)));
-            for (int q = 0; q < n; q++) {
-                float *o = out + (size_t)tk[q] * d_model + col;
-                __m512 v = _mm512_loadu_ps(o);
-                for (int r = 0; r < R; r++) v = _mm512_fmadd_ps(w[r], _mm512_set1_ps(cs[r][tk[q]]), v);
-                _mm512_storeu_ps(o, v);
+                _mm256_storeu_ps(cs[r], _mm256_mul_ps(_mm256_loadu_ps(h[r]), _mm256_set1_ps(ds[r][b])));
+        }
+        __m512 w0[I8B_GROUP], w1[I8B_GROUP];
+        for (int r = 0; r < R; r++) {
+            w0[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(dr[r] + col)));
+            w1[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(dr[r] + col + 16)));
+        }
+        for (int q = 0; q < n; q++) {
+            float *o = out + (size_t)tk[q] * d_model + col;
+            __m512 v0 = _mm512_loadu_ps(o), v1 = _mm512_loadu_ps(o + 16);
+            for (int r = 0; r < R; r++) {
+                const __m512 c = _mm512_set1_ps(cs[r][tk[q]]);
+                v0 = _mm512_fmadd_ps(w0[r], c, v0);
+                v1 = _mm512_fmadd_ps(w1[r], c, v1);
             }
+            _mm512_storeu_ps(o, v0);
+            _mm512_storeu_ps(o + 16, v1);
         }
     }
 }
