@@ -2999,11 +2999,69 @@ INLINE void q4_dots_fixed(const uint8_t *const *rp, const int R, const si_xq *x,
 #endif
 }
 
+/* exp(x) for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial; relative
+ * error about 1e-7; inputs clamped to +-88.38). */
+INLINE __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)),
+                      _mm256_set1_ps(88.3762626647949f));
+    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* act(code, z) for 8 floats; erf-GELU (code 3) has no vector form here: the caller goes scalar. */
+INLINE __m256 act8(const int code, __m256 z) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    if (code == SI_ACT_RELU) return _mm256_max_ps(z, _mm256_setzero_ps());
+    if (code == SI_ACT_SILU)
+        return _mm256_div_ps(z, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+    if (code == SI_ACT_GELU_TANH) { /* 0.5 z (1 + tanh(u)) = z * sigmoid(2u) */
+        const __m256 z3 = _mm256_mul_ps(_mm256_mul_ps(z, z), z);
+        const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                       _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), z3, z));
+        const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), u));
+        return _mm256_div_ps(z, _mm256_add_ps(one, e));
+    }
+    return z;
+}
+
+/* exp8's steps on one float, the same operations in the same order: every lane of exp8 and
+ * exp1 agree bit for bit, so a neuron's SiLU is the same whether its token is computed alone
+ * (act) or beside others (act8). */
+INLINE float exp1(float x) {
+    x = fminf(fmaxf(x, -88.3762626647949f), 88.3762626647949f);
+    const float fx = _mm_cvtss_f32(_mm_round_ss(_mm_setzero_ps(), _mm_set_ss(x * 1.44269504088896341f),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    x = fmaf(-fx, 0.693359375f, x);
+    x = fmaf(-fx, -2.12194440e-4f, x);
+    float y = 1.9875691500e-4f;
+    y = fmaf(y, x, 1.3981999507e-3f);
+    y = fmaf(y, x, 8.3334519073e-3f);
+    y = fmaf(y, x, 4.1665795894e-2f);
+    y = fmaf(y, x, 1.6666665459e-1f);
+    y = fmaf(y, x, 5.0000001201e-1f);
+    y = fmaf(y, x * x, x + 1.0f);
+    const int32_t e = ((int32_t)fx + 127) << 23;
+    float p2;
+    memcpy(&p2, &e, 4);
+    return y * p2;
+}
+
 /* Activation codes as sparse/kernels.py ACT_CODES: 0 identity, 1 relu, 2 silu, 3 gelu (erf),
- * 4 gelu (tanh approximation, Gemma's). */
+ * 4 gelu (tanh approximation, Gemma's). Codes 0-2 give act8's lanes bit for bit. */
 static inline float act(int code, float z) {
     if (code == 1) return z > 0.0f ? z : 0.0f;
-    if (code == 2) return z / (1.0f + expf(-z));
+    if (code == 2) return z / (1.0f + exp1(0.0f - z)); /* as act8's lanes */
     if (code == 3) return 0.5f * z * (1.0f + erff(z * 0.70710678118654752f));
     if (code == 4) return 0.5f * z * (1.0f + tanhf(0.7978845608028654f * (z + 0.044715f * z * z * z)));
     return z;
@@ -3589,7 +3647,7 @@ static void i8_batch(const int8_t *rows, size_t bundle_bytes, const float *scale
                 int tk[I8B_TOKENS], n = 0;
                 for (int j = 0; j < nt; j++)
                     if (!mask || mask[(size_t)(t0 + j) * mstride + i + r]) tk[n++] = j;
-                float zg[I8B_TOKENS], zu[I8B_TOKENS];
+                float zg[I8B_TOKENS] = {0}, zu[I8B_TOKENS] = {0};
 #define I8B_DOTS(N) i8b_dots(N, base, base + d_model, sb, sb + nbk, xs, tk, d_model, block, zg, zu)
                 switch (n) {
                 case 0: continue;
@@ -3603,10 +3661,15 @@ static void i8_batch(const int8_t *rows, size_t bundle_bytes, const float *scale
                 default: I8B_DOTS(8); break;
                 }
 #undef I8B_DOTS
+                float hv[I8B_TOKENS];
+                if (ga <= SI_ACT_SILU && ua <= SI_ACT_SILU) /* act8's lanes: act's bits */
+                    _mm256_storeu_ps(hv, _mm256_mul_ps(act8(ga, _mm256_loadu_ps(zg)),
+                                                       act8(ua, _mm256_loadu_ps(zu))));
+                else
+                    for (int q = 0; q < n; q++) hv[q] = act(ga, zg[q]) * act(ua, zu[q]);
                 for (int q = 0; q < n; q++) {
-                    const float hv = act(ga, zg[q]) * act(ua, zu[q]);
-                    h[r][tk[q]] = hv;
-                    if (hv != 0.0f) fired |= 1u << tk[q];
+                    h[r][tk[q]] = hv[q];
+                    if (hv[q] != 0.0f) fired |= 1u << tk[q];
                 }
             }
             int tk[I8B_TOKENS], n = 0;
@@ -3685,42 +3748,6 @@ void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scal
 }
 
 /* ------------------------------------------------------------------ one-token block helpers */
-
-/* exp(x) for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial; relative
- * error about 1e-7; inputs clamped to +-88.38). */
-INLINE __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)),
-                      _mm256_set1_ps(88.3762626647949f));
-    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-/* act(code, z) for 8 floats; erf-GELU (code 3) has no vector form here: the caller goes scalar. */
-INLINE __m256 act8(const int code, __m256 z) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    if (code == SI_ACT_RELU) return _mm256_max_ps(z, _mm256_setzero_ps());
-    if (code == SI_ACT_SILU)
-        return _mm256_div_ps(z, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
-    if (code == SI_ACT_GELU_TANH) { /* 0.5 z (1 + tanh(u)) = z * sigmoid(2u) */
-        const __m256 z3 = _mm256_mul_ps(_mm256_mul_ps(z, z), z);
-        const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
-                                       _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), z3, z));
-        const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), u));
-        return _mm256_div_ps(z, _mm256_add_ps(one, e));
-    }
-    return z;
-}
 
 /* The FFN's neuron coefficients from its input projection `in`: gated, in = [gate (n), up (n)]
  * and out = act_g(gate) * act_u(up); else out = act_u(in + bias). */
