@@ -85,17 +85,20 @@ def test_mask_gives_each_token_its_own_set(kind, dtype, block, T, isa, threads):
 @pytest.mark.parametrize("block", [32, 0])
 @pytest.mark.parametrize("T", [2, 8, 20])
 @pytest.mark.parametrize("k", [120, 117])  # whole groups of neurons (4, 8), and a short last one
+@pytest.mark.parametrize("scale", [1.0, 300.0])  # x large: gates far out, SiLU's exp clamped
 @pytest.mark.parametrize("threads", [1], indirect=True)
-def test_masked_int8_tokens_are_their_own_calls_bit_for_bit(kind, block, T, k, isa, threads):
+def test_masked_int8_tokens_are_their_own_calls_bit_for_bit(kind, block, T, k, scale, isa,
+                                                             threads):
     """With a mask each token gets every bit of a call for its own neurons alone (on one
     thread: a call's neuron ranges on several threads are summed in another order) — what lets
     a batched sequence's logits be the ones it gets alone. (AVX-512, gate not ReLU: the
-    batched pass of 8 tokens, ``i8_batch`` in kernels.c; else each token's own groups of 4.)"""
+    batched pass of 8 tokens, ``i8_batch`` in kernels.c, with 8 tokens' SiLU in one vector;
+    else each token's own groups of 4.)"""
     ffn = random_ffn(kind, 96, 150, seed=T, dtype="int8", block=block)
     g = torch.Generator().manual_seed(T + 1)
     idx = torch.sort(torch.randperm(150, generator=g)[:k])[0].to(torch.int32)
     mask = torch.rand(T, k, generator=g) < 0.6
-    x = torch.randn(T, 96, generator=g)
+    x = torch.randn(T, 96, generator=g) * scale
     got = kernels.sparse_ffn_batch(x, ffn, idx, torch.full((T, 96), float("nan")), mask)
     for t in range(T):
         alone = kernels.sparse_ffn(x[t].clone(), ffn, idx[mask[t]].contiguous(), torch.empty(96))
