@@ -3,7 +3,7 @@ sparse file's own rows, against the one-token call.
 
     python benchmarks/sparse_batch.py [--model /work/conv/smollm2.sparse.gguf] [--layer 10]
                                       [--tokens 1,2,8,32,64] [--density 0.93] [-t 2]
-                                      [--repeats 400] [--isa avx2]
+                                      [--repeats 400] [--isa avx2] [--cold]
 
 Layer ``--layer`` of the sparse GGUF ``--model`` (its packed rows, as ``run`` loads them), T
 random tokens, each with its own random active set of ``--density`` of the neurons (the sparse
@@ -12,6 +12,10 @@ SmolLM2 file's predictors select about 93%), the union's bundles read once per c
 the one-token call (no mask). Prints the CPU, the median µs per call and per token. The layer
 stays in cache between calls (SmolLM2's 2.7 MB of int8 rows): the arithmetic, not the read.
 To compare two trees, run it with each tree's ``PYTHONPATH`` in turn.
+
+``--cold``: instead, one token through every layer in turn (each layer's own random set of
+``--density``), so the rows come from memory as in decoding: ms per sweep, the bundles' and
+scales' bytes read per second, and the streaming read probe of the same thread count beside it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def main() -> None:
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=400)
     p.add_argument("--isa", default="auto", help="the C kernels' variant (cpu.set_isa)")
+    p.add_argument("--cold", action="store_true",
+                   help="one token through every layer in turn (rows from memory)")
     a = p.parse_args()
     from sparseinfer.threads import passive_wait
 
@@ -44,6 +50,8 @@ def main() -> None:
     engine = Engine.load(a.model, n_ctx=128, threads=a.threads)
     if engine.sparse_info is None:
         raise SystemExit(f"--model: expected a sparse GGUF, {engine.name} has no sparse layers")
+    if a.cold:
+        return cold(engine, a)
     ffn = engine.model.layers[a.layer].ffn.packed
     print(f"# {cpu_model()}; kernels {cpu.get_isa()}; threads {a.threads}; {engine.name} layer "
           f"{a.layer}: {ffn.dtype} rows, block {ffn.block}, d_ff {ffn.d_ff}; density "
@@ -64,6 +72,37 @@ def main() -> None:
             call()
         us = statistics.median(timeit(call, a.repeats)) * 1e6
         print(f"{T:>4} {us:>9.1f} {us / T:>9.1f}")
+
+
+def cold(engine, a) -> None:
+    import torch
+
+    from sparseinfer import cpu
+    from sparseinfer.bench import cpu_model, measure_read_bandwidth, timeit
+    from sparseinfer.sparse import kernels
+
+    ffns = [layer.ffn.packed for layer in engine.model.layers]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(ffns[0].d_model, generator=g)
+    sets = [torch.nonzero(torch.rand(f.d_ff, generator=g) < a.density).reshape(-1).to(torch.int32)
+            for f in ffns]
+    out = torch.empty(ffns[0].d_model)
+
+    def sweep():
+        for f, idx in zip(ffns, sets):
+            kernels.sparse_ffn(x, f, idx, out)
+
+    nbytes = sum(len(idx) * (f.rows[0].numel() * f.rows.element_size()
+                             + (f.scales[0].numel() * 4 if f.scales is not None else 0))
+                 for f, idx in zip(ffns, sets))
+    for _ in range(20):
+        sweep()
+    t = statistics.median(timeit(sweep, max(a.repeats // 4, 20)))
+    probe = measure_read_bandwidth(a.threads)
+    print(f"# {cpu_model()}; kernels {cpu.get_isa()}; threads {a.threads}; {engine.name}: "
+          f"{len(ffns)} layers of {ffns[0].dtype} rows, one token, density {a.density}")
+    print(f"sweep {t * 1e3:.2f} ms, {nbytes / 1e6:.1f} MB: {nbytes / t / 1e9:.1f} GB/s; "
+          f"read probe {probe:.1f} GB/s ({nbytes / t / 1e9 / probe:.0%})")
 
 
 if __name__ == "__main__":

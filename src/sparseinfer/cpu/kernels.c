@@ -3377,9 +3377,12 @@ INLINE void i8_axpy(const int8_t *const *rp, const float *const *sp, const float
  * token queues the down rows of its neurons whose h is not 0 (ReLU-family neurons selected that
  * did not fire add nothing) and adds them 4 at a time: a token's operations are those of a call
  * for it alone (the same bits), whatever the other tokens. Tokens are taken SPARSE_TOKENS at a
- * time (each group of rows read once for them); mask as si_sparse_q4's. No software prefetch: a
- * bundle of int8 rows is long enough for the hardware's (prefetching the next bundles as
- * si_sparse_q4 does was slower, from memory and from cache: benchmarks/RESULTS.md). */
+ * time (each group of rows read once for them); mask as si_sparse_q4's. Bundles of long rows
+ * (a 7B model's) are left to the hardware's prefetcher (prefetching the next bundles as
+ * si_sparse_q4 does was slower there, from memory and from cache: benchmarks/RESULTS.md); short
+ * ones, up to I8_PF_BUNDLE bytes (SmolLM2's 1,728), end before it ramps up, so the next group's
+ * bundles and scales are fetched while a group is worked (benchmarks/RESULTS.md, session 39). */
+#define I8_PF_BUNDLE 4096
 /* A token's down row with its scales and h queued (qd, qs, qh, *nq), the 4 added to o when full. */
 INLINE void i8_queue_down(const int8_t *row, const float *sc, float h, const int8_t **qd,
                           const float **qs, float *qh, int *nq, int d_model, int block, float *o) {
@@ -3723,6 +3726,14 @@ void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scal
                       qs[(t) - t0], qh[(t) - t0], &nq[(t) - t0], out + (size_t)(t) * d_model))
         for (int i = 0; i < k; i += 4) {
             const int R = k - i < 4 ? k - i : 4;
+            if (bundle_bytes <= I8_PF_BUNDLE) /* short rows: the next group's bundles ahead */
+                for (int n = i + 4; n < i + 8 && n < k; n++) {
+                    prefetch((const uint8_t *)rows + (size_t)idx[n] * bundle_bytes,
+                             (int)bundle_bytes, 0);
+                    const size_t ns = bundle_bytes / d_model * nbk; /* a bundle's scales */
+                    prefetch((const uint8_t *)(scales + (size_t)idx[n] * ns),
+                             (int)(ns * sizeof(float)), 0);
+                }
             for (int t = t0; t < t1; t++) {
                 const uint8_t *mt = mask ? mask + (size_t)t * mstride + i : NULL;
                 const int q = t - t0;
