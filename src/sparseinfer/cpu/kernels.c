@@ -3522,6 +3522,7 @@ void FN(si_sparse_i8_ups)(const int8_t *rows, size_t bundle_bytes, const float *
  *   start of -128 times each lane's 4 x bytes: every 32-bit lane is the exact integer sum of
  *   i8_dots_q's maddubs dot (|w| times x with w's sign), and each 256-bit half then takes
  *   i8_dots_q's float steps lane for lane (p per block, acc, hsum);
+ * - h: the tokens' activations in one act8 where it has act's bits (ReLU, SiLU, identity: exp1);
  * - the down rows: every column of a token's out is a chain of fmas over its neurons in idx
  *   order, as i8_axpy's; a neuron the token does not take (masked, or h 0) adds w * 0, which
  *   leaves the sum as it is (out starts at +0 and never becomes -0). */
