@@ -1232,13 +1232,14 @@ typedef struct {
     int kv16, n, hd, group, max_seq;
     float scale;
     float *scores, *out;
+    size_t sstride; /* floats between the heads' rows of scores (at least n) */
 } token_attend_job;
 
 static void token_attend_chunk(const void *jp, int64_t g) {
     const token_attend_job *j = jp;
     const size_t kv = (size_t)g * j->max_seq * j->hd * kv_size(j->kv16); /* bytes */
     attend_group(j->kv16, j->q, j->kc + kv, j->vc + kv, j->n, j->hd, j->scale, (int)g * j->group,
-                 j->group, j->scores, j->max_seq, j->out);
+                 j->group, j->scores, j->sstride, j->out);
 }
 
 /* chunk c of several rows' jobs (si_attend_rows): row c / nkv, kv head c % nkv */
@@ -1326,7 +1327,7 @@ int si_attend_token(float *qkv, void *kc, void *vc, int kv16, int pos, const flo
         rope_heads(qkv, n_heads + n_kv_heads, hd, interleaved, cos, sin);
         write_kv(qkv, n_heads, n_kv_heads, hd, kc, vc, kv16, pos, max_seq);
         const token_attend_job j = {qkv, kc, vc, kv16 != 0, pos + 1, hd, n_heads / n_kv_heads,
-                                    max_seq, scale, R.scores, out};
+                                    max_seq, scale, R.scores, out, (size_t)max_seq};
         if ((size_t)(pos + 1) * n_heads * hd >= ATTEND_POOL_WORK)
             pool_run(token_attend_chunk, &j, n_kv_heads);
         else
@@ -1352,11 +1353,12 @@ int si_attend_rows(float *qkv, int B, int64_t qkv_stride, void *kc, void *vc, in
         if (pos[t] < 0 || pos[t] >= max_seq || slots[t] < 0) return ERANGE;
     const int hd = head_dim;
     token_attend_job jobs[B];
+    size_t work = 0; /* each row's scores: its n_heads rows of pos + 1 */
+    for (int t = 0; t < B; t++) work += (size_t)(pos[t] + 1) * n_heads;
     pthread_mutex_lock(&g_call_lock);
-    int err = grow((void **)&R.scores, &R.scores_cap,
-                   (size_t)B * n_heads * max_seq * sizeof(float));
+    int err = grow((void **)&R.scores, &R.scores_cap, work * sizeof(float));
     if (!err) {
-        size_t work = 0;
+        float *scores = R.scores;
         for (int t = 0; t < B; t++) {
             float *q = qkv + (size_t)t * qkv_stride;
             uint8_t *k = (uint8_t *)kc + (size_t)slots[t] * slot_bytes;
@@ -1365,12 +1367,12 @@ int si_attend_rows(float *qkv, int B, int64_t qkv_stride, void *kc, void *vc, in
                        sin + (size_t)pos[t] * hd);
             write_kv(q, n_heads, n_kv_heads, hd, k, v, kv16, pos[t], max_seq);
             jobs[t] = (token_attend_job){q, k, v, kv16 != 0, pos[t] + 1, hd, n_heads / n_kv_heads,
-                                         max_seq, scale, R.scores + (size_t)t * n_heads * max_seq,
-                                         out + (size_t)t * n_heads * hd};
-            work += (size_t)(pos[t] + 1) * n_heads * hd;
+                                         max_seq, scale, scores, out + (size_t)t * n_heads * hd,
+                                         (size_t)pos[t] + 1};
+            scores += (size_t)(pos[t] + 1) * n_heads;
         }
         rows_attend_job j = {jobs, n_kv_heads};
-        if (work >= ATTEND_POOL_WORK)
+        if (work * hd >= ATTEND_POOL_WORK)
             pool_run(rows_attend_chunk, &j, (int64_t)B * n_kv_heads);
         else
             for (int c = 0; c < B * n_kv_heads; c++) rows_attend_chunk(&j, c);
