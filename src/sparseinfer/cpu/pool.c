@@ -819,15 +819,22 @@ int si_sparse_i8_q4g(const void *rows, const float *scales, int block, int n_mat
  * (fc2 · relu(fc1 · x))_i >= thr[i]; fc1 F16 [r, d_model], fc2 F16 [d_ff, r] (r and d_model
  * multiples of 32), x float32 [d_model]; hidden [r] and logits [d_ff] are scratch. Two pool
  * dispatches (the same pool as the FFN rows: no second thread team to wake). */
-int si_predict_f16(const void *fc1, const void *fc2, int r, int d_model, int d_ff, const float *x,
-                   const float *thr, float *hidden, float *logits, int32_t *idx, int *k) {
+/* logits [T, d_ff] = fc2 · relu(fc1 · x) for T rows of x (hidden [T, r] scratch; T = 1 a GEMV,
+ * more a GEMM whose every row is that GEMV bit for bit). */
+static int predict_logits(const void *fc1, const void *fc2, int r, int d_model, int d_ff,
+                          const float *x, int T, float *hidden, float *logits) {
     const int t = SI_F16;
     int64_t rows = r;
-    int err = run(1, &t, &fc1, &rows, d_model, x, 1, &hidden);
+    int err = run(1, &t, &fc1, &rows, d_model, x, T, &hidden);
     if (err) return err;
-    for (int i = 0; i < r; i++) hidden[i] = hidden[i] > 0.0f ? hidden[i] : 0.0f;
+    for (size_t i = 0; i < (size_t)T * r; i++) hidden[i] = hidden[i] > 0.0f ? hidden[i] : 0.0f;
     rows = d_ff;
-    err = run(1, &t, &fc2, &rows, r, hidden, 1, &logits);
+    return run(1, &t, &fc2, &rows, r, hidden, T, &logits);
+}
+
+int si_predict_f16(const void *fc1, const void *fc2, int r, int d_model, int d_ff, const float *x,
+                   const float *thr, float *hidden, float *logits, int32_t *idx, int *k) {
+    const int err = predict_logits(fc1, fc2, r, d_model, d_ff, x, 1, hidden, logits);
     if (err) return err;
     int n = 0;
     for (int i = 0; i < d_ff; i++) {
@@ -839,18 +846,12 @@ int si_predict_f16(const void *fc1, const void *fc2, int r, int d_model, int d_f
 }
 
 /* The same for T tokens x [T, d_model]: mask[t * d_ff + i] = 1 where token t selects neuron i
- * (hidden [T, r] and logits [T, d_ff] scratch). Each token's logits are a GEMM row, which is its
- * GEMV bit for bit: a token selects what si_predict_f16 selects for it alone. */
+ * (hidden [T, r] and logits [T, d_ff] scratch): a token selects what si_predict_f16 selects for
+ * it alone. */
 int si_predict_f16_rows(const void *fc1, const void *fc2, int r, int d_model, int d_ff,
                         const float *x, int T, const float *thr, float *hidden, float *logits,
                         uint8_t *mask) {
-    const int t = SI_F16;
-    int64_t rows = r;
-    int err = run(1, &t, &fc1, &rows, d_model, x, T, &hidden);
-    if (err) return err;
-    for (size_t i = 0; i < (size_t)T * r; i++) hidden[i] = hidden[i] > 0.0f ? hidden[i] : 0.0f;
-    rows = d_ff;
-    err = run(1, &t, &fc2, &rows, r, hidden, T, &logits);
+    const int err = predict_logits(fc1, fc2, r, d_model, d_ff, x, T, hidden, logits);
     if (err) return err;
     for (int q = 0; q < T; q++) {
         const float *z = logits + (size_t)q * d_ff;
@@ -1309,49 +1310,21 @@ int si_read_gather(const void *buf, size_t buf_bytes, size_t stride, size_t nbyt
     return 0;
 }
 
-/* One token's attention outside the C block (a plain llama block around a sparse FFN): rope on
- * qkv's q and k heads (in place), its key and value written into kc/vc [n_kv_heads, max_seq,
- * head_dim] at pos (float32, or float16 when kv16), then each query head's softmax(scale q K) V
- * over positions 0..pos into out [n_heads * head_dim]: the kv heads on the pool when the context
- * is long enough to pay for waking it (the C block's rule), else on the calling thread. */
-int si_attend_token(float *qkv, void *kc, void *vc, int kv16, int pos, const float *cos,
-                    const float *sin, int n_heads, int n_kv_heads, int head_dim, int max_seq,
-                    int interleaved, float scale, float *out) {
-    if (pos < 0 || pos >= max_seq) return ERANGE;
-    if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads || head_dim < 2 || head_dim % 2)
-        return EINVAL;
-    const int hd = head_dim;
-    pthread_mutex_lock(&g_call_lock);
-    int err = grow((void **)&R.scores, &R.scores_cap, (size_t)n_heads * max_seq * sizeof(float));
-    if (!err) {
-        rope_heads(qkv, n_heads + n_kv_heads, hd, interleaved, cos, sin);
-        write_kv(qkv, n_heads, n_kv_heads, hd, kc, vc, kv16, pos, max_seq);
-        const token_attend_job j = {qkv, kc, vc, kv16 != 0, pos + 1, hd, n_heads / n_kv_heads,
-                                    max_seq, scale, R.scores, out, (size_t)max_seq};
-        if ((size_t)(pos + 1) * n_heads * hd >= ATTEND_POOL_WORK)
-            pool_run(token_attend_chunk, &j, n_kv_heads);
-        else
-            for (int g = 0; g < n_kv_heads; g++) token_attend_chunk(&j, g);
-    }
-    pthread_mutex_unlock(&g_call_lock);
-    return err;
+/* Whether n_heads query heads share n_kv_heads kv heads of head_dim values (even) evenly. */
+static int heads_ok(int n_heads, int n_kv_heads, int head_dim) {
+    return n_heads >= 1 && n_kv_heads >= 1 && n_heads % n_kv_heads == 0 && head_dim >= 2 &&
+           head_dim % 2 == 0;
 }
 
-/* si_attend_token for B rows at once: row t's qkv at qkv + t * qkv_stride floats, its caches at
- * kc/vc + slots[t] * slot_bytes, its position pos[t] (rope rows cos/sin + pos[t] * head_dim), its
- * output at out + t * n_heads * head_dim. Rope and cache writes row by row, then every row's kv
- * heads in one pool dispatch (or on the calling thread for little work): each row's numbers are
- * its lone call's. */
-int si_attend_rows(float *qkv, int B, int64_t qkv_stride, void *kc, void *vc, int64_t slot_bytes,
-                   int kv16, const int32_t *pos, const int32_t *slots, const float *cos,
-                   const float *sin, int n_heads, int n_kv_heads, int head_dim, int max_seq,
-                   int interleaved, float scale, float *out) {
-    if (B < 1) return B ? EINVAL : 0;
-    if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads || head_dim < 2 || head_dim % 2)
-        return EINVAL;
-    for (int t = 0; t < B; t++)
-        if (pos[t] < 0 || pos[t] >= max_seq || slots[t] < 0) return ERANGE;
-    const int hd = head_dim;
+/* B rows' rope, cache writes and attention (heads and positions checked by the caller): row t's
+ * qkv q[t], its caches kc[t]/vc[t] written at pos[t], its rope rows cs[t]/sn[t], its output at
+ * out + t * n_heads * head_dim; each row's scores scratch its positions long. Rope and cache
+ * writes row by row, then every row's kv heads in one pool dispatch (or on the calling thread
+ * for little work): a row's numbers are the same whatever the other rows. */
+static int attend_rows_run(int B, float *const *q, uint8_t *const *kc, uint8_t *const *vc,
+                           int kv16, const int32_t *pos, const float *const *cs,
+                           const float *const *sn, int n_heads, int n_kv_heads, int hd,
+                           int max_seq, int interleaved, float scale, float *out) {
     token_attend_job jobs[B];
     size_t work = 0; /* each row's scores: its n_heads rows of pos + 1 */
     for (int t = 0; t < B; t++) work += (size_t)(pos[t] + 1) * n_heads;
@@ -1360,15 +1333,11 @@ int si_attend_rows(float *qkv, int B, int64_t qkv_stride, void *kc, void *vc, in
     if (!err) {
         float *scores = R.scores;
         for (int t = 0; t < B; t++) {
-            float *q = qkv + (size_t)t * qkv_stride;
-            uint8_t *k = (uint8_t *)kc + (size_t)slots[t] * slot_bytes;
-            uint8_t *v = (uint8_t *)vc + (size_t)slots[t] * slot_bytes;
-            rope_heads(q, n_heads + n_kv_heads, hd, interleaved, cos + (size_t)pos[t] * hd,
-                       sin + (size_t)pos[t] * hd);
-            write_kv(q, n_heads, n_kv_heads, hd, k, v, kv16, pos[t], max_seq);
-            jobs[t] = (token_attend_job){q, k, v, kv16 != 0, pos[t] + 1, hd, n_heads / n_kv_heads,
-                                         max_seq, scale, scores, out + (size_t)t * n_heads * hd,
-                                         (size_t)pos[t] + 1};
+            rope_heads(q[t], n_heads + n_kv_heads, hd, interleaved, cs[t], sn[t]);
+            write_kv(q[t], n_heads, n_kv_heads, hd, kc[t], vc[t], kv16, pos[t], max_seq);
+            jobs[t] = (token_attend_job){q[t], kc[t], vc[t], kv16 != 0, pos[t] + 1, hd,
+                                         n_heads / n_kv_heads, max_seq, scale, scores,
+                                         out + (size_t)t * n_heads * hd, (size_t)pos[t] + 1};
             scores += (size_t)(pos[t] + 1) * n_heads;
         }
         rows_attend_job j = {jobs, n_kv_heads};
@@ -1379,6 +1348,45 @@ int si_attend_rows(float *qkv, int B, int64_t qkv_stride, void *kc, void *vc, in
     }
     pthread_mutex_unlock(&g_call_lock);
     return err;
+}
+
+/* One token's attention outside the C block (a plain llama block around a sparse FFN): rope on
+ * qkv's q and k heads (in place), its key and value written into kc/vc [n_kv_heads, max_seq,
+ * head_dim] at pos (float32, or float16 when kv16), then each query head's softmax(scale q K) V
+ * over positions 0..pos into out [n_heads * head_dim]: the kv heads on the pool when the context
+ * is long enough to pay for waking it (the C block's rule), else on the calling thread. */
+int si_attend_token(float *qkv, void *kc, void *vc, int kv16, int pos, const float *cos,
+                    const float *sin, int n_heads, int n_kv_heads, int head_dim, int max_seq,
+                    int interleaved, float scale, float *out) {
+    if (pos < 0 || pos >= max_seq) return ERANGE;
+    if (!heads_ok(n_heads, n_kv_heads, head_dim)) return EINVAL;
+    uint8_t *k = kc, *v = vc;
+    const int32_t p = pos;
+    return attend_rows_run(1, &qkv, &k, &v, kv16, &p, &cos, &sin, n_heads, n_kv_heads, head_dim,
+                           max_seq, interleaved, scale, out);
+}
+
+/* si_attend_token for B rows at once: row t's qkv at qkv + t * qkv_stride floats, its caches at
+ * kc/vc + slots[t] * slot_bytes, its position pos[t] (rope rows cos/sin + pos[t] * head_dim), its
+ * output at out + t * n_heads * head_dim; each row's numbers are its lone call's. */
+int si_attend_rows(float *qkv, int B, int64_t qkv_stride, void *kc, void *vc, int64_t slot_bytes,
+                   int kv16, const int32_t *pos, const int32_t *slots, const float *cos,
+                   const float *sin, int n_heads, int n_kv_heads, int head_dim, int max_seq,
+                   int interleaved, float scale, float *out) {
+    if (B < 1) return B ? EINVAL : 0;
+    if (!heads_ok(n_heads, n_kv_heads, head_dim)) return EINVAL;
+    float *q[B];
+    uint8_t *k[B], *v[B];
+    const float *cs[B], *sn[B];
+    for (int t = 0; t < B; t++) {
+        if (pos[t] < 0 || pos[t] >= max_seq || slots[t] < 0) return ERANGE;
+        q[t] = qkv + (size_t)t * qkv_stride;
+        k[t] = (uint8_t *)kc + (size_t)slots[t] * slot_bytes;
+        v[t] = (uint8_t *)vc + (size_t)slots[t] * slot_bytes;
+        cs[t] = cos + (size_t)pos[t] * head_dim, sn[t] = sin + (size_t)pos[t] * head_dim;
+    }
+    return attend_rows_run(B, q, k, v, kv16, pos, cs, sn, n_heads, n_kv_heads, head_dim, max_seq,
+                           interleaved, scale, out);
 }
 
 /* One call of block b over B rows (the caller holds g_call_lock and has checked the rows). */
