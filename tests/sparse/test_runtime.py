@@ -384,3 +384,46 @@ def test_fused_decode_new_archs(arch_model_dir, arch, fused):
     lm = load_model(path, fused=True)
     assert (lm.model.layers[0].fused is not None) == fused
     assert _close(_decode_logits(lm, IDS), ref, 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["reglu", "swiglu"])
+@pytest.mark.parametrize("ffn_dtype", ["int8", "q4"])
+def test_sparse_blocks_in_one_c_call(tiny_model_dir, with_predictors, kind, ffn_dtype):
+    """A fused model whose sparse FFNs the C block takes (float16 predictors, rows of the C
+    kernels) runs each decode step as one C call (``FusedStack``), the predictor and the rows
+    inside each block: the logits and the neurons counted are the blocks' per-layer path's (the
+    same kernels around the ``SparseFFN`` modules; norms and attention rounded otherwise); a
+    prompt goes through it as rows (each token its own set) and a batched step too."""
+    from sparseinfer.fused.decode import FusedStack
+    from sparseinfer.models.batch import decode_step, slot_cache
+    from sparseinfer.sparse.ffn import SparseFFN
+
+    path = with_predictors(tiny_model_dir(kind), seed=3)
+    lm, info = load_sparse(path, ffn_dtype=ffn_dtype, fused=True)
+    stack = lm.model._fused_stack()
+    assert isinstance(stack, FusedStack) and not lm.model.rows_exact()
+    got = _decode_logits(lm, IDS)
+    density = info.density()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SparseFFN, "c_block_ffn", lambda self: None)
+        lm2, info2 = load_sparse(path, ffn_dtype=ffn_dtype, fused=True)
+        assert lm2.model._fused_stack() is None
+        want = _decode_logits(lm2, IDS)
+    assert _close(got, want, 1e-5)
+    assert density == info2.density() and 0.0 < density < 1.0
+    info.reset_stats()
+    prompt = _prefill_logits(lm, IDS)
+    assert _close(prompt, got, 1e-5) and abs(info.density() - density) < 1e-9
+    info.set_batch_mode("union")  # read by the C blocks at each call
+    assert not _close(_prefill_logits(lm, IDS), got, 1e-5) and info.density() > density
+    info.set_batch_mode("auto")
+    seqs = [IDS[:4], IDS[3:9], IDS[6:9]]
+    cache = lm.model.new_cache(len(seqs), 16)
+    with torch.inference_mode():
+        for j, s in enumerate(seqs):
+            lm.model(torch.tensor([s[:-1]]), 0, slot_cache(cache, j))
+        step = decode_step(lm.model, torch.tensor([s[-1] for s in seqs]),
+                           torch.tensor([len(s) - 1 for s in seqs]), cache,
+                           torch.arange(len(seqs)))
+    for j, s in enumerate(seqs):
+        assert _close(step[j], _decode_logits(lm, s)[-1], 1e-5)

@@ -74,6 +74,7 @@ __all__ = [
     "sparse_ffn_i8_q4g",
     "read_gather",
     "F16Predictor",
+    "SparseBlockFFN",
     "attend_token",
     "attend_token_raw",
     "attend_rows_raw",

@@ -9,6 +9,7 @@ import ctypes
 import errno
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ __all__ = [
     "CpuLibraryError",
     "DecodeBlock",
     "DecodeStack",
+    "SparseBlockFFN",
     "GemvPlan",
     "QuantMatrix",
     "available_isas",
@@ -71,7 +73,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q6_Kx16": (16, 256, 210),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2, "avx2_vnni": 3}
-ABI_VERSION = 21
+ABI_VERSION = 22
 
 
 class CpuLibraryError(SparseInferError):
@@ -889,6 +891,14 @@ class _Linear(ctypes.Structure):
                 ("bias", ctypes.c_void_p)]
 
 
+class _SparseDesc(ctypes.Structure):
+    _fields_ = [("rows", ctypes.c_void_p), ("scales", ctypes.c_void_p)] + [
+        (name, ctypes.c_int) for name in ("n_mats", "block", "round_x")] + [
+        (name, ctypes.c_void_p) for name in ("up_bias", "fc1", "fc2")] + [
+        ("rank", ctypes.c_int), ("on_residual", ctypes.c_int)] + [
+        (name, ctypes.c_void_p) for name in ("thr", "mode", "counts")]
+
+
 class _BlockDesc(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in (
         "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "gated", "gate_act", "up_act",
@@ -897,7 +907,68 @@ class _BlockDesc(ctypes.Structure):
                            ("w_in", _Linear), ("down", _Linear)] + [
         (name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "attn_post_norm",
                                              "ffn_post_norm")] + [
-        ("window", ctypes.c_int), ("scale", ctypes.c_float)]
+        ("window", ctypes.c_int), ("scale", ctypes.c_float), ("sparse", _SparseDesc)]
+
+
+@dataclass(frozen=True)
+class SparseBlockFFN:
+    """A block's FFN computed neuron by neuron, for ``DecodeBlock(sparse=...)`` (qgemv.h's
+    ``si_sparse_ffn``): the neuron bundles of ``sparse_ffn_i8`` (``rows`` int8, ``scales``
+    given, ``block``, ``round_x``) or ``sparse_ffn_q4`` (uint8 q4 rows, ``scales`` None), no gate
+    rows apart; the neurons each row computes chosen by ``predictor`` as ``predict_f16`` /
+    ``predict_f16_mask`` choose them (None: every neuron). ``on_residual``: the predictor reads
+    the residual stream, not the FFN's normed input. ``mode`` (int32 [1], read at each call of
+    several rows: 0 each row its own set, 1 the union of the rows' sets, 2 every neuron) and ``counts`` (int64 [2]: rows and neurons computed, added
+    by each call) are numpy arrays the caller owns and may read or change between calls."""
+
+    rows: torch.Tensor
+    scales: torch.Tensor | None
+    block: int
+    round_x: bool
+    up_bias: torch.Tensor | None
+    predictor: F16Predictor | None
+    on_residual: bool
+    mode: np.ndarray
+    counts: np.ndarray
+
+    def desc(self, d_model: int, d_ff: int, gated: bool) -> _SparseDesc:
+        """The checked C description (ValueError on rows the block's kernels do not take)."""
+        n_mats = 3 if gated else 2
+        if self.scales is not None:
+            x = torch.empty(1, d_model)
+            _check_i8(self.rows, self.scales, self.block, gated, x, x, self.round_x)
+        else:
+            width = d_model // 32 * 18
+            if (self.rows.dtype != torch.uint8 or not self.rows.is_contiguous() or d_model % 32
+                    or tuple(self.rows.shape) != (d_ff, n_mats, width)):
+                raise ValueError(f"rows: expected contiguous uint8 [{d_ff}, {n_mats}, {width}] "
+                                 f"q4 bundles, got {self.rows.dtype} {list(self.rows.shape)}")
+        if self.rows.shape[0] != d_ff or self.rows.shape[1] != n_mats:
+            raise ValueError(f"rows: expected {d_ff} bundles of {n_mats} rows, got "
+                             f"{list(self.rows.shape)}")
+        if self.up_bias is not None:
+            _check_f32(self.up_bias, (d_ff,), "up_bias")
+        if not (isinstance(self.mode, np.ndarray) and self.mode.dtype == np.int32
+                and self.mode.shape == (1,)):
+            raise ValueError("mode: expected a numpy int32 array [1]")
+        if not (isinstance(self.counts, np.ndarray) and self.counts.dtype == np.int64
+                and self.counts.shape == (2,)):
+            raise ValueError("counts: expected a numpy int64 array [2]")
+        p = self.predictor
+        if p is not None and (p.d_model, p.d_ff) != (d_model, d_ff):
+            raise ValueError(f"predictor: expected d_model {d_model}, d_ff {d_ff}, got "
+                             f"{p.d_model}, {p.d_ff}")
+        d = _SparseDesc(rows=self.rows.data_ptr(), n_mats=n_mats, block=self.block,
+                        round_x=int(self.round_x), on_residual=int(self.on_residual),
+                        mode=self.mode.ctypes.data, counts=self.counts.ctypes.data)
+        if self.scales is not None:
+            d.scales = self.scales.data_ptr()
+        if self.up_bias is not None:
+            d.up_bias = self.up_bias.data_ptr()
+        if p is not None:
+            d.fc1, d.fc2, d.rank, d.thr = (p.fc1.data_ptr(), p.fc2.data_ptr(), p.r,
+                                           p.thresholds.data_ptr())
+        return d
 
 
 _lib.si_block_new.restype = ctypes.c_void_p
@@ -944,8 +1015,11 @@ class DecodeBlock:
                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
                  attn_post_norm: torch.Tensor | None = None,
                  ffn_post_norm: torch.Tensor | None = None, window: int = 0,
-                 scale: float | None = None):
+                 scale: float | None = None, sparse: SparseBlockFFN | None = None):
         biases = {k: v for k, v in (biases or {}).items() if v is not None}
+        if sparse is not None and (w_in or down or "w_in" in biases):
+            raise ValueError("w_in, down: expected none (and no w_in bias) with a sparse FFN; "
+                             f"got {len(w_in)} and {len(down)} matrices")
         if not (isinstance(window, int) and window >= 0):
             raise ValueError(f"window: expected an int >= 0 (0: the whole cache), got {window!r}")
         if scale is not None and not scale > 0:
@@ -959,6 +1033,7 @@ class DecodeBlock:
                        interleaved=int(interleaved), eps=eps, window=window,
                        scale=scale or 0.0)
         self.hd, self.d_model, self.nkv = head_dim, d_model, n_kv_heads
+        self.sparse = sparse is not None
         norms = []
         for field, w, n in (("attn_norm", attn_norm, d_model), ("ffn_norm", ffn_norm, d_model),
                             ("q_norm", q_norm, head_dim), ("k_norm", k_norm, head_dim),
@@ -970,8 +1045,18 @@ class DecodeBlock:
             _check_f32(w, (n,), field)
             norms.append(w)
             setattr(d, field, w.data_ptr())
-        self._keep: list = [norms]
+        self._keep: list = [norms, sparse]
+        if sparse is not None:
+            d.sparse = sparse.desc(d_model, d_ff, gated)
         for field, mats in (("qkv", qkv), ("wo", wo), ("w_in", w_in), ("down", down)):
+            if sparse is not None and field in ("w_in", "down"):
+                b = biases.get(field)
+                if b is not None:  # the sparse FFN's output bias
+                    b = b.detach().float().contiguous()
+                    _check_f32(b, (d_model,), f"{field} bias")
+                    d.down.bias = b.data_ptr()
+                self._keep.append(b)
+                continue
             if not 1 <= len(mats) <= _LMATS:
                 raise ValueError(f"{field}: expected 1..{_LMATS} matrices, got {len(mats)}")
             lin = getattr(d, field)

@@ -29,7 +29,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 21
+#define SI_ABI_VERSION 22
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
@@ -536,13 +536,18 @@ static int exec_job(job_t *j, const float *x) {
     return 0;
 }
 
+/* A product of T rows of x, the caller holding g_call_lock (run: taking it). */
+static int run_locked(int nmat, const int *types, const void *const *w, const int64_t *rows,
+                      int cols, const float *x, int64_t T, float *const *outs) {
+    job_t j;
+    const int err = setup_job(&j, nmat, types, w, rows, cols, T, outs);
+    return err ? err : exec_job(&j, x);
+}
+
 static int run(int nmat, const int *types, const void *const *w, const int64_t *rows, int cols,
                const float *x, int64_t T, float *const *outs) {
-    job_t j;
-    int err = setup_job(&j, nmat, types, w, rows, cols, T, outs);
-    if (err) return err;
     pthread_mutex_lock(&g_call_lock);
-    err = exec_job(&j, x);
+    const int err = run_locked(nmat, types, w, rows, cols, x, T, outs);
     pthread_mutex_unlock(&g_call_lock);
     return err;
 }
@@ -820,28 +825,35 @@ int si_sparse_i8_q4g(const void *rows, const float *scales, int block, int n_mat
  * multiples of 32), x float32 [d_model]; hidden [r] and logits [d_ff] are scratch. Two pool
  * dispatches (the same pool as the FFN rows: no second thread team to wake). */
 /* logits [T, d_ff] = fc2 · relu(fc1 · x) for T rows of x (hidden [T, r] scratch; T = 1 a GEMV,
- * more a GEMM whose every row is that GEMV bit for bit). */
+ * more a GEMM whose every row is that GEMV bit for bit); the caller holds g_call_lock. */
 static int predict_logits(const void *fc1, const void *fc2, int r, int d_model, int d_ff,
                           const float *x, int T, float *hidden, float *logits) {
     const int t = SI_F16;
     int64_t rows = r;
-    int err = run(1, &t, &fc1, &rows, d_model, x, T, &hidden);
+    int err = run_locked(1, &t, &fc1, &rows, d_model, x, T, &hidden);
     if (err) return err;
     for (size_t i = 0; i < (size_t)T * r; i++) hidden[i] = hidden[i] > 0.0f ? hidden[i] : 0.0f;
     rows = d_ff;
-    return run(1, &t, &fc2, &rows, r, hidden, T, &logits);
+    return run_locked(1, &t, &fc2, &rows, r, hidden, T, &logits);
 }
 
-int si_predict_f16(const void *fc1, const void *fc2, int r, int d_model, int d_ff, const float *x,
-                   const float *thr, float *hidden, float *logits, int32_t *idx, int *k) {
-    const int err = predict_logits(fc1, fc2, r, d_model, d_ff, x, 1, hidden, logits);
-    if (err) return err;
+/* idx[0..return) = ascending i with logits[i] >= thr[i] */
+static int select_neurons(const float *logits, const float *thr, int d_ff, int32_t *idx) {
     int n = 0;
     for (int i = 0; i < d_ff; i++) {
         idx[n] = i;
         n += logits[i] >= thr[i];
     }
-    *k = n;
+    return n;
+}
+
+int si_predict_f16(const void *fc1, const void *fc2, int r, int d_model, int d_ff, const float *x,
+                   const float *thr, float *hidden, float *logits, int32_t *idx, int *k) {
+    pthread_mutex_lock(&g_call_lock);
+    const int err = predict_logits(fc1, fc2, r, d_model, d_ff, x, 1, hidden, logits);
+    pthread_mutex_unlock(&g_call_lock);
+    if (err) return err;
+    *k = select_neurons(logits, thr, d_ff, idx);
     return 0;
 }
 
@@ -851,7 +863,9 @@ int si_predict_f16(const void *fc1, const void *fc2, int r, int d_model, int d_f
 int si_predict_f16_rows(const void *fc1, const void *fc2, int r, int d_model, int d_ff,
                         const float *x, int T, const float *thr, float *hidden, float *logits,
                         uint8_t *mask) {
+    pthread_mutex_lock(&g_call_lock);
     const int err = predict_logits(fc1, fc2, r, d_model, d_ff, x, T, hidden, logits);
+    pthread_mutex_unlock(&g_call_lock);
     if (err) return err;
     for (int q = 0; q < T; q++) {
         const float *z = logits + (size_t)q * d_ff;
@@ -917,7 +931,7 @@ static float *block_out(const block_t *b, int k) {
 }
 
 static int block_jobs(block_t *b) {
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < (b->d.sparse.rows ? 2 : 4); k++) { /* (a sparse FFN: no w_in, down) */
         const si_linear *l = block_linear(&b->d, k);
         float *o[SI_LINEAR_MATS];
         int64_t off = 0;
@@ -971,6 +985,18 @@ static int block_scratch(block_t *b, int B, int max_seq) {
     return 0;
 }
 
+/* Whether a block's sparse FFN (d->sparse) is not one the kernels take (as si_sparse_i8 /
+ * si_sparse_q4 and si_predict_f16 check their arguments). */
+static int sparse_ffn_bad(const si_block_desc *d) {
+    const si_sparse_ffn *s = &d->sparse;
+    const int D = d->d_model;
+    if (s->n_mats != (d->gated ? 3 : 2) || D % 32) return 1;
+    if (s->scales && (s->block <= 0 || s->block % (s->round_x ? 32 : 8) || s->block > D))
+        return 1;
+    if (s->fc1 && (!s->fc2 || !s->thr || s->rank <= 0 || s->rank % 32)) return 1;
+    return 0;
+}
+
 /* A block for si_block_decode(_rows) from its description (pointers are kept, not copied: the
  * weights and norms must outlive the block). Returns NULL and sets *err (EINVAL, ENOMEM, ENODEV). */
 void *si_block_new(const si_block_desc *desc, int *err) {
@@ -982,11 +1008,13 @@ void *si_block_new(const si_block_desc *desc, int *err) {
         d->window < 0 || !(d->scale >= 0.0f))
         return NULL;
     const int64_t qkv_rows = (int64_t)(d->n_heads + 2 * d->n_kv_heads) * d->head_dim;
+    const int sparse = d->sparse.rows != NULL;
     if (linear_rows(&d->qkv) != qkv_rows || linear_rows(&d->wo) != d->d_model ||
-        linear_rows(&d->w_in) != (int64_t)(d->gated ? 2 : 1) * d->d_ff ||
-        linear_rows(&d->down) != d->d_model)
+        (!sparse && (linear_rows(&d->w_in) != (int64_t)(d->gated ? 2 : 1) * d->d_ff ||
+                     linear_rows(&d->down) != d->d_model)) ||
+        (sparse && (d->w_in.n || d->down.n || d->w_in.bias || sparse_ffn_bad(d))))
         return NULL;
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < (sparse ? 2 : 4); k++) {
         const si_linear *l = block_linear(d, k);
         if (l->n < 1 || l->n > SI_LINEAR_MATS) return NULL;
         for (int i = 0; i < l->n; i++)
@@ -1167,6 +1195,86 @@ static int block_product(block_t *b, int k, int B, const float *x) {
     return err ? err : exec_job(&j, x);
 }
 
+/* Scratch of a block's sparse FFN (calls are serialised by g_call_lock): the predictor's hidden
+ * [B, rank] and logits [B, d_ff], the rows' masks [B, d_ff] and their columns of the union
+ * [B, k], the union's neurons [d_ff]. */
+static struct {
+    float *hidden, *logits;
+    uint8_t *mask, *umask;
+    int32_t *idx;
+    size_t cap_h, cap_l, cap_m, cap_u, cap_i;
+} SF;
+
+/* b->a[t] = the sparse FFN of row t's b->h[t] (the neurons its predictor selects; the caller
+ * adds the output bias), as SparseFFN computes it one layer at a time: one row, the neurons
+ * si_predict_f16 selects through si_sparse_i8 / si_sparse_q4 (sparse/kernels.py's call);
+ * several rows, the mode's neurons (each row its own set as a mask over the union, as
+ * si_predict_f16_rows gives them; the union for every row; or every neuron) in one call over
+ * all rows. */
+static int block_sparse_ffn(block_t *b, int B) {
+    const si_block_desc *d = &b->d;
+    const si_sparse_ffn *s = &d->sparse;
+    const int D = d->d_model, F = d->d_ff, mode = B > 1 && s->mode ? *s->mode : 0;
+    const size_t BF = (size_t)B * F;
+    int err = grow((void **)&SF.idx, &SF.cap_i, sizeof(int32_t) * (size_t)F);
+    if (!err && s->fc1 && mode != 2) {
+        err = grow((void **)&SF.hidden, &SF.cap_h, sizeof(float) * (size_t)B * s->rank);
+        if (!err) err = grow((void **)&SF.logits, &SF.cap_l, sizeof(float) * BF);
+        if (!err && B > 1) err = grow((void **)&SF.mask, &SF.cap_m, BF);
+        if (!err && B > 1) err = grow((void **)&SF.umask, &SF.cap_u, BF);
+    }
+    if (err) return err;
+    int32_t *idx = SF.idx;
+    const uint8_t *mask = NULL;
+    int k = F;
+    int64_t active = (int64_t)B * F;
+    if (s->fc1 && mode != 2) {
+        err = predict_logits(s->fc1, s->fc2, s->rank, D, F, s->on_residual ? b->x : b->h, B,
+                             SF.hidden, SF.logits);
+        if (err) return err;
+        if (B == 1) {
+            k = select_neurons(SF.logits, s->thr, F, idx);
+            active = k;
+        } else {
+            uint8_t *m = SF.mask;
+            for (size_t e = 0; e < BF; e++) m[e] = SF.logits[e] >= s->thr[e % F];
+            k = 0, active = 0;
+            for (int i = 0; i < F; i++) { /* the union */
+                int any = 0;
+                for (int t = 0; t < B; t++) any |= m[(size_t)t * F + i];
+                idx[k] = i;
+                k += any;
+            }
+            if (mode == 1) {
+                active = (int64_t)k * B;
+            } else {
+                for (size_t e = 0; e < BF; e++) active += m[e];
+                if (k == F) {
+                    mask = m;
+                } else { /* the rows' masks over the union's columns */
+                    for (int t = 0; t < B; t++)
+                        for (int i = 0; i < k; i++)
+                            SF.umask[(size_t)t * k + i] = m[(size_t)t * F + idx[i]];
+                    mask = SF.umask;
+                }
+            }
+        }
+    } else {
+        for (int i = 0; i < F; i++) idx[i] = i;
+    }
+    if (s->counts && mode != 2) s->counts[0] += B, s->counts[1] += active;
+    if (k == 0) {
+        memset(b->a, 0, sizeof(float) * (size_t)B * D);
+        return 0;
+    }
+    const int nbk = s->scales ? (D + s->block - 1) / s->block : 0;
+    const size_t bundle = (size_t)s->n_mats * (s->scales ? (size_t)D : (size_t)D / 32 * 18);
+    sparse_job_t j = {s->rows, bundle, d->gated ? 1 : 0, k, B, D, d->gate_act, d->up_act, 1, idx,
+                      mask, s->up_bias, b->a, NULL, b->h, s->scales, nbk, s->block,
+                      s->scales && s->round_x ? 1 : 0, NULL, NULL, 0};
+    return sparse_run_locked(&j);
+}
+
 /* One token of each of B rows through block b, x [B, d_model] the residual streams (updated in
  * place); row t at b->pos[t] with its own caches b->kc/vc[t] and rope rows b->cs/sn[t]:
  *   x += wo(attention(rope(qkv(rmsnorm(x)))));  x += down(glu(w_in(rmsnorm(x))))
@@ -1195,9 +1303,13 @@ static int block_rows(block_t *b, float *x, int B, int max_seq) {
     if ((err = block_product(b, 1, B, b->att))) return err;
     /* FFN */
     each_row(row_ffn_in, b, B);
-    if ((err = block_product(b, 2, B, b->h))) return err;
-    each_row(row_glu, b, B);
-    if ((err = block_product(b, 3, B, b->act))) return err;
+    if (d->sparse.rows) {
+        if ((err = block_sparse_ffn(b, B))) return err;
+    } else {
+        if ((err = block_product(b, 2, B, b->h))) return err;
+        each_row(row_glu, b, B);
+        if ((err = block_product(b, 3, B, b->act))) return err;
+    }
     each_row(row_ffn_out, b, B);
     return 0;
 }

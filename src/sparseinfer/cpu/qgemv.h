@@ -135,6 +135,24 @@ typedef struct {
     const float *bias;
 } si_linear;
 
+/* A block's FFN computed neuron by neuron (the sparse FFN of a converted file; see
+ * si_block_desc.sparse): neuron bundles as si_sparse_i8 (int8 rows, scales given) or
+ * si_sparse_q4 (Q4_0 rows, scales NULL) take them, no gate rows apart, and the neurons each row
+ * computes chosen by a float16 predictor as si_predict_f16's (fc1 NULL: every neuron). */
+typedef struct {
+    const void *rows;     /* [d_ff, n_mats, ...] bundles; NULL: the block's FFN is dense */
+    const float *scales;  /* int8 rows: [d_ff, n_mats, ceil(d_model / block)]; NULL: Q4_0 rows */
+    int n_mats, block, round_x; /* (block, round_x: int8 rows, as si_sparse_i8's) */
+    const float *up_bias; /* [d_ff] or NULL */
+    const void *fc1, *fc2; /* float16 [rank, d_model], [d_ff, rank]; rank a multiple of 32 */
+    int rank, on_residual; /* on_residual: the predictor reads x, not the FFN's normed input */
+    const float *thr;     /* [d_ff]: neuron i selected iff its logit >= thr[i] */
+    const int32_t *mode;  /* read at each call of several rows (or NULL: 0): 0 each row its own
+                           * set, 1 every row the union of the rows' sets, 2 every neuron */
+    int64_t *counts;      /* [2] or NULL: rows and neurons computed, added by each call (mode 2's
+                           * rows not counted) */
+} si_sparse_ffn;
+
 /* A pre-norm llama block (RMSNorm, RoPE, grouped-query attention, FFN) for one-token decode,
  * with Gemma's and Qwen3's extras as options: RMSNorm of each q and k head before rope (q_norm,
  * k_norm [head_dim]), RMSNorm of the attention and FFN outputs before their residual adds
@@ -148,6 +166,8 @@ typedef struct {
     const float *q_norm, *k_norm, *attn_post_norm, *ffn_post_norm;
     int window;
     float scale;
+    si_sparse_ffn sparse; /* sparse.rows not NULL: the FFN is this (w_in: n 0; down: n 0, its
+                           * bias the FFN's output bias) */
 } si_block_desc;
 
 SI_DECLARE(avx2)

@@ -104,10 +104,13 @@ _ACTS = {None: lambda t: t, "relu": torch.relu, "silu": torch.nn.functional.silu
 def block_decode_ref(*, d_model, n_heads, n_kv_heads, head_dim, d_ff, gated, gate_act, up_act,
                      interleaved, eps, attn_norm, ffn_norm, qkv, wo, w_in, down, biases=None,
                      q_norm=None, k_norm=None, attn_post_norm=None, ffn_post_norm=None,
-                     window=0, scale=None, x, pos, k_cache, v_cache, cos, sin) -> torch.Tensor:
+                     window=0, scale=None, x, pos, k_cache, v_cache, cos, sin,
+                     ffn=None) -> torch.Tensor:
     """``DecodeBlock(...)(x, pos, k_cache, v_cache, cos, sin)`` in float64 torch: each product is
     ``gemv_q8_ref`` (the input rounded as the kernels round it), attention a plain softmax over
-    the cache with rope applied to q and k. Returns the new ``x``; writes the caches."""
+    the cache with rope applied to q and k. Returns the new ``x``; writes the caches. ``ffn``
+    (a sparse FFN's reference): ``ffn(h, x)`` of the FFN's normed input and the residual stream
+    (float64 [d_model]) replaces ``w_in``/``down``'s FFN, the down bias still added."""
     biases = biases or {}
     nh, nkv, hd = n_heads, n_kv_heads, head_dim
 
@@ -148,6 +151,10 @@ def block_decode_ref(*, d_model, n_heads, n_kv_heads, head_dim, d_ff, gated, gat
     att = (probs.unsqueeze(1) @ vals).reshape(nh * hd)
     a = lin("wo", wo, att)
     x = x + (norm(a, attn_post_norm) if attn_post_norm is not None else a)
+    if ffn is not None:
+        y = ffn(norm(x, ffn_norm), x).double()
+        y = y + biases["down"].double() if biases.get("down") is not None else y
+        return (x + (norm(y, ffn_post_norm) if ffn_post_norm is not None else y)).float()
     f = lin("w_in", w_in, norm(x, ffn_norm))
     if gated:
         h = _ACTS[gate_act](f[:d_ff]) * _ACTS[up_act](f[d_ff:])

@@ -12,10 +12,11 @@ plan) by:
 - ``attend`` — rope (rotate-half, or adjacent pairs for GGUF's Q/K order) on q and k, the new k/v written into the cache at ``pos``,
   softmax(q·Kᵀ · scale) · V per head with grouped K/V heads.
 
-When the block's four weights are on the C kernels (``GGMLLinear``, or fp32 ``FloatLinear``)
-and its FFN is dense, the whole block is one call into the C library instead
-(``sparseinfer.cpu.DecodeBlock``: the same steps, the products on its thread pool with no Python
-between them). That block also takes one token of each of several sequences (continuous
+When the block's weights are on the C kernels (``GGMLLinear``, or fp32 ``FloatLinear``) and its
+FFN is dense, or sparse with rows and a float16 predictor the C kernels take
+(``SparseFFN.c_block_ffn``), the whole block is one call into the C library instead
+(``sparseinfer.cpu.DecodeBlock``: the same steps, the products, the predictor and the neuron
+rows on its thread pool with no Python between them). That block also takes one token of each of several sequences (continuous
 batching: ``Rows``, ``FusedDecode.rows``) in one call, the weights read once for all of them.
 
 Everything else (prompts, batches, LayerNorm models, learned positions, non-CPU or non-fp32
@@ -255,6 +256,9 @@ class FusedStack:
 
         self._model = [model]  # a list: no module registration, no reference cycle in repr
         self._stack = cpu.DecodeStack(blocks)
+        # a sparse FFN's rows of a step or a prompt chunk sum their neurons over the threads'
+        # ranges of the rows' union: a row's last bits can depend on the other rows
+        self.exact = not any(b.sparse for b in blocks)
         self._ropes_key = None
         self._one = np.zeros(2, dtype=np.int32)  # a single token: [position, slot 0]
         self._one_ptr = self._one.__array_interface__["data"][0]
@@ -299,25 +303,28 @@ def stack_of(model) -> FusedStack | None:
 
 
 def _c_block(block: Block, layer: int):
-    """``sparseinfer.cpu.DecodeBlock`` for ``block`` when its four weights are on the C kernels
-    (the file's blocks in ``GGMLLinear``, or fp32 ``FloatLinear``) and its FFN is the dense one;
-    else None (the numba kernels around the block's own modules)."""
+    """``sparseinfer.cpu.DecodeBlock`` for ``block`` when its weights are on the C kernels (the
+    file's blocks in ``GGMLLinear``, or fp32 ``FloatLinear``) and its FFN is the dense one on them
+    or a sparse FFN the C block takes (``SparseFFN.c_block_ffn``); else None (the numba kernels
+    around the block's own modules)."""
     from ..models.model import FFN
     from ..quant.linear import FloatLinear, GGMLLinear
+    from ..sparse.ffn import SparseFFN
 
     attn, ffn = block.attn, block.ffn
     lins = {"qkv": attn.wqkv, "wo": attn.wo}
+    sparse = ffn.c_block_ffn() if type(ffn) is SparseFFN else None
     if type(ffn) is FFN:
         lins.update(w_in=ffn.w_in, down=ffn.down)
-    if len(lins) < 4 or not all(type(m) in (GGMLLinear, FloatLinear) and m.mats
-                                for m in lins.values()):
+    if len(lins) < (2 if sparse else 4) or not all(
+            type(m) in (GGMLLinear, FloatLinear) and m.mats for m in lins.values()):
         return None
     from .. import cpu
     from ..config import FFN_KINDS
 
     cfg = attn.cfg
-    kind = FFN_KINDS[cfg.ffn_kind]
-    if len(lins["qkv"].mats) > 4 or len(lins["w_in"].mats) > 4:
+    kind = FFN_KINDS[ffn.kind_name if sparse else cfg.ffn_kind]
+    if len(lins["qkv"].mats) > 4 or (not sparse and len(lins["w_in"].mats) > 4):
         return None
     if cfg.attn_softcap or cfg.parallel or cfg.post_norm or block.ffn_norm is None:
         return None
@@ -330,8 +337,10 @@ def _c_block(block: Block, layer: int):
         head_dim=cfg.head_dim, d_ff=cfg.d_ff, gated=kind.gated, gate_act=kind.gate_act,
         up_act=kind.up_act, interleaved=bool(cfg.rope_interleaved), eps=float(block.attn_norm.eps),
         attn_norm=block.attn_norm.weight, ffn_norm=block.ffn_norm.weight,
-        **{name: m.mats for name, m in lins.items()},
-        biases={name: m.bias for name, m in lins.items()},
+        **{"w_in": [], "down": [], **{name: m.mats for name, m in lins.items()}},
+        biases={"down": ffn.down_bias if sparse else None,
+                **{name: m.bias for name, m in lins.items()}},
+        sparse=sparse,
         q_norm=weight(attn.q_norm), k_norm=weight(attn.k_norm),
         attn_post_norm=weight(block.attn_post_norm), ffn_post_norm=weight(block.ffn_post_norm),
         window=int(cfg.window(layer) or 0), scale=cfg.attn_scale or None)

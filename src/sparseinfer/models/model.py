@@ -524,8 +524,10 @@ class Transformer(nn.Module):
     def rows_exact(self) -> bool:
         """Whether a token's numbers do not depend on what else is in its batch or its prompt
         chunk (every block on the C library as one stack: GEMM rows are their GEMVs, attention
-        is per row): the keys and values a sequence left in a cache then equal a fresh run's."""
-        return self._fused_stack() is not None
+        is per row; no sparse FFN): the keys and values a sequence left in a cache then equal a
+        fresh run's."""
+        stack = self._fused_stack()
+        return stack is not None and stack.exact
 
     def rope_of(self, layer: int) -> tuple[Tensor, Tensor] | None:
         """The rope tables (cos, sin) ``layer`` uses: windowed layers of a model with a local

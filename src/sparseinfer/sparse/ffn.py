@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -50,16 +51,39 @@ class Predictor:
         return z if self.bias is None else z + self.bias
 
 
-@dataclass
 class FFNStats:
-    tokens: int = 0
-    active: int = 0  # neurons computed, summed over tokens
+    """Tokens and neurons computed (summed over tokens), in an int64 array [2] that a fused
+    stack's C block adds to as well (``cpu.SparseBlockFFN.counts``)."""
+
+    def __init__(self):
+        self.counts = np.zeros(2, dtype=np.int64)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.counts[0])
+
+    @tokens.setter
+    def tokens(self, n: int) -> None:
+        self.counts[0] = n
+
+    @property
+    def active(self) -> int:
+        return int(self.counts[1])
+
+    @active.setter
+    def active(self, n: int) -> None:
+        self.counts[1] = n
 
     def density(self, d_ff: int) -> float:
         return self.active / max(self.tokens * d_ff, 1)
 
 
 BATCH_MODES = ("auto", "dense", "union", "masked")
+# each mode as a fused C block takes it (cpu/qgemv.h, si_sparse_ffn.mode): "auto" and "masked"
+# each row its own set (as here wherever the C kernels take the rows), "union", and "dense"
+# every neuron (by the sparse kernel over the bundles: here torch's product of the same rows,
+# the same sums rounded otherwise)
+C_BATCH_MODES = {"auto": 0, "masked": 0, "union": 1, "dense": 2}
 # "auto" prefill of rows the C kernels do not take (fp32, bf16): the union kernel up to this
 # many tokens, dense above. Measured with
 # benchmarks/prefill.py (benchmarks/RESULTS.md): on a 7B-shaped ReLU-like FFN the union kernel
@@ -222,7 +246,19 @@ class SparseFFN(nn.Module):
         # the tokens' active sets with the batched sparse kernel; "auto" union for short batches,
         # dense for long ones; "masked" keeps each token's own active set (what decode
         # computes), for perplexity of the sparse model
+        self._mode_cell = np.zeros(1, dtype=np.int32)  # the mode as a fused C block reads it
         self.batch_mode = "auto"
+
+    @property
+    def batch_mode(self) -> str:
+        return self._batch_mode
+
+    @batch_mode.setter
+    def batch_mode(self, mode: str) -> None:
+        if mode not in BATCH_MODES:
+            raise ValueError(f"batch mode: expected one of {list(BATCH_MODES)}, got {mode!r}")
+        self._batch_mode = mode
+        self._mode_cell[0] = C_BATCH_MODES[mode]
 
     @property
     def mode(self) -> str:
@@ -260,6 +296,30 @@ class SparseFFN(nn.Module):
         m = cls(packed.kind, packed.d_model, packed.d_ff, selector, **kw)
         m.fill(packed, down_bias)
         return m
+
+    def c_block_ffn(self):
+        """This FFN as a fused C block computes it (``cpu.SparseBlockFFN``: the same calls as
+        ``forward``'s, inside the block), or None where that block does not take it: two tiers,
+        rows the C kernels do not take (``kernels.in_c``), a ReLU gate's rows kept apart,
+        a selector other than a float16 predictor or every neuron."""
+        p = self.packed
+        if (self.split or p is None or p.rows.device.type != "cpu" or p.gates is not None
+                or not _kernels().in_c(p)):
+            return None
+        sel = self.selector
+        if isinstance(sel, AllNeurons):
+            predictor, on_residual = None, False
+        elif isinstance(sel, Predicted) and sel._c is not None:
+            predictor, on_residual = sel._c, sel.on_residual
+        else:
+            return None
+        from .. import cpu
+
+        int8 = p.dtype == "int8"
+        return cpu.SparseBlockFFN(
+            rows=p.rows, scales=p.scales if int8 else None, block=p.block if int8 else 0,
+            round_x=_kernels().rounds_x(p), up_bias=p.up_bias, predictor=predictor,
+            on_residual=on_residual, mode=self._mode_cell, counts=self.stats.counts)
 
     # ---- active set ----------------------------------------------------------------------------
 
