@@ -13,14 +13,16 @@ import torch
 from sparseinfer import cpu
 from sparseinfer.config import FFN_KINDS
 from sparseinfer.cpu import reference as ref
+from sparseinfer.sparse.packed import quantize_q4_rows
 from sparseinfer.sparse.reference import sparse_ffn_ref
 
 from .ffn_cases import random_ffn, ref_x
 from .test_block_decode import make, rope_row
 
-# (FFN kind, rows, int8 scale block: 0 one per row)
+# (FFN kind, rows, int8 scale block: 0 one per row); "int8+q4g": int8 up and down rows, the
+# ReLU gate's rows apart as q4 rows
 CASES = [("swiglu", "int8", 32), ("reglu", "int8", 32), ("swiglu", "q4", 0), ("relu", "int8", 0),
-         ("geglu", "q4", 0)]
+         ("geglu", "q4", 0), ("reglu", "int8+q4g", 32), ("drelu", "int8+q4g", 32)]
 D, D_FF, RANK, S = 64, 96, 32, 48
 
 
@@ -43,6 +45,10 @@ def block_kw(kind: str, dtype: str, block: int, seed: int, down_bias: bool):
     kw.update(w_in=[], down=[])
     bias = torch.randn(D, generator=torch.Generator().manual_seed(seed)) * 0.1 if down_bias else None
     kw["biases"] = {"down": bias}
+    if dtype == "int8+q4g":
+        gate = torch.randn(D_FF, D, generator=torch.Generator().manual_seed(seed + 1)) / D**0.5
+        return kw, random_ffn(kind, D, D_FF, seed=seed, dtype="int8", block=block).with_q4_gates(
+            quantize_q4_rows(gate))
     return kw, random_ffn(kind, D, D_FF, seed=seed, dtype=dtype, block=block)
 
 
@@ -54,7 +60,8 @@ def spec(packed, pred, on_residual: bool, mode: int = 0) -> cpu.SparseBlockFFN:
         rows=packed.rows, scales=packed.scales if int8 else None,
         block=packed.block if int8 else 0, round_x=kernels.rounds_x(packed),
         up_bias=packed.up_bias, predictor=pred, on_residual=on_residual,
-        mode=np.array([mode], dtype=np.int32), counts=np.zeros(2, dtype=np.int64))
+        mode=np.array([mode], dtype=np.int32), counts=np.zeros(2, dtype=np.int64),
+        gates=packed.gates)
 
 
 def far_thresholds(logits: torch.Tensor, seed: int, share: float = 0.6) -> torch.Tensor:
@@ -153,7 +160,7 @@ def test_sparse_rows_are_lone_calls(isa, threads, kind, dtype, block, mode):
         assert not torch.equal(got, alone)
         return
     assert sp.counts.tolist() == ([3, k_lone] if mode == 0 else [0, 0])
-    if dtype == "int8":
+    if dtype.startswith("int8"):
         assert torch.equal(got, alone)
     else:
         torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)

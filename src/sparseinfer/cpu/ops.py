@@ -894,6 +894,7 @@ class _Linear(ctypes.Structure):
 class _SparseDesc(ctypes.Structure):
     _fields_ = [("rows", ctypes.c_void_p), ("scales", ctypes.c_void_p)] + [
         (name, ctypes.c_int) for name in ("n_mats", "block", "round_x")] + [
+        ("gates", ctypes.c_void_p), ("gate_stride", ctypes.c_size_t)] + [
         (name, ctypes.c_void_p) for name in ("up_bias", "fc1", "fc2")] + [
         ("rank", ctypes.c_int), ("on_residual", ctypes.c_int)] + [
         (name, ctypes.c_void_p) for name in ("thr", "mode", "counts")]
@@ -914,8 +915,8 @@ class _BlockDesc(ctypes.Structure):
 class SparseBlockFFN:
     """A block's FFN computed neuron by neuron, for ``DecodeBlock(sparse=...)`` (qgemv.h's
     ``si_sparse_ffn``): the neuron bundles of ``sparse_ffn_i8`` (``rows`` int8, ``scales``
-    given, ``block``, ``round_x``) or ``sparse_ffn_q4`` (uint8 q4 rows, ``scales`` None), no gate
-    rows apart; the neurons each row computes chosen by ``predictor`` as ``predict_f16`` /
+    given, ``block``, ``round_x``; a ReLU gate's rows apart as q4 rows: ``gates``, as there) or
+    ``sparse_ffn_q4`` (uint8 q4 rows, ``scales`` None); the neurons each row computes chosen by ``predictor`` as ``predict_f16`` /
     ``predict_f16_mask`` choose them (None: every neuron). ``on_residual``: the predictor reads
     the residual stream, not the FFN's normed input. ``mode`` (int32 [1], read at each call of
     several rows: 0 each row its own set, 1 the union of the rows' sets, 2 every neuron) and ``counts`` (int64 [2]: rows and neurons computed, added
@@ -930,13 +931,19 @@ class SparseBlockFFN:
     on_residual: bool
     mode: np.ndarray
     counts: np.ndarray
+    gates: torch.Tensor | None = None
 
     def desc(self, d_model: int, d_ff: int, gated: bool) -> _SparseDesc:
         """The checked C description (ValueError on rows the block's kernels do not take)."""
         n_mats = 3 if gated else 2
+        apart = self.gates is not None
+        if apart and (self.scales is None or not gated or not self.round_x):
+            raise ValueError("gates: q4 gate rows apart need int8 rows of a gated FFN with x "
+                             "rounded (round_x)")
         if self.scales is not None:
             x = torch.empty(1, d_model)
-            _check_i8(self.rows, self.scales, self.block, gated, x, x, self.round_x)
+            _check_i8(self.rows, self.scales, self.block, gated, x, x, self.round_x, apart)
+            n_mats = self.rows.shape[1] if apart else n_mats
         else:
             width = d_model // 32 * 18
             if (self.rows.dtype != torch.uint8 or not self.rows.is_contiguous() or d_model % 32
@@ -965,6 +972,8 @@ class SparseBlockFFN:
             d.scales = self.scales.data_ptr()
         if self.up_bias is not None:
             d.up_bias = self.up_bias.data_ptr()
+        if apart:
+            d.gates, d.gate_stride = _q4_gate_rows(self.gates, d_ff, d_model)
         if p is not None:
             d.fc1, d.fc2, d.rank, d.thr = (p.fc1.data_ptr(), p.fc2.data_ptr(), p.r,
                                            p.thresholds.data_ptr())

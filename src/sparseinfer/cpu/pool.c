@@ -781,17 +781,10 @@ static struct {
     int cap;
 } GQ;
 
-int si_sparse_i8_q4g(const void *rows, const float *scales, int block, int n_mats,
-                     const void *gates, size_t gate_stride, const int32_t *idx, int k, int d_ff,
-                     const float *x, int round_x, int d_model, int ua, float *out) {
-    const int err = sparse_args(d_model, 32, 1, k, SI_ACT_RELU, ua, idx, d_ff);
-    if (err) return err;
-    if (block <= 0 || block % (round_x ? 32 : 8) || block > d_model) return EINVAL;
-    if (gate_stride < (size_t)d_model / 32 * 18) return EINVAL; /* rows would overlap */
-    if (n_mats != 2 && n_mats != 3) return EINVAL;
-    memset(out, 0, sizeof(float) * (size_t)d_model);
-    if (k == 0) return 0;
-    pthread_mutex_lock(&g_call_lock);
+/* si_sparse_i8_q4g's work (k > 0, out zeroed), the caller holding g_call_lock. */
+static int i8_q4g_locked(const void *rows, const float *scales, int block, int n_mats,
+                         const void *gates, size_t gate_stride, const int32_t *idx, int k,
+                         const float *x, int round_x, int d_model, int ua, float *out) {
     int e = 0;
     if (k > GQ.cap) {
         free(GQ.z), free(GQ.g), free(GQ.nid);
@@ -814,6 +807,22 @@ int si_sparse_i8_q4g(const void *rows, const float *scales, int block, int n_mat
                           block, round_x ? 1 : 0, GQ.g};
         e = sparse_run_locked(&j); /* (x quantized again, as si_sparse_i8 takes it) */
     }
+    return e;
+}
+
+int si_sparse_i8_q4g(const void *rows, const float *scales, int block, int n_mats,
+                     const void *gates, size_t gate_stride, const int32_t *idx, int k, int d_ff,
+                     const float *x, int round_x, int d_model, int ua, float *out) {
+    const int err = sparse_args(d_model, 32, 1, k, SI_ACT_RELU, ua, idx, d_ff);
+    if (err) return err;
+    if (block <= 0 || block % (round_x ? 32 : 8) || block > d_model) return EINVAL;
+    if (gate_stride < (size_t)d_model / 32 * 18) return EINVAL; /* rows would overlap */
+    if (n_mats != 2 && n_mats != 3) return EINVAL;
+    memset(out, 0, sizeof(float) * (size_t)d_model);
+    if (k == 0) return 0;
+    pthread_mutex_lock(&g_call_lock);
+    const int e = i8_q4g_locked(rows, scales, block, n_mats, gates, gate_stride, idx, k, x,
+                                round_x, d_model, ua, out);
     pthread_mutex_unlock(&g_call_lock);
     return e;
 }
@@ -990,7 +999,11 @@ static int block_scratch(block_t *b, int B, int max_seq) {
 static int sparse_ffn_bad(const si_block_desc *d) {
     const si_sparse_ffn *s = &d->sparse;
     const int D = d->d_model;
-    if (s->n_mats != (d->gated ? 3 : 2) || D % 32) return 1;
+    if (D % 32) return 1;
+    if (s->gates ? !s->scales || !d->gated || d->gate_act != SI_ACT_RELU || !s->round_x ||
+                       s->gate_stride < (size_t)D / 32 * 18 || (s->n_mats != 2 && s->n_mats != 3)
+                 : s->n_mats != (d->gated ? 3 : 2))
+        return 1;
     if (s->scales && (s->block <= 0 || s->block % (s->round_x ? 32 : 8) || s->block > D))
         return 1;
     if (s->fc1 && (!s->fc2 || !s->thr || s->rank <= 0 || s->rank % 32)) return 1;
@@ -1267,11 +1280,16 @@ static int block_sparse_ffn(block_t *b, int B) {
         memset(b->a, 0, sizeof(float) * (size_t)B * D);
         return 0;
     }
+    if (s->gates && B == 1) { /* the gates over the q4 rows, then the fired neurons' rows */
+        memset(b->a, 0, sizeof(float) * (size_t)D);
+        return i8_q4g_locked(s->rows, s->scales, s->block, s->n_mats, s->gates, s->gate_stride,
+                             idx, k, b->h, s->round_x, D, d->up_act, b->a);
+    }
     const int nbk = s->scales ? (D + s->block - 1) / s->block : 0;
     const size_t bundle = (size_t)s->n_mats * (s->scales ? (size_t)D : (size_t)D / 32 * 18);
     sparse_job_t j = {s->rows, bundle, d->gated ? 1 : 0, k, B, D, d->gate_act, d->up_act, 1, idx,
                       mask, s->up_bias, b->a, NULL, b->h, s->scales, nbk, s->block,
-                      s->scales && s->round_x ? 1 : 0, NULL, NULL, 0};
+                      s->scales && s->round_x ? 1 : 0, NULL, s->gates, s->gate_stride};
     return sparse_run_locked(&j);
 }
 

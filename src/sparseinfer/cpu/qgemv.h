@@ -136,13 +136,17 @@ typedef struct {
 } si_linear;
 
 /* A block's FFN computed neuron by neuron (the sparse FFN of a converted file; see
- * si_block_desc.sparse): neuron bundles as si_sparse_i8 (int8 rows, scales given) or
- * si_sparse_q4 (Q4_0 rows, scales NULL) take them, no gate rows apart, and the neurons each row
- * computes chosen by a float16 predictor as si_predict_f16's (fc1 NULL: every neuron). */
+ * si_block_desc.sparse): neuron bundles as si_sparse_i8 (int8 rows, scales given; a ReLU gate's
+ * rows possibly apart as q4 rows) or si_sparse_q4 (Q4_0 rows, scales NULL) take them, and the
+ * neurons each row computes chosen by a float16 predictor as si_predict_f16's (fc1 NULL: every
+ * neuron). */
 typedef struct {
     const void *rows;     /* [d_ff, n_mats, ...] bundles; NULL: the block's FFN is dense */
     const float *scales;  /* int8 rows: [d_ff, n_mats, ceil(d_model / block)]; NULL: Q4_0 rows */
     int n_mats, block, round_x; /* (block, round_x: int8 rows, as si_sparse_i8's) */
+    const void *gates;    /* int8 rows of a ReLU gate: the gates' q4 rows apart, gate_stride
+                           * bytes apart (si_sparse_i8's; one row: si_sparse_i8_q4g's), or NULL */
+    size_t gate_stride;
     const float *up_bias; /* [d_ff] or NULL */
     const void *fc1, *fc2; /* float16 [rank, d_model], [d_ff, rank]; rank a multiple of 32 */
     int rank, on_residual; /* on_residual: the predictor reads x, not the FFN's normed input */

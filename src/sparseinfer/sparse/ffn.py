@@ -300,11 +300,10 @@ class SparseFFN(nn.Module):
     def c_block_ffn(self):
         """This FFN as a fused C block computes it (``cpu.SparseBlockFFN``: the same calls as
         ``forward``'s, inside the block), or None where that block does not take it: two tiers,
-        rows the C kernels do not take (``kernels.in_c``), a ReLU gate's rows kept apart,
-        a selector other than a float16 predictor or every neuron."""
+        rows the C kernels do not take (``kernels.in_c``), a selector other than a float16
+        predictor or every neuron."""
         p = self.packed
-        if (self.split or p is None or p.rows.device.type != "cpu" or p.gates is not None
-                or not _kernels().in_c(p)):
+        if self.split or p is None or p.rows.device.type != "cpu" or not _kernels().in_c(p):
             return None
         sel = self.selector
         if isinstance(sel, AllNeurons):
@@ -319,7 +318,8 @@ class SparseFFN(nn.Module):
         return cpu.SparseBlockFFN(
             rows=p.rows, scales=p.scales if int8 else None, block=p.block if int8 else 0,
             round_x=_kernels().rounds_x(p), up_bias=p.up_bias, predictor=predictor,
-            on_residual=on_residual, mode=self._mode_cell, counts=self.stats.counts)
+            on_residual=on_residual, mode=self._mode_cell, counts=self.stats.counts,
+            gates=p.gates)
 
     # ---- active set ----------------------------------------------------------------------------
 
