@@ -1210,12 +1210,12 @@ static int block_product(block_t *b, int k, int B, const float *x) {
 
 /* Scratch of a block's sparse FFN (calls are serialised by g_call_lock): the predictor's hidden
  * [B, rank] and logits [B, d_ff], the rows' masks [B, d_ff] and their columns of the union
- * [B, k], the union's neurons [d_ff]. */
+ * [B, k], the union as a mask [d_ff] and as neurons [d_ff]. */
 static struct {
     float *hidden, *logits;
-    uint8_t *mask, *umask;
+    uint8_t *mask, *umask, *taken;
     int32_t *idx;
-    size_t cap_h, cap_l, cap_m, cap_u, cap_i;
+    size_t cap_h, cap_l, cap_m, cap_u, cap_t, cap_i;
 } SF;
 
 /* b->a[t] = the sparse FFN of row t's b->h[t] (the neurons its predictor selects; the caller
@@ -1235,6 +1235,7 @@ static int block_sparse_ffn(block_t *b, int B) {
         if (!err) err = grow((void **)&SF.logits, &SF.cap_l, sizeof(float) * BF);
         if (!err && B > 1) err = grow((void **)&SF.mask, &SF.cap_m, BF);
         if (!err && B > 1) err = grow((void **)&SF.umask, &SF.cap_u, BF);
+        if (!err && B > 1) err = grow((void **)&SF.taken, &SF.cap_t, (size_t)F);
     }
     if (err) return err;
     int32_t *idx = SF.idx;
@@ -1249,19 +1250,28 @@ static int block_sparse_ffn(block_t *b, int B) {
             k = select_neurons(SF.logits, s->thr, F, idx);
             active = k;
         } else {
-            uint8_t *m = SF.mask;
-            for (size_t e = 0; e < BF; e++) m[e] = SF.logits[e] >= s->thr[e % F];
-            k = 0, active = 0;
+            uint8_t *m = SF.mask, *taken = SF.taken;
+            memset(taken, 0, (size_t)F);
+            int64_t own = 0;
+            for (int t = 0; t < B; t++) {
+                const float *z = SF.logits + (size_t)t * F;
+                uint8_t *mt = m + (size_t)t * F;
+                int n = 0;
+                for (int i = 0; i < F; i++) {
+                    const uint8_t v = z[i] >= s->thr[i];
+                    mt[i] = v, taken[i] |= v, n += v;
+                }
+                own += n;
+            }
+            k = 0;
             for (int i = 0; i < F; i++) { /* the union */
-                int any = 0;
-                for (int t = 0; t < B; t++) any |= m[(size_t)t * F + i];
                 idx[k] = i;
-                k += any;
+                k += taken[i];
             }
             if (mode == 1) {
                 active = (int64_t)k * B;
             } else {
-                for (size_t e = 0; e < BF; e++) active += m[e];
+                active = own;
                 if (k == F) {
                     mask = m;
                 } else { /* the rows' masks over the union's columns */
