@@ -43,8 +43,8 @@ def block_kw(kind: str, dtype: str, block: int, seed: int, down_bias: bool):
     kw = make(np.random.default_rng(seed), d=D, d_ff=D_FF, gated=k.gated, gate_act=k.gate_act,
               up_act=k.up_act)
     kw.update(w_in=[], down=[])
-    bias = torch.randn(D, generator=torch.Generator().manual_seed(seed)) * 0.1 if down_bias else None
-    kw["biases"] = {"down": bias}
+    g = torch.Generator().manual_seed(seed)
+    kw["biases"] = {"down": torch.randn(D, generator=g) * 0.1 if down_bias else None}
     if dtype == "int8+q4g":
         gate = torch.randn(D_FF, D, generator=torch.Generator().manual_seed(seed + 1)) / D**0.5
         return kw, random_ffn(kind, D, D_FF, seed=seed, dtype="int8", block=block).with_q4_gates(

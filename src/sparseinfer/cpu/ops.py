@@ -916,11 +916,13 @@ class SparseBlockFFN:
     """A block's FFN computed neuron by neuron, for ``DecodeBlock(sparse=...)`` (qgemv.h's
     ``si_sparse_ffn``): the neuron bundles of ``sparse_ffn_i8`` (``rows`` int8, ``scales``
     given, ``block``, ``round_x``; a ReLU gate's rows apart as q4 rows: ``gates``, as there) or
-    ``sparse_ffn_q4`` (uint8 q4 rows, ``scales`` None); the neurons each row computes chosen by ``predictor`` as ``predict_f16`` /
-    ``predict_f16_mask`` choose them (None: every neuron). ``on_residual``: the predictor reads
-    the residual stream, not the FFN's normed input. ``mode`` (int32 [1], read at each call of
-    several rows: 0 each row its own set, 1 the union of the rows' sets, 2 every neuron) and ``counts`` (int64 [2]: rows and neurons computed, added
-    by each call) are numpy arrays the caller owns and may read or change between calls."""
+    ``sparse_ffn_q4`` (uint8 q4 rows, ``scales`` None); the neurons each row computes chosen by
+    ``predictor`` as ``predict_f16`` / ``predict_f16_mask`` choose them (None: every neuron).
+    ``on_residual``: the predictor reads the residual stream, not the FFN's normed input.
+    ``mode`` (int32 [1], read at each call of several rows: 0 each row its own set, 1 the union
+    of the rows' sets, 2 every neuron) and ``counts`` (int64 [2]: rows and neurons computed,
+    added by each call) are numpy arrays the caller owns and may read or change between calls.
+    (Reference: ``reference.block_decode_ref`` with the sparse FFN's reference as ``ffn``.)"""
 
     rows: torch.Tensor
     scales: torch.Tensor | None

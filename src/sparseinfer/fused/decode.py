@@ -16,8 +16,9 @@ When the block's weights are on the C kernels (``GGMLLinear``, or fp32 ``FloatLi
 FFN is dense, or sparse with rows and a float16 predictor the C kernels take
 (``SparseFFN.c_block_ffn``), the whole block is one call into the C library instead
 (``sparseinfer.cpu.DecodeBlock``: the same steps, the products, the predictor and the neuron
-rows on its thread pool with no Python between them). That block also takes one token of each of several sequences (continuous
-batching: ``Rows``, ``FusedDecode.rows``) in one call, the weights read once for all of them.
+rows on its thread pool with no Python between them). That block also takes one token of each
+of several sequences (continuous batching: ``Rows``, ``FusedDecode.rows``) in one call, the
+weights read once for all of them.
 
 Everything else (prompts, batches, LayerNorm models, learned positions, non-CPU or non-fp32
 models) runs the block's torch code unchanged. ``rms_norm_ref`` / ``attend_ref`` are the plain
