@@ -78,7 +78,10 @@ def test_mask_gives_each_token_its_own_set(kind, dtype, block, T, isa, threads):
         torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[1], torch.zeros(d_model))
     full = kernels.sparse_ffn_batch(x, ffn, idx, torch.empty(T, d_model))
-    assert torch.equal(got[0], full[0])  # every bit as without a mask
+    if threads == 1:  # every bit as without a mask (on two threads, up to 8 tokens, the neuron
+        assert torch.equal(got[0], full[0])  # ranges are cut by the masks' work: other sums)
+    else:
+        torch.testing.assert_close(got[0], full[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "geglu", "reglu", "relu"])

@@ -584,6 +584,7 @@ typedef struct {
     const uint8_t *gq; /* int8 bundles with a ReLU gate: the gates' q4 rows apart (gstride
                         * bytes apart), read instead of the bundles' int8 gate rows; or NULL */
     size_t gstride;
+    int cut[MAX_THREADS + 1]; /* neuron ranges (positions in idx): range c is cut[c]..cut[c+1] */
 } sparse_job_t;
 
 static struct {
@@ -616,7 +617,7 @@ static void sparse_part(const sparse_job_t *j, int i0, int k, int t0, int T, flo
 static void sparse_chunk(const void *jp, int64_t c) {
     const sparse_job_t *j = jp;
     if (j->T <= SPARSE_BY_NEURON_T) { /* neuron range c of every token, into its partial sums */
-        const int i0 = (int)(c * j->k / j->n_chunks), i1 = (int)((c + 1) * j->k / j->n_chunks);
+        const int i0 = j->cut[c], i1 = j->cut[c + 1];
         sparse_part(j, i0, i1 - i0, 0, j->T,
                     j->n_chunks == 1 ? j->out : j->part + c * (size_t)j->T * j->d_model);
     } else { /* token range c, every neuron */
@@ -634,6 +635,35 @@ static int sparse_ranges(int k) {
     return n < 1 ? 1 : n > nt ? nt : n;
 }
 
+/* Cut job j's k neurons into its n_chunks ranges: of equal length for one token (or no mask),
+ * else of about equal work, a neuron weighing the tokens that take it plus two for reading its
+ * rows (none when no token does): hot-first sets put the neurons most tokens take first, and
+ * ranges of equal length left the thread with the first one working while the other waited. */
+static void sparse_cuts(sparse_job_t *j) {
+    const int n = j->n_chunks, k = j->k;
+    if (!j->mask || j->T == 1 || n == 1) {
+        for (int c = 0; c <= n; c++) j->cut[c] = (int)((int64_t)c * k / n);
+        return;
+    }
+    int64_t total = 0;
+    for (int i = 0; i < k; i++) {
+        int m = 0;
+        for (int t = 0; t < j->T; t++) m += j->mask[(size_t)t * k + i] != 0;
+        total += m ? m + 2 : 0;
+    }
+    j->cut[0] = 0;
+    int c = 1;
+    int64_t run = 0;
+    for (int i = 0; i < k && c < n; i++) {
+        int m = 0;
+        for (int t = 0; t < j->T; t++) m += j->mask[(size_t)t * k + i] != 0;
+        run += m ? m + 2 : 0;
+        while (c < n && run * n >= total * c) j->cut[c++] = i + 1;
+    }
+    while (c < n) j->cut[c++] = k;
+    j->cut[n] = k;
+}
+
 /* Split job j over the pool (up to SPARSE_BY_NEURON_T tokens: neuron ranges (sparse_ranges)
  * into partial sums, added at the end; else token ranges), after quantizing x for Q4_0 bundles;
  * the caller holds the call lock. */
@@ -641,6 +671,7 @@ static int sparse_run_locked(sparse_job_t *j) {
     const int nt = P.n_workers + 1;
     if (j->T <= SPARSE_BY_NEURON_T) {
         j->n_chunks = sparse_ranges(j->k);
+        sparse_cuts(j);
     } else {
         j->n_chunks = j->T < 4 * nt ? j->T : 4 * nt;
     }
