@@ -532,6 +532,15 @@ def _check_idx_bias(idx: torch.Tensor, up_bias: torch.Tensor | None, d_ff: int,
             None if mask is None else mask.data_ptr())
 
 
+def _check_q4_bundles(rows: torch.Tensor, d_model: int) -> None:
+    """ValueError unless ``rows`` are contiguous uint8 q4 bundles ``[d_ff, n_mats, d_model / 32
+    · 18]`` (``sparse_ffn_q4``'s)."""
+    width = d_model // 32 * 18
+    if rows.dtype != torch.uint8 or not rows.is_contiguous() or rows.shape[-1] != width:
+        raise ValueError(f"rows: expected contiguous uint8 [d_ff, n_mats, {width}], got "
+                         f"{rows.dtype} {list(rows.shape)}")
+
+
 def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.Tensor,
                   out: torch.Tensor, gate_act: int, up_act: int,
                   up_bias: torch.Tensor | None = None,
@@ -554,9 +563,7 @@ def sparse_ffn_q4(rows: torch.Tensor, gated: bool, idx: torch.Tensor, x: torch.T
     T, d_model = x.shape
     _check_f32(x, (T, d_model), "x")
     _check_f32(out, (T, d_model), "out")
-    if rows.dtype != torch.uint8 or not rows.is_contiguous() or width != d_model // 32 * 18:
-        raise ValueError(f"rows: expected contiguous uint8 [d_ff, n_mats, {d_model // 32 * 18}], "
-                         f"got {rows.dtype} {list(rows.shape)}")
+    _check_q4_bundles(rows, d_model)
     bias, mk = _check_idx_bias(idx, up_bias, d_ff, mask, T)
     _check(_lib.si_sparse_q4(rows.data_ptr(), n_mats * width, int(gated), idx.data_ptr(),
                              idx.shape[0], mk, d_ff, x.data_ptr(), T, d_model, gate_act, up_act,
@@ -947,12 +954,8 @@ class SparseBlockFFN:
             _check_i8(self.rows, self.scales, self.block, gated, x, x, self.round_x, apart)
             n_mats = self.rows.shape[1] if apart else n_mats
         else:
-            width = d_model // 32 * 18
-            if (self.rows.dtype != torch.uint8 or not self.rows.is_contiguous() or d_model % 32
-                    or tuple(self.rows.shape) != (d_ff, n_mats, width)):
-                raise ValueError(f"rows: expected contiguous uint8 [{d_ff}, {n_mats}, {width}] "
-                                 f"q4 bundles, got {self.rows.dtype} {list(self.rows.shape)}")
-        if self.rows.shape[0] != d_ff or self.rows.shape[1] != n_mats:
+            _check_q4_bundles(self.rows, d_model)
+        if self.rows.dim() != 3 or self.rows.shape[0] != d_ff or self.rows.shape[1] != n_mats:
             raise ValueError(f"rows: expected {d_ff} bundles of {n_mats} rows, got "
                              f"{list(self.rows.shape)}")
         if self.up_bias is not None:

@@ -635,10 +635,18 @@ static int sparse_ranges(int k) {
     return n < 1 ? 1 : n > nt ? nt : n;
 }
 
+/* Job j's work on neuron idx[i] (masked tokens): the tokens taking it plus two for reading its
+ * rows, none when no token does. */
+static int neuron_work(const sparse_job_t *j, int i) {
+    int m = 0;
+    for (int t = 0; t < j->T; t++) m += j->mask[(size_t)t * j->k + i] != 0;
+    return m ? m + 2 : 0;
+}
+
 /* Cut job j's k neurons into its n_chunks ranges: of equal length for one token (or no mask),
- * else of about equal work, a neuron weighing the tokens that take it plus two for reading its
- * rows (none when no token does): hot-first sets put the neurons most tokens take first, and
- * ranges of equal length left the thread with the first one working while the other waited. */
+ * else of about equal work (neuron_work): hot-first sets put the neurons most tokens take
+ * first, and ranges of equal length left the thread with the first one working while the other
+ * waited. */
 static void sparse_cuts(sparse_job_t *j) {
     const int n = j->n_chunks, k = j->k;
     if (!j->mask || j->T == 1 || n == 1) {
@@ -646,18 +654,12 @@ static void sparse_cuts(sparse_job_t *j) {
         return;
     }
     int64_t total = 0;
-    for (int i = 0; i < k; i++) {
-        int m = 0;
-        for (int t = 0; t < j->T; t++) m += j->mask[(size_t)t * k + i] != 0;
-        total += m ? m + 2 : 0;
-    }
+    for (int i = 0; i < k; i++) total += neuron_work(j, i);
     j->cut[0] = 0;
     int c = 1;
     int64_t run = 0;
     for (int i = 0; i < k && c < n; i++) {
-        int m = 0;
-        for (int t = 0; t < j->T; t++) m += j->mask[(size_t)t * k + i] != 0;
-        run += m ? m + 2 : 0;
+        run += neuron_work(j, i);
         while (c < n && run * n >= total * c) j->cut[c++] = i + 1;
     }
     while (c < n) j->cut[c++] = k;
@@ -887,6 +889,26 @@ static int select_neurons(const float *logits, const float *thr, int d_ff, int32
     return n;
 }
 
+/* mask[t * d_ff + i] = logits[t * d_ff + i] >= thr[i] for T rows (si_predict_f16's rule), each
+ * row's neurons also set in taken (or NULL); returns how many are set over all rows. */
+static int64_t select_rows(const float *logits, const float *thr, int T, int d_ff, uint8_t *mask,
+                           uint8_t *taken) {
+    int64_t n = 0;
+    for (int t = 0; t < T; t++) {
+        const float *z = logits + (size_t)t * d_ff;
+        uint8_t *m = mask + (size_t)t * d_ff;
+        int c = 0;
+        for (int i = 0; i < d_ff; i++) {
+            m[i] = z[i] >= thr[i];
+            c += m[i];
+        }
+        n += c;
+        if (taken)
+            for (int i = 0; i < d_ff; i++) taken[i] |= m[i];
+    }
+    return n;
+}
+
 int si_predict_f16(const void *fc1, const void *fc2, int r, int d_model, int d_ff, const float *x,
                    const float *thr, float *hidden, float *logits, int32_t *idx, int *k) {
     pthread_mutex_lock(&g_call_lock);
@@ -907,11 +929,7 @@ int si_predict_f16_rows(const void *fc1, const void *fc2, int r, int d_model, in
     const int err = predict_logits(fc1, fc2, r, d_model, d_ff, x, T, hidden, logits);
     pthread_mutex_unlock(&g_call_lock);
     if (err) return err;
-    for (int q = 0; q < T; q++) {
-        const float *z = logits + (size_t)q * d_ff;
-        uint8_t *m = mask + (size_t)q * d_ff;
-        for (int i = 0; i < d_ff; i++) m[i] = z[i] >= thr[i];
-    }
+    select_rows(logits, thr, T, d_ff, mask, NULL);
     return 0;
 }
 
@@ -1283,17 +1301,7 @@ static int block_sparse_ffn(block_t *b, int B) {
         } else {
             uint8_t *m = SF.mask, *taken = SF.taken;
             memset(taken, 0, (size_t)F);
-            int64_t own = 0;
-            for (int t = 0; t < B; t++) {
-                const float *z = SF.logits + (size_t)t * F;
-                uint8_t *mt = m + (size_t)t * F;
-                int n = 0;
-                for (int i = 0; i < F; i++) {
-                    const uint8_t v = z[i] >= s->thr[i];
-                    mt[i] = v, taken[i] |= v, n += v;
-                }
-                own += n;
-            }
+            const int64_t own = select_rows(SF.logits, s->thr, B, F, m, taken);
             k = 0;
             for (int i = 0; i < F; i++) { /* the union */
                 idx[k] = i;
@@ -1481,6 +1489,14 @@ int si_read_gather(const void *buf, size_t buf_bytes, size_t stride, size_t nbyt
     return 0;
 }
 
+/* B >= 1 rows at positions pos in [0, max_seq), cache slots slots >= 0. */
+static int check_rows(int B, const int32_t *pos, const int32_t *slots, int max_seq) {
+    if (B < 1) return EINVAL;
+    for (int t = 0; t < B; t++)
+        if (pos[t] < 0 || pos[t] >= max_seq || slots[t] < 0) return ERANGE;
+    return 0;
+}
+
 /* Whether n_heads query heads share n_kv_heads kv heads of head_dim values (even) evenly. */
 static int heads_ok(int n_heads, int n_kv_heads, int head_dim) {
     return n_heads >= 1 && n_kv_heads >= 1 && n_heads % n_kv_heads == 0 && head_dim >= 2 &&
@@ -1544,13 +1560,14 @@ int si_attend_rows(float *qkv, int B, int64_t qkv_stride, void *kc, void *vc, in
                    int kv16, const int32_t *pos, const int32_t *slots, const float *cos,
                    const float *sin, int n_heads, int n_kv_heads, int head_dim, int max_seq,
                    int interleaved, float scale, float *out) {
-    if (B < 1) return B ? EINVAL : 0;
+    if (B == 0) return 0;
     if (!heads_ok(n_heads, n_kv_heads, head_dim)) return EINVAL;
+    const int err = check_rows(B, pos, slots, max_seq);
+    if (err) return err;
     float *q[B];
     uint8_t *k[B], *v[B];
     const float *cs[B], *sn[B];
     for (int t = 0; t < B; t++) {
-        if (pos[t] < 0 || pos[t] >= max_seq || slots[t] < 0) return ERANGE;
         q[t] = qkv + (size_t)t * qkv_stride;
         k[t] = (uint8_t *)kc + (size_t)slots[t] * slot_bytes;
         v[t] = (uint8_t *)vc + (size_t)slots[t] * slot_bytes;
@@ -1576,13 +1593,6 @@ static int rows_call(block_t *b, float *x, int B, const int32_t *pos, const int3
         b->sn[t] = sin + (size_t)pos[t] * hd;
     }
     return block_rows(b, x, B, max_seq);
-}
-
-static int check_rows(int B, const int32_t *pos, const int32_t *slots, int max_seq) {
-    if (B < 1) return EINVAL;
-    for (int t = 0; t < B; t++)
-        if (pos[t] < 0 || pos[t] >= max_seq || slots[t] < 0) return ERANGE;
-    return 0;
 }
 
 /* One token of each of B sequences, x [B, d_model]: row t at pos[t] in cache slot slots[t].

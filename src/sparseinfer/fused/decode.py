@@ -371,10 +371,9 @@ def attend_rows(cfg, layer: int, qkv: Tensor, rows, cache: KVCache, rope) -> Ten
         k_p, v_p, _ = FusedDecode._layer_cache(cache, layer)
         if not (cache.k[layer, 0].is_contiguous() and cache.v[layer, 0].is_contiguous()):
             raise ValueError("the KV cache: expected each slot's keys and values contiguous")
-        positions = rows.positions.to(torch.int32).contiguous()
-        slots = rows.slots.to(torch.int32).contiguous()
         cpu.attend_rows_raw(qkv.data_ptr(), qkv.shape[0], qkv.shape[1], k_p, v_p,
-                            cache.k.stride(1) * 2, True, positions.data_ptr(), slots.data_ptr(),
+                            cache.k.stride(1) * 2, True, rows.c_positions.data_ptr(),
+                            rows.c_slots.data_ptr(),
                             cos_p, sin_p, nh, nkv, hd, cache.max_seq,
                             bool(cfg.rope_interleaved), 1.0 / math.sqrt(hd), out.data_ptr())
         return out
