@@ -3518,10 +3518,11 @@ void FN(si_sparse_i8_ups)(const int8_t *rows, size_t bundle_bytes, const float *
  * both rows (gate in the low half, up in the high), and a group of I8B_GROUP down rows is
  * converted to float once and added to every token's out. Each token's numbers are those of a
  * call for it alone, bit for bit (tests/cpu/test_sparse_tokens.py):
- * - the rows' bytes go unsigned (w ^ 0x80 = w + 128) into vpdpbusd with the token's x, from a
- *   start of -128 times each lane's 4 x bytes: every 32-bit lane is the exact integer sum of
- *   i8_dots_q's maddubs dot (|w| times x with w's sign), and each 256-bit half then takes
- *   i8_dots_q's float steps lane for lane (p per block, acc, hsum);
+ * - the token's x bytes go unsigned (x ^ 0x80 = x + 128) into vpdpbusd with the rows' bytes,
+ *   from a start of -128 times each lane's 4 w bytes (made once per chunk of the rows for every
+ *   token; a start from x's side instead costs a load per token): every 32-bit lane is the exact
+ *   integer sum of i8_dots_q's maddubs dot (|w| times x with w's sign), and each 256-bit half
+ *   then takes i8_dots_q's float steps lane for lane (p per block, acc, hsum);
  * - h: the tokens' activations in one act8 where it has act's bits (ReLU, SiLU, identity: exp1);
  * - the down rows: every column of a token's out is a chain of fmas over its neurons in idx
  *   order, as i8_axpy's; a neuron the token does not take (masked, or h 0) adds w * 0, which
@@ -3530,12 +3531,10 @@ void FN(si_sparse_i8_ups)(const int8_t *rows, size_t bundle_bytes, const float *
 #define I8B_GROUP 8 /* neurons whose down rows go over out together (16: no faster) */
 #define I8B_MAX_D 16384 /* widest x: a pass's records (below) on the stack, at most 384 KiB */
 
-/* A token's x for the batched pass, per chunk of 32: its 32 bytes, the start of each 4-byte
- * lane's sum (-128 times the lane's x bytes) and the chunk's scale, in one record (one pointer
- * per token in the inner loop). */
+/* A token's x for the batched pass, per chunk of 32: its 32 bytes made unsigned (x ^ 0x80) and
+ * the chunk's scale, in one record (one pointer per token in the inner loop). */
 typedef struct {
-    int8_t q[32];
-    int32_t corr[8];
+    uint8_t u[32];
     float d;
     float pad[7];
 } i8b_x;
@@ -3559,16 +3558,16 @@ INLINE void i8b_dots(const int N, const int8_t *g, const int8_t *u, const float 
         const int j1 = (b + 1) * block < d_model ? (b + 1) * block : d_model;
         for (int j = 0; j < N; j++) p[j] = _mm512_setzero_ps();
         for (int c0 = b * block; c0 < j1; c0 += 32) {
-            const __m512i w = _mm512_xor_si512(
-                _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(g + c0))),
-                                   _mm256_loadu_si256((const __m256i *)(u + c0)), 1), flip);
+            const __m512i w = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(g + c0))),
+                _mm256_loadu_si256((const __m256i *)(u + c0)), 1);
+            const __m512i s0 = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, w));
             const int c = c0 / 32;
             for (int j = 0; j < N; j++) {
-                const __m512i s0 = _mm512_broadcast_i64x4(
-                    _mm256_load_si256((const __m256i *)x[j][c].corr));
                 const __m512i xv = _mm512_broadcast_i64x4(
-                    _mm256_load_si256((const __m256i *)x[j][c].q));
-                const __m512i dot = _mm512_dpbusd_epi32(s0, w, xv);
+                    _mm256_load_si256((const __m256i *)x[j][c].u));
+                const __m512i dot = _mm512_dpbusd_epi32(s0, xv, w);
                 p[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(x[j][c].d), p[j]);
             }
         }
@@ -3628,11 +3627,7 @@ static void i8_batch(const int8_t *rows, size_t bundle_bytes, const float *scale
             const int8_t *q = xq[t0 + j].q;
             i8b_x *rj = recs + (size_t)j * nc;
             for (int c = 0; c < nc; c++) {
-                memcpy(rj[c].q, q + 32 * c, 32);
-                for (int l = 0; l < 8; l++) {
-                    const int8_t *b = q + 32 * c + 4 * l;
-                    rj[c].corr[l] = -128 * (b[0] + b[1] + b[2] + b[3]);
-                }
+                for (int l = 0; l < 32; l++) rj[c].u[l] = (uint8_t)(q[32 * c + l] ^ 0x80);
                 rj[c].d = xq[t0 + j].d[c];
             }
             xs[j] = rj;
