@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import gc
 import os
 import sys
@@ -294,6 +295,9 @@ def main() -> int:
         if v:
             print(f"garbage collections of generation {g}: {len(v)}, p50 {pct(v, 0.5) * 1e3:.2f} "
                   f"max {max(v) * 1e3:.2f} ms, {sum(v) * 1e3:.1f} ms in all")
+    counts = collections.Counter(x[0] for x in its)
+    print("iterations by rows in their step: " +
+          ", ".join(f"{r}: {counts[r]}" for r in sorted(counts)))
     print(f"iterations whose step had {args.parallel} rows (decoding only): {len(full)}")
     for j, name in ((1, "iteration"), (2, "decode_step"), (3, "sampling")):
         v = [x[j] for x in full]

@@ -3580,12 +3580,14 @@ INLINE void i8b_dots(const int N, const int8_t *g, const int8_t *u, const float 
     }
 }
 
-/* out[j] += sum_r h[r][j] s_r[b] down_r over each block b, for the n tokens tk[0..n) of a pass
- * (out: the pass's first token's row; d_model apart), R <= I8B_GROUP down rows; 32 columns at a
- * time (blocks are multiples of 32): their R rows converted once, each token's R coefficients
- * broadcast once for both halves. */
-INLINE void i8b_down(const int R, const int8_t *const *dr, const float *const *ds,
-                     const float (*h)[I8B_TOKENS], const int *tk, const int n, const int d_model,
+/* out[j] += sum_r h[r][j] s_r[b] down_r over each block b, for the N tokens tk[0..N) of a pass
+ * (out: the pass's first token's row; d_model apart), R <= I8B_GROUP down rows (N, R constants
+ * at each call); 32 columns at a time (blocks are multiples of 32): their R rows converted once,
+ * then up to 4 tokens at a time with their 32 sums in registers, each row added to the 4 tokens
+ * in turn — 8 independent fma chains rather than one token's R-long pair of chains (a column's
+ * sum still takes its rows in order, as i8_axpy). */
+INLINE void i8b_down(const int N, const int R, const int8_t *const *dr, const float *const *ds,
+                     const float (*h)[I8B_TOKENS], const int *tk, const int d_model,
                      const int block, float *out) {
     float cs[I8B_GROUP][I8B_TOKENS];
     for (int col = 0; col < d_model; col += 32) {
@@ -3599,18 +3601,45 @@ INLINE void i8b_down(const int R, const int8_t *const *dr, const float *const *d
             w0[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(dr[r] + col)));
             w1[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(dr[r] + col + 16)));
         }
-        for (int q = 0; q < n; q++) {
-            float *o = out + (size_t)tk[q] * d_model + col;
-            __m512 v0 = _mm512_loadu_ps(o), v1 = _mm512_loadu_ps(o + 16);
-            for (int r = 0; r < R; r++) {
-                const __m512 c = _mm512_set1_ps(cs[r][tk[q]]);
-                v0 = _mm512_fmadd_ps(w0[r], c, v0);
-                v1 = _mm512_fmadd_ps(w1[r], c, v1);
+        for (int q0 = 0; q0 < N; q0 += 4) {
+            const int G = N - q0 < 4 ? N - q0 : 4;
+            __m512 v0[4], v1[4];
+            for (int q = 0; q < G; q++) {
+                const float *o = out + (size_t)tk[q0 + q] * d_model + col;
+                v0[q] = _mm512_loadu_ps(o), v1[q] = _mm512_loadu_ps(o + 16);
             }
-            _mm512_storeu_ps(o, v0);
-            _mm512_storeu_ps(o + 16, v1);
+            for (int r = 0; r < R; r++)
+                for (int q = 0; q < G; q++) {
+                    const __m512 c = _mm512_set1_ps(cs[r][tk[q0 + q]]);
+                    v0[q] = _mm512_fmadd_ps(w0[r], c, v0[q]);
+                    v1[q] = _mm512_fmadd_ps(w1[r], c, v1[q]);
+                }
+            for (int q = 0; q < G; q++) {
+                float *o = out + (size_t)tk[q0 + q] * d_model + col;
+                _mm512_storeu_ps(o, v0[q]), _mm512_storeu_ps(o + 16, v1[q]);
+            }
         }
     }
+}
+
+/* i8b_down with N a constant from 1 to I8B_TOKENS (and R = I8B_GROUP a constant too) */
+INLINE void i8b_down_any(const int n, const int R, const int8_t *const *dr, const float *const *ds,
+                         const float (*h)[I8B_TOKENS], const int *tk, const int d_model,
+                         const int block, float *out) {
+#define I8B_DOWN(N)                                                                            \
+    (R == I8B_GROUP ? i8b_down(N, I8B_GROUP, dr, ds, h, tk, d_model, block, out)               \
+                    : i8b_down(N, R, dr, ds, h, tk, d_model, block, out))
+    switch (n) {
+    case 1: I8B_DOWN(1); break;
+    case 2: I8B_DOWN(2); break;
+    case 3: I8B_DOWN(3); break;
+    case 4: I8B_DOWN(4); break;
+    case 5: I8B_DOWN(5); break;
+    case 6: I8B_DOWN(6); break;
+    case 7: I8B_DOWN(7); break;
+    default: I8B_DOWN(8); break;
+    }
+#undef I8B_DOWN
 }
 
 /* The batched pass described above: T tokens (passes of I8B_TOKENS), neurons idx[0..k) in
@@ -3675,9 +3704,7 @@ static void i8_batch(const int8_t *rows, size_t bundle_bytes, const float *scale
             for (int j = 0; j < nt; j++)
                 if (fired >> j & 1) tk[n++] = j;
             const float(*hc)[I8B_TOKENS] = (const float(*)[I8B_TOKENS])h;
-            if (n && R == I8B_GROUP) /* (R a constant) */
-                i8b_down(I8B_GROUP, dr, ds, hc, tk, n, d_model, block, o);
-            else if (n) i8b_down(R, dr, ds, hc, tk, n, d_model, block, o);
+            if (n) i8b_down_any(n, R, dr, ds, hc, tk, d_model, block, o);
         }
     }
 }
