@@ -138,31 +138,60 @@ def test_the_engine_asks_its_budget_and_tells_it_each_steps_time(real_engine_ser
 
 
 def test_time_budget_keeps_a_carrying_step_within_its_ratio_of_the_generating_steps():
-    """``TimeBudget(1.5)`` from the times it is told: before it knows them, as many prompt rows
-    as generating ones; then the rows whose measured cost keeps the step within 1.5 times a
-    step of the generating rows alone (the step of the nearest number of generating rows it has
-    seen), at most twice the last carrying step's, at least 1, at most the chunk; a whole chunk
-    when nothing generates; slower prompt rows give fewer."""
+    """``TimeBudget`` from the step times it is told, fitted as a line (fixed + per_row x rows):
+    before it knows the line, as many prompt rows as generating ones; then the rows that keep
+    the step within the ratio times the line's step of the generating rows alone, at most twice
+    the last carrying step's, at least 1, at most the chunk; a whole chunk when nothing
+    generates; the line follows the costs as they change."""
+    from sparseinfer.server.batching import TimeBudget
+
+    u = 1 / 1024  # times in binary fractions of a second
+    b = TimeBudget(1.6)
+    assert b.rows(0, 64) == 64 and b.rows(4, 64) == 4 and b.rows(4, 2) == 2
+    b.observe(4, 0, 36 * u)  # 4 generating rows alone: 36 u
+    assert b.line() is None and b.rows(4, 64) == 4  # one step size seen: no line yet
+    b.observe(4, 2, 38 * u)  # 2 prompt rows added 2 u: the line 32 u + 1 u a row
+    assert b.line() == pytest.approx((32 * u, 1 * u))
+    assert b.rows(4, 64) == 4  # 0.6 x 36 u / 1 u = 21.6 rows would fit, but at most twice 2
+    for p in (4, 8, 16):
+        b.observe(4, p, (36 + p) * u)
+    assert b.rows(4, 64) == 21 and b.rows(4, 10) == 10
+    assert b.rows(9, 64) == 24  # 0.6 x (32 + 9) u / 1 u = 24.6
+    b.observe(0, 40, 72 * u)  # a prompt alone on the same line: the same budget
+    assert b.rows(4, 64) == 21 and b.rows(0, 64) == 64
+    for i in range(600):  # slower rows now: 32 u + 3 u a row
+        p = 1 + i % 4
+        b.observe(4, p, (32 + 3 * (4 + p)) * u)
+    assert b.line() == pytest.approx((32 * u, 3 * u), rel=0.02)
+    assert b.rows(4, 64) == 8  # 0.6 x 44 u / 3 u = 8.8, within twice the last (4)
+    for i in range(600):  # rows much slower: 32 u + 50 u a row
+        p = 1 + i % 4
+        b.observe(4, p, (32 + 50 * (4 + p)) * u)
+    assert b.rows(4, 64) == 2  # 0.6 x 232 u / 50 u = 2.8
+    for _ in range(600):  # every step of one size: the line is lost, as before it was known
+        b.observe(4, 1, 0.25)
+    assert b.line() is None and b.rows(4, 64) == 4
+
+
+def test_time_budget_under_load_needs_no_step_of_the_generating_rows_alone():
+    """Under load a newcomer's prompt waits at nearly every step, so steps of the generating
+    rows alone are rare: the budget takes their time from the line, not from the lone stream's
+    step seen first (which, standing in for 6 generating rows, charged each prompt row with
+    their cost: one prompt row a step, newcomers waiting while streams ended)."""
+    from sparseinfer.server.batching import TimeBudget
+
+    u = 1 / 1024
+    b = TimeBudget(3.0)
+    b.observe(1, 0, 5.5 * u)  # one stream alone: 4 u + 1.5 u a row
+    for p in (1, 2, 4, 8, 16):  # then 6 generating rows, a prompt at every step
+        b.observe(6, p, (4 + 1.5 * (6 + p)) * u)
+    assert b.rows(6, 64) == 17  # 2 x (4 + 9) u / 1.5 u = 17.3
+    assert b.line() == pytest.approx((4 * u, 1.5 * u))
+
+
+def test_prompt_budget_options():
     from sparseinfer.server.batching import TimeBudget, prompt_budget, RowBudget, WholeChunk
 
-    u = 1 / 256  # times in binary fractions of a second: the arithmetic exact
-    b = TimeBudget(1.5)
-    assert b.rows(0, 64) == 64 and b.rows(4, 64) == 4 and b.rows(4, 2) == 2
-    b.observe(4, 0, 32 * u)  # 4 generating rows alone: 32 u; the budget 1.5 x that: 16 u more
-    assert b.rows(4, 64) == 4  # the prompt rows' cost not known yet
-    b.observe(4, 2, 34 * u)  # 2 prompt rows added 2 u: 1 u a row
-    assert b.rows(4, 64) == 4  # 16 rows would fit, but at most twice the last 2
-    b.observe(4, 4, 36 * u)
-    b.observe(4, 8, 40 * u)
-    assert b.rows(4, 64) == 16 and b.rows(4, 10) == 10
-    assert b.rows(8, 64) == 16  # 8 generating rows: the nearest seen (4) stands in
-    b.observe(4, 16, 32 * u + 16 * 13 * u)  # slower now: 13 u a row; the average 1 + 12 / 4 = 4
-    assert b.rows(4, 64) == 4  # 16 u / 4 u
-    for _ in range(30):
-        b.observe(4, 1, 1.0)  # a prompt row costing 0.9 s
-    assert b.rows(4, 64) == 1
-    b.observe(0, 7, 5.0)  # a step with nothing generating changes nothing
-    assert b.rows(4, 64) == 1 and b.rows(0, 64) == 64
     for bad in (1.0, 0.5, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="ratio: expected a finite number > 1"):
             TimeBudget(bad)

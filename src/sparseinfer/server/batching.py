@@ -12,9 +12,9 @@ One loop thread owns the model. Each of its iterations, at a token boundary:
 3. takes prompt rows of the oldest sequence still reading its prompt: a whole chunk
    (``prefill_chunk`` tokens) while nothing generates, and while something does as many as the
    ``PromptBudget`` gives (Sarathi-Serve's token budget): by default ``TimeBudget``, the rows
-   that keep the step within 3 times a step of the generating rows alone by the step times
-   measured so far (at 7B a whole chunk held every running stream for over half a second; a
-   tighter ratio holds them less and delays the newcomer's first token more:
+   that keep the step within 3 times a step of the generating rows alone by a line fitted to
+   the step times measured so far (at 7B a whole chunk held every running stream for over half
+   a second; a tighter ratio holds them less and delays the newcomer's first token more:
    benchmarks/RESULTS.md), or a fixed ``RowBudget``, or ``WholeChunk``;
 4. runs one ``models.batch.decode_step`` over the next token of every sequence that is
    generating and the prompt chunk's tokens (as llama.cpp's server mixes them in one batch):
@@ -99,50 +99,58 @@ class RowBudget(PromptBudget):
 
 class TimeBudget(PromptBudget):
     """While something generates, the prompt rows that keep a step within ``ratio`` times a step
-    of the generating rows alone: from the measured times of those steps (by how many rows
-    generate) and of the prompt rows each carrying step added, both as moving averages. Until
-    both are known a step takes as many prompt rows as rows generate; after that at most twice
-    what the last carrying step took, so a wrong estimate costs one step, not a whole chunk."""
+    of the generating rows alone, from a line fitted to the measured step times: seconds =
+    fixed + per_row x rows (generating and prompt rows alike: each a token through the model),
+    by least squares over the recent steps (each older step's weight times ``DECAY``). A step of
+    g generating rows alone then takes fixed + per_row x g, and n prompt rows add per_row x n.
+    Steps of the generating rows alone are rare under load (a newcomer's prompt waits at nearly
+    every step), so both come from the line; taking them from such steps only left a stale
+    estimate standing for a larger batch and charged the prompt rows with the difference
+    (benchmarks/RESULTS.md, session 41). Until the line is known (steps of different sizes
+    seen) a step takes as many prompt rows as rows generate; after that at most twice what the
+    last carrying step took, so a wrong estimate costs one step, not a whole chunk."""
 
-    SMOOTH = 0.25  # the weight of each new time in the moving averages
+    DECAY = 0.98  # the weight each step's time loses per later step
+    MIN_SPREAD = 0.25  # the rows' weighted variance below which the line is not known
 
     def __init__(self, ratio: float = 3.0) -> None:
         if not 1.0 < ratio < math.inf:
             raise ValueError(f"ratio: expected a finite number > 1, got {ratio}")
         self.ratio = ratio
-        self.step_s: dict[int, float] = {}  # generating rows -> seconds of a step of them alone
-        self.row_s: float | None = None  # seconds one prompt row adds to a step
+        self._sums = [0.0] * 5  # weighted count, rows, seconds, rows^2, rows x seconds
         self.last = 0  # prompt rows the last step that carried some took
 
-    def _alone(self, decoding: int) -> float | None:
-        if not self.step_s:
+    def line(self) -> tuple[float, float] | None:
+        """(fixed, per_row) seconds of the fitted line, or None before it is known."""
+        w, x, y, xx, xy = self._sums
+        if w <= 0.0:
             return None
-        return self.step_s[min(self.step_s, key=lambda n: (abs(n - decoding), n))]
+        mx, my = x / w, y / w
+        var = xx / w - mx * mx
+        if var < self.MIN_SPREAD:
+            return None
+        per_row = max((xy / w - mx * my) / var, 1e-9)  # noise can tilt it below 0
+        return max(my - per_row * mx, 0.0), per_row
 
     def rows(self, decoding: int, chunk: int) -> int:
         if not decoding:
             return chunk
-        alone = self._alone(decoding)
-        if alone is None or self.row_s is None:
+        fit = self.line()
+        if fit is None:
             n = decoding
         else:
-            n = int((self.ratio - 1.0) * alone / max(self.row_s, 1e-9))
+            fixed, per_row = fit
+            n = int((self.ratio - 1.0) * (fixed + per_row * decoding) / per_row)
             n = min(n, 2 * max(1, self.last))
         return max(1, min(chunk, n))
 
     def observe(self, decoding: int, prompt: int, seconds: float) -> None:
-        if not decoding:
-            return
-        if not prompt:
-            old = self.step_s.get(decoding)
-            self.step_s[decoding] = seconds if old is None else old + self.SMOOTH * (seconds - old)
-            return
-        self.last = prompt
-        alone = self._alone(decoding)
-        if alone is None:
-            return
-        row = max(seconds - alone, 0.0) / prompt
-        self.row_s = row if self.row_s is None else self.row_s + self.SMOOTH * (row - self.row_s)
+        if decoding and prompt:
+            self.last = prompt
+        rows = decoding + prompt
+        self._sums = [self.DECAY * v for v in self._sums]
+        for i, v in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+            self._sums[i] += v
 
 
 def prompt_budget(step_rows: int = 0, step_ratio: float = 3.0) -> PromptBudget:
