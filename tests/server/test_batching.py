@@ -137,6 +137,71 @@ def test_the_engine_asks_its_budget_and_tells_it_each_steps_time(real_engine_ser
     assert all(s > 0 for *_, s in threes.seen)
 
 
+def test_one_step_takes_the_next_prompt_when_the_oldest_ends_within_its_rows(real_engine_server):
+    """Prompt rows are taken oldest first across the waiting prompts: a step whose budget
+    outlasts the oldest prompt's remaining rows goes on into the next one's (both in one step,
+    each in its own slot, beside the generating row), and every sequence's tokens are those it
+    gets served alone (seeded sampling)."""
+    from sparseinfer.config import SamplingParams
+    from sparseinfer.engine import TokenEvent
+    from sparseinfer.server.batching import BatchEngine, PromptBudget
+
+    class Gate(PromptBudget):  # 2 prompt rows, once the second newcomer waits; then all
+        def __init__(self):
+            self.calls, self.seen, self.go = 0, [], threading.Event()
+
+        def rows(self, decoding, chunk):
+            if not decoding:  # the first sequence's own prompt
+                return chunk
+            self.calls += 1
+            if self.calls == 1:
+                assert self.go.wait(60)
+                return 2
+            return 1000
+
+        def observe(self, decoding, prompt, seconds):
+            self.seen.append((decoding, prompt))
+
+    _, engine, *_ = real_engine_server
+    ids = [engine.encode(t) for t in ("Once upon a time", "The history of the city of London",
+                                      "My favourite food is")]
+    params = [SamplingParams(max_tokens=m, temperature=0.9, seed=s, ignore_eos=True)
+              for m, s in ((24, 5), (6, 6), (6, 7))]
+
+    def tokens(events):
+        return [e.token_id for e in events if isinstance(e, TokenEvent) and e.token_id >= 0]
+
+    alone = BatchEngine(engine, parallel=1, cache_prompt=False)
+    try:
+        want = [tokens(alone.stream(i, p)) for i, p in zip(ids, params)]
+    finally:
+        alone.close()
+    gate = Gate()
+    be = BatchEngine(engine, parallel=3, budget=gate, cache_prompt=False)
+    try:
+        a = be.stream(ids[0], params[0])
+        got = [tokens([next(a)]), None, None]  # the first token: ids[0] is generating now
+
+        def run(i):
+            got[i] = tokens(be.stream(ids[i], params[i]))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in (1, 2)]
+        threads[0].start()
+        assert wait_until(lambda: gate.calls == 1, 60)  # the first newcomer's step waits
+        threads[1].start()
+        assert wait_until(lambda: len(be._incoming) == 1, 60)  # the second newcomer too
+        gate.go.set()
+        for t in threads:
+            t.join(120)
+        got[0] += tokens(a)
+    finally:
+        be.close()
+    assert got == want
+    both = len(ids[1]) - 2 + len(ids[2])  # the first prompt's rest and the whole second one
+    assert (1, 2) in gate.seen and (1, both) in gate.seen
+    assert be.max_batch == 3
+
+
 def test_time_budget_keeps_a_carrying_step_within_its_ratio_of_the_generating_steps():
     """``TimeBudget`` from the step times it is told, fitted as a line (fixed + per_row x rows):
     before it knows the line, as many prompt rows as generating ones; then the rows that keep

@@ -46,8 +46,9 @@ def decode_step(model: Transformer, tokens: Tensor, positions: Tensor, cache: KV
     None for the torch one (``Attention.attend_rows``).
 
     Several rows may be one sequence at consecutive positions (a prompt chunk riding along with
-    the decoding rows, in position order): every row's key and value are in the cache before any
-    row attends, and each row sees its slot only up to its own position. ``logit_rows`` (R,):
+    the decoding rows, in position order; the chunks of several prompts each in its own slot):
+    every row's key and value are in the cache before any row attends, and each row sees its
+    slot only up to its own position. ``logit_rows`` (R,):
     the rows whose logits are wanted (the others skip the output head); returns (R, V)."""
     B = tokens.shape[0]
     if int(positions.max()) >= cache.max_seq:

@@ -9,8 +9,9 @@ One loop thread owns the model. Each of its iterations, at a token boundary:
    again — only where that changes no number (``Transformer.rows_exact``);
 2. drops sequences whose consumer stopped (stop string, cancelled, client gone): the slot is
    free for the next one;
-3. takes prompt rows of the oldest sequence still reading its prompt: a whole chunk
-   (``prefill_chunk`` tokens) while nothing generates, and while something does as many as the
+3. takes prompt rows of the sequences still reading their prompts, oldest first (the next one's
+   when a prompt ends within the step's rows): a whole chunk (``prefill_chunk`` tokens) while
+   nothing generates, and while something does as many as the
    ``PromptBudget`` gives (Sarathi-Serve's token budget): by default ``TimeBudget``, the rows
    that keep the step within 3 times a step of the generating rows alone by a line fitted to
    the step times measured so far (at 7B a whole chunk held every running stream for over half
@@ -406,30 +407,32 @@ class BatchEngine:
         positions = [s.pos for s in decoding]
         slots = [s.slot for s in decoding]
         takers = list(decoding)  # the sequences that get a logits row, in row order
+        logit_rows = list(range(len(decoding)))
         prefilling = [s for s in self._active if s.prefilled < len(s.prompt)]
-        if prefilling:  # 3. the oldest prompt's next rows, as more rows of the same step
-            seq = prefilling[0]
-            start = seq.prefilled
+        if prefilling:  # 3. prompts' next rows, oldest first, as more rows of the same step
             take = self.budget.rows(len(decoding), self.prefill_chunk)
-            chunk = seq.prompt[start:start + take]
-            tokens += chunk
-            positions += range(start, start + len(chunk))
-            slots += [seq.slot] * len(chunk)
-            seq.prefilled += len(chunk)
-            if seq.prefilled == len(seq.prompt):
-                takers.append(seq)
+            for seq in prefilling:
+                if take <= 0:
+                    break
+                start = seq.prefilled
+                chunk = seq.prompt[start:start + take]
+                tokens += chunk
+                positions += range(start, start + len(chunk))
+                slots += [seq.slot] * len(chunk)
+                seq.prefilled += len(chunk)
+                take -= len(chunk)
+                if seq.prefilled == len(seq.prompt):  # its last row: its first token
+                    takers.append(seq)
+                    logit_rows.append(len(tokens) - 1)
         if not tokens:
             return
-        logit_rows = list(range(len(decoding)))
-        if len(takers) > len(decoding):  # the prompt's last row: its first token
-            logit_rows.append(len(tokens) - 1)
         t0 = time.perf_counter()
         logits = decode_step(self.model, torch.tensor(tokens), torch.tensor(positions),  # 4.
                              self.cache, torch.tensor(slots), self._kernel,
                              torch.tensor(logit_rows, dtype=torch.long))
         self.budget.observe(len(decoding), len(tokens) - len(decoding), time.perf_counter() - t0)
         self.steps += 1
-        self.max_batch = max(self.max_batch, len(decoding) + bool(prefilling))
+        self.max_batch = max(self.max_batch, len(set(slots)))
         if decoding:
             self.max_rows_decoding = max(self.max_rows_decoding, len(tokens))
         for row, seq in enumerate(takers):  # 5. sample each sequence's row
