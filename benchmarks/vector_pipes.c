@@ -45,7 +45,8 @@ static void cpu_model(char *out, size_t n) {
 int main(void) {
     char cpu[256];
     cpu_model(cpu, sizeof cpu);
-    printf("# %s; one thread; 512-bit operations per ns (8 independent chains each)\n", cpu);
+    printf("# %s; one thread; 512-bit operations per ns (%d independent chains each)\n", cpu,
+           CHAINS);
     __m512 a[CHAINS], f[CHAINS];
     __m512i q[CHAINS];
     const __m512 b = _mm512_set1_ps(1.0000001f), c = _mm512_set1_ps(1e-9f);
