@@ -3643,7 +3643,9 @@ INLINE void i8b_down_any(const int n, const int R, const int8_t *const *dr, cons
 }
 
 /* The batched pass described above: T tokens (passes of I8B_TOKENS), neurons idx[0..k) in
- * groups of I8B_GROUP. */
+ * groups of I8B_GROUP; short bundles (up to I8_PF_BUNDLE bytes, as the one-token path's) have
+ * the next group's bundles and scales fetched while a group is worked — from memory the reads
+ * and the arithmetic did not overlap without it (benchmarks/RESULTS.md, session 41). */
 static void i8_batch(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
                      int block, const int32_t *idx, int k, const uint8_t *mask, size_t mstride,
                      const si_xq *xq, int T, int d_model, int ga, int ua, float *out) {
@@ -3664,6 +3666,13 @@ static void i8_batch(const int8_t *rows, size_t bundle_bytes, const float *scale
         float *o = out + (size_t)t0 * d_model;
         for (int i = 0; i < k; i += I8B_GROUP) {
             const int R = k - i < I8B_GROUP ? k - i : I8B_GROUP;
+            if (bundle_bytes <= I8_PF_BUNDLE) /* short rows: the next group's bundles ahead */
+                for (int n = i + I8B_GROUP; n < i + 2 * I8B_GROUP && n < k; n++) {
+                    prefetch((const uint8_t *)rows + (size_t)idx[n] * bundle_bytes,
+                             (int)bundle_bytes, 0);
+                    prefetch((const uint8_t *)(scales + (size_t)idx[n] * 3 * nbk),
+                             (int)(3 * nbk * sizeof(float)), 0);
+                }
             float h[I8B_GROUP][I8B_TOKENS] = {{0}};
             const int8_t *dr[I8B_GROUP];
             const float *ds[I8B_GROUP];
