@@ -3622,23 +3622,28 @@ INLINE void i8b_down(const int N, const int R, const int8_t *const *dr, const fl
     }
 }
 
-/* i8b_down with N a constant from 1 to I8B_TOKENS (and R = I8B_GROUP a constant too) */
+/* F(N) with N the constant equal to n, for n from 1 to I8B_TOKENS (the passes' per-token
+ * accumulators then stay in registers) */
+#define I8B_BY_N(n, F)                                                                         \
+    switch (n) {                                                                               \
+    case 1: F(1); break;                                                                       \
+    case 2: F(2); break;                                                                       \
+    case 3: F(3); break;                                                                       \
+    case 4: F(4); break;                                                                       \
+    case 5: F(5); break;                                                                       \
+    case 6: F(6); break;                                                                       \
+    case 7: F(7); break;                                                                       \
+    default: F(8); break;                                                                      \
+    }
+
+/* i8b_down with N a constant (and R = I8B_GROUP a constant too) */
 INLINE void i8b_down_any(const int n, const int R, const int8_t *const *dr, const float *const *ds,
                          const float (*h)[I8B_TOKENS], const int *tk, const int d_model,
                          const int block, float *out) {
 #define I8B_DOWN(N)                                                                            \
     (R == I8B_GROUP ? i8b_down(N, I8B_GROUP, dr, ds, h, tk, d_model, block, out)               \
                     : i8b_down(N, R, dr, ds, h, tk, d_model, block, out))
-    switch (n) {
-    case 1: I8B_DOWN(1); break;
-    case 2: I8B_DOWN(2); break;
-    case 3: I8B_DOWN(3); break;
-    case 4: I8B_DOWN(4); break;
-    case 5: I8B_DOWN(5); break;
-    case 6: I8B_DOWN(6); break;
-    case 7: I8B_DOWN(7); break;
-    default: I8B_DOWN(8); break;
-    }
+    I8B_BY_N(n, I8B_DOWN)
 #undef I8B_DOWN
 }
 
@@ -3685,18 +3690,9 @@ static void i8_batch(const int8_t *rows, size_t bundle_bytes, const float *scale
                 for (int j = 0; j < nt; j++)
                     if (!mask || mask[(size_t)(t0 + j) * mstride + i + r]) tk[n++] = j;
                 float zg[I8B_TOKENS] = {0}, zu[I8B_TOKENS] = {0};
+                if (!n) continue;
 #define I8B_DOTS(N) i8b_dots(N, base, base + d_model, sb, sb + nbk, xs, tk, d_model, block, zg, zu)
-                switch (n) {
-                case 0: continue;
-                case 1: I8B_DOTS(1); break;
-                case 2: I8B_DOTS(2); break;
-                case 3: I8B_DOTS(3); break;
-                case 4: I8B_DOTS(4); break;
-                case 5: I8B_DOTS(5); break;
-                case 6: I8B_DOTS(6); break;
-                case 7: I8B_DOTS(7); break;
-                default: I8B_DOTS(8); break;
-                }
+                I8B_BY_N(n, I8B_DOTS)
 #undef I8B_DOTS
                 float hv[I8B_TOKENS];
                 if (ga <= SI_ACT_SILU && ua <= SI_ACT_SILU) /* act8's lanes: act's bits */
