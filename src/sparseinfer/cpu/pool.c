@@ -783,17 +783,26 @@ int si_sparse_q4_gates(const void *bundles, size_t bundle_bytes, const int32_t *
  * apart as q4 rows (d_ff of them, gate_stride bytes apart; needs round_x): the gates are their
  * products (as si_sparse_q4_gates computes them) and a bundle's int8 rows read are its up and
  * down rows only, its last two (n_mats 2: the bundles hold no gate row; 3: it is skipped). */
+/* Whether int8 bundles of n_mats rows with scales per block (x rounded or not), a ReLU gate's
+ * rows possibly apart as q4 rows (gates, gate_stride bytes apart), are not what si_sparse_i8
+ * takes (d_model's own multiple aside: sparse_args). */
+static int i8_bundles_bad(int d_model, int block, int round_x, int gated, int ga, int n_mats,
+                          const void *gates, size_t gate_stride) {
+    if (block <= 0 || block % (round_x ? 32 : 8) || block > d_model) return 1;
+    if (gates && (!gated || ga != SI_ACT_RELU || !round_x ||
+                  gate_stride < (size_t)d_model / 32 * 18))
+        return 1;
+    return n_mats != (gated && !gates ? 3 : 2) && !(gates && n_mats == 3);
+}
+
 int si_sparse_i8(const void *rows, const float *scales, int block, int gated, int n_mats,
                  const int32_t *idx, int k, const uint8_t *mask, int d_ff, const float *x,
                  int round_x, int T, int d_model, int ga, int ua, const float *bias, float *out,
                  const void *gates, size_t gate_stride) {
     const int err = sparse_args(d_model, round_x ? 32 : 8, T, k, ga, ua, idx, d_ff);
     if (err) return err;
-    if (block <= 0 || block % (round_x ? 32 : 8) || block > d_model) return EINVAL;
-    if (gates && (!gated || ga != SI_ACT_RELU || !round_x ||
-                  gate_stride < (size_t)d_model / 32 * 18))
+    if (i8_bundles_bad(d_model, block, round_x, gated, ga, n_mats, gates, gate_stride))
         return EINVAL;
-    if (n_mats != (gated && !gates ? 3 : 2) && !(gates && n_mats == 3)) return EINVAL;
     const int nm = n_mats;
     sparse_job_t j = {rows, (size_t)nm * d_model, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx,
                       mask, bias, out, NULL, x, scales, (d_model + block - 1) / block, block,
@@ -1049,11 +1058,9 @@ static int sparse_ffn_bad(const si_block_desc *d) {
     const si_sparse_ffn *s = &d->sparse;
     const int D = d->d_model;
     if (D % 32) return 1;
-    if (s->gates ? !s->scales || !d->gated || d->gate_act != SI_ACT_RELU || !s->round_x ||
-                       s->gate_stride < (size_t)D / 32 * 18 || (s->n_mats != 2 && s->n_mats != 3)
-                 : s->n_mats != (d->gated ? 3 : 2))
-        return 1;
-    if (s->scales && (s->block <= 0 || s->block % (s->round_x ? 32 : 8) || s->block > D))
+    if (s->scales ? i8_bundles_bad(D, s->block, s->round_x, d->gated, d->gate_act, s->n_mats,
+                                   s->gates, s->gate_stride)
+                  : s->gates || s->n_mats != (d->gated ? 3 : 2)) /* q4 bundles */
         return 1;
     if (s->fc1 && (!s->fc2 || !s->thr || s->rank <= 0 || s->rank % 32)) return 1;
     return 0;
