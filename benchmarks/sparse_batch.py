@@ -13,7 +13,7 @@ the one-token call (no mask). Prints the CPU, the median µs per call and per to
 stays in cache between calls (SmolLM2's 2.7 MB of int8 rows): the arithmetic, not the read.
 To compare two trees, run it with each tree's ``PYTHONPATH`` in turn.
 
-``--cold``: instead, one token through every layer in turn (each layer's own random set of
+``--cold``: instead, the T tokens through every layer in turn (each layer's own random sets of
 ``--density``), so the rows come from memory as in decoding: ms per sweep, the bundles' and
 scales' bytes read per second, and the streaming read probe of the same thread count beside it.
 """
@@ -82,27 +82,35 @@ def cold(engine, a) -> None:
     from sparseinfer.sparse import kernels
 
     ffns = [layer.ffn.packed for layer in engine.model.layers]
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(ffns[0].d_model, generator=g)
-    sets = [torch.nonzero(torch.rand(f.d_ff, generator=g) < a.density).reshape(-1).to(torch.int32)
-            for f in ffns]
-    out = torch.empty(ffns[0].d_model)
-
-    def sweep():
-        for f, idx in zip(ffns, sets):
-            kernels.sparse_ffn(x, f, idx, out)
-
-    nbytes = sum(len(idx) * (f.rows[0].numel() * f.rows.element_size()
-                             + (f.scales[0].numel() * 4 if f.scales is not None else 0))
-                 for f, idx in zip(ffns, sets))
-    for _ in range(20):
-        sweep()
-    t = statistics.median(timeit(sweep, max(a.repeats // 4, 20)))
-    probe = measure_read_bandwidth(a.threads)
     print(f"# {cpu_model()}; kernels {cpu.get_isa()}; threads {a.threads}; {engine.name}: "
-          f"{len(ffns)} layers of {ffns[0].dtype} rows, one token, density {a.density}")
-    print(f"sweep {t * 1e3:.2f} ms, {nbytes / 1e6:.1f} MB: {nbytes / t / 1e9:.1f} GB/s; "
-          f"read probe {probe:.1f} GB/s ({nbytes / t / 1e9 / probe:.0%})")
+          f"{len(ffns)} layers of {ffns[0].dtype} rows, density {a.density}")
+    for T in (int(t) for t in a.tokens.split(",")):
+        g = torch.Generator().manual_seed(T)
+        x = torch.randn(T, ffns[0].d_model, generator=g)
+        calls = []  # per layer: the union, the tokens' masks over it (None for one token)
+        for f in ffns:
+            own = torch.rand(T, f.d_ff, generator=g) < a.density
+            idx = torch.nonzero(own.any(0)).reshape(-1).to(torch.int32)
+            calls.append((f, idx, own[:, idx.long()].contiguous() if T > 1 else None))
+        out = torch.empty(T, ffns[0].d_model)
+
+        def sweep():
+            for f, idx, mask in calls:
+                if mask is None:
+                    kernels.sparse_ffn(x[0], f, idx, out[0])
+                else:
+                    kernels.sparse_ffn_batch(x, f, idx, out, mask)
+
+        nbytes = sum(len(idx) * (f.rows[0].numel() * f.rows.element_size()
+                                 + (f.scales[0].numel() * 4 if f.scales is not None else 0))
+                     for f, idx, _ in calls)
+        for _ in range(20):
+            sweep()
+        t = statistics.median(timeit(sweep, max(a.repeats // 4, 20)))
+        probe = measure_read_bandwidth(a.threads)
+        print(f"T {T}: sweep {t * 1e3:.2f} ms ({t * 1e3 / T:.2f} a token), {nbytes / 1e6:.1f} MB: "
+              f"{nbytes / t / 1e9:.1f} GB/s; read probe {probe:.1f} GB/s "
+              f"({nbytes / t / 1e9 / probe:.0%})")
 
 
 if __name__ == "__main__":

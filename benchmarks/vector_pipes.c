@@ -2,7 +2,8 @@
  * vfmadd / vpdpbusd / vcvtdq2ps / vaddps, alone and in pairs (operations per ns; a pair whose two
  * kinds share pipes runs at about half the ops of either alone). For the batched int8 pass
  * (i8_batch in src/sparseinfer/cpu/kernels.c): its dots cost one vpdpbusd, one vcvtdq2ps and two
- * fmas per token and chunk, so how these four share pipes bounds it.
+ * fmas per token and chunk, so how these four share pipes bounds it; from 3 tokens in a group
+ * it rearranges 8 rows with two-source and 128-bit-lane shuffles first (i8p_rows).
  *
  *     cc -O3 -march=native benchmarks/vector_pipes.c -o /tmp/vector_pipes && /tmp/vector_pipes
  *
@@ -76,6 +77,18 @@ int main(void) {
         f[j] = _mm512_fmadd_ps(f[j], b, c); a[j] = _mm512_add_ps(a[j], b))
     RUN("dpbusd + cvtdq2ps", 2, { KEEP(q); KEEP(a); },
         q[j] = _mm512_dpbusd_epi32(q[j], w, x); a[j] = _mm512_cvtepi32_ps(_mm512_castps_si512(a[j])))
+    /* the batched pass's rearranging of 8 rows (i8p_rows): two-source and 128-bit-lane shuffles */
+    const __m512i pidx = _mm512_set_epi64(13, 9, 5, 1, 12, 8, 4, 0);
+    RUN("vpermt2q", 1, KEEP(q), q[j] = _mm512_permutex2var_epi64(q[j], pidx, w))
+    RUN("vshufi64x2", 1, KEEP(q), q[j] = _mm512_shuffle_i64x2(q[j], w, 0x44))
+    RUN("dpbusd + vpermt2q", 2, { KEEP(q); KEEP(f); },
+        q[j] = _mm512_dpbusd_epi32(q[j], w, x);
+        f[j] = _mm512_castsi512_ps(_mm512_permutex2var_epi64(_mm512_castps_si512(f[j]), pidx, w)))
+    RUN("dpbusd + vshufi64x2", 2, { KEEP(q); KEEP(f); },
+        q[j] = _mm512_dpbusd_epi32(q[j], w, x);
+        f[j] = _mm512_castsi512_ps(_mm512_shuffle_i64x2(_mm512_castps_si512(f[j]), w, 0x44)))
+    RUN("fma + vpermt2q", 2, { KEEP(f); KEEP(q); },
+        f[j] = _mm512_fmadd_ps(f[j], b, c); q[j] = _mm512_permutex2var_epi64(q[j], pidx, w))
 #undef RUN
     float s = 0;
     for (int i = 0; i < CHAINS; i++)

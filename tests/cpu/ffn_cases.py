@@ -35,3 +35,10 @@ def idx_of(d_ff: int, k: int, seed: int) -> torch.Tensor:
     """k of d_ff neurons drawn with ``seed``, ascending, int32."""
     g = torch.Generator().manual_seed(seed)
     return torch.sort(torch.randperm(d_ff, generator=g)[:k])[0].to(torch.int32)
+
+
+def batched_int8(kind: str, isa: str) -> bool:
+    """Whether a call of several tokens over int8 rows of FFN ``kind`` takes the batched int8
+    pass (``i8_batch`` in kernels.c: AVX-512, a gate that is not ReLU), whose sums run in another
+    order than a one-token call's."""
+    return isa == "avx512" and kind in ("swiglu", "geglu")

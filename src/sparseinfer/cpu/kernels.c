@@ -3513,22 +3513,26 @@ void FN(si_sparse_i8_ups)(const int8_t *rows, size_t bundle_bytes, const float *
 
 #if SI_AVX512
 /* Several tokens, each with its own set (a mask within the union idx), over gated int8 bundles
- * with x rounded (xq) and a gate that is not ReLU (no gates first): each neuron's gate and up
- * rows are read once for up to I8B_TOKENS tokens, one 512-bit vector holding a 32-wide chunk of
- * both rows (gate in the low half, up in the high), and a group of I8B_GROUP down rows is
- * converted to float once and added to every token's out. Each token's numbers are those of a
- * call for it alone, bit for bit (tests/cpu/test_sparse_tokens.py):
- * - the token's x bytes go unsigned (x ^ 0x80 = x + 128) into vpdpbusd with the rows' bytes,
- *   from a start of -128 times each lane's 4 w bytes (made once per chunk of the rows for every
- *   token; a start from x's side instead costs a load per token): every 32-bit lane is the exact
- *   integer sum of i8_dots_q's maddubs dot (|w| times x with w's sign), and each 256-bit half
- *   then takes i8_dots_q's float steps lane for lane (p per block, acc, hsum);
+ * with x rounded (xq) and a gate that is not ReLU (no gates first): the neurons go I8B_GROUP at
+ * a time, each group's gate and up rows read once for up to I8B_TOKENS tokens and its down rows
+ * converted to float once and added to every token's out.
+ * - the dots (i8p_dots): the group's 8 gate rows (then its 8 up rows) rearranged 32 columns at
+ *   a time so that one vector holds 8 columns of all 8 rows, row r's two 4-byte words in lanes
+ *   2r and 2r + 1; one vpdpbusd with 8 of a token's x bytes broadcast works for every row, and a
+ *   block's scales are applied once per token and 8 rows (an earlier pass that kept a row's
+ *   columns across the lanes applied them per token and row: 1.2-1.3x the time, RESULTS.md);
+ *   x's bytes go unsigned (x ^ 0x80 = x + 128) from a start of -128 times each lane's w bytes,
+ *   made once per chunk of the rows for every token;
  * - h: the tokens' activations in one act8 where it has act's bits (ReLU, SiLU, identity: exp1);
  * - the down rows: every column of a token's out is a chain of fmas over its neurons in idx
- *   order, as i8_axpy's; a neuron the token does not take (masked, or h 0) adds w * 0, which
- *   leaves the sum as it is (out starts at +0 and never becomes -0). */
+ *   order; a neuron the token does not take (masked, or h 0) adds w * 0, which leaves the sum as
+ *   it is (out starts at +0 and never becomes -0).
+ * A token's numbers depend on its own x and neurons only, not on the other tokens of the call
+ * (on one thread: several threads cut the neurons by the masks' work and add their partial sums),
+ * but its sums run in another order than a one-token call's (i8_neurons'): within rounding of
+ * them, not their bits (tests/cpu/test_sparse_tokens.py). */
 #define I8B_TOKENS 8
-#define I8B_GROUP 8 /* neurons whose down rows go over out together (16: no faster) */
+#define I8B_GROUP 8 /* neurons a group: i8p_rows rearranges 8 rows */
 #define I8B_MAX_D 16384 /* widest x: a pass's records (below) on the stack, at most 384 KiB */
 
 /* A token's x for the batched pass, per chunk of 32: its 32 bytes made unsigned (x ^ 0x80) and
@@ -3538,47 +3542,6 @@ typedef struct {
     float d;
     float pad[7];
 } i8b_x;
-
-INLINE __m512 i8b_pair(__m256 lo, __m256 hi) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)),
-                                               _mm256_castps_pd(hi), 1));
-}
-
-/* zg[j], zu[j]: gate row g and up row u (scales gs, us per block) times token tk[j]'s x, for N
- * tokens (N a constant at each call: the accumulators stay in registers). */
-INLINE void i8b_dots(const int N, const int8_t *g, const int8_t *u, const float *gs,
-                     const float *us, const i8b_x *const *xs, const int *tk, const int d_model,
-                     const int block, float *zg, float *zu) {
-    __m512 acc[I8B_TOKENS], p[I8B_TOKENS];
-    const i8b_x *x[I8B_TOKENS];
-    for (int j = 0; j < N; j++) acc[j] = _mm512_setzero_ps(), x[j] = xs[tk[j]];
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const int nbk = (d_model + block - 1) / block;
-    for (int b = 0; b < nbk; b++) {
-        const int j1 = (b + 1) * block < d_model ? (b + 1) * block : d_model;
-        for (int j = 0; j < N; j++) p[j] = _mm512_setzero_ps();
-        for (int c0 = b * block; c0 < j1; c0 += 32) {
-            const __m512i w = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(g + c0))),
-                _mm256_loadu_si256((const __m256i *)(u + c0)), 1);
-            const __m512i s0 = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                                _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, w));
-            const int c = c0 / 32;
-            for (int j = 0; j < N; j++) {
-                const __m512i xv = _mm512_broadcast_i64x4(
-                    _mm256_load_si256((const __m256i *)x[j][c].u));
-                const __m512i dot = _mm512_dpbusd_epi32(s0, xv, w);
-                p[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(x[j][c].d), p[j]);
-            }
-        }
-        const __m512 sv = i8b_pair(_mm256_set1_ps(gs[b]), _mm256_set1_ps(us[b]));
-        for (int j = 0; j < N; j++) acc[j] = _mm512_fmadd_ps(p[j], sv, acc[j]);
-    }
-    for (int j = 0; j < N; j++) {
-        zg[j] = hsum(_mm512_castps512_ps256(acc[j]));
-        zu[j] = hsum(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1)));
-    }
-}
 
 /* out[j] += sum_r h[r][j] s_r[b] down_r over each block b, for the N tokens tk[0..N) of a pass
  * (out: the pass's first token's row; d_model apart), R <= I8B_GROUP down rows (N, R constants
@@ -3622,6 +3585,83 @@ INLINE void i8b_down(const int N, const int R, const int8_t *const *dr, const fl
     }
 }
 
+/* 32 columns from c0 of the 8 rows r[0..8): z[q] holds each row's bytes 8q..8q+7, row r's in
+ * lanes 2r and 2r + 1 (its 64-bit word q). */
+INLINE void i8p_rows(const int8_t *const *r, const int c0, __m512i *z) {
+#define I8P_PAIR(a, b)                                                                         \
+    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r[a] + c0))), \
+                       _mm256_loadu_si256((const __m256i *)(r[b] + c0)), 1)
+    const __m512i a0 = I8P_PAIR(0, 1), a1 = I8P_PAIR(2, 3), a2 = I8P_PAIR(4, 5), a3 = I8P_PAIR(6, 7);
+#undef I8P_PAIR
+    /* a_p: [row 2p's words 0-3, row 2p+1's words 0-3]; c: words 0,1 (lo) or 2,3 (hi) of 4 rows */
+    const __m512i lo = _mm512_set_epi64(13, 9, 5, 1, 12, 8, 4, 0);
+    const __m512i hi = _mm512_set_epi64(15, 11, 7, 3, 14, 10, 6, 2);
+    const __m512i c0l = _mm512_permutex2var_epi64(a0, lo, a1), c0h = _mm512_permutex2var_epi64(a0, hi, a1);
+    const __m512i c1l = _mm512_permutex2var_epi64(a2, lo, a3), c1h = _mm512_permutex2var_epi64(a2, hi, a3);
+    z[0] = _mm512_shuffle_i64x2(c0l, c1l, 0x44), z[1] = _mm512_shuffle_i64x2(c0l, c1l, 0xEE);
+    z[2] = _mm512_shuffle_i64x2(c0h, c1h, 0x44), z[3] = _mm512_shuffle_i64x2(c0h, c1h, 0xEE);
+}
+
+/* -128 times each lane's sum of w bytes over z[0..4): vpdpbusd's start for x made unsigned */
+INLINE __m512i i8p_start(const __m512i *z) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, z[0]);
+    for (int q = 1; q < 4; q++) s = _mm512_dpbusd_epi32(s, flip, z[q]);
+    return _mm512_sub_epi32(_mm512_setzero_si512(), s);
+}
+
+/* The 8 rows' scales of block b, each in its row's 2 lanes. */
+INLINE __m512 i8p_scales(const float *const *s, const int off) {
+    const __m256 v = _mm256_set_ps(s[7][off], s[6][off], s[5][off], s[4][off], s[3][off],
+                                   s[2][off], s[1][off], s[0][off]);
+    return _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                                 _mm512_castps256_ps512(v));
+}
+
+/* Row r's sum (lanes 2r + 2r+1) in lane r of 8. */
+INLINE __m256 i8p_rowsums(const __m512 a) {
+    const __m512 s = _mm512_add_ps(a, _mm512_permute_ps(a, 0xB1));
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(
+        _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0), s));
+}
+
+/* z[j] (lane r: row r): the 8 rows w[0..8) (scales s[r] per block) times token tk[j]'s x, for
+ * N tokens and blocks of B columns (N, B constants at each call: the accumulators stay in
+ * registers; gate and up rows in two calls: both in one spilled its 16 accumulators). */
+INLINE void i8p_dots(const int N, const int B, const int8_t *const *w, const float *const *s,
+                     const i8b_x *const *xs, const int *tk, const int d_model, __m256 *z) {
+    __m512 acc[I8B_TOKENS], p[I8B_TOKENS];
+    const i8b_x *x[I8B_TOKENS];
+    for (int j = 0; j < N; j++) acc[j] = _mm512_setzero_ps(), x[j] = xs[tk[j]];
+    const int nbk = (d_model + B - 1) / B;
+    for (int b = 0; b < nbk; b++) {
+        const int j1 = (b + 1) * B < d_model ? (b + 1) * B : d_model;
+        const __m512 sv = i8p_scales(s, b);
+        for (int c0 = b * B; c0 < j1; c0 += 32) {
+            __m512i wv[4];
+            i8p_rows(w, c0, wv);
+            const __m512i s0 = i8p_start(wv);
+            const int c = c0 / 32;
+            __m512i d[I8B_TOKENS]; /* the tokens' sums side by side: no chain waits on another */
+            for (int j = 0; j < N; j++) d[j] = s0;
+            for (int q = 0; q < 4; q++)
+                for (int j = 0; j < N; j++)
+                    d[j] = _mm512_dpbusd_epi32(
+                        d[j], _mm512_set1_epi64(((const int64_t *)x[j][c].u)[q]), wv[q]);
+            for (int j = 0; j < N; j++) {
+                const __m512 f = _mm512_cvtepi32_ps(d[j]), xd = _mm512_set1_ps(x[j][c].d);
+                if (B == 32) /* one chunk a block: its scales at once */
+                    acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(f, xd), sv, acc[j]);
+                else /* fmas from 0, not mul + add, which the compiler may fuse in some N's */
+                    p[j] = _mm512_fmadd_ps(f, xd, c0 == b * B ? _mm512_setzero_ps() : p[j]);
+            }
+        }
+        if (B != 32)
+            for (int j = 0; j < N; j++) acc[j] = _mm512_fmadd_ps(p[j], sv, acc[j]);
+    }
+    for (int j = 0; j < N; j++) z[j] = i8p_rowsums(acc[j]);
+}
+
 /* F(N) with N the constant equal to n, for n from 1 to I8B_TOKENS (the passes' per-token
  * accumulators then stay in registers) */
 #define I8B_BY_N(n, F)                                                                         \
@@ -3635,6 +3675,17 @@ INLINE void i8b_down(const int N, const int R, const int8_t *const *dr, const fl
     case 7: F(7); break;                                                                       \
     default: F(8); break;                                                                      \
     }
+
+/* i8p_dots for n tokens (1..I8B_TOKENS) and any block (32 a constant) */
+INLINE void i8p_dots_any(const int n, const int block, const int8_t *const *w,
+                         const float *const *s, const i8b_x *const *xs, const int *tk,
+                         const int d_model, __m256 *z) {
+#define I8P_DOTS(N)                                                                            \
+    (block == 32 ? i8p_dots(N, 32, w, s, xs, tk, d_model, z)                                   \
+                 : i8p_dots(N, block, w, s, xs, tk, d_model, z))
+    I8B_BY_N(n, I8P_DOTS)
+#undef I8P_DOTS
+}
 
 /* i8b_down with N a constant (and R = I8B_GROUP a constant too) */
 INLINE void i8b_down_any(const int n, const int R, const int8_t *const *dr, const float *const *ds,
@@ -3671,38 +3722,50 @@ static void i8_batch(const int8_t *rows, size_t bundle_bytes, const float *scale
         float *o = out + (size_t)t0 * d_model;
         for (int i = 0; i < k; i += I8B_GROUP) {
             const int R = k - i < I8B_GROUP ? k - i : I8B_GROUP;
-            if (bundle_bytes <= I8_PF_BUNDLE) /* short rows: the next group's bundles ahead */
-                for (int n = i + I8B_GROUP; n < i + 2 * I8B_GROUP && n < k; n++) {
+            if (bundle_bytes <= I8_PF_BUNDLE) /* short rows: the next group's bundles ahead
+                                                * into L1, the one after into L2 */
+                for (int n = i + I8B_GROUP; n < i + 3 * I8B_GROUP && n < k; n++) {
+                    const int far = n >= i + 2 * I8B_GROUP;
                     prefetch((const uint8_t *)rows + (size_t)idx[n] * bundle_bytes,
-                             (int)bundle_bytes, 0);
+                             (int)bundle_bytes, far);
                     prefetch((const uint8_t *)(scales + (size_t)idx[n] * 3 * nbk),
-                             (int)(3 * nbk * sizeof(float)), 0);
+                             (int)(3 * nbk * sizeof(float)), far);
                 }
             float h[I8B_GROUP][I8B_TOKENS] = {{0}};
             const int8_t *dr[I8B_GROUP];
             const float *ds[I8B_GROUP];
             unsigned fired = 0; /* tokens with some h not 0 among the R neurons */
-            for (int r = 0; r < R; r++) {
-                const int8_t *base = rows + (size_t)idx[i + r] * bundle_bytes;
-                const float *sb = scales + (size_t)idx[i + r] * 3 * nbk;
-                dr[r] = base + 2 * (size_t)d_model, ds[r] = sb + 2 * nbk;
-                int tk[I8B_TOKENS], n = 0;
-                for (int j = 0; j < nt; j++)
-                    if (!mask || mask[(size_t)(t0 + j) * mstride + i + r]) tk[n++] = j;
-                float zg[I8B_TOKENS] = {0}, zu[I8B_TOKENS] = {0};
-                if (!n) continue;
-#define I8B_DOTS(N) i8b_dots(N, base, base + d_model, sb, sb + nbk, xs, tk, d_model, block, zg, zu)
-                I8B_BY_N(n, I8B_DOTS)
-#undef I8B_DOTS
-                float hv[I8B_TOKENS];
-                if (ga <= SI_ACT_SILU && ua <= SI_ACT_SILU) /* act8's lanes: act's bits */
-                    _mm256_storeu_ps(hv, _mm256_mul_ps(act8(ga, _mm256_loadu_ps(zg)),
-                                                       act8(ua, _mm256_loadu_ps(zu))));
-                else
-                    for (int q = 0; q < n; q++) hv[q] = act(ga, zg[q]) * act(ua, zu[q]);
-                for (int q = 0; q < n; q++) {
-                    h[r][tk[q]] = hv[q];
-                    if (hv[q] != 0.0f) fired |= 1u << tk[q];
+            int gt[I8B_TOKENS], ng = 0; /* the tokens taking some of the R neurons */
+            for (int j = 0; j < nt; j++) {
+                int any = !mask;
+                for (int r = 0; r < R && !any; r++) any = mask[(size_t)(t0 + j) * mstride + i + r];
+                if (any) gt[ng++] = j;
+            }
+            if (!ng) continue;
+            const int8_t *gr[I8B_GROUP], *ur[I8B_GROUP];
+            const float *gsc[I8B_GROUP], *usc[I8B_GROUP];
+            for (int r = 0; r < I8B_GROUP; r++) { /* past R: row 0 again, its h left 0 */
+                const int n = idx[i + (r < R ? r : 0)];
+                const int8_t *base = rows + (size_t)n * bundle_bytes;
+                const float *sb = scales + (size_t)n * 3 * nbk;
+                gr[r] = base, ur[r] = base + d_model, dr[r] = base + 2 * (size_t)d_model;
+                gsc[r] = sb, usc[r] = sb + nbk, ds[r] = sb + 2 * nbk;
+            }
+            __m256 zg[I8B_TOKENS], zu[I8B_TOKENS]; /* lane r: neuron i + r */
+            i8p_dots_any(ng, block, gr, gsc, xs, gt, d_model, zg);
+            i8p_dots_any(ng, block, ur, usc, xs, gt, d_model, zu);
+            for (int q = 0; q < ng; q++) {
+                float hv[I8B_GROUP], zgs[I8B_GROUP], zus[I8B_GROUP];
+                if (ga <= SI_ACT_SILU && ua <= SI_ACT_SILU) { /* act8's lanes: act's bits */
+                    _mm256_storeu_ps(hv, _mm256_mul_ps(act8(ga, zg[q]), act8(ua, zu[q])));
+                } else {
+                    _mm256_storeu_ps(zgs, zg[q]), _mm256_storeu_ps(zus, zu[q]);
+                    for (int r = 0; r < R; r++) hv[r] = act(ga, zgs[r]) * act(ua, zus[r]);
+                }
+                const int j = gt[q];
+                for (int r = 0; r < R; r++) {
+                    h[r][j] = !mask || mask[(size_t)(t0 + j) * mstride + i + r] ? hv[r] : 0.0f;
+                    if (h[r][j] != 0.0f) fired |= 1u << j;
                 }
             }
             int tk[I8B_TOKENS], n = 0;
