@@ -398,7 +398,7 @@ class SparseFFN(nn.Module):
     def _union(self, x: Tensor, residual: Tensor | None = None, own: bool = False) -> Tensor:
         """A batch of tokens over the union of their active sets (one read of each active
         neuron's bundle for all tokens: ``kernels.sparse_ffn_batch``); ``own``: each token
-        computes only its own set within the union (C rows), as it would alone."""
+        computes only its own set within the union (C rows): the neurons it would take alone."""
         B, T, D = x.shape
         xf = x.float().reshape(B * T, D).contiguous()
         rows = None
