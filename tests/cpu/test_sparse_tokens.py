@@ -61,16 +61,18 @@ def test_tokens_of_a_batch_are_their_own_calls(kind, dtype, block, T, isa, threa
         assert fired.any(dim=0).sum() > fired.all(dim=0).sum()
 
 
+@pytest.mark.parametrize("kind", ["reglu", "swiglu"])
 @pytest.mark.parametrize("dtype,block", ROWS, ids=["q4", "int8-32", "int8-row"])
-def test_more_tokens_than_a_pass_holds(dtype, block, threads):
-    """40 tokens: more than one pass of the kernels' per-token queues (16), split between the
-    threads by tokens (one call for a token splits its neurons instead, so the sums' order, not
-    the terms, differs); each row as the reference's (on the x the kernel rounds)."""
-    ffn = random_ffn("reglu", 64, 90, seed=0, dtype=dtype, block=block)
+@pytest.mark.parametrize("T", [40, 90])
+def test_more_tokens_than_a_pass_holds(kind, dtype, block, T, threads):
+    """More tokens than one pass of the kernels' per-token queues (16) or the batched int8 pass
+    (8): 40, split between the threads by neurons (into partial sums); 90, by tokens in ranges of
+    whole passes, the last one short. Each row as the reference's (on the x the kernel rounds)."""
+    ffn = random_ffn(kind, 64, 90, seed=0, dtype=dtype, block=block)
     idx = torch.arange(0, 90, 2, dtype=torch.int32)
-    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(2))
-    got = kernels.sparse_ffn_batch(x, ffn, idx, torch.full((40, 64), float("nan")))
-    want = sparse_ffn_batch_ref(ref_x(ffn, x), ffn, idx, torch.empty(40, 64))
+    x = torch.randn(T, 64, generator=torch.Generator().manual_seed(2))
+    got = kernels.sparse_ffn_batch(x, ffn, idx, torch.full((T, 64), float("nan")))
+    want = sparse_ffn_batch_ref(ref_x(ffn, x), ffn, idx, torch.empty(T, 64))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

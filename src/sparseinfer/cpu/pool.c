@@ -611,8 +611,13 @@ static void sparse_part(const sparse_job_t *j, int i0, int k, int t0, int T, flo
 }
 
 /* Up to this many tokens a call splits its neurons between the threads (each neuron's rows read
- * once for all the tokens, into per-chunk partial sums); more, its tokens. */
-#define SPARSE_BY_NEURON_T 8
+ * once for all the tokens, into per-chunk partial sums); more, its tokens, in ranges of whole
+ * passes of the kernels (SPARSE_TOKENS in kernels.c, the batched int8 pass's 8). Split by tokens,
+ * every thread reads every row: a continuous-batching step with a newcomer's prompt rows (9-64)
+ * took 1.8x (16 rows) to 1.3x (32) the time of the split by neurons (benchmarks/RESULTS.md,
+ * session 42); a prompt chunk of 64 rows about the same either way. */
+#define SPARSE_BY_NEURON_T 64
+#define SPARSE_TOKEN_RANGE 16
 
 static void sparse_chunk(const void *jp, int64_t c) {
     const sparse_job_t *j = jp;
@@ -620,9 +625,13 @@ static void sparse_chunk(const void *jp, int64_t c) {
         const int i0 = j->cut[c], i1 = j->cut[c + 1];
         sparse_part(j, i0, i1 - i0, 0, j->T,
                     j->n_chunks == 1 ? j->out : j->part + c * (size_t)j->T * j->d_model);
-    } else { /* token range c, every neuron */
-        const int t0 = (int)(c * j->T / j->n_chunks), t1 = (int)((c + 1) * j->T / j->n_chunks);
-        sparse_part(j, 0, j->k, t0, t1 - t0, j->out + (size_t)t0 * j->d_model);
+    } else { /* token range c (whole passes), every neuron */
+        const int64_t passes = (j->T + SPARSE_TOKEN_RANGE - 1) / SPARSE_TOKEN_RANGE;
+        const int t0 = (int)(c * passes / j->n_chunks) * SPARSE_TOKEN_RANGE;
+        const int t1 = (int)((c + 1) * passes / j->n_chunks) * SPARSE_TOKEN_RANGE;
+        if (t0 < j->T)
+            sparse_part(j, 0, j->k, t0, (t1 < j->T ? t1 : j->T) - t0,
+                        j->out + (size_t)t0 * j->d_model);
     }
 }
 
@@ -675,7 +684,8 @@ static int sparse_run_locked(sparse_job_t *j) {
         j->n_chunks = sparse_ranges(j->k);
         sparse_cuts(j);
     } else {
-        j->n_chunks = j->T < 4 * nt ? j->T : 4 * nt;
+        const int passes = (j->T + SPARSE_TOKEN_RANGE - 1) / SPARSE_TOKEN_RANGE;
+        j->n_chunks = passes < 4 * nt ? passes : 4 * nt;
     }
     int err = !j->scales ? quantize_rows(j->x, j->T, j->d_model, 1, 1, 0)
               : j->round_x ? quantize_rows(j->x, j->T, j->d_model, 1, j->gq != NULL, 0) : 0;
