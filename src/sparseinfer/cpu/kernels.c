@@ -3520,7 +3520,7 @@ void FN(si_sparse_i8_ups)(const int8_t *rows, size_t bundle_bytes, const float *
  *   a time so that one vector holds 8 columns of all 8 rows, row r's two 4-byte words in lanes
  *   2r and 2r + 1; one vpdpbusd with 8 of a token's x bytes broadcast works for every row, and a
  *   block's scales are applied once per token and 8 rows (an earlier pass that kept a row's
- *   columns across the lanes applied them per token and row: 1.2-1.3x the time, RESULTS.md);
+ *   columns across the lanes applied them per token and row: slower, RESULTS.md session 42);
  *   x's bytes go unsigned (x ^ 0x80 = x + 128) from a start of -128 times each lane's w bytes,
  *   made once per chunk of the rows for every token;
  * - h: the tokens' activations in one act8 where it has act's bits (ReLU, SiLU, identity: exp1);

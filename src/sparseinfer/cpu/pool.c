@@ -614,8 +614,8 @@ static void sparse_part(const sparse_job_t *j, int i0, int k, int t0, int T, flo
  * once for all the tokens, into per-chunk partial sums); more, its tokens, in ranges of whole
  * passes of the kernels (SPARSE_TOKENS in kernels.c, the batched int8 pass's 8). Split by tokens,
  * every thread reads every row: a continuous-batching step with a newcomer's prompt rows (9-64)
- * took 1.8x (16 rows) to 1.3x (32) the time of the split by neurons (benchmarks/RESULTS.md,
- * session 42); a prompt chunk of 64 rows about the same either way. */
+ * took longer that way (16 rows: up to twice), a prompt chunk of 64 rows about as long
+ * (benchmarks/RESULTS.md, session 42). */
 #define SPARSE_BY_NEURON_T 64
 #define SPARSE_TOKEN_RANGE 16
 
@@ -644,35 +644,42 @@ static int sparse_ranges(int k) {
     return n < 1 ? 1 : n > nt ? nt : n;
 }
 
-/* Job j's work on neuron idx[i] (masked tokens): the tokens taking it plus two for reading its
- * rows, none when no token does. */
-static int neuron_work(const sparse_job_t *j, int i) {
-    int m = 0;
-    for (int t = 0; t < j->T; t++) m += j->mask[(size_t)t * j->k + i] != 0;
-    return m ? m + 2 : 0;
-}
+/* Scratch of sparse_cuts: the tokens taking each neuron of a masked call. */
+static struct {
+    int32_t *n;
+    size_t cap;
+} SC;
 
 /* Cut job j's k neurons into its n_chunks ranges: of equal length for one token (or no mask),
- * else of about equal work (neuron_work): hot-first sets put the neurons most tokens take
- * first, and ranges of equal length left the thread with the first one working while the other
- * waited. */
-static void sparse_cuts(sparse_job_t *j) {
+ * else of about equal work — a neuron's: the tokens taking it plus two for reading its rows,
+ * none when no token does (the mask counted row by row, contiguous): hot-first sets put the
+ * neurons most tokens take first, and ranges of equal length left the thread with the first one
+ * working while the other waited. 0, or ENOMEM. */
+static int sparse_cuts(sparse_job_t *j) {
     const int n = j->n_chunks, k = j->k;
     if (!j->mask || j->T == 1 || n == 1) {
         for (int c = 0; c <= n; c++) j->cut[c] = (int)((int64_t)c * k / n);
-        return;
+        return 0;
+    }
+    if (grow((void **)&SC.n, &SC.cap, sizeof(int32_t) * (size_t)k)) return ENOMEM;
+    int32_t *taken = SC.n;
+    memset(taken, 0, sizeof(int32_t) * (size_t)k);
+    for (int t = 0; t < j->T; t++) {
+        const uint8_t *m = j->mask + (size_t)t * k;
+        for (int i = 0; i < k; i++) taken[i] += m[i] != 0;
     }
     int64_t total = 0;
-    for (int i = 0; i < k; i++) total += neuron_work(j, i);
+    for (int i = 0; i < k; i++) total += taken[i] ? taken[i] + 2 : 0;
     j->cut[0] = 0;
     int c = 1;
     int64_t run = 0;
     for (int i = 0; i < k && c < n; i++) {
-        run += neuron_work(j, i);
+        run += taken[i] ? taken[i] + 2 : 0;
         while (c < n && run * n >= total * c) j->cut[c++] = i + 1;
     }
     while (c < n) j->cut[c++] = k;
     j->cut[n] = k;
+    return 0;
 }
 
 /* Split job j over the pool (up to SPARSE_BY_NEURON_T tokens: neuron ranges (sparse_ranges)
@@ -682,7 +689,7 @@ static int sparse_run_locked(sparse_job_t *j) {
     const int nt = P.n_workers + 1;
     if (j->T <= SPARSE_BY_NEURON_T) {
         j->n_chunks = sparse_ranges(j->k);
-        sparse_cuts(j);
+        if (sparse_cuts(j)) return ENOMEM;
     } else {
         const int passes = (j->T + SPARSE_TOKEN_RANGE - 1) / SPARSE_TOKEN_RANGE;
         j->n_chunks = passes < 4 * nt ? passes : 4 * nt;
