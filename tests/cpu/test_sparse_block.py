@@ -128,9 +128,9 @@ def test_sparse_rows_are_lone_calls(isa, threads, kind, dtype, block, mode):
     """Three sequences' tokens in one call (``DecodeBlock.rows``): mode 0, each row its own set
     (a mask over the union), gives each row its lone call's numbers — int8 rows its bits (one
     thread: on two, a call's neuron ranges split the union elsewhere than a lone call's set),
-    except through the batched int8 pass (AVX-512, gate not ReLU: sums in another order); mode 2, every neuron, that
-    of a block that selects every neuron; mode 1, the union of the rows' sets, every row over
-    the same neurons (the reference over them)."""
+    except through the batched int8 pass (AVX-512, gate not ReLU: sums in another order);
+    mode 2, every neuron, that of a block that selects every neuron; mode 1, the union of the
+    rows' sets, every row over the same neurons (the reference over them)."""
     seed = 5 + len(kind)
     kw, packed = block_kw(kind, dtype, block, seed, down_bias=True)
     g = torch.Generator().manual_seed(seed)

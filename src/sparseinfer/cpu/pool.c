@@ -619,6 +619,9 @@ static void sparse_part(const sparse_job_t *j, int i0, int k, int t0, int T, flo
 #define SPARSE_BY_NEURON_T 64
 #define SPARSE_TOKEN_RANGE 16
 
+/* The whole passes of SPARSE_TOKEN_RANGE tokens (the last one maybe short) in T tokens. */
+static int token_passes(int T) { return (T + SPARSE_TOKEN_RANGE - 1) / SPARSE_TOKEN_RANGE; }
+
 static void sparse_chunk(const void *jp, int64_t c) {
     const sparse_job_t *j = jp;
     if (j->T <= SPARSE_BY_NEURON_T) { /* neuron range c of every token, into its partial sums */
@@ -626,7 +629,7 @@ static void sparse_chunk(const void *jp, int64_t c) {
         sparse_part(j, i0, i1 - i0, 0, j->T,
                     j->n_chunks == 1 ? j->out : j->part + c * (size_t)j->T * j->d_model);
     } else { /* token range c (whole passes), every neuron */
-        const int64_t passes = (j->T + SPARSE_TOKEN_RANGE - 1) / SPARSE_TOKEN_RANGE;
+        const int64_t passes = token_passes(j->T);
         const int t0 = (int)(c * passes / j->n_chunks) * SPARSE_TOKEN_RANGE;
         const int t1 = (int)((c + 1) * passes / j->n_chunks) * SPARSE_TOKEN_RANGE;
         if (t0 < j->T)
@@ -644,7 +647,7 @@ static int sparse_ranges(int k) {
     return n < 1 ? 1 : n > nt ? nt : n;
 }
 
-/* Scratch of sparse_cuts: the tokens taking each neuron of a masked call. */
+/* Scratch of sparse_cuts: each neuron's work in a masked call. */
 static struct {
     int32_t *n;
     size_t cap;
@@ -662,19 +665,19 @@ static int sparse_cuts(sparse_job_t *j) {
         return 0;
     }
     if (grow((void **)&SC.n, &SC.cap, sizeof(int32_t) * (size_t)k)) return ENOMEM;
-    int32_t *taken = SC.n;
-    memset(taken, 0, sizeof(int32_t) * (size_t)k);
+    int32_t *work = SC.n;
+    memset(work, 0, sizeof(int32_t) * (size_t)k);
     for (int t = 0; t < j->T; t++) {
         const uint8_t *m = j->mask + (size_t)t * k;
-        for (int i = 0; i < k; i++) taken[i] += m[i] != 0;
+        for (int i = 0; i < k; i++) work[i] += m[i] != 0;
     }
     int64_t total = 0;
-    for (int i = 0; i < k; i++) total += taken[i] ? taken[i] + 2 : 0;
+    for (int i = 0; i < k; i++) total += work[i] = work[i] ? work[i] + 2 : 0;
     j->cut[0] = 0;
     int c = 1;
     int64_t run = 0;
     for (int i = 0; i < k && c < n; i++) {
-        run += taken[i] ? taken[i] + 2 : 0;
+        run += work[i];
         while (c < n && run * n >= total * c) j->cut[c++] = i + 1;
     }
     while (c < n) j->cut[c++] = k;
@@ -691,7 +694,7 @@ static int sparse_run_locked(sparse_job_t *j) {
         j->n_chunks = sparse_ranges(j->k);
         if (sparse_cuts(j)) return ENOMEM;
     } else {
-        const int passes = (j->T + SPARSE_TOKEN_RANGE - 1) / SPARSE_TOKEN_RANGE;
+        const int passes = token_passes(j->T);
         j->n_chunks = passes < 4 * nt ? passes : 4 * nt;
     }
     int err = !j->scales ? quantize_rows(j->x, j->T, j->d_model, 1, 1, 0)
@@ -793,13 +796,6 @@ int si_sparse_q4_gates(const void *bundles, size_t bundle_bytes, const int32_t *
     return e;
 }
 
-/* The same over int8 bundles (PackedFFN dtype "int8"): rows int8 [d_ff, n_mats, d_model], scales
- * float32 [d_ff, n_mats, nbk] per block of `block` weights (a multiple of 8, as d_model);
- * x float32 [T, d_model], as is (round_x 0) or rounded to int8 per 32 for the gate/up dot
- * products (round_x 1: block and d_model multiples of 32). gates (or NULL): a ReLU gate's rows
- * apart as q4 rows (d_ff of them, gate_stride bytes apart; needs round_x): the gates are their
- * products (as si_sparse_q4_gates computes them) and a bundle's int8 rows read are its up and
- * down rows only, its last two (n_mats 2: the bundles hold no gate row; 3: it is skipped). */
 /* Whether int8 bundles of n_mats rows with scales per block (x rounded or not), a ReLU gate's
  * rows possibly apart as q4 rows (gates, gate_stride bytes apart), are not what si_sparse_i8
  * takes (d_model's own multiple aside: sparse_args). */
@@ -812,6 +808,13 @@ static int i8_bundles_bad(int d_model, int block, int round_x, int gated, int ga
     return n_mats != (gated && !gates ? 3 : 2) && !(gates && n_mats == 3);
 }
 
+/* si_sparse_q4 over int8 bundles (PackedFFN dtype "int8"): rows int8 [d_ff, n_mats, d_model],
+ * scales float32 [d_ff, n_mats, nbk] per block of `block` weights (a multiple of 8, as d_model);
+ * x float32 [T, d_model], as is (round_x 0) or rounded to int8 per 32 for the gate/up dot
+ * products (round_x 1: block and d_model multiples of 32). gates (or NULL): a ReLU gate's rows
+ * apart as q4 rows (d_ff of them, gate_stride bytes apart; needs round_x): the gates are their
+ * products (as si_sparse_q4_gates computes them) and a bundle's int8 rows read are its up and
+ * down rows only, its last two (n_mats 2: the bundles hold no gate row; 3: it is skipped). */
 int si_sparse_i8(const void *rows, const float *scales, int block, int gated, int n_mats,
                  const int32_t *idx, int k, const uint8_t *mask, int d_ff, const float *x,
                  int round_x, int T, int d_model, int ga, int ua, const float *bias, float *out,
