@@ -37,6 +37,8 @@ def main() -> None:
                    help="sparse files: comma-separated FFN batch modes (auto, union, masked, dense)")
     p.add_argument("--ffn-dtype", default="auto",
                    help="sparse files: the FFN rows (as `run --ffn-dtype`: auto, q4, int8, ...)")
+    p.add_argument("--batch-ffn", default="auto",
+                   help="sparse files: as `run --batch-ffn` (auto, sparse, dense)")
     p.add_argument("--isa", default="auto", help="the C kernels' variant (cpu.set_isa; default "
                    "auto: the CPU's best)")
     a = p.parse_args()
@@ -55,6 +57,8 @@ def main() -> None:
     positions = [int(q) for q in a.positions.split(",")]
     n_ctx = max(positions) + 1
     opts = {} if a.ffn_dtype == "auto" else {"ffn_dtype": a.ffn_dtype}
+    if a.batch_ffn != "auto":
+        opts["batch_ffn"] = a.batch_ffn
     cpu.set_isa(a.isa)
     engine = Engine.load(a.model, n_ctx=n_ctx, threads=a.threads, **opts)
     model = engine.model
@@ -63,7 +67,7 @@ def main() -> None:
     if engine.sparse_info is None and modes != ["auto"]:
         raise SystemExit(f"--batch-mode: {engine.name} has no sparse layers")
     print(f"# {cpu_model()}; kernels {cpu.get_isa()}; threads {a.threads}; {engine.name}; "
-          f"median of {a.repeats}")
+          f"median of {a.repeats}; {engine.loaded.plan.summary().splitlines()[0]}")
     print(f"{'mode':>6} {'rows':>4} {'pos':>5} {'step ms':>8} {'tok/s':>8} {'1-token ms':>10} "
           f"{'x 1-token':>9}")
     gen = torch.Generator().manual_seed(0)

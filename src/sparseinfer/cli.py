@@ -62,6 +62,12 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                          "(by default the file's 4-bit gate rows are kept apart and the kernels "
                          "take the gates from them: less memory, half the bytes read per "
                          "predicted neuron; this option is for comparisons)")
+    sp.add_argument("--batch-ffn", default="auto", choices=["auto", "sparse", "dense"],
+                    help="several rows at once (batched steps of `serve -np N`, prompts): "
+                         "sparse = each row its own predicted neurons over the bundles; dense "
+                         "= every neuron from a dense copy of the FFN held beside them (more "
+                         "memory); auto (default) = dense where the file's predictors select "
+                         "half the neurons or more (a batch's union is then nearly all)")
     sp.add_argument("--ram-budget", type=float, default=None,
                     help="GiB this process may hold, page cache of the model file included: "
                          "the hottest FFN neurons stay in RAM, the rest are read from the file "
@@ -153,7 +159,7 @@ def _engine(args):
                          dtype=args.dtype, dense=args.dense, threshold=args.sparse_threshold,
                          device=args.device, vram_budget=args.vram_budget,
                          ffn_dtype=args.ffn_dtype, q4_gates=not args.no_q4_gates,
-                         mode=args.sparse_mode,
+                         batch_ffn=args.batch_ffn, mode=args.sparse_mode,
                          gpu_index=args.gpu_index, kv_type=args.cache_type,
                          **_disk_options(args))
     if args.dtype == "auto":
@@ -376,7 +382,7 @@ def cmd_info(args) -> int:
         for k in sorted(k for k in src.metadata if k.startswith(("powerinfer.", "sparseinfer."))):
             print(f"  {k} = {src.metadata[k]}")
     plan = make_plan(src, args.dtype, dense=args.dense, ffn_dtype=args.ffn_dtype,
-                     q4_gates=not args.no_q4_gates,
+                     q4_gates=not args.no_q4_gates, batch_ffn=args.batch_ffn,
                      mode=args.sparse_mode, device=args.device, kv_type=args.cache_type,
                      n_ctx=min(args.ctx_size, cfg.max_seq_len), **_disk_options(args))
     print(plan.summary())

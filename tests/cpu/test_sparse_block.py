@@ -181,3 +181,70 @@ def test_sparse_block_errors():
                                 "counts": np.zeros(2, dtype=np.int32)})
     with pytest.raises(ValueError, match=r"counts: expected a numpy int64 array \[2\]"):
         cpu.DecodeBlock(**kw, sparse=bad)
+
+
+@pytest.mark.parametrize("kind,dtype,block", [c for c in CASES if c[1] != "int8+q4g"])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_dense_copy_rows_are_a_dense_blocks(isa, threads, kind, dtype, block):
+    """A sparse block given a dense copy of its FFN (``SparseBlockFFN.w_in`` / ``down``, mode
+    3): several rows at once give a dense block's rows with those matrices, bit for bit (its
+    products, every neuron, counted nowhere); one row stays the sparse FFN's lone call; mode 3
+    without a copy is mode 2, every neuron over the bundles."""
+    seed = 11 + len(kind)
+    k = FFN_KINDS[kind]
+    kw, packed = block_kw(kind, dtype, block, seed, down_bias=True)
+    rng = np.random.default_rng(seed)
+    dense = make(rng, d=D, d_ff=D_FF, gated=k.gated, gate_act=k.gate_act, up_act=k.up_act,
+                 bias=True)
+    w_in_bias = dense["biases"]["w_in"]
+    g = torch.Generator().manual_seed(seed)
+    nkv, hd = kw["n_kv_heads"], kw["head_dim"]
+    slots, positions = [1, 0, 2], [4, 7, 0]
+    kc, vc = torch.randn(3, nkv, S, hd, generator=g), torch.randn(3, nkv, S, hd, generator=g)
+    x = torch.randn(3, D, generator=g)
+    fc1, fc2 = predictor(seed)
+    thr = torch.full((D_FF,), float(logits_of(fc1, fc2, torch.randn(D, generator=g)).median()))
+    pred = cpu.F16Predictor(fc1, fc2, thr)
+
+    def sparse_block(mode, copy):
+        base = spec(packed, pred, False, mode)
+        sp = cpu.SparseBlockFFN(**{**base.__dict__, **(
+            {"w_in": tuple(dense["w_in"]), "down": tuple(dense["down"]),
+             "w_in_bias": w_in_bias} if copy else {})})
+        return cpu.DecodeBlock(**kw, sparse=sp), sp
+
+    half = hd // 2
+    inv = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float64) / half))
+    ang = torch.arange(S, dtype=torch.float64)[:, None] * torch.cat([inv, inv])
+    cos, sin = ang.cos().float().contiguous(), ang.sin().float().contiguous()
+    pos_t, slot_t = torch.tensor(positions, dtype=torch.int32), torch.tensor(slots, dtype=torch.int32)
+
+    def rows(blk):
+        return blk.rows(x.clone(), pos_t, slot_t, kc.clone(), vc.clone(), cos, sin)
+
+    blk, sp = sparse_block(3, True)
+    want = rows(cpu.DecodeBlock(**{**kw, "w_in": dense["w_in"], "down": dense["down"],
+                                   "biases": {**kw["biases"], "w_in": w_in_bias}}))
+    assert torch.equal(rows(blk), want)
+    assert sp.counts.tolist() == [0, 0]
+    lone, lone_sp = sparse_block(0, False)  # one row: the sparse FFN, not the copy
+    one, one_lone = x[0].clone(), x[0].clone()
+    blk(one, 4, kc[1].clone(), vc[1].clone(), cos[4], sin[4])
+    lone(one_lone, 4, kc[1].clone(), vc[1].clone(), cos[4], sin[4])
+    assert torch.equal(one, one_lone) and sp.counts[0] == 1 and sp.counts[1] > 0
+    assert not torch.allclose(one, want[0])  # (the step's row 0: the same token and cache)
+    no_copy, _ = sparse_block(3, False)
+    every, _ = sparse_block(2, False)
+    assert torch.equal(rows(no_copy), rows(every))
+
+
+def test_dense_copy_errors():
+    kw, packed = block_kw("swiglu", "int8", 32, 0, down_bias=False)
+    dense = make(np.random.default_rng(0), d=D, d_ff=D_FF)
+    base = spec(packed, None, False, 3).__dict__
+    short = cpu.SparseBlockFFN(**{**base, "w_in": (dense["w_in"][0],), "down": tuple(dense["down"])})
+    with pytest.raises(ValueError, match=f"w_in {2 * D_FF}x{D}"):
+        cpu.DecodeBlock(**kw, sparse=short)
+    no_down = cpu.SparseBlockFFN(**{**base, "w_in": tuple(dense["w_in"])})
+    with pytest.raises(ValueError, match=r"down 64x96; got .*'down': \[\]"):
+        cpu.DecodeBlock(**kw, sparse=no_down)

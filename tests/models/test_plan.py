@@ -257,6 +257,76 @@ def test_converted_file_gives_the_sources_default_logits(quant_gguf, converted):
 
 
 @pytest.mark.slow
+def test_batch_ffn_plans_a_dense_copy(converted):
+    """--batch-ffn: "dense" holds a dense copy of every sparse FFN beside its bundles (the
+    file's Q4_0 gate/up bytes, down_t as Q8_0: counted in the plan), "sparse" none, "auto" one
+    where the file's predictors select half the neurons or more (their density as gguf-py reads
+    it); a copy where the C block cannot take it is an error naming the reason."""
+    from gguf import GGUFReader
+
+    path = converted["output"]
+    r = GGUFReader(str(path))
+    f = r.fields["sparseinfer.predictor.density"]
+    density = [float(f.parts[i][0]) for i in f.data]
+    plans = {b: make_plan(open_source(path), batch_ffn=b) for b in ("auto", "sparse", "dense")}
+    assert [plans[b].sparse.batch_dense for b in ("sparse", "dense")] == [False, True]
+    assert plans["auto"].sparse.batch_dense == (np.mean(density) >= 0.5)
+    per_layer = sum(int(t.n_bytes) for t in r.tensors
+                    if t.name.endswith(("ffn_gate.weight", "ffn_up.weight")))
+    assert plans["dense"].nbytes - plans["sparse"].nbytes == per_layer + LAYERS * D * F // 32 * 34
+    assert "a dense copy for batches" in plans["dense"].summary()
+    for dense_density, want in ((0.9, True), (0.3, False)):  # the rule itself, on this file
+        src = open_source(path)
+        src.metadata["sparseinfer.predictor.density"] = [dense_density] * LAYERS
+        assert make_plan(src, batch_ffn="auto").sparse.batch_dense is want
+    with pytest.raises(SparseInferError, match="--batch-ffn dense: .*here predictor, fp32 rows"):
+        make_plan(open_source(path), "fp32", batch_ffn="dense")
+    with pytest.raises(SparseInferError, match="--batch-ffn dense: .*C kernels are not in use"):
+        make_plan(open_source(path), "q4", batch_ffn="dense")
+    with pytest.raises(SparseInferError, match="--batch-ffn dense: .*fast tier"):
+        make_plan(open_source(path), batch_ffn="dense", split_tiers=True)
+    with pytest.raises(SparseInferError, match=r"--batch-ffn: expected one of \['auto'"):
+        make_plan(open_source(path), batch_ffn="union")
+
+
+@pytest.mark.slow
+def test_dense_copy_gives_the_sources_dense_numbers(quant_gguf, converted):
+    """With a dense copy (--batch-ffn dense) a prompt (the torch path) and a batched decode step
+    (the C block) compute every neuron: the source file's logits (gguf-py wrote its Q4_0
+    blocks; down rounded to Q8_0 once more: close, not equal), none counted as sparse; one token
+    alone stays the sparse FFN (counted); --batch-ffn sparse counts every row's predicted set."""
+    from sparseinfer.engine import Engine
+    from sparseinfer.fused.decode import attend_rows
+    from sparseinfer.models.batch import decode_step
+
+    source = Engine.load(quant_gguf("Q4_0"), n_ctx=64)
+    copy = Engine.load(converted["output"], n_ctx=64, batch_ffn="dense")
+    sparse = Engine.load(converted["output"], n_ctx=64, batch_ffn="sparse")
+    want = _logits(source.model)
+    assert _rel(_logits(copy.model), want) < 1e-2
+    assert copy.sparse_info.modules[0].stats.tokens == 0
+    _logits(sparse.model)  # its prompt tokens: each its predicted set
+    assert sparse.sparse_info.modules[0].stats.tokens == len(IDS)
+
+    def step(e):
+        toks = torch.tensor(IDS[:3])
+        cache = e.model.new_cache(3, 8)
+        with torch.inference_mode():
+            return decode_step(e.model, toks, torch.zeros(3, dtype=torch.long), cache,
+                               torch.arange(3), attend_rows)
+
+    want_rows = step(source)
+    assert _rel(step(copy), want_rows) < 1e-2
+    assert copy.sparse_info.modules[0].stats.tokens == 0
+    sparse.sparse_info.reset_stats()
+    step(sparse)
+    assert sparse.sparse_info.modules[0].stats.tokens == 3
+    with torch.inference_mode():
+        copy.model(torch.tensor([IDS[:1]]), 0, copy.model.new_cache(1, 4))
+    assert copy.sparse_info.modules[0].stats.tokens == 1  # (the copy's rows are not counted)
+
+
+@pytest.mark.slow
 def test_gate_score_file_loads_and_runs(converted, capsys):
     """A file converted with --score gate loads in every mode (it used to fail with a
     traceback: the runtime accepted only output/output_norm)."""

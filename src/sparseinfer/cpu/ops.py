@@ -927,8 +927,11 @@ class SparseBlockFFN:
     ``predictor`` as ``predict_f16`` / ``predict_f16_mask`` choose them (None: every neuron).
     ``on_residual``: the predictor reads the residual stream, not the FFN's normed input.
     ``mode`` (int32 [1], read at each call of several rows: 0 each row its own set, 1 the union
-    of the rows' sets, 2 every neuron) and ``counts`` (int64 [2]: rows and neurons computed,
-    added by each call) are numpy arrays the caller owns and may read or change between calls.
+    of the rows' sets, 2 every neuron, 3 every neuron by the dense copy) and ``counts`` (int64
+    [2]: rows and neurons computed, added by each call) are numpy arrays the caller owns and may
+    read or change between calls. ``w_in`` / ``down`` (with ``w_in_bias``): the same FFN as dense
+    matrices (``DecodeBlock``'s, gate rows then up rows), which mode 3 computes several rows
+    with; empty: none.
     (Reference: ``reference.block_decode_ref`` with the sparse FFN's reference as ``ffn``.)"""
 
     rows: torch.Tensor
@@ -941,6 +944,9 @@ class SparseBlockFFN:
     mode: np.ndarray
     counts: np.ndarray
     gates: torch.Tensor | None = None
+    w_in: tuple[QuantMatrix, ...] = ()
+    down: tuple[QuantMatrix, ...] = ()
+    w_in_bias: torch.Tensor | None = None
 
     def desc(self, d_model: int, d_ff: int, gated: bool) -> _SparseDesc:
         """The checked C description (ValueError on rows the block's kernels do not take)."""
@@ -1032,8 +1038,13 @@ class DecodeBlock:
                  scale: float | None = None, sparse: SparseBlockFFN | None = None):
         biases = {k: v for k, v in (biases or {}).items() if v is not None}
         if sparse is not None and (w_in or down or "w_in" in biases):
-            raise ValueError("w_in, down: expected none (and no w_in bias) with a sparse FFN; "
-                             f"got {len(w_in)} and {len(down)} matrices")
+            raise ValueError("w_in, down: expected none (and no w_in bias) with a sparse FFN "
+                             f"(its dense copy: sparse.w_in, sparse.down); got {len(w_in)} and "
+                             f"{len(down)} matrices")
+        if sparse is not None and (sparse.w_in or sparse.down):  # the sparse FFN's dense copy
+            w_in, down = sparse.w_in, sparse.down
+            if sparse.w_in_bias is not None:
+                biases["w_in"] = sparse.w_in_bias
         if not (isinstance(window, int) and window >= 0):
             raise ValueError(f"window: expected an int >= 0 (0: the whole cache), got {window!r}")
         if scale is not None and not scale > 0:
@@ -1063,7 +1074,7 @@ class DecodeBlock:
         if sparse is not None:
             d.sparse = sparse.desc(d_model, d_ff, gated)
         for field, mats in (("qkv", qkv), ("wo", wo), ("w_in", w_in), ("down", down)):
-            if sparse is not None and field in ("w_in", "down"):
+            if sparse is not None and field in ("w_in", "down") and not mats:
                 b = biases.get(field)
                 if b is not None:  # the sparse FFN's output bias
                     b = b.detach().float().contiguous()

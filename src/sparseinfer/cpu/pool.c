@@ -1098,12 +1098,13 @@ void *si_block_new(const si_block_desc *desc, int *err) {
         return NULL;
     const int64_t qkv_rows = (int64_t)(d->n_heads + 2 * d->n_kv_heads) * d->head_dim;
     const int sparse = d->sparse.rows != NULL;
+    const int dense = !sparse || d->w_in.n || d->down.n; /* (a sparse FFN's dense copy) */
     if (linear_rows(&d->qkv) != qkv_rows || linear_rows(&d->wo) != d->d_model ||
-        (!sparse && (linear_rows(&d->w_in) != (int64_t)(d->gated ? 2 : 1) * d->d_ff ||
-                     linear_rows(&d->down) != d->d_model)) ||
-        (sparse && (d->w_in.n || d->down.n || d->w_in.bias || sparse_ffn_bad(d))))
+        (dense && (linear_rows(&d->w_in) != (int64_t)(d->gated ? 2 : 1) * d->d_ff ||
+                   linear_rows(&d->down) != d->d_model)) ||
+        (sparse && ((!dense && d->w_in.bias) || sparse_ffn_bad(d))))
         return NULL;
-    for (int k = 0; k < (sparse ? 2 : 4); k++) {
+    for (int k = 0; k < (dense ? 4 : 2); k++) {
         const si_linear *l = block_linear(d, k);
         if (l->n < 1 || l->n > SI_LINEAR_MATS) return NULL;
         for (int i = 0; i < l->n; i++)
@@ -1304,9 +1305,10 @@ static int block_sparse_ffn(block_t *b, int B) {
     const si_block_desc *d = &b->d;
     const si_sparse_ffn *s = &d->sparse;
     const int D = d->d_model, F = d->d_ff, mode = B > 1 && s->mode ? *s->mode : 0;
+    /* (mode 3 comes here only without a dense copy: block_rows; every neuron, as 2) */
     const size_t BF = (size_t)B * F;
     int err = grow((void **)&SF.idx, &SF.cap_i, sizeof(int32_t) * (size_t)F);
-    if (!err && s->fc1 && mode != 2) {
+    if (!err && s->fc1 && mode < 2) {
         err = grow((void **)&SF.hidden, &SF.cap_h, sizeof(float) * (size_t)B * s->rank);
         if (!err) err = grow((void **)&SF.logits, &SF.cap_l, sizeof(float) * BF);
         if (!err && B > 1) err = grow((void **)&SF.mask, &SF.cap_m, BF);
@@ -1318,7 +1320,7 @@ static int block_sparse_ffn(block_t *b, int B) {
     const uint8_t *mask = NULL;
     int k = F;
     int64_t active = (int64_t)B * F;
-    if (s->fc1 && mode != 2) {
+    if (s->fc1 && mode < 2) {
         err = predict_logits(s->fc1, s->fc2, s->rank, D, F, s->on_residual ? b->x : b->h, B,
                              SF.hidden, SF.logits);
         if (err) return err;
@@ -1351,7 +1353,7 @@ static int block_sparse_ffn(block_t *b, int B) {
     } else {
         for (int i = 0; i < F; i++) idx[i] = i;
     }
-    if (s->counts && mode != 2) s->counts[0] += B, s->counts[1] += active;
+    if (s->counts && mode < 2) s->counts[0] += B, s->counts[1] += active;
     if (k == 0) {
         memset(b->a, 0, sizeof(float) * (size_t)B * D);
         return 0;
@@ -1397,7 +1399,7 @@ static int block_rows(block_t *b, float *x, int B, int max_seq) {
     if ((err = block_product(b, 1, B, b->att))) return err;
     /* FFN */
     each_row(row_ffn_in, b, B);
-    if (d->sparse.rows) {
+    if (d->sparse.rows && !(B > 1 && d->w_in.n && d->sparse.mode && *d->sparse.mode == 3)) {
         if ((err = block_sparse_ffn(b, B))) return err;
     } else {
         if ((err = block_product(b, 2, B, b->h))) return err;

@@ -152,9 +152,11 @@ typedef struct {
     int rank, on_residual; /* on_residual: the predictor reads x, not the FFN's normed input */
     const float *thr;     /* [d_ff]: neuron i selected iff its logit >= thr[i] */
     const int32_t *mode;  /* read at each call of several rows (or NULL: 0): 0 each row its own
-                           * set, 1 every row the union of the rows' sets, 2 every neuron */
-    int64_t *counts;      /* [2] or NULL: rows and neurons computed, added by each call (mode 2's
-                           * rows not counted) */
+                           * set, 1 every row the union of the rows' sets, 2 every neuron, 3
+                           * every neuron by the block's w_in and down (a dense copy of the FFN,
+                           * given beside the bundles; without one, as 2) */
+    int64_t *counts;      /* [2] or NULL: rows and neurons computed, added by each call (modes 2
+                           * and 3's rows not counted) */
 } si_sparse_ffn;
 
 /* A pre-norm llama block (RMSNorm, RoPE, grouped-query attention, FFN) for one-token decode,
@@ -170,8 +172,9 @@ typedef struct {
     const float *q_norm, *k_norm, *attn_post_norm, *ffn_post_norm;
     int window;
     float scale;
-    si_sparse_ffn sparse; /* sparse.rows not NULL: the FFN is this (w_in: n 0; down: n 0, its
-                           * bias the FFN's output bias) */
+    si_sparse_ffn sparse; /* sparse.rows not NULL: the FFN is this; w_in and down then n 0 (down's
+                           * bias the FFN's output bias), or the same FFN as dense matrices for
+                           * calls of several rows in mode 3 (w_in's bias: gate rows' 0, up's) */
 } si_block_desc;
 
 SI_DECLARE(avx2)

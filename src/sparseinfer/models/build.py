@@ -28,7 +28,7 @@ from ..cpu.panels import FILE_TYPES, PANEL, PANEL_TYPES, to_panels
 from ..errors import ModelFileError, SparseInferError
 from ..quant import blocks as qb
 from ..quant.linear import FloatLinear, GGMLLinear, Int4Linear, Int8Linear
-from ..sparse.ffn import SparseFFN
+from ..sparse.ffn import DenseCopy, SparseFFN
 from ..sparse.packed import DTYPES as PACKED_DTYPES
 from ..sparse.packed import (Q4_BYTES, Q4_GROUP, PackedFFN, empty_hugepages, int8_block,
                              quantize_int8, quantize_q4_rows)
@@ -314,6 +314,37 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
     return PackedFFN(kind, dtype, D, F, rows, scales, block, up_bias, gates)
 
 
+def _dense_copy(src: ModelSource, names: tuple[str, ...], up_bias: torch.Tensor | None,
+                gated: bool) -> DenseCopy:
+    """One layer's FFN as the C kernels' dense matrices (``SparsePlan.batch_dense``): the file's
+    gate/up blocks and a ``down`` tensor's as a dense model holds them (panels of 16 rows), a
+    ``down_t`` tensor (a converted file's neuron rows) transposed into Q8_0 blocks
+    (gguf-py's quantizer)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from ..cpu.ops import QuantMatrix, to_panels
+    from ..cpu.panels import PANEL_TYPES
+
+    cfg = src.config
+    D, F = cfg.d_model, cfg.d_ff
+    ins, down = names[:-1], names[-1]
+    w_in = tuple(QuantMatrix(k, raw, rows, D) for k, raw, rows in
+                 WeightSource(src, ins).ggml_parts())
+    if down.endswith("down_t.weight"):
+        t = src.tensors[down]
+        w = t.float().t().contiguous().numpy()  # [d_model, d_ff]
+        raw = quantize(w, GGMLQuantizationType.Q8_0).reshape(-1)
+        down_m = QuantMatrix(PANEL_TYPES["Q8_0"], to_panels(raw, "Q8_0", D, F), D, F)
+    else:
+        (kind, raw, rows), = WeightSource(src, (down,)).ggml_parts()
+        down_m = QuantMatrix(kind, raw, rows, F)
+    bias = None
+    if up_bias is not None:
+        bias = torch.cat([torch.zeros(F), up_bias.float()]) if gated else up_bias.float()
+    return DenseCopy(w_in, down_m, bias)
+
+
 def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
     """Read every planned weight once from the mapped file into its module."""
     cfg = plan.config
@@ -392,7 +423,9 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
                     pred.bias = None if pred.bias is None else pred.bias[order].contiguous()
             if pred is not None:
                 blk.ffn.selector.fill(pred)
-            blk.ffn.fill(packed, down_bias)
+            copy = (_dense_copy(src, wp.sources, up_bias, cfg.ffn.gated)
+                    if plan.sparse.batch_dense else None)
+            blk.ffn.fill(packed, down_bias, copy)
     if plan.sparse is not None and plan.sparse.disk is not None:
         from ..disk.tier import measure_read_gap, pin_mapped, read_by_rows
 

@@ -45,6 +45,11 @@ FFN_DTYPES = ("auto", "fp32", "bf16", "int8", "q4")
 ROW_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4 / INT8_BLOCK, "q4": 18 / 32}
 SELECTORS = ("predictor", "oracle", "all")
 KV_TYPES = ("auto", "fp32", "fp16")  # --cache-type
+BATCH_FFN = ("auto", "sparse", "dense")  # --batch-ffn
+# --batch-ffn auto: a dense copy for batches where the predictors select at least this share
+# of a layer's neurons on average (two rows' union then covers at least 3/4 of them if the
+# rows' sets were independent)
+BATCH_DENSE_MIN_DENSITY = 0.5
 FLOAT_KINDS = ("F32", "F16", "BF16", "float32", "float16", "bfloat16", "F64", "float64")
 
 # storage name -> bytes per weight of a [rows, cols] matrix (rows, cols) -> bytes
@@ -90,6 +95,11 @@ class SparsePlan:
     # int8 rows of a ReLU gate: the file's Q4_0 gate rows held apart as q4 rows instead of int8
     # ones, the C kernels taking the gates from them (sparse/packed.py; ``q4_gates_apart``)
     q4_gates: bool = False
+    # several rows at once (a batched step, a prompt) compute every neuron from a dense copy of
+    # the FFN held beside the bundles (the file's gate/up blocks, the down projection's, or
+    # down_t's as Q8_0): where the predictors select most neurons, a batch's union is nearly
+    # every neuron and the dense product is the faster way to it (``batch_ffn``)
+    batch_dense: bool = False
 
 
 @dataclass(frozen=True)
@@ -158,7 +168,9 @@ class Plan:
         lines = [f"plan: {self.config.name or self.config.arch}, --dtype {self.dtype}, device "
                  f"{self.device}, fused decode {'on' if self.fused_decode else 'off'}"
                  + (f", sparse FFN ({self.sparse.selector}, {self.sparse.ffn_dtype} rows"
-                    f"{', q4 gates' if self.sparse.q4_gates else ''})" if self.sparse else "")]
+                    f"{', q4 gates' if self.sparse.q4_gates else ''}"
+                    f"{', a dense copy for batches' if self.sparse.batch_dense else ''})"
+                    if self.sparse else "")]
         for (storage, origin), (n, b) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
             lines.append(f"  {storage:6s} {origin:12s} {n:5d} weights {b / 2**20:10.1f} MiB")
         lines.append(f"  total  {self.nbytes / 2**20:10.1f} MiB + KV cache "
@@ -182,7 +194,8 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
               split_tiers: bool | None = None, min_split: int = 256,
               fused: bool = True, gpu_index: str | None = None,
               ram_budget: float | None = None, disk_options=None,
-              n_ctx: int | None = None, kv_type: str = "auto", q4_gates: bool = True) -> Plan:
+              n_ctx: int | None = None, kv_type: str = "auto", q4_gates: bool = True,
+              batch_ffn: str = "auto") -> Plan:
     """The plan for ``src`` (see the module docstring). ``dense`` ignores predictors; ``mode``
     picks the sparse selector; ``fused`` allows the fused single-token decode kernels;
     ``gpu_index``: a PowerInfer GPU index file (``blk.N.gpu_idx`` masks) used as the placement;
@@ -194,7 +207,10 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     else the activations' type; an asked-for fp16 cache works everywhere (the torch paths cast
     it). ``q4_gates``: hold a ReLU gate's rows apart as the file's 4-bit rows beside int8
     bundles of up and down rows where the file allows (``q4_gates_apart``; False: int8 gate
-    rows in the bundles)."""
+    rows in the bundles). ``batch_ffn``: how several rows at once compute a sparse FFN
+    ("sparse": over the bundles, each row its own set; "dense": every neuron from a dense copy
+    of the FFN, held beside the bundles; "auto": dense where the file's predictors select at
+    least ``BATCH_DENSE_MIN_DENSITY`` of the neurons and the C kernels take the copy)."""
     if dtype not in DTYPE_CHOICES:
         raise SparseInferError(f"dtype: expected one of {list(DTYPE_CHOICES)}, got {dtype!r}")
     if ffn_dtype not in FFN_DTYPES:
@@ -202,6 +218,9 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                f"{ffn_dtype!r}")
     if mode not in SELECTORS:
         raise SparseInferError(f"--sparse-mode: expected one of {list(SELECTORS)}, got {mode!r}")
+    if batch_ffn not in BATCH_FFN:
+        raise SparseInferError(f"--batch-ffn: expected one of {list(BATCH_FFN)}, got "
+                               f"{batch_ffn!r}")
     if kv_type not in KV_TYPES:
         raise SparseInferError(f"--cache-type: expected one of {list(KV_TYPES)}, got {kv_type!r}")
     dev = torch.device(device)
@@ -229,6 +248,8 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                               min_split, gpu_index)
         sparse = replace(sparse, bundled=bundled,
                          q4_gates=q4_gates and q4_gates_apart(src, ffn_dtype, bundled))
+        sparse = replace(sparse, batch_dense=_batch_dense(src, sparse, batch_ffn, dtype,
+                                                          ram_budget, disk_options))
     elif threshold is not None or vram_budget is not None:
         log.warning("%s has no predictors (or --dense): sparse options ignored, running dense",
                     src.path)
@@ -348,9 +369,12 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
             if sparse.selector == "predictor":
                 n = math.prod(fc1.shape) + math.prod(fc2.shape)  # fp32, else 16-bit in memory
                 nbytes += n * (4 if sparse.ffn_dtype == "fp32" else 2)
+            if sparse.batch_dense:
+                nbytes += sum(src.tensors[s].nbytes for s in ins) + dense_down_bytes(src, down)
             weights.append(WeightPlan(p + "ffn", "sparse", (*ins, down), (F, D), nbytes,
                                       f"{sparse.ffn_dtype} rows"
-                                      + (" + q4 gates" if sparse.q4_gates else "")))
+                                      + (" + q4 gates" if sparse.q4_gates else "")
+                                      + (" + a dense copy" if sparse.batch_dense else "")))
         else:
             ins = [p + f"ffn.{n}.weight" for n in (("gate", "up") if cfg.ffn.gated else ("up",))]
             if p + "ffn.w_in.weight" in src.tensors:  # Phi-3: gate and up as one tensor
@@ -429,6 +453,59 @@ def q4_gates_apart(src: ModelSource, ffn_dtype: str, bundled: str | None) -> boo
         if t is None or t.kind != "Q4_0" or tuple(t.shape) != (cfg.d_ff, cfg.d_model):
             return False
     return True
+
+
+def dense_down_bytes(src: ModelSource, down: str) -> int:
+    """Bytes of a sparse FFN's dense copy of its down projection: the file's blocks of a
+    ``down`` tensor, or Q8_0 blocks made from a ``down_t`` one (``SparsePlan.batch_dense``)."""
+    t = src.tensors[down]
+    return t.nbytes if not down.endswith("down_t.weight") else t.shape[0] * t.shape[1] // 32 * 34
+
+
+def _batch_dense(src: ModelSource, sparse: SparsePlan, batch_ffn: str, dtype: str,
+                 ram_budget, disk_options) -> bool:
+    """``SparsePlan.batch_dense`` for ``--batch-ffn``: "dense" where a dense copy can be made
+    (else an error saying why not), "auto" there too if the file's predictors select at least
+    ``BATCH_DENSE_MIN_DENSITY`` of the neurons on average, "sparse" never."""
+    if batch_ffn == "sparse":
+        return False
+    cfg = src.config
+    why = None
+    if ram_budget is not None or disk_options is not None or sparse.bundled is not None:
+        why = "the neurons are bundled in the file (disk tier)"
+    elif torch.device(sparse.device).type != "cpu" or sparse.split_tiers:
+        why = "the FFN has a fast tier (--device)"
+    elif sparse.selector != "predictor" or sparse.ffn_dtype not in ("int8", "q4"):
+        why = (f"the C block takes predictor-selected int8 or q4 rows only (here "
+               f"{sparse.selector}, {sparse.ffn_dtype} rows)")
+    elif dtype != "auto" or not ggml_kernels_available():
+        why = "the C kernels are not in use (--dtype auto, the C library)"
+    else:
+        for i in range(cfg.n_layers):
+            p = f"layers.{i}.ffn."
+            ins = ([p + "w_in.weight"] if p + "w_in.weight" in src.tensors else
+                   [p + "gate.weight", p + "up.weight"] if cfg.ffn.gated else [p + "up.weight"])
+            down = p + ("down.weight" if p + "down.weight" in src.tensors else "down_t.weight")
+            kinds = [src.tensors[s].kind for s in ins if s in src.tensors]
+            block = 256 if any(k.endswith("_K") for k in kinds) else 32
+            down_ok = (down in src.tensors and (src.tensors[down].kind in GGML_TYPES
+                       or down.endswith("down_t.weight")) and cfg.d_ff % 32 == 0)
+            if (len(kinds) != len(ins) or any(k not in GGML_TYPES for k in kinds)
+                    or cfg.d_model % block or not down_ok):
+                why = (f"layer {i}'s gate/up/down tensors are not blocks the C kernels take "
+                       f"({kinds}, d_model {cfg.d_model}, d_ff {cfg.d_ff})")
+                break
+    if why is not None:
+        if batch_ffn == "dense":
+            raise SparseInferError(f"--batch-ffn dense: no dense copy of the FFN can be used "
+                                   f"here: {why}")
+        return False
+    if batch_ffn == "dense":
+        return True
+    density = src.metadata.get("sparseinfer.predictor.density")
+    if not isinstance(density, list) or len(density) != cfg.n_layers:
+        return False  # (a file without the statistic: PowerInfer's; its ReLU sets are sparse)
+    return sum(float(d) for d in density) / len(density) >= BATCH_DENSE_MIN_DENSITY
 
 
 def _auto_ffn_dtype(src: ModelSource, dtype: str) -> str:

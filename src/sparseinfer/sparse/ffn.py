@@ -6,7 +6,9 @@ neurons ``[0, n_hot)`` and the slow tier (always the CPU) ``[n_hot, d_ff)``; eac
 own active neurons and the results merge on the fast device. Several tokens at once (a prompt,
 a batched step) run each token's own set over the bundles of their union in the C kernels (Q4_0
 and int8 rows), else the batched kernel over the union, or the dense product on the same bundled
-rows (``batch_mode``, ``UNION_MAX_TOKENS``).
+rows (``batch_mode``, ``UNION_MAX_TOKENS``) — or, where the plan holds a dense copy of the FFN
+beside the bundles (``DenseCopy``: predictors that select most neurons), the dense product of
+that copy.
 """
 
 from __future__ import annotations
@@ -49,6 +51,33 @@ class Predictor:
     def logits(self, x: Tensor) -> Tensor:
         z = self.fc2.float() @ torch.relu(self.fc1.float() @ x)
         return z if self.bias is None else z + self.bias
+
+
+@dataclass(frozen=True)
+class DenseCopy:
+    """A sparse FFN as dense matrices, held beside its neuron bundles (``SparsePlan.batch_dense``)
+    for several rows at once — a batched step, a prompt — where a batch's union is nearly every
+    neuron and the dense product (a dense model's layer) is the faster way to it: ``w_in``
+    (``cpu.QuantMatrix``: gate rows then up rows, or up rows) with ``w_in_bias`` (0 for the gate
+    rows, then the up bias) and ``down`` [d_model, d_ff]; the down bias stays the FFN's."""
+
+    w_in: tuple  # cpu.QuantMatrix, ...
+    down: object  # cpu.QuantMatrix
+    w_in_bias: Tensor | None = None
+
+    def __call__(self, x: Tensor, kind) -> Tensor:
+        """Every neuron's output summed, for rows ``x`` float32 [N, d_model]: [N, d_model]."""
+        from .. import cpu
+
+        z = torch.cat([cpu.gemm(m, x) for m in self.w_in], dim=1)
+        if self.w_in_bias is not None:
+            z += self.w_in_bias
+        if kind.gated:
+            g, u = z.chunk(2, dim=1)
+            h = ACTS[kind.gate_act](g) * ACTS[kind.up_act](u)
+        else:
+            h = ACTS[kind.up_act](z)
+        return cpu.gemm(self.down, h.contiguous())
 
 
 class FFNStats:
@@ -247,6 +276,7 @@ class SparseFFN(nn.Module):
         # dense for long ones; "masked" keeps each token's own active set (what decode
         # computes), for perplexity of the sparse model
         self._mode_cell = np.zeros(1, dtype=np.int32)  # the mode as a fused C block reads it
+        self.dense_copy: DenseCopy | None = None  # "auto" and "dense" batches take it (``fill``)
         self.batch_mode = "auto"
 
     @property
@@ -258,7 +288,11 @@ class SparseFFN(nn.Module):
         if mode not in BATCH_MODES:
             raise ValueError(f"batch mode: expected one of {list(BATCH_MODES)}, got {mode!r}")
         self._batch_mode = mode
-        self._mode_cell[0] = C_BATCH_MODES[mode]
+        self._mode_cell[0] = 3 if self._from_copy(mode) else C_BATCH_MODES[mode]
+
+    def _from_copy(self, mode: str) -> bool:
+        """Whether several rows in batch mode ``mode`` take the dense copy."""
+        return self.dense_copy is not None and mode in ("auto", "dense")
 
     @property
     def mode(self) -> str:
@@ -273,7 +307,8 @@ class SparseFFN(nn.Module):
         return (f"{self.kind_name}, d_ff={self.d_ff}, rows={dtype}, selector={self.selector!r}, "
                 f"hot={self.n_hot} on {self.fast}")
 
-    def fill(self, packed: PackedFFN, down_bias: Tensor | None = None) -> None:
+    def fill(self, packed: PackedFFN, down_bias: Tensor | None = None,
+             dense_copy: DenseCopy | None = None) -> None:
         if (packed.d_ff, packed.d_model) != (self.d_ff, self.d_model):
             raise ValueError(f"expected a packed FFN of d_ff={self.d_ff}, d_model={self.d_model}, "
                              f"got {packed.d_ff}, {packed.d_model}")
@@ -284,6 +319,10 @@ class SparseFFN(nn.Module):
         else:
             self.hot, self.cold, self.packed = None, packed, packed
         self.down_bias = down_bias
+        if dense_copy is not None and self.split:
+            raise ValueError("dense_copy: expected one tier (a dense copy is for CPU batches)")
+        self.dense_copy = dense_copy
+        self.batch_mode = self._batch_mode  # its C code: 3 with a dense copy
         self._idx = torch.empty(self.d_ff, dtype=torch.int32)
         self._all = torch.arange(self.d_ff, dtype=torch.int32)
         self._out = torch.empty(self.d_model, dtype=torch.float32)
@@ -315,11 +354,13 @@ class SparseFFN(nn.Module):
         from .. import cpu
 
         int8 = p.dtype == "int8"
+        c = self.dense_copy
         return cpu.SparseBlockFFN(
             rows=p.rows, scales=p.scales if int8 else None, block=p.block if int8 else 0,
             round_x=_kernels().rounds_x(p), up_bias=p.up_bias, predictor=predictor,
             on_residual=on_residual, mode=self._mode_cell, counts=self.stats.counts,
-            gates=p.gates)
+            gates=p.gates, w_in=c.w_in if c else (), down=(c.down,) if c else (),
+            w_in_bias=c.w_in_bias if c else None)
 
     # ---- active set ----------------------------------------------------------------------------
 
@@ -355,6 +396,11 @@ class SparseFFN(nn.Module):
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         B, T, D = x.shape
         if B * T > 1:
+            if self._from_copy(self.batch_mode) and x.device.type == "cpu":
+                out = self.dense_copy(x.float().reshape(B * T, D).contiguous(), self.kind)
+                if self.down_bias is not None:
+                    out += self.down_bias
+                return out.to(x.dtype).reshape(B, T, D)
             one_tier = not self.split and x.device.type == "cpu"
             own_in_c = one_tier and _kernels().in_c(self.packed)
             # each token its own set. "auto" and "masked": wherever the C kernels take the rows

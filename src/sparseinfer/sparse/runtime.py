@@ -40,7 +40,8 @@ class SparseInfo:
         """"auto" (the default: where the C kernels take the rows (Q4_0, int8), every token of
         a prompt or a batched step its own set, as "masked"; other rows as
         measured by benchmarks/prefill.py: "union" up to ``ffn.UNION_MAX_TOKENS`` tokens and at
-        any length for bf16 rows, else "dense"), "dense" (every neuron), "union" (the union of
+        any length for bf16 rows, else "dense"; with a dense copy of the FFN, ``DenseCopy``,
+        that copy), "dense" (every neuron; the dense copy's where there is one), "union" (the union of
         the tokens' predicted sets, batched-sparse kernel) or "masked" (each token its own
         active set, as decoding it alone: in the C kernels where they take the rows, as
         "auto", else torch; the perplexity of the sparse model)."""
