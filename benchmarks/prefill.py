@@ -41,17 +41,20 @@ def best(fn, repeats: int) -> float:
 
 
 def real_model(path: str, threads: int, repeats: int, ffn_dtype: str = "fp32",
-               dtype: str = "fp32", lengths: tuple[int, ...] = LENGTHS) -> None:
+               dtype: str = "fp32", lengths: tuple[int, ...] = LENGTHS,
+               batch_ffn: str = "auto") -> None:
     from sparseinfer.data import HELDOUT_TEXT
     from sparseinfer.engine import Engine
 
-    engine = Engine.load(path, n_ctx=1024, threads=threads, dtype=dtype, ffn_dtype=ffn_dtype)
+    engine = Engine.load(path, n_ctx=1024, threads=threads, dtype=dtype, ffn_dtype=ffn_dtype,
+                         batch_ffn=batch_ffn)
     info = engine.sparse_info
     if info is None:
         raise SystemExit(f"{path}: no predictors (expected a file from `sparseinfer convert`)")
     ids = engine.tokenizer.encode(HELDOUT_TEXT.read_text(encoding="utf-8")[:20000])
     m = engine.model
-    print(f"# {path}: prefill, FFN rows {info.ffn_dtype}, {threads} threads, best of {repeats}")
+    print(f"# {path}: prefill, FFN rows {info.ffn_dtype}, {threads} threads, best of {repeats}; "
+          f"{engine.loaded.plan.summary().splitlines()[0]}")
     print(f"{'T':>5} {'dense':>10} {'union':>10} {'auto':>10} {'union dens':>11} "
           f"{'auto dens':>10} {'dense/union':>12} {'union/auto':>11}")
     for T in lengths:
@@ -118,6 +121,8 @@ def main() -> None:
     ap.add_argument("--no-synthetic", action="store_true", help="the real model only")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--batch-ffn", default="auto", choices=["auto", "sparse", "dense"],
+                    help="as `run --batch-ffn` (with a dense copy, \"dense\" and \"auto\" take it)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from sparseinfer.sparse import kernels
@@ -125,7 +130,7 @@ def main() -> None:
     kernels.set_threads(a.threads)
     if a.sparse and not a.synthetic_only:
         real_model(a.sparse, a.threads, a.repeats, a.ffn_dtype, a.dtype,
-                   tuple(int(v) for v in a.lengths.split(",")))
+                   tuple(int(v) for v in a.lengths.split(",")), a.batch_ffn)
     if not a.no_synthetic:
         synthetic(a.threads, a.repeats)
 

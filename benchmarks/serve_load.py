@@ -94,7 +94,7 @@ class SyntheticEngine:
 def _server_process(conn, engine_kind: str, n_ctx: int, threads: int, max_queue: int,
                     parallel: int, prefill_chunk: int, model: str | None,
                     cache_prompt: bool = True, step_rows: int = 0,
-                    step_ratio: float = 3.0) -> None:
+                    step_ratio: float = 3.0, batch_ffn: str = "auto") -> None:
     from sparseinfer.threads import passive_wait
 
     passive_wait()  # as `sparseinfer serve` does, before torch and numba start their pools
@@ -103,7 +103,7 @@ def _server_process(conn, engine_kind: str, n_ctx: int, threads: int, max_queue:
     if engine_kind == "real":
         from sparseinfer.engine import Engine
 
-        engine = Engine.load(model, n_ctx=n_ctx, threads=threads)
+        engine = Engine.load(model, n_ctx=n_ctx, threads=threads, batch_ffn=batch_ffn)
         if parallel > 1:
             from sparseinfer.server.batching import BatchEngine, prompt_budget
 
@@ -328,7 +328,8 @@ def serve_and_measure(args, kind: str, parallel: int, step_rows: int, step_ratio
     t_load = time.perf_counter()
     proc, parent, base_url, model = start_server(
         _server_process, kind, args.ctx_size, args.threads, args.max_queue, parallel,
-        args.prefill_chunk, args.model, not args.no_cache_prompt, step_rows, step_ratio)
+        args.prefill_chunk, args.model, not args.no_cache_prompt, step_rows, step_ratio,
+        args.batch_ffn)
     ready = time.perf_counter() - t_load
     print(
         f"\nparallel={parallel} engine={kind} model={model} server={base_url} "
@@ -337,6 +338,7 @@ def serve_and_measure(args, kind: str, parallel: int, step_rows: int, step_ratio
         + (f" prefill_chunk={args.prefill_chunk} step_rows={step_rows} step_ratio={step_ratio}"
            if parallel > 1 else "")
         + (" no_cache_prompt" if parallel > 1 and args.no_cache_prompt else "")
+        + (f" batch_ffn={args.batch_ffn}" if args.batch_ffn != "auto" else "")
     )
     results: list[Level] = []
     try:
@@ -409,6 +411,9 @@ def main() -> int:
                         "--prefill-chunk), each its own server")
     p.add_argument("--no-cache-prompt", action="store_true",
                    help="--parallel N > 1: run every prompt in full (serve --no-cache-prompt)")
+    p.add_argument("--batch-ffn", default="auto", choices=["auto", "sparse", "dense"],
+                   help="sparse files: as `serve --batch-ffn` (a dense copy of the FFN for "
+                        "several rows at once)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-queue", type=int, default=16)
     p.add_argument("--ctx-size", type=int, default=512)

@@ -51,6 +51,16 @@ def libc():
         return None
 
 
+def release_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``): a load's
+    temporaries (float copies, quantizer buffers) otherwise stay in the process's resident set
+    after they are freed. Best effort; nothing elsewhere."""
+    lib = libc()
+    trim = getattr(lib, "malloc_trim", None) if lib is not None else None
+    if trim is not None:
+        trim(0)
+
+
 _MADV_DONTNEED = 4
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 

@@ -244,7 +244,7 @@ def test_converted_file_gives_the_sources_default_logits(quant_gguf, converted):
     for ffn_dtype, runs, tol in (("auto", "int8", 2e-2), ("bf16", "bf16", 1e-2),
                                  ("fp32", "fp32", 1e-2)):
         sparse = Engine.load(converted["output"], n_ctx=64, threshold=-float("inf"),
-                             ffn_dtype=ffn_dtype)
+                             ffn_dtype=ffn_dtype, batch_ffn="sparse")  # (the prompt: its rows)
         assert sparse.sparse_info.ffn_dtype == runs
         got = _logits(sparse.model)
         assert sparse.sparse_info.density() == 1.0
@@ -252,7 +252,8 @@ def test_converted_file_gives_the_sources_default_logits(quant_gguf, converted):
     dense = Engine.load(converted["output"], n_ctx=64, dense=True)
     assert {w.origin for w in dense.loaded.plan.weights if "ffn.down" in w.module} == {"as stored"}
     assert _rel(_logits(dense.model), want) < 1e-2
-    q4 = Engine.load(converted["output"], n_ctx=64, threshold=-float("inf"), ffn_dtype="q4")
+    q4 = Engine.load(converted["output"], n_ctx=64, threshold=-float("inf"), ffn_dtype="q4",
+                     batch_ffn="sparse")
     assert _rel(_logits(q4.model), want) < 5e-2
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..cpu.panels import FILE_TYPES, PANEL, PANEL_TYPES, to_panels
 from ..errors import ModelFileError, SparseInferError
+from ..fileio import release_heap
 from ..quant import blocks as qb
 from ..quant.linear import FloatLinear, GGMLLinear, Int4Linear, Int8Linear
 from ..sparse.ffn import DenseCopy, SparseFFN
@@ -323,8 +324,7 @@ def _dense_copy(src: ModelSource, names: tuple[str, ...], up_bias: torch.Tensor 
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from ..cpu.ops import QuantMatrix, to_panels
-    from ..cpu.panels import PANEL_TYPES
+    from ..cpu.ops import QuantMatrix  # (the C library: loaded only where it is needed)
 
     cfg = src.config
     D, F = cfg.d_model, cfg.d_ff
@@ -334,6 +334,7 @@ def _dense_copy(src: ModelSource, names: tuple[str, ...], up_bias: torch.Tensor 
     if down.endswith("down_t.weight"):
         t = src.tensors[down]
         w = t.float().t().contiguous().numpy()  # [d_model, d_ff]
+        t.release()
         raw = quantize(w, GGMLQuantizationType.Q8_0).reshape(-1)
         down_m = QuantMatrix(PANEL_TYPES["Q8_0"], to_panels(raw, "Q8_0", D, F), D, F)
     else:
@@ -516,6 +517,7 @@ def load(path, dtype: str = "fp32", *, max_seq_len: int | None = None,
         plan.check_memory(min(n_ctx or 4096, src.config.max_seq_len), src.path)
     tokenizer = src.tokenizer()
     model = build(src, plan)
+    release_heap()
     dt = time.perf_counter() - t0
     log.info("loaded %s in %.1f s: %s, %d layers, d_model %d, ffn %s", src.path, dt,
              src.config.arch, src.config.n_layers, src.config.d_model, src.config.ffn_kind)
