@@ -121,6 +121,22 @@ def test_sparse_block_matches_reference(isa, threads, kind, dtype, block, on_res
     assert 0 < chosen["k"] and sp.counts.tolist() == [1, chosen["k"]]
 
 
+def three_rows(kw, seed: int):
+    """Three rows' caches [3, n_kv_heads, S, head_dim] and inputs [3, D], a predictor whose
+    thresholds sit at the median logit of a random input, and rope tables of every position."""
+    g = torch.Generator().manual_seed(seed)
+    nkv, hd = kw["n_kv_heads"], kw["head_dim"]
+    kc, vc = torch.randn(3, nkv, S, hd, generator=g), torch.randn(3, nkv, S, hd, generator=g)
+    x = torch.randn(3, D, generator=g)
+    fc1, fc2 = predictor(seed)
+    thr = torch.full((D_FF,), float(logits_of(fc1, fc2, torch.randn(D, generator=g)).median()))
+    half = hd // 2
+    inv = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float64) / half))
+    ang = torch.arange(S, dtype=torch.float64)[:, None] * torch.cat([inv, inv])
+    return (kc, vc, x, cpu.F16Predictor(fc1, fc2, thr), ang.cos().float().contiguous(),
+            ang.sin().float().contiguous())
+
+
 @pytest.mark.parametrize("kind,dtype,block", CASES)
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("threads", [1], indirect=True)
@@ -133,21 +149,12 @@ def test_sparse_rows_are_lone_calls(isa, threads, kind, dtype, block, mode):
     rows' sets, every row over the same neurons (the reference over them)."""
     seed = 5 + len(kind)
     kw, packed = block_kw(kind, dtype, block, seed, down_bias=True)
-    g = torch.Generator().manual_seed(seed)
-    nkv, hd = kw["n_kv_heads"], kw["head_dim"]
     slots, positions = [2, 0, 1], [5, 9, 0]
-    kc, vc = torch.randn(3, nkv, S, hd, generator=g), torch.randn(3, nkv, S, hd, generator=g)
-    x = torch.randn(3, D, generator=g)
-    fc1, fc2 = predictor(seed)
-    thr = torch.full((D_FF,), float(logits_of(fc1, fc2, torch.randn(D, generator=g)).median()))
-    sp = spec(packed, cpu.F16Predictor(fc1, fc2, thr), False, mode)
+    kc, vc, x, pred, cos, sin = three_rows(kw, seed)
+    sp = spec(packed, pred, False, mode)
     blk = cpu.DecodeBlock(**kw, sparse=sp)
-    lone_sp = spec(packed, cpu.F16Predictor(fc1, fc2, thr) if mode != 2 else None, False)
+    lone_sp = spec(packed, pred if mode != 2 else None, False)
     lone = cpu.DecodeBlock(**kw, sparse=lone_sp)
-    half = hd // 2
-    inv = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float64) / half))
-    ang = torch.arange(S, dtype=torch.float64)[:, None] * torch.cat([inv, inv])
-    cos, sin = ang.cos().float().contiguous(), ang.sin().float().contiguous()
     kr, vr = kc.clone(), vc.clone()
     got = blk.rows(x.clone(), torch.tensor(positions, dtype=torch.int32),
                    torch.tensor(slots, dtype=torch.int32), kc, vc, cos, sin)
@@ -197,14 +204,8 @@ def test_dense_copy_rows_are_a_dense_blocks(isa, threads, kind, dtype, block):
     dense = make(rng, d=D, d_ff=D_FF, gated=k.gated, gate_act=k.gate_act, up_act=k.up_act,
                  bias=True)
     w_in_bias = dense["biases"]["w_in"]
-    g = torch.Generator().manual_seed(seed)
-    nkv, hd = kw["n_kv_heads"], kw["head_dim"]
     slots, positions = [1, 0, 2], [4, 7, 0]
-    kc, vc = torch.randn(3, nkv, S, hd, generator=g), torch.randn(3, nkv, S, hd, generator=g)
-    x = torch.randn(3, D, generator=g)
-    fc1, fc2 = predictor(seed)
-    thr = torch.full((D_FF,), float(logits_of(fc1, fc2, torch.randn(D, generator=g)).median()))
-    pred = cpu.F16Predictor(fc1, fc2, thr)
+    kc, vc, x, pred, cos, sin = three_rows(kw, seed)
 
     def sparse_block(mode, copy):
         base = spec(packed, pred, False, mode)
@@ -213,10 +214,6 @@ def test_dense_copy_rows_are_a_dense_blocks(isa, threads, kind, dtype, block):
              "w_in_bias": w_in_bias} if copy else {})})
         return cpu.DecodeBlock(**kw, sparse=sp), sp
 
-    half = hd // 2
-    inv = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float64) / half))
-    ang = torch.arange(S, dtype=torch.float64)[:, None] * torch.cat([inv, inv])
-    cos, sin = ang.cos().float().contiguous(), ang.sin().float().contiguous()
     pos_t, slot_t = torch.tensor(positions, dtype=torch.int32), torch.tensor(slots, dtype=torch.int32)
 
     def rows(blk):
