@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from ..sparse.ffn import DenseCopy, SparseFFN
 from ..sparse.packed import DTYPES as PACKED_DTYPES
 from ..sparse.packed import (Q4_BYTES, Q4_GROUP, PackedFFN, empty_hugepages, int8_block,
                              quantize_int8, quantize_q4_rows)
+from ..threads import default_threads, requested_kernel_threads
 from .loading import FileTensor, ModelSource, open_source, unpermute_qk
 from .model import Norm, Transformer
 from .plan import Plan, make_plan
@@ -335,7 +337,10 @@ def _dense_copy(src: ModelSource, names: tuple[str, ...], up_bias: torch.Tensor 
         t = src.tensors[down]
         w = t.float().t().contiguous().numpy()  # [d_model, d_ff]
         t.release()
-        raw = quantize(w, GGMLQuantizationType.Q8_0).reshape(-1)
+        # row ranges on as many threads as the kernels take (numpy's loops free the GIL)
+        with ThreadPoolExecutor(requested_kernel_threads() or default_threads()) as ex:
+            raw = np.concatenate(list(ex.map(lambda part: quantize(part, GGMLQuantizationType.Q8_0),
+                                             np.array_split(w, min(D, 8))))).reshape(-1)
         down_m = QuantMatrix(PANEL_TYPES["Q8_0"], to_panels(raw, "Q8_0", D, F), D, F)
     else:
         (kind, raw, rows), = WeightSource(src, (down,)).ggml_parts()
