@@ -386,6 +386,36 @@ def test_fused_decode_new_archs(arch_model_dir, arch, fused):
     assert _close(_decode_logits(lm, IDS), ref, 1e-5)
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])  # post-norms, windows; q/k norms
+@pytest.mark.parametrize("ffn_dtype", ["int8", "q4"])
+def test_sparse_blocks_beyond_llama_on_the_c_block(arch_model_dir, with_predictors, arch,
+                                                    ffn_dtype):
+    """Blocks that are not plain llama blocks (Gemma 3, Qwen3) fuse only whole on the C block;
+    with a sparse FFN the C block takes (float16 predictors over int8 or q4 rows, or every
+    neuron) they now do, every layer one C call: with every neuron the logits of the torch path
+    (the same rows; norms and attention rounded otherwise); with the predictors its share of
+    neurons and logits (a logit within rounding of a threshold may select otherwise: loosely).
+    Oracle sets keep the torch path."""
+    from sparseinfer.fused.decode import FusedStack
+
+    path = with_predictors(arch_model_dir(arch), seed=2)
+    for threshold, tol in ((-float("inf"), 1e-4), (None, 5e-2)):
+        kw = {} if threshold is None else {"threshold": threshold}
+        lm, info = load_sparse(path, ffn_dtype=ffn_dtype, fused=True, **kw)
+        assert lm.plan.fused_decode and isinstance(lm.model._fused_stack(), FusedStack)
+        got = _decode_logits(lm, IDS)
+        ref, ref_info = load_sparse(path, ffn_dtype=ffn_dtype, **kw)
+        assert not ref.plan.fused_decode
+        assert _close(got, _decode_logits(ref, IDS), tol)
+        if threshold is None:
+            assert 0.0 < info.density() < 1.0
+            assert abs(info.density() - ref_info.density()) < 1e-2
+        else:
+            assert info.density() == ref_info.density() == 1.0
+    oracle, _ = load_sparse(path, ffn_dtype=ffn_dtype, fused=True, mode="oracle")
+    assert not oracle.plan.fused_decode
+
+
 @pytest.mark.parametrize("kind", ["reglu", "swiglu"])
 @pytest.mark.parametrize("ffn_dtype", ["int8", "q4"])
 def test_sparse_blocks_in_one_c_call(tiny_model_dir, with_predictors, kind, ffn_dtype):

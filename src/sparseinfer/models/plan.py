@@ -394,8 +394,10 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                      (cfg.vocab_size, E), 0, "shared")
     else:
         add("lm_head", ["lm_head.weight"], (cfg.vocab_size, E), head=True)
+    disk = ram_budget is not None or disk_options is not None
     fusable = (cpu and float_dtype == "fp32" and cfg.norm == "rms" and cfg.pos == "rope"
-               and (cfg.plain_block or _c_blocks(cfg, weights, sparse)))
+               and (cfg.plain_block or _c_blocks(cfg, weights, None if sparse is None else
+                                                 (sparse, disk))))
     fused_ok = fused and fusable
     kv_dtype = kv_type if kv_type != "auto" else (
         "fp16" if dtype == "auto" and fusable else float_dtype)
@@ -428,12 +430,23 @@ def _c_blocks(cfg: ModelConfig, weights: list[WeightPlan], sparse) -> bool:
     """Whether every block of a model that is not a plain llama block (q/k norms, post-norms,
     windows, a custom scale: Gemma 2/3, Qwen3) can decode on ``cpu.DecodeBlock``: the numba
     path around the block's modules implements only the plain block, so such models are fused
-    only when the C block takes every layer."""
-    if sparse is not None or cfg.attn_softcap or cfg.parallel or cfg.post_norm:
+    only when the C block takes every layer. ``sparse``: (SparsePlan, whether a disk tier
+    holds the cold neurons) of a sparse model, whose FFNs the C block takes as
+    ``SparseFFN.c_block_ffn`` does — one tier on the CPU, float16 predictors (or every neuron)
+    over the C kernels' rows (q4, or int8 with d_model a multiple of 32)."""
+    if cfg.attn_softcap or cfg.parallel or cfg.post_norm:
         return False
+    linears = _BLOCK_LINEARS
+    if sparse is not None:
+        sp, disk = sparse
+        split = torch.device(sp.device).type != "cpu" or (sp.split_tiers and any(sp.hot_counts))
+        rows_in_c = sp.ffn_dtype == "q4" or (sp.ffn_dtype == "int8" and cfg.d_model % 32 == 0)
+        if disk or split or sp.selector not in ("predictor", "all") or not rows_in_c:
+            return False
+        linears = _BLOCK_LINEARS[:2]
     storage = {w.module: w.storage for w in weights}
     return all(storage.get(f"layers.{i}.{name}") in ("ggml", "fp32")
-               for i in range(cfg.n_layers) for name in _BLOCK_LINEARS)
+               for i in range(cfg.n_layers) for name in linears)
 
 
 def q4_gates_apart(src: ModelSource, ffn_dtype: str, bundled: str | None) -> bool:
