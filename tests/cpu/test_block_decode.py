@@ -89,10 +89,11 @@ def test_ffn_kinds_rope_layouts_and_biases(isa, gated, gate_act, up_act, interle
 
 
 @pytest.mark.parametrize("pos", [0, 5, 30])
-@pytest.mark.parametrize("opts", ["qk_norm", "post_norms", "window", "scale", "gemma"])
+@pytest.mark.parametrize("opts", ["qk_norm", "post_norms", "window", "scale", "softcap", "gemma"])
 def test_gemma_and_qwen3_options(isa, threads, opts, pos):
     """q/k head norms (Qwen3, Gemma 3), post-norms (Gemma 2/3), a sliding window shorter and
-    longer than the cache so far, a custom score scale, and all of them at once."""
+    longer than the cache so far, a custom score scale, soft-capped scores (Gemma 2; a cap these
+    random scores reach), and all of them at once."""
     rng = np.random.default_rng(11)
     kw = make(rng, gated=True, gate_act="gelu_tanh", hd=16)
 
@@ -107,6 +108,8 @@ def test_gemma_and_qwen3_options(isa, threads, opts, pos):
         kw.update(window=8)
     if opts in ("scale", "gemma"):
         kw.update(scale=0.1)
+    if opts in ("softcap", "gemma"):
+        kw.update(softcap=0.5 if opts == "softcap" else 0.05)
     check(kw, pos)
 
 
@@ -130,7 +133,7 @@ def test_rows_equal_one_row_calls(isa, threads, opts, B):
             return torch.from_numpy(rng.uniform(0.5, 1.5, n).astype(np.float32))
 
         kw.update(q_norm=vec(32), k_norm=vec(32), attn_post_norm=vec(128),
-                  ffn_post_norm=vec(128), window=8, scale=0.1)
+                  ffn_post_norm=vec(128), window=8, scale=0.1, softcap=0.3)
     n_slots, S = 10, 64
     g = torch.Generator().manual_seed(B)
     kc = torch.randn(n_slots, 2, S, 32, generator=g)
@@ -238,6 +241,8 @@ def test_bad_options_say_what_was_expected():
         cpu.DecodeBlock(**kw, window=-1)
     with pytest.raises(ValueError, match="q_norm"):
         cpu.DecodeBlock(**kw, q_norm=torch.ones(64))  # head_dim is 16
+    with pytest.raises(ValueError, match="softcap: expected a finite float >= 0"):
+        cpu.DecodeBlock(**kw, softcap=-1.0)
 
 
 def test_activation_tails_saturate():
@@ -345,15 +350,12 @@ def test_numba_path_still_equals_the_c_block(tiny_model_dir, kv_type):
 def test_architectures_decode_on_the_c_block(arch_model_dir, name):
     """Qwen3 (q/k norms), Gemma 3 (q/k norms, post-norms, windowed layers with their own rope
     base, GELU-tanh GLU, a custom scale) and Mistral (a window of 8) decode every token on the C
-    block, greedy equal to transformers' ``generate`` past the window; Gemma 2's soft-capped
-    scores are not in the C block, so its plan does not fuse."""
+    block, greedy equal to transformers' ``generate`` past the window, and Gemma 2 (alternating
+    windows, soft-capped scores and logits) too."""
     from conftest import tiny_arch_model
     from sparseinfer.models.build import load
 
     lm = load(arch_model_dir(name), "fp32", fused=True)
-    if name == "gemma2":
-        assert not lm.plan.fused_decode and all(b.fused is None for b in lm.model.layers)
-        return
     assert lm.plan.fused_decode
     ref = tiny_arch_model(name)
     prompt = torch.randint(3, lm.config.vocab_size, (1, 5),

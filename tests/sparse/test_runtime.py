@@ -374,11 +374,11 @@ def test_auto_prefill_gives_each_prompt_token_its_own_set(tiny_model_dir, with_p
 
 
 @pytest.mark.parametrize("arch,fused", [("qwen2", True), ("llama3", True), ("gemma3", True),
-                                        ("gemma2", False)])
+                                        ("gemma2", True), ("falcon", False)])
 def test_fused_decode_new_archs(arch_model_dir, arch, fused):
-    """The fused block decode takes q/k/v biases and scaled rope tables as they are, and Gemma
-    3's q/k norms, windows and post-norms on the C block; blocks it does not implement (Gemma
-    2's soft-capped scores) keep the torch path."""
+    """The fused block decode takes q/k/v biases and scaled rope tables as they are, Gemma 3's
+    q/k norms, windows and post-norms and Gemma 2's soft-capped scores on the C block; blocks it
+    does not implement (Falcon's LayerNorm and parallel attention) keep the torch path."""
     path = arch_model_dir(arch)
     ref = _decode_logits(load_model(path), IDS)
     lm = load_model(path, fused=True)

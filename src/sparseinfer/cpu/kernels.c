@@ -3892,8 +3892,14 @@ INLINE float kv1(const int f16, const void *p, const size_t i) {
     return _cvtsh_ss(h);
 }
 /* scores[0..n) = softmax(scores) in place, m their maximum. */
-INLINE void softmax_row(float *scores, const int n, const float m) {
+INLINE void softmax_row(float *scores, const int n, float m, const float cap) {
     int s = 0;
+    if (cap > 0.0f) { /* soft-capped scores, cap tanh(score / cap) (Gemma 2): the max stays the
+                       * max, the map being increasing */
+        for (; s < n; s++) scores[s] = cap * tanhf(scores[s] / cap);
+        m = cap * tanhf(m / cap);
+        s = 0;
+    }
     __m256 tv = _mm256_setzero_ps();
     for (; s + 8 <= n; s += 8) {
         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + s), _mm256_set1_ps(m)));
@@ -3925,13 +3931,14 @@ INLINE void attend_fetch(const int f16, const void *kc, const void *vc, const in
     prefetch((const uint8_t *)v, (int)(8 * rowb), 0);
 }
 
-/* One head's attention for one token over positions 0..n-1: out = softmax(scale · K q) · V, with
+/* One head's attention for one token over positions 0..n-1: out = softmax(scale · K q) · V (the
+ * scores soft-capped first when cap > 0: softmax_row), with
  * kc/vc this head's K/V rows (hd values apart: float32, or float16 when f16); scores: n floats
  * of scratch. Scores 8 keys at a time (8 independent dot products, one transposing sum); the
  * weighted sum of V in registers, 64 columns at a time. `fetch`: look ahead (attend_fetch), for
  * the first of the heads that share these keys and values. */
 INLINE void attend_impl(const int f16, const float *q, const void *kc, const void *vc, int n, int hd,
-                        float scale, float *scores, float *out, const int fetch) {
+                        float scale, float cap, float *scores, float *out, const int fetch) {
     const int hd8 = hd & ~7;
     const __m256 sc = _mm256_set1_ps(scale);
     __m256 mv = _mm256_set1_ps(-INFINITY);
@@ -3968,7 +3975,7 @@ INLINE void attend_impl(const int f16, const float *q, const void *kc, const voi
         scores[s] = acc;
         m = acc > m ? acc : m;
     }
-    softmax_row(scores, n, m);
+    softmax_row(scores, n, m, cap);
     int j0 = 0;
     for (; j0 + 64 <= hd; j0 += 64) { /* out[j0, j0 + 64) = sum_s p_s v_s, in 8 registers */
         __m256 o[8];
@@ -4006,8 +4013,9 @@ INLINE __m512 kv16f(const int f16, const void *p, const size_t i) {
  * Head h's scores in scores + h sstride, its output at out + h hd; `fetch`: look ahead
  * (attend_fetch) — the first pass over a K/V head, not the next ones that find it in cache. */
 INLINE void attend_heads_512(const int f16, const float *q, const void *kc, const void *vc,
-                             const int n, const int hd, const float scale, const int H,
-                             float *scores, const size_t sstride, float *out, const int fetch) {
+                             const int n, const int hd, const float scale, const float cap,
+                             const int H, float *scores, const size_t sstride, float *out,
+                             const int fetch) {
     const __m256 sc = _mm256_set1_ps(scale);
     __m256 mv[3];
     for (int h = 0; h < H; h++) mv[h] = _mm256_set1_ps(-INFINITY);
@@ -4049,7 +4057,7 @@ INLINE void attend_heads_512(const int f16, const float *q, const void *kc, cons
             m[h] = v > m[h] ? v : m[h];
         }
     }
-    for (int h = 0; h < H; h++) softmax_row(scores + h * sstride, n, m[h]);
+    for (int h = 0; h < H; h++) softmax_row(scores + h * sstride, n, m[h], cap);
     int j0 = 0;
     for (; j0 + 64 <= hd; j0 += 64) {
         __m512 o[3][4];
@@ -4085,31 +4093,32 @@ INLINE void attend_heads_512(const int f16, const float *q, const void *kc, cons
  * build takes up to 3 heads a pass where hd is a multiple of 16 (attend_heads_512); the others
  * one head at a time. */
 INLINE void attend_group_impl(const int f16, const float *q, const void *kc, const void *vc,
-                              int n, int hd, float scale, int G, float *scores, size_t sstride,
-                              float *out) {
+                              int n, int hd, float scale, float cap, int G, float *scores,
+                              size_t sstride, float *out) {
 #if SI_AVX512
     if (hd % 16 == 0) {
         for (int h0 = 0; h0 < G; h0 += 3) {
             const float *qh = q + (size_t)h0 * hd;
             float *sh = scores + h0 * sstride, *oh = out + (size_t)h0 * hd;
             switch (G - h0 < 3 ? G - h0 : 3) {
-            case 1: attend_heads_512(f16, qh, kc, vc, n, hd, scale, 1, sh, sstride, oh, !h0); break;
-            case 2: attend_heads_512(f16, qh, kc, vc, n, hd, scale, 2, sh, sstride, oh, !h0); break;
-            default: attend_heads_512(f16, qh, kc, vc, n, hd, scale, 3, sh, sstride, oh, !h0); break;
+            case 1: attend_heads_512(f16, qh, kc, vc, n, hd, scale, cap, 1, sh, sstride, oh, !h0); break;
+            case 2: attend_heads_512(f16, qh, kc, vc, n, hd, scale, cap, 2, sh, sstride, oh, !h0); break;
+            default: attend_heads_512(f16, qh, kc, vc, n, hd, scale, cap, 3, sh, sstride, oh, !h0); break;
             }
         }
         return;
     }
 #endif
     for (int h = 0; h < G; h++)
-        attend_impl(f16, q + (size_t)h * hd, kc, vc, n, hd, scale, scores + h * sstride,
+        attend_impl(f16, q + (size_t)h * hd, kc, vc, n, hd, scale, cap, scores + h * sstride,
                     out + (size_t)h * hd, !h);
 }
 void FN(si_attend_group)(const float *q, const float *kc, const float *vc, int n, int hd,
-                         float scale, int G, float *scores, size_t sstride, float *out) {
-    attend_group_impl(0, q, kc, vc, n, hd, scale, G, scores, sstride, out);
+                         float scale, float cap, int G, float *scores, size_t sstride, float *out) {
+    attend_group_impl(0, q, kc, vc, n, hd, scale, cap, G, scores, sstride, out);
 }
 void FN(si_attend_group16)(const float *q, const uint16_t *kc, const uint16_t *vc, int n, int hd,
-                           float scale, int G, float *scores, size_t sstride, float *out) {
-    attend_group_impl(1, q, kc, vc, n, hd, scale, G, scores, sstride, out);
+                           float scale, float cap, int G, float *scores, size_t sstride,
+                           float *out) {
+    attend_group_impl(1, q, kc, vc, n, hd, scale, cap, G, scores, sstride, out);
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -915,7 +916,8 @@ class _BlockDesc(ctypes.Structure):
                            ("w_in", _Linear), ("down", _Linear)] + [
         (name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "attn_post_norm",
                                              "ffn_post_norm")] + [
-        ("window", ctypes.c_int), ("scale", ctypes.c_float), ("sparse", _SparseDesc)]
+        ("window", ctypes.c_int), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+        ("sparse", _SparseDesc)]
 
 
 @dataclass(frozen=True)
@@ -1023,7 +1025,8 @@ class DecodeBlock:
     Options for Gemma 2/3 and Qwen3 blocks (None / 0: not used): ``q_norm``/``k_norm`` [head_dim]
     RMSNorm each q and k head before rope; ``attn_post_norm``/``ffn_post_norm`` [d_model]
     RMSNorm the attention and FFN outputs before their residual adds; ``window`` attends to the
-    last ``window`` positions only; ``scale`` replaces 1/sqrt(head_dim) on the scores.
+    last ``window`` positions only; ``scale`` replaces 1/sqrt(head_dim) on the scores;
+    ``softcap`` > 0 soft-caps them, ``cap · tanh(score / cap)`` (Gemma 2), before the softmax.
     (Reference: ``reference.block_decode_ref``.)"""
 
     def __init__(self, *, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, d_ff: int,
@@ -1035,7 +1038,8 @@ class DecodeBlock:
                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
                  attn_post_norm: torch.Tensor | None = None,
                  ffn_post_norm: torch.Tensor | None = None, window: int = 0,
-                 scale: float | None = None, sparse: SparseBlockFFN | None = None):
+                 scale: float | None = None, softcap: float = 0.0,
+                 sparse: SparseBlockFFN | None = None):
         biases = {k: v for k, v in (biases or {}).items() if v is not None}
         if sparse is not None and (w_in or down or "w_in" in biases):
             raise ValueError("w_in, down: expected none (and no w_in bias) with a sparse FFN "
@@ -1049,6 +1053,8 @@ class DecodeBlock:
             raise ValueError(f"window: expected an int >= 0 (0: the whole cache), got {window!r}")
         if scale is not None and not scale > 0:
             raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
+        if not (0.0 <= softcap < math.inf):
+            raise ValueError(f"softcap: expected a finite float >= 0 (0: none), got {softcap!r}")
         for name in ("gate_act", "up_act"):
             act = locals()[name]
             if act not in ACTS:
@@ -1056,7 +1062,7 @@ class DecodeBlock:
         d = _BlockDesc(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                        d_ff=d_ff, gated=int(gated), gate_act=ACTS[gate_act], up_act=ACTS[up_act],
                        interleaved=int(interleaved), eps=eps, window=window,
-                       scale=scale or 0.0)
+                       scale=scale or 0.0, softcap=softcap)
         self.hd, self.d_model, self.nkv = head_dim, d_model, n_kv_heads
         self.sparse = sparse is not None
         norms = []

@@ -73,10 +73,10 @@ typedef void (*sparse_i8_ups_fn)(const int8_t *, size_t, const float *, int, int
                                  const float *, int, const float *, const si_xq *, int, int,
                                  float *);
 static sparse_i8_ups_fn g_sparse_i8_ups;
-typedef void (*attend_fn)(const float *, const float *, const float *, int, int, float, int,
-                          float *, size_t, float *);
+typedef void (*attend_fn)(const float *, const float *, const float *, int, int, float, float,
+                          int, float *, size_t, float *);
 typedef void (*attend16_fn)(const float *, const uint16_t *, const uint16_t *, int, int, float,
-                            int, float *, size_t, float *);
+                            float, int, float *, size_t, float *);
 typedef void (*glu_fn)(int, int, int, const float *, const float *, int, float *);
 static attend_fn g_attend;
 static attend16_fn g_attend16;
@@ -1094,7 +1094,7 @@ void *si_block_new(const si_block_desc *desc, int *err) {
     if (d->d_model <= 0 || d->n_heads <= 0 || d->n_kv_heads <= 0 || d->head_dim <= 0 ||
         d->head_dim % 2 || d->n_heads % d->n_kv_heads || d->d_ff <= 0 || !d->attn_norm ||
         !d->ffn_norm || d->gate_act < 0 || d->gate_act > 4 || d->up_act < 0 || d->up_act > 4 ||
-        d->window < 0 || !(d->scale >= 0.0f))
+        d->window < 0 || !(d->scale >= 0.0f) || !(d->softcap >= 0.0f) || isinf(d->softcap))
         return NULL;
     const int64_t qkv_rows = (int64_t)(d->n_heads + 2 * d->n_kv_heads) * d->head_dim;
     const int sparse = d->sparse.rows != NULL;
@@ -1148,14 +1148,15 @@ static inline size_t kv_size(int kv16) { return kv16 ? 2 : 4; }
  * kc/vc (n positions; float16 when kv16, else float32), by this ISA's si_attend_group(16): head
  * h's scores (n floats of scratch) at scores + h * sstride, its output at out + h * hd. */
 static void attend_group(int kv16, const float *q, const uint8_t *kc, const uint8_t *vc, int n,
-                         int hd, float scale, int h0, int group, float *scores, size_t sstride,
-                         float *out) {
+                         int hd, float scale, float cap, int h0, int group, float *scores,
+                         size_t sstride, float *out) {
     q += (size_t)h0 * hd, scores += h0 * sstride, out += (size_t)h0 * hd;
     if (kv16)
-        g_attend16(q, (const uint16_t *)kc, (const uint16_t *)vc, n, hd, scale, group, scores,
+        g_attend16(q, (const uint16_t *)kc, (const uint16_t *)vc, n, hd, scale, cap, group, scores,
                    sstride, out);
     else
-        g_attend(q, (const float *)kc, (const float *)vc, n, hd, scale, group, scores, sstride, out);
+        g_attend(q, (const float *)kc, (const float *)vc, n, hd, scale, cap, group, scores,
+                 sstride, out);
 }
 
 /* Rope on n heads of hd values at v (rotate-half pairs, or adjacent ones when interleaved), with
@@ -1209,8 +1210,8 @@ static void attend_chunk(const void *jp, int64_t c) {
     const int t = (int)(c / nkv), g = (int)(c % nkv);
     const size_t kv = ((size_t)g * b->max_seq + b->start[t]) * hd * kv_size(b->kv16); /* bytes */
     attend_group(b->kv16, b->qkv + t * b->nq, b->kc[t] + kv, b->vc[t] + kv, b->n[t], hd, b->scale,
-                 g * group, group, b->scores + (size_t)t * nh * b->max_seq, b->max_seq,
-                 b->att + t * b->na);
+                 b->d.softcap, g * group, group, b->scores + (size_t)t * nh * b->max_seq,
+                 b->max_seq, b->att + t * b->na);
 }
 
 static void add_bias(float *y, const float *bias, int64_t n) {
@@ -1447,8 +1448,8 @@ typedef struct {
 static void token_attend_chunk(const void *jp, int64_t g) {
     const token_attend_job *j = jp;
     const size_t kv = (size_t)g * j->max_seq * j->hd * kv_size(j->kv16); /* bytes */
-    attend_group(j->kv16, j->q, j->kc + kv, j->vc + kv, j->n, j->hd, j->scale, (int)g * j->group,
-                 j->group, j->scores, j->sstride, j->out);
+    attend_group(j->kv16, j->q, j->kc + kv, j->vc + kv, j->n, j->hd, j->scale, 0.0f,
+                 (int)g * j->group, j->group, j->scores, j->sstride, j->out);
 }
 
 /* chunk c of several rows' jobs (si_attend_rows): row c / nkv, kv head c % nkv */

@@ -114,10 +114,11 @@ typedef struct {
     void si_quantize_xk_##isa(const float *x, int cols, int8_t *q, float *d, int16_t *bs,      \
                               float *ks);                                                      \
     void si_attend_group_##isa(const float *q, const float *kc, const float *vc, int n, int hd, \
-                               float scale, int G, float *scores, size_t sstride, float *out); \
+                               float scale, float cap, int G, float *scores, size_t sstride,   \
+                               float *out);                                                    \
     void si_attend_group16_##isa(const float *q, const uint16_t *kc, const uint16_t *vc, int n, \
-                                 int hd, float scale, int G, float *scores, size_t sstride,    \
-                                 float *out);                                                  \
+                                 int hd, float scale, float cap, int G, float *scores,         \
+                                 size_t sstride, float *out);                                  \
     void si_glu_##isa(int gated, int ga, int ua, const float *in, const float *bias, int n,    \
                       float *out);
 
@@ -172,6 +173,7 @@ typedef struct {
     const float *q_norm, *k_norm, *attn_post_norm, *ffn_post_norm;
     int window;
     float scale;
+    float softcap; /* > 0: attention scores soft-capped, cap tanh(score / cap) (Gemma 2) */
     si_sparse_ffn sparse; /* sparse.rows not NULL: the FFN is this; w_in and down then n 0 (down's
                            * bias the FFN's output bias), or the same FFN as dense matrices for
                            * calls of several rows in mode 3 (w_in's bias: gate rows' 0, up's) */

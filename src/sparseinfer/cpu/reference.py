@@ -104,11 +104,12 @@ _ACTS = {None: lambda t: t, "relu": torch.relu, "silu": torch.nn.functional.silu
 def block_decode_ref(*, d_model, n_heads, n_kv_heads, head_dim, d_ff, gated, gate_act, up_act,
                      interleaved, eps, attn_norm, ffn_norm, qkv, wo, w_in, down, biases=None,
                      q_norm=None, k_norm=None, attn_post_norm=None, ffn_post_norm=None,
-                     window=0, scale=None, x, pos, k_cache, v_cache, cos, sin,
+                     window=0, scale=None, softcap=0.0, x, pos, k_cache, v_cache, cos, sin,
                      ffn=None) -> torch.Tensor:
     """``DecodeBlock(...)(x, pos, k_cache, v_cache, cos, sin)`` in float64 torch: each product is
     ``gemv_q8_ref`` (the input rounded as the kernels round it), attention a plain softmax over
-    the cache with rope applied to q and k. Returns the new ``x``; writes the caches. ``ffn``
+    the cache with rope applied to q and k (the scores soft-capped when ``softcap``). Returns
+    the new ``x``; writes the caches. ``ffn``
     (a sparse FFN's reference): ``ffn(h, x)`` of the FFN's normed input and the residual stream
     (float64 [d_model]) replaces ``w_in``/``down``'s FFN, the down bias still added."""
     biases = biases or {}
@@ -147,7 +148,10 @@ def block_decode_ref(*, d_model, n_heads, n_kv_heads, head_dim, d_ff, gated, gat
     keys = k_cache[:, start : pos + 1].double().repeat_interleave(nh // nkv, 0)
     vals = v_cache[:, start : pos + 1].double().repeat_interleave(nh // nkv, 0)
     s = scale if scale else hd**-0.5
-    probs = torch.softmax((keys @ q.unsqueeze(-1)).squeeze(-1) * s, -1)  # (nh, n)
+    scores = (keys @ q.unsqueeze(-1)).squeeze(-1) * s
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    probs = torch.softmax(scores, -1)  # (nh, n)
     att = (probs.unsqueeze(1) @ vals).reshape(nh * hd)
     a = lin("wo", wo, att)
     x = x + (norm(a, attn_post_norm) if attn_post_norm is not None else a)

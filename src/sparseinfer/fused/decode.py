@@ -327,7 +327,7 @@ def _c_block(block: Block, layer: int):
     kind = FFN_KINDS[ffn.kind_name if sparse else cfg.ffn_kind]
     if len(lins["qkv"].mats) > 4 or (not sparse and len(lins["w_in"].mats) > 4):
         return None
-    if cfg.attn_softcap or cfg.parallel or cfg.post_norm or block.ffn_norm is None:
+    if cfg.parallel or cfg.post_norm or block.ffn_norm is None:
         return None
 
     def weight(norm):  # a Norm, or nn.Identity where the architecture has none
@@ -344,7 +344,8 @@ def _c_block(block: Block, layer: int):
         sparse=sparse,
         q_norm=weight(attn.q_norm), k_norm=weight(attn.k_norm),
         attn_post_norm=weight(block.attn_post_norm), ffn_post_norm=weight(block.ffn_post_norm),
-        window=int(cfg.window(layer) or 0), scale=cfg.attn_scale or None)
+        window=int(cfg.window(layer) or 0), scale=cfg.attn_scale or None,
+        softcap=float(cfg.attn_softcap or 0.0))
 
 
 def supports(model) -> bool:

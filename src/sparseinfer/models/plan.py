@@ -428,13 +428,13 @@ _BLOCK_LINEARS = ("attn.wqkv", "attn.wo", "ffn.w_in", "ffn.down")
 
 def _c_blocks(cfg: ModelConfig, weights: list[WeightPlan], sparse) -> bool:
     """Whether every block of a model that is not a plain llama block (q/k norms, post-norms,
-    windows, a custom scale: Gemma 2/3, Qwen3) can decode on ``cpu.DecodeBlock``: the numba
-    path around the block's modules implements only the plain block, so such models are fused
-    only when the C block takes every layer. ``sparse``: (SparsePlan, whether a disk tier
+    windows, a custom scale, soft-capped scores: Gemma 2/3, Qwen3) can decode on
+    ``cpu.DecodeBlock``: the numba path around the block's modules implements only the plain
+    block, so such models are fused only when the C block takes every layer. ``sparse``: (SparsePlan, whether a disk tier
     holds the cold neurons) of a sparse model, whose FFNs the C block takes as
     ``SparseFFN.c_block_ffn`` does — one tier on the CPU, float16 predictors (or every neuron)
     over the C kernels' rows (q4, or int8 with d_model a multiple of 32)."""
-    if cfg.attn_softcap or cfg.parallel or cfg.post_norm:
+    if cfg.parallel or cfg.post_norm:
         return False
     linears = _BLOCK_LINEARS
     if sparse is not None:
