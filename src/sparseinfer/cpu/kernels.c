@@ -4101,9 +4101,15 @@ INLINE void attend_group_impl(const int f16, const float *q, const void *kc, con
             const float *qh = q + (size_t)h0 * hd;
             float *sh = scores + h0 * sstride, *oh = out + (size_t)h0 * hd;
             switch (G - h0 < 3 ? G - h0 : 3) {
-            case 1: attend_heads_512(f16, qh, kc, vc, n, hd, scale, cap, 1, sh, sstride, oh, !h0); break;
-            case 2: attend_heads_512(f16, qh, kc, vc, n, hd, scale, cap, 2, sh, sstride, oh, !h0); break;
-            default: attend_heads_512(f16, qh, kc, vc, n, hd, scale, cap, 3, sh, sstride, oh, !h0); break;
+            case 1:
+                attend_heads_512(f16, qh, kc, vc, n, hd, scale, cap, 1, sh, sstride, oh, !h0);
+                break;
+            case 2:
+                attend_heads_512(f16, qh, kc, vc, n, hd, scale, cap, 2, sh, sstride, oh, !h0);
+                break;
+            default:
+                attend_heads_512(f16, qh, kc, vc, n, hd, scale, cap, 3, sh, sstride, oh, !h0);
+                break;
             }
         }
         return;
