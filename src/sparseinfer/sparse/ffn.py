@@ -113,6 +113,7 @@ BATCH_MODES = ("auto", "dense", "union", "masked")
 # every neuron (by the sparse kernel over the bundles: here torch's product of the same rows,
 # the same sums rounded otherwise)
 C_BATCH_MODES = {"auto": 0, "masked": 0, "union": 1, "dense": 2}
+C_COPY_MODE = 3  # "auto" and "dense" with a dense copy: every neuron by the copy's matrices
 # "auto" prefill of rows the C kernels do not take (fp32, bf16): the union kernel up to this
 # many tokens, dense above. Measured with
 # benchmarks/prefill.py (benchmarks/RESULTS.md): on a 7B-shaped ReLU-like FFN the union kernel
@@ -288,7 +289,7 @@ class SparseFFN(nn.Module):
         if mode not in BATCH_MODES:
             raise ValueError(f"batch mode: expected one of {list(BATCH_MODES)}, got {mode!r}")
         self._batch_mode = mode
-        self._mode_cell[0] = 3 if self._from_copy(mode) else C_BATCH_MODES[mode]
+        self._mode_cell[0] = C_COPY_MODE if self._from_copy(mode) else C_BATCH_MODES[mode]
 
     def _from_copy(self, mode: str) -> bool:
         """Whether several rows in batch mode ``mode`` take the dense copy."""
@@ -322,7 +323,7 @@ class SparseFFN(nn.Module):
         if dense_copy is not None and self.split:
             raise ValueError("dense_copy: expected one tier (a dense copy is for CPU batches)")
         self.dense_copy = dense_copy
-        self.batch_mode = self._batch_mode  # its C code: 3 with a dense copy
+        self.batch_mode = self._batch_mode  # its C code: C_COPY_MODE with a dense copy
         self._idx = torch.empty(self.d_ff, dtype=torch.int32)
         self._all = torch.arange(self.d_ff, dtype=torch.int32)
         self._out = torch.empty(self.d_model, dtype=torch.float32)
