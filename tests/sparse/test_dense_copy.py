@@ -9,20 +9,21 @@ import numpy as np
 import pytest
 import torch
 
-from sparseinfer import cpu
 from sparseinfer.config import FFN_KINDS
+from sparseinfer.quant.linear import GGMLLinear
 from sparseinfer.sparse.ffn import DenseCopy
 from sparseinfer.sparse.reference import ACTS
 
 D, F, N = 64, 96, 5
 
 
-def blocks(type_name: str, rows: int, cols: int, rng) -> tuple[cpu.QuantMatrix, torch.Tensor]:
-    """A random matrix as ``type_name`` blocks, and gguf-py's float64 reading of them."""
+def blocks(type_name: str, rows: int, cols: int, rng) -> tuple[tuple, torch.Tensor]:
+    """A random matrix as ``type_name`` blocks (``GGMLLinear.fill``'s part), and gguf-py's
+    float64 reading of them."""
     w = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
     back = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
-    return (cpu.QuantMatrix(type_name, raw.reshape(-1), rows, cols),
+    return ((type_name, raw, rows),
             torch.from_numpy(np.asarray(back, dtype=np.float64)).reshape(rows, cols))
 
 
@@ -37,7 +38,10 @@ def test_dense_copy_is_the_dense_ffn(kind, bias):
     w_in_bias = None
     if up_bias is not None:
         w_in_bias = torch.cat([torch.zeros(F), up_bias]) if k.gated else up_bias
-    copy = DenseCopy(tuple(m for m, _ in mats), down, w_in_bias)
+    w_in, down_lin = GGMLLinear(D, len(mats) * F, bias), GGMLLinear(F, D)
+    w_in.fill([part for part, _ in mats], w_in_bias)
+    down_lin.fill([down])
+    copy = DenseCopy(w_in, down_lin)
     x = torch.randn(N, D, generator=torch.Generator().manual_seed(3))
     xd = x.double()
     if k.gated:

@@ -614,8 +614,8 @@ static void sparse_part(const sparse_job_t *j, int i0, int k, int t0, int T, flo
  * once for all the tokens, into per-chunk partial sums); more, its tokens, in ranges of whole
  * passes of the kernels (SPARSE_TOKENS in kernels.c, the batched int8 pass's 8). Split by tokens,
  * every thread reads every row: a continuous-batching step with a newcomer's prompt rows (9-64)
- * took longer that way (16 rows: up to twice), a prompt chunk of 64 rows about as long
- * (benchmarks/RESULTS.md, session 42). */
+ * took longer that way, a prompt chunk of 64 rows about as long (benchmarks/RESULTS.md,
+ * session 42). */
 #define SPARSE_BY_NEURON_T 64
 #define SPARSE_TOKEN_RANGE 16
 

@@ -319,20 +319,21 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
 
 def _dense_copy(src: ModelSource, names: tuple[str, ...], up_bias: torch.Tensor | None,
                 gated: bool) -> DenseCopy:
-    """One layer's FFN as the C kernels' dense matrices (``SparsePlan.batch_dense``): the file's
-    gate/up blocks and a ``down`` tensor's as a dense model holds them (panels of 16 rows), a
-    ``down_t`` tensor (a converted file's neuron rows) transposed into Q8_0 blocks
+    """One layer's FFN as a dense model's ``GGMLLinear`` modules (``SparsePlan.batch_dense``): the
+    file's gate/up blocks and a ``down`` tensor's (``WeightSource.ggml_parts``: panels of 16
+    rows), a ``down_t`` tensor (a converted file's neuron rows) transposed into Q8_0 blocks
     (gguf-py's quantizer)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from ..cpu.ops import QuantMatrix  # (the C library: loaded only where it is needed)
-
     cfg = src.config
     D, F = cfg.d_model, cfg.d_ff
     ins, down = names[:-1], names[-1]
-    w_in = tuple(QuantMatrix(k, raw, rows, D) for k, raw, rows in
-                 WeightSource(src, ins).ggml_parts())
+    bias = None
+    if up_bias is not None:
+        bias = torch.cat([torch.zeros(F), up_bias.float()]) if gated else up_bias.float()
+    w_in = GGMLLinear(D, (2 if gated else 1) * F, bias is not None)
+    w_in.fill(WeightSource(src, ins).ggml_parts(), bias)
     if down.endswith("down_t.weight"):
         t = src.tensors[down]
         w = t.float().t().contiguous().numpy()  # [d_model, d_ff]
@@ -341,14 +342,12 @@ def _dense_copy(src: ModelSource, names: tuple[str, ...], up_bias: torch.Tensor 
         with ThreadPoolExecutor(requested_kernel_threads() or default_threads()) as ex:
             raw = np.concatenate(list(ex.map(lambda part: quantize(part, GGMLQuantizationType.Q8_0),
                                              np.array_split(w, min(D, 8))))).reshape(-1)
-        down_m = QuantMatrix(PANEL_TYPES["Q8_0"], to_panels(raw, "Q8_0", D, F), D, F)
+        parts = [(PANEL_TYPES["Q8_0"], to_panels(raw, "Q8_0", D, F), D)]
     else:
-        (kind, raw, rows), = WeightSource(src, (down,)).ggml_parts()
-        down_m = QuantMatrix(kind, raw, rows, F)
-    bias = None
-    if up_bias is not None:
-        bias = torch.cat([torch.zeros(F), up_bias.float()]) if gated else up_bias.float()
-    return DenseCopy(w_in, down_m, bias)
+        parts = WeightSource(src, (down,)).ggml_parts()
+    down_m = GGMLLinear(F, D)
+    down_m.fill(parts)
+    return DenseCopy(w_in, down_m)
 
 
 def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:

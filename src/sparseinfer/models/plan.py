@@ -471,8 +471,13 @@ def q4_gates_apart(src: ModelSource, ffn_dtype: str, bundled: str | None) -> boo
 def dense_down_bytes(src: ModelSource, down: str) -> int:
     """Bytes of a sparse FFN's dense copy of its down projection: the file's blocks of a
     ``down`` tensor, or Q8_0 blocks made from a ``down_t`` one (``SparsePlan.batch_dense``)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     t = src.tensors[down]
-    return t.nbytes if not down.endswith("down_t.weight") else t.shape[0] * t.shape[1] // 32 * 34
+    if not down.endswith("down_t.weight"):
+        return t.nbytes
+    elems, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
+    return t.shape[0] * t.shape[1] // elems * size
 
 
 def _batch_dense(src: ModelSource, sparse: SparsePlan, batch_ffn: str, dtype: str,

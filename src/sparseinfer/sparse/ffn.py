@@ -58,26 +58,22 @@ class DenseCopy:
     """A sparse FFN as dense matrices, held beside its neuron bundles (``SparsePlan.batch_dense``)
     for several rows at once — a batched step, a prompt — where a batch's union is nearly every
     neuron and the dense product (a dense model's layer) is the faster way to it: ``w_in``
-    (``cpu.QuantMatrix``: gate rows then up rows, or up rows) with ``w_in_bias`` (0 for the gate
-    rows, then the up bias) and ``down`` [d_model, d_ff]; the down bias stays the FFN's."""
+    (``quant.linear.GGMLLinear``: gate rows then up rows, or up rows; its bias 0 for the gate
+    rows, then the up bias) and ``down`` (``GGMLLinear`` [d_model, d_ff], no bias: the down bias
+    stays the FFN's)."""
 
-    w_in: tuple  # cpu.QuantMatrix, ...
-    down: object  # cpu.QuantMatrix
-    w_in_bias: Tensor | None = None
+    w_in: nn.Module  # quant.linear.GGMLLinear
+    down: nn.Module  # quant.linear.GGMLLinear
 
     def __call__(self, x: Tensor, kind) -> Tensor:
         """Every neuron's output summed, for rows ``x`` float32 [N, d_model]: [N, d_model]."""
-        from .. import cpu
-
-        z = torch.cat([cpu.gemm(m, x) for m in self.w_in], dim=1)
-        if self.w_in_bias is not None:
-            z += self.w_in_bias
+        z = self.w_in(x)
         if kind.gated:
             g, u = z.chunk(2, dim=1)
             h = ACTS[kind.gate_act](g) * ACTS[kind.up_act](u)
         else:
             h = ACTS[kind.up_act](z)
-        return cpu.gemm(self.down, h.contiguous())
+        return self.down(h)
 
 
 class FFNStats:
@@ -360,8 +356,8 @@ class SparseFFN(nn.Module):
             rows=p.rows, scales=p.scales if int8 else None, block=p.block if int8 else 0,
             round_x=_kernels().rounds_x(p), up_bias=p.up_bias, predictor=predictor,
             on_residual=on_residual, mode=self._mode_cell, counts=self.stats.counts,
-            gates=p.gates, w_in=c.w_in if c else (), down=(c.down,) if c else (),
-            w_in_bias=c.w_in_bias if c else None)
+            gates=p.gates, w_in=tuple(c.w_in.mats) if c else (),
+            down=tuple(c.down.mats) if c else (), w_in_bias=c.w_in.bias if c else None)
 
     # ---- active set ----------------------------------------------------------------------------
 
