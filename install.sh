@@ -54,7 +54,12 @@ else
     "${PIP[@]}" -e .
 fi
 # The C kernels (sparseinfer/cpu): compiled for this machine; needs a C compiler (cc/gcc/clang).
-"$PY" -m sparseinfer.cpu.build
+# They are x86-64 code (AVX2, AVX-512); elsewhere sparseinfer runs on torch's and numba's kernels.
+case "$(uname -m)" in
+    x86_64|amd64) "$PY" -m sparseinfer.cpu.build ;;
+    *) echo "install.sh: the C kernels are for x86-64 CPUs, this is $(uname -m): sparseinfer" \
+            "runs on torch's and numba's kernels here (slower)" >&2 ;;
+esac
 if [[ -n "$VENV_MADE" ]]; then
     echo "install.sh: installed into .venv; run '. .venv/bin/activate' to use sparseinfer" >&2
 fi

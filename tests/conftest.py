@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,6 +86,39 @@ def tiny_model_dir(tmp_path_factory):
                 (out / f.name).write_bytes(f.read_bytes())
             made[kind] = out
         return made[kind]
+
+    return make
+
+
+@pytest.fixture
+def with_predictors(tmp_path):
+    """Factory: (tiny model dir, seed, rank, drop, dtype) -> a copy with random predictors (their
+    weights in ``dtype``), statistics and a placement in ``predictors.safetensors`` (read as the
+    file's non-model tensors)."""
+    from safetensors.torch import save_file
+
+    def make(path, seed: int = 0, rank: int = 8, drop: str | None = None, dtype=np.float32):
+        out = tmp_path / f"{path.name}-pred{seed}-{np.dtype(dtype).name}"
+        shutil.copytree(path, out)
+        cfg = json.loads((path / "config.json").read_text())
+        d_model = cfg["hidden_size"]
+        d_ff = cfg.get("intermediate_size") or cfg["ffn_dim"]
+        rng = np.random.default_rng(seed)
+        t = {}
+        for i in range(cfg["num_hidden_layers"]):
+            t[f"blk.{i}.fc1.weight"] = rng.standard_normal((rank, d_model))
+            t[f"blk.{i}.fc2.weight"] = rng.standard_normal((d_ff, rank))
+            t[f"blk.{i}.fc2.bias"] = rng.standard_normal(d_ff)
+            t[f"blk.{i}.act_freq"] = np.sort(rng.random(d_ff))[::-1]
+            t[f"blk.{i}.gpu_idx"] = (np.arange(d_ff) < d_ff // 3).astype(np.float32)
+        t.pop(drop, None)
+
+        def stored(k, v):  # fc1/fc2 in ``dtype``, the rest float32
+            weight = k.endswith((".fc1.weight", ".fc2.weight"))
+            return torch.from_numpy(np.ascontiguousarray(v, dtype=dtype if weight else np.float32))
+
+        save_file({k: stored(k, v) for k, v in t.items()}, out / "predictors.safetensors")
+        return out
 
     return make
 

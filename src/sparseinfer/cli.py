@@ -386,6 +386,9 @@ def cmd_info(args) -> int:
                      mode=args.sparse_mode, device=args.device, kv_type=args.cache_type,
                      n_ctx=min(args.ctx_size, cfg.max_seq_len), **_disk_options(args))
     print(plan.summary())
+    from .cpu import kernels_in_use
+
+    print(f"kernels: {kernels_in_use()}")
     n_ctx = min(args.ctx_size, cfg.max_seq_len)
     print(f"memory: needs {plan.needed_bytes(n_ctx) / 2**30:.2f} GiB with a {n_ctx}-token "
           f"context; {available_memory() / 2**30:.2f} GiB available")

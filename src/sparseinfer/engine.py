@@ -339,14 +339,14 @@ def set_threads(n: int) -> None:
     """Use ``n`` threads for torch, the numba kernels and the C kernels (``sparseinfer.cpu``)."""
     import torch
 
-    from .quant.linear import ggml_kernels_available
+    from .cpu import loads as cpu_loads
     from .threads import request_kernel_threads
 
     if n < 1:
         raise SparseInferError(f"threads: expected a positive number, got {n}")
     torch.set_num_threads(n)
     request_kernel_threads(n)  # numba's kernels: now if imported, else when first imported
-    if ggml_kernels_available():
+    if cpu_loads():
         from . import cpu
 
         cpu.set_threads(n)

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .config import SamplingParams
+from .cpu import loads as cpu_loads
 from .models.model import KVCache, Transformer
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,9 @@ class Uniforms:
 
 
 def _c_vector(logits: Tensor) -> bool:
-    """A contiguous float32 CPU vector: what the C library's top-k and sampler take."""
-    return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()
+    """A contiguous float32 CPU vector, the C library loaded: what its top-k and sampler take."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()
+            and cpu_loads())
 
 
 def sample(logits: Tensor, p: SamplingParams, rng: Uniforms | None) -> int:

@@ -141,7 +141,7 @@ def test_q4_0_file_stays_as_stored(quant_gguf):
 def test_without_the_c_kernels_4_bit_files_use_torchs_int4(quant_gguf, monkeypatch):
     import sparseinfer.models.plan as plan_mod
 
-    monkeypatch.setattr(plan_mod, "ggml_kernels_available", lambda: False)
+    monkeypatch.setattr(plan_mod, "cpu_loads", lambda: False)
     path = quant_gguf("Q4_0")
     plan = make_plan(open_source(path), "auto")
     layer_storage = {(w.storage, w.origin) for w in plan.weights if w.module.startswith("layers.")}

@@ -7,9 +7,6 @@
 
 from __future__ import annotations
 
-import shutil
-
-import numpy as np
 import pytest
 import torch
 
@@ -29,36 +26,6 @@ def load_sparse(path, **options):
     """(loaded sparse model, its SparseInfo) for a directory with predictors."""
     lm = load(path, "fp32", **options)
     return lm, sparse_info(lm.model, lm.plan)
-
-
-@pytest.fixture
-def with_predictors(tmp_path):
-    """Factory: (tiny model dir, seed, drop) -> a copy with random predictors, statistics and a
-    placement in ``predictors.safetensors`` (read as the file's non-model tensors)."""
-    from safetensors.torch import save_file
-
-    def make(path, seed: int = 0, rank: int = 8, drop: str | None = None):
-        import json
-
-        out = tmp_path / f"{path.name}-pred{seed}"
-        shutil.copytree(path, out)
-        cfg = json.loads((path / "config.json").read_text())
-        d_model = cfg["hidden_size"]
-        d_ff = cfg.get("intermediate_size") or cfg["ffn_dim"]
-        rng = np.random.default_rng(seed)
-        t = {}
-        for i in range(cfg["num_hidden_layers"]):
-            t[f"blk.{i}.fc1.weight"] = rng.standard_normal((rank, d_model))
-            t[f"blk.{i}.fc2.weight"] = rng.standard_normal((d_ff, rank))
-            t[f"blk.{i}.fc2.bias"] = rng.standard_normal(d_ff)
-            t[f"blk.{i}.act_freq"] = np.sort(rng.random(d_ff))[::-1]
-            t[f"blk.{i}.gpu_idx"] = (np.arange(d_ff) < d_ff // 3).astype(np.float32)
-        t.pop(drop, None)
-        save_file({k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
-                   for k, v in t.items()}, out / "predictors.safetensors")
-        return out
-
-    return make
 
 
 def _decode_logits(lm, ids: list[int]) -> torch.Tensor:

@@ -91,6 +91,39 @@ if TYPE_CHECKING:
     from .ops import *  # noqa: F403
 
 
+_LOADS: bool | None = None
+_WHY_NOT = ""  # why the library did not load
+
+
+def loads() -> bool:
+    """Whether the C library loads here: built from these sources, on a CPU with AVX2+FMA or
+    AVX-512, and not switched off (``SPARSEINFER_C_KERNELS=0``). Where it does not, models run
+    on torch's kernels and numba's (slower; the first call logs why, once)."""
+    global _LOADS, _WHY_NOT
+    if _LOADS is None:
+        from ..errors import SparseInferError
+
+        try:
+            from . import ops  # noqa: F401
+            _LOADS = True
+        except SparseInferError as e:
+            import logging
+
+            _WHY_NOT = str(e)
+            logging.getLogger(__name__).warning("%s; running on torch's kernels instead", e)
+            _LOADS = False
+    return _LOADS
+
+
+def kernels_in_use() -> str:
+    """One line for ``info``: the C kernels' variant and threads, or why they are not in use."""
+    if loads():
+        from . import ops
+
+        return f"the C library's, {ops.get_isa()} (this CPU takes {', '.join(ops.available_isas())})"
+    return f"torch's and numba's, not the C library's: {_WHY_NOT}"
+
+
 def __getattr__(name: str):
     # Loaded on first use, not at package import: `python3 -m sparseinfer.cpu.build` must run
     # while the library is missing or stale.

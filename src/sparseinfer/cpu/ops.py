@@ -9,6 +9,7 @@ import ctypes
 import errno
 import logging
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,6 +76,9 @@ TYPES: dict[str, tuple[int, int, int]] = {
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2, "avx2_vnni": 3}
 ABI_VERSION = 22
+# ``SPARSEINFER_C_KERNELS=0`` in the environment: run as where the library cannot load (another
+# CPU architecture, an x86 CPU without AVX2): torch's kernels, the numba decode
+OFF_SWITCH = "SPARSEINFER_C_KERNELS"
 
 
 class CpuLibraryError(SparseInferError):
@@ -82,6 +86,8 @@ class CpuLibraryError(SparseInferError):
 
 
 def _load() -> ctypes.CDLL:
+    if os.environ.get(OFF_SWITCH, "").strip() == "0":
+        raise CpuLibraryError(f"the C kernels are switched off ({OFF_SWITCH}=0)")
     fix = f"run ./install.sh (or `{_build.BUILD_COMMAND}`) to build it"
     if not _build.LIB.exists():
         raise CpuLibraryError(f"the C kernel library {_build.LIB} is not built: {fix}")

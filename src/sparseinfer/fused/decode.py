@@ -148,10 +148,7 @@ class FusedDecode:
         self._rope_key = None  # the tables self._cos/self._sin view (numba's path)
         self._ptrs_key = None  # the tables self._rope_ptrs address (the C calls)
         self._c = _c_block(block, layer) if self._want_c else None
-        if self._c is None:  # a float16 cache's attention (numba reads float32 only)
-            from .. import cpu
-
-            self._attend_c = cpu.attend_token_raw
+        self._attend_c = None  # a float16 cache's attention (numba reads float32 only), in C
         if self._c is None and not cfg.plain_block:  # the plan fuses such blocks only for C
             raise RuntimeError(f"fused decode of a {cfg.arch} block (q/k norms, post-norms, "
                                "windows or a custom scale) needs the C block: expected its four "
@@ -178,6 +175,10 @@ class FusedDecode:
         if not qkv.is_contiguous():
             qkv = qkv.contiguous()
         if kv16:
+            if self._attend_c is None:
+                from .. import cpu
+
+                self._attend_c = cpu.attend_token_raw
             cos_p, sin_p, n_rope = self._rope_addresses(rope)
             check_rope_room(pos, n_rope)
             k, v, _ = self._layer_cache(cache, layer)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..cpu import loads as cpu_loads
 from ..cpu.panels import FILE_TYPES, PANEL, PANEL_TYPES, to_panels
 from ..errors import ModelFileError, SparseInferError
 from ..fileio import release_heap
@@ -282,7 +283,7 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
         down = canon.endswith("ffn.down.weight")
         stored = (D, F) if down else (F if half is None else 2 * F, D)
         if (t.kind in ("Q4_0", "F16") and tuple(t.shape) == stored and D % Q4_GROUP == 0
-                and (dtype == "q4" or (dtype == "int8" and block == Q4_GROUP))):
+                and (dtype == "q4" or (dtype == "int8" and block == Q4_GROUP)) and cpu_loads()):
             # rows made from the file's Q4_0 or F16 weights in C (a down matrix's columns, a
             # converted file's F16 down_t rows), as the torch quantizers below would from the
             # float weights, without that float copy; Q4_0 rows into q4 rows keep the file's

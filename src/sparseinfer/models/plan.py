@@ -19,6 +19,11 @@ Storage, by ``--dtype``:
 - ``fp32`` / ``bf16``: every projection in that float type.
 Token embeddings of quantized files stay in the mapped file (``file``: rows dequantized on
 lookup). A file with predictors gets sparse FFN layers (``sparse``) unless ``dense`` is asked.
+
+Where the C library does not load (``cpu.loads()``: another CPU architecture, an x86 CPU without
+AVX2, ``SPARSEINFER_C_KERNELS=0``) the plan keeps to torch's and numba's kernels: the weights as
+above without ``ggml``, the fused decode only for plain llama blocks (numba's, float32 caches),
+sparse rows in int8, bf16 or fp32 (q4 rows are refused with what to ask for instead).
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..config import ModelConfig
+from ..cpu import loads as cpu_loads
 from ..errors import ModelFileError, SparseInferError
 from ..fileio import available_memory
-from ..quant.linear import ggml_kernels_available
 from ..sparse.packed import INT8_BLOCK
 from .loading import ModelSource
 
@@ -244,6 +249,11 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                f"{src.path} OUT.gguf`")
     if has_predictors(src) and not dense:
         ffn_dtype = _auto_ffn_dtype(src, dtype) if ffn_dtype == "auto" else ffn_dtype
+        if ffn_dtype == "q4" and not cpu_loads():
+            what = "the file's bundles" if bundled else "--ffn-dtype q4"
+            raise SparseInferError(f"{src.path}: q4 neuron rows ({what}) run on the C kernels, "
+                                   f"which do not load here (the warning above says why); "
+                                   f"expected --ffn-dtype int8, bf16 or fp32")
         sparse = _sparse_plan(src, mode, ffn_dtype, threshold, device, vram_budget, split_tiers,
                               min_split, gpu_index)
         sparse = replace(sparse, bundled=bundled,
@@ -283,7 +293,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
         transposed = any(s.endswith("down_t.weight") for s in sources)
         block = 256 if any(k.endswith("_K") for k in ks) else 32
         if (ks and cpu and not transposed and all(k in GGML_TYPES for k in ks)
-                and shape[1] % block == 0 and ggml_kernels_available()):
+                and shape[1] % block == 0 and cpu_loads()):
             return "ggml", "file blocks"
         if not ks or all(k in FLOAT_KINDS for k in ks) or not cpu:
             return float_dtype, "as stored" if not ks or all(k in FLOAT_KINDS for k in ks) \
@@ -395,12 +405,13 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     else:
         add("lm_head", ["lm_head.weight"], (cfg.vocab_size, E), head=True)
     disk = ram_budget is not None or disk_options is not None
+    c_lib = cpu and cpu_loads()  # else numba's decode, float32 caches only
     fusable = (cpu and float_dtype == "fp32" and cfg.norm == "rms" and cfg.pos == "rope"
-               and (cfg.plain_block or _c_blocks(cfg, weights, None if sparse is None else
-                                                 (sparse, disk))))
-    fused_ok = fused and fusable
+               and (cfg.plain_block or (c_lib and _c_blocks(
+                   cfg, weights, None if sparse is None else (sparse, disk)))))
     kv_dtype = kv_type if kv_type != "auto" else (
-        "fp16" if dtype == "auto" and fusable else float_dtype)
+        "fp16" if dtype == "auto" and fusable and c_lib else float_dtype)
+    fused_ok = fused and fusable and (c_lib or kv_dtype == "fp32")  # numba reads float32 caches
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * hd * (4 if kv_dtype == "fp32" else 2)
     if sparse is not None and (ram_budget is not None or disk_options is not None):
         from ..disk.plan import DiskOptions, plan_disk
@@ -452,14 +463,14 @@ def _c_blocks(cfg: ModelConfig, weights: list[WeightPlan], sparse) -> bool:
 def q4_gates_apart(src: ModelSource, ffn_dtype: str, bundled: str | None) -> bool:
     """Whether int8 sparse rows can take their gates from the file's own 4-bit gate rows: a
     ReLU gate (ReGLU, dReLU) stored as Q4_0 in every layer (its numbers kept exactly, as q4
-    rows), rows of whole blocks of 32, bundles made at load (not a file's bundles). Then a
-    token reads half the bytes for each selected neuron's gate, and the int8 rows of the
-    neurons whose gate fired only, and the layer holds 18 bytes per 32 gate weights instead of
-    36 (benchmarks/gates_apart_int8.py, relu_7b.py; RESULTS.md)."""
+    rows), rows of whole blocks of 32, bundles made at load (not a file's bundles), the C
+    library loaded. Then a token reads half the bytes for each selected neuron's gate, and the
+    int8 rows of the neurons whose gate fired only, and the layer holds 18 bytes per 32 gate
+    weights instead of 36 (benchmarks/gates_apart_int8.py, relu_7b.py; RESULTS.md)."""
     cfg = src.config
     kind = cfg.ffn
     if (bundled is not None or ffn_dtype != "int8" or not kind.gated or kind.gate_act != "relu"
-            or cfg.d_model % INT8_BLOCK):
+            or cfg.d_model % INT8_BLOCK or not cpu_loads()):
         return False
     for i in range(cfg.n_layers):
         t = src.tensors.get(f"layers.{i}.ffn.gate.weight")
@@ -496,7 +507,7 @@ def _batch_dense(src: ModelSource, sparse: SparsePlan, batch_ffn: str, dtype: st
     elif sparse.selector != "predictor" or sparse.ffn_dtype not in ("int8", "q4"):
         why = (f"the C block takes predictor-selected int8 or q4 rows only (here "
                f"{sparse.selector}, {sparse.ffn_dtype} rows)")
-    elif dtype != "auto" or not ggml_kernels_available():
+    elif dtype != "auto" or not cpu_loads():
         why = "the C kernels are not in use (--dtype auto, the C library)"
     else:
         for i in range(cfg.n_layers):

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..cpu import loads as cpu_loads
 from ..errors import SparseInferError
 from .blocks import GROUP, Q4Blocks
 
@@ -218,7 +219,7 @@ class FloatLinear(torch.nn.Module):
         self._out = torch.empty(self.out_features)
         w = self.weight
         if (w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
-                and self.in_features % 32 == 0 and ggml_kernels_available()):
+                and self.in_features % 32 == 0 and cpu_loads()):
             from .. import cpu
 
             raw = w.detach().view(torch.uint8).reshape(-1)  # the weight's own memory
@@ -316,25 +317,6 @@ class GGMLLinear(torch.nn.Module):
                                    GGMLQuantizationType[m.file_type]).reshape(m.rows, m.cols)
                  for m in self.mats]
         return torch.from_numpy(np.concatenate(parts).astype(np.float32))
-
-
-def ggml_kernels_available() -> bool:
-    """Whether the C kernel library (``sparseinfer.cpu``) is built and loads on this CPU."""
-    global _GGML_OK
-    if _GGML_OK is None:
-        try:
-            from ..cpu import ops  # noqa: F401
-            _GGML_OK = True
-        except SparseInferError as e:
-            import logging
-
-            logging.getLogger(__name__).warning("%s; quantized weights fall back to torch's "
-                                                "int4/int8 kernels", e)
-            _GGML_OK = False
-    return _GGML_OK
-
-
-_GGML_OK: bool | None = None
 
 
 def reference(module: Int4Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import FFN_KINDS
+from ..cpu import loads as cpu_loads
 from .packed import PackedFFN
 from .reference import ACTS, neuron_coefs, sparse_ffn_ref
 
@@ -205,12 +206,17 @@ class Predicted(Selector):
         self._neuron_thr = (None if predictor.bias is None else
                             (predictor.threshold - predictor.bias).float().contiguous())
         self._c = None  # float16 weights: the C library's kernel, on the FFN rows' thread pool
+        # float16 weights without the C library: float32 copies for numba's kernel
+        self._fc = (predictor.fc1, predictor.fc2)
         if predictor.fc1.dtype == torch.float16 and predictor.fc1.device.type == "cpu":
-            from .. import cpu
+            if cpu_loads():
+                from .. import cpu
 
-            thr = (self._neuron_thr if self._neuron_thr is not None else
-                   torch.full((predictor.fc2.shape[0],), float(predictor.threshold)))
-            self._c = cpu.F16Predictor(predictor.fc1, predictor.fc2, thr)
+                thr = (self._neuron_thr if self._neuron_thr is not None else
+                       torch.full((predictor.fc2.shape[0],), float(predictor.threshold)))
+                self._c = cpu.F16Predictor(predictor.fc1, predictor.fc2, thr)
+            else:
+                self._fc = (predictor.fc1.float(), predictor.fc2.float())
 
     def __repr__(self) -> str:
         p = self.predictor
@@ -228,7 +234,7 @@ class Predicted(Selector):
 
             return ffn._idx[:predict_f16(self._c, x, ffn._idx)]
         if x.device.type == "cpu":
-            k = _kernels().predict_active(x, p.fc1, p.fc2, p.threshold, ffn._idx,
+            k = _kernels().predict_active(x, *self._fc, p.threshold, ffn._idx,
                                        neuron_thresholds=self._neuron_thr)
             return ffn._idx[:k]
         return torch.nonzero(p.logits(x) >= p.threshold).reshape(-1).to(torch.int32)

@@ -35,6 +35,7 @@ from numba import njit, prange, types
 from numba.core.extending import intrinsic, overload
 
 from ..config import FFN_KINDS
+from ..cpu import loads as cpu_loads
 from ..threads import requested_kernel_threads
 from .packed import PackedFFN, quantize_int8
 from .reference import ACTS, check_batch_args, check_ffn_args, check_predict_args
@@ -421,6 +422,8 @@ def _views(ffn: PackedFFN) -> _Views:
             raise ValueError(f"ffn.rows: expected a CPU tensor, got one on {ffn.rows.device}")
         if ffn.gates is not None:  # (they need blocks of 32: in_c)
             raise ValueError("ffn.gates: q4 gate rows apart run in the C kernels only")
+        if ffn.dtype == "q4":
+            raise ValueError("q4 rows run in the C kernels only (sparseinfer.cpu)")
         if ffn.dtype == "bf16":
             rows = ffn.rows.view(torch.int16).numpy().view(np.uint16)
         else:
@@ -504,10 +507,10 @@ class _one_thread:
 
 
 def in_c(ffn: PackedFFN) -> bool:
-    """Rows the C library's kernels take: q4, and int8 whose blocks and rows are multiples of 8
-    (``cpu.sparse_ffn_i8``; other int8 blocks stay in numba)."""
-    return ffn.dtype == "q4" or (ffn.dtype == "int8" and ffn.d_model % 8 == 0
-                                 and ffn.block % 8 == 0)
+    """Rows the C library's kernels take where it loads: q4, and int8 whose blocks and rows are
+    multiples of 8 (``cpu.sparse_ffn_i8``; other int8 blocks stay in numba)."""
+    return (ffn.dtype == "q4" or (ffn.dtype == "int8" and ffn.d_model % 8 == 0
+                                  and ffn.block % 8 == 0)) and cpu_loads()
 
 
 def rounds_x(ffn: PackedFFN) -> bool:
