@@ -34,12 +34,16 @@ CONFIGS = [
     ("-t 2, active wait (old default)", 2, {"OMP_WAIT_POLICY": "ACTIVE"}),
     ("-t 2, libgomp default wait", 2, {"OMP_WAIT_POLICY": ""}),
     ("-t 2, passive wait", 2, {"OMP_WAIT_POLICY": "PASSIVE"}),
-    ("-t auto (new default)", 0, {}),
+    ("-t 2, passive, GOMP_SPINCOUNT=10000", 2,
+     {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}),
+    ("-t 2, passive, GOMP_SPINCOUNT=50000", 2,
+     {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "50000"}),
+    ("-t auto (the CLI's default)", 0, {}),
 ]
 
 
-def decode_rate(threads: int, env_extra: dict, n: int) -> float:
-    env = dict(os.environ)
+def decode_rate(threads: int, env_extra: dict, n: int, every: dict) -> float:
+    env = {**os.environ, **every}
     for k, v in env_extra.items():
         if v:
             env[k] = v
@@ -132,7 +136,11 @@ def main() -> None:
     ap.add_argument("--idle-cpu", action="store_true", help="only the idle-pool CPU probe")
     ap.add_argument("--train", metavar="PROFILE", help="only predictor training on a profile "
                                                        "directory (`sparseinfer profile -o DIR`)")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="set in every run's environment, e.g. SPARSEINFER_C_KERNELS=0 (torch's "
+                         "and numba's kernels, whose OpenMP pools do the work)")
     args = ap.parse_args()
+    every = dict(kv.split("=", 1) for kv in args.env)
     if args.idle_cpu:
         idle_cpu()
         return
@@ -145,18 +153,18 @@ def main() -> None:
     try:
         for r in range(args.rounds):
             for label, t, env in CONFIGS:
-                rate = decode_rate(t, env, args.n)
+                rate = decode_rate(t, env, args.n, every)
                 rates[label].append(rate)
-                print(f"round {r + 1} {label:36s} {rate:7.2f} tok/s", flush=True)
+                print(f"round {r + 1} {label:40s} {rate:7.2f} tok/s", flush=True)
     finally:
         if busy is not None:
             busy.kill()
     base = statistics.median(rates["-t 1"])
     print(f"\nos.cpu_count()={os.cpu_count()}, busy process: {not args.no_busy}, "
-          f"median of {args.rounds} rounds, -n {args.n}")
+          f"median of {args.rounds} rounds, -n {args.n}, environment {every or 'as is'}")
     for label, _, _ in CONFIGS:
         med = statistics.median(rates[label])
-        print(f"{label:36s} {med:7.2f} tok/s  {med / base:5.2f}x -t 1")
+        print(f"{label:40s} {med:7.2f} tok/s  {med / base:5.2f}x -t 1")
 
 
 if __name__ == "__main__":
