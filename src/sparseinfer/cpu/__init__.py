@@ -116,7 +116,7 @@ def loads() -> bool:
 
 
 def kernels_in_use() -> str:
-    """One line for ``info``: the C kernels' variant and threads, or why they are not in use."""
+    """One line for ``info``: the C kernels' variant in use, or why they are not in use."""
     if loads():
         from . import ops
 
