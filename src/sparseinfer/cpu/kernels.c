@@ -204,9 +204,11 @@ INLINE __m512 xg_f4(const uint8_t *xg, const int off, __m512i lb) {
 }
 
 /* The byte of a group at which its second load starts, for blocks of bsize bytes (18: Q4_0,
- * 20: Q4_1, 22: Q5_0): the last 16 bytes of a Q4_0/Q4_1 group; 32 bytes from byte 56 for Q5_0,
- * whose block 2 has its last quant word at bytes 64..65. */
-INLINE int q4g_second(const int bsize) { return bsize == 22 ? 56 : 4 * bsize - 16; }
+ * 20: Q4_1, 22: Q5_0, 24: Q5_1): the last 16 bytes of a Q4_0/Q4_1 group; 32 bytes from byte 56
+ * for Q5_0, whose block 2 has its last quant word at bytes 64..65, and from byte 64 for Q5_1. */
+INLINE int q4g_second(const int bsize) {
+    return bsize == 22 ? 56 : bsize == 24 ? 64 : 4 * bsize - 16;
+}
 
 /* Word indices of the group gathers: QIDX picks the 4 x 8 quant words (word bsize/2 * k +
  * bsize/2 - 8 + m of the group), DIDX the fp16 word bsize/2 * (l / 4) + off for each of 16 lanes
@@ -529,34 +531,37 @@ INLINE void rows_q4g(const int type, const uint8_t *w, size_t rb, const int R, c
     for (int r = 0; r < R; r++)
         y[r] = _mm512_reduce_add_ps(type == SI_Q4_1 ? _mm512_add_ps(acc[r], accm[r]) : acc[r]);
 }
-/* R Q5_0 rows against x (x->g set) in groups of 4 blocks (88 bytes): the quant bytes and
- * scales gathered as for Q4_0 (the second load 32 bytes at byte 56), each block's 32 fifth bits
- * turned into two byte masks (elements 0..15 and 16..31 of the 4 blocks) that add 16 where set;
- * the zero point (16) through twice x's z. */
-INLINE void rows_q50g(const uint8_t *w, size_t rb, const int R, const si_xq *x, int nb, float *y,
-                      const uint8_t *pf, const int far) {
+/* R Q5_0 or Q5_1 rows against x (x->g set) in groups of 4 blocks (88 / 96 bytes): the quant
+ * bytes and scales gathered as for Q4_0 / Q4_1 (the second load 32 bytes at byte 56 / 64), each
+ * block's 32 fifth bits turned into two byte masks (elements 0..15 and 16..31 of the 4 blocks)
+ * that add 16 where set; Q5_0's zero point (16) through twice x's z, Q5_1's minima through x's
+ * s4 as Q4_1's. */
+INLINE void rows_q5g(const int type, const uint8_t *w, size_t rb, const int R, const si_xq *x,
+                     int nb, float *y, const uint8_t *pf, const int far) {
+    const int one = type == SI_Q5_1, bsize = one ? 24 : 22, gsize = 4 * bsize, hoff = one ? 4 : 2;
     const int G = nb / 4, rem = nb % 4;
-    /* block 3's scale (word 33) is in the second load: the scales take a two-table permute */
-    const __m512i qidx = q4g_qidx(22), didx = q4g_didx(22, 0);
+    /* block 3's scale (and minimum) is in the second load: the scales take a two-table permute */
+    const __m512i qidx = q4g_qidx(bsize), didx = q4g_didx(bsize, 0), midx = q4g_didx(bsize, 1);
     const __m512i lb = lane_block(), k16 = _mm512_set1_epi8(16);
-    __m512 acc[4];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    __m512 acc[4], accm[4];
+    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm512_setzero_ps();
     for (int g = 0; g < G + (rem > 0); g++) { /* a last partial group read as zero past the row */
-        if (pf) prefetch(pf + (size_t)g * R * 88, R * 88, far);
+        if (pf) prefetch(pf + (size_t)g * R * gsize, R * gsize, far);
         const int nk = g < G ? 4 : rem;
         const uint8_t *xg = xg_at(x, g);
-        const __m512i z = xg_z(xg), z16 = _mm512_add_epi32(z, z);
+        const __m512i z = one ? _mm512_setzero_si512() : xg_z(xg), z16 = _mm512_add_epi32(z, z);
         const __m512 xd = xg_f4(xg, XG_D, lb);
+        const __m512 xs = one ? xg_f4(xg, XG_S4, lb) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
-            const uint8_t *p = w + (size_t)r * rb + (size_t)g * 88;
-            const __m512i a = g < G ? _mm512_loadu_si512((const void *)p) : load_part(p, 0, 22 * rem);
-            const __m512i b = g < G ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + q4g_second(22))))
-                                    : load_part(p, q4g_second(22), 22 * rem);
+            const uint8_t *p = w + (size_t)r * rb + (size_t)g * gsize;
+            const __m512i a = g < G ? _mm512_loadu_si512((const void *)p) : load_part(p, 0, bsize * rem);
+            const __m512i b = g < G ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + q4g_second(bsize))))
+                                    : load_part(p, q4g_second(bsize), bsize * rem);
             const __m512i q = _mm512_permutex2var_epi16(a, qidx, b);
             uint64_t mlo = 0, mhi = 0;
             for (int k = 0; k < nk; k++) {
                 uint32_t h;
-                memcpy(&h, p + 22 * k + 2, 4);
+                memcpy(&h, p + bsize * k + hoff, 4);
                 mlo |= (uint64_t)(h & 0xFFFFu) << (16 * k);
                 mhi |= (uint64_t)(h >> 16) << (16 * k);
             }
@@ -567,9 +572,14 @@ INLINE void rows_q50g(const uint8_t *w, size_t rb, const int R, const si_xq *x, 
                 _mm512_castsi512_si256(_mm512_permutex2var_epi16(a, didx, b)));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4g_dot(lo, hi, z16, xg)),
                                      _mm512_mul_ps(dwv, xd), acc[r]);
+            if (one)
+                accm[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(
+                                              _mm512_permutex2var_epi16(a, midx, b))),
+                                          xs, accm[r]);
         }
     }
-    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < R; r++)
+        y[r] = _mm512_reduce_add_ps(one ? _mm512_add_ps(acc[r], accm[r]) : acc[r]);
 }
 /* Q8_0 two blocks (68 bytes) per 512-bit step: a word permute gathers the pair's 64 quant bytes
  * from a 64-byte and a 16-byte load (at byte 52: word 26), a sign flip (xor 0x80) makes them
@@ -1916,13 +1926,16 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
 #define Q4G(T)                                                                                 \
     WALK(rows_q4g(T, w + r * rb, rb, 4, x, nb, y + r, NEXT, far),                              \
          rows_q4g(T, w + r * rb, rb, 1, x, nb, y + r, NULL, far))
-    if (x->g && (type == SI_Q4_0 || type == SI_Q4_1 || type == SI_Q5_0)) {
+    if (x->g && (type == SI_Q4_0 || type == SI_Q4_1 || type == SI_Q5_0 || type == SI_Q5_1)) {
         /* groups of 4 blocks */
         if (type == SI_Q4_0) Q4G(SI_Q4_0);
         else if (type == SI_Q4_1) Q4G(SI_Q4_1);
+        else if (type == SI_Q5_0)
+            WALK(rows_q5g(SI_Q5_0, w + r * rb, rb, 4, x, nb, y + r, NEXT, far),
+                 rows_q5g(SI_Q5_0, w + r * rb, rb, 1, x, nb, y + r, NULL, far));
         else
-            WALK(rows_q50g(w + r * rb, rb, 4, x, nb, y + r, NEXT, far),
-                 rows_q50g(w + r * rb, rb, 1, x, nb, y + r, NULL, far));
+            WALK(rows_q5g(SI_Q5_1, w + r * rb, rb, 4, x, nb, y + r, NEXT, far),
+                 rows_q5g(SI_Q5_1, w + r * rb, rb, 1, x, nb, y + r, NULL, far));
         return;
     }
 #undef Q4G

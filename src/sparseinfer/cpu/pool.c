@@ -410,8 +410,8 @@ static void quant_chunk(const void *jp, int64_t t) {
 
 /* Quantize T rows of x [T, cols] into the scratch in blocks of 32 (need_q: some matrix other
  * than a K-quant's reads them), with the rearranged copies (need_g: only the row-major
- * Q4_0/Q4_1/Q5_0 and sparse kernels read them), and in blocks of 128 (need_k: the xk_kind bits
- * of the K-quant matrices; the kinds this ISA takes in blocks of 128 get those, the others
+ * Q4_0/Q4_1/Q5_0/Q5_1 and sparse kernels read them), and in blocks of 128 (need_k: the xk_kind
+ * bits of the K-quant matrices; the kinds this ISA takes in blocks of 128 get those, the others
  * blocks of 32); S.xq[t] describes row t. */
 static int quantize_rows(const float *x, int64_t T, int cols, int need_q, int need_g,
                          int need_k) {
@@ -495,7 +495,8 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
         j->out[i] = outs[i];
         j->ys[i] = rows[i];
         j->need_q |= types[i] != SI_F16 && types[i] != SI_F32 && !xk_kind(types[i]);
-        j->need_g |= types[i] == SI_Q4_0 || types[i] == SI_Q4_1 || types[i] == SI_Q5_0;
+        j->need_g |= types[i] == SI_Q4_0 || types[i] == SI_Q4_1 || types[i] == SI_Q5_0 ||
+                     types[i] == SI_Q5_1;
         j->need_k |= xk_kind(types[i]);
         total_rows += rows[i];
     }
