@@ -210,3 +210,36 @@ def test_another_architecture_is_named(monkeypatch):
         build.build()
     with pytest.raises(ops.CpuLibraryError, match=want):
         ops._load()
+
+
+THREADS_CHILD = r"""
+import sys, threading, torch, numba
+from sparseinfer.config import SamplingParams
+from sparseinfer.engine import Engine
+
+n = int(sys.argv[2])
+e = Engine.load(sys.argv[1], threads=n)
+
+def decode():
+    for _ in e.stream(e.encode("hello there"), SamplingParams(max_tokens=4, temperature=0)):
+        pass
+    return torch.get_num_threads(), numba.get_num_threads()
+
+seen = [decode()]
+t = threading.Thread(target=lambda: seen.append(decode()))  # as a server's batch loop
+t.start()
+t.join()
+print(seen)
+"""
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_threads_asked_are_the_threads_used(tiny_model_dir, n):
+    """`-t n` without the C library: torch's and numba's counts stay n on the thread that loaded
+    the model and on another one that decodes (numba's pool, starting, set the shared OpenMP
+    runtime's count to every core: -t 1 ran torch on two threads)."""
+    path = str(tiny_model_dir("swiglu"))
+    proc = subprocess.run([sys.executable, "-c", THREADS_CHILD, path, str(n)], env=OFF,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == str([(n, n), (n, n)])

@@ -95,10 +95,10 @@ def gemv_int8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
         if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"{name}: expected contiguous float32 {list(shape)}, got "
                              f"{t.dtype} {list(t.shape)}")
-    from ..sparse.kernels import get_threads
+    from ..sparse.kernels import use_threads
     from .int8_kernels import int8_gemv_kernel  # numba: imported on first use
 
-    int8_gemv_kernel(q.numpy(), scale.numpy(), x.numpy(), get_threads() * 4, out.numpy())
+    int8_gemv_kernel(q.numpy(), scale.numpy(), x.numpy(), use_threads() * 4, out.numpy())
     return out
 
 
@@ -110,10 +110,10 @@ def gemm_int8_rows(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> tor
         raise ValueError(f"x: expected [B, {q.shape[1]}], got {list(x.shape)}")
     x = x.float().contiguous()
     out = torch.empty(x.shape[0], q.shape[0])
-    from ..sparse.kernels import get_threads
+    from ..sparse.kernels import use_threads
     from .int8_kernels import int8_gemm_kernel
 
-    int8_gemm_kernel(q.numpy(), scale.numpy(), x.numpy(), get_threads() * 4, out.numpy())
+    int8_gemm_kernel(q.numpy(), scale.numpy(), x.numpy(), use_threads() * 4, out.numpy())
     return out
 
 

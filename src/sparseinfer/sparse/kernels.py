@@ -49,6 +49,7 @@ __all__ = [
     "dense_weights",
     "gate_dots",
     "get_threads",
+    "use_threads",
     "predict_active",
     "set_threads",
     "sparse_ffn",
@@ -460,6 +461,7 @@ def _buffer(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
 
 
 _threads = numba.config.NUMBA_NUM_THREADS  # = numba.get_num_threads() until set_threads
+_counts = threading.local()  # .threads: the count numba has on this thread (use_threads)
 
 
 def set_threads(n: int) -> None:
@@ -473,10 +475,25 @@ def set_threads(n: int) -> None:
                     "using %d", n, numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS)
         n = numba.config.NUMBA_NUM_THREADS
     numba.set_num_threads(n)
+    torch.set_num_threads(n)  # after numba's: see use_threads
     _threads = n
+    _counts.threads = n
 
 
 def get_threads() -> int:
+    return _threads
+
+
+def use_threads() -> int:
+    """The kernels' thread count, given to the calling thread first. Numba's setting and the
+    OpenMP thread count torch's operations use are both the calling thread's own (a server's
+    batch loop starts from the defaults: every core), and torch's wheel and numba's ``omp``
+    layer share one libgomp, whose count numba's pool sets to every core when it starts: so
+    numba's count and then torch's, once per thread (else ``-t 1`` ran torch on two threads)."""
+    if getattr(_counts, "threads", 0) != _threads:
+        numba.set_num_threads(_threads)
+        torch.set_num_threads(_threads)
+        _counts.threads = _threads
     return _threads
 
 
@@ -567,7 +584,7 @@ def _idx_numpy(idx: torch.Tensor) -> np.ndarray:
 def _run_ffn(xn: np.ndarray, ffn: PackedFFN, idn: np.ndarray, on: np.ndarray) -> None:
     """xn, on: [T, d] float32 numpy; idn int32."""
     v = _views(ffn)
-    nt = _threads  # (numba.get_num_threads() costs ~0.7 us)
+    nt = use_threads()  # (numba.get_num_threads() costs ~0.7 us)
     T = xn.shape[0]
     if nt > 1 and T * idn.shape[0] * ffn.bytes_per_neuron >= SERIAL_BYTES:
         scratch = _buffer("acc", (nt, T, ffn.d_model), np.float32)
@@ -684,7 +701,7 @@ def predict_active(
             raise ValueError(f"neuron_thresholds: expected float32 [{fc2.shape[0]}], got "
                              f"{neuron_thresholds.dtype} {list(neuron_thresholds.shape)}")
         thr = neuron_thresholds.numpy()
-    nt = _threads
+    nt = use_threads()
     if (fc1.numel() + fc2.numel()) * fc1.element_size() < SERIAL_BYTES:
         nt = 1
     hidden = _buffer("hidden", (fc1.shape[0],), np.float32)
@@ -826,5 +843,5 @@ def gemv(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if out.dtype != torch.float32 or out.shape != (w.shape[0],) or not out.is_contiguous():
         raise ValueError(f"out: expected contiguous float32 [{w.shape[0]}], got {list(out.shape)}")
     xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
-    _gemv_kernel(w.numpy(), xn, numba.get_num_threads() * 4, out.numpy())
+    _gemv_kernel(w.numpy(), xn, use_threads() * 4, out.numpy())
     return out
