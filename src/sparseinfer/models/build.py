@@ -369,6 +369,7 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
         setattr(owner, attr, nn.Parameter(w.to(fdt).contiguous(), requires_grad=False))
 
     modules = dict(model.named_modules())
+    linears = []  # (module, its plan): filled on threads below
     for wp in plan.weights:
         if wp.storage == "sparse":
             continue
@@ -382,7 +383,12 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
             n = m.num_embeddings
             float_param(m, "weight", wp.sources[0], n if wp.module == "pos_emb" else None)
         else:
-            _fill_linear(m, WeightSource(src, wp.sources), wp.origin, wp.shape, plan.panels)
+            linears.append((m, wp))
+    # each module its own: torch's conversions and numpy free the GIL (torch's int4 repacking
+    # of a 7B file took 36 s on one thread: benchmarks/RESULTS.md)
+    with ThreadPoolExecutor(requested_kernel_threads() or default_threads()) as ex:
+        list(ex.map(lambda a: _fill_linear(a[0], WeightSource(src, a[1].sources), a[1].origin,
+                                           a[1].shape, plan.panels), linears))
     for path, norm in modules.items():  # every norm, by its module path
         if isinstance(norm, Norm):
             float_param(norm, "weight", path + ".weight")
