@@ -384,8 +384,8 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
             float_param(m, "weight", wp.sources[0], n if wp.module == "pos_emb" else None)
         else:
             linears.append((m, wp))
-    # each module its own: torch's conversions and numpy free the GIL (torch's int4 repacking
-    # of a 7B file took 36 s on one thread: benchmarks/RESULTS.md)
+    # on threads, each module its own job: torch's conversions (the int4 repacking without the
+    # C library) and numpy's free the GIL (benchmarks/RESULTS.md)
     with ThreadPoolExecutor(requested_kernel_threads() or default_threads()) as ex:
         list(ex.map(lambda a: _fill_linear(a[0], WeightSource(src, a[1].sources), a[1].origin,
                                            a[1].shape, plan.panels), linears))

@@ -49,12 +49,12 @@ __all__ = [
     "dense_weights",
     "gate_dots",
     "get_threads",
-    "use_threads",
     "predict_active",
     "set_threads",
     "sparse_ffn",
     "sparse_ffn_batch",
     "sparse_ffn_predicted",
+    "use_threads",
     "warmup",
 ]
 
@@ -465,8 +465,9 @@ _counts = threading.local()  # .threads: the count numba has on this thread (use
 
 
 def set_threads(n: int) -> None:
-    """Threads for the kernels: numba's setting (for the calling thread) and the chunk count.
-    More than numba's pool (NUMBA_NUM_THREADS, by default the cores) is capped, with a warning."""
+    """Threads for the kernels: numba's setting and torch's (for the calling thread; other
+    threads take them at their first kernel: ``use_threads``) and the chunk count. More than
+    numba's pool (NUMBA_NUM_THREADS, by default the cores) is capped, with a warning."""
     global _threads
     if n < 1:
         raise ValueError(f"threads: expected a positive number, got {n}")
