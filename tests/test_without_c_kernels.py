@@ -182,6 +182,7 @@ def test_float16_predictors_select_without_the_library(monkeypatch):
         assert all(margin[i] < 1e-5 for i in got ^ want)
 
 
+@pytest.mark.slow
 def test_cli_runs_without_the_library(tiny_model_dir):
     """`sparseinfer run` (sampling: top-k in numpy instead of the C sampler) and `info` as a
     user on such a machine sees them."""
@@ -233,7 +234,7 @@ print(seen)
 """
 
 
-@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_threads_asked_are_the_threads_used(tiny_model_dir, n):
     """`-t n` without the C library: torch's and numba's counts stay n on the thread that loaded
     the model and on another one that decodes (numba's pool, starting, set the shared OpenMP
