@@ -384,9 +384,11 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
             float_param(m, "weight", wp.sources[0], n if wp.module == "pos_emb" else None)
         else:
             linears.append((m, wp))
-    # on threads, each module its own job: torch's conversions (the int4 repacking without the
-    # C library) and numpy's free the GIL (benchmarks/RESULTS.md)
-    with ThreadPoolExecutor(requested_kernel_threads() or default_threads()) as ex:
+    # without the C library on threads, each module its own job: torch's int4 repacking frees
+    # the GIL; the C library's panel copies run on its own pool already (one after another
+    # measured no slower: benchmarks/RESULTS.md)
+    workers = 1 if cpu_loads() else requested_kernel_threads() or default_threads()
+    with ThreadPoolExecutor(workers) as ex:
         list(ex.map(lambda a: _fill_linear(a[0], WeightSource(src, a[1].sources), a[1].origin,
                                            a[1].shape, plan.panels), linears))
     for path, norm in modules.items():  # every norm, by its module path
