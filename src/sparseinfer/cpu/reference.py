@@ -109,9 +109,9 @@ def block_decode_ref(*, d_model, n_heads, n_kv_heads, head_dim, d_ff, gated, gat
     """``DecodeBlock(...)(x, pos, k_cache, v_cache, cos, sin)`` in float64 torch: each product is
     ``gemv_q8_ref`` (the input rounded as the kernels round it), attention a plain softmax over
     the cache with rope applied to q and k (the scores soft-capped when ``softcap``). Returns
-    the new ``x``; writes the caches. ``ffn``
-    (a sparse FFN's reference): ``ffn(h, x)`` of the FFN's normed input and the residual stream
-    (float64 [d_model]) replaces ``w_in``/``down``'s FFN, the down bias still added."""
+    the new ``x``; writes the caches. ``ffn`` (a sparse FFN's reference): ``ffn(h, x)`` of the
+    FFN's normed input and the residual stream (float64 [d_model]) replaces ``w_in``/``down``'s
+    FFN, the down bias still added."""
     biases = biases or {}
     nh, nkv, hd = n_heads, n_kv_heads, head_dim
 

@@ -369,7 +369,7 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
         setattr(owner, attr, nn.Parameter(w.to(fdt).contiguous(), requires_grad=False))
 
     modules = dict(model.named_modules())
-    linears = []  # (module, its plan): filled on threads below
+    linears = []  # (module, its plan): filled below
     for wp in plan.weights:
         if wp.storage == "sparse":
             continue
@@ -384,13 +384,17 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
             float_param(m, "weight", wp.sources[0], n if wp.module == "pos_emb" else None)
         else:
             linears.append((m, wp))
-    # without the C library on threads, each module its own job: torch's int4 repacking frees
-    # the GIL; the C library's panel copies run on its own pool already (one after another
-    # measured no slower: benchmarks/RESULTS.md)
-    workers = 1 if cpu_loads() else requested_kernel_threads() or default_threads()
-    with ThreadPoolExecutor(workers) as ex:
-        list(ex.map(lambda a: _fill_linear(a[0], WeightSource(src, a[1].sources), a[1].origin,
-                                           a[1].shape, plan.panels), linears))
+
+    def fill_linear(job) -> None:
+        m, wp = job
+        _fill_linear(m, WeightSource(src, wp.sources), wp.origin, wp.shape, plan.panels)
+
+    if cpu_loads():  # the panel copies run on the C pool already (threads here: no gain)
+        for job in linears:
+            fill_linear(job)
+    else:  # torch's int4 repacking frees the GIL: each module its own job (RESULTS.md)
+        with ThreadPoolExecutor(requested_kernel_threads() or default_threads()) as ex:
+            list(ex.map(fill_linear, linears))
     for path, norm in modules.items():  # every norm, by its module path
         if isinstance(norm, Norm):
             float_param(norm, "weight", path + ".weight")

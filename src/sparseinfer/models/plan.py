@@ -243,7 +243,8 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     if bundled is not None and (dense or not has_predictors(src)):
         raise SparseInferError(f"{src.path}: a file with bundled neurons runs sparse only; "
                                f"expected no --dense")
-    if (ram_budget is not None or disk_options is not None) and bundled is None:
+    disk_tier = ram_budget is not None or disk_options is not None  # cold neurons in the file
+    if disk_tier and bundled is None:
         raise SparseInferError(f"{src.path}: --ram-budget needs a sparse file with bundled "
                                f"neurons; write one with `python -m sparseinfer.disk bundle "
                                f"{src.path} OUT.gguf`")
@@ -259,7 +260,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
         sparse = replace(sparse, bundled=bundled,
                          q4_gates=q4_gates and q4_gates_apart(src, ffn_dtype, bundled))
         sparse = replace(sparse, batch_dense=_batch_dense(src, sparse, batch_ffn, dtype,
-                                                          ram_budget, disk_options))
+                                                          disk_tier))
     elif threshold is not None or vram_budget is not None:
         log.warning("%s has no predictors (or --dense): sparse options ignored, running dense",
                     src.path)
@@ -404,16 +405,15 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                      (cfg.vocab_size, E), 0, "shared")
     else:
         add("lm_head", ["lm_head.weight"], (cfg.vocab_size, E), head=True)
-    disk = ram_budget is not None or disk_options is not None
     c_lib = cpu and cpu_loads()  # else numba's decode, float32 caches only
     fusable = (cpu and float_dtype == "fp32" and cfg.norm == "rms" and cfg.pos == "rope"
                and (cfg.plain_block or (c_lib and _c_blocks(
-                   cfg, weights, None if sparse is None else (sparse, disk)))))
+                   cfg, weights, None if sparse is None else (sparse, disk_tier)))))
     kv_dtype = kv_type if kv_type != "auto" else (
         "fp16" if dtype == "auto" and fusable and c_lib else float_dtype)
     fused_ok = fused and fusable and (c_lib or kv_dtype == "fp32")  # numba reads float32 caches
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * hd * (4 if kv_dtype == "fp32" else 2)
-    if sparse is not None and (ram_budget is not None or disk_options is not None):
+    if sparse is not None and disk_tier:
         from ..disk.plan import DiskOptions, plan_disk
 
         if sparse.gpu_index is not None:
@@ -441,10 +441,10 @@ def _c_blocks(cfg: ModelConfig, weights: list[WeightPlan], sparse) -> bool:
     """Whether every block of a model that is not a plain llama block (q/k norms, post-norms,
     windows, a custom scale, soft-capped scores: Gemma 2/3, Qwen3) can decode on
     ``cpu.DecodeBlock``: the numba path around the block's modules implements only the plain
-    block, so such models are fused only when the C block takes every layer. ``sparse``: (SparsePlan, whether a disk tier
-    holds the cold neurons) of a sparse model, whose FFNs the C block takes as
-    ``SparseFFN.c_block_ffn`` does — one tier on the CPU, float16 predictors (or every neuron)
-    over the C kernels' rows (q4, or int8 with d_model a multiple of 32)."""
+    block, so such models are fused only when the C block takes every layer. ``sparse``:
+    (SparsePlan, whether a disk tier holds the cold neurons) of a sparse model, whose FFNs the
+    C block takes as ``SparseFFN.c_block_ffn`` does — one tier on the CPU, float16 predictors
+    (or every neuron) over the C kernels' rows (q4, or int8 with d_model a multiple of 32)."""
     if cfg.parallel or cfg.post_norm:
         return False
     linears = _BLOCK_LINEARS
@@ -492,7 +492,7 @@ def dense_down_bytes(src: ModelSource, down: str) -> int:
 
 
 def _batch_dense(src: ModelSource, sparse: SparsePlan, batch_ffn: str, dtype: str,
-                 ram_budget, disk_options) -> bool:
+                 disk_tier: bool) -> bool:
     """``SparsePlan.batch_dense`` for ``--batch-ffn``: "dense" where a dense copy can be made
     (else an error saying why not), "auto" there too if the file's predictors select at least
     ``BATCH_DENSE_MIN_DENSITY`` of the neurons on average, "sparse" never."""
@@ -500,7 +500,7 @@ def _batch_dense(src: ModelSource, sparse: SparsePlan, batch_ffn: str, dtype: st
         return False
     cfg = src.config
     why = None
-    if ram_budget is not None or disk_options is not None or sparse.bundled is not None:
+    if disk_tier or sparse.bundled is not None:
         why = "the neurons are bundled in the file (disk tier)"
     elif torch.device(sparse.device).type != "cpu" or sparse.split_tiers:
         why = "the FFN has a fast tier (--device)"
