@@ -227,6 +227,36 @@ def test_batch_matches_reference(kind, dtype, block, T, threads):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,block,engine", [
+    *[(dt, b, "numba") for dt, b in DTYPES], ("int8", 0, "c"), ("int8", "blk", "c"), ("q4", 0, "c")])
+@pytest.mark.parametrize("kind", ["swiglu", "reglu", "relu"])
+def test_masked_batch_is_each_tokens_own_set(kind, dtype, block, engine, threads, monkeypatch):
+    """A mask over the union: each token's row is the reference over its own set alone (numba's
+    kernel, or the C kernels where they take the rows), a group masked for every token and a
+    masked place holding a repeated row add nothing."""
+    d, f, T = 64, 100, 5
+    ffn = packed(kind, dtype, block, d, f, 0)
+    if engine == "numba":
+        monkeypatch.setattr(kernels, "in_c", lambda ffn: False)
+    elif not kernels.in_c(ffn):
+        pytest.skip("the C library does not load here")
+    x = inputs(d, 1, T)
+    idx = torch.cat([active_set(f, 0.4, 0), torch.tensor([3], dtype=torch.int32)])
+    g = torch.Generator().manual_seed(5)
+    mask = torch.rand(T, idx.numel(), generator=g) < 0.6
+    mask[:, 4:8] = False  # a whole group of 4 for nobody
+    mask[:, -1] = False  # the repeated row: for nobody
+    mask[2] = False  # a token with no neuron
+    got = kernels.sparse_ffn_batch(x, ffn, idx, torch.full((T, d), float("nan")), mask)
+    xr = cpu_ref.rounded_x(x) if engine == "c" and kernels.rounds_x(ffn) else x
+    for t in range(T):
+        want = reference.sparse_ffn_ref(xr[t], ffn, idx[mask[t]], torch.empty(d))
+        torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
+    assert not got[2].any()
+    with pytest.raises(ValueError, match="mask: expected"):
+        kernels.sparse_ffn_batch(x, ffn, idx, torch.empty(T, d), mask[:, 1:])
+
+
 def test_select_is_a_sub_ffn():
     d, f = 64, 100
     for dtype, block in DTYPES:

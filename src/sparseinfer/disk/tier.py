@@ -297,9 +297,9 @@ class DiskFFN(SparseFFN):
     # ---- several tokens ------------------------------------------------------------------------
 
     def _batch(self, x: Tensor, residual: Tensor | None) -> Tensor:
-        """Each token's own active set (``masked``, and ``auto`` where the C kernels take the
-        rows, as SparseFFN), else the union of the sets (every neuron: ``dense`` or
-        ``AllNeurons``); hot rows from RAM, cold ones through the cache."""
+        """Each token's own active set (``masked`` and ``auto``, as SparseFFN), else the union
+        of the sets (``union``; every neuron: ``dense`` or ``AllNeurons``); hot rows from RAM,
+        cold ones through the cache."""
         B, T, D = x.shape
         dev = x.device  # the selector's (a fast device's, with three tiers); the rest on the CPU
         xd = x.float().reshape(B * T, D).contiguous()
@@ -311,8 +311,7 @@ class DiskFFN(SparseFFN):
             r = None if residual is None else residual.float().reshape(B * T, D)
             mask = self.selector.mask(self, xd, r).cpu()
             idx = torch.nonzero(mask.any(dim=0)).reshape(-1).to(torch.int32)
-        masked = mask is not None and (self.batch_mode == "masked" or (
-            self.batch_mode == "auto" and kernels.in_c(self.rows)))
+        masked = mask is not None and self.batch_mode in ("masked", "auto")
         self.stats.tokens += B * T
         self.stats.active += int(mask.sum()) if masked else int(idx.numel()) * B * T
         def in_torch(packed: PackedFFN, rows_idx: Tensor, neurons: Tensor, xx: Tensor) -> Tensor:
@@ -337,11 +336,9 @@ class DiskFFN(SparseFFN):
         def run(packed: PackedFFN, rows_idx: Tensor, neurons: Tensor) -> None:
             if rows_idx.numel() == 0:
                 return
-            if masked and kernels.in_c(packed):  # the C kernels take each token's mask
+            if masked:  # each token's own set
                 m = mask[:, neurons.long()].contiguous()
                 out.add_(kernels.sparse_ffn_batch(xf, packed, rows_idx.to(torch.int32), tmp, m))
-            elif masked:
-                out.add_(in_torch(packed, rows_idx, neurons, xf))
             else:
                 out.add_(kernels.sparse_ffn_batch(xf, packed, rows_idx.to(torch.int32), tmp))
 

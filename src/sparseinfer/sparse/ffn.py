@@ -4,11 +4,10 @@ Per decoded token: the predictor (or, in oracle mode, the true activations) give
 only those neurons' bundled rows are read. Neurons are stored hot-first, so the fast tier holds
 neurons ``[0, n_hot)`` and the slow tier (always the CPU) ``[n_hot, d_ff)``; each tier computes its
 own active neurons and the results merge on the fast device. Several tokens at once (a prompt,
-a batched step) run each token's own set over the bundles of their union in the C kernels (Q4_0
-and int8 rows), else the batched kernel over the union, or the dense product on the same bundled
-rows (``batch_mode``, ``UNION_MAX_TOKENS``) — or, where the plan holds a dense copy of the FFN
-beside the bundles (``DenseCopy``: predictors that select most neurons), the dense product of
-that copy.
+a batched step) run each token's own set over the bundles of their union (the C kernels' or
+numba's), or the dense product on the same bundled rows (``batch_mode``, ``UNION_MAX_TOKENS``) —
+or, where the plan holds a dense copy of the FFN beside the bundles (``DenseCopy``: predictors
+that select most neurons), the dense product of that copy.
 """
 
 from __future__ import annotations
@@ -106,13 +105,13 @@ class FFNStats:
 
 BATCH_MODES = ("auto", "dense", "union", "masked")
 # each mode as a fused C block takes it (cpu/qgemv.h, si_sparse_ffn.mode): "auto" and "masked"
-# each row its own set (as here wherever the C kernels take the rows), "union", and "dense"
+# each row its own set (as here), "union", and "dense"
 # every neuron (by the sparse kernel over the bundles: here torch's product of the same rows,
 # the same sums rounded otherwise)
 C_BATCH_MODES = {"auto": 0, "masked": 0, "union": 1, "dense": 2}
 C_COPY_MODE = 3  # "auto" and "dense" with a dense copy: every neuron by the copy's matrices
-# "auto" prefill of rows the C kernels do not take (fp32, bf16): the union kernel up to this
-# many tokens, dense above. Measured with
+# "auto" prefill of rows the C kernels do not take (fp32, bf16): the batched kernel over the
+# union's bundles ("the union kernel" below) up to this many tokens, dense above. Measured with
 # benchmarks/prefill.py (benchmarks/RESULTS.md): on a 7B-shaped ReLU-like FFN the union kernel
 # beats torch's dense FFN 38x at 1 token, 5.7x at 8, 2.6x at 16 and 1.07x at 64 (union density
 # 97%); on SmolLM2 (union density 100%) 1.2-1.6x up to 64 tokens, 0.96x at 256 with fp32 rows.
@@ -275,9 +274,9 @@ class SparseFFN(nn.Module):
         self.down_bias = None
         self.stats = FFNStats()
         # several tokens at once: "dense" computes every neuron (prefill); "union" the union of
-        # the tokens' active sets with the batched sparse kernel; "auto" union for short batches,
-        # dense for long ones; "masked" keeps each token's own active set (what decode
-        # computes), for perplexity of the sparse model
+        # the tokens' active sets with the batched sparse kernel; "masked" each token's own
+        # active set (what decode computes); "auto" as "masked", but every neuron for long
+        # batches of fp32 rows (``forward``)
         self._mode_cell = np.zeros(1, dtype=np.int32)  # the mode as a fused C block reads it
         self.dense_copy: DenseCopy | None = None  # "auto" and "dense" batches take it (``fill``)
         self.batch_mode = "auto"
@@ -405,20 +404,17 @@ class SparseFFN(nn.Module):
                     out += self.down_bias
                 return out.to(x.dtype).reshape(B, T, D)
             one_tier = not self.split and x.device.type == "cpu"
-            own_in_c = one_tier and _kernels().in_c(self.packed)
-            # each token its own set. "auto" and "masked": wherever the C kernels take the rows
-            # (Q4_0 and int8), a mask over the union's bundles, each bundle read once per pass
-            # of tokens: the rows of a continuous-batching step and prompts alike (faster than
-            # the union at every length measured: benchmarks/RESULTS.md)
-            if self.batch_mode in ("auto", "masked") and own_in_c:
-                return self._union(x, residual, own=True)
-            if self.batch_mode == "masked":  # other rows: torch's dense product, masked
-                return self._dense(x, residual)
-            union = self.batch_mode == "union" or (self.batch_mode == "auto" and (
-                B * T <= UNION_MAX_TOKENS or self.cold.dtype != "fp32"))  # (cold: the CPU rows)
-            if union and one_tier:
-                return self._union(x, residual)
-            return self._dense(x, residual)
+            # over the bundles of the union of the tokens' sets, each read once per pass of
+            # tokens: "union" every token the union, "masked" and "auto" each token its own set
+            # (the rows of a continuous-batching step and prompts alike) — "auto" at any length
+            # where the C kernels take the rows (faster than the union at every length measured:
+            # benchmarks/RESULTS.md), on numba's kernel up to UNION_MAX_TOKENS tokens of fp32
+            # rows, then torch's dense product of every neuron (cold: the CPU rows)
+            if one_tier and self.batch_mode != "dense" and (
+                    self.batch_mode != "auto" or _kernels().in_c(self.packed)
+                    or B * T <= UNION_MAX_TOKENS or self.cold.dtype != "fp32"):
+                return self._union(x, residual, own=self.batch_mode != "union")
+            return self._dense(x, residual)  # ("masked" on two tiers: torch's product, masked)
         xv = x.reshape(D).float()
         idx = self.active(xv, residual)
         self.stats.tokens += 1
@@ -447,7 +443,7 @@ class SparseFFN(nn.Module):
     def _union(self, x: Tensor, residual: Tensor | None = None, own: bool = False) -> Tensor:
         """A batch of tokens over the union of their active sets (one read of each active
         neuron's bundle for all tokens: ``kernels.sparse_ffn_batch``); ``own``: each token
-        computes only its own set within the union (C rows): the neurons it would take alone."""
+        computes only its own set within the union: the neurons it would take alone."""
         B, T, D = x.shape
         xf = x.float().reshape(B * T, D).contiguous()
         rows = None

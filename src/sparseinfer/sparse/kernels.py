@@ -158,8 +158,9 @@ def _dots4(xt, r0, r1, r2, r3, scales, i0, i1, i2, i3, m, nb, block, scaled):
 
 
 @_jit()
-def _walk(x, rows, scales, bias, idx, start, end, gated, ga, ua, block, acc):
-    """acc[t] += sum_{c in [start, end)} h_t(idx[c]) * down_t[idx[c]] for each token t.
+def _walk(x, rows, scales, bias, idx, mask, start, end, gated, ga, ua, block, acc):
+    """acc[t] += sum_{c in [start, end)} h_t(idx[c]) * down_t[idx[c]] for each token t (with a
+    ``mask`` ``[T, len(idx)]``: only where ``mask[t, c]`` is not 0; 0 rows: every neuron).
 
     x, acc: ``[T, d]``. Neurons go four at a time: their gate/up dot products in one loop, then
     their down rows in one axpy loop. With a ReLU gate the 4 gates go first and the up rows are
@@ -181,6 +182,7 @@ def _walk(x, rows, scales, bias, idx, start, end, gated, ga, ua, block, acc):
     has_bias = bias.shape[0] > 0
     zero = np.float32(0.0)
     gate_first = gated and ga == 1  # ReLU gate (ACT_CODES["relu"])
+    masked = mask.shape[0] > 0
     for c in range(start, end, 4):
         n_live = min(4, end - c)
         i0 = idx[c]
@@ -200,6 +202,19 @@ def _walk(x, rows, scales, bias, idx, start, end, gated, ga, ua, block, acc):
         w2 = rows[i2, m_dn]
         w3 = rows[i3, m_dn]
         for t in range(T):
+            # which of the 4 this token takes: those of the group (n_live), within its own set
+            l0 = True
+            l1 = n_live > 1
+            l2 = n_live > 2
+            l3 = n_live > 3
+            if masked:
+                mt = mask[t]
+                l0 = mt[c] != 0
+                l1 = l1 and mt[c + 1] != 0
+                l2 = l2 and mt[c + 2] != 0
+                l3 = l3 and mt[c + 3] != 0
+                if not (l0 or l1 or l2 or l3):
+                    continue
             xt = x[t]
             # --- up (and gate) dot products, 4 neurons interleaved
             a0 = a1 = a2 = a3 = zero  # up
@@ -207,8 +222,8 @@ def _walk(x, rows, scales, bias, idx, start, end, gated, ga, ua, block, acc):
             if gate_first:  # ReLU gates: the 4 gates alone; the up rows only if one fired
                 b0, b1, b2, b3 = _dots4(xt, g0, g1, g2, g3, scales, i0, i1, i2, i3, 0, nb,
                                         block, scaled)
-                if b0 <= 0 and (b1 <= 0 or n_live < 2) and (b2 <= 0 or n_live < 3) and \
-                        (b3 <= 0 or n_live < 4):
+                if (b0 <= 0 or not l0) and (b1 <= 0 or not l1) and (b2 <= 0 or not l2) and \
+                        (b3 <= 0 or not l3):
                     continue
             if not gated or gate_first:
                 a0, a1, a2, a3 = _dots4(xt, u0, u1, u2, u3, scales, i0, i1, i2, i3, m_up, nb,
@@ -266,12 +281,14 @@ def _walk(x, rows, scales, bias, idx, start, end, gated, ga, ua, block, acc):
                 h1 = _act(a1, ua)
                 h2 = _act(a2, ua)
                 h3 = _act(a3, ua)
-            if n_live < 4:
+            if not l0:
+                h0 = zero
+            if not l1:
+                h1 = zero
+            if not l2:
+                h2 = zero
+            if not l3:
                 h3 = zero
-                if n_live < 3:
-                    h2 = zero
-                    if n_live < 2:
-                        h1 = zero
             if h0 == 0 and h1 == 0 and h2 == 0 and h3 == 0:
                 continue  # ReLU-family neurons that came out inactive: skip their down rows
             # --- down rows: acc += h * down_t, 4 neurons interleaved
@@ -295,8 +312,9 @@ def _walk(x, rows, scales, bias, idx, start, end, gated, ga, ua, block, acc):
 
 
 @_jit(parallel=True)
-def _sparse_ffn_kernel(x, rows, scales, bias, idx, gated, ga, ua, block, scratch, out):
-    """x, out ``[T, d]``; scratch ``[n_chunks, T, d]``: one chunk of the active list per thread.
+def _sparse_ffn_kernel(x, rows, scales, bias, idx, mask, gated, ga, ua, block, scratch, out):
+    """x, out ``[T, d]``; scratch ``[n_chunks, T, d]``: one chunk of the active list per thread;
+    mask ``[T, len(idx)]`` uint8, or 0 rows (``_walk``).
 
     The loop bodies live in ``_walk``: numba does not apply fastmath inside a prange body.
     Returns the position in idx of the first out-of-range index (then nothing is computed), or -1.
@@ -314,7 +332,7 @@ def _sparse_ffn_kernel(x, rows, scales, bias, idx, gated, ga, ua, block, scratch
         s = t * per
         e = min(k, s + per)
         if s < e:
-            _walk(x, rows, scales, bias, idx, s, e, gated, ga, ua, block, acc)
+            _walk(x, rows, scales, bias, idx, mask, s, e, gated, ga, ua, block, acc)
     _sum_first_axis(scratch, out)
     return -1
 
@@ -582,21 +600,31 @@ def _idx_numpy(idx: torch.Tensor) -> np.ndarray:
     return idx.numpy().astype(np.int32)
 
 
-def _run_ffn(xn: np.ndarray, ffn: PackedFFN, idn: np.ndarray, on: np.ndarray) -> None:
-    """xn, on: [T, d] float32 numpy; idn int32."""
+_NO_MASK = np.zeros((0, 0), dtype=np.uint8)
+
+
+def _run_ffn(xn: np.ndarray, ffn: PackedFFN, idn: np.ndarray, on: np.ndarray,
+             mask: torch.Tensor | None = None) -> None:
+    """xn, on: [T, d] float32 numpy; idn int32; mask: bool or uint8 [T, len(idn)], or None."""
     v = _views(ffn)
-    nt = use_threads()  # (numba.get_num_threads() costs ~0.7 us)
     T = xn.shape[0]
+    mk = _NO_MASK
+    if mask is not None:
+        if mask.dtype not in (torch.bool, torch.uint8) or tuple(mask.shape) != (T, idn.shape[0]):
+            raise ValueError(f"mask: expected bool or uint8 [{T}, {idn.shape[0]}], got "
+                             f"{mask.dtype} {list(mask.shape)}")
+        mk = mask.contiguous().view(torch.uint8).numpy()
+    nt = use_threads()  # (numba.get_num_threads() costs ~0.7 us)
     if nt > 1 and T * idn.shape[0] * ffn.bytes_per_neuron >= SERIAL_BYTES:
         scratch = _buffer("acc", (nt, T, ffn.d_model), np.float32)
         bad = _sparse_ffn_kernel(
-            xn, v.rows, v.scales, v.bias, idn, v.gated, v.ga, v.ua, v.block, scratch, on
+            xn, v.rows, v.scales, v.bias, idn, mk, v.gated, v.ga, v.ua, v.block, scratch, on
         )
     else:
         scratch = on.reshape(1, T, ffn.d_model)  # one chunk: accumulate straight into out
         with _one_thread(nt):
             bad = _sparse_ffn_kernel(
-                xn, v.rows, v.scales, v.bias, idn, v.gated, v.ga, v.ua, v.block, scratch, on
+                xn, v.rows, v.scales, v.bias, idn, mk, v.gated, v.ga, v.ua, v.block, scratch, on
             )
     if bad != -1:
         raise IndexError(f"idx: expected neuron indices in [0, {ffn.d_ff}), found {idn[bad]}")
@@ -629,19 +657,18 @@ def sparse_ffn_batch(
     Each group of 4 neurons is read from memory once and reused from cache for every token, so
     it pays off while the union stays small; over fp32 rows torch's dense FFN catches up at a
     few hundred tokens, over int8 rows it did not by 256 (benchmarks/prefill.py). ``mask``
-    (bool [T, len(idx)], rows the C kernels take only: ``in_c``): token t computes only the
-    neurons ``idx[i]`` with ``mask[t, i]``, its own set (the union's bundles still read once);
-    a place masked for every token is never read, so any row may stand there, and the list may
-    be longer than ``ffn.d_ff`` (the disk tier's gates first keeps the all-in-RAM call's list).
+    (bool or uint8 [T, len(idx)]): token t computes only the neurons ``idx[i]`` with
+    ``mask[t, i]``, its own set (the union's bundles still read once); a place masked for every
+    token is never computed, so any row may stand there, and the list may be longer than
+    ``ffn.d_ff`` (the disk tier's gates first keeps the all-in-RAM call's list). The C kernels
+    give a token's row the bits of its call alone; numba's sums its own set in the union's
+    groups of 4, so its row is the lone call's to float rounding.
     """
     check_batch_args(x, ffn, idx, out, mask is not None)
     if in_c(ffn):
         return _run_c(x, ffn, idx, out, mask)
-    if mask is not None:
-        raise ValueError(f"mask: per-token sets need rows the C kernels take (q4, or int8 in "
-                         f"blocks of a multiple of 8), got {ffn.dtype} rows of block {ffn.block}")
     xn = x.numpy() if x.is_contiguous() else x.contiguous().numpy()
-    _run_ffn(xn, ffn, _idx_numpy(idx), out.numpy())
+    _run_ffn(xn, ffn, _idx_numpy(idx), out.numpy(), mask)
     return out
 
 
