@@ -54,3 +54,8 @@ def request_kernel_threads(n: int) -> None:
 
 def requested_kernel_threads() -> int | None:
     return _kernel_threads
+
+
+def kernel_threads() -> int:
+    """The threads the kernels run with: the count asked for (``-t``), else the default."""
+    return _kernel_threads or default_threads()

@@ -35,7 +35,7 @@ from ..sparse.ffn import DenseCopy, SparseFFN
 from ..sparse.packed import DTYPES as PACKED_DTYPES
 from ..sparse.packed import (Q4_BYTES, Q4_GROUP, PackedFFN, empty_hugepages, int8_block,
                              quantize_int8, quantize_q4_rows)
-from ..threads import default_threads, requested_kernel_threads
+from ..threads import kernel_threads
 from .loading import FileTensor, ModelSource, open_source, unpermute_qk
 from .model import Norm, Transformer
 from .plan import Plan, make_plan
@@ -340,7 +340,7 @@ def _dense_copy(src: ModelSource, names: tuple[str, ...], up_bias: torch.Tensor 
         w = t.float().t().contiguous().numpy()  # [d_model, d_ff]
         t.release()
         # row ranges on as many threads as the kernels take (numpy's loops free the GIL)
-        with ThreadPoolExecutor(requested_kernel_threads() or default_threads()) as ex:
+        with ThreadPoolExecutor(kernel_threads()) as ex:
             raw = np.concatenate(list(ex.map(lambda part: quantize(part, GGMLQuantizationType.Q8_0),
                                              np.array_split(w, min(D, 8))))).reshape(-1)
         parts = [(PANEL_TYPES["Q8_0"], to_panels(raw, "Q8_0", D, F), D)]
@@ -393,7 +393,7 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
         for job in linears:
             fill_linear(job)
     else:  # torch's int4 repacking frees the GIL: each module its own job (RESULTS.md)
-        with ThreadPoolExecutor(requested_kernel_threads() or default_threads()) as ex:
+        with ThreadPoolExecutor(kernel_threads()) as ex:
             list(ex.map(fill_linear, linears))
     for path, norm in modules.items():  # every norm, by its module path
         if isinstance(norm, Norm):
