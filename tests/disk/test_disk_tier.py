@@ -392,6 +392,20 @@ def test_disk_tier_keeps_mapped_weights_pageable(bundled):
                          disk_options=DiskOptions(process_bytes=0)).panels
 
 
+def test_bundled_files_take_no_dense_copy(bundled):
+    """--batch-ffn dense is refused with the reason for a file of bundled neurons, in RAM or
+    with its cold neurons on disk; "auto" plans none."""
+    from sparseinfer.errors import SparseInferError
+    from sparseinfer.models.plan import make_plan
+
+    for opts, why in (({}, "the neurons are bundled in the file"),
+                      ({"ram_budget": 1.0, "disk_options": DiskOptions(process_bytes=0)},
+                       r"the cold neurons stay in the file \(disk tier\)")):
+        with pytest.raises(SparseInferError, match="--batch-ffn dense: .*" + why):
+            make_plan(open_source(bundled["q4"]), "auto", n_ctx=64, batch_ffn="dense", **opts)
+        assert not make_plan(open_source(bundled["q4"]), "auto", n_ctx=64, **opts).sparse.batch_dense
+
+
 def test_ram_budget_counts_every_part(bundled):
     src = open_source(bundled["q4"])
     lay = layout_of(src)

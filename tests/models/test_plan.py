@@ -280,12 +280,18 @@ def test_batch_ffn_plans_a_dense_copy(converted):
         src = open_source(path)
         src.metadata["sparseinfer.predictor.density"] = [dense_density] * LAYERS
         assert make_plan(src, batch_ffn="auto").sparse.batch_dense is want
-    with pytest.raises(SparseInferError, match="--batch-ffn dense: .*here predictor, fp32 rows"):
+    with pytest.raises(SparseInferError, match="--batch-ffn dense: .*int8 rows .*here fp32 rows"):
         make_plan(open_source(path), "fp32", batch_ffn="dense")
     with pytest.raises(SparseInferError, match="--batch-ffn dense: .*C kernels are not in use"):
         make_plan(open_source(path), "q4", batch_ffn="dense")
     with pytest.raises(SparseInferError, match="--batch-ffn dense: .*fast tier"):
-        make_plan(open_source(path), batch_ffn="dense", split_tiers=True)
+        make_plan(open_source(path), batch_ffn="dense", split_tiers=True, vram_budget=0.002,
+                  min_split=32)  # the CPU standing in for a fast device holding hot neurons
+    for mode in ("oracle", "all"):
+        with pytest.raises(SparseInferError, match=f"--batch-ffn dense: .*--sparse-mode {mode}"):
+            make_plan(open_source(path), mode=mode, batch_ffn="dense")
+    # forced tiers without hot neurons are one tier: the copy is taken
+    assert make_plan(open_source(path), batch_ffn="dense", split_tiers=True).sparse.batch_dense
     with pytest.raises(SparseInferError, match=r"--batch-ffn: expected one of \['auto'"):
         make_plan(open_source(path), batch_ffn="union")
 

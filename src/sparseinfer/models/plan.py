@@ -449,15 +449,30 @@ def _c_blocks(cfg: ModelConfig, weights: list[WeightPlan], sparse) -> bool:
         return False
     linears = _BLOCK_LINEARS
     if sparse is not None:
-        sp, disk = sparse
-        split = torch.device(sp.device).type != "cpu" or (sp.split_tiers and any(sp.hot_counts))
-        rows_in_c = sp.ffn_dtype == "q4" or (sp.ffn_dtype == "int8" and cfg.d_model % 32 == 0)
-        if disk or split or sp.selector not in ("predictor", "all") or not rows_in_c:
+        if _not_in_c_block(cfg, *sparse) is not None:
             return False
         linears = _BLOCK_LINEARS[:2]
     storage = {w.module: w.storage for w in weights}
     return all(storage.get(f"layers.{i}.{name}") in ("ggml", "fp32")
                for i in range(cfg.n_layers) for name in linears)
+
+
+def _not_in_c_block(cfg: ModelConfig, sp: SparsePlan, disk_tier: bool) -> str | None:
+    """Why the C block cannot take the sparse FFNs of ``sp`` (None: it can, as
+    ``SparseFFN.c_block_ffn`` does): a disk tier, a fast tier, a selector other than the
+    predictor or every neuron, rows other than the C kernels' (q4, int8 with d_model a multiple
+    of 32)."""
+    if disk_tier:
+        return "the cold neurons stay in the file (disk tier)"
+    if torch.device(sp.device).type != "cpu" or (sp.split_tiers and any(sp.hot_counts)):
+        return "the FFN has a fast tier (--device)"
+    if sp.selector not in ("predictor", "all"):
+        return (f"the C block takes the predictor's sets or every neuron (here --sparse-mode "
+                f"{sp.selector})")
+    if not (sp.ffn_dtype == "q4" or (sp.ffn_dtype == "int8" and cfg.d_model % INT8_BLOCK == 0)):
+        return (f"the C block takes q4 rows or int8 rows of a d_model multiple of {INT8_BLOCK} "
+                f"(here {sp.ffn_dtype} rows, d_model {cfg.d_model})")
+    return None
 
 
 def q4_gates_apart(src: ModelSource, ffn_dtype: str, bundled: str | None) -> bool:
@@ -498,32 +513,7 @@ def _batch_dense(src: ModelSource, sparse: SparsePlan, batch_ffn: str, dtype: st
     ``BATCH_DENSE_MIN_DENSITY`` of the neurons on average, "sparse" never."""
     if batch_ffn == "sparse":
         return False
-    cfg = src.config
-    why = None
-    if disk_tier or sparse.bundled is not None:
-        why = "the neurons are bundled in the file (disk tier)"
-    elif torch.device(sparse.device).type != "cpu" or sparse.split_tiers:
-        why = "the FFN has a fast tier (--device)"
-    elif sparse.selector != "predictor" or sparse.ffn_dtype not in ("int8", "q4"):
-        why = (f"the C block takes predictor-selected int8 or q4 rows only (here "
-               f"{sparse.selector}, {sparse.ffn_dtype} rows)")
-    elif dtype != "auto" or not cpu_loads():
-        why = "the C kernels are not in use (--dtype auto, the C library)"
-    else:
-        for i in range(cfg.n_layers):
-            p = f"layers.{i}.ffn."
-            ins = ([p + "w_in.weight"] if p + "w_in.weight" in src.tensors else
-                   [p + "gate.weight", p + "up.weight"] if cfg.ffn.gated else [p + "up.weight"])
-            down = p + ("down.weight" if p + "down.weight" in src.tensors else "down_t.weight")
-            kinds = [src.tensors[s].kind for s in ins if s in src.tensors]
-            block = 256 if any(k.endswith("_K") for k in kinds) else 32
-            down_ok = (down in src.tensors and (src.tensors[down].kind in GGML_TYPES
-                       or down.endswith("down_t.weight")) and cfg.d_ff % 32 == 0)
-            if (len(kinds) != len(ins) or any(k not in GGML_TYPES for k in kinds)
-                    or cfg.d_model % block or not down_ok):
-                why = (f"layer {i}'s gate/up/down tensors are not blocks the C kernels take "
-                       f"({kinds}, d_model {cfg.d_model}, d_ff {cfg.d_ff})")
-                break
+    why = _no_dense_copy(src, sparse, dtype, disk_tier)
     if why is not None:
         if batch_ffn == "dense":
             raise SparseInferError(f"--batch-ffn dense: no dense copy of the FFN can be used "
@@ -531,10 +521,41 @@ def _batch_dense(src: ModelSource, sparse: SparsePlan, batch_ffn: str, dtype: st
         return False
     if batch_ffn == "dense":
         return True
+    n = src.config.n_layers
     density = src.metadata.get("sparseinfer.predictor.density")
-    if not isinstance(density, list) or len(density) != cfg.n_layers:
+    if not isinstance(density, list) or len(density) != n:
         return False  # (a file without the statistic: PowerInfer's; its ReLU sets are sparse)
-    return sum(float(d) for d in density) / len(density) >= BATCH_DENSE_MIN_DENSITY
+    return sum(float(d) for d in density) / n >= BATCH_DENSE_MIN_DENSITY
+
+
+def _no_dense_copy(src: ModelSource, sparse: SparsePlan, dtype: str, disk_tier: bool) -> str | None:
+    """Why the C block cannot take a dense copy of the sparse FFNs (None: it can): where it
+    takes the sparse FFNs (``_not_in_c_block``) with predicted sets, the neurons not bundled in
+    the file, and every layer's gate/up/down tensors blocks of the C kernels."""
+    why = _not_in_c_block(src.config, sparse, disk_tier)
+    if why is not None:
+        return why
+    if sparse.bundled is not None:
+        return "the neurons are bundled in the file"
+    if sparse.selector != "predictor":
+        return f"the copy is for the predictor's sets (here --sparse-mode {sparse.selector})"
+    if dtype != "auto" or not cpu_loads():
+        return "the C kernels are not in use (--dtype auto, the C library)"
+    cfg = src.config
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}.ffn."
+        ins = ([p + "w_in.weight"] if p + "w_in.weight" in src.tensors else
+               [p + "gate.weight", p + "up.weight"] if cfg.ffn.gated else [p + "up.weight"])
+        down = p + ("down.weight" if p + "down.weight" in src.tensors else "down_t.weight")
+        kinds = [src.tensors[s].kind for s in ins if s in src.tensors]
+        block = 256 if any(k.endswith("_K") for k in kinds) else 32
+        down_ok = (down in src.tensors and (src.tensors[down].kind in GGML_TYPES
+                   or down.endswith("down_t.weight")) and cfg.d_ff % 32 == 0)
+        if (len(kinds) != len(ins) or any(k not in GGML_TYPES for k in kinds)
+                or cfg.d_model % block or not down_ok):
+            return (f"layer {i}'s gate/up/down tensors are not blocks the C kernels take "
+                    f"({kinds}, d_model {cfg.d_model}, d_ff {cfg.d_ff})")
+    return None
 
 
 def _auto_ffn_dtype(src: ModelSource, dtype: str) -> str:
