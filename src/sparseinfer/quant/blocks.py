@@ -70,15 +70,11 @@ def from_gguf(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Q4Blocks:
     if blocks.size != n * nb * size:
         raise ValueError(f"{kind} tensor of shape {list(shape)}: expected {n * nb * size} bytes, "
                          f"found {blocks.size}")
-    blocks = blocks.reshape(n, nb, size)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if kind == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        qs = blocks[..., 4:]
-    else:
-        m = -8.0 * d
-        qs = blocks[..., 2:]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)  # low nibbles: 0..15
+    from .int4pack import nibbles  # (numba: imported where it is first needed)
+
+    q, d, m = nibbles(blocks.reshape(n, nb, size), kind == "Q4_1")  # low nibbles, then high
+    d = d.astype(np.float32)
+    m = -8.0 * d if m is None else m.astype(np.float32)
     return Q4Blocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
 
 

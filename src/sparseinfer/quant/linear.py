@@ -55,7 +55,9 @@ class Int4Linear(torch.nn.Module):
         if blocks.shape != (self.out_features, self.in_features):
             raise ValueError(f"expected blocks of shape {(self.out_features, self.in_features)}, "
                              f"got {blocks.shape}")
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 1)
+        from . import int4pack  # (numba: imported where it is first needed)
+
+        self.packed = int4pack.pack(blocks.q)
         zero = blocks.offset + 8.0 * blocks.scale
         self.scales_zeros = torch.stack([blocks.scale.t(), zero.t()], dim=-1).to(ACT_DTYPE)
         self.scales_zeros = self.scales_zeros.contiguous()
