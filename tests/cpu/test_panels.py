@@ -1,5 +1,5 @@
-"""Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K in panels of 16 rows (cpu/panels.py, the Q4_0x16 ...
-Q5_Kx16 kernels): the rearrangement (C, against numpy) round-trips and puts
+"""Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K in panels of 16 rows (cpu/panels.py,
+the Q4_0x16 ... Q5_1x16 kernels): the rearrangement (C, against numpy) round-trips and puts
 the bytes where qgemv.h says;
 the ISAs agree (Q4 bit for bit); a loaded model holds its matrices as panels and still decodes
 what the file's rows decode (tests/cpu/test_qgemv.py compares the kernels with the references
@@ -35,7 +35,7 @@ def checked_panels(raw: np.ndarray, type_name: str, rows: int, cols: int, thread
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
 def test_round_trip_and_layout(type_name, threads):
     """The C rearrangement equals the numpy one (over 35 panels: several pool chunks), both
     undo exactly, and the bytes sit where qgemv.h says."""
@@ -45,17 +45,21 @@ def test_round_trip_and_layout(type_name, threads):
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])  # (rows, row bytes)
     pan = checked_panels(raw, type_name, rows, cols, threads)
     # the layout qgemv.h states: panel 1, block column 2: 16 scales, then quant word c of row r
-    words, bsize = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34), "Q5_0": (1, 22)}[type_name]
+    words, bsize = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34), "Q5_0": (1, 22),
+                    "Q5_1": (2, 24)}[type_name]
     blk = pan.reshape(rows // 16, cols // 32, 16 * bsize)[1, 2]
-    assert np.array_equal(blk[:32].view(np.uint16), raw[16:32, 2 * bsize:2 * bsize + 2]
-                          .copy().view(np.uint16).reshape(-1))
+    for w in range(words):  # d x 16 (and m x 16)
+        assert np.array_equal(blk[32 * w:32 * w + 32].view(np.uint16),
+                              raw[16:32, 2 * bsize + 2 * w:2 * bsize + 2 * w + 2]
+                              .copy().view(np.uint16).reshape(-1))
     nq = (bsize - 2 * words) // 4
     q = blk[32 * words:].reshape(nq, 16, 4)
     first = 0
-    if type_name == "Q5_0":  # word 0: each row's fifth bits, bit 8k + s = the file's bit 4s + k
-        first = 1
+    if type_name in ("Q5_0", "Q5_1"):  # word 0: each row's fifth bits, bit 8k + s = the file's
+        first = 1                        # bit 4s + k
         stored = q[0].copy().view(np.uint32).reshape(-1)
-        filed = raw[16:32, 2 * bsize + 2:2 * bsize + 6].copy().view(np.uint32).reshape(-1)
+        h = 2 * bsize + 2 * words
+        filed = raw[16:32, h:h + 4].copy().view(np.uint32).reshape(-1)
         for r in range(16):
             want = sum(((int(filed[r]) >> (4 * s + k)) & 1) << (8 * k + s)
                        for k in range(4) for s in range(8))
@@ -132,11 +136,13 @@ def test_q6_k_round_trip_and_layout(threads):
                                   src[r, 4 * u:4 + 4 * u])
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
+                                       "Q6_K"])
 def test_isas_agree(type_name):
-    """Q4 (Q4_K too), Q5_0, Q5_K and Q6_K panels: the AVX-512 and AVX2 kernels do the same integer sums and
-    float operations per row, bit for bit (Q5_0: the same 256-bit code in every build). Q8_0: the AVX-512 kernel adds 128 to every weight and takes it back
-    in float, so the ISAs agree to float rounding."""
+    """Q4 (Q4_K too), Q5_0, Q5_1, Q5_K and Q6_K panels: the AVX-512 and AVX2 kernels do the same
+    integer sums and float operations per row, bit for bit (Q5_0, Q5_1: the same 256-bit code in
+    every build). Q8_0: the AVX-512 kernel adds 128 to every weight and takes it back in float,
+    so the ISAs agree to float rounding."""
     isas = [i for i in ("avx512", "avx2", "avx2_vnni", "avx2_128") if i in cpu.available_isas()]
     if len(isas) < 2:
         pytest.skip("one instruction set on this CPU")
@@ -171,7 +177,7 @@ def test_errors_name_expected_and_found():
     with pytest.raises(ValueError, match="rows a multiple of 16"):
         to_panels_ref(raw, "Q4_1", 20, 32)
     with pytest.raises(ValueError, match="expected one of"):
-        to_panels(raw, "Q5_1", 16, 32)
+        to_panels(raw, "Q5_K_S", 16, 32)
     with pytest.raises(ValueError, match="expected 320 bytes, got 400"):
         to_panels(raw, "Q4_1", 16, 32)
     with pytest.raises(ValueError, match="rows a multiple of 16, got 20"):

@@ -109,7 +109,7 @@ B32_FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2)}
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
-                                       "Q4_0x16", "Q4_1x16", "Q5_0x16", "Q4_Kx16",
+                                       "Q4_0x16", "Q4_1x16", "Q5_0x16", "Q5_1x16", "Q4_Kx16",
                                        "Q5_Kx16", "Q6_Kx16"])
 def test_largest_integer_sums(type_name, isa, threads):
     """Every quant at its largest code (all bytes 0xFF: 4-bit 15, 5-bit 31, 6-bit 63, every
@@ -153,7 +153,7 @@ def test_multi_matrix_call_shares_input(isa, threads):
     rng = np.random.default_rng(1)
     cols = 512
     specs = [("Q4_K", 64), ("Q6_K", 21), ("Q8_0", 21), ("Q4_0", 130), ("F16", 5), ("F32", 3),
-             ("Q4_1x16", 32), ("Q5_0x16", 16), ("Q4_Kx16", 32), ("Q5_Kx16", 16),
+             ("Q4_1x16", 32), ("Q5_0x16", 16), ("Q5_1x16", 16), ("Q4_Kx16", 32), ("Q5_Kx16", 16),
              ("Q6_Kx16", 16)]
     mats = [cpu.QuantMatrix(t, random_raw(t, r, cols, rng), r, cols) for t, r in specs]
     x = torch.from_numpy(rng.standard_normal(cols).astype(np.float32))
@@ -172,7 +172,7 @@ def test_multi_matrix_call_shares_input(isa, threads):
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
                                        "Q6_K", "F16", "F32", "Q4_0x16", "Q4_1x16", "Q8_0x16",
-                                       "Q5_0x16", "Q4_Kx16", "Q5_Kx16", "Q6_Kx16"])
+                                       "Q5_0x16", "Q5_1x16", "Q4_Kx16", "Q5_Kx16", "Q6_Kx16"])
 @pytest.mark.parametrize("T", [1, pytest.param(3, marks=pytest.mark.slow), 8, 9, 13,
                                pytest.param(17, marks=pytest.mark.slow)])
 def test_gemm_matches_reference(type_name, T, isa, threads):

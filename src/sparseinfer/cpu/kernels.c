@@ -1155,7 +1155,7 @@ INLINE void rows_f32(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
 
 /* ------------------------------------------------------------------ panels of 16 rows */
 
-/* Q4_0 / Q4_1 / Q8_0 / Q5_0 in panels (SI_Q4_0P ... SI_Q5_0P, qgemv.h): a block column of a
+/* Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 in panels (SI_Q4_0P ..., qgemv.h): a block column of a
  * panel is 16 rows x 4 (Q8_0: 8) quant words, so one integer dot product takes 4 bytes of x
  * (broadcast) against 4 weights of each of 16 rows, and a block costs 8 of them per x row with
  * no horizontal sums: every lane is a row. Per x row and block: y_r += d_r * x_d * sum_r +
@@ -1171,6 +1171,7 @@ INLINE int panel_bytes(const int type) {
     return type == SI_Q4_0P   ? 16 * 18
            : type == SI_Q4_1P ? 16 * 20
            : type == SI_Q5_0P ? 16 * 22
+           : type == SI_Q5_1P ? 16 * 24
            : type == SI_Q4_KP ? 16 * 18 /* a super-block column's 16 x 144 bytes per 256 */
            : type == SI_Q5_KP ? 16 * 22 /* 16 x 176 per 256 */
            : type == SI_Q6_KP ? 16 * 210 / 8
@@ -1183,19 +1184,21 @@ INLINE int32_t x_word(const si_xq *x, const int b, const int c) {
     return v;
 }
 
-/* Q5_0 panels (SI_Q5_0P) in two 256-bit halves (rows 0..7, 8..15), by panel_q4 below in every
- * build, so the ISAs agree bit for bit. q5_half: half h of block column pb as unsigned 5-bit
+/* Q5_0 / Q5_1 panels (SI_Q5_0P, SI_Q5_1P: the fifth bits and quants after one or two fp16
+ * fields) in two 256-bit halves (rows 0..7, 8..15), by panel_q4 below in every build, so the ISAs
+ * agree bit for bit. q5_half: half h of block column pb (type's) as unsigned 5-bit
  * bytes, lo[c] / hi[c] as q4_half's with the fifth bits or'ed in: the transposed bit words
  * (qgemv.h) put word c's bits of the low nibbles at bit c of each byte and those of the high
  * nibbles at bit 4 + c, so one 16-bit shift per word moves them to bit 4 (no bit crosses a
  * byte). q5_half_dot: the 8 rows' integer sums against x block b, low and high nibbles in two
  * int16 chains of 4 words (at most 4 x 2 x 31 x 127 = 31496 each: no saturation), widened once
  * each. */
-INLINE void q5_half(const uint8_t *pb, const int h, __m256i *lo, __m256i *hi) {
+INLINE void q5_half(const int type, const uint8_t *pb, const int h, __m256i *lo, __m256i *hi) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10);
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(pb + 32 + 32 * h));
+    const int ho = type == SI_Q5_1P ? 64 : 32; /* after d (and m) */
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(pb + ho + 32 * h));
     for (int c = 0; c < 4; c++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(pb + 96 + 64 * c + 32 * h));
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(pb + ho + 64 + 64 * c + 32 * h));
         lo[c] = _mm256_or_si256(_mm256_and_si256(q, m4), _mm256_and_si256(shift16(qh, 4 - c), b5));
         hi[c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
                                 _mm256_and_si256(shift16(qh, -c), b5));
@@ -1229,7 +1232,7 @@ INLINE __m256i q4_half_dot(const __m256i *lo, const __m256i *hi, const si_xq *x,
     for (int c = 0; c < 4; c++) s16 = chain_add(s16, hi[c], _mm256_set1_epi32(x_word(x, b, 4 + c)));
     return chain_sum(s16);
 }
-/* Half h's scales d and minima m (Q4_0: -8 d; Q5_0: -16 d). */
+/* Half h's scales d and minima m (Q4_0: -8 d; Q5_0: -16 d; Q4_1, Q5_1: the blocks' m). */
 INLINE void q4_half_dm(const int type, const uint8_t *pb, const int h, __m256 *d, __m256 *m) {
     *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16 * h)));
     *m = type == SI_Q4_0P   ? _mm256_mul_ps(*d, _mm256_set1_ps(-8.0f))
@@ -1238,12 +1241,12 @@ INLINE void q4_half_dm(const int type, const uint8_t *pb, const int h, __m256 *d
 }
 /* Half h of block column pb unpacked (lo, hi) and its 8 rows' integer sums against x block b. */
 INLINE void panel_half(const int type, const uint8_t *pb, const int h, __m256i *lo, __m256i *hi) {
-    if (type == SI_Q5_0P) q5_half(pb, h, lo, hi);
+    if (type == SI_Q5_0P || type == SI_Q5_1P) q5_half(type, pb, h, lo, hi);
     else q4_half(pb, type == SI_Q4_0P ? 32 : 64, h, lo, hi);
 }
 INLINE __m256i panel_half_dot(const int type, const __m256i *lo, const __m256i *hi, const si_xq *x,
                               const int b) {
-    return type == SI_Q5_0P ? q5_half_dot(lo, hi, x, b) : q4_half_dot(lo, hi, x, b);
+    return type == SI_Q5_0P || type == SI_Q5_1P ? q5_half_dot(lo, hi, x, b) : q4_half_dot(lo, hi, x, b);
 }
 INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
                      float *y, const int64_t ys) {
@@ -1750,7 +1753,7 @@ INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt
         panel_q6k(p, x, nt, nb / 8, y, ys);
         return;
     }
-    if (type == SI_Q5_0P) {
+    if (type == SI_Q5_0P || type == SI_Q5_1P) {
         if (nt == 1) panel_q4_1(type, p, x, nb, y);
         else panel_q4(type, p, x, nt, nb, y, ys);
         return;
@@ -1880,6 +1883,7 @@ static void panel_rows(const int type, const uint8_t *w, const int nrows, const 
         if (type == SI_Q4_0P) PR(SI_Q4_0P, N);                                                 \
         else if (type == SI_Q4_1P) PR(SI_Q4_1P, N);                                            \
         else if (type == SI_Q5_0P) PR(SI_Q5_0P, N);                                            \
+        else if (type == SI_Q5_1P) PR(SI_Q5_1P, N);                                            \
         else if (type == SI_Q4_KP) PR(SI_Q4_KP, N);                                            \
         else if (type == SI_Q5_KP) PR(SI_Q5_KP, N);                                            \
         else if (type == SI_Q6_KP) PR(SI_Q6_KP, N);                                            \

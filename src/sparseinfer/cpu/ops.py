@@ -64,8 +64,8 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q6_K": (7, 256, 210),
     "F16": (8, 1, 2),
     "F32": (9, 1, 4),
-    # Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K in panels of 16 rows (cpu/panels.py): the
-    # same bytes, rearranged
+    # Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K / Q5_1 in panels of 16 rows
+    # (cpu/panels.py): the same bytes, rearranged
     "Q4_0x16": (10, 32, 18),
     "Q4_1x16": (11, 32, 20),
     "Q8_0x16": (12, 32, 34),
@@ -73,9 +73,10 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q4_Kx16": (14, 256, 144),
     "Q5_Kx16": (15, 256, 176),
     "Q6_Kx16": (16, 256, 210),
+    "Q5_1x16": (17, 32, 24),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2, "avx2_vnni": 3}
-ABI_VERSION = 22
+ABI_VERSION = 23
 # ``SPARSEINFER_C_KERNELS=0`` in the environment: run as where the library cannot load (another
 # CPU architecture, an x86 CPU without AVX2): torch's kernels, the numba decode
 OFF_SWITCH = "SPARSEINFER_C_KERNELS"

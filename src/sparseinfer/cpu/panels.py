@@ -1,5 +1,5 @@
-"""Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K weights rearranged in panels of 16 rows for
-the C kernels (types ``Q4_0x16`` ... ``Q6_Kx16``; layout in ``qgemv.h``; Q5_0's fifth bits
+"""Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K weights rearranged in panels of 16 rows
+for the C kernels (types ``Q4_0x16`` ... ``Q5_1x16``; layout in ``qgemv.h``; Q5_0/Q5_1's fifth bits
 transposed within their word; Q4_K/Q5_K's six-bit scales and minima regrouped, each sub-block of
 32 a block to the kernels; Q6_K's scales row by row): one integer dot product then
 multiplies 4 bytes of the input with 4 weights of each of 16 rows, and the products stay in one
@@ -19,19 +19,19 @@ import numpy as np
 PANEL = 16  # rows per panel
 # the file's type -> its panel type (cpu.TYPES)
 PANEL_TYPES = {"Q4_0": "Q4_0x16", "Q4_1": "Q4_1x16", "Q8_0": "Q8_0x16", "Q5_0": "Q5_0x16",
-               "Q4_K": "Q4_Kx16", "Q5_K": "Q5_Kx16", "Q6_K": "Q6_Kx16"}
+               "Q4_K": "Q4_Kx16", "Q5_K": "Q5_Kx16", "Q6_K": "Q6_Kx16", "Q5_1": "Q5_1x16"}
 FILE_TYPES = {v: k for k, v in PANEL_TYPES.items()}
 # fp16 words (scale, Q4_1's minimum) per block, block bytes; the rest are 4-byte quant words
-_FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34), "Q5_0": (1, 22), "Q4_K": (2, 144),
-           "Q5_K": (2, 176), "Q6_K": (1, 210)}
+_FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34), "Q5_0": (1, 22), "Q5_1": (2, 24),
+           "Q4_K": (2, 144), "Q5_K": (2, 176), "Q6_K": (1, 210)}
 _ELEMS = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # weights per block (32 for the others)
-# Q5_0's first 4-byte word (its 32 fifth bits) is stored transposed: bit 8k + s <- bit 4s + k
+# Q5_0/Q5_1's first 4-byte word (its 32 fifth bits) is stored transposed: bit 8k + s <- bit 4s + k
 # (bit order within the little-endian word), so a shift lines up one quant word's bits
 _BITS_T = np.array([4 * (b % 8) + b // 8 for b in range(32)])
 
 
 def _transpose_bits(words: np.ndarray, inverse: bool = False) -> np.ndarray:
-    """Q5_0 fifth-bit words (uint8 [..., 4]) as the panels store them, or back."""
+    """Q5_0/Q5_1 fifth-bit words (uint8 [..., 4]) as the panels store them, or back."""
     bits = np.unpackbits(words, axis=-1, bitorder="little")
     if inverse:
         out = np.empty_like(bits)
@@ -69,7 +69,7 @@ def to_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarr
 
 def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
     """``to_panels`` in numpy: per panel and block column, the 16 rows' scales (and Q4_1's
-    minima), then their quant words (4 per Q4 block, 8 per Q8_0; Q5_0: its fifth-bit word,
+    minima), then their quant words (4 per Q4 block, 8 per Q8_0; Q5_0/Q5_1: its fifth-bit word,
     transposed, then 4), word by word; the K-quants as qgemv.h lays them out."""
     words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
     blk = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, bsize)
@@ -81,7 +81,7 @@ def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.n
     scales = blk[..., : 2 * words].reshape(-1, PANEL, nb, words, 2)  # (P, 16, nb, words, 2)
     quants = blk[..., 2 * words :].reshape(-1, PANEL, nb, nq, 4)  # (P, 16, nb, word, 4)
     out = np.empty((rows // PANEL, nb, bsize * PANEL), dtype=np.uint8)
-    if type_name == "Q5_0":
+    if type_name in ("Q5_0", "Q5_1"):
         quants = quants.copy()
         quants[..., 0, :] = _transpose_bits(quants[..., 0, :])
     out[..., : 2 * words * PANEL] = scales.transpose(0, 2, 3, 1, 4).reshape(-1, nb, 2 * words * PANEL)
@@ -103,8 +103,9 @@ def from_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.nda
     out = np.empty((rows // PANEL, PANEL, nb, bsize), dtype=np.uint8)
     out[..., : 2 * words] = scales.transpose(0, 3, 1, 2, 4).reshape(-1, PANEL, nb, 2 * words)
     out[..., 2 * words :] = quants.transpose(0, 3, 1, 2, 4).reshape(-1, PANEL, nb, 4 * nq)
-    if type_name == "Q5_0":
-        out[..., 2:6] = _transpose_bits(out[..., 2:6], inverse=True)
+    if type_name in ("Q5_0", "Q5_1"):
+        h = slice(2 * words, 2 * words + 4)  # the fifth-bit word
+        out[..., h] = _transpose_bits(out[..., h], inverse=True)
     return out.reshape(rows, nb * bsize)
 
 

@@ -29,15 +29,15 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 22
+#define SI_ABI_VERSION 23
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
 
 /* ------------------------------------------------------------------ types */
 
-static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32, 32, 256, 256, 256};
-static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34, 22, 144, 176, 210};
+static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32, 32, 256, 256, 256, 32};
+static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34, 22, 144, 176, 210, 24};
 
 int si_abi_version(void) { return SI_ABI_VERSION; }
 int si_block_elems(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_ELEMS[type] : 0; }
@@ -1670,12 +1670,12 @@ struct panel_job {
     const uint8_t *src;
     uint8_t *dst;
     int words, nq, bsize, nb; /* fp16 words, quant words (4 bytes) per block; bytes; blocks */
-    int bits; /* Q5_0: quant word 0 is the fifth bits, stored transposed (bits_t); Q5_K's fifth bits */
+    int bits; /* Q5_0 / Q5_1: quant word 0 is the fifth bits, stored transposed (bits_t); Q5_K's fifth bits */
     int64_t panels_per_chunk, n_panels;
     panel_block_fn block;
 };
 
-/* A Q5_0 block's 32 fifth bits as SI_Q5_0P stores them: bit 8k + s = bit 4s + k. */
+/* A Q5_0 / Q5_1 block's 32 fifth bits as SI_Q5_0P / SI_Q5_1P store them: bit 8k + s = bit 4s + k. */
 static uint32_t bits_t(uint32_t h) {
     uint32_t o = 0;
     for (int k = 0; k < 4; k++)
@@ -1683,7 +1683,7 @@ static uint32_t bits_t(uint32_t h) {
     return o;
 }
 
-/* Q4_0 / Q4_1 / Q5_0 / Q8_0: the block's fp16 words, then its quant words. */
+/* Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: the block's fp16 words, then its quant words. */
 static void block_b32(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
     for (int w = 0; w < j->words; w++) memcpy(o + 32 * w + 2 * r, q + 2 * w, 2);
     for (int k = 0; k < j->nq; k++) memcpy(o + 32 * j->words + 64 * k + 4 * r, q + 2 * j->words + 4 * k, 4);
@@ -1746,17 +1746,18 @@ static void panel_chunk(const void *jp, int64_t c) {
         }
 }
 
-/* Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K rows (src: as the file stores them) into panels
- * of 16 rows (dst, the same size; layout of SI_Q4_0P ... SI_Q6_KP in qgemv.h), on the pool. */
+/* Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K rows (src: as the file stores them) into
+ * panels of 16 rows (dst, the same size; layout of SI_Q4_0P ... SI_Q5_1P in qgemv.h), on the pool. */
 int si_to_panels(int type, const uint8_t *src, int64_t rows, int cols, uint8_t *dst) {
-    const int b32 = type == SI_Q4_0 || type == SI_Q4_1 || type == SI_Q5_0 || type == SI_Q8_0;
+    const int b32 = type == SI_Q4_0 || type == SI_Q4_1 || type == SI_Q5_0 || type == SI_Q5_1 ||
+                    type == SI_Q8_0;
     const int k45 = type == SI_Q4_K || type == SI_Q5_K;
     if (!(b32 || k45 || type == SI_Q6_K)) return EINVAL;
     const int elems = BLOCK_ELEMS[type];
     if (rows < SI_PANEL || rows % SI_PANEL || cols < elems || cols % elems) return EINVAL;
-    const int words = !b32 ? 0 : type == SI_Q4_1 ? 2 : 1;
+    const int words = !b32 ? 0 : type == SI_Q4_1 || type == SI_Q5_1 ? 2 : 1;
     panel_job j = {src, dst, words, b32 ? (BLOCK_BYTES[type] - 2 * words) / 4 : 0, BLOCK_BYTES[type],
-                   cols / elems, type == SI_Q5_0 || type == SI_Q5_K, 0, rows / SI_PANEL,
+                   cols / elems, type == SI_Q5_0 || type == SI_Q5_1 || type == SI_Q5_K, 0, rows / SI_PANEL,
                    b32 ? block_b32 : k45 ? block_k45 : block_q6k};
     j.panels_per_chunk = (j.n_panels + 31) / 32; /* 32 chunks: the threads stay even */
     pthread_mutex_lock(&g_call_lock);

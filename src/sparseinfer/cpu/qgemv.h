@@ -1,7 +1,7 @@
 /* sparseinfer CPU kernels: shared declarations.
  *
- * Weights are GGUF blocks as the file stores them (row-major, each row a run of blocks), or Q4_0 /
- * Q4_1 / Q5_0 / Q8_0 blocks rearranged in panels of 16 rows (SI_Q4_0P ... SI_Q5_0P below).
+ * Weights are GGUF blocks as the file stores them (row-major, each row a run of blocks), or
+ * blocks rearranged in panels of 16 rows (SI_Q4_0P ... SI_Q5_1P below).
  * The activation vector is quantized once per call into blocks of 32 int8 values with a float
  * scale d and s = d * sum(q) (the offset term of Q4_1/Q5_1/K-quant minima and Q4_0/Q5_0/Q6_K
  * zero points uses s).
@@ -54,13 +54,16 @@ enum si_type {
      * int8 scale i), qh: 16 x (16 rows x 4 bytes: the row's qh word v = bytes 4v .. 4v + 3), ql: 32
      * x (16 rows x 4 bytes: ql word u)]. */
     SI_Q6_KP = 16,
-    SI_N_TYPES = 17,
+    /* Q5_1 in panels: per block column [d x 16 (fp16), m x 16 (fp16), then SI_Q5_0P's fifth bits
+     * (transposed) and quants]. */
+    SI_Q5_1P = 17,
+    SI_N_TYPES = 18,
 };
-#define SI_PANEL 16 /* rows per panel of SI_Q4_0P ... SI_Q6_KP */
+#define SI_PANEL 16 /* rows per panel of SI_Q4_0P ... SI_Q5_1P */
 
 static inline int si_is_panel(int type) {
     return type == SI_Q4_0P || type == SI_Q4_1P || type == SI_Q8_0P || type == SI_Q5_0P ||
-           type == SI_Q4_KP || type == SI_Q5_KP || type == SI_Q6_KP;
+           type == SI_Q4_KP || type == SI_Q5_KP || type == SI_Q6_KP || type == SI_Q5_1P;
 }
 
 /* One quantized activation vector: q[cols] int8, d[cols/32], s[cols/32]; f the fp32 source (F16
