@@ -1,8 +1,7 @@
 """4-bit weights from the file's blocks into the layout of torch's CPU int4 kernel, in numba.
 
-``nibbles``: a Q4_0 / Q4_1 tensor's blocks as uint8 nibbles and float16 scales (and minima),
-one pass on numba's threads (numpy's masks, shifts and concatenation took most of a 7B load
-without the C library).
+``nibbles``: a Q4_0 / Q4_1 tensor's blocks as uint8 nibbles and float16 scales (and minima) in
+one pass (numpy's masks, shifts and concatenation took most of a 7B load without the C library).
 
 ``torch._convert_weight_to_int4pack_for_cpu`` takes the nibbles as an int32 ``[N, K]`` matrix:
 four bytes a weight made from our uint8 nibbles and written once more, then read a column at a
@@ -12,15 +11,20 @@ capability torch runs at) two to a byte, column by column: with 64 rows (AVX-512
 a column holds rows ``d`` and ``d + 32``, byte ``16 + d`` rows ``d + 16`` and ``d + 48``; with 32
 (AVX2) byte ``d`` rows ``d`` and ``d + 16``; a short last block, and every block of the plain
 build, neighbouring rows ``n`` and ``n + 1``. ``pack`` writes that straight from the uint8
-nibbles on numba's threads. Which of those layouts this torch uses is not read from its build
+nibbles. Which of those layouts this torch uses is not read from its build
 but found once by packing a small probe both ways; if none agrees, torch's own conversion runs
 (``pack_ref``), so a torch with another layout is slower to load, never wrong.
+
+Both kernels run on numba's threads, one call at a time (``_ONE_CALL``): a load calls them from
+its own threads, one module each (``models/build.py``), and numba's workqueue layer (the one it
+falls back to without OpenMP or TBB) aborts when a parallel kernel is entered from two threads.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 
 import numpy as np
 import torch
@@ -29,6 +33,7 @@ from numba import prange
 from ..sparse.kernels import _jit, use_threads
 
 log = logging.getLogger(__name__)
+_ONE_CALL = threading.Lock()
 
 # (kind, rows per block): kind 1 the 64-row interleave, 2 the 32-row one, 0 neighbouring rows
 LAYOUTS = ((1, 64), (2, 32), (0, 64), (0, 32), (0, 16))
@@ -87,8 +92,10 @@ def nibbles(blocks: np.ndarray, with_min: bool) -> tuple[np.ndarray, np.ndarray,
     q = np.empty((n, 32 * nb), dtype=np.uint8)
     d = np.empty((n, nb), dtype=np.uint16)
     m = np.empty((n, nb), dtype=np.uint16) if with_min else d
-    use_threads()
-    _nibbles(np.ascontiguousarray(blocks), 4 if with_min else 2, q, d, m)
+    blocks = np.ascontiguousarray(blocks)
+    with _ONE_CALL:
+        use_threads()
+        _nibbles(blocks, 4 if with_min else 2, q, d, m)
     return q, d.view(np.float16), m.view(np.float16) if with_min else None
 
 
@@ -100,8 +107,10 @@ def pack_ref(q: torch.Tensor) -> torch.Tensor:
 def _pack_as(q: torch.Tensor, layout: tuple[int, int]) -> torch.Tensor:
     n, k = q.shape
     out = torch.empty(n, k // 2, dtype=torch.uint8)
-    use_threads()
-    _pack(q.contiguous().numpy(), out.view(-1).numpy(), *layout)
+    q = q.contiguous()
+    with _ONE_CALL:
+        use_threads()
+        _pack(q.numpy(), out.view(-1).numpy(), *layout)
     return out
 
 
@@ -129,4 +138,3 @@ def pack(q: torch.Tensor) -> torch.Tensor:
                          f"{list(q.shape)}")
     lay = layout()
     return pack_ref(q) if lay is None or q.shape[0] % 16 else _pack_as(q, lay)
-
