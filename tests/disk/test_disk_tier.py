@@ -403,7 +403,8 @@ def test_bundled_files_take_no_dense_copy(bundled):
                        r"the cold neurons stay in the file \(disk tier\)")):
         with pytest.raises(SparseInferError, match="--batch-ffn dense: .*" + why):
             make_plan(open_source(bundled["q4"]), "auto", n_ctx=64, batch_ffn="dense", **opts)
-        assert not make_plan(open_source(bundled["q4"]), "auto", n_ctx=64, **opts).sparse.batch_dense
+        plan = make_plan(open_source(bundled["q4"]), "auto", n_ctx=64, **opts)
+        assert not plan.sparse.batch_dense
 
 
 def test_ram_budget_counts_every_part(bundled):

@@ -26,7 +26,8 @@ g = torch.Generator().manual_seed(1)
 for n, k in [(176, 64), (80, 96), (96, 32), (16, 64), (4096, 256)]:
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
     assert torch.equal(int4pack.pack(q), int4pack.pack_ref(q)), (n, k)
-    b = Q4Blocks(q, torch.rand(n, k // 32, generator=g) / 8 + 0.01, torch.randn(n, k // 32, generator=g))
+    b = Q4Blocks(q, torch.rand(n, k // 32, generator=g) / 8 + 0.01,
+                 torch.randn(n, k // 32, generator=g))
     lin = Int4Linear.from_blocks(b)
     x = torch.randn(3, k, generator=g)
     # the weights from the blocks themselves: (q - 8) scale + zero, both rounded to bfloat16

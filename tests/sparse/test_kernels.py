@@ -228,7 +228,8 @@ def test_batch_matches_reference(kind, dtype, block, T, threads):
 
 
 @pytest.mark.parametrize("dtype,block,engine", [
-    *[(dt, b, "numba") for dt, b in DTYPES], ("int8", 0, "c"), ("int8", "blk", "c"), ("q4", 0, "c")])
+    *[(dt, b, "numba") for dt, b in DTYPES],
+    ("int8", 0, "c"), ("int8", "blk", "c"), ("q4", 0, "c")])
 @pytest.mark.parametrize("kind", ["swiglu", "reglu", "relu"])
 def test_masked_batch_is_each_tokens_own_set(kind, dtype, block, engine, threads, monkeypatch):
     """A mask over the union: each token's row is the reference over its own set alone (numba's

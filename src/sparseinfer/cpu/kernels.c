@@ -1246,7 +1246,8 @@ INLINE void panel_half(const int type, const uint8_t *pb, const int h, __m256i *
 }
 INLINE __m256i panel_half_dot(const int type, const __m256i *lo, const __m256i *hi, const si_xq *x,
                               const int b) {
-    return type == SI_Q5_0P || type == SI_Q5_1P ? q5_half_dot(lo, hi, x, b) : q4_half_dot(lo, hi, x, b);
+    return type == SI_Q5_0P || type == SI_Q5_1P ? q5_half_dot(lo, hi, x, b)
+                                                : q4_half_dot(lo, hi, x, b);
 }
 INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
                      float *y, const int64_t ys) {

@@ -1670,12 +1670,14 @@ struct panel_job {
     const uint8_t *src;
     uint8_t *dst;
     int words, nq, bsize, nb; /* fp16 words, quant words (4 bytes) per block; bytes; blocks */
-    int bits; /* Q5_0 / Q5_1: quant word 0 is the fifth bits, stored transposed (bits_t); Q5_K's fifth bits */
+    int bits; /* Q5_0 / Q5_1: quant word 0 is the fifth bits, stored transposed (bits_t);
+               * Q5_K's fifth bits */
     int64_t panels_per_chunk, n_panels;
     panel_block_fn block;
 };
 
-/* A Q5_0 / Q5_1 block's 32 fifth bits as SI_Q5_0P / SI_Q5_1P store them: bit 8k + s = bit 4s + k. */
+/* A Q5_0 / Q5_1 block's 32 fifth bits as SI_Q5_0P / SI_Q5_1P store them: bit 8k + s =
+ * bit 4s + k. */
 static uint32_t bits_t(uint32_t h) {
     uint32_t o = 0;
     for (int k = 0; k < 4; k++)
@@ -1747,7 +1749,8 @@ static void panel_chunk(const void *jp, int64_t c) {
 }
 
 /* Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K rows (src: as the file stores them) into
- * panels of 16 rows (dst, the same size; layout of SI_Q4_0P ... SI_Q5_1P in qgemv.h), on the pool. */
+ * panels of 16 rows (dst, the same size; layout of SI_Q4_0P ... SI_Q5_1P in qgemv.h), on the
+ * pool. */
 int si_to_panels(int type, const uint8_t *src, int64_t rows, int cols, uint8_t *dst) {
     const int b32 = type == SI_Q4_0 || type == SI_Q4_1 || type == SI_Q5_0 || type == SI_Q5_1 ||
                     type == SI_Q8_0;
@@ -1757,7 +1760,8 @@ int si_to_panels(int type, const uint8_t *src, int64_t rows, int cols, uint8_t *
     if (rows < SI_PANEL || rows % SI_PANEL || cols < elems || cols % elems) return EINVAL;
     const int words = !b32 ? 0 : type == SI_Q4_1 || type == SI_Q5_1 ? 2 : 1;
     panel_job j = {src, dst, words, b32 ? (BLOCK_BYTES[type] - 2 * words) / 4 : 0, BLOCK_BYTES[type],
-                   cols / elems, type == SI_Q5_0 || type == SI_Q5_1 || type == SI_Q5_K, 0, rows / SI_PANEL,
+                   cols / elems, type == SI_Q5_0 || type == SI_Q5_1 || type == SI_Q5_K, 0,
+                   rows / SI_PANEL,
                    b32 ? block_b32 : k45 ? block_k45 : block_q6k};
     j.panels_per_chunk = (j.n_panels + 31) / 32; /* 32 chunks: the threads stay even */
     pthread_mutex_lock(&g_call_lock);

@@ -119,7 +119,8 @@ def layout() -> tuple[int, int] | None:
     """The layout of ``LAYOUTS`` this torch's conversion writes (None: none of them), from a
     probe of 176 x 64 nibbles (two blocks of 64 rows and a short one of 48; five of 32 and one
     of 16)."""
-    q = torch.randint(0, 16, (176, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (176, 64), dtype=torch.uint8, generator=g)
     want = pack_ref(q)
     for lay in LAYOUTS:
         if torch.equal(_pack_as(q, lay), want):
