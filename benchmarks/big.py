@@ -3,6 +3,7 @@
 
     python benchmarks/big.py --shape 7b --out /tmp/big          # writes /tmp/big/llama-7b.q4_0.gguf
     python benchmarks/big.py --shape 13b --out /tmp/big --tokens 8
+    python benchmarks/big.py --shape 1b --out /tmp/big               # TinyLlama-1.1B's shape
     python benchmarks/big.py --shape 7b --out /tmp/big --rounds 5
     python benchmarks/big.py --shape 7b --out /tmp/big --qtype q4_k_m   # the Q4_K_M mix (or q5_k_m)
     python benchmarks/big.py --shape 7b --out /tmp/big --isa avx2_vnni  # another of our kernel variants
@@ -29,6 +30,7 @@ from pathlib import Path
 SHAPES = {  # d_model, d_ff, layers, heads, kv heads
     "7b": (4096, 11008, 32, 32, 32),
     "13b": (5120, 13824, 40, 40, 40),
+    "1b": (2048, 5632, 22, 32, 4),  # TinyLlama-1.1B's
     "tiny": (256, 768, 2, 4, 4),  # a smoke test of this script
 }
 PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good "

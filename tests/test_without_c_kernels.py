@@ -218,7 +218,7 @@ import sys, threading, torch, numba
 from sparseinfer.config import SamplingParams
 from sparseinfer.engine import Engine
 
-n = int(sys.argv[2])
+n = None if sys.argv[2] == "default" else int(sys.argv[2])
 e = Engine.load(sys.argv[1], threads=n)
 
 def decode():
@@ -234,13 +234,38 @@ print(seen)
 """
 
 
-@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.slow), "default"])
 def test_threads_asked_are_the_threads_used(tiny_model_dir, n):
     """`-t n` without the C library: torch's and numba's counts stay n on the thread that loaded
     the model and on another one that decodes (numba's pool, starting, set the shared OpenMP
-    runtime's count to every core: -t 1 ran torch on two threads)."""
+    runtime's count to every core: -t 1 ran torch on two threads). No `-t`: one thread for a
+    model this small (``threads.small_model_threads``)."""
     path = str(tiny_model_dir("swiglu"))
     proc = subprocess.run([sys.executable, "-c", THREADS_CHILD, path, str(n)], env=OFF,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == str([(n, n), (n, n)])
+    want = 1 if n == "default" else n
+    assert proc.stdout.strip() == str([(want, want), (want, want)])
+
+
+def test_small_models_take_one_thread_only_without_the_library(monkeypatch):
+    """The default thread count is left alone with the C library, for a model whose token reads
+    ONE_THREAD_BELOW bytes or more, and on one core; embeddings read by rows do not count."""
+    from types import SimpleNamespace
+
+    from sparseinfer import threads
+
+    def plan(*weights):
+        return SimpleNamespace(weights=[SimpleNamespace(storage=s, nbytes=b) for s, b in weights])
+
+    small = plan(("file", 10 * threads.ONE_THREAD_BELOW), ("q4", threads.ONE_THREAD_BELOW - 1))
+    large = plan(("q4", threads.ONE_THREAD_BELOW // 2), ("int8", threads.ONE_THREAD_BELOW // 2))
+    monkeypatch.setattr(threads, "default_threads", lambda: 2)
+    monkeypatch.setattr("sparseinfer.cpu._LOADS", False)
+    assert threads.small_model_threads(small) == 1
+    assert threads.small_model_threads(large) is None
+    monkeypatch.setattr(threads, "default_threads", lambda: 1)
+    assert threads.small_model_threads(small) is None
+    monkeypatch.setattr(threads, "default_threads", lambda: 2)
+    monkeypatch.setattr("sparseinfer.cpu._LOADS", True)
+    assert threads.small_model_threads(small) is None

@@ -27,9 +27,10 @@ log = logging.getLogger("sparseinfer.cli")
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", type=Path, default=None,
                    help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M)")
-    p.add_argument("-t", "--threads", type=int, default=default_threads(),
-                   help="CPU threads (default: the cores this process may use; idle threads "
-                        "sleep, so a busy machine costs little)")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help=f"CPU threads (default: the cores this process may use, "
+                        f"{default_threads()} here; one for a small model without the C kernels; "
+                        f"idle threads sleep, so a busy machine costs little)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "q4"],
                    help="weights: auto (default) keeps every tensor as the file stores it "
@@ -129,7 +130,7 @@ def _check_model_args(args) -> None:
     """Flags checked before the model loads (a load takes seconds)."""
     if args.ctx_size < 8:
         raise SparseInferError(f"-c/--ctx-size: expected at least 8, got {args.ctx_size}")
-    if args.threads < 1:
+    if args.threads is not None and args.threads < 1:
         raise SparseInferError(f"-t/--threads: expected a positive number, got {args.threads}")
     if getattr(args, "n_predict", -1) < -1:
         raise SparseInferError(f"-n/--n-predict: expected -1 (until EOS) or a count >= 0, got "

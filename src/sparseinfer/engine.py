@@ -14,6 +14,7 @@ from typing import Literal, Protocol
 
 from .config import SamplingParams
 from .errors import ContextOverflowError, SparseInferError
+from .threads import default_threads, small_model_threads
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,9 @@ class Engine:
     @classmethod
     def load(cls, path=None, *, n_ctx: int | None = None, threads: int | None = None,
              dtype: str = "auto", kernels: bool = True, **sparse_options) -> Engine:
-        """Load a model file (default: the embedded SmolLM2) and wrap it.
+        """Load a model file (default: the embedded SmolLM2) and wrap it. ``threads``: None for
+        the default (the cores; one for a small model without the C library:
+        ``threads.small_model_threads``).
 
         The load plan (``models/plan.py``) decides every weight's storage before anything is
         read: ``dtype`` "auto" (default) keeps each tensor's own precision (a Q4_0/Q4_1/Q4_K
@@ -128,10 +131,13 @@ class Engine:
         from .models.build import load
         from .sparse.runtime import sparse_info
 
-        if threads:
-            set_threads(threads)
+        set_threads(threads or default_threads())
         loaded = load(path or default_model_path(), dtype, n_ctx=n_ctx, fused=kernels,
                       **sparse_options)
+        if not threads and small_model_threads(loaded.plan):
+            log.info("one thread by default: a model this small on torch's and numba's kernels "
+                     "runs faster on one (-t to choose)")
+            set_threads(1)
         engine = cls(loaded, n_ctx=n_ctx)
         engine.load_seconds = loaded.load_seconds
         engine.sparse_info = sparse_info(loaded.model, loaded.plan)

@@ -59,3 +59,22 @@ def requested_kernel_threads() -> int | None:
 def kernel_threads() -> int:
     """The threads the kernels run with: the count asked for (``-t``), else the default."""
     return _kernel_threads or default_threads()
+
+
+# Without the C library a model whose decoded token reads fewer weight bytes than this runs on
+# one thread unless threads are asked for: torch's and numba's OpenMP teams then wake for every
+# product, which costs a small model more than a second thread's share of its reads gains
+# (measured on both sides of this line: benchmarks/RESULTS.md, session 45)
+ONE_THREAD_BELOW = 384 << 20
+
+
+def small_model_threads(plan) -> int | None:
+    """1 for a model (its load ``plan``) that the C library does not run and whose decoded token
+    reads fewer than ``ONE_THREAD_BELOW`` bytes of weights (every weight but embeddings read
+    by rows), else None: the default stands."""
+    from .cpu import loads as cpu_loads
+
+    if cpu_loads() or default_threads() == 1:
+        return None
+    per_token = sum(w.nbytes for w in plan.weights if w.storage != "file")
+    return 1 if per_token < ONE_THREAD_BELOW else None

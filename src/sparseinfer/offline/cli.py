@@ -27,6 +27,8 @@ from .defaults import (DEFAULT_CHUNK_LEN, DEFAULT_MAX_TOKENS, DEFAULT_SCORE,
 def _threads(args) -> None:
     import torch
 
+    if args.threads is None:  # (the model flags' default: the cores, as torch takes them)
+        return
     if args.threads < 1:
         raise SparseInferError(f"-t/--threads: expected a positive number, got {args.threads}")
     torch.set_num_threads(args.threads)
