@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from sparseinfer.cpu.ops import OFF_SWITCH
+from sparseinfer.threads import default_threads
 
 IDS = [5, 17, 42, 99, 123, 7, 250, 31, 64, 300, 12, 77]
 OFF = {**os.environ, OFF_SWITCH: "0"}
@@ -197,6 +198,8 @@ def test_cli_runs_without_the_library(tiny_model_dir):
     assert info.returncode == 0, info.stderr
     assert f"kernels: torch's and numba's, not the C library's: the C kernels are switched off " \
            f"({OFF_SWITCH}=0)" in info.stdout
+    if default_threads() > 1:  # the tiny model: one thread by default, said
+        assert "threads: 1 by default (a model this small" in info.stdout
 
 
 def test_another_architecture_is_named(monkeypatch):

@@ -390,6 +390,15 @@ def cmd_info(args) -> int:
     from .cpu import kernels_in_use
 
     print(f"kernels: {kernels_in_use()}")
+    from .threads import small_model_threads
+
+    if args.threads:
+        print(f"threads: {args.threads} (-t)")
+    elif small_model_threads(plan):
+        print("threads: 1 by default (a model this small runs faster on one without the C "
+              "kernels; -t to choose)")
+    else:
+        print(f"threads: {default_threads()} by default (the cores; -t to choose)")
     n_ctx = min(args.ctx_size, cfg.max_seq_len)
     print(f"memory: needs {plan.needed_bytes(n_ctx) / 2**30:.2f} GiB with a {n_ctx}-token "
           f"context; {available_memory() / 2**30:.2f} GiB available")
