@@ -34,6 +34,17 @@ def test_run_prints_prompt_continuation_and_speed(tiny_model_dir, capsys):
         assert abs(per_token * n - ms) <= 0.006 * n + 0.006
         assert abs(rate * ms / 1e3 - n) <= n * 0.006 / ms + 0.006 * ms / 1e3 + 1e-3
     assert t["load time"][0] > 0 and "warm-up" in t["load line"]  # warm-up ran outside
+    from sparseinfer import cpu
+    from sparseinfer.threads import default_threads
+
+    if cpu.loads():  # the threads it ran with, and why (no -t: the cores)
+        assert f"threads: {default_threads()} (the cores)" in err
+
+
+def test_run_says_threads_asked(tiny_model_dir, capsys):
+    assert main(["run", "-m", str(tiny_model_dir("swiglu")), "-p", "Emma said", "-n", "2",
+                 "-t", "1"]) == 0
+    assert "threads: 1 (-t)" in capsys.readouterr().err
 
 
 def _timings(err: str) -> dict:

@@ -193,6 +193,8 @@ def test_cli_runs_without_the_library(tiny_model_dir):
                           "--seed", "1", "--ignore-eos"], env=OFF, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "5 runs" in run.stderr, run.stderr  # llama.cpp's count: the tokens after the first
+    if default_threads() > 1:  # the tiny model: one thread by default, said
+        assert "threads: 1 (a model this small runs faster on one" in run.stderr
     info = subprocess.run([*cmd, "info", "-m", path], env=OFF, capture_output=True, text=True,
                           timeout=300)
     assert info.returncode == 0, info.stderr

@@ -166,6 +166,9 @@ def _engine(args):
     if args.dtype == "auto":
         what = " = the file's quantized blocks, in place" if engine.dtype == "ggml" else ""
         print(f"weights: {engine.dtype}{what} (--dtype auto)", file=sys.stderr)
+    why = ("-t" if args.threads else "the cores" if engine.threads == default_threads()
+           else "a model this small runs faster on one without the C kernels; -t to choose")
+    print(f"threads: {engine.threads} ({why})", file=sys.stderr)
     return engine
 
 

@@ -103,6 +103,7 @@ class Engine:
         self.n_ctx = min(n_ctx or 4096, loaded.config.max_seq_len)
         if threads:
             set_threads(threads)
+        self.threads = threads or torch.get_num_threads()  # (load: the count it set)
         self._cache = self.model.new_cache(1, self.n_ctx)
         self._cached_ids: list[int] = []  # tokens whose keys/values are in the cache
         self._torch = torch
@@ -131,14 +132,17 @@ class Engine:
         from .models.build import load
         from .sparse.runtime import sparse_info
 
-        set_threads(threads or default_threads())
+        n = threads or default_threads()
+        set_threads(n)
         loaded = load(path or default_model_path(), dtype, n_ctx=n_ctx, fused=kernels,
                       **sparse_options)
         if not threads and small_model_threads(loaded.plan):
             log.info("one thread by default: a model this small on torch's and numba's kernels "
                      "runs faster on one (-t to choose)")
-            set_threads(1)
+            n = 1
+            set_threads(n)
         engine = cls(loaded, n_ctx=n_ctx)
+        engine.threads = n
         engine.load_seconds = loaded.load_seconds
         engine.sparse_info = sparse_info(loaded.model, loaded.plan)
         engine.dtype = loaded.plan.label
