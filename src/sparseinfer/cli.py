@@ -24,6 +24,10 @@ log = logging.getLogger("sparseinfer.cli")
 # ---- shared flags ------------------------------------------------------------------------------
 
 
+# why a run without -t takes one thread (threads.small_model_threads)
+ONE_THREAD_WHY = "a model this small runs faster on one without the C kernels; -t to choose"
+
+
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", type=Path, default=None,
                    help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M)")
@@ -167,7 +171,7 @@ def _engine(args):
         what = " = the file's quantized blocks, in place" if engine.dtype == "ggml" else ""
         print(f"weights: {engine.dtype}{what} (--dtype auto)", file=sys.stderr)
     why = ("-t" if args.threads else "the cores" if engine.threads == default_threads()
-           else "a model this small runs faster on one without the C kernels; -t to choose")
+           else ONE_THREAD_WHY)
     print(f"threads: {engine.threads} ({why})", file=sys.stderr)
     return engine
 
@@ -398,8 +402,7 @@ def cmd_info(args) -> int:
     if args.threads:
         print(f"threads: {args.threads} (-t)")
     elif small_model_threads(plan):
-        print("threads: 1 by default (a model this small runs faster on one without the C "
-              "kernels; -t to choose)")
+        print(f"threads: 1 by default ({ONE_THREAD_WHY})")
     else:
         print(f"threads: {default_threads()} by default (the cores; -t to choose)")
     n_ctx = min(args.ctx_size, cfg.max_seq_len)
