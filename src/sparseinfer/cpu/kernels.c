@@ -1345,6 +1345,40 @@ INLINE void k4p_sm8(const uint8_t *pb, const k4p_fields8 *f, const int j, const 
     *S = _mm256_mul_ps(_mm256_cvtepi32_ps(k4p_six8(pb + 64, f->hs, j, h)), f->d);
     *M = _mm256_mul_ps(_mm256_cvtepi32_ps(k4p_six8(pb + 128, f->hm, j, h)), f->nmin);
 }
+#if !SI_AVX512
+/* A super-block column's six-bit scales (o[0]) and minima (o[1]) of all 16 rows as bytes,
+ * o[f][j][r]: the numbers k4p_six8 gives, for all 8 sub-blocks at once in byte lanes (a pair
+ * of sub-blocks a register: their low nibbles from one load, their top bits shifted into place
+ * in the rows' 16-bit words, packed to bytes and put in row order). The one-row GEMV then takes
+ * a sub-block's fields in one widening load instead of k4p_six8's seven operations. */
+INLINE void k4p_decode(const uint8_t *pb, uint8_t o[2][8][16]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi16(0x30);
+    for (int f = 0; f < 2; f++) {
+        const __m256i top = _mm256_loadu_si256((const __m256i *)(pb + 192 + 32 * f));
+        for (int k = 0; k < 2; k++) { /* low-nibble bytes 2k, 2k + 1 of the 16 rows */
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(pb + 64 + 64 * f + 32 * k));
+            for (int hi = 0; hi < 2; hi++) { /* sub-blocks j, j + 1: 2k (+4 from the high nibbles) */
+                const int j = 2 * k + 4 * hi;
+                __m256i t[2];
+                for (int u = 0; u < 2; u++) /* bits 2(j + u), 2(j + u) + 1 of each row's word at 4, 5 */
+                    t[u] = _mm256_and_si256(2 * (j + u) <= 4 ? _mm256_slli_epi16(top, 4 - 2 * (j + u))
+                                                             : _mm256_srli_epi16(top, 2 * (j + u) - 4),
+                                            m30);
+                /* packed: [j rows 0-7, j+1 rows 0-7 | j rows 8-15, j+1 rows 8-15] -> row order */
+                const __m256i tb = _mm256_permute4x64_epi64(_mm256_packus_epi16(t[0], t[1]), 0xD8);
+                const __m256i nib = _mm256_and_si256(hi ? _mm256_srli_epi16(lo, 4) : lo, m4);
+                _mm256_storeu_si256((__m256i *)o[f][j], _mm256_or_si256(nib, tb));
+            }
+        }
+    }
+}
+/* Sub-block j's d sc (S) and -dmin m (M) of half h from k4p_decode's bytes: k4p_sm8's numbers. */
+INLINE void k4p_sm8_dec(const uint8_t o[2][8][16], const k4p_fields8 *f, const int j, const int h,
+                        __m256 *S, __m256 *M) {
+    *S = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(o[0][j] + 8 * h)))), f->d);
+    *M = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(o[1][j] + 8 * h)))), f->nmin);
+}
+#endif
 /* Word c of half h of sub-block j as unsigned bytes (Q5_K: bit j of its fifth-bit bytes, moved
  * to bit 4 by one 16-bit shift: no bit crosses a byte under the 0x10 mask). */
 INLINE __m256i k45p_word(const int five, const uint8_t *pb, const int j, const int h, const int c) {
@@ -1496,6 +1530,8 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {acc[0], acc[1]};
         for (int sb = 0; sb < nsb; sb++) {
             const uint8_t *pb = p + (size_t)sb * bb;
+            uint8_t sm[2][8][16];
+            k4p_decode(pb, sm);
             for (int h = 0; h < 2; h++) {
                 const k4p_fields8 f = k4p_half_fields(pb, h);
                 for (int pr = 0; pr < 4; pr++) {
@@ -1522,7 +1558,7 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
                         __m256i sum = chain_sum(s16[u][0]);
                         if (five) sum = _mm256_add_epi32(sum, chain_sum(s16[u][1]));
                         __m256 S, M;
-                        k4p_sm8(pb, &f, j0 + u, h, &S, &M);
+                        k4p_sm8_dec(sm, &f, j0 + u, h, &S, &M);
                         acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(S, _mm256_set1_ps(x->d[b0 + u])),
                                                  acc[h]);
                         accm[h] = _mm256_fmadd_ps(M, _mm256_set1_ps(x->s[b0 + u]), accm[h]);
