@@ -112,16 +112,31 @@ def tiny_llama(tmp_path_factory):
     return _tiny_llama(tmp_path_factory)
 
 
+def _file_and_reference(tmp_path, tiny_llama, tiny_model_dir, qtype):
+    """The tiny model written as a ``qtype`` GGUF, and transformers' model read from it."""
+    import transformers as tf
+
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    _write_gguf(path, tiny_llama, tiny_model_dir("swiglu") / "tokenizer.json", qtype)
+    ref = tf.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+                                                  dtype=torch.float32).eval()
+    return path, ref
+
+
+def _logits(model, ref):
+    """Ours and transformers' logits of the same 30 random tokens."""
+    ids = torch.randint(3, 384, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref(ids).logits
+    with torch.inference_mode():
+        got = model(ids, 0, model.new_cache(1, 31))
+    return got, want
+
+
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_type_logits_match_transformers(tmp_path, tiny_llama, tiny_model_dir, qtype):
-    import transformers as tf
-
-    tok_json = tiny_model_dir("swiglu") / "tokenizer.json"
-    path = tmp_path / f"tiny-{qtype}.gguf"
-    _write_gguf(path, tiny_llama, tok_json, qtype)
-    ref = tf.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
-                                                  dtype=torch.float32).eval()
+    path, ref = _file_and_reference(tmp_path, tiny_llama, tiny_model_dir, qtype)
     lm = load_model(path)
     # the weights: transformers' dequantization of the file equals ours exactly
     sd = ref.state_dict()
@@ -129,12 +144,7 @@ def test_gguf_type_logits_match_transformers(tmp_path, tiny_llama, tiny_model_di
     assert torch.equal(sd["model.layers.0.mlp.down_proj.weight"], ffn.down.weight)
     assert torch.equal(sd["model.layers.0.mlp.gate_proj.weight"],
                        ffn.w_in.weight[: ffn.d_ff])
-    ids = torch.randint(3, 384, (1, 30), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        want = ref(ids).logits
-    cache = lm.model.new_cache(1, 31)
-    with torch.inference_mode():
-        got = lm.model(ids, 0, cache)
+    got, want = _logits(lm.model, ref)
     assert torch.isfinite(want).all()
     # the logits: for 12 of the 13 types ours are 4e-7..3e-6 from transformers run in float64
     # (measured). transformers computes GGUF weights with its own packed kernels; for Q6_K
@@ -150,28 +160,19 @@ def test_gguf_type_logits_match_transformers(tmp_path, tiny_llama, tiny_model_di
 def test_file_blocks_as_panels_match_transformers(tmp_path, tiny_llama, tiny_model_dir, qtype):
     """The default weights (--dtype auto): the file's 32-weight blocks in panels of 16 rows on
     the C kernels, x rounded to int8 per 32 — transformers' logits within that rounding."""
-    import transformers as tf
-
     from sparseinfer import cpu
+    from sparseinfer.models.build import load
     from sparseinfer.quant.linear import GGMLLinear
 
     if not cpu.loads():
         pytest.skip("the C library does not load here")
-    path = tmp_path / f"tiny-{qtype}.gguf"
-    _write_gguf(path, tiny_llama, tiny_model_dir("swiglu") / "tokenizer.json", qtype)
-    ref = tf.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
-                                                  dtype=torch.float32).eval()
-    from sparseinfer.models.build import load
+    path, ref = _file_and_reference(tmp_path, tiny_llama, tiny_model_dir, qtype)
 
     lm = load(path, "auto", dense=True, kv_type="fp32")  # (float32 keys and values)
     kinds = {m.type_name for lin in lm.model.modules() if isinstance(lin, GGMLLinear)
              for m in lin.mats}
     assert f"{qtype}x16" in kinds, kinds
-    ids = torch.randint(3, 384, (1, 30), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        want = ref(ids).logits
-    with torch.inference_mode():
-        got = lm.model(ids, 0, lm.model.new_cache(1, 31))
+    got, want = _logits(lm.model, ref)
     # x rounded to int8 per 32 before every product (as llama.cpp's q8_0 activations): about 2%
     # of the largest logit on this tiny random model, for every type alike; a wrong scale,
     # minimum or fifth bit moves weights by a whole step and the logits by far more
