@@ -245,13 +245,17 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, rows: str | None) 
         info.reset_stats()
     with torch.inference_mode():
         model(torch.tensor([text[:1]]), 0, cache, last_only=True)
+        cpu.block_times(reset=True)
+        cpu.set_block_timing(True)  # where the decode's time goes, phase by phase (below)
         t0 = time.perf_counter()
         for i, tok in enumerate(text[1:]):
             model(torch.tensor([[tok]]), i + 1, cache, last_only=True).argmax(-1)
-        forced = (len(text) - 1) / (time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        cpu.set_block_timing(False)
+        forced = (len(text) - 1) / wall
     plan = engine.loaded.plan
-    costs = layer_costs(engine, fin.prompt_tokens + fin.completion_tokens)
-    out = {"layer_us": costs, "load_s": t_load, "peak_rss_mb": _peak_mb(),
+    out = {"token_ms": token_split(cpu.block_times(reset=True), wall, len(text) - 1),
+           "load_s": t_load, "peak_rss_mb": _peak_mb(),
            "prefill_tok_s": fin.prompt_tokens / fin.prefill_seconds,
            "decode_tok_s": (fin.completion_tokens - 1) / fin.decode_seconds,
            "text_tok_s": forced, "generated_density": gen_density, "plan": plan.summary()}
@@ -271,48 +275,21 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, rows: str | None) 
     return out
 
 
-def layer_costs(engine, pos: int, n: int = 40) -> dict:
-    """Median µs of one decode layer (layer 1, fed a real token's layer input) and of its
-    kernels called alone, repeatedly: warm, so at small shapes the weights sit in this VM's large
-    L3 and ``other`` is the Python and small-kernel cost per layer; at 7B the parts stream from
-    DRAM and overlap differently alone than in the layer (``other`` is then not meaningful): the Q/K/V and output projections, the predictor, the sparse (or dense)
-    FFN. ``other`` = the layer minus its kernels: norms, rope, attention over the cache, Python."""
-    import statistics
+def split_line(ms: dict[str, float]) -> str:
+    total = sum(ms.values())
+    return f"{total:.1f} = " + ", ".join(f"{k} {v:.1f} ({v / total:.0%})" for k, v in ms.items())
 
-    import torch
 
-    from sparseinfer.sparse import kernels
-    from sparseinfer.sparse.ffn import SparseFFN
-
-    model, cache = engine.model, engine._cache
-    x = model.tok_emb(torch.tensor([[engine.encode(PROMPT)[3]]]))
-    with torch.inference_mode():
-        x = model.layers[0](x, 0, pos, cache, model.rope)  # layer 1's input, a real one
-    blk, d = model.layers[1], model.cfg.d_model
-    h = blk.ffn_norm(x).reshape(d).contiguous()
-    o = torch.randn(model.cfg.n_heads * model.cfg.head_dim)
-
-    def us(fn) -> float:
-        fn()
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e6
-
-    with torch.inference_mode():
-        out = {"layer": us(lambda: blk(x, 1, pos, cache, model.rope)),
-               "qkv": us(lambda: blk.attn.wqkv(h)), "wo": us(lambda: blk.attn.wo(o))}
-        ffn = blk.ffn
-        if isinstance(ffn, SparseFFN):
-            out["predictor"] = us(lambda: ffn.active(h))
-            idx = ffn.active(h)
-            out["ffn rows"] = us(lambda: kernels.sparse_ffn(h, ffn.packed, idx, ffn._out))
-        else:
-            out["ffn"] = us(lambda: ffn(h.view(1, 1, -1)))
-    out["other"] = out["layer"] - sum(v for k, v in out.items() if k != "layer")
-    return out
+def token_split(phases: dict[str, float], wall: float, tokens: int) -> dict[str, float]:
+    """ms per token of each decode-block phase (``cpu.block_times``, summed over the layers, in
+    the decode itself: the parts overlap and share the memory as they do there), and
+    ``outside``: the rest of the token (embedding, head, sampling, Python). Empty where the
+    blocks did not run in C."""
+    if not sum(phases.values()):
+        return {}
+    ms = {k: v * 1e3 / tokens for k, v in phases.items() if v}
+    ms["outside"] = wall * 1e3 / tokens - sum(ms.values())
+    return ms
 
 
 def _llama_cpp(path: str, threads: int, n_tokens: int, n_ctx: int) -> dict:
@@ -457,13 +434,12 @@ def main() -> int:
             print(f"  {col}: " + ", ".join(ratios))
         print(f"  density generating: {sp['generated_density']:.1%}, on the text: "
               f"{sp['density']:.1%}")
-        print("  one layer, median µs: " + ", ".join(
-            f"{n} {v:.0f}" for n, v in sp["layer_us"].items()))
+        if sp["token_ms"]:
+            print("  a token, ms (text run): " + split_line(sp["token_ms"]))
         print("  per-layer density: " + " ".join(f"{d:.2f}" for d in sp["layer_densities"]))
         print("  " + sp["plan"].replace("\n", "\n  "))
-    if "layer_us" in de:
-        print("dense (ours): one layer, median µs: " + ", ".join(
-            f"{n} {v:.0f}" for n, v in de["layer_us"].items()))
+    if de.get("token_ms"):
+        print("dense (ours): a token, ms (text run): " + split_line(de["token_ms"]))
     if args.json:
         print(json.dumps(rows, indent=1, default=str))
     return 0

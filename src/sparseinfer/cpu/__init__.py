@@ -36,7 +36,9 @@ for CPUs whose vector units split 256-bit instructions: AMD Zen and Zen+); and A
 (F/BW/VL) with VNNI. ``best_isa()``
 is chosen at import; ``set_isa(name)`` forces another. Threads: a persistent pool inside the library
 (``set_threads``, 1 until set); idle workers spin briefly (``set_spin_us``) and then sleep;
-``pool_stats`` counts the chunks the caller and the workers ran. A call's rows are split in
+``pool_stats`` counts the chunks the caller and the workers ran; ``set_block_timing(True)`` makes
+the decode blocks sum their wall time per phase (``BLOCK_PHASES``: QKV, attention, output
+projection, predictor, gates, FFN, rest), which ``block_times()`` reads. A call's rows are split in
 contiguous chunks (about 8 per thread, at least 32 KiB of weights each), claimed one at a time;
 a sparse FFN call's neurons in one range per thread (at least 32 neurons each).
 
@@ -82,6 +84,9 @@ __all__ = [
     "predict_f16",
     "predict_f16_mask",
     "pool_stats",
+    "BLOCK_PHASES",
+    "set_block_timing",
+    "block_times",
     "topk",
     "sample_topk",
     "bundle_rows",

@@ -49,6 +49,9 @@ __all__ = [
     "attend_token_raw",
     "predict_f16",
     "pool_stats",
+    "BLOCK_PHASES",
+    "set_block_timing",
+    "block_times",
     "topk",
 ]
 
@@ -76,7 +79,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q5_1x16": (17, 32, 24),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2, "avx2_vnni": 3}
-ABI_VERSION = 23
+ABI_VERSION = 24
 # ``SPARSEINFER_C_KERNELS=0`` in the environment: run as where the library cannot load (another
 # CPU architecture, an x86 CPU without AVX2): torch's kernels, the numba decode
 OFF_SWITCH = "SPARSEINFER_C_KERNELS"
@@ -117,6 +120,8 @@ def _load() -> ctypes.CDLL:
     lib.si_sparse_i8_q4g.argtypes = [vp, vp, ci, ci, vp, ctypes.c_size_t, vp, ci, ci, vp, ci, ci,
                                      ci, vp]
     lib.si_predict_f16.argtypes = [vp, vp, ci, ci, ci, vp, vp, vp, vp, vp, vp]
+    lib.si_set_block_timing.argtypes = [ci]
+    lib.si_block_times.argtypes = [vp, ci, ci]
     lib.si_predict_f16_rows.argtypes = [vp, vp, ci, ci, ci, vp, ci, vp, vp, vp, vp]
     lib.si_topk.argtypes = [vp, i64, ci, vp, vp]
     dbl = ctypes.c_double
@@ -198,6 +203,28 @@ def pool_stats(reset: bool = False) -> tuple[int, int]:
     caller, workers = ctypes.c_longlong(), ctypes.c_longlong()
     _lib.si_pool_stats(ctypes.byref(caller), ctypes.byref(workers), int(reset))
     return caller.value, workers.value
+
+
+# The phases of a decode block (DecodeBlock, DecodeStack) ``block_times`` splits its time into:
+# the attention norm and QKV product; rope, the KV cache and attention; the output projection;
+# the sparse FFN's predictor and neuron selection; its q4 gate rows (int8 bundles with the
+# gates apart); the FFN's rows (sparse) or its products and activation (dense); the rest
+# (residual adds, the FFN norm).
+BLOCK_PHASES = ("qkv", "attention", "wo", "predictor", "gates", "ffn", "rest")
+
+
+def set_block_timing(on: bool) -> None:
+    """Time the decode blocks' phases from now on (``block_times``), or stop: off, as by
+    default, the blocks read no clock."""
+    _lib.si_set_block_timing(int(bool(on)))
+
+
+def block_times(reset: bool = False) -> dict[str, float]:
+    """Seconds spent in each of ``BLOCK_PHASES`` by the decode blocks' calls timed since the last
+    reset (wall time, summed over layers and calls; the whole step, pool dispatches included)."""
+    ns = (ctypes.c_longlong * len(BLOCK_PHASES))()
+    _check(_lib.si_block_times(ns, len(BLOCK_PHASES), int(reset)), "block_times")
+    return {name: v / 1e9 for name, v in zip(BLOCK_PHASES, ns)}
 
 
 def _ptr(a: torch.Tensor | np.ndarray) -> int:

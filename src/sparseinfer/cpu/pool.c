@@ -29,7 +29,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 23
+#define SI_ABI_VERSION 24
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
@@ -209,6 +209,39 @@ void si_pool_stats(long long *caller, long long *workers, int reset) {
         atomic_store(&g_chunks_caller, 0);
         atomic_store(&g_chunks_workers, 0);
     }
+}
+
+/* Where the decode blocks' time goes (si_set_block_timing, si_block_times): wall time of each
+ * phase of block_rows summed over calls, a phase's clock read at its end (off: nothing read).
+ * The phases, in ops.BLOCK_PHASES' order: the attention norm and QKV product; rope, the cache
+ * and attention; the output projection; the sparse FFN's predictor (and neuron selection); its
+ * q4 gate rows (int8 bundles with gates apart); the FFN's rows or products; the rest (residual
+ * adds, the FFN norm). Written under g_call_lock (every block call holds it). */
+enum { PH_ATTN_IN, PH_ATTEND, PH_WO, PH_PREDICT, PH_GATES, PH_FFN, PH_REST, SI_N_PHASES };
+static atomic_int g_timing;
+static int g_timed;         /* a block call under way is being timed */
+static int64_t g_phase_t;   /* when the phase under way began (g_timed) */
+static long long g_phase_ns[SI_N_PHASES];
+
+void si_set_block_timing(int on) { atomic_store(&g_timing, on != 0); }
+static void phase_begin(void) {
+    g_timed = atomic_load_explicit(&g_timing, memory_order_relaxed);
+    if (g_timed) g_phase_t = now_ns();
+}
+static void phase_end(int ph) {
+    if (!g_timed) return;
+    const int64_t t = now_ns();
+    g_phase_ns[ph] += t - g_phase_t;
+    g_phase_t = t;
+}
+
+int si_block_times(long long *ns, int n, int reset) {
+    if (n != SI_N_PHASES) return EINVAL;
+    pthread_mutex_lock(&g_call_lock);
+    memcpy(ns, g_phase_ns, sizeof g_phase_ns);
+    if (reset) memset(g_phase_ns, 0, sizeof g_phase_ns);
+    pthread_mutex_unlock(&g_call_lock);
+    return 0;
 }
 
 /* Claim and run chunks of job generation `gen` until none are left. The finished count is
@@ -862,6 +895,7 @@ static int i8_q4g_locked(const void *rows, const float *scales, int block, int n
         gates_pass(gates, gate_stride, idx, k, d_model, GQ.z);
         for (int i = 0; i < k; i++)
             if (GQ.z[i] > 0.0f) GQ.nid[m] = idx[i], GQ.g[m++] = GQ.z[i];
+        phase_end(PH_GATES); /* (a block's call being timed) */
     }
     if (!e && m) {
         const int nm = n_mats;
@@ -1355,6 +1389,7 @@ static int block_sparse_ffn(block_t *b, int B) {
     } else {
         for (int i = 0; i < F; i++) idx[i] = i;
     }
+    if (s->fc1 && mode < 2) phase_end(PH_PREDICT);
     if (s->counts && mode < 2) s->counts[0] += B, s->counts[1] += active;
     if (k == 0) {
         memset(b->a, 0, sizeof(float) * (size_t)B * D);
@@ -1380,7 +1415,7 @@ static int block_sparse_ffn(block_t *b, int B) {
  * Pool dispatches: the four matrix products, the heads, and from ROWS_POOL_MIN rows (each_row)
  * the products' x rows' quantization and the per-row steps between them.
  * The caller holds g_call_lock, has called block_scratch(b, B, max_seq) and filled the rows. */
-static int block_rows(block_t *b, float *x, int B, int max_seq) {
+static int block_steps(block_t *b, float *x, int B, int max_seq) {
     const si_block_desc *d = &b->d;
     const int nh = d->n_heads, nkv = d->n_kv_heads, hd = d->head_dim;
     int err = 0;
@@ -1390,6 +1425,7 @@ static int block_rows(block_t *b, float *x, int B, int max_seq) {
     /* attention */
     each_row(row_attn_in, b, B);
     if ((err = block_product(b, 0, B, b->h))) return err;
+    phase_end(PH_ATTN_IN);
     each_row(row_qkv_out, b, B);
     size_t work = 0;
     for (int t = 0; t < B; t++) work += (size_t)b->n[t] * nh * hd;
@@ -1398,9 +1434,12 @@ static int block_rows(block_t *b, float *x, int B, int max_seq) {
     } else { /* a short context: less work than waking the pool */
         for (int c = 0; c < B * nkv; c++) attend_chunk(b, c);
     }
+    phase_end(PH_ATTEND);
     if ((err = block_product(b, 1, B, b->att))) return err;
+    phase_end(PH_WO);
     /* FFN */
     each_row(row_ffn_in, b, B);
+    phase_end(PH_REST);
     if (d->sparse.rows && !(B > 1 && d->w_in.n && d->sparse.mode && *d->sparse.mode == 3)) {
         if ((err = block_sparse_ffn(b, B))) return err;
     } else {
@@ -1408,8 +1447,18 @@ static int block_rows(block_t *b, float *x, int B, int max_seq) {
         each_row(row_glu, b, B);
         if ((err = block_product(b, 3, B, b->act))) return err;
     }
+    phase_end(PH_FFN);
     each_row(row_ffn_out, b, B);
+    phase_end(PH_REST);
     return 0;
+}
+
+/* block_steps, timed by phase when si_set_block_timing asks. */
+static int block_rows(block_t *b, float *x, int B, int max_seq) {
+    phase_begin();
+    const int err = block_steps(b, x, B, max_seq);
+    g_timed = 0;
+    return err;
 }
 
 /* One token through block b at position pos, x [d_model] the residual stream (updated in place).
