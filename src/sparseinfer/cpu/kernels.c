@@ -1322,10 +1322,14 @@ typedef struct {
     __m256 d, nmin;
     __m256i hs, hm;
 } k4p_fields8;
+/* Half h's d and -dmin alone (the one-row GEMV's: its scales and minima come decoded). */
+INLINE void k4p_half_dmin(const uint8_t *pb, const int h, __m256 *d, __m256 *nmin) {
+    *d = _mm256_cvtph_ps(load128(pb + 16 * h));
+    *nmin = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(load128(pb + 32 + 16 * h)));
+}
 INLINE k4p_fields8 k4p_half_fields(const uint8_t *pb, const int h) {
     k4p_fields8 f;
-    f.d = _mm256_cvtph_ps(load128(pb + 16 * h));
-    f.nmin = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(load128(pb + 32 + 16 * h)));
+    k4p_half_dmin(pb, h, &f.d, &f.nmin);
     f.hs = _mm256_cvtepu16_epi32(load128(pb + 192 + 16 * h));
     f.hm = _mm256_cvtepu16_epi32(load128(pb + 224 + 16 * h));
     return f;
@@ -1373,10 +1377,10 @@ INLINE void k4p_decode(const uint8_t *pb, uint8_t o[2][8][16]) {
     }
 }
 /* Sub-block j's d sc (S) and -dmin m (M) of half h from k4p_decode's bytes: k4p_sm8's numbers. */
-INLINE void k4p_sm8_dec(const uint8_t o[2][8][16], const k4p_fields8 *f, const int j, const int h,
-                        __m256 *S, __m256 *M) {
-    *S = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(o[0][j] + 8 * h)))), f->d);
-    *M = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(o[1][j] + 8 * h)))), f->nmin);
+INLINE void k4p_sm8_dec(const uint8_t o[2][8][16], const __m256 d, const __m256 nmin, const int j,
+                        const int h, __m256 *S, __m256 *M) {
+    *S = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(o[0][j] + 8 * h)))), d);
+    *M = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(o[1][j] + 8 * h)))), nmin);
 }
 #endif
 /* Word c of half h of sub-block j as unsigned bytes (Q5_K: bit j of its fifth-bit bytes, moved
@@ -1533,7 +1537,8 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
             uint8_t sm[2][8][16];
             k4p_decode(pb, sm);
             for (int h = 0; h < 2; h++) {
-                const k4p_fields8 f = k4p_half_fields(pb, h);
+                __m256 d, nmin;
+                k4p_half_dmin(pb, h, &d, &nmin);
                 for (int pr = 0; pr < 4; pr++) {
                     if (h == 0)
                         prefetch(pb + PANEL_AHEAD + (bb / 4) * pr, bb / 4, 0);
@@ -1558,7 +1563,7 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
                         __m256i sum = chain_sum(s16[u][0]);
                         if (five) sum = _mm256_add_epi32(sum, chain_sum(s16[u][1]));
                         __m256 S, M;
-                        k4p_sm8_dec(sm, &f, j0 + u, h, &S, &M);
+                        k4p_sm8_dec(sm, d, nmin, j0 + u, h, &S, &M);
                         acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(S, _mm256_set1_ps(x->d[b0 + u])),
                                                  acc[h]);
                         accm[h] = _mm256_fmadd_ps(M, _mm256_set1_ps(x->s[b0 + u]), accm[h]);

@@ -91,7 +91,7 @@ def nibbles(blocks: np.ndarray, with_min: bool) -> tuple[np.ndarray, np.ndarray,
         raise ValueError(f"blocks: expected {20 if with_min else 18} bytes each, got {size}")
     q = np.empty((n, 32 * nb), dtype=np.uint8)
     d = np.empty((n, nb), dtype=np.uint16)
-    m = np.empty((n, nb), dtype=np.uint16) if with_min else d
+    m = np.empty((n, nb) if with_min else (0, 0), dtype=np.uint16)  # (Q4_0: no minima, unused)
     blocks = np.ascontiguousarray(blocks)
     with _ONE_CALL:
         use_threads()
