@@ -147,7 +147,8 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, isa: str = "auto")
 
     from sparseinfer import cpu
     from sparseinfer.config import SamplingParams
-    from sparseinfer.engine import Engine, FinishEvent
+    from sparseinfer.bench import token_split
+    from sparseinfer.engine import Engine, FinishEvent, TokenEvent
     from sparseinfer.fused import decode  # noqa: F401
     from sparseinfer.sparse import kernels  # noqa: F401
 
@@ -163,7 +164,15 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, isa: str = "auto")
     params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     list(engine.stream(ids[:4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
     engine.forget_prefix()
-    fin = [e for e in engine.stream(ids, params) if isinstance(e, FinishEvent)][0]
+    timing = False
+    for ev in engine.stream(ids, params):
+        if isinstance(ev, TokenEvent) and not timing:  # the prompt is in: time the decode steps
+            cpu.block_times(reset=True)
+            cpu.set_block_timing(timing := True)
+        elif isinstance(ev, FinishEvent):
+            fin = ev
+    cpu.set_block_timing(False)
+    split = token_split(cpu.block_times(reset=True), fin.decode_seconds, fin.completion_tokens - 1)
     plan = engine.loaded.plan
     per_tok = sum(w.nbytes for w in plan.weights if w.module != "tok_emb")
     return {"import_s": t_import, "load_s": t_load, "rss_runtime_mb": rss0,
@@ -171,6 +180,7 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, isa: str = "auto")
             "prefill_tok_s": fin.prompt_tokens / fin.prefill_seconds,
             "decode_tok_s": (fin.completion_tokens - 1) / fin.decode_seconds,
             "bytes_per_token": per_tok, "plan": plan.summary(), "dtype": engine.dtype,
+            "token_ms": split,
             "kv_mb": engine._cache.nbytes / 2**20}
 
 
@@ -223,7 +233,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from sparseinfer.bench import cpu_model, measure_read_bandwidth, run_isolated
+    from sparseinfer.bench import cpu_model, measure_read_bandwidth, run_isolated, split_line
 
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"llama-{args.shape}.q4_0.gguf"
@@ -280,6 +290,8 @@ def main() -> int:
         print(f"memory bound (file + 15% + KV cache {ours['kv_mb']:.0f} MiB + runtime "
               f"{ours['rss_runtime_mb']:.0f} MiB): {bound:.0f} MiB; peak {ours['peak_rss_mb']:.0f} "
               f"MiB: {'within' if ours['peak_rss_mb'] <= bound else 'OVER'}")
+    if ours.get("token_ms"):
+        print("our decode, a token in ms: " + split_line(ours["token_ms"]))
     if "plan" in ours:
         print(ours["plan"])
     if cpp and args.rounds > 0:

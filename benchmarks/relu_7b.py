@@ -205,6 +205,7 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, rows: str | None) 
 
     passive_wait()  # as the CLI does, before torch and numba start their pools
     from sparseinfer import cpu
+    from sparseinfer.bench import token_split
     from sparseinfer.config import SamplingParams
     from sparseinfer.engine import Engine, FinishEvent, TokenEvent
 
@@ -273,23 +274,6 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, rows: str | None) 
                 "layer_densities": [m.stats.active / max(1, m.stats.tokens * m.d_ff)
                                     for m in info.modules]}
     return out
-
-
-def split_line(ms: dict[str, float]) -> str:
-    total = sum(ms.values())
-    return f"{total:.1f} = " + ", ".join(f"{k} {v:.1f} ({v / total:.0%})" for k, v in ms.items())
-
-
-def token_split(phases: dict[str, float], wall: float, tokens: int) -> dict[str, float]:
-    """ms per token of each decode-block phase (``cpu.block_times``, summed over the layers, in
-    the decode itself: the parts overlap and share the memory as they do there), and
-    ``outside``: the rest of the token (embedding, head, sampling, Python). Empty where the
-    blocks did not run in C."""
-    if not sum(phases.values()):
-        return {}
-    ms = {k: v * 1e3 / tokens for k, v in phases.items() if v}
-    ms["outside"] = wall * 1e3 / tokens - sum(ms.values())
-    return ms
 
 
 def _llama_cpp(path: str, threads: int, n_tokens: int, n_ctx: int) -> dict:
@@ -363,7 +347,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from sparseinfer.bench import cpu_model, measure_read_bandwidth, run_isolated
+    from sparseinfer.bench import cpu_model, measure_read_bandwidth, run_isolated, split_line
 
     args.out.mkdir(parents=True, exist_ok=True)
     dense, sparse = args.out / "dense.gguf", args.out / "sparse.gguf"

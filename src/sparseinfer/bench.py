@@ -135,3 +135,21 @@ def time_llama_cpp(llm, ids: list[int], n_tokens: int) -> tuple[float, float]:
     for _ in range(n_tokens - 1):
         llm.eval([llm.sample(temp=0.0)])
     return t_prefill, time.perf_counter() - t0
+
+
+def token_split(phases: dict[str, float], wall: float, tokens: int) -> dict[str, float]:
+    """ms per token of each decode-block phase (``cpu.block_times``' seconds, summed over the
+    layers and timed in the decode itself, where the parts overlap and share the memory as they
+    do there) over ``tokens`` tokens that took ``wall`` seconds, and ``outside``: the rest of a
+    token (embedding, head, sampling, Python). Empty where no block ran in C."""
+    if not sum(phases.values()):
+        return {}
+    ms = {k: v * 1e3 / tokens for k, v in phases.items() if v}
+    ms["outside"] = wall * 1e3 / tokens - sum(ms.values())
+    return ms
+
+
+def split_line(ms: dict[str, float]) -> str:
+    """``token_split``'s figures as one line: the total, then each part in ms and its share."""
+    total = sum(ms.values())
+    return f"{total:.1f} = " + ", ".join(f"{k} {v:.1f} ({v / total:.0%})" for k, v in ms.items())

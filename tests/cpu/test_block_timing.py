@@ -90,3 +90,26 @@ def test_reset_and_switching_off(timing):
     cpu.set_block_timing(False)
     decode(blk, kw, calls=2)
     assert set(cpu.block_times().values()) == {0.0}
+
+
+def test_a_models_decode_splits_into_its_blocks_phases(tiny_model_dir, timing):
+    """A model's decode steps (every layer a C block) timed: each layer's phases add up, per
+    token, to at most the step's wall time; ``bench.token_split`` puts the rest outside."""
+    from sparseinfer.bench import token_split
+    from sparseinfer.models.build import load
+
+    model = load(tiny_model_dir("swiglu"), "fp32", fused=True).model
+    cache = model.new_cache(1, 32)
+    model(torch.tensor([[1, 7, 3]]), 0, cache, last_only=True)
+    cpu.block_times(reset=True)
+    tok, steps = torch.tensor([[4]]), 6
+    t0 = time.perf_counter()
+    for i in range(steps):
+        tok = model(tok, 3 + i, cache).argmax(-1)
+    wall = time.perf_counter() - t0
+    phases = cpu.block_times()
+    split = token_split(phases, wall, steps)
+    assert set(split) == {"qkv", "attention", "wo", "ffn", "rest", "outside"}
+    assert split["outside"] >= 0
+    assert sum(split.values()) == pytest.approx(wall * 1e3 / steps)
+    assert token_split(dict.fromkeys(phases, 0.0), wall, steps) == {}
