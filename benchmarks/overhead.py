@@ -12,7 +12,10 @@ For each thread count, on the default model (SmolLM2-135M) with the engine's def
   run as one C call each (``cpu.DecodeBlock``), the same blocks through the numba kernels
   around the block's modules (the path before it) are timed in the same rounds;
 - the rest of a token: embedding, final norm, the head's product, sampling; and sampling
-  alone (greedy, and top-k 40 / top-p 0.95 at temperature 0.8).
+  alone (greedy, and top-k 40 / top-p 0.95 at temperature 0.8);
+- where the C blocks run: a token split by the blocks' own phase timers (``cpu.block_times``:
+  QKV, attention, output projection, FFN, the rest, and outside the blocks), timed after the
+  rounds, thread count by thread count.
 Ratios to compare: 2-thread / 1-thread for the token and for the products (a second thread can
 only speed up what runs on it); the thread counts alternate round by round. The CPU model and
 the load average are printed beside the figures; the machine is often shared, so read best
@@ -27,7 +30,7 @@ import statistics
 import sys
 import time
 
-from sparseinfer.bench import cpu_model
+from sparseinfer.bench import cpu_model, split_line
 
 
 def interleaved(fns: dict, n: int, threads: list[int], set_threads) -> dict:
@@ -150,6 +153,22 @@ def main() -> int:
     if numba_path is not None:
         fns["blocks_numba"] = lambda: run_blocks(numba_path)
     res = interleaved(fns, a.tokens, a.threads, set_threads)
+    splits = {}  # a token's phases inside the C blocks (cpu.block_times), per thread count
+    if path.startswith("C block"):
+        from sparseinfer import cpu
+        from sparseinfer.bench import token_split
+
+        for threads in a.threads:
+            set_threads(threads)
+            step()
+            cpu.block_times(reset=True)
+            cpu.set_block_timing(True)
+            t0 = time.perf_counter()
+            for _ in range(a.tokens):
+                step()
+            wall = time.perf_counter() - t0
+            cpu.set_block_timing(False)
+            splits[threads] = token_split(cpu.block_times(reset=True), wall, a.tokens)
     med = statistics.median
     for threads in a.threads:
         t = res[threads]
@@ -168,6 +187,12 @@ def main() -> int:
             print(f"  blocks                            {us(tb)} µs")
             print(f"  outside the products, per layer   "
                   f"{pair(min(tb) - min(t_mm), med(tb) - med(t_mm), L)} µs")
+        sp = splits.get(threads)
+        if sp:
+            print(f"  inside the C blocks, a token in ms: {split_line(sp)}")
+            print(f"  attention and the rest (norms, rope, cache, residuals) per layer "
+                  f"{1e3 * (sp['attention'] + sp['rest']) / L:8.1f} µs (without the products' "
+                  f"dispatch, in qkv/wo/ffn)")
         print(f"rest of the token (emb, norm, head, sample) {pair(*rest)} µs")
         print(f"  head product                      {us(t['head'])} µs")
         print(f"  sample: greedy {us(t['greedy'])} µs; top-k/top-p {us(t['topp'])} µs")
