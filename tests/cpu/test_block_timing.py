@@ -13,7 +13,7 @@ import torch
 
 from sparseinfer import cpu
 
-from .test_block_decode import make, rope_row
+from .test_block_decode import make, rope_row, rope_tables
 from .test_sparse_block import D, S, block_kw, predictor, spec
 
 CALLS = 5
@@ -78,6 +78,22 @@ def test_sparse_block_times_its_predictor_and_gates(timing, dtype, block, gates)
     assert all(t[p] > 0 for p in ("qkv", "attention", "wo", "predictor", "ffn", "rest")), t
     assert (t["gates"] > 0) == gates
     assert sum(t.values()) <= wall
+
+
+def test_a_step_of_several_rows_is_timed_too(timing):
+    """``DecodeBlock.rows`` (a continuous-batching step) goes through the same phases."""
+    kw = make(np.random.default_rng(2))
+    blk, B = cpu.DecodeBlock(**kw), 3
+    nkv, hd = kw["n_kv_heads"], kw["head_dim"]
+    kc, vc = torch.zeros(4, nkv, S, hd), torch.zeros(4, nkv, S, hd)
+    x = torch.randn(B, kw["d_model"], generator=torch.Generator().manual_seed(2))
+    t0 = time.perf_counter()
+    positions, slots = (torch.tensor(v, dtype=torch.int32) for v in ([0, 5, 2], [3, 0, 1]))
+    blk.rows(x, positions, slots, kc, vc, *rope_tables(hd, S))
+    wall = time.perf_counter() - t0
+    t = cpu.block_times()
+    assert all(t[p] > 0 for p in ("qkv", "attention", "wo", "ffn", "rest")), t
+    assert t["predictor"] == t["gates"] == 0.0 and sum(t.values()) <= wall
 
 
 def test_reset_and_switching_off(timing):
