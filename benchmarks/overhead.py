@@ -155,20 +155,16 @@ def main() -> int:
     res = interleaved(fns, a.tokens, a.threads, set_threads)
     splits = {}  # a token's phases inside the C blocks (cpu.block_times), per thread count
     if path.startswith("C block"):
-        from sparseinfer import cpu
-        from sparseinfer.bench import token_split
+        from sparseinfer.bench import timed_split
+
+        def steps():
+            for _ in range(a.tokens):
+                step()
 
         for threads in a.threads:
             set_threads(threads)
             step()
-            cpu.block_times(reset=True)
-            cpu.set_block_timing(True)
-            t0 = time.perf_counter()
-            for _ in range(a.tokens):
-                step()
-            wall = time.perf_counter() - t0
-            cpu.set_block_timing(False)
-            splits[threads] = token_split(cpu.block_times(reset=True), wall, a.tokens)
+            splits[threads] = timed_split(steps, a.tokens)[1]
     med = statistics.median
     for threads in a.threads:
         t = res[threads]

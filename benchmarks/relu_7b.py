@@ -205,7 +205,7 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, rows: str | None) 
 
     passive_wait()  # as the CLI does, before torch and numba start their pools
     from sparseinfer import cpu
-    from sparseinfer.bench import token_split
+    from sparseinfer.bench import timed_split
     from sparseinfer.config import SamplingParams
     from sparseinfer.engine import Engine, FinishEvent, TokenEvent
 
@@ -246,17 +246,16 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, rows: str | None) 
         info.reset_stats()
     with torch.inference_mode():
         model(torch.tensor([text[:1]]), 0, cache, last_only=True)
-        cpu.block_times(reset=True)
-        cpu.set_block_timing(True)  # where the decode's time goes, phase by phase (below)
-        t0 = time.perf_counter()
-        for i, tok in enumerate(text[1:]):
-            model(torch.tensor([[tok]]), i + 1, cache, last_only=True).argmax(-1)
-        wall = time.perf_counter() - t0
-        cpu.set_block_timing(False)
+
+        def feed():
+            for i, tok in enumerate(text[1:]):
+                model(torch.tensor([[tok]]), i + 1, cache, last_only=True).argmax(-1)
+
+        # where the decode's time goes, phase by phase, timed in this run
+        wall, split = timed_split(feed, len(text) - 1)
         forced = (len(text) - 1) / wall
     plan = engine.loaded.plan
-    out = {"token_ms": token_split(cpu.block_times(reset=True), wall, len(text) - 1),
-           "load_s": t_load, "peak_rss_mb": _peak_mb(),
+    out = {"token_ms": split, "load_s": t_load, "peak_rss_mb": _peak_mb(),
            "prefill_tok_s": fin.prompt_tokens / fin.prefill_seconds,
            "decode_tok_s": (fin.completion_tokens - 1) / fin.decode_seconds,
            "text_tok_s": forced, "generated_density": gen_density, "plan": plan.summary()}

@@ -149,6 +149,22 @@ def token_split(phases: dict[str, float], wall: float, tokens: int) -> dict[str,
     return ms
 
 
+def timed_split(run: Callable[[], object], tokens: int) -> tuple[float, dict[str, float]]:
+    """``run()`` (which decodes ``tokens`` tokens) with the C blocks' phase timers on: its wall
+    time in seconds and ``token_split`` of it (the timers off again after, whatever happens)."""
+    from . import cpu
+
+    cpu.block_times(reset=True)
+    cpu.set_block_timing(True)
+    t0 = time.perf_counter()
+    try:
+        run()
+    finally:
+        wall = time.perf_counter() - t0
+        cpu.set_block_timing(False)
+    return wall, token_split(cpu.block_times(reset=True), wall, tokens)
+
+
 def split_line(ms: dict[str, float]) -> str:
     """``token_split``'s figures as one line: the total, then each part in ms and its share."""
     total = sum(ms.values())

@@ -110,8 +110,9 @@ def test_reset_and_switching_off(timing):
 
 def test_a_models_decode_splits_into_its_blocks_phases(tiny_model_dir, timing):
     """A model's decode steps (every layer a C block) timed: each layer's phases add up, per
-    token, to at most the step's wall time; ``bench.token_split`` puts the rest outside."""
-    from sparseinfer.bench import token_split
+    token, to at most the step's wall time; ``bench.token_split`` puts the rest outside, and
+    ``bench.timed_split`` does both around a run."""
+    from sparseinfer.bench import timed_split, token_split
     from sparseinfer.models.build import load
 
     model = load(tiny_model_dir("swiglu"), "fp32", fused=True).model
@@ -129,3 +130,15 @@ def test_a_models_decode_splits_into_its_blocks_phases(tiny_model_dir, timing):
     assert split["outside"] >= 0
     assert sum(split.values()) == pytest.approx(wall * 1e3 / steps)
     assert token_split(dict.fromkeys(phases, 0.0), wall, steps) == {}
+
+    # bench.timed_split: the same around a run of steps, the timers off again after it
+    def run():
+        t = tok
+        for i in range(steps):
+            t = model(t, 3 + steps + i, cache).argmax(-1)
+
+    wall2, split2 = timed_split(run, steps)
+    assert set(split2) == set(split) and split2["outside"] >= 0
+    assert sum(split2.values()) == pytest.approx(wall2 * 1e3 / steps)
+    model(tok, 3 + 2 * steps, cache)
+    assert set(cpu.block_times().values()) == {0.0}
