@@ -1529,45 +1529,52 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
 INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const int nt, const int nsb,
                       float *y, const int64_t ys) {
     const int bb = k45p_bytes(five);
-    if (nt == 1) { /* a pair of sub-blocks per pass over its words, each loaded once for both */
+    if (nt == 1) { /* a pair of sub-blocks per pass over its words, each loaded once for both;
+                    * Q4_K's halves in one pass, against each x word broadcast once (Q5_K's,
+                    * with their fifth bits, ran slower so: one half a pass) */
         const __m256i m4 = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10);
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {acc[0], acc[1]};
         for (int sb = 0; sb < nsb; sb++) {
             const uint8_t *pb = p + (size_t)sb * bb;
             uint8_t sm[2][8][16];
             k4p_decode(pb, sm);
-            for (int h = 0; h < 2; h++) {
-                __m256 d, nmin;
-                k4p_half_dmin(pb, h, &d, &nmin);
+            const int hp = five ? 1 : 2; /* halves a pass */
+            for (int h0 = 0; h0 < 2; h0 += hp) {
+                __m256 d[2], nmin[2];
+                for (int h = h0; h < h0 + hp; h++) k4p_half_dmin(pb, h, &d[h], &nmin[h]);
                 for (int pr = 0; pr < 4; pr++) {
-                    if (h == 0)
+                    if (h0 == 0)
                         prefetch(pb + PANEL_AHEAD + (bb / 4) * pr, bb / 4, 0);
                     const int j0 = 2 * pr, b0 = 8 * sb + j0;
-                    const uint8_t *q = pb + k45p_qoff(five) + 512 * pr + 32 * h;
-                    /* int16 chains as k45p_half_dot's: [sub-block][words 0..3, 4..7 (Q5_K)] */
-                    __m256i s16[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
-                                         {_mm256_setzero_si256(), _mm256_setzero_si256()}};
+                    const uint8_t *q = pb + k45p_qoff(five) + 512 * pr;
+                    /* int16 chains as k45p_half_dot's: [half][sub-block][words 0..3, 4..7 (Q5_K)] */
+                    __m256i s16[2][2][2];
+                    for (int h = h0; h < h0 + hp; h++)
+                        for (int u = 0; u < 2; u++) s16[h][u][0] = s16[h][u][1] = _mm256_setzero_si256();
                     for (int c = 0; c < 8; c++) {
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * c));
-                        __m256i w0 = _mm256_and_si256(v, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                        if (five) {
-                            const __m256i qh = _mm256_loadu_si256((const __m256i *)(pb + K45P_QH + 64 * c + 32 * h));
-                            w0 = _mm256_or_si256(w0, _mm256_and_si256(shift16(qh, 4 - j0), b5));
-                            w1 = _mm256_or_si256(w1, _mm256_and_si256(shift16(qh, 3 - j0), b5));
-                        }
                         const int k = five ? c >> 2 : 0;
-                        s16[0][k] = chain_add(s16[0][k], w0, _mm256_set1_epi32(x_word(x, b0, c)));
-                        s16[1][k] = chain_add(s16[1][k], w1, _mm256_set1_epi32(x_word(x, b0 + 1, c)));
+                        for (int h = h0; h < h0 + hp; h++) {
+                            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * c + 32 * h));
+                            __m256i w0 = _mm256_and_si256(v, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                            if (five) {
+                                const __m256i qh = _mm256_loadu_si256((const __m256i *)(pb + K45P_QH + 64 * c + 32 * h));
+                                w0 = _mm256_or_si256(w0, _mm256_and_si256(shift16(qh, 4 - j0), b5));
+                                w1 = _mm256_or_si256(w1, _mm256_and_si256(shift16(qh, 3 - j0), b5));
+                            }
+                            s16[h][0][k] = chain_add(s16[h][0][k], w0, _mm256_set1_epi32(x_word(x, b0, c)));
+                            s16[h][1][k] = chain_add(s16[h][1][k], w1, _mm256_set1_epi32(x_word(x, b0 + 1, c)));
+                        }
                     }
-                    for (int u = 0; u < 2; u++) {
-                        __m256i sum = chain_sum(s16[u][0]);
-                        if (five) sum = _mm256_add_epi32(sum, chain_sum(s16[u][1]));
-                        __m256 S, M;
-                        k4p_sm8_dec(sm, d, nmin, j0 + u, h, &S, &M);
-                        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(S, _mm256_set1_ps(x->d[b0 + u])),
-                                                 acc[h]);
-                        accm[h] = _mm256_fmadd_ps(M, _mm256_set1_ps(x->s[b0 + u]), accm[h]);
-                    }
+                    for (int h = h0; h < h0 + hp; h++)
+                        for (int u = 0; u < 2; u++) {
+                            __m256i sum = chain_sum(s16[h][u][0]);
+                            if (five) sum = _mm256_add_epi32(sum, chain_sum(s16[h][u][1]));
+                            __m256 S, M;
+                            k4p_sm8_dec(sm, d[h], nmin[h], j0 + u, h, &S, &M);
+                            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(S, _mm256_set1_ps(x->d[b0 + u])),
+                                                     acc[h]);
+                            accm[h] = _mm256_fmadd_ps(M, _mm256_set1_ps(x->s[b0 + u]), accm[h]);
+                        }
                 }
             }
         }
@@ -1941,6 +1948,31 @@ static void panel_rows(const int type, const uint8_t *w, const int nrows, const 
     }
 }
 
+/* The GEMV's panels: panel_rows' pass for one x row, each type's kernel inlined on its own. On
+ * the 256-bit builds (16 vector registers) GCC's default instruction order spilled the one-row
+ * kernels' accumulators and x's broadcast words to the stack in every block; its first scheduling
+ * pass, made to weigh register pressure, keeps them in registers (the same operations: the same
+ * bits). Measured in benchmarks/RESULTS.md; the GEMM's kernels ran slower with it, so only here.
+ * Other compilers take the function as it is. */
+#if !SI_AVX512 && defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("schedule-insns", "sched-pressure")))
+#endif
+static void panel_gemv(const int type, const uint8_t *w, const int nrows, const si_xq *x,
+                       const int nb, float *y) {
+    const size_t pb = (size_t)nb * panel_bytes(type);
+#define PG(TY)                                                                                 \
+    case TY:                                                                                   \
+        for (int r = 0; r < nrows; r += SI_PANEL)                                              \
+            panel(TY, w + (size_t)(r / SI_PANEL) * pb, x, 1, nb, y + r, 0);                    \
+        break
+    switch (type) {
+        PG(SI_Q4_0P); PG(SI_Q4_1P); PG(SI_Q5_0P); PG(SI_Q5_1P);
+        PG(SI_Q4_KP); PG(SI_Q5_KP); PG(SI_Q6_KP); PG(SI_Q8_0P);
+    default: break; /* si_is_panel: one of these */
+    }
+#undef PG
+}
+
 /* ------------------------------------------------------------------ entry points */
 
 #define WALK(call4, call1)                                                                     \
@@ -1961,7 +1993,7 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
     const int far4 = far;
 #endif
     if (si_is_panel(type)) {
-        panel_rows(type, w, nrows, x, 1, nb, y, 0);
+        panel_gemv(type, w, nrows, x, nb, y);
         return;
     }
 #define NEXT (w + (r + 4) * rb)
