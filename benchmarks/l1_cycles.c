@@ -19,8 +19,12 @@
 #define STR2(a) #a
 #define STR(a) STR2(a)
 #define COLS 1024 /* 32 blocks, 4 super-blocks: the largest panel (Q8_0, 17 KiB) fits L1 */
-#define CALLS 20000
-#define ROUNDS 7
+#ifndef CALLS
+#define CALLS 20000 /* a round's calls of each kernel */
+#endif
+#ifndef ROUNDS
+#define ROUNDS 7 /* the best round counts */
+#endif
 
 static double now(void) {
     struct timespec t;

@@ -1,0 +1,39 @@
+"""benchmarks/l1_cycles.c compiles the library's own kernels.c: it still builds against today's
+source, for each 256-bit ISA this CPU runs, and prints a figure for every panel type (and the
+gate pass where the build has one)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sparseinfer import cpu
+from sparseinfer.cpu import build
+
+ROOT = Path(__file__).resolve().parents[2]
+TYPES = ["Q4_0x16", "Q4_1x16", "Q5_0x16", "Q5_1x16", "Q8_0x16", "Q4_Kx16", "Q5_Kx16", "Q6_Kx16"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx2", "avx2_128"])
+def test_l1_cycles_builds_and_reports_every_type(isa, tmp_path):
+    if build.other_machine() or isa not in cpu.available_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler")
+    exe = tmp_path / "l1c"
+    subprocess.run([cc, "-O2", "-std=gnu11", "-fno-math-errno", *build.ISA_FLAGS[isa], f"-DSI_ISA={isa}",
+                    "-DCALLS=50", "-DROUNDS=1", f"-I{ROOT / 'src/sparseinfer/cpu'}",
+                    str(ROOT / "benchmarks/l1_cycles.c"), "-o", str(exe), "-lm"],
+                   check=True, capture_output=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    assert out.startswith(f"# ISA {isa}, clock ")
+    names = TYPES + ([] if isa == "avx2_128" else ["q4 gates"])
+    for name in names:
+        m = re.search(rf"^{re.escape(name)}\s.*?([0-9.]+) cycles a block column$", out, re.M)
+        assert m and float(m.group(1)) > 0, (name, out)
