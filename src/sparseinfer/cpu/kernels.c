@@ -1530,8 +1530,9 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
                       float *y, const int64_t ys) {
     const int bb = k45p_bytes(five);
     if (nt == 1) { /* a pair of sub-blocks per pass over its words, each loaded once for both;
-                    * Q4_K's halves in one pass, against each x word broadcast once (Q5_K's,
-                    * with their fifth bits, ran slower so: one half a pass) */
+                    * Q4_K's two halves in one pass, each x word broadcast once for both (the
+                    * compiler shares the inner loop's broadcasts); Q5_K's, with their fifth
+                    * bits, ran slower so: one half a pass */
         const __m256i m4 = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10);
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {acc[0], acc[1]};
         for (int sb = 0; sb < nsb; sb++) {
