@@ -21,6 +21,11 @@ printed so a reader can judge. Weight bytes are random (speed does not depend on
 torch's int4 kernel (``torch._weight_int4pack_mm_for_cpu``, bf16 activations, as
 ``sparseinfer.quant.linear.Int4Linear`` uses it) reads 4.5 bits per weight like Q4_0.
 
+``--plain-read`` adds, for every kernel, the same windows' bytes read by the same C pool
+threads with no arithmetic (``cpu.read_gather`` over the window in runs of 16 rows: the order
+and look-ahead of the sparse kernels' bundles), and the kernel's GB/s as a share of that: how
+much of the gap to the probe is the kernel's and how much the pool's reading.
+
 ``--in-cache`` measures the arithmetic instead: one 256x4096 matrix (about 0.6-1 MB, inside
 the per-core L2 cache) called again and again, so GB/s is the rate the kernel could consume
 weights if memory were free; compare it with the read bandwidth to see the headroom.
@@ -107,6 +112,22 @@ def ours(buf: np.ndarray, type_name: str, rows: int, cols: int, n: int,
     return times(lambda i: plans[i % k](x), max(n, 2 * k) if k < 64 else n), nbytes
 
 
+def plain_read(buf: np.ndarray, type_name: str, rows: int, cols: int, n: int,
+               in_cache: bool = False) -> list[float]:
+    """Per-call seconds of reading what ``ours`` reads (the same windows, calls in the same
+    order) with the pool's threads and no arithmetic: ``cpu.read_gather`` over each window as
+    runs of 16 rows."""
+    _, elems, size = cpu.TYPES[type_name]
+    nbytes = rows * cols // elems * size
+    k = 1 if in_cache else buf.size // nbytes
+    run = nbytes // (rows // 16)  # 16 rows: a panel
+    t = torch.from_numpy(buf)
+    idx = [torch.arange(i * (rows // 16), (i + 1) * (rows // 16), dtype=torch.int32)
+           for i in range(k)]
+    return times(lambda i: cpu.read_gather(t, run, run, idx[i % k]),
+                 max(n, 2 * k) if k < 64 else n)
+
+
 BW_BYTES, BW_REPEATS = 64 * 2**20, 24  # per read: a few ms
 
 
@@ -145,6 +166,8 @@ def main() -> None:
     p.add_argument("--model", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--no-torch", action="store_true", help="skip torch's int4 kernel")
+    p.add_argument("--plain-read", action="store_true",
+                   help="beside each kernel: its bytes read by the pool with no arithmetic")
     p.add_argument("--in-cache", action="store_true",
                    help=f"one {IN_CACHE_SHAPE[0]}x{IN_CACHE_SHAPE[1]} matrix reused (arithmetic rate)")
     a = p.parse_args()
@@ -160,7 +183,8 @@ def main() -> None:
           "run; near = the higher of the probes just before and after the shape's kernels "
           "(this VM's bandwidth drifts by up to 2x within a run), %near = share of it")
     hdr = (f"{'thr':>3} {'shape':>11} {'kernel':<14} {'MB':>6} {'best':>10} {'p50':>10} "
-           f"{'GB/s':>6} {'%bw':>5} {'near':>5} {'%near':>5}")
+           f"{'GB/s':>6} {'%bw':>5} {'near':>5} {'%near':>5}"
+           + (f" {'read':>5} {'%read':>5}" if a.plain_read else ""))
     for t in a.threads:
         torch.set_num_threads(t)
         cpu.set_threads(t)
@@ -180,24 +204,30 @@ def main() -> None:
                 nbytes = rows * cols // 32 * 18
                 pool = 1 if a.in_cache else max(2, POOL_BYTES // 2 // nbytes)
                 ts = torch_int4(rows, cols, pool, a.calls)
-                rowsout.append(("torch int4", nbytes, ts))
+                rowsout.append(("torch int4", nbytes, ts, None))
             for isa in a.isa:
                 cpu.set_isa(isa)
                 for ty in a.types:
                     if cols % max(32, cpu.TYPES[ty][1]):
                         continue  # no such tensor (llama.cpp falls back to a 32-block type)
                     ts, nbytes = ours(buf, ty, rows, cols, a.calls, a.in_cache)
-                    rowsout.append((f"{ty} {isa}", nbytes, ts))
+                    reads = plain_read(buf, ty, rows, cols, a.calls, a.in_cache) \
+                        if a.plain_read else None
+                    rowsout.append((f"{ty} {isa}", nbytes, ts, reads))
             bws.append(probe(buf, t))
             local = max(before, bws[-1])
             table += [(shape, *row, local) for row in rowsout]
         bw = max(bws)
-        for shape, label, nbytes, ts, local in table:
+        for shape, label, nbytes, ts, reads, local in table:
             best = min(ts)
             gbs = nbytes / best / 1e9
+            extra = ""
+            if a.plain_read:
+                rgbs = nbytes / min(reads) / 1e9 if reads else None
+                extra = f" {rgbs:>5.1f} {gbs / rgbs:>5.0%}" if rgbs else f" {'-':>5} {'-':>5}"
             print(f"{t:>3} {shape:>11} {label:<14} {nbytes / 1e6:>6.2f} {fmt(best):>10} "
                   f"{fmt(statistics.median(ts)):>10} {gbs:>6.1f} {gbs / bw:>5.0%} "
-                  f"{local:>5.1f} {gbs / local:>5.0%}")
+                  f"{local:>5.1f} {gbs / local:>5.0%}{extra}")
         print(f"# {t} thread(s): read bandwidth {bw:.1f} GB/s (best of {len(bws)} probes, each "
               f"the best of {BW_REPEATS} reads of {BW_BYTES >> 20} MiB windows; probes "
               f"{min(bws):.1f}..{bw:.1f}); load average at the end: {os.getloadavg()[0]:.2f}")

@@ -31,8 +31,11 @@ GGUF_QUANTIZES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
 # 288, 160, 224, 1056: groups of 4 blocks and a last partial group of 1, 1, 3, 1 (AVX-512)
 SHAPES_32 = [(1, 32), (3, 96), (7, 288), (37, 160), (130, 64), (9, 224), (5, 1056)]
 SHAPES_256 = [(1, 256), (5, 512), (37, 256), (66, 768)]
-# panels of 16 rows (Q4_0x16 ... Q5_0x16): one or several panels, 1 to 33 blocks per row
-SHAPES_PANEL = [(16, 32), (32, 96), (48, 288), (16, 160), (144, 64), (32, 1056)]
+# panels of 16 rows (Q4_0x16 ... Q5_0x16): one or several panels, 1 to 33 blocks per row; from 64
+# blocks (PANEL_TWO_NB) the AVX2 GEMV reads Q4_0 ... Q5_1 panels two at once: 3 panels (a pair and
+# one alone), 4 (two pairs)
+SHAPES_PANEL = [(16, 32), (32, 96), (48, 288), (16, 160), (144, 64), (32, 1056), (48, 2080),
+                (64, 2048)]
 # K-quant panels: one or several panels, 1 to 11 super-blocks per row
 SHAPES_PANEL_256 = [(16, 256), (32, 512), (48, 768), (144, 256), (32, 2816)]
 
@@ -136,6 +139,27 @@ def test_largest_integer_sums(type_name, isa, threads):
         cpu.gemv([mat], X[t].contiguous(), [one])
         assert torch.equal(got[t], one)
         assert torch.all((one.double() - want[t].double()).abs() <= x_rounding_bound(mat, X[t]))
+
+@pytest.mark.parametrize("type_name", ["Q4_0x16", "Q4_1x16", "Q5_0x16", "Q5_1x16"])
+@pytest.mark.parametrize("rows", [16, 48, 384, 1024])
+def test_panel_pairs_are_each_panel_alone(type_name, rows, isa, threads):
+    """Rows of 65 blocks: the 256-bit GEMV reads the panels of each chunk of rows two at once
+    (panel i beside panel i + np / 2; an odd one alone), each with its own operations. The pool's
+    chunks here: 1 or 2 panels (16, 48 rows), 3 (384 rows, one thread), 4 and 8 (1,024 rows).
+    Every output is, bit for bit, the GEMM's (which takes the panels one by one) and within the
+    rounding bound of the reference."""
+    rng = np.random.default_rng(rows)
+    cols = 2080
+    mat = cpu.QuantMatrix(type_name, random_raw(type_name, rows, cols, rng), rows, cols)
+    X = torch.from_numpy(rng.standard_normal((3, cols)).astype(np.float32))
+    got = cpu.gemm(mat, X)
+    want = ref.gemm_ref(mat, X)
+    for t in range(3):
+        one = torch.empty(rows)
+        cpu.gemv([mat], X[t].contiguous(), [one])
+        assert torch.equal(got[t], one)
+        assert torch.all((one.double() - want[t].double()).abs() <= x_rounding_bound(mat, X[t]))
+
 
 def test_numpy_arguments():
     rng = np.random.default_rng(5)

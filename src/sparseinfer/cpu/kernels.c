@@ -1278,25 +1278,36 @@ INLINE void panel_q4(const int type, const uint8_t *p, const si_xq *x, const int
 }
 /* panel_q4 for one x row (the GEMV): both halves of a block column in one pass, so the stream
  * is read once and x's words broadcast once per block (faster from memory on a Zen 3:
- * benchmarks/RESULTS.md); the same operations per lane (the same bits). Prefetching ahead, as
- * panel_q4 does for its several x rows, was no faster here. */
-INLINE void panel_q4_1(const int type, const uint8_t *p, const si_xq *x, const int nb, float *y) {
+ * benchmarks/RESULTS.md); the same operations per lane (the same bits). panel_q4_1s takes S
+ * panels (p[s] into y[s]; S a constant where inlined, at most 2) block column by block column,
+ * each panel's operations as alone: two streams in flight, which a core reads faster from
+ * memory than one (benchmarks/RESULTS.md). */
+INLINE void panel_q4_1s(const int type, const uint8_t *const *p, const int S, const si_xq *x,
+                        const int nb, float *const *y) {
     const int bb = panel_bytes(type);
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {acc[0], acc[1]};
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *pb = p + (size_t)b * bb;
-        prefetch(pb + PANEL_AHEAD, bb, 0);
-        for (int h = 0; h < 2; h++) {
-            __m256 d, m;
-            __m256i lo[4], hi[4];
-            q4_half_dm(type, pb, h, &d, &m);
-            panel_half(type, pb, h, lo, hi);
-            const __m256i sum = panel_half_dot(type, lo, hi, x, b);
-            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x->d[b])), acc[h]);
-            accm[h] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->s[b]), accm[h]);
+    __m256 acc[2][2], accm[2][2];
+    for (int s = 0; s < S; s++)
+        for (int h = 0; h < 2; h++) acc[s][h] = accm[s][h] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++)
+        for (int s = 0; s < S; s++) {
+            const uint8_t *pb = p[s] + (size_t)b * bb;
+            prefetch(pb + PANEL_AHEAD, bb, 0);
+            for (int h = 0; h < 2; h++) {
+                __m256 d, m;
+                __m256i lo[4], hi[4];
+                q4_half_dm(type, pb, h, &d, &m);
+                panel_half(type, pb, h, lo, hi);
+                const __m256i sum = panel_half_dot(type, lo, hi, x, b);
+                acc[s][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x->d[b])),
+                                            acc[s][h]);
+                accm[s][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->s[b]), accm[s][h]);
+            }
         }
-    }
-    for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + 8 * h, _mm256_add_ps(acc[h], accm[h]));
+    for (int s = 0; s < S; s++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(y[s] + 8 * h, _mm256_add_ps(acc[s][h], accm[s][h]));
+}
+INLINE void panel_q4_1(const int type, const uint8_t *p, const si_xq *x, const int nb, float *y) {
+    panel_q4_1s(type, &p, 1, x, nb, &y);
 }
 
 /* Q4_K and Q5_K in panels (SI_Q4_KP, SI_Q5_KP, qgemv.h): per super-block column of a panel, the
@@ -1949,6 +1960,9 @@ static void panel_rows(const int type, const uint8_t *w, const int nrows, const 
     }
 }
 
+#define PANEL_TWO_NB 64 /* blocks a row from which the GEMV reads two panels at once: the two
+                         * streams read faster from memory, the pair computes slower (more
+                         * registers than AVX2 has); SmolLM2's short rows lost (benchmarks/RESULTS.md) */
 /* The GEMV's panels: panel_rows' pass for one x row, each type's kernel inlined on its own. On
  * the 256-bit builds (16 vector registers) GCC's default instruction order spilled the one-row
  * kernels' accumulators and x's broadcast words to the stack in every block; its first scheduling
@@ -1966,11 +1980,28 @@ static void panel_gemv(const int type, const uint8_t *w, const int nrows, const 
         for (int r = 0; r < nrows; r += SI_PANEL)                                              \
             panel(TY, w + (size_t)(r / SI_PANEL) * pb, x, 1, nb, y + r, 0);                    \
         break
+#if SI_AVX512
+#define PG2 PG
+#else /* Q4_0 ... Q5_1 rows of PANEL_TWO_NB blocks or more: panel i beside panel i + np / 2,
+       * two streams in flight (panel_q4_1s) */
+#define PG2(TY)                                                                                \
+    case TY: {                                                                                 \
+        const int np = nrows / SI_PANEL, half = nb >= PANEL_TWO_NB ? np / 2 : 0;               \
+        for (int i = 0; i < half; i++) {                                                       \
+            const uint8_t *pp[2] = {w + (size_t)i * pb, w + (size_t)(i + half) * pb};          \
+            float *yy[2] = {y + SI_PANEL * i, y + SI_PANEL * (i + half)};                      \
+            panel_q4_1s(TY, pp, 2, x, nb, yy);                                                 \
+        }                                                                                      \
+        for (int i = 2 * half; i < np; i++)                                                    \
+            panel_q4_1(TY, w + (size_t)i * pb, x, nb, y + SI_PANEL * i);                       \
+    } break
+#endif
     switch (type) {
-        PG(SI_Q4_0P); PG(SI_Q4_1P); PG(SI_Q5_0P); PG(SI_Q5_1P);
+        PG2(SI_Q4_0P); PG2(SI_Q4_1P); PG2(SI_Q5_0P); PG2(SI_Q5_1P);
         PG(SI_Q4_KP); PG(SI_Q5_KP); PG(SI_Q6_KP); PG(SI_Q8_0P);
     default: break; /* si_is_panel: one of these */
     }
+#undef PG2
 #undef PG
 }
 
