@@ -27,10 +27,10 @@ def test_l1_cycles_builds_and_reports_every_type(isa, tmp_path):
     if cc is None:
         pytest.skip("no C compiler")
     exe = tmp_path / "l1c"
-    subprocess.run([cc, "-O2", "-std=gnu11", "-fno-math-errno", *build.ISA_FLAGS[isa], f"-DSI_ISA={isa}",
-                    "-DCALLS=50", "-DROUNDS=1", f"-I{ROOT / 'src/sparseinfer/cpu'}",
-                    str(ROOT / "benchmarks/l1_cycles.c"), "-o", str(exe), "-lm"],
-                   check=True, capture_output=True)
+    subprocess.run([cc, "-O2", "-std=gnu11", "-fno-math-errno", *build.ISA_FLAGS[isa],
+                    f"-DSI_ISA={isa}", "-DCALLS=50", "-DROUNDS=1",
+                    f"-I{ROOT / 'src/sparseinfer/cpu'}", str(ROOT / "benchmarks/l1_cycles.c"),
+                    "-o", str(exe), "-lm"], check=True, capture_output=True)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
     assert out.startswith(f"# ISA {isa}, clock ")
     names = TYPES + ([] if isa == "avx2_128" else ["q4 gates"])
