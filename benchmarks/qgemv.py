@@ -99,17 +99,25 @@ def torch_int4(rows: int, cols: int, pool: int, n: int) -> list[float]:
     return times(call, n)
 
 
-def ours(buf: np.ndarray, type_name: str, rows: int, cols: int, n: int,
-         in_cache: bool = False) -> tuple[list[float], int]:
+def windows(buf: np.ndarray, type_name: str, rows: int, cols: int, n: int,
+            in_cache: bool) -> tuple[int, int, int]:
+    """A ``type_name`` matrix's bytes, how many windows of ``buf`` the calls walk (1 in cache)
+    and how many calls: at least two passes over the windows when there are few."""
     _, elems, size = cpu.TYPES[type_name]
     nbytes = rows * cols // elems * size
     k = 1 if in_cache else buf.size // nbytes
+    return nbytes, k, max(n, 2 * k) if k < 64 else n
+
+
+def ours(buf: np.ndarray, type_name: str, rows: int, cols: int, n: int,
+         in_cache: bool = False) -> tuple[list[float], int]:
+    nbytes, k, calls = windows(buf, type_name, rows, cols, n, in_cache)
     mats = [cpu.QuantMatrix(type_name, buf[i * nbytes : (i + 1) * nbytes], rows, cols)
             for i in range(k)]
     out = torch.empty(rows)
     x = torch.randn(cols)
     plans = [cpu.GemvPlan([m], [out]) for m in mats]
-    return times(lambda i: plans[i % k](x), max(n, 2 * k) if k < 64 else n), nbytes
+    return times(lambda i: plans[i % k](x), calls), nbytes
 
 
 def plain_read(buf: np.ndarray, type_name: str, rows: int, cols: int, n: int,
@@ -117,15 +125,12 @@ def plain_read(buf: np.ndarray, type_name: str, rows: int, cols: int, n: int,
     """Per-call seconds of reading what ``ours`` reads (the same windows, calls in the same
     order) with the pool's threads and no arithmetic: ``cpu.read_gather`` over each window as
     runs of 16 rows."""
-    _, elems, size = cpu.TYPES[type_name]
-    nbytes = rows * cols // elems * size
-    k = 1 if in_cache else buf.size // nbytes
+    nbytes, k, calls = windows(buf, type_name, rows, cols, n, in_cache)
     run = nbytes // (rows // 16)  # 16 rows: a panel
     t = torch.from_numpy(buf)
     idx = [torch.arange(i * (rows // 16), (i + 1) * (rows // 16), dtype=torch.int32)
            for i in range(k)]
-    return times(lambda i: cpu.read_gather(t, run, run, idx[i % k]),
-                 max(n, 2 * k) if k < 64 else n)
+    return times(lambda i: cpu.read_gather(t, run, run, idx[i % k]), calls)
 
 
 BW_BYTES, BW_REPEATS = 64 * 2**20, 24  # per read: a few ms
