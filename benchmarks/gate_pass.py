@@ -2,9 +2,11 @@
 default's ReLU gates) against a read of the same rows with no arithmetic (``cpu.read_gather``),
 at a 7B layer's shape (d_model 4096, 11,008 gate rows of 2,304 bytes):
 
-- from memory: 8 layers' gate arrays (200 MB, past the L3 cache), a random 15% of each layer's
-  rows (the ReGLU benchmark's selected share), at 1 and 2 threads; the gate pass's GB/s as a
-  share of the read's;
+- from memory: 8 layers' gate arrays (200 MB, past the L3 cache) in 2 MiB pages as the decode
+  holds them (``empty_hugepages``), a random 15% of each layer's rows (the ReGLU benchmark's
+  selected share), at 1 and 2 threads, the two timed in alternating rounds; the gate pass's GB/s
+  as a share of the read's, and both beside the streaming read probe
+  (``bench.measure_read_bandwidth``) measured before and after;
 - in cache: 8, 16 or 64 distinct rows taken again and again in one call (20,000 rows a call),
   one thread: ns per block of 32 weights of 8 rows, the arithmetic alone (multiply by the clock,
   e.g. ``vector_pipes_avx2.c``'s, for cycles).
@@ -25,25 +27,33 @@ import time
 import torch
 
 from sparseinfer import cpu
-from sparseinfer.bench import cpu_model
+from sparseinfer.bench import cpu_model, measure_read_bandwidth
+from sparseinfer.sparse.packed import empty_hugepages
 
 D, F, LAYERS, SHARE = 4096, 11008, 8, 0.15
 W = D // 32 * 18  # a q4 row's bytes
 
 
 def gate_rows(g: torch.Generator) -> torch.Tensor:
-    rows = torch.randint(0, 256, (F, W), dtype=torch.uint8, generator=g)
+    rows = empty_hugepages((F, W), torch.uint8)
+    rows.copy_(torch.randint(0, 256, (F, W), dtype=torch.uint8, generator=g))
     rows.view(F, D // 32, 18)[:, :, 0:2] = torch.tensor([0x00, 0x20], dtype=torch.uint8)  # d ~ 2^-7
     return rows
 
 
 def median_time(fn, rounds: int) -> float:
-    ts = []
+    return statistics.median(alternated([fn], rounds)[0])
+
+
+def alternated(fns, rounds: int) -> list[list[float]]:
+    """Each of ``fns`` timed once a round, in turn, ``rounds`` times: the times of each."""
+    ts: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        for f, t in zip(fns, ts):
+            t0 = time.perf_counter()
+            f()
+            t.append(time.perf_counter() - t0)
+    return ts
 
 
 def main() -> int:
@@ -60,12 +70,15 @@ def main() -> int:
     nbytes = LAYERS * k * W
     for threads in (2, 1):
         cpu.set_threads(threads)
-        gates = median_time(lambda: [cpu.sparse_q4_gates(r, i, x) for r, i in zip(layers, sets)],
-                            a.rounds)
-        read = median_time(lambda: [cpu.read_gather(r, W, W, i) for r, i in zip(layers, sets)],
-                           a.rounds)
+        probe = measure_read_bandwidth(threads)
+        gates, read = map(statistics.median, alternated(
+            [lambda: [cpu.sparse_q4_gates(r, i, x) for r, i in zip(layers, sets)],
+             lambda: [cpu.read_gather(r, W, W, i) for r, i in zip(layers, sets)]], a.rounds))
+        probe = max(probe, measure_read_bandwidth(threads))
         print(f"  {threads} thread(s): gate pass {nbytes / gates / 1e9:5.1f} GB/s, the same rows "
-              f"read {nbytes / read / 1e9:5.1f} GB/s: {read / gates:.0%}")
+              f"read {nbytes / read / 1e9:5.1f} GB/s: {read / gates:.0%}; streaming read probe "
+              f"{probe:.1f} GB/s: gate pass {nbytes / gates / 1e9 / probe:.0%}, read "
+              f"{nbytes / read / 1e9 / probe:.0%}")
     cpu.set_threads(1)
     print("in cache, one thread (rows repeated in one call of 20,000 rows):")
     for distinct in (8, 16, 64):
