@@ -22,6 +22,15 @@ layer copies (not served from cache). Times, alternated in blocks of 8 calls:
 
 Prints the CPU, the read bandwidth, the neurons selected and fired, the p50s and their ratios to
 A.
+
+``--split``: instead, C's two passes apart (the gate pass alone, and C minus it: the fired
+neurons' rows), each from memory (the pool of 4 layer copies and 8 sets, as above) and "in
+cache" (one layer and one set called again and again: ~7 MB, in the L3 where the machine's L3
+keeps it — a VM sharing its L3 keeps part), beside a plain read of the same rows
+(``cpu.read_gather``: the selected neurons' q4 gate rows; the fired neurons' int8 up and down
+rows, their scales not counted) and the time those bytes take at the streaming read probe: a
+pass near its plain read is bound by how fast the memory serves its scattered rows, not by
+its arithmetic.
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ def main() -> None:
                    help="share of all neurons whose gate fires for x (default 0.19)")
     p.add_argument("--rounds", type=int, default=12, help="blocks of 8 calls of each (default 12)")
     p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("--split", action="store_true",
+                   help="C's gate pass and fired rows apart, from memory and in cache, beside a "
+                        "plain read of their rows")
     p.add_argument("--isa", default="auto", help="the C library's kernels: auto (default), avx512, "
                    "avx2, avx2_vnni or avx2_128 (this CPU's)")
     a = p.parse_args()
@@ -103,6 +115,9 @@ def main() -> None:
     print(f"# {cpu_model()}; {cpu.get_isa()} kernels; {a.threads} threads; read bandwidth "
           f"{measure_read_bandwidth(a.threads):.1f} GB/s; 7B ReGLU FFN: {k} neurons selected, "
           f"{fired} of them fired ({fired / k:.0%})")
+    if a.split:
+        split(a.rounds, apart, sets, x, out)
+        return
     times = {int8_gates_first: [], q4_gates_then_int8: [], q4_gates_two_passes: [],
              q4_gates_one_pass: []}
     fns = list(times)
@@ -117,6 +132,63 @@ def main() -> None:
     print(f"B q4 gate dots, then A over the fired:  p50 {tb:6.0f} us   B/A {tb / ta:.3f}")
     print(f"C q4 gates apart, two passes (1 token): p50 {tc:6.0f} us   C/A {tc / ta:.3f}")
     print(f"D q4 gates apart, A's one pass:         p50 {td:6.0f} us   D/A {td / ta:.3f}")
+
+
+
+def split(rounds: int, apart, sets, x, out) -> None:
+    """``--split``: C's gate pass and its fired neurons' rows apart (see the module docstring)."""
+    import torch
+
+    from sparseinfer import cpu
+    from sparseinfer.bench import measure_read_bandwidth
+    from sparseinfer.sparse.kernels import ACT_CODES
+
+    identity = ACT_CODES[None]  # ReGLU's up rows: no activation
+    x1, out1 = x.reshape(1, -1), out.reshape(1, -1)
+    probe = measure_read_bandwidth(cpu.get_threads())
+    fired = []  # the fired neurons of set s over layer l (gates as C computes them)
+    for i in range(8):
+        f8 = apart[i % 4]
+        fired.append(sets[i % 8][cpu.sparse_q4_gates(f8.gates, sets[i % 8], x) > 0].contiguous())
+    ffn, gate_w = apart[0], apart[0].gates.shape[1]
+    up_down = ffn.rows.shape[1] * ffn.rows.shape[2]  # bytes of a bundle's int8 up and down rows
+    gate_bytes = statistics.mean(s.numel() for s in sets) * gate_w
+    row_bytes = statistics.mean(f.numel() for f in fired) * up_down
+
+    def calls(hot: bool):
+        pick = (lambda i: 0) if hot else (lambda i: i)
+        return {
+            "both": lambda i: cpu.sparse_ffn_i8_q4g(
+                apart[pick(i) % 4].rows, apart[pick(i) % 4].scales, apart[0].block,
+                apart[pick(i) % 4].gates, sets[pick(i) % 8], x1, out1, identity),
+            "gates": lambda i: cpu.sparse_q4_gates(apart[pick(i) % 4].gates, sets[pick(i) % 8], x),
+            "read gates": lambda i: cpu.read_gather(apart[pick(i) % 4].gates, gate_w, gate_w,
+                                                    sets[pick(i) % 8]),
+            "read rows": lambda i: cpu.read_gather(
+                apart[pick(i) % 4].rows.view(torch.uint8).view(ffn.rows.shape[0], -1), up_down,
+                up_down, fired[pick(i) % 8]),
+        }
+
+    print(f"# streaming read probe {probe:.1f} GB/s; a call reads {gate_bytes / 1e6:.2f} MB of q4 "
+          f"gate rows and {row_bytes / 1e6:.2f} MB of int8 up/down rows "
+          f"({statistics.mean(f.numel() for f in fired):.0f} fired neurons)")
+    for where, hot in (("from memory", False), ("in cache", True)):
+        fns = calls(hot)
+        times = {n: [] for n in fns}
+        for r in range(rounds):
+            for n, fn in fns.items():
+                for i in range(8):
+                    t0 = time.perf_counter()
+                    fn(i + r)
+                    times[n].append(time.perf_counter() - t0)
+        p50 = {n: statistics.median(t) * 1e6 for n, t in times.items()}
+        ups = p50["both"] - p50["gates"]
+        print(f"{where}: C {p50['both']:.0f} us = gate pass {p50['gates']:.0f} "
+              f"+ fired rows {ups:.0f} us; plain reads: gate rows {p50['read gates']:.0f} us "
+              f"({gate_bytes / p50['read gates'] / 1e3:.1f} GB/s), fired rows "
+              f"{p50['read rows']:.0f} us ({row_bytes / p50['read rows'] / 1e3:.1f} GB/s)")
+    print(f"at the probe: gate rows {gate_bytes / probe / 1e3:.0f} us, fired rows "
+          f"{row_bytes / probe / 1e3:.0f} us")
 
 
 if __name__ == "__main__":
