@@ -2756,8 +2756,8 @@ INLINE void prefetch_slice(const uint8_t *const *pf, const int npf, const size_t
     if (o >= end) return;
     const int far = (size_t)npf * pf_bytes > PF_NEAR_BYTES;
     /* the usual 4 bundles (a group's) or 8 gate rows (a q4 gate pass's), their lines side by
-     * side: a constant count, unrolled (the 8 through the loop below cost the gate pass ~5% in
-     * cache: benchmarks/RESULTS.md) */
+     * side: a constant count, unrolled (the 8 through the loop below made the gate pass slower:
+     * benchmarks/RESULTS.md, session 49) */
     if (npf == 4) {
         for (size_t q = o; q < end; q += 64)
             for (int n = 0; n < 4; n++) prefetch(pf[n] + q, 64, far);
