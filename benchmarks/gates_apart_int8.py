@@ -134,7 +134,6 @@ def main() -> None:
     print(f"D q4 gates apart, A's one pass:         p50 {td:6.0f} us   D/A {td / ta:.3f}")
 
 
-
 def split(rounds: int, apart, sets, x, out) -> None:
     """``--split``: C's gate pass and its fired neurons' rows apart (see the module docstring)."""
     import torch
@@ -146,7 +145,7 @@ def split(rounds: int, apart, sets, x, out) -> None:
     identity = ACT_CODES[None]  # ReGLU's up rows: no activation
     x1, out1 = x.reshape(1, -1), out.reshape(1, -1)
     probe = measure_read_bandwidth(cpu.get_threads())
-    fired = []  # the fired neurons of set s over layer l (gates as C computes them)
+    fired = []  # fired[i]: set i's neurons whose gate fires over layer i % 4 (as in C)
     for i in range(8):
         f8 = apart[i % 4]
         fired.append(sets[i % 8][cpu.sparse_q4_gates(f8.gates, sets[i % 8], x) > 0].contiguous())
