@@ -255,7 +255,8 @@ def main() -> None:
     p.add_argument("--fire", type=float, default=None,
                    help="reglu: the share of neurons whose gate fires for x (default: about "
                         "half, random gates); e.g. 0.17, the share of the predicted neurons "
-                        "that fire in the 7B ReGLU file of benchmarks/relu_7b.py")
+                        "that fire by the 7B ReGLU file's report (benchmarks/relu_7b.py), or "
+                        "0.4, the share its decode fired (RESULTS.md, session 49)")
     p.add_argument("--isa", choices=cpu.available_isas(),
                    help="the C kernels' instruction set (q4 rows); default: the best here")
     p.add_argument("--float-x", action="store_true",
