@@ -118,20 +118,26 @@ def main() -> None:
     if a.split:
         split(a.rounds, apart, sets, x, out)
         return
-    times = {int8_gates_first: [], q4_gates_then_int8: [], q4_gates_two_passes: [],
-             q4_gates_one_pass: []}
-    fns = list(times)
-    for r in range(a.rounds):
-        for fn in fns if r % 2 == 0 else fns[::-1]:
-            for i in range(8):
-                t0 = time.perf_counter()
-                fn(i + r)
-                times[fn].append(time.perf_counter() - t0)
-    ta, tb, tc, td = (statistics.median(times[fn]) * 1e6 for fn in fns)
+    fns = [int8_gates_first, q4_gates_then_int8, q4_gates_two_passes, q4_gates_one_pass]
+    ta, tb, tc, td = (statistics.median(t) * 1e6 for t in blocks_of_8(fns, a.rounds))
     print(f"A int8 rows alone, gates first:         p50 {ta:6.0f} us")
     print(f"B q4 gate dots, then A over the fired:  p50 {tb:6.0f} us   B/A {tb / ta:.3f}")
     print(f"C q4 gates apart, two passes (1 token): p50 {tc:6.0f} us   C/A {tc / ta:.3f}")
     print(f"D q4 gates apart, A's one pass:         p50 {td:6.0f} us   D/A {td / ta:.3f}")
+
+
+def blocks_of_8(fns, rounds: int) -> list[list[float]]:
+    """Seconds of each call of each of ``fns`` (called with i + round), in blocks of 8 calls a
+    function a round, the functions' order reversed every other round."""
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds):
+        order = list(zip(fns, times))
+        for fn, t in order if r % 2 == 0 else order[::-1]:
+            for i in range(8):
+                t0 = time.perf_counter()
+                fn(i + r)
+                t.append(time.perf_counter() - t0)
+    return times
 
 
 def split(rounds: int, apart, sets, x, out) -> None:
@@ -173,14 +179,8 @@ def split(rounds: int, apart, sets, x, out) -> None:
           f"({statistics.mean(f.numel() for f in fired):.0f} fired neurons)")
     for where, hot in (("from memory", False), ("in cache", True)):
         fns = calls(hot)
-        times = {n: [] for n in fns}
-        for r in range(rounds):
-            for n, fn in fns.items():
-                for i in range(8):
-                    t0 = time.perf_counter()
-                    fn(i + r)
-                    times[n].append(time.perf_counter() - t0)
-        p50 = {n: statistics.median(t) * 1e6 for n, t in times.items()}
+        p50 = {n: statistics.median(t) * 1e6
+               for n, t in zip(fns, blocks_of_8(list(fns.values()), rounds))}
         ups = p50["both"] - p50["gates"]
         print(f"{where}: C {p50['both']:.0f} us = gate pass {p50['gates']:.0f} "
               f"+ fired rows {ups:.0f} us; plain reads: gate rows {p50['read gates']:.0f} us "

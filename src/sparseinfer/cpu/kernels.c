@@ -2750,25 +2750,23 @@ INLINE __m256 q4r_d8(const uint8_t *row, const int b) {
 INLINE size_t slice_bytes(const size_t pf_bytes, const int parts) {
     return ((pf_bytes + (size_t)parts - 1) / (size_t)parts + 63) / 64 * 64;
 }
+/* Lines [o, end) of each of pf[0..n), side by side (n a constant where called: unrolled) */
+INLINE void prefetch_lines(const uint8_t *const *pf, const int n, const size_t o,
+                           const size_t end, const int far) {
+    for (size_t q = o; q < end; q += 64)
+        for (int r = 0; r < n; r++) prefetch(pf[r] + q, 64, far);
+}
 INLINE void prefetch_slice(const uint8_t *const *pf, const int npf, const size_t pf_bytes,
                            const size_t slice, const int i) {
     const size_t o = slice * (size_t)i, end = o + slice < pf_bytes ? o + slice : pf_bytes;
     if (o >= end) return;
     const int far = (size_t)npf * pf_bytes > PF_NEAR_BYTES;
-    /* the usual 4 bundles (a group's) or 8 gate rows (a q4 gate pass's), their lines side by
-     * side: a constant count, unrolled (the 8 through the loop below made the gate pass slower:
-     * benchmarks/RESULTS.md, session 49) */
-    if (npf == 4) {
-        for (size_t q = o; q < end; q += 64)
-            for (int n = 0; n < 4; n++) prefetch(pf[n] + q, 64, far);
-        return;
-    }
-    if (npf == 8) {
-        for (size_t q = o; q < end; q += 64)
-            for (int n = 0; n < 8; n++) prefetch(pf[n] + q, 64, far);
-        return;
-    }
-    for (int n = 0; n < npf; n++) prefetch(pf[n] + o, (int)(end - o), far);
+    /* the usual 4 bundles (a group's) or 8 gate rows (a q4 gate pass's) with a constant count
+     * (the 8 through the loop below made the gate pass slower: benchmarks/RESULTS.md, session 49) */
+    if (npf == 4) prefetch_lines(pf, 4, o, end, far);
+    else if (npf == 8) prefetch_lines(pf, 8, o, end, far);
+    else
+        for (int n = 0; n < npf; n++) prefetch(pf[n] + o, (int)(end - o), far);
 }
 
 #if !SI_AVX512 && !SI_NARROW
