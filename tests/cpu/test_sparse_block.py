@@ -20,9 +20,10 @@ from .ffn_cases import batched_int8, random_ffn, ref_x
 from .test_block_decode import make, rope_row
 
 # (FFN kind, rows, int8 scale block: 0 one per row); "int8+q4g": int8 up and down rows, the
-# ReLU gate's rows apart as q4 rows
+# ReLU gate's rows apart as q4 rows; "q4i8": those gates apart, the up rows q4 rows too
 CASES = [("swiglu", "int8", 32), ("reglu", "int8", 32), ("swiglu", "q4", 0), ("relu", "int8", 0),
-         ("geglu", "q4", 0), ("reglu", "int8+q4g", 32), ("drelu", "int8+q4g", 32)]
+         ("geglu", "q4", 0), ("reglu", "int8+q4g", 32), ("drelu", "int8+q4g", 32),
+         ("reglu", "q4i8", 32), ("drelu", "q4i8", 32)]
 D, D_FF, RANK, S = 64, 96, 32, 48
 
 
@@ -45,15 +46,17 @@ def block_kw(kind: str, dtype: str, block: int, seed: int, down_bias: bool):
     kw.update(w_in=[], down=[])
     g = torch.Generator().manual_seed(seed)
     kw["biases"] = {"down": torch.randn(D, generator=g) * 0.1 if down_bias else None}
-    if dtype == "int8+q4g":
-        gate = torch.randn(D_FF, D, generator=torch.Generator().manual_seed(seed + 1)) / D**0.5
-        return kw, random_ffn(kind, D, D_FF, seed=seed, dtype="int8", block=block).with_q4_gates(
+    if dtype in ("int8+q4g", "q4i8"):
+        g = torch.Generator().manual_seed(seed + 1)
+        gate, up = (torch.randn(D_FF, D, generator=g) / D**0.5 for _ in range(2))
+        apart = random_ffn(kind, D, D_FF, seed=seed, dtype="int8", block=block).with_q4_gates(
             quantize_q4_rows(gate))
+        return kw, apart.with_q4_ups(quantize_q4_rows(up)) if dtype == "q4i8" else apart
     return kw, random_ffn(kind, D, D_FF, seed=seed, dtype=dtype, block=block)
 
 
 def spec(packed, pred, on_residual: bool, mode: int = 0) -> cpu.SparseBlockFFN:
-    int8 = packed.dtype == "int8"
+    int8 = packed.dtype in ("int8", "q4i8")
     from sparseinfer.sparse import kernels
 
     return cpu.SparseBlockFFN(
@@ -190,7 +193,8 @@ def test_sparse_block_errors():
         cpu.DecodeBlock(**kw, sparse=bad)
 
 
-@pytest.mark.parametrize("kind,dtype,block", [c for c in CASES if c[1] != "int8+q4g"])
+@pytest.mark.parametrize("kind,dtype,block",
+                         [c for c in CASES if c[1] not in ("int8+q4g", "q4i8")])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 def test_dense_copy_rows_are_a_dense_blocks(isa, threads, kind, dtype, block):
     """A sparse block given a dense copy of its FFN (``SparseBlockFFN.w_in`` / ``down``, mode

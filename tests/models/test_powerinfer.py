@@ -247,33 +247,47 @@ def test_convert_reprofiles_a_powerinfer_file(pwri, tmp_path, capsys):
 
 
 def test_q4_0_file_gates_stay_4_bit(pwri, tmp_path):
-    """A ReGLU file whose gates are Q4_0: the file's gate rows are kept apart as q4 rows (its
-    bytes, moved) and the int8 bundles hold up and down rows; the kernels take the gates from
-    them for one token (``sparse_ffn_i8_q4g``) and a prompt (``sparse_ffn_i8`` with the gates)
-    alike; all neurons active, both near the file's dense function (as the test below bounds
-    the default); ``q4_gates=False`` (``--no-q4-gates``) makes int8 gate rows instead, the plan
-    that much larger."""
-    from sparseinfer.sparse.packed import q4_rows
+    """A ReGLU file whose gates and ups are Q4_0: the file's gate rows are kept apart as q4 rows
+    (its bytes, moved) and each neuron's bundle holds its up row as a q4 row (its bytes too) and
+    its int8 down row (dtype "q4i8"); the kernels take them for one token
+    (``sparse_ffn_i8_q4g``) and a prompt (``sparse_ffn_i8``) alike; all neurons active, near
+    the file's dense function (as the test below bounds the default); ``q4_ups=False`` makes
+    int8 up rows, ``q4_gates=False`` (``--no-q4-gates``) int8 gate rows too, the plan that much
+    larger each time."""
+    from sparseinfer.sparse.packed import q4_rows, q4i8_layout
 
     path, _ = pwri("reglu", "q4_0")
     lm = load(path, "auto", threshold=-float("inf"))
+    gates = load(path, "auto", threshold=-float("inf"), q4_ups=False)
     off = load(path, "auto", threshold=-float("inf"), q4_gates=False)
     cfg = lm.plan.config
-    assert lm.plan.sparse.q4_gates and not off.plan.sparse.q4_gates
-    assert "q4 gates" in lm.plan.summary() and "q4 gates" not in off.plan.summary()
+    assert lm.plan.sparse.q4_ups and not gates.plan.sparse.q4_ups
+    assert gates.plan.sparse.q4_gates and not off.plan.sparse.q4_gates
+    assert not off.plan.sparse.q4_ups  # (ups apart only with the gates)
+    assert "q4 gates and ups" in lm.plan.summary() and "ups" not in gates.plan.summary()
+    assert "q4 gates" in gates.plan.summary() and "q4 gates" not in off.plan.summary()
     D = cfg.d_model  # an int8 row: D bytes and D / 32 float32 scales; a q4 row: 18 per 32
-    assert off.plan.nbytes - lm.plan.nbytes == cfg.n_layers * cfg.d_ff * (D + D // 32 * 4
-                                                                          - D // 32 * 18)
+    saved = cfg.n_layers * cfg.d_ff * (D + D // 32 * 4 - D // 32 * 18)
+    assert off.plan.nbytes - gates.plan.nbytes == saved
+    assert gates.plan.nbytes - lm.plan.nbytes == saved
     src = open_source(path)
+    lay = q4i8_layout(D, 32)
+
+    def file_rows(i, name):
+        raw = np.asarray(src.tensors[f"layers.{i}.ffn.{name}.weight"].raw())
+        return q4_rows(torch.from_numpy(raw.reshape(cfg.d_ff, -1).copy()))
+
     for i, blk in enumerate(lm.model.layers):
-        raw = np.asarray(src.tensors[f"layers.{i}.ffn.gate.weight"].raw())
-        want = q4_rows(torch.from_numpy(raw.reshape(cfg.d_ff, -1).copy()))
-        assert torch.equal(blk.ffn.packed.gates, want) and blk.ffn.packed.stored_mats == 2
+        p, g = blk.ffn.packed, gates.model.layers[i].ffn.packed
+        assert p.dtype == "q4i8" and torch.equal(p.gates, file_rows(i, "gate"))
+        assert torch.equal(p.rows[:, 0, lay.up:lay.down], file_rows(i, "up"))
+        assert g.dtype == "int8" and g.stored_mats == 2 and torch.equal(g.gates, p.gates)
+        assert torch.equal(p.rows_fp32()[:, 2], g.rows_fp32()[:, 2])  # the same int8 down rows
         assert off.model.layers[i].ffn.packed.gates is None
     exact = _logits(load(path, "fp32", dense=True).model)
-    assert _rel(_decode_logits(lm.model), exact) < 0.05
+    for m in (lm, gates, off):
+        assert _rel(_decode_logits(m.model), exact) < 0.05
     assert _rel(_logits(lm.model), exact) < 0.05
-    assert _rel(_decode_logits(off.model), exact) < 0.05
     # two tiers (CPU standing in for the fast device): the hot neurons' torch path reads the
     # gates apart through rows_fp32, on x as it is (the C kernels round it)
     rng = np.random.default_rng(4)

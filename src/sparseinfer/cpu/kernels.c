@@ -3551,38 +3551,68 @@ INLINE void i8_neurons(const int R, const int *pos, const int32_t *idx, const in
     }
 }
 
-/* ReLU gates first (as si_sparse_q4): the up dot products, h and the down queue of R neurons
- * whose gates fired (ids nid[0..R), relu(gate) g[0..R)). A bundle's up and down rows are its
- * last two (bundle_bytes / d_model rows: 3, or 2 when the gates are apart). */
+/* ReLU gates first (as si_sparse_q4): the up dot products, h and the down queue of R <= 8
+ * neurons whose gates fired (ids nid[0..R), relu(gate) g[0..R)). int8 bundles: a bundle's up and
+ * down rows are its last two (bundle_bytes / d_model rows: 3, or 2 when the gates are apart),
+ * their scales in `scales`, the up products by i8_dots(_q) 4 rows at a time. q4 ups (q4u, x
+ * rounded: xqt): a bundle holds its down row's nbk float32 scales, its up row as a q4 row (the
+ * file's Q4_0 numbers), then its int8 down row (si_q4u_bytes), and the up products are
+ * q4_dots_fixed's — the q4 gates' arithmetic, each row's sum the same bits in any pass. */
 INLINE void i8_ups(const int R, const int32_t *nid, const float *g, const int8_t *rows,
-                   size_t bundle_bytes, const float *scales, int nbk, int block, int ua,
+                   size_t bundle_bytes, const float *scales, int nbk, int block, int ua, int q4u,
                    const float *xt, const si_xq *xqt, int d_model, const int8_t **qd,
                    const float **qs, float *qh, int *nq, float *o) {
-    const int8_t *ur[4];
-    const float *us[4];
-    const size_t nm = bundle_bytes / (size_t)d_model;
-    for (int n = 0; n < R; n++) {
-        ur[n] = rows + (size_t)nid[n] * bundle_bytes + (nm - 2) * (size_t)d_model;
-        us[n] = scales + (size_t)nid[n] * nm * nbk + (nm - 2) * nbk;
+    const int8_t *dr[8];
+    const float *ds[8];
+    float zu[8];
+    if (q4u) {
+        const uint8_t *in[8];
+        const int nb = d_model / 32;
+        for (int n = 0; n < R; n++) {
+            const uint8_t *b = (const uint8_t *)rows + (size_t)nid[n] * bundle_bytes;
+            ds[n] = (const float *)b;
+            in[n] = b + 4 * (size_t)nbk;
+            dr[n] = (const int8_t *)(in[n] + 18 * (size_t)nb);
+        }
+#if SI_AVX512
+        const int grouped = nb / 4 && xqt->g; /* as the gates' */
+#else
+        const int grouped = 0;
+#endif
+        q4_dots_fixed(in, R, xqt, nb, grouped, zu, NULL, 0, 0);
+    } else {
+        const int8_t *ur[8];
+        const float *us[8];
+        const size_t nm = bundle_bytes / (size_t)d_model;
+        for (int n = 0; n < R; n++) {
+            ur[n] = rows + (size_t)nid[n] * bundle_bytes + (nm - 2) * (size_t)d_model;
+            us[n] = scales + (size_t)nid[n] * nm * nbk + (nm - 2) * nbk;
+            dr[n] = ur[n] + d_model, ds[n] = us[n] + nbk;
+        }
+        for (int n0 = 0; n0 < R; n0 += 4) { /* (R a constant at each call: unrolled) */
+            const int m = R - n0 < 4 ? R - n0 : 4;
+            if (xqt) i8_dots_q(ur + n0, us + n0, m, xqt, d_model, block, zu + n0);
+            else i8_dots(ur + n0, us + n0, m, xt, d_model, block, zu + n0);
+        }
     }
-    float zu[4];
-    if (xqt) i8_dots_q(ur, us, R, xqt, d_model, block, zu);
-    else i8_dots(ur, us, R, xt, d_model, block, zu);
     for (int n = 0; n < R; n++) {
         const float h = g[n] * act(ua, zu[n]);
-        if (h != 0.0f)
-            i8_queue_down(ur[n] + d_model, us[n] + nbk, h, qd, qs, qh, nq, d_model, block, o);
+        if (h != 0.0f) i8_queue_down(dr[n], ds[n], h, qd, qs, qh, nq, d_model, block, o);
     }
 }
 
+/* Fired neurons i8_gates queues for i8_ups: 4 int8 up rows a pass, 8 q4 ones (plain AVX2's
+ * q4_dots_fixed works 8 rows, one a lane). */
+#define UPS_QUEUE(q4u) ((q4u) ? 8 : 4)
+
 /* The gate dot products of R neurons (positions pos[0..R) in idx); those that fire join the
- * token's queue of up rows (un[0..*nu), ug), whose 4 go through i8_ups together. With gq (q4
- * gate rows apart, gstride bytes apart; x rounded, xqt with its rearranged copies) the gates are
- * those rows' products, by si_sparse_q4_gates' arithmetic (q4_dots_fixed: each neuron's z the
- * same bits in any pass), and the bundles' int8 gate rows are not read. */
+ * token's queue of up rows (un[0..*nu), ug), whose UPS_QUEUE go through i8_ups together. With gq
+ * (q4 gate rows apart, gstride bytes apart; x rounded, xqt with its rearranged copies) the gates
+ * are those rows' products, by si_sparse_q4_gates' arithmetic (q4_dots_fixed: each neuron's z
+ * the same bits in any pass), and the bundles' int8 gate rows are not read; q4u as i8_ups'. */
 INLINE void i8_gates(const int R, const int *pos, const int32_t *idx, const int8_t *rows,
                      size_t bundle_bytes, const float *scales, int nbk, int block, int ga, int ua,
-                     const float *xt, const si_xq *xqt, int d_model, const uint8_t *gq,
+                     int q4u, const float *xt, const si_xq *xqt, int d_model, const uint8_t *gq,
                      size_t gstride, int32_t *un, float *ug, int *nu, const int8_t **qd,
                      const float **qs, float *qh, int *nq, float *o) {
     float zg[4];
@@ -3610,32 +3640,45 @@ INLINE void i8_gates(const int R, const int *pos, const int32_t *idx, const int8
         const float g = act(ga, zg[n]);
         if (g == 0.0f) continue;
         un[*nu] = idx[pos[n]], ug[*nu] = g;
-        if (++*nu == 4) {
-            i8_ups(4, un, ug, rows, bundle_bytes, scales, nbk, block, ua, xt, xqt, d_model, qd, qs,
-                   qh, nq, o);
-            *nu = 0;
-        }
+        if (++*nu < UPS_QUEUE(q4u)) continue;
+        if (q4u)
+            i8_ups(8, un, ug, rows, bundle_bytes, scales, nbk, block, ua, 1, xt, xqt, d_model, qd,
+                   qs, qh, nq, o);
+        else
+            i8_ups(4, un, ug, rows, bundle_bytes, scales, nbk, block, ua, 0, xt, xqt, d_model, qd,
+                   qs, qh, nq, o);
+        *nu = 0;
     }
 }
 
 /* Gated int8 bundles with their gates given (computed elsewhere, e.g. from the file's 4-bit gate
  * rows: si_sparse_i8_q4g): out[d_model] += sum_i g[i] * act(ua, up_{nid[i]} . x) * down_{nid[i]}
  * for one token, g[i] the activated gate of neuron nid[i] (not 0: the neurons that fired). Only
- * the up and down rows are read (a bundle's last two rows), 4 neurons at a time and their down
- * rows queued as si_sparse_i8's gates-first path does. */
+ * the up and down rows are read (a bundle's last two rows, or with q4u its q4 up row and int8
+ * down row: i8_ups), UPS_QUEUE neurons at a time and their down rows queued as si_sparse_i8's
+ * gates-first path does. */
 void FN(si_sparse_i8_ups)(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
-                          int block, const int32_t *nid, const float *g, int k, const float *x,
-                          const si_xq *xq, int d_model, int ua, float *out) {
+                          int block, int q4u, const int32_t *nid, const float *g, int k,
+                          const float *x, const si_xq *xq, int d_model, int ua, float *out) {
     const int8_t *qd[4];
     const float *qs[4];
     float qh[4];
     int nq = 0, i = 0;
-    for (; i + 4 <= k; i += 4)
-        i8_ups(4, nid + i, g + i, rows, bundle_bytes, scales, nbk, block, ua, x, xq, d_model, qd,
-               qs, qh, &nq, out);
-    for (; i < k; i++)
-        i8_ups(1, nid + i, g + i, rows, bundle_bytes, scales, nbk, block, ua, x, xq, d_model, qd,
-               qs, qh, &nq, out);
+    if (q4u) {
+        for (; i + 8 <= k; i += 8)
+            i8_ups(8, nid + i, g + i, rows, bundle_bytes, scales, nbk, block, ua, 1, x, xq,
+                   d_model, qd, qs, qh, &nq, out);
+        if (i < k) /* (q4_dots_fixed: each row's sum the same bits in a shorter pass) */
+            i8_ups(k - i, nid + i, g + i, rows, bundle_bytes, scales, nbk, block, ua, 1, x, xq,
+                   d_model, qd, qs, qh, &nq, out);
+    } else {
+        for (; i + 4 <= k; i += 4)
+            i8_ups(4, nid + i, g + i, rows, bundle_bytes, scales, nbk, block, ua, 0, x, xq,
+                   d_model, qd, qs, qh, &nq, out);
+        for (; i < k; i++)
+            i8_ups(1, nid + i, g + i, rows, bundle_bytes, scales, nbk, block, ua, 0, x, xq,
+                   d_model, qd, qs, qh, &nq, out);
+    }
     for (int n = 0; n < nq; n++) i8_axpy(&qd[n], &qs[n], &qh[n], 1, d_model, block, out);
 }
 
@@ -3909,7 +3952,8 @@ static void i8_batch(const int8_t *rows, size_t bundle_bytes, const float *scale
 void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
                       int block, int gated, const int32_t *idx, int k, const uint8_t *mask,
                       size_t mstride, const float *x, const si_xq *xq, int T, int d_model, int ga,
-                      int ua, const float *bias, float *out, const uint8_t *gq, size_t gstride) {
+                      int ua, const float *bias, float *out, const uint8_t *gq, size_t gstride,
+                      int q4u) {
     const int gate_first = gated && ga == SI_ACT_RELU; /* as si_sparse_q4 */
 #if SI_AVX512
     if (T > 1 && xq && gated && !gate_first && block % 32 == 0 && d_model % 32 == 0 &&
@@ -3931,12 +3975,12 @@ void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scal
         int nq[SPARSE_TOKENS] = {0};
         /* gates first (ReLU gates: see si_sparse_q4): the neurons whose gate fired, waiting for
          * their up rows */
-        int32_t un[SPARSE_TOKENS][4];
-        float ug[SPARSE_TOKENS][4];
+        int32_t un[SPARSE_TOKENS][8];
+        float ug[SPARSE_TOKENS][8];
         int nu[SPARSE_TOKENS] = {0};
 #define NEURONS(R, pos, t)                                                                     \
     (gate_first                                                                                \
-         ? i8_gates(R, pos, idx, rows, bundle_bytes, scales, nbk, block, ga, ua,                 \
+         ? i8_gates(R, pos, idx, rows, bundle_bytes, scales, nbk, block, ga, ua, q4u,            \
                     x + (size_t)(t) * d_model, xq ? &xq[t] : NULL, d_model, gq, gstride,        \
                     un[(t) - t0], ug[(t) - t0], &nu[(t) - t0], qd[(t) - t0], qs[(t) - t0],      \
                     qh[(t) - t0], &nq[(t) - t0], out + (size_t)(t) * d_model)                   \
@@ -3949,6 +3993,7 @@ void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scal
                 for (int n = i + 4; n < i + 8 && n < k; n++) {
                     prefetch((const uint8_t *)rows + (size_t)idx[n] * bundle_bytes,
                              (int)bundle_bytes, 0);
+                    if (q4u) continue; /* (its scales in the bundle) */
                     const size_t ns = bundle_bytes / d_model * nbk; /* a bundle's scales */
                     prefetch((const uint8_t *)(scales + (size_t)idx[n] * ns),
                              (int)(ns * sizeof(float)), 0);
@@ -3966,8 +4011,12 @@ void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scal
         for (int t = t0; t < t1; t++) {
             const int q = t - t0;
             for (int n = 0; n < ndq[q]; n++) NEURONS(1, &dq[q][n], t);
-            for (int n = 0; n < nu[q]; n++)
-                i8_ups(1, &un[q][n], &ug[q][n], rows, bundle_bytes, scales, nbk, block, ua,
+            if (q4u && nu[q]) /* (each row's sum the same bits in a shorter pass) */
+                i8_ups(nu[q], un[q], ug[q], rows, bundle_bytes, scales, nbk, block, ua, 1,
+                       x + (size_t)t * d_model, &xq[t], d_model, qd[q], qs[q], qh[q], &nq[q],
+                       out + (size_t)t * d_model);
+            for (int n = 0; n < nu[q] && !q4u; n++)
+                i8_ups(1, &un[q][n], &ug[q][n], rows, bundle_bytes, scales, nbk, block, ua, 0,
                        x + (size_t)t * d_model, xq ? &xq[t] : NULL, d_model, qd[q], qs[q], qh[q],
                        &nq[q], out + (size_t)t * d_model);
             for (int n = 0; n < nq[q]; n++)

@@ -116,9 +116,9 @@ def _load() -> ctypes.CDLL:
                                  vp]
     lib.si_sparse_q4_gates.argtypes = [vp, ctypes.c_size_t, vp, ci, ci, vp, ci, vp]
     lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, ci, vp,
-                                 vp, vp, ctypes.c_size_t]
+                                 vp, vp, ctypes.c_size_t, ci]
     lib.si_sparse_i8_q4g.argtypes = [vp, vp, ci, ci, vp, ctypes.c_size_t, vp, ci, ci, vp, ci, ci,
-                                     ci, vp]
+                                     ci, vp, ci]
     lib.si_predict_f16.argtypes = [vp, vp, ci, ci, ci, vp, vp, vp, vp, vp, vp]
     lib.si_set_block_timing.argtypes = [ci]
     lib.si_block_times.argtypes = [vp, ci, ci]
@@ -688,7 +688,7 @@ def i8_rounds_x(block: int, d_model: int) -> bool:
     return block % 32 == 0 and d_model % 32 == 0
 
 
-def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: bool,
+def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor | None, block: int, gated: bool,
                   idx: torch.Tensor, x: torch.Tensor, out: torch.Tensor, gate_act: int,
                   up_act: int, up_bias: torch.Tensor | None = None,
                   round_x: bool | None = None, mask: torch.Tensor | None = None,
@@ -704,9 +704,12 @@ def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: b
     with contiguous rows any stride apart (``PackedFFN.gates``: the file's Q4_0 gate rows,
     ``sparse.packed.q4_rows``): the gates are their products by ``sparse_q4_gates``' arithmetic
     and ``rows`` may hold the up and down rows alone (``[d_ff, 2, d_model]``; with 3, the int8
-    gate rows are not read). (Reference: ``sparse.reference.sparse_ffn_ref`` on a ``PackedFFN``
-    of dtype "int8", on ``cpu.reference.quantize_x_ref``'s x where rounded; with ``gates``, on
-    their dequantized rows.)"""
+    gate rows are not read). With the gates apart, ``rows`` may instead be bundles of q4 ups
+    (``PackedFFN`` dtype "q4i8": uint8 ``[d_ff, 1, q4i8_layout(d_model, block).width]``, each
+    neuron's down-row scales, up row as a q4 row and int8 down row; ``scales`` None): the up
+    products by the gates' arithmetic. (Reference: ``sparse.reference.sparse_ffn_ref`` on a
+    ``PackedFFN`` of dtype "int8", on ``cpu.reference.quantize_x_ref``'s x where rounded; with
+    ``gates``, on their dequantized rows.)"""
     d_ff, d_model, T, round_x = _check_i8(rows, scales, block, gated, x, out, round_x,
                                           gates is not None)
     bias, mk = _check_idx_bias(idx, up_bias, d_ff, mask, T)
@@ -717,20 +720,23 @@ def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: b
                              f"(round_x), got gated {gated}, gate_act {gate_act}, round_x "
                              f"{round_x}")
         gp, gstride = _q4_gate_rows(gates, d_ff, d_model)
-    _check(_lib.si_sparse_i8(rows.data_ptr(), scales.data_ptr(), block, int(gated),
-                             rows.shape[1], idx.data_ptr(), idx.shape[0], mk, d_ff, x.data_ptr(),
-                             int(round_x), T, d_model, gate_act, up_act, bias, out.data_ptr(),
-                             gp, gstride),
+    q4u = rows.dtype == torch.uint8
+    _check(_lib.si_sparse_i8(rows.data_ptr(), None if q4u else scales.data_ptr(), block,
+                             int(gated), rows.shape[1], idx.data_ptr(), idx.shape[0], mk, d_ff,
+                             x.data_ptr(), int(round_x), T, d_model, gate_act, up_act, bias,
+                             out.data_ptr(), gp, gstride, int(q4u)),
            "sparse_ffn_i8")
     return out
 
 
-def _check_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: bool, x: torch.Tensor,
-              out: torch.Tensor, round_x: bool | None,
+def _check_i8(rows: torch.Tensor, scales: torch.Tensor | None, block: int, gated: bool,
+              x: torch.Tensor, out: torch.Tensor, round_x: bool | None,
               apart: bool = False) -> tuple[int, int, int, bool]:
     """The int8 bundles' arguments of ``sparse_ffn_i8`` checked (``apart``: q4 gate rows given,
-    the bundles with or without their int8 gate rows): ``(d_ff, d_model, T, round_x)``,
-    round_x's default decided."""
+    the bundles with or without their int8 gate rows, or uint8 bundles of q4 ups):
+    ``(d_ff, d_model, T, round_x)``, round_x's default decided."""
+    if apart and rows.dtype == torch.uint8:
+        return _check_q4u(rows, scales, block, gated, x, out, round_x)
     d_ff, n_mats, d_model = rows.shape
     if x.dim() != 2 or x.shape[1] != d_model:
         raise ValueError(f"x: expected float32 [T, {d_model}], got {list(x.shape)}")
@@ -754,6 +760,30 @@ def _check_i8(rows: torch.Tensor, scales: torch.Tensor, block: int, gated: bool,
     return d_ff, d_model, T, round_x
 
 
+def _check_q4u(rows: torch.Tensor, scales: torch.Tensor | None, block: int, gated: bool,
+               x: torch.Tensor, out: torch.Tensor, round_x: bool | None) -> tuple[int, int, int, bool]:
+    """``_check_i8`` for bundles of q4 ups (``PackedFFN`` dtype "q4i8"; d_model is x's)."""
+    from ..sparse.packed import q4i8_layout
+
+    if x.dim() != 2:
+        raise ValueError(f"x: expected float32 [T, d_model], got {list(x.shape)}")
+    T, d_model = x.shape
+    _check_f32(x, (T, d_model), "x")
+    _check_f32(out, (T, d_model), "out")
+    if not gated or d_model % 32 or block <= 0 or block % 32 or block > d_model:
+        raise ValueError(f"q4 ups: expected a gated FFN, d_model and block multiples of 32 with "
+                         f"block <= d_model, got gated {gated}, {d_model}, {block}")
+    if round_x is False:
+        raise ValueError("round_x: q4 ups take x rounded to int8 per 32, got False")
+    if scales is not None:
+        raise ValueError("scales: expected None with q4 ups (each bundle holds its scales)")
+    width = q4i8_layout(d_model, block).width
+    if rows.dim() != 3 or rows.shape[1:] != (1, width) or not rows.is_contiguous():
+        raise ValueError(f"rows: expected contiguous uint8 [d_ff, 1, {width}] bundles of q4 ups "
+                         f"for d_model {d_model}, block {block}, got {list(rows.shape)}")
+    return rows.shape[0], d_model, T, True
+
+
 def _q4_gate_rows(gates: torch.Tensor, d_ff: int, d_model: int) -> tuple[int, int]:
     """The pointer and row stride (bytes) of q4 gate rows ``gates``, checked: CPU uint8
     ``[d_ff, d_model / 32 · 18]``, each row's bytes contiguous, rows at least a row apart."""
@@ -768,7 +798,8 @@ def _q4_gate_rows(gates: torch.Tensor, d_ff: int, d_model: int) -> tuple[int, in
     return gates.data_ptr(), gates.stride(0) if d_ff > 1 else width
 
 
-def sparse_ffn_i8_q4g(rows: torch.Tensor, scales: torch.Tensor, block: int, gates: torch.Tensor,
+def sparse_ffn_i8_q4g(rows: torch.Tensor, scales: torch.Tensor | None, block: int,
+                      gates: torch.Tensor,
                       idx: torch.Tensor, x: torch.Tensor, out: torch.Tensor, up_act: int,
                       round_x: bool | None = None) -> torch.Tensor:
     """``sparse_ffn_i8`` for one token over gated int8 bundles of a ReLU gate whose gates are
@@ -778,16 +809,19 @@ def sparse_ffn_i8_q4g(rows: torch.Tensor, scales: torch.Tensor, block: int, gate
     read): the gate dot products of ``idx``'s neurons over the q4 rows (``sparse_q4_gates``'
     arithmetic) on the pool, then the up and down rows of the neurons whose gate fired only.
     ``x``, ``out``: float32 [1, d_model]; ``round_x`` as ``sparse_ffn_i8``'s (for the up
-    products). (Reference: ``sparse.reference.sparse_ffn_ref`` with the q4 rows' gates:
-    ``tests/cpu/test_q4_gates.py``.)"""
+    products). ``rows`` may be bundles of q4 ups as ``sparse_ffn_i8`` takes them (scales None).
+    (Reference: ``sparse.reference.sparse_ffn_ref`` with the q4 rows' gates:
+    ``tests/cpu/test_q4_gates.py``, ``test_q4_ups.py``.)"""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"x: expected float32 [1, d_model] (one token), got {list(x.shape)}")
     d_ff, d_model, _, round_x = _check_i8(rows, scales, block, True, x, out, round_x, True)
     gp, gstride = _q4_gate_rows(gates, d_ff, d_model)
     _check_idx_bias(idx, None, d_ff)
-    _check(_lib.si_sparse_i8_q4g(rows.data_ptr(), scales.data_ptr(), block, rows.shape[1], gp,
-                                 gstride, idx.data_ptr(), idx.shape[0], d_ff, x.data_ptr(),
-                                 int(round_x), d_model, up_act, out.data_ptr()),
+    q4u = rows.dtype == torch.uint8
+    _check(_lib.si_sparse_i8_q4g(rows.data_ptr(), None if q4u else scales.data_ptr(), block,
+                                 rows.shape[1], gp, gstride, idx.data_ptr(), idx.shape[0], d_ff,
+                                 x.data_ptr(), int(round_x), d_model, up_act, out.data_ptr(),
+                                 int(q4u)),
            "sparse_ffn_i8_q4g")
     return out
 
@@ -942,7 +976,7 @@ class _SparseDesc(ctypes.Structure):
         ("gates", ctypes.c_void_p), ("gate_stride", ctypes.c_size_t)] + [
         (name, ctypes.c_void_p) for name in ("up_bias", "fc1", "fc2")] + [
         ("rank", ctypes.c_int), ("on_residual", ctypes.c_int)] + [
-        (name, ctypes.c_void_p) for name in ("thr", "mode", "counts")]
+        (name, ctypes.c_void_p) for name in ("thr", "mode", "counts")] + [("q4_ups", ctypes.c_int)]
 
 
 class _BlockDesc(ctypes.Structure):
@@ -961,7 +995,8 @@ class _BlockDesc(ctypes.Structure):
 class SparseBlockFFN:
     """A block's FFN computed neuron by neuron, for ``DecodeBlock(sparse=...)`` (qgemv.h's
     ``si_sparse_ffn``): the neuron bundles of ``sparse_ffn_i8`` (``rows`` int8, ``scales``
-    given, ``block``, ``round_x``; a ReLU gate's rows apart as q4 rows: ``gates``, as there) or
+    given, ``block``, ``round_x``; a ReLU gate's rows apart as q4 rows: ``gates``, as there, and
+    with them maybe uint8 bundles of q4 ups, ``scales`` None) or
     ``sparse_ffn_q4`` (uint8 q4 rows, ``scales`` None); the neurons each row computes chosen by
     ``predictor`` as ``predict_f16`` / ``predict_f16_mask`` choose them (None: every neuron).
     ``on_residual``: the predictor reads the residual stream, not the FFN's normed input.
@@ -991,10 +1026,11 @@ class SparseBlockFFN:
         """The checked C description (ValueError on rows the block's kernels do not take)."""
         n_mats = 3 if gated else 2
         apart = self.gates is not None
-        if apart and (self.scales is None or not gated or not self.round_x):
-            raise ValueError("gates: q4 gate rows apart need int8 rows of a gated FFN with x "
-                             "rounded (round_x)")
-        if self.scales is not None:
+        q4u = apart and self.rows.dtype == torch.uint8  # bundles of q4 ups (dtype "q4i8")
+        if apart and ((self.scales is None and not q4u) or not gated or not self.round_x):
+            raise ValueError("gates: q4 gate rows apart need int8 rows (or bundles of q4 ups) of "
+                             "a gated FFN with x rounded (round_x)")
+        if self.scales is not None or q4u:
             x = torch.empty(1, d_model)
             _check_i8(self.rows, self.scales, self.block, gated, x, x, self.round_x, apart)
             n_mats = self.rows.shape[1] if apart else n_mats
@@ -1017,7 +1053,8 @@ class SparseBlockFFN:
                              f"{p.d_model}, {p.d_ff}")
         d = _SparseDesc(rows=self.rows.data_ptr(), n_mats=n_mats, block=self.block,
                         round_x=int(self.round_x), on_residual=int(self.on_residual),
-                        mode=self.mode.ctypes.data, counts=self.counts.ctypes.data)
+                        mode=self.mode.ctypes.data, counts=self.counts.ctypes.data,
+                        q4_ups=int(q4u))
         if self.scales is not None:
             d.scales = self.scales.data_ptr()
         if self.up_bias is not None:

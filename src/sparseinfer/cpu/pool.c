@@ -67,11 +67,11 @@ typedef void (*gates_fn)(const uint8_t *, size_t, const int32_t *, int, const si
 static gates_fn g_gates;
 typedef void (*sparse_i8_fn)(const int8_t *, size_t, const float *, int, int, int, const int32_t *,
                              int, const uint8_t *, size_t, const float *, const si_xq *, int, int,
-                             int, int, const float *, float *, const uint8_t *, size_t);
+                             int, int, const float *, float *, const uint8_t *, size_t, int);
 static sparse_i8_fn g_sparse_i8;
-typedef void (*sparse_i8_ups_fn)(const int8_t *, size_t, const float *, int, int, const int32_t *,
-                                 const float *, int, const float *, const si_xq *, int, int,
-                                 float *);
+typedef void (*sparse_i8_ups_fn)(const int8_t *, size_t, const float *, int, int, int,
+                                 const int32_t *, const float *, int, const float *, const si_xq *,
+                                 int, int, float *);
 static sparse_i8_ups_fn g_sparse_i8_ups;
 typedef void (*attend_fn)(const float *, const float *, const float *, int, int, float, float,
                           int, float *, size_t, float *);
@@ -618,6 +618,7 @@ typedef struct {
     const uint8_t *gq; /* int8 bundles with a ReLU gate: the gates' q4 rows apart (gstride
                         * bytes apart), read instead of the bundles' int8 gate rows; or NULL */
     size_t gstride;
+    int q4u; /* int8 bundles of q4 ups (with gq or gv; scales NULL): si_q4u_bytes' layout */
     int cut[MAX_THREADS + 1]; /* neuron ranges (positions in idx): range c is cut[c]..cut[c+1] */
 } sparse_job_t;
 
@@ -633,12 +634,13 @@ static void sparse_part(const sparse_job_t *j, int i0, int k, int t0, int T, flo
     const uint8_t *mask = j->mask ? j->mask + (size_t)t0 * j->k + i0 : NULL;
     if (j->gv)
         g_sparse_i8_ups((const int8_t *)j->bundles, j->bundle_bytes, j->scales, j->nbk, j->block,
-                        idx, j->gv + i0, k, j->x, j->round_x ? S.xq : NULL, j->d_model, j->ua, o);
-    else if (j->scales)
+                        j->q4u, idx, j->gv + i0, k, j->x, j->round_x ? S.xq : NULL, j->d_model,
+                        j->ua, o);
+    else if (j->scales || j->q4u)
         g_sparse_i8((const int8_t *)j->bundles, j->bundle_bytes, j->scales, j->nbk, j->block,
                     j->gated, idx, k, mask, (size_t)j->k, j->x + (size_t)t0 * j->d_model,
                     j->round_x ? S.xq + t0 : NULL, T, j->d_model, j->ga, j->ua, j->bias, o, j->gq,
-                    j->gstride);
+                    j->gstride, j->q4u);
     else
         g_sparse(j->bundles, j->bundle_bytes, j->gated, idx, k, mask, (size_t)j->k, S.xq + t0, T,
                  j->d_model, j->ga, j->ua, j->bias, o);
@@ -731,8 +733,8 @@ static int sparse_run_locked(sparse_job_t *j) {
         const int passes = token_passes(j->T);
         j->n_chunks = passes < 4 * nt ? passes : 4 * nt;
     }
-    int err = !j->scales ? quantize_rows(j->x, j->T, j->d_model, 1, 1, 0)
-              : j->round_x ? quantize_rows(j->x, j->T, j->d_model, 1, j->gq != NULL, 0) : 0;
+    int err = !j->scales && !j->q4u ? quantize_rows(j->x, j->T, j->d_model, 1, 1, 0)
+              : j->round_x ? quantize_rows(j->x, j->T, j->d_model, 1, j->gq || j->q4u, 0) : 0;
     const size_t dt = (size_t)j->T * j->d_model; /* one chunk's partial sums */
     if (!err && j->T <= SPARSE_BY_NEURON_T && j->n_chunks > 1) {
         const size_t need = (size_t)j->n_chunks * dt;
@@ -831,15 +833,22 @@ int si_sparse_q4_gates(const void *bundles, size_t bundle_bytes, const int32_t *
 }
 
 /* Whether int8 bundles of n_mats rows with scales per block (x rounded or not), a ReLU gate's
- * rows possibly apart as q4 rows (gates, gate_stride bytes apart), are not what si_sparse_i8
- * takes (d_model's own multiple aside: sparse_args). */
+ * rows possibly apart as q4 rows (gates, gate_stride bytes apart), the up rows possibly q4 rows
+ * (q4u: one bundle a neuron, n_mats 1), are not what si_sparse_i8 takes (d_model's own multiple
+ * aside: sparse_args). */
 static int i8_bundles_bad(int d_model, int block, int round_x, int gated, int ga, int n_mats,
-                          const void *gates, size_t gate_stride) {
+                          const void *gates, size_t gate_stride, int q4u) {
     if (block <= 0 || block % (round_x ? 32 : 8) || block > d_model) return 1;
-    if (gates && (!gated || ga != SI_ACT_RELU || !round_x ||
-                  gate_stride < (size_t)d_model / 32 * 18))
+    if ((gates || q4u) && (!gates || !gated || ga != SI_ACT_RELU || !round_x ||
+                           gate_stride < (size_t)d_model / 32 * 18))
         return 1;
+    if (q4u) return n_mats != 1;
     return n_mats != (gated && !gates ? 3 : 2) && !(gates && n_mats == 3);
+}
+
+/* Bytes from one neuron's int8 bundle to the next: n_mats rows, or a bundle of q4 ups. */
+static size_t i8_bundle_bytes(int d_model, int block, int n_mats, int q4u) {
+    return q4u ? si_q4u_bytes(d_model, block) : (size_t)n_mats * d_model;
 }
 
 /* si_sparse_q4 over int8 bundles (PackedFFN dtype "int8"): rows int8 [d_ff, n_mats, d_model],
@@ -848,19 +857,23 @@ static int i8_bundles_bad(int d_model, int block, int round_x, int gated, int ga
  * products (round_x 1: block and d_model multiples of 32). gates (or NULL): a ReLU gate's rows
  * apart as q4 rows (d_ff of them, gate_stride bytes apart; needs round_x): the gates are their
  * products (as si_sparse_q4_gates computes them) and a bundle's int8 rows read are its up and
- * down rows only, its last two (n_mats 2: the bundles hold no gate row; 3: it is skipped). */
+ * down rows only, its last two (n_mats 2: the bundles hold no gate row; 3: it is skipped).
+ * q4_ups (with gates; PackedFFN dtype "q4i8"): scales NULL, n_mats 1, each neuron's bundle
+ * si_q4u_bytes long — its down row's scales, its up row as a q4 row (products by the gates'
+ * arithmetic), its int8 down row. */
 int si_sparse_i8(const void *rows, const float *scales, int block, int gated, int n_mats,
                  const int32_t *idx, int k, const uint8_t *mask, int d_ff, const float *x,
                  int round_x, int T, int d_model, int ga, int ua, const float *bias, float *out,
-                 const void *gates, size_t gate_stride) {
+                 const void *gates, size_t gate_stride, int q4_ups) {
     const int err = sparse_args(d_model, round_x ? 32 : 8, T, k, ga, ua, idx, d_ff);
     if (err) return err;
-    if (i8_bundles_bad(d_model, block, round_x, gated, ga, n_mats, gates, gate_stride))
+    if (i8_bundles_bad(d_model, block, round_x, gated, ga, n_mats, gates, gate_stride, q4_ups) ||
+        !q4_ups != !!scales)
         return EINVAL;
-    const int nm = n_mats;
-    sparse_job_t j = {rows, (size_t)nm * d_model, gated ? 1 : 0, k, T, d_model, ga, ua, 1, idx,
-                      mask, bias, out, NULL, x, scales, (d_model + block - 1) / block, block,
-                      round_x ? 1 : 0, NULL, gates, gate_stride};
+    sparse_job_t j = {rows, i8_bundle_bytes(d_model, block, n_mats, q4_ups), gated ? 1 : 0, k, T,
+                      d_model, ga, ua, 1, idx, mask, bias, out, NULL, x, scales,
+                      (d_model + block - 1) / block, block, round_x ? 1 : 0, NULL, gates,
+                      gate_stride, q4_ups ? 1 : 0};
     return sparse_run(&j);
 }
 
@@ -870,7 +883,8 @@ int si_sparse_i8(const void *rows, const float *scales, int block, int gated, in
  * the gate dot products of idx's neurons over the q4 rows (si_sparse_q4_gates' arithmetic) on
  * the pool, then the up and down int8 rows of the neurons whose gate fired only
  * (si_sparse_i8_ups), their ranges on the pool. out = sum over the fired of
- * relu(z_i) act(ua, up_i . x) down_i, x as si_sparse_i8 takes it (round_x). */
+ * relu(z_i) act(ua, up_i . x) down_i, x as si_sparse_i8 takes it (round_x). q4_ups: bundles of
+ * q4 ups as si_sparse_i8's (n_mats 1, scales NULL, x rounded). */
 static struct {
     float *z, *g;
     int32_t *nid;
@@ -878,7 +892,7 @@ static struct {
 } GQ;
 
 /* si_sparse_i8_q4g's work (k > 0, out zeroed), the caller holding g_call_lock. */
-static int i8_q4g_locked(const void *rows, const float *scales, int block, int n_mats,
+static int i8_q4g_locked(const void *rows, const float *scales, int block, int n_mats, int q4u,
                          const void *gates, size_t gate_stride, const int32_t *idx, int k,
                          const float *x, int round_x, int d_model, int ua, float *out) {
     int e = 0;
@@ -898,10 +912,10 @@ static int i8_q4g_locked(const void *rows, const float *scales, int block, int n
         phase_end(PH_GATES); /* (a block's call being timed) */
     }
     if (!e && m) {
-        const int nm = n_mats;
-        sparse_job_t j = {rows, (size_t)nm * d_model, 1, m, 1, d_model, SI_ACT_RELU, ua, 1,
-                          GQ.nid, NULL, NULL, out, NULL, x, scales, (d_model + block - 1) / block,
-                          block, round_x ? 1 : 0, GQ.g};
+        sparse_job_t j = {rows, i8_bundle_bytes(d_model, block, n_mats, q4u), 1, m, 1, d_model,
+                          SI_ACT_RELU, ua, 1, GQ.nid, NULL, NULL, out, NULL, x, scales,
+                          (d_model + block - 1) / block, block, round_x ? 1 : 0, GQ.g, NULL, 0,
+                          q4u ? 1 : 0};
         e = sparse_run_locked(&j); /* (x quantized again, as si_sparse_i8 takes it) */
     }
     return e;
@@ -909,17 +923,18 @@ static int i8_q4g_locked(const void *rows, const float *scales, int block, int n
 
 int si_sparse_i8_q4g(const void *rows, const float *scales, int block, int n_mats,
                      const void *gates, size_t gate_stride, const int32_t *idx, int k, int d_ff,
-                     const float *x, int round_x, int d_model, int ua, float *out) {
+                     const float *x, int round_x, int d_model, int ua, float *out, int q4_ups) {
     const int err = sparse_args(d_model, 32, 1, k, SI_ACT_RELU, ua, idx, d_ff);
     if (err) return err;
     if (block <= 0 || block % (round_x ? 32 : 8) || block > d_model) return EINVAL;
     if (gate_stride < (size_t)d_model / 32 * 18) return EINVAL; /* rows would overlap */
-    if (n_mats != 2 && n_mats != 3) return EINVAL;
+    if (q4_ups ? n_mats != 1 || scales || !round_x : (n_mats != 2 && n_mats != 3) || !scales)
+        return EINVAL;
     memset(out, 0, sizeof(float) * (size_t)d_model);
     if (k == 0) return 0;
     pthread_mutex_lock(&g_call_lock);
-    const int e = i8_q4g_locked(rows, scales, block, n_mats, gates, gate_stride, idx, k, x,
-                                round_x, d_model, ua, out);
+    const int e = i8_q4g_locked(rows, scales, block, n_mats, q4_ups, gates, gate_stride, idx, k,
+                                x, round_x, d_model, ua, out);
     pthread_mutex_unlock(&g_call_lock);
     return e;
 }
@@ -1113,9 +1128,10 @@ static int sparse_ffn_bad(const si_block_desc *d) {
     const si_sparse_ffn *s = &d->sparse;
     const int D = d->d_model;
     if (D % 32) return 1;
-    if (s->scales ? i8_bundles_bad(D, s->block, s->round_x, d->gated, d->gate_act, s->n_mats,
-                                   s->gates, s->gate_stride)
-                  : s->gates || s->n_mats != (d->gated ? 3 : 2)) /* q4 bundles */
+    if (s->scales || s->q4_ups
+            ? i8_bundles_bad(D, s->block, s->round_x, d->gated, d->gate_act, s->n_mats, s->gates,
+                             s->gate_stride, s->q4_ups) || (s->q4_ups && s->scales)
+            : s->gates || s->n_mats != (d->gated ? 3 : 2)) /* q4 bundles */
         return 1;
     if (s->fc1 && (!s->fc2 || !s->thr || s->rank <= 0 || s->rank % 32)) return 1;
     return 0;
@@ -1397,14 +1413,17 @@ static int block_sparse_ffn(block_t *b, int B) {
     }
     if (s->gates && B == 1) { /* the gates over the q4 rows, then the fired neurons' rows */
         memset(b->a, 0, sizeof(float) * (size_t)D);
-        return i8_q4g_locked(s->rows, s->scales, s->block, s->n_mats, s->gates, s->gate_stride,
-                             idx, k, b->h, s->round_x, D, d->up_act, b->a);
+        return i8_q4g_locked(s->rows, s->scales, s->block, s->n_mats, s->q4_ups, s->gates,
+                             s->gate_stride, idx, k, b->h, s->round_x, D, d->up_act, b->a);
     }
-    const int nbk = s->scales ? (D + s->block - 1) / s->block : 0;
-    const size_t bundle = (size_t)s->n_mats * (s->scales ? (size_t)D : (size_t)D / 32 * 18);
+    const int i8 = s->scales || s->q4_ups; /* else q4 bundles */
+    const int nbk = i8 ? (D + s->block - 1) / s->block : 0;
+    const size_t bundle = i8 ? i8_bundle_bytes(D, s->block, s->n_mats, s->q4_ups)
+                             : (size_t)s->n_mats * ((size_t)D / 32 * 18);
     sparse_job_t j = {s->rows, bundle, d->gated ? 1 : 0, k, B, D, d->gate_act, d->up_act, 1, idx,
                       mask, s->up_bias, b->a, NULL, b->h, s->scales, nbk, s->block,
-                      s->scales && s->round_x ? 1 : 0, NULL, s->gates, s->gate_stride};
+                      i8 && s->round_x ? 1 : 0, NULL, s->gates, s->gate_stride,
+                      s->q4_ups ? 1 : 0};
     return sparse_run_locked(&j);
 }
 

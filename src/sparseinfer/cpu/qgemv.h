@@ -109,10 +109,11 @@ typedef struct {
                             int nbk, int block, int gated, const int32_t *idx, int k,          \
                             const uint8_t *mask, size_t mstride, const float *x,              \
                             const si_xq *xq, int T, int d_model, int ga, int ua,              \
-                            const float *bias, float *out, const uint8_t *gq, size_t gstride); \
+                            const float *bias, float *out, const uint8_t *gq, size_t gstride, \
+                            int q4u);                                                          \
     void si_sparse_i8_ups_##isa(const int8_t *rows, size_t bundle_bytes, const float *scales,  \
-                                int nbk, int block, const int32_t *nid, const float *g, int k, \
-                                const float *x, const si_xq *xq, int d_model, int ua,         \
+                                int nbk, int block, int q4u, const int32_t *nid, const float *g, \
+                                int k, const float *x, const si_xq *xq, int d_model, int ua,  \
                                 float *out);                                                   \
     void si_quantize_xk_##isa(const float *x, int cols, int8_t *q, float *d, int16_t *bs,      \
                               float *ks);                                                      \
@@ -124,6 +125,16 @@ typedef struct {
                                  size_t sstride, float *out);                                  \
     void si_glu_##isa(int gated, int ga, int ua, const float *in, const float *bias, int n,    \
                       float *out);
+
+/* Bytes of one neuron's bundle of q4 ups (PackedFFN dtype "q4i8"; si_sparse_i8's q4_ups): its
+ * down row's float32 scales (one per `block` weights), its up row as a q4 row (d_model / 32 · 18
+ * bytes: the file's Q4_0 numbers, scales first), its int8 down row; rounded up to a multiple of 4
+ * (the next bundle's scales aligned). sparse/packed.py's q4i8_layout makes the same. */
+static inline size_t si_q4u_bytes(int d_model, int block) {
+    const size_t n = 4 * (size_t)((d_model + block - 1) / block) + (size_t)d_model / 32 * 18 +
+                     (size_t)d_model;
+    return (n + 3) / 4 * 4;
+}
 
 /* Activation codes (as sparse/kernels.py ACT_CODES). */
 enum { SI_ACT_NONE = 0, SI_ACT_RELU = 1, SI_ACT_SILU = 2, SI_ACT_GELU = 3, SI_ACT_GELU_TANH = 4 };
@@ -161,6 +172,9 @@ typedef struct {
                            * given beside the bundles; without one, as 2) */
     int64_t *counts;      /* [2] or NULL: rows and neurons computed, added by each call (modes 2
                            * and 3's rows not counted) */
+    int q4_ups;           /* int8 rows with gates apart: each bundle its down row's scales, its up
+                           * row as a q4 row and its int8 down row (si_q4u_bytes; n_mats 1,
+                           * scales NULL), as si_sparse_i8's q4_ups */
 } si_sparse_ffn;
 
 /* A pre-norm llama block (RMSNorm, RoPE, grouped-query attention, FFN) for one-token decode,

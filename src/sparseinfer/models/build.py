@@ -34,7 +34,7 @@ from ..quant.linear import FloatLinear, GGMLLinear, Int4Linear, Int8Linear
 from ..sparse.ffn import DenseCopy, SparseFFN
 from ..sparse.packed import DTYPES as PACKED_DTYPES
 from ..sparse.packed import (Q4_BYTES, Q4_GROUP, PackedFFN, empty_hugepages, int8_block,
-                             quantize_int8, quantize_q4_rows)
+                             q4i8_rows, quantize_int8, quantize_q4_rows)
 from ..threads import kernel_threads
 from .loading import FileTensor, ModelSource, open_source, unpermute_qk
 from .model import Norm, Transformer
@@ -251,27 +251,38 @@ def _fill_linear(module: nn.Module, ws: WeightSource, origin: str, shape, panels
 
 
 def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
-                up_bias: torch.Tensor | None, q4_gates: bool = False) -> PackedFFN:
+                up_bias: torch.Tensor | None, q4_gates: bool = False,
+                q4_ups: bool = False) -> PackedFFN:
     """Bundle one layer's gate/up/down rows (down from ``down_t`` or transposed from ``down``),
     one matrix at a time, straight into the rows' storage; ``q4_gates`` (``plan.q4_gates_apart``:
     the gate a Q4_0 tensor) keeps the gate rows apart as q4 rows, the file's numbers, and the
-    bundles hold the up and down rows."""
+    bundles hold the up and down rows; ``q4_ups`` (``plan.q4_ups_apart``) the up rows as q4
+    rows too, in bundles of dtype "q4i8" with the int8 down rows."""
     cfg = src.config
     D, F = cfg.d_model, cfg.d_ff
     # (tensor, its rows for this matrix): a fused w_in (Phi-3) gives the gate rows, then up's
     mats = [(c, h) for c in names
             for h in ((slice(0, F), slice(F, 2 * F)) if c.endswith("ffn.w_in.weight") else (None,))]
-    gates = None
-    if q4_gates:
+    gates = ups = None
+
+    def q4_apart(canon: str, what: str) -> torch.Tensor:
+        """The file's Q4_0 rows of ``canon`` as q4 rows."""
         from ..cpu.ops import bundle_rows  # (the C library: loaded only where it is needed)
 
-        t = src.tensors[names[0]]
+        t = src.tensors[canon]
         if t.kind != "Q4_0" or tuple(t.shape) != (F, D):
-            raise ModelFileError(f"{src.path}: tensor {t.name!r}: expected Q4_0 {(F, D)} gate "
+            raise ModelFileError(f"{src.path}: tensor {t.name!r}: expected Q4_0 {(F, D)} {what} "
                                  f"rows to keep apart, found {t.kind} {tuple(t.shape)}")
-        gates = empty_hugepages((F, D // Q4_GROUP * Q4_BYTES), torch.uint8)
-        bundle_rows(np.asarray(t.raw()).reshape(F, -1), "Q4_0", F, D, False, gates)
+        rows = empty_hugepages((F, D // Q4_GROUP * Q4_BYTES), torch.uint8)
+        bundle_rows(np.asarray(t.raw()).reshape(F, -1), "Q4_0", F, D, False, rows)
         t.release()
+        return rows
+
+    if q4_gates:
+        gates = q4_apart(names[0], "gate")
+        mats = mats[1:]
+    if q4_ups:
+        ups = q4_apart(names[1], "up")
         mats = mats[1:]
     n_mats = len(mats)
     width = D // Q4_GROUP * Q4_BYTES if dtype == "q4" else D
@@ -315,6 +326,9 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
         else:
             rows[:, m] = w
         del w
+    if ups is not None:  # (int8 down rows alone in rows)
+        return PackedFFN(kind, "q4i8", D, F, q4i8_rows(ups, rows[:, 0], scales[:, 0], block),
+                         None, block, up_bias, gates)
     return PackedFFN(kind, dtype, D, F, rows, scales, block, up_bias, gates)
 
 
@@ -432,7 +446,7 @@ def fill(model: Transformer, src: ModelSource, plan: Plan) -> None:
                 packed = read_packed(src, i, 0, cfg.d_ff, up_bias, bundle_layout)
             else:
                 packed = _packed_ffn(src, wp.sources, cfg.ffn_kind, plan.sparse.ffn_dtype,
-                                     up_bias, plan.sparse.q4_gates)
+                                     up_bias, plan.sparse.q4_gates, plan.sparse.q4_ups)
             if plan.sparse.gpu_index is not None:  # a mask placement: its neurons first
                 order = torch.from_numpy(np.argsort(~plan.sparse.gpu_index[i], kind="stable"))
                 packed = packed.select(order)

@@ -100,6 +100,9 @@ class SparsePlan:
     # int8 rows of a ReLU gate: the file's Q4_0 gate rows held apart as q4 rows instead of int8
     # ones, the C kernels taking the gates from them (sparse/packed.py; ``q4_gates_apart``)
     q4_gates: bool = False
+    # with q4_gates, the file's Q4_0 up rows as q4 rows too, each neuron's one bundle its up row
+    # and its int8 down row (sparse/packed.py's dtype "q4i8"; ``q4_ups_apart``)
+    q4_ups: bool = False
     # several rows at once (a batched step, a prompt) compute every neuron from a dense copy of
     # the FFN held beside the bundles (the file's gate/up blocks, the down projection's, or
     # down_t's as Q8_0): where the predictors select most neurons, a batch's union is nearly
@@ -173,7 +176,7 @@ class Plan:
         lines = [f"plan: {self.config.name or self.config.arch}, --dtype {self.dtype}, device "
                  f"{self.device}, fused decode {'on' if self.fused_decode else 'off'}"
                  + (f", sparse FFN ({self.sparse.selector}, {self.sparse.ffn_dtype} rows"
-                    f"{', q4 gates' if self.sparse.q4_gates else ''}"
+                    f"{q4_rows_note(self.sparse, ', ')}"
                     f"{', a dense copy for batches' if self.sparse.batch_dense else ''})"
                     if self.sparse else "")]
         for (storage, origin), (n, b) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
@@ -200,7 +203,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
               fused: bool = True, gpu_index: str | None = None,
               ram_budget: float | None = None, disk_options=None,
               n_ctx: int | None = None, kv_type: str = "auto", q4_gates: bool = True,
-              batch_ffn: str = "auto") -> Plan:
+              q4_ups: bool = True, batch_ffn: str = "auto") -> Plan:
     """The plan for ``src`` (see the module docstring). ``dense`` ignores predictors; ``mode``
     picks the sparse selector; ``fused`` allows the fused single-token decode kernels;
     ``gpu_index``: a PowerInfer GPU index file (``blk.N.gpu_idx`` masks) used as the placement;
@@ -212,7 +215,8 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     else the activations' type; an asked-for fp16 cache works everywhere (the torch paths cast
     it). ``q4_gates``: hold a ReLU gate's rows apart as the file's 4-bit rows beside int8
     bundles of up and down rows where the file allows (``q4_gates_apart``; False: int8 gate
-    rows in the bundles). ``batch_ffn``: how several rows at once compute a sparse FFN
+    rows in the bundles); ``q4_ups``, with them, the file's 4-bit up rows too, beside int8 down
+    rows (``q4_ups_apart``). ``batch_ffn``: how several rows at once compute a sparse FFN
     ("sparse": over the bundles, each row its own set; "dense": every neuron from a dense copy
     of the FFN, held beside the bundles; "auto": dense where the file's predictors select at
     least ``BATCH_DENSE_MIN_DENSITY`` of the neurons and the C kernels take the copy)."""
@@ -257,8 +261,9 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                    f"expected --ffn-dtype int8, bf16 or fp32")
         sparse = _sparse_plan(src, mode, ffn_dtype, threshold, device, vram_budget, split_tiers,
                               min_split, gpu_index)
-        sparse = replace(sparse, bundled=bundled,
-                         q4_gates=q4_gates and q4_gates_apart(src, ffn_dtype, bundled))
+        gates_apart = q4_gates and q4_gates_apart(src, ffn_dtype, bundled)
+        sparse = replace(sparse, bundled=bundled, q4_gates=gates_apart,
+                         q4_ups=gates_apart and q4_ups and q4_ups_apart(src))
         sparse = replace(sparse, batch_dense=_batch_dense(src, sparse, batch_ffn, dtype,
                                                           disk_tier))
     elif threshold is not None or vram_budget is not None:
@@ -368,8 +373,9 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                 check(s)
             n_mats = 3 if cfg.ffn.gated else 2
             elt = ROW_BYTES[sparse.ffn_dtype]
-            if sparse.q4_gates:  # the gate rows apart: the file's 4-bit rows, not int8
-                nbytes = int(((n_mats - 1) * elt + ROW_BYTES["q4"]) * F * D)
+            if sparse.q4_gates:  # the gate (and up) rows apart: the file's 4-bit rows, not int8
+                n_q4 = 2 if sparse.q4_ups else 1
+                nbytes = int(((n_mats - n_q4) * elt + n_q4 * ROW_BYTES["q4"]) * F * D)
             else:
                 nbytes = int(n_mats * F * D * elt)
             fc1 = src.extras.get(f"blk.{i}.fc1.weight")
@@ -384,7 +390,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                 nbytes += sum(src.tensors[s].nbytes for s in ins) + dense_down_bytes(src, down)
             weights.append(WeightPlan(p + "ffn", "sparse", (*ins, down), (F, D), nbytes,
                                       f"{sparse.ffn_dtype} rows"
-                                      + (" + q4 gates" if sparse.q4_gates else "")
+                                      + q4_rows_note(sparse, " + ")
                                       + (" + a dense copy" if sparse.batch_dense else "")))
         else:
             ins = [p + f"ffn.{n}.weight" for n in (("gate", "up") if cfg.ffn.gated else ("up",))]
@@ -492,6 +498,26 @@ def q4_gates_apart(src: ModelSource, ffn_dtype: str, bundled: str | None) -> boo
         if t is None or t.kind != "Q4_0" or tuple(t.shape) != (cfg.d_ff, cfg.d_model):
             return False
     return True
+
+
+def q4_ups_apart(src: ModelSource) -> bool:
+    """Whether the file's up rows can stay 4-bit too where ``q4_gates_apart`` holds: an up
+    tensor of its own stored as Q4_0 in every layer (the bundles then hold each neuron's q4 up
+    row and int8 down row: 27/32 of the bytes of int8 up and down rows and their scales, one
+    read a fired neuron; benchmarks/RESULTS.md)."""
+    cfg = src.config
+    for i in range(cfg.n_layers):
+        t = src.tensors.get(f"layers.{i}.ffn.up.weight")
+        if t is None or t.kind != "Q4_0" or tuple(t.shape) != (cfg.d_ff, cfg.d_model):
+            return False
+    return True
+
+
+def q4_rows_note(sparse: SparsePlan, sep: str) -> str:
+    """What of a sparse FFN's rows stays 4-bit beside its int8 rows, for the plan's lines."""
+    if not sparse.q4_gates:
+        return ""
+    return sep + ("q4 gates and ups" if sparse.q4_ups else "q4 gates")
 
 
 def dense_down_bytes(src: ModelSource, down: str) -> int:

@@ -355,7 +355,7 @@ class SparseFFN(nn.Module):
             return None
         from .. import cpu
 
-        int8 = p.dtype == "int8"
+        int8 = p.dtype in ("int8", "q4i8")  # (q4i8: the scales in the bundles, p.scales None)
         c = self.dense_copy
         return cpu.SparseBlockFFN(
             rows=p.rows, scales=p.scales if int8 else None, block=p.block if int8 else 0,

@@ -543,19 +543,21 @@ class _one_thread:
 
 
 def in_c(ffn: PackedFFN) -> bool:
-    """Rows the C library's kernels take where it loads: q4, and int8 whose blocks and rows are
-    multiples of 8 (``cpu.sparse_ffn_i8``; other int8 blocks stay in numba)."""
-    return (ffn.dtype == "q4" or (ffn.dtype == "int8" and ffn.d_model % 8 == 0
-                                  and ffn.block % 8 == 0)) and cpu_loads()
+    """Rows the C library's kernels take where it loads: q4, q4i8, and int8 whose blocks and
+    rows are multiples of 8 (``cpu.sparse_ffn_i8``; other int8 blocks stay in numba)."""
+    return (ffn.dtype in ("q4", "q4i8") or (ffn.dtype == "int8" and ffn.d_model % 8 == 0
+                                            and ffn.block % 8 == 0)) and cpu_loads()
 
 
 def rounds_x(ffn: PackedFFN) -> bool:
-    """Rows whose gate/up products the C kernels take with x rounded to int8 per 32: q4 rows
-    always, int8 rows whose blocks and width are multiples of 32 (``cpu.ops.i8_rounds_x``). The
-    reference of such a call is the float FFN on ``cpu.reference``'s rounded x."""
+    """Rows whose gate/up products the C kernels take with x rounded to int8 per 32: q4 and
+    q4i8 rows always, int8 rows whose blocks and width are multiples of 32
+    (``cpu.ops.i8_rounds_x``). The reference of such a call is the float FFN on
+    ``cpu.reference``'s rounded x."""
     from ..cpu.ops import i8_rounds_x  # (ops loads the C library only when called)
 
-    return ffn.dtype == "q4" or (ffn.dtype == "int8" and i8_rounds_x(ffn.block, ffn.d_model))
+    return ffn.dtype in ("q4", "q4i8") or (ffn.dtype == "int8"
+                                           and i8_rounds_x(ffn.block, ffn.d_model))
 
 
 def _run_c(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor,

@@ -18,6 +18,12 @@ take the gates from those rows — half the bytes of an int8 gate row, and most 
 of a ReLU model do not fire, so that is most of what they read — and read a neuron's int8 rows
 where its gate fired. ``rows_fp32`` and everything built on it see the three matrices.
 
+Dtype "q4i8" goes one step further for a file whose up rows are Q4_0 too: the gates apart as
+above, and each neuron's bundle (``rows`` uint8 ``[d_ff, 1, q4i8_layout(...).width]``) holds
+its down row's float32 scales (one per ``block``), its up row as a q4 row (the file's numbers),
+then its int8 down row — one contiguous read of 27/32 of an int8 up-and-down bundle's bytes and
+scales where a gate fired (benchmarks/RESULTS.md). ``scales`` is None: they are in the bundles.
+
 The kernels (``kernels.py``) and the torch references (``reference.py``) read only this layout.
 """
 
@@ -37,7 +43,7 @@ from ..fileio import libc
 log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8,
-                                   "q4": torch.uint8}
+                                   "q4": torch.uint8, "q4i8": torch.uint8}
 INT8_MAX = 127.0
 INT8_BLOCK = 32  # weights per scale in the int8 bundles a model is built with
 
@@ -106,6 +112,47 @@ def quantize_q4_rows(w: torch.Tensor) -> torch.Tensor:
 def dequantize_q4_rows(rows: torch.Tensor) -> torch.Tensor:
     """float32 ``[..., d]`` of q4 rows (uint8 ``[..., d / 32 · 18]``; the reference)."""
     return dequantize_q4_0(q4_blocks(rows))
+
+
+@dataclass(frozen=True)
+class Q4i8Layout:
+    """Byte offsets in one neuron's bundle of dtype "q4i8": the down row's float32 scales at 0,
+    the up row's q4 row at ``up``, the int8 down row at ``down``; ``width`` bytes from one
+    bundle to the next (rounded up to 4: every bundle's scales aligned). The C kernels compute
+    the same (``si_q4u_bytes`` in cpu/qgemv.h)."""
+
+    up: int
+    down: int
+    width: int
+
+
+def q4i8_layout(d_model: int, block: int) -> Q4i8Layout:
+    up = 4 * n_blocks(d_model, block)
+    down = up + d_model // Q4_GROUP * Q4_BYTES
+    return Q4i8Layout(up, down, -(-(down + d_model) // 4) * 4)
+
+
+def q4i8_rows(ups: torch.Tensor, down: torch.Tensor, down_scales: torch.Tensor,
+              block: int) -> torch.Tensor:
+    """Bundles of dtype "q4i8" (uint8 ``[d_ff, 1, width]``, in huge pages) of q4 up rows ``ups``
+    (uint8 ``[d_ff, d_model / 32 · 18]``), int8 down rows ``down`` ``[d_ff, d_model]`` and their
+    float32 scales ``down_scales`` ``[d_ff, ceil(d_model / block)]``."""
+    d_ff, d_model = down.shape
+    lay = q4i8_layout(d_model, block)
+    want = {"ups": (ups, torch.uint8, (d_ff, d_model // Q4_GROUP * Q4_BYTES)),
+            "down": (down, torch.int8, (d_ff, d_model)),
+            "down_scales": (down_scales, torch.float32, (d_ff, n_blocks(d_model, block)))}
+    for name, (t, dtype, shape) in want.items():
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected {str(dtype).removeprefix('torch.')} {shape}, got "
+                             f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}")
+    rows = empty_hugepages((d_ff, 1, lay.width), torch.uint8)
+    b = rows[:, 0]
+    b[:, : lay.up] = down_scales.contiguous().view(torch.uint8)
+    b[:, lay.up : lay.down] = ups
+    b[:, lay.down : lay.down + d_model] = down.view(torch.uint8)
+    b[:, lay.down + d_model :] = 0
+    return rows
 
 
 HUGE_PAGE = 2 * 2**20
@@ -191,9 +238,11 @@ class PackedFFN:
         if self.dtype == "q4" and self.d_model % Q4_GROUP:
             raise ValueError(f"d_model: expected a multiple of {Q4_GROUP} for q4, got "
                              f"{self.d_model}")
+        if self.dtype == "q4i8" and self.gates is None:
+            raise ValueError("gates: expected the q4 gate rows apart for dtype 'q4i8', got None")
         if self.gates is not None:
             kind = FFN_KINDS[self.kind]
-            if self.dtype != "int8" or not kind.gated or kind.gate_act != "relu":
+            if self.dtype not in ("int8", "q4i8") or not kind.gated or kind.gate_act != "relu":
                 raise ValueError(f"gates: q4 gate rows apart expected only for int8 bundles of a "
                                  f"ReLU gate, got {self.dtype} rows of kind {self.kind!r}")
             want_g = (self.d_ff, self.d_model // Q4_GROUP * Q4_BYTES)
@@ -215,7 +264,12 @@ class PackedFFN:
             )
         if not self.rows.is_contiguous():
             raise ValueError("rows: expected a contiguous tensor")
-        if self.dtype == "int8":
+        if self.dtype == "q4i8":
+            if not 0 < self.block <= self.d_model or self.scales is not None:
+                raise ValueError(f"block/scales: expected 1..{self.d_model}/None for q4i8 (the "
+                                 f"scales in the bundles), got {self.block}/"
+                                 f"{None if self.scales is None else 'a tensor'}")
+        elif self.dtype == "int8":
             if not 0 < self.block <= self.d_model:
                 raise ValueError(f"block: expected 1..{self.d_model} for int8, got {self.block}")
             want_s = (self.d_ff, self.stored_mats, n_blocks(self.d_model, self.block))
@@ -248,12 +302,16 @@ class PackedFFN:
 
     @property
     def stored_mats(self) -> int:
-        """Rows per neuron in ``rows``: ``n_mats``, less the gate when it is apart."""
-        return self.n_mats - (self.gates is not None)
+        """Rows per neuron in ``rows``: ``n_mats``, less the gate when it is apart; q4i8: 1 (a
+        neuron's one bundle)."""
+        return 1 if self.dtype == "q4i8" else self.n_mats - (self.gates is not None)
 
     @property
     def row_width(self) -> int:
-        """Elements of ``rows`` per row: d_model, or bytes of a q4 row (Q4_0's) for q4."""
+        """Elements of ``rows`` per row: d_model, or bytes of a q4 row (Q4_0's) for q4, of a
+        neuron's bundle for q4i8."""
+        if self.dtype == "q4i8":
+            return q4i8_layout(self.d_model, self.block).width
         return self.d_model // Q4_GROUP * Q4_BYTES if self.dtype == "q4" else self.d_model
 
     @property
@@ -343,6 +401,15 @@ class PackedFFN:
         rows = pick(self.rows)
         if self.dtype == "q4":
             return dequantize_q4_rows(rows)
+        if self.dtype == "q4i8":
+            lay, d = q4i8_layout(self.d_model, self.block), self.d_model
+            b = rows[:, 0]
+            scales = b[:, : lay.up].contiguous().view(torch.float32)
+            up = dequantize_q4_rows(b[:, lay.up : lay.down])
+            down = b[:, lay.down : lay.down + d].contiguous().view(torch.int8).float()
+            down = down * expand_scales(scales, self.block, d)
+            gate = dequantize_q4_rows(pick(self.gates))
+            return torch.stack([gate, up, down], dim=1)
         w = rows.to(torch.float32)
         if self.scales is not None:
             w = w * expand_scales(pick(self.scales), self.block, self.d_model)
@@ -361,6 +428,16 @@ class PackedFFN:
         rows = empty_hugepages((self.d_ff, 2, self.row_width), self.rows.dtype)
         rows.copy_(self.rows[:, 1:])
         return replace(self, rows=rows, scales=self.scales[:, 1:].contiguous(), gates=gates)
+
+    def with_q4_ups(self, ups: torch.Tensor) -> PackedFFN:
+        """These int8 bundles with their gates apart (``with_q4_gates``) as dtype "q4i8": the up
+        rows the q4 rows ``ups`` (uint8 ``[d_ff, d_model / 32 · 18]``, e.g. the file's Q4_0 up
+        rows as ``q4_rows``), the int8 down rows and their scales kept, one bundle a neuron."""
+        if self.dtype != "int8" or self.gates is None:
+            raise ValueError(f"with_q4_ups: expected int8 bundles with their gates apart, got "
+                             f"{self.dtype} rows{'' if self.gates is not None else ' (no gates)'}")
+        rows = q4i8_rows(ups, self.rows[:, 1], self.scales[:, 1], self.block)
+        return replace(self, dtype="q4i8", rows=rows, scales=None)
 
     def dequantized(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """fp32 ``(gate | None, up, down)`` in nn.Linear layout."""

@@ -61,7 +61,9 @@ def sparse_info(model, plan) -> SparseInfo | None:
     if sp is None:
         return None
     modules = [b.ffn for b in model.layers if isinstance(b.ffn, SparseFFN)]
-    rows = sp.ffn_dtype + (" + q4 gates" if sp.q4_gates else "")
+    from ..models.plan import q4_rows_note
+
+    rows = sp.ffn_dtype + q4_rows_note(sp, " + ")
     return SparseInfo(sp.selector, rows, sp.device, list(sp.thresholds),
                       list(sp.hot_counts), modules)
 
