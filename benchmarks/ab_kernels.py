@@ -2,6 +2,7 @@
 the GEMV of given block types (``--gemv``; with ``--rows-of-x``, their GEMM).
 
     python benchmarks/ab_kernels.py --rev HEAD~1 [--isa avx2] [--dtypes q4 int8/32 q4-gates] [-t 2]
+    python benchmarks/ab_kernels.py --rev HEAD~1 --dtypes q4g q4i8 --fire 0.4
     python benchmarks/ab_kernels.py --rev HEAD~1 --isa avx512 --gemv Q4_Kx16 Q5_Kx16 --rounds 8
     python benchmarks/ab_kernels.py --old path/to/libsicpu.so ... [--hot]
     python benchmarks/ab_kernels.py --same --isa avx2 --new-isa avx2_vnni --gemv Q4_Kx16 --hot
@@ -17,7 +18,10 @@ change of a few percent can be told from this VM's drift from minute to minute (
 bandwidth moving 30-60 GB/s), which separate runs of ``kernels.py`` cannot. Prints per build the best, p10, p50 and mean call
 time, the new / old ratios, and in how many rounds (one block of each) new was faster. Outputs of
 the two builds are compared once (equal, or the largest difference, printed). A build from before
-q4 rows put their scales first (ABI 18) is given the same numbers as Q4_0 blocks. ``--hot``: one
+q4 rows put their scales first (ABI 18) is given the same numbers as Q4_0 blocks. ``q4g`` and
+``q4i8`` (with ``--fire``): one token of a ReLU gate's default rows, ``si_sparse_i8_q4g``'s two
+passes over the gates apart as q4 rows and int8 up/down bundles (``q4g``) or bundles of q4 ups
+and int8 down rows (``q4i8``, ``PackedFFN.with_q4_ups``). ``--hot``: one
 layer and one active set instead, in cache after the first call: the kernels' arithmetic without
 the memory.
 """
@@ -44,7 +48,7 @@ import torch
 
 import sparseinfer
 from sparseinfer.bench import cpu_model
-from sparseinfer.sparse.packed import PackedFFN, empty_hugepages, q4_blocks
+from sparseinfer.sparse.packed import PackedFFN, empty_hugepages, q4_blocks, quantize_q4_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2, "avx2_vnni": 3}
@@ -87,7 +91,9 @@ def load(path: Path, isa: str, threads: int) -> ctypes.CDLL:
     lib.si_sparse_q4.argtypes = [vp, ctypes.c_size_t, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, vp,
                                  vp]
     lib.si_sparse_i8.argtypes = [vp, vp, ci, ci, ci, vp, ci, vp, ci, vp, ci, ci, ci, ci, ci, vp,
-                                 vp, vp, ctypes.c_size_t]
+                                 vp, vp, ctypes.c_size_t, ci]
+    lib.si_sparse_i8_q4g.argtypes = [vp, vp, ci, ci, vp, ctypes.c_size_t, vp, ci, ci, vp, ci, ci,
+                                     ci, vp, ci]
     lib.si_sparse_q4_gates.argtypes = [vp, ctypes.c_size_t, vp, ci, ci, vp, ci, vp]
     lib.si_gemv.argtypes = [ci, vp, vp, vp, ci, vp, vp]
     lib.si_gemm.argtypes = [ci, vp, ctypes.c_int64, ci, vp, ctypes.c_int64, vp]
@@ -103,7 +109,17 @@ def caller(lib: ctypes.CDLL, layer: PackedFFN, x: torch.Tensor, out: torch.Tenso
     """call(idx): one sparse FFN over active set idx with this build (gate activation ga); with
     ``gates``, the q4 gate rows' dot products alone (``si_sparse_q4_gates``, into out[:k])."""
     d, f = layer.d_model, layer.d_ff
-    if gates:
+    if layer.gates is not None:  # q4g / q4i8: one token, si_sparse_i8_q4g's two passes
+        q4u = int(layer.dtype == "q4i8")
+        scales = None if q4u else layer.scales.data_ptr()
+
+        def call(idx: torch.Tensor) -> int:
+            return lib.si_sparse_i8_q4g(layer.rows.data_ptr(), scales, layer.block,
+                                        layer.rows.shape[1], layer.gates.data_ptr(),
+                                        layer.gates.shape[1], idx.data_ptr(),
+                                        idx.numel(), f, x.data_ptr(), 1, d, IDENTITY,
+                                        out.data_ptr(), q4u)
+    elif gates:
         bb = layer.rows[0].numel()
 
         def call(idx: torch.Tensor) -> int:
@@ -121,7 +137,7 @@ def caller(lib: ctypes.CDLL, layer: PackedFFN, x: torch.Tensor, out: torch.Tenso
             return lib.si_sparse_i8(layer.rows.data_ptr(), layer.scales.data_ptr(), layer.block, 1,
                                     layer.rows.shape[1], idx.data_ptr(), idx.numel(), None, f,
                                     x.data_ptr(), 1, 1, d, ga, IDENTITY, None, out.data_ptr(),
-                                    None, 0)
+                                    None, 0, 0)
     return call
 
 
@@ -148,7 +164,9 @@ def alternate(call: Callable[[str, int], object], rounds: int, per_block: int
 
 
 def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_block: int,
-        fire: float | None, gates: bool = False, hot: bool = False) -> None:
+        fire: float | None, gates: bool = False, hot: bool = False, apart: str = "") -> None:
+    """One sparse FFN kind (``apart``: "q4g" or "q4i8", the gates apart as q4 rows, one token)
+    in both builds."""
     kb = kernels_bench()
     d, f = kb.SHAPES["llama-7b"]
     g = torch.Generator().manual_seed(0)
@@ -161,6 +179,10 @@ def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_b
         gate = gate - torch.outer(torch.ones(f), x) * (thr / (x @ x))
     kind = "swiglu" if fire is None else "reglu"
     base = PackedFFN.from_dense(kind, gate, up, down, dtype=dtype, block=block)
+    if apart:
+        base = base.with_q4_gates(quantize_q4_rows(gate))
+        if apart == "q4i8":
+            base = base.with_q4_ups(quantize_q4_rows(up))
     # --hot: the one layer, its bundles (a few MB at 10%) in the L3 cache after the first call
     pool = [base] if hot else kb.pool_of(base, base.nbytes)
     pools = {name: pool for name in libs}
@@ -185,7 +207,12 @@ def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_b
     times, wins = alternate(lambda name, i: calls[name][i % len(calls[name])](sets[i % len(sets)]),
                             rounds, per_block)
     label = "q4 gate rows alone" if gates else kb.dtype_name(dtype, block, d)
+    if apart:
+        label += ", gates apart" + (", q4 ups" if apart == "q4i8" else "")
     mb = k * (base.rows[0, 0].numel() if gates else base.bytes_per_neuron) / 1e6
+    if apart:  # every selected neuron's gate row, the rest where it fired (about `fire` of them)
+        g_row = base.gates.shape[1]
+        mb = k * (g_row + fire * (base.bytes_per_neuron - g_row)) / 1e6
     fired = "" if fire is None else f", ReGLU with {fire:.0%} of the gates firing"
     where = ", in cache (--hot)" if hot else ""
     print(f"\nllama-7b {label}, 10% ({k} neurons, {mb:.2f} MB a call{fired}{where}); outputs "
@@ -266,9 +293,11 @@ def main() -> None:
     p.add_argument("--isa", choices=list(ISAS), default="avx2")
     p.add_argument("--new-isa", choices=list(ISAS), help="the kernels 'new' runs (default --isa)")
     p.add_argument("-t", "--threads", type=int, default=2)
-    p.add_argument("--dtypes", nargs="+", choices=["q4", "int8/row", "int8/32", "q4-gates"],
+    p.add_argument("--dtypes", nargs="+",
+                   choices=["q4", "int8/row", "int8/32", "q4-gates", "q4g", "q4i8"],
                    default=["q4"], help="q4-gates: the gate rows' dot products alone (the disk "
-                   "tier's ReLU gates apart)")
+                   "tier's ReLU gates apart); q4g, q4i8 (with --fire): one token over the "
+                   "gates apart, int8 up/down rows or q4 ups beside int8 down rows")
     p.add_argument("--gemv", nargs="+", metavar="TYPE", help="instead of the sparse FFN: the "
                    "GEMV of these cpu.TYPES (e.g. Q4_Kx16) at the 7B shapes")
     p.add_argument("--rows-of-x", type=int, default=1, help="with --gemv: a GEMM over this many "
@@ -304,9 +333,11 @@ def main() -> None:
         run_gemv(libs, type_name, args.rounds, args.per_block, args.hot, args.rows_of_x)
     for name in [] if args.gemv else args.dtypes:
         dtype, block = {"q4": ("q4", 0), "int8/row": ("int8", 0), "int8/32": ("int8", 32),
-                        "q4-gates": ("q4", 0)}[name]
+                        "q4-gates": ("q4", 0), "q4g": ("int8", 32), "q4i8": ("int8", 32)}[name]
+        if name in ("q4g", "q4i8") and args.fire is None:
+            p.error(f"--dtypes {name}: a ReLU gate's rows; expected --fire")
         run(libs, dtype, block, args.rounds, args.per_block, args.fire, name == "q4-gates",
-            args.hot)
+            args.hot, name if name in ("q4g", "q4i8") else "")
 
 
 if __name__ == "__main__":

@@ -18,17 +18,20 @@ layer copies (not served from cache). Times, alternated in blocks of 8 calls:
   gate stored as Q4_0): every gate over the q4 rows on the pool, then only the fired neurons'
   up and down rows;
 - D: the same gates in A's one pass (``cpu.sparse_ffn_i8(..., gates=)``, what several tokens
-  of a prompt or a batched step run).
+  of a prompt or a batched step run);
+- E: C with the up rows q4 rows too (``PackedFFN.with_q4_ups``, dtype "q4i8": each neuron's one
+  bundle its down row's scales, its q4 up row and its int8 down row; the default where a file's
+  up rows are Q4_0 as well), two passes as C.
 
 Prints the CPU, the read bandwidth, the neurons selected and fired, the p50s and their ratios to
 A.
 
-``--split``: instead, C's two passes apart (the gate pass alone, and C minus it: the fired
-neurons' rows), each from memory (the pool of 4 layer copies and 8 sets, as above) and "in
+``--split``: instead, C's and E's two passes apart (the gate pass alone, and C or E minus it:
+the fired neurons' rows), each from memory (the pool of 4 layer copies and 8 sets, as above) and "in
 cache" (one layer and one set called again and again: ~7 MB, in the L3 where the machine's L3
 keeps it — a VM sharing its L3 keeps part), beside a plain read of the same rows
 (``cpu.read_gather``: the selected neurons' q4 gate rows; the fired neurons' int8 up and down
-rows, their scales not counted) and the time those bytes take at the streaming read probe: a
+rows, their scales not counted; E's bundles, scales and all) and the time those bytes take at the streaming read probe: a
 pass near its plain read is bound by how fast the memory serves its scattered rows, not by
 its arithmetic.
 """
@@ -101,6 +104,7 @@ def main() -> None:
         gates.append(empty_hugepages((f, q.rows.shape[2]), torch.uint8))
         gates[-1].copy_(q.rows[:, 0])
     apart = [i8[n].with_q4_gates(gates[(n + 1) % 4]) for n in range(4)]  # up/down rows only
+    q4i8 = [apart[n].with_q4_ups(q4[(n + 2) % 4].rows[:, 1]) for n in range(4)]
     x1, out1 = x.reshape(1, -1), out.reshape(1, -1)
 
     def q4_gates_two_passes(i: int) -> None:  # (kernels.sparse_ffn: cpu.sparse_ffn_i8_q4g)
@@ -111,19 +115,25 @@ def main() -> None:
         cpu.sparse_ffn_i8(f8.rows, f8.scales, f8.block, True, sets[i % 8], x1, out1, 1, 0,
                           gates=f8.gates)
 
+    def q4_ups_two_passes(i: int) -> None:
+        kernels.sparse_ffn(x, q4i8[(i + 3) % 4], sets[i % 8], out)
+
     fired = int((kernels.gate_dots(x, q4[0], sets[0]) > 0).sum())
     print(f"# {cpu_model()}; {cpu.get_isa()} kernels; {a.threads} threads; read bandwidth "
           f"{measure_read_bandwidth(a.threads):.1f} GB/s; 7B ReGLU FFN: {k} neurons selected, "
           f"{fired} of them fired ({fired / k:.0%})")
     if a.split:
-        split(a.rounds, apart, sets, x, out)
+        split(a.rounds, apart, q4i8, sets, x, out)
         return
-    fns = [int8_gates_first, q4_gates_then_int8, q4_gates_two_passes, q4_gates_one_pass]
-    ta, tb, tc, td = (statistics.median(t) * 1e6 for t in blocks_of_8(fns, a.rounds))
+    fns = [int8_gates_first, q4_gates_then_int8, q4_gates_two_passes, q4_gates_one_pass,
+           q4_ups_two_passes]
+    ta, tb, tc, td, te = (statistics.median(t) * 1e6 for t in blocks_of_8(fns, a.rounds))
     print(f"A int8 rows alone, gates first:         p50 {ta:6.0f} us")
     print(f"B q4 gate dots, then A over the fired:  p50 {tb:6.0f} us   B/A {tb / ta:.3f}")
     print(f"C q4 gates apart, two passes (1 token): p50 {tc:6.0f} us   C/A {tc / ta:.3f}")
     print(f"D q4 gates apart, A's one pass:         p50 {td:6.0f} us   D/A {td / ta:.3f}")
+    print(f"E q4 gates and ups (q4i8), two passes:  p50 {te:6.0f} us   E/A {te / ta:.3f}   "
+          f"E/C {te / tc:.3f}")
 
 
 def blocks_of_8(fns, rounds: int) -> list[list[float]]:
@@ -140,8 +150,9 @@ def blocks_of_8(fns, rounds: int) -> list[list[float]]:
     return times
 
 
-def split(rounds: int, apart, sets, x, out) -> None:
-    """``--split``: C's gate pass and its fired neurons' rows apart (see the module docstring)."""
+def split(rounds: int, apart, q4i8, sets, x, out) -> None:
+    """``--split``: C's (and E's) gate pass and fired neurons' rows apart (see the module
+    docstring)."""
     import torch
 
     from sparseinfer import cpu
@@ -159,6 +170,8 @@ def split(rounds: int, apart, sets, x, out) -> None:
     up_down = ffn.rows.shape[1] * ffn.rows.shape[2]  # bytes of a bundle's int8 up and down rows
     gate_bytes = statistics.mean(s.numel() for s in sets) * gate_w
     row_bytes = statistics.mean(f.numel() for f in fired) * up_down
+    e_row = q4i8[0].rows.shape[2]  # bytes of a q4i8 bundle: scales, q4 up row, int8 down row
+    e_bytes = statistics.mean(f.numel() for f in fired) * e_row
 
     def calls(hot: bool):
         pick = (lambda i: 0) if hot else (lambda i: i)
@@ -172,6 +185,11 @@ def split(rounds: int, apart, sets, x, out) -> None:
             "read rows": lambda i: cpu.read_gather(
                 apart[pick(i) % 4].rows.view(torch.uint8).view(ffn.rows.shape[0], -1), up_down,
                 up_down, fired[pick(i) % 8]),
+            "E": lambda i: cpu.sparse_ffn_i8_q4g(
+                q4i8[pick(i) % 4].rows, None, apart[0].block, q4i8[pick(i) % 4].gates,
+                sets[pick(i) % 8], x1, out1, identity),
+            "read E rows": lambda i: cpu.read_gather(q4i8[pick(i) % 4].rows, e_row, e_row,
+                                                     fired[pick(i) % 8]),
         }
 
     print(f"# streaming read probe {probe:.1f} GB/s; a call reads {gate_bytes / 1e6:.2f} MB of q4 "
@@ -186,8 +204,13 @@ def split(rounds: int, apart, sets, x, out) -> None:
               f"+ fired rows {ups:.0f} us; plain reads: gate rows {p50['read gates']:.0f} us "
               f"({gate_bytes / p50['read gates'] / 1e3:.1f} GB/s), fired rows "
               f"{p50['read rows']:.0f} us ({row_bytes / p50['read rows'] / 1e3:.1f} GB/s)")
+        e_ups = p50["E"] - p50["gates"]
+        print(f"{where}: E {p50['E']:.0f} us = gate pass + fired q4i8 rows {e_ups:.0f} us "
+              f"({e_ups / ups:.3f}x C's); plain read of those bundles {p50['read E rows']:.0f} us "
+              f"({e_bytes / p50['read E rows'] / 1e3:.1f} GB/s, "
+              f"{p50['read E rows'] / p50['read rows']:.3f}x C's rows)")
     print(f"at the probe: gate rows {gate_bytes / probe / 1e3:.0f} us, fired rows "
-          f"{row_bytes / probe / 1e3:.0f} us")
+          f"{row_bytes / probe / 1e3:.0f} us (E's bundles {e_bytes / probe / 1e3:.0f} us)")
 
 
 if __name__ == "__main__":

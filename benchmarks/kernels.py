@@ -62,11 +62,17 @@ def pool_of(ffn: PackedFFN, nbytes: int) -> list[PackedFFN]:
     """Copies of one layer (own memory) adding up to >= ``POOL_BYTES``."""
     n = max(2, min(MAX_LAYERS, math.ceil(POOL_BYTES / nbytes)))
     clone = lambda t: None if t is None else t.clone()  # noqa: E731
+
+    def huge(t):  # as from_dense / with_q4_gates allocate
+        if t is None:
+            return None
+        out = empty_hugepages(tuple(t.shape), t.dtype)
+        return out.copy_(t)
+
     layers = [ffn]
     for _ in range(n - 1):
-        rows = empty_hugepages(tuple(ffn.rows.shape), ffn.rows.dtype)  # as from_dense allocates
-        rows.copy_(ffn.rows)
-        layers.append(replace(ffn, rows=rows, scales=clone(ffn.scales), up_bias=clone(ffn.up_bias)))
+        layers.append(replace(ffn, rows=huge(ffn.rows), scales=clone(ffn.scales),
+                              up_bias=clone(ffn.up_bias), gates=huge(ffn.gates)))
     return layers
 
 

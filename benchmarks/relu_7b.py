@@ -197,7 +197,10 @@ def _peak_mb() -> float:
 # the sparse FFN rows --sparse-rows can ask for: Engine.load options (``run --ffn-dtype ...``)
 SPARSE_ROWS = {"q4": {"ffn_dtype": "q4"},  # 4-bit bundles, the down rows rounded again
                "int8": {"ffn_dtype": "int8", "q4_gates": False},  # int8 bundles alone
-               "int8-q4-gates": {"ffn_dtype": "int8", "q4_gates": True}}  # + the file's gates
+               # + the file's gate rows apart
+               "int8-q4-gates": {"ffn_dtype": "int8", "q4_gates": True, "q4_ups": False},
+               # + its up rows as q4 rows too, beside the int8 down rows (dtype "q4i8")
+               "q4i8": {"ffn_dtype": "int8", "q4_gates": True, "q4_ups": True}}
 
 
 def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, rows: str | None) -> dict:
@@ -339,7 +342,8 @@ def main() -> int:
     ap.add_argument("--sparse-rows", default="q4",
                     help=f"the sparse FFN's rows, one run each, comma-separated: "
                          f"{', '.join(SPARSE_ROWS)} (default q4; int8-q4-gates: int8 bundles "
-                         f"beside the file's Q4_0 gate rows, the default of `run`)")
+                         f"beside the file's Q4_0 gate rows; q4i8: those gates, and bundles of "
+                         f"the file's Q4_0 up rows and int8 down rows, the default of `run`)")
     ap.add_argument("--no-run", action="store_true",
                     help="stop after writing and converting (the files for beyond_ram.py)")
     ap.add_argument("--no-llama-cpp", action="store_true")

@@ -67,6 +67,10 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                          "(by default the file's 4-bit gate rows are kept apart and the kernels "
                          "take the gates from them: less memory, half the bytes read per "
                          "predicted neuron; this option is for comparisons)")
+    sp.add_argument("--no-q4-ups", action="store_true",
+                    help="with those 4-bit gates, make int8 up rows too (by default a file's "
+                         "Q4_0 up rows stay 4-bit, each neuron's up row and int8 down row one "
+                         "bundle: fewer bytes read per fired neuron; for comparisons)")
     sp.add_argument("--batch-ffn", default="auto", choices=["auto", "sparse", "dense"],
                     help="several rows at once (batched steps of `serve -np N`, prompts): "
                          "sparse = each row its own predicted neurons over the bundles; dense "
@@ -164,7 +168,7 @@ def _engine(args):
                          dtype=args.dtype, dense=args.dense, threshold=args.sparse_threshold,
                          device=args.device, vram_budget=args.vram_budget,
                          ffn_dtype=args.ffn_dtype, q4_gates=not args.no_q4_gates,
-                         batch_ffn=args.batch_ffn, mode=args.sparse_mode,
+                         q4_ups=not args.no_q4_ups, batch_ffn=args.batch_ffn, mode=args.sparse_mode,
                          gpu_index=args.gpu_index, kv_type=args.cache_type,
                          **_disk_options(args))
     if args.dtype == "auto":
@@ -390,7 +394,8 @@ def cmd_info(args) -> int:
         for k in sorted(k for k in src.metadata if k.startswith(("powerinfer.", "sparseinfer."))):
             print(f"  {k} = {src.metadata[k]}")
     plan = make_plan(src, args.dtype, dense=args.dense, ffn_dtype=args.ffn_dtype,
-                     q4_gates=not args.no_q4_gates, batch_ffn=args.batch_ffn,
+                     q4_gates=not args.no_q4_gates, q4_ups=not args.no_q4_ups,
+                     batch_ffn=args.batch_ffn,
                      mode=args.sparse_mode, device=args.device, kv_type=args.cache_type,
                      n_ctx=min(args.ctx_size, cfg.max_seq_len), **_disk_options(args))
     print(plan.summary())

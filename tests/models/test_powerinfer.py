@@ -246,7 +246,7 @@ def test_convert_reprofiles_a_powerinfer_file(pwri, tmp_path, capsys):
     assert "sparse FFN" in capsys.readouterr().err
 
 
-def test_q4_0_file_gates_stay_4_bit(pwri, tmp_path):
+def test_q4_0_file_gates_stay_4_bit(pwri, tmp_path, capsys):
     """A ReGLU file whose gates and ups are Q4_0: the file's gate rows are kept apart as q4 rows
     (its bytes, moved) and each neuron's bundle holds its up row as a q4 row (its bytes too) and
     its int8 down row (dtype "q4i8"); the kernels take them for one token
@@ -266,6 +266,10 @@ def test_q4_0_file_gates_stay_4_bit(pwri, tmp_path):
     assert not off.plan.sparse.q4_ups  # (ups apart only with the gates)
     assert "q4 gates and ups" in lm.plan.summary() and "ups" not in gates.plan.summary()
     assert "q4 gates" in gates.plan.summary() and "q4 gates" not in off.plan.summary()
+    for flags, rows in (([], "int8 rows, q4 gates and ups"), (["--no-q4-ups"], "int8 rows, q4 "
+                        "gates"), (["--no-q4-gates"], "int8 rows")):  # the CLI's plans
+        assert main(["info", "-m", str(path), *flags]) == 0
+        assert f"sparse FFN (predictor, {rows})" in capsys.readouterr().out
     D = cfg.d_model  # an int8 row: D bytes and D / 32 float32 scales; a q4 row: 18 per 32
     saved = cfg.n_layers * cfg.d_ff * (D + D // 32 * 4 - D // 32 * 18)
     assert off.plan.nbytes - gates.plan.nbytes == saved

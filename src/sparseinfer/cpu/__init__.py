@@ -20,6 +20,7 @@ llama.cpp's q8_0) and each block of weights is an integer dot product with it (F
     z = cpu.sparse_q4_gates(rows, idx, x)                # ... their raw gate dot products alone
     cpu.sparse_ffn_i8(rows8, scales, 32, gated, idx, X, out, ga, ua)  # ... over int8 bundles
     cpu.sparse_ffn_i8_q4g(rows8, scales, 32, gates, idx, x1, out1, ua)  # ... their gates as q4
+    cpu.sparse_ffn_i8_q4g(q4i8, None, 32, gates, idx, x1, out1, ua)  # ... and their ups as q4
     k = cpu.predict_f16(cpu.F16Predictor(fc1, fc2, thr), x, idx)  # a predictor's active set
     vals, ids = cpu.topk(logits, 40)                      # torch.topk of a float32 vector
     i = cpu.sample_topk(logits, 40, 0.95, 0.05, 0.8, u)   # top-k/p, min-p, temperature, draw u

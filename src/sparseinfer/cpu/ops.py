@@ -79,7 +79,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q5_1x16": (17, 32, 24),
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2, "avx2_vnni": 3}
-ABI_VERSION = 24
+ABI_VERSION = 25
 # ``SPARSEINFER_C_KERNELS=0`` in the environment: run as where the library cannot load (another
 # CPU architecture, an x86 CPU without AVX2): torch's kernels, the numba decode
 OFF_SWITCH = "SPARSEINFER_C_KERNELS"

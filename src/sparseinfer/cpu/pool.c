@@ -29,7 +29,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 24
+#define SI_ABI_VERSION 25
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128

@@ -218,11 +218,11 @@ class PackedFFN:
     """One FFN layer's weights bundled per neuron (see the module docstring)."""
 
     kind: str  # key of FFN_KINDS
-    dtype: str  # "fp32" | "bf16" | "int8"
+    dtype: str  # a key of DTYPES: "fp32" | "bf16" | "int8" | "q4" | "q4i8"
     d_model: int
     d_ff: int
     rows: torch.Tensor  # [d_ff, n_mats, d_model]; n_mats = 3 (gate, up, down_t) or 2 (up, down_t)
-    # (gates apart: [d_ff, stored_mats = 2, d_model])
+    # (gates apart: [d_ff, stored_mats = 2, d_model]; q4i8: uint8 [d_ff, 1, bundle bytes])
     scales: torch.Tensor | None = None  # int8: [d_ff, stored_mats, ceil(d_model / block)] float32
     block: int = 0  # int8 scale block size (d_model = per row); 0 if not int8
     up_bias: torch.Tensor | None = None  # [d_ff] fp32 (ungated MLPs); None = no bias
