@@ -3473,12 +3473,12 @@ INLINE void i8_dots_q(const int8_t *const *rp, const float *const *sp, const int
     for (int r = 0; r < R; r++) y[r] = hsum(acc[r]);
 }
 
-/* out += sum_r h[r] s_r[b] row_r over each block b, for R <= 4 rows. */
+/* out += sum_r h[r] s_r[b] row_r over each block b, for R <= 8 rows. */
 INLINE void i8_axpy(const int8_t *const *rp, const float *const *sp, const float *h, const int R,
                     const int d, const int block, float *out) {
     const int nbk = (d + block - 1) / block;
     for (int b = 0; b < nbk; b++) {
-        __m256 c[4];
+        __m256 c[8];
         for (int r = 0; r < R; r++) c[r] = _mm256_set1_ps(h[r] * sp[r][b]);
         const int j1 = (b + 1) * block < d ? (b + 1) * block : d;
         int j = b * block;
@@ -3503,19 +3503,26 @@ INLINE void i8_axpy(const int8_t *const *rp, const float *const *sp, const float
  * of d_model) with their scales (nbk per row, [gate,] up, down per neuron), for T tokens x
  * [T, d_model]: out[t] += sum_i h_i(x_t) * down_i. 4 neurons at a time, as si_sparse_q4. Each
  * token queues the down rows of its neurons whose h is not 0 (ReLU-family neurons selected that
- * did not fire add nothing) and adds them 4 at a time: a token's operations are those of a call
- * for it alone (the same bits), whatever the other tokens. Tokens are taken SPARSE_TOKENS at a
- * time (each group of rows read once for them); mask as si_sparse_q4's. Bundles of long rows
+ * did not fire add nothing) and adds them a few at a time (I8_DOWN_QUEUE): a token's operations
+ * are those of a call for it alone (the same bits), whatever the other tokens. Tokens are taken
+ * SPARSE_TOKENS at a time (each group of rows read once for them); mask as si_sparse_q4's.
+ * Bundles of long rows
  * (a 7B model's) are left to the hardware's prefetcher (prefetching the next bundles as
  * si_sparse_q4 does was slower there, from memory and from cache: benchmarks/RESULTS.md); short
  * ones, up to I8_PF_BUNDLE bytes (SmolLM2's 1,728), end before it ramps up, so the next group's
  * bundles and scales are fetched while a group is worked (benchmarks/RESULTS.md, session 39). */
 #define I8_PF_BUNDLE 4096
-/* A token's down row with its scales and h queued (qd, qs, qh, *nq), the 4 added to o when full. */
+/* A token's down rows queued, then added in one pass over out: 8 behind q4 ups (i8_ups' passes
+ * of 8; 4 were slower, benchmarks/RESULTS.md, session 50), else 4 (8 were not faster there).
+ * Either way each output's sum takes the rows in order: the same bits. */
+#define I8_DOWN_QUEUE 8
+/* A token's down row with its scales and h queued (qd, qs, qh, *nq), the Q added to o when full
+ * (Q <= I8_DOWN_QUEUE, a constant at each call). */
 INLINE void i8_queue_down(const int8_t *row, const float *sc, float h, const int8_t **qd,
-                          const float **qs, float *qh, int *nq, int d_model, int block, float *o) {
+                          const float **qs, float *qh, int *nq, int d_model, int block, float *o,
+                          const int Q) {
     qd[*nq] = row, qs[*nq] = sc, qh[*nq] = h;
-    if (++*nq == 4) i8_axpy(qd, qs, qh, 4, d_model, block, o), *nq = 0;
+    if (++*nq == Q) i8_axpy(qd, qs, qh, Q, d_model, block, o), *nq = 0;
 }
 
 /* R neurons of one token (their positions pos[0..R) in idx; R a constant at each call, so the
@@ -3547,7 +3554,7 @@ INLINE void i8_neurons(const int R, const int *pos, const int32_t *idx, const in
     for (int n = 0; n < R; n++) {
         const float h = gated ? act(ga, zg[n]) * act(ua, zu[n])
                               : act(ua, zu[n] + (bias ? bias[idx[pos[n]]] : 0.0f));
-        if (h != 0.0f) i8_queue_down(dr[n], ds[n], h, qd, qs, qh, nq, d_model, block, o);
+        if (h != 0.0f) i8_queue_down(dr[n], ds[n], h, qd, qs, qh, nq, d_model, block, o, 4);
     }
 }
 
@@ -3597,7 +3604,9 @@ INLINE void i8_ups(const int R, const int32_t *nid, const float *g, const int8_t
     }
     for (int n = 0; n < R; n++) {
         const float h = g[n] * act(ua, zu[n]);
-        if (h != 0.0f) i8_queue_down(dr[n], ds[n], h, qd, qs, qh, nq, d_model, block, o);
+        if (h != 0.0f)
+            i8_queue_down(dr[n], ds[n], h, qd, qs, qh, nq, d_model, block, o,
+                          q4u ? I8_DOWN_QUEUE : 4);
     }
 }
 
@@ -3660,9 +3669,9 @@ INLINE void i8_gates(const int R, const int *pos, const int32_t *idx, const int8
 void FN(si_sparse_i8_ups)(const int8_t *rows, size_t bundle_bytes, const float *scales, int nbk,
                           int block, int q4u, const int32_t *nid, const float *g, int k,
                           const float *x, const si_xq *xq, int d_model, int ua, float *out) {
-    const int8_t *qd[4];
-    const float *qs[4];
-    float qh[4];
+    const int8_t *qd[I8_DOWN_QUEUE];
+    const float *qs[I8_DOWN_QUEUE];
+    float qh[I8_DOWN_QUEUE];
     int nq = 0, i = 0;
     if (q4u) {
         for (; i + 8 <= k; i += 8)
@@ -3969,9 +3978,9 @@ void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scal
          * at a time: a mask's scattered neurons still go 4 rows to a pass), and its down rows
          * queued with their scales and h */
         int dq[SPARSE_TOKENS][4], ndq[SPARSE_TOKENS] = {0};
-        const int8_t *qd[SPARSE_TOKENS][4];
-        const float *qs[SPARSE_TOKENS][4];
-        float qh[SPARSE_TOKENS][4];
+        const int8_t *qd[SPARSE_TOKENS][I8_DOWN_QUEUE];
+        const float *qs[SPARSE_TOKENS][I8_DOWN_QUEUE];
+        float qh[SPARSE_TOKENS][I8_DOWN_QUEUE];
         int nq[SPARSE_TOKENS] = {0};
         /* gates first (ReLU gates: see si_sparse_q4): the neurons whose gate fired, waiting for
          * their up rows */
