@@ -503,7 +503,7 @@ def q4_gates_apart(src: ModelSource, ffn_dtype: str, bundled: str | None) -> boo
 def q4_ups_apart(src: ModelSource) -> bool:
     """Whether the file's up rows can stay 4-bit too where ``q4_gates_apart`` holds: an up
     tensor of its own stored as Q4_0 in every layer (the bundles then hold each neuron's q4 up
-    row and int8 down row: 27/32 of the bytes of int8 up and down rows and their scales, one
+    row and int8 down row: 3/4 of the bytes of int8 up and down rows and their scales, one
     read a fired neuron; benchmarks/RESULTS.md)."""
     cfg = src.config
     for i in range(cfg.n_layers):

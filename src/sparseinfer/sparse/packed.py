@@ -21,7 +21,7 @@ where its gate fired. ``rows_fp32`` and everything built on it see the three mat
 Dtype "q4i8" goes one step further for a file whose up rows are Q4_0 too: the gates apart as
 above, and each neuron's bundle (``rows`` uint8 ``[d_ff, 1, q4i8_layout(...).width]``) holds
 its down row's float32 scales (one per ``block``), its up row as a q4 row (the file's numbers),
-then its int8 down row — one contiguous read of 27/32 of an int8 up-and-down bundle's bytes and
+then its int8 down row — one contiguous read of 3/4 of an int8 up-and-down bundle's bytes and
 scales where a gate fired (benchmarks/RESULTS.md). ``scales`` is None: they are in the bundles.
 
 The kernels (``kernels.py``) and the torch references (``reference.py``) read only this layout.
