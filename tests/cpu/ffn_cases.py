@@ -37,6 +37,26 @@ def idx_of(d_ff: int, k: int, seed: int) -> torch.Tensor:
     return torch.sort(torch.randperm(d_ff, generator=g)[:k])[0].to(torch.int32)
 
 
+def assert_one_batch_masked(ffn: PackedFFN, X: torch.Tensor, idx: torch.Tensor, reference) -> None:
+    """``kernels.sparse_ffn`` on X[0] (one token), ``sparse_ffn_batch`` on X, and on X with a
+    random mask of idx, each token within ``reference(x, idx) -> (float64 out, tolerance)``."""
+    d = ffn.d_model
+    one = torch.full((d,), float("nan"))
+    kernels.sparse_ffn(X[0], ffn, idx, one)
+    want, tol = reference(X[0], idx)
+    torch.testing.assert_close(one.double(), want, rtol=0, atol=tol)
+    T = X.shape[0]
+    got, got_m = torch.full((T, d), float("nan")), torch.full((T, d), float("nan"))
+    kernels.sparse_ffn_batch(X, ffn, idx, got)
+    mask = torch.rand(T, idx.numel(), generator=torch.Generator().manual_seed(5)) < 0.6
+    kernels.sparse_ffn_batch(X, ffn, idx, got_m, mask)
+    for t in range(T):
+        want, tol = reference(X[t], idx)
+        torch.testing.assert_close(got[t].double(), want, rtol=0, atol=tol)
+        want, tol = reference(X[t], idx[mask[t]])
+        torch.testing.assert_close(got_m[t].double(), want, rtol=0, atol=tol)
+
+
 def batched_int8(kind: str, isa: str) -> bool:
     """Whether a call of several tokens over int8 rows of FFN ``kind`` takes the batched int8
     pass (``i8_batch`` in kernels.c: AVX-512, a gate that is not ReLU), whose sums run in another

@@ -30,7 +30,7 @@ from sparseinfer.sparse import kernels
 from sparseinfer.sparse.ffn import packed_to_device
 from sparseinfer.sparse.packed import PackedFFN, q4_blocks, quantize_q4_rows
 
-from .ffn_cases import idx_of, random_ffn
+from .ffn_cases import assert_one_batch_masked, idx_of, random_ffn
 
 gguf = pytest.importorskip("gguf")
 EPS = torch.finfo(torch.float32).eps
@@ -78,20 +78,8 @@ def test_q4_gates_match_the_reference(kind, k, isa, threads):
     ffn = ffn_with_gates(kind, d_model, d_ff, seed=k)
     idx = idx_of(d_ff, k, seed=k + 1)
     X = torch.randn(3, d_model, generator=torch.Generator().manual_seed(k))
-    one = torch.full((d_model,), float("nan"))
-    kernels.sparse_ffn(X[0], ffn, idx, one)  # one token: sparse_ffn_i8_q4g
-    want, tol = reference(ffn, X[0], idx)
-    torch.testing.assert_close(one.double(), want, rtol=0, atol=tol)
-    got = torch.full((3, d_model), float("nan"))
-    kernels.sparse_ffn_batch(X, ffn, idx, got)  # several: sparse_ffn_i8 with the gates
-    mask = torch.rand(3, k, generator=torch.Generator().manual_seed(5)) < 0.6
-    got_m = torch.full((3, d_model), float("nan"))
-    kernels.sparse_ffn_batch(X, ffn, idx, got_m, mask)
-    for t in range(3):
-        want, tol = reference(ffn, X[t], idx)
-        torch.testing.assert_close(got[t].double(), want, rtol=0, atol=tol)
-        want, tol = reference(ffn, X[t], idx[mask[t]])
-        torch.testing.assert_close(got_m[t].double(), want, rtol=0, atol=tol)
+    # one token: sparse_ffn_i8_q4g; several: sparse_ffn_i8 with the gates
+    assert_one_batch_masked(ffn, X, idx, lambda x, i: reference(ffn, x, i))
 
 
 def test_whole_bundles_with_gates_apart_skip_their_int8_gates(isa, threads):

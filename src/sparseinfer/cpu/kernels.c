@@ -3558,13 +3558,26 @@ INLINE void i8_neurons(const int R, const int *pos, const int32_t *idx, const in
     }
 }
 
+/* y[r] = row_r . x for R <= 8 q4 rows kept apart from int8 bundles (a ReLU gate's, q4 ups), x
+ * rounded (xqt): si_sparse_q4_gates' arithmetic (q4_dots_fixed, grouped where AVX-512's kernels
+ * have x's rearranged copies), each row's sum the same bits in any pass. */
+INLINE void q4_apart_dots(const uint8_t *const *in, const int R, const si_xq *xqt, const int nb,
+                          float *y) {
+#if SI_AVX512
+    const int grouped = nb / 4 && xqt->g; /* as si_sparse_q4_gates' */
+#else
+    const int grouped = 0;
+#endif
+    q4_dots_fixed(in, R, xqt, nb, grouped, y, NULL, 0, 0);
+}
+
 /* ReLU gates first (as si_sparse_q4): the up dot products, h and the down queue of R <= 8
  * neurons whose gates fired (ids nid[0..R), relu(gate) g[0..R)). int8 bundles: a bundle's up and
  * down rows are its last two (bundle_bytes / d_model rows: 3, or 2 when the gates are apart),
  * their scales in `scales`, the up products by i8_dots(_q) 4 rows at a time. q4 ups (q4u, x
  * rounded: xqt): a bundle holds its down row's nbk float32 scales, its up row as a q4 row (the
  * file's Q4_0 numbers), then its int8 down row (si_q4u_bytes), and the up products are
- * q4_dots_fixed's — the q4 gates' arithmetic, each row's sum the same bits in any pass. */
+ * q4_apart_dots' — the q4 gates' arithmetic. */
 INLINE void i8_ups(const int R, const int32_t *nid, const float *g, const int8_t *rows,
                    size_t bundle_bytes, const float *scales, int nbk, int block, int ua, int q4u,
                    const float *xt, const si_xq *xqt, int d_model, const int8_t **qd,
@@ -3581,12 +3594,7 @@ INLINE void i8_ups(const int R, const int32_t *nid, const float *g, const int8_t
             in[n] = b + 4 * (size_t)nbk;
             dr[n] = (const int8_t *)(in[n] + 18 * (size_t)nb);
         }
-#if SI_AVX512
-        const int grouped = nb / 4 && xqt->g; /* as the gates' */
-#else
-        const int grouped = 0;
-#endif
-        q4_dots_fixed(in, R, xqt, nb, grouped, zu, NULL, 0, 0);
+        q4_apart_dots(in, R, xqt, nb, zu);
     } else {
         const int8_t *ur[8];
         const float *us[8];
@@ -3628,13 +3636,7 @@ INLINE void i8_gates(const int R, const int *pos, const int32_t *idx, const int8
     if (gq) {
         const uint8_t *in[4];
         for (int n = 0; n < R; n++) in[n] = gq + (size_t)idx[pos[n]] * gstride;
-        const int nb = d_model / 32;
-#if SI_AVX512
-        const int grouped = nb / 4 && xqt->g; /* as si_sparse_q4_gates' */
-#else
-        const int grouped = 0;
-#endif
-        q4_dots_fixed(in, R, xqt, nb, grouped, zg, NULL, 0, 0);
+        q4_apart_dots(in, R, xqt, d_model / 32, zg);
     } else {
         const int8_t *gr[4];
         const float *gs[4];
