@@ -3506,11 +3506,11 @@ INLINE void i8_axpy(const int8_t *const *rp, const float *const *sp, const float
  * did not fire add nothing) and adds them a few at a time (I8_DOWN_QUEUE): a token's operations
  * are those of a call for it alone (the same bits), whatever the other tokens. Tokens are taken
  * SPARSE_TOKENS at a time (each group of rows read once for them); mask as si_sparse_q4's.
- * Bundles of long rows
- * (a 7B model's) are left to the hardware's prefetcher (prefetching the next bundles as
- * si_sparse_q4 does was slower there, from memory and from cache: benchmarks/RESULTS.md); short
- * ones, up to I8_PF_BUNDLE bytes (SmolLM2's 1,728), end before it ramps up, so the next group's
- * bundles and scales are fetched while a group is worked (benchmarks/RESULTS.md, session 39). */
+ * Bundles of long rows (a 7B model's) are left to the hardware's prefetcher (prefetching the
+ * next bundles as si_sparse_q4 does was slower there, from memory and from cache:
+ * benchmarks/RESULTS.md); short ones, up to I8_PF_BUNDLE bytes (SmolLM2's 1,728), end before
+ * it ramps up, so the next group's bundles and scales are fetched while a group is worked
+ * (benchmarks/RESULTS.md, session 39). */
 #define I8_PF_BUNDLE 4096
 /* A token's down rows queued, then added in one pass over out: 8 behind q4 ups (i8_ups' passes
  * of 8; 4 were slower, benchmarks/RESULTS.md, session 50), else 4 (8 were not faster there).
@@ -3986,8 +3986,8 @@ void FN(si_sparse_i8)(const int8_t *rows, size_t bundle_bytes, const float *scal
         int nq[SPARSE_TOKENS] = {0};
         /* gates first (ReLU gates: see si_sparse_q4): the neurons whose gate fired, waiting for
          * their up rows */
-        int32_t un[SPARSE_TOKENS][8];
-        float ug[SPARSE_TOKENS][8];
+        int32_t un[SPARSE_TOKENS][UPS_QUEUE(1)];
+        float ug[SPARSE_TOKENS][UPS_QUEUE(1)];
         int nu[SPARSE_TOKENS] = {0};
 #define NEURONS(R, pos, t)                                                                     \
     (gate_first                                                                                \
