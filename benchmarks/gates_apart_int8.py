@@ -31,9 +31,9 @@ the fired neurons' rows), each from memory (the pool of 4 layer copies and 8 set
 cache" (one layer and one set called again and again: ~7 MB, in the L3 where the machine's L3
 keeps it — a VM sharing its L3 keeps part), beside a plain read of the same rows
 (``cpu.read_gather``: the selected neurons' q4 gate rows; the fired neurons' int8 up and down
-rows, their scales not counted; E's bundles, scales and all) and the time those bytes take at the streaming read probe: a
-pass near its plain read is bound by how fast the memory serves its scattered rows, not by
-its arithmetic.
+rows, their scales not counted; E's bundles, scales and all) and the time those bytes take at
+the streaming read probe: a pass near its plain read is bound by how fast the memory serves its
+scattered rows, not by its arithmetic.
 """
 
 from __future__ import annotations

@@ -761,7 +761,8 @@ def _check_i8(rows: torch.Tensor, scales: torch.Tensor | None, block: int, gated
 
 
 def _check_q4u(rows: torch.Tensor, scales: torch.Tensor | None, block: int, gated: bool,
-               x: torch.Tensor, out: torch.Tensor, round_x: bool | None) -> tuple[int, int, int, bool]:
+               x: torch.Tensor, out: torch.Tensor,
+               round_x: bool | None) -> tuple[int, int, int, bool]:
     """``_check_i8`` for bundles of q4 ups (``PackedFFN`` dtype "q4i8"; d_model is x's)."""
     from ..sparse.packed import q4i8_layout
 

@@ -562,13 +562,13 @@ def rounds_x(ffn: PackedFFN) -> bool:
 
 def _run_c(x: torch.Tensor, ffn: PackedFFN, idx: torch.Tensor, out: torch.Tensor,
            mask: torch.Tensor | None = None) -> torch.Tensor:
-    """q4 or int8 rows (``in_c``): the C kernels (``sparseinfer.cpu.sparse_ffn_q4`` /
+    """q4, q4i8 or int8 rows (``in_c``): the C kernels (``sparseinfer.cpu.sparse_ffn_q4`` /
     ``sparse_ffn_i8``) on [T, d] x and out (``mask``: each token's own neurons among idx), in
     the C library's thread pool. int8 bundles with their gates apart (``ffn.gates``; q4i8
-    bundles too) take the gates from those q4 rows: one token without a mask in two passes over the pool (every gate,
-    then the fired neurons' up and down rows: ``sparse_ffn_i8_q4g``, measured faster than one
-    pass, benchmarks/gates_apart_int8.py), else in ``sparse_ffn_i8``'s one pass; a neuron's
-    gate is the same bits either way."""
+    bundles too) take the gates from those q4 rows: one token without a mask in two passes over
+    the pool (every gate, then the fired neurons' up and down rows: ``sparse_ffn_i8_q4g``,
+    measured faster than one pass, benchmarks/gates_apart_int8.py), else in ``sparse_ffn_i8``'s
+    one pass; a neuron's gate is the same bits either way."""
     from .. import cpu  # the C library: loaded (or reported missing) on first use
 
     if ffn.rows.device.type != "cpu":

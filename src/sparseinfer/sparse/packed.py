@@ -127,6 +127,7 @@ class Q4i8Layout:
 
 
 def q4i8_layout(d_model: int, block: int) -> Q4i8Layout:
+    """The layout of a "q4i8" bundle of ``d_model`` weights a row, scales per ``block``."""
     up = 4 * n_blocks(d_model, block)
     down = up + d_model // Q4_GROUP * Q4_BYTES
     return Q4i8Layout(up, down, -(-(down + d_model) // 4) * 4)
