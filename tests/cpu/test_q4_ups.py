@@ -8,7 +8,8 @@ masks), given uint8 bundles and no scales.
   independent decoder) and whose down rows are the int8 bundles' numbers they were made from, on
   x as the kernels round it; ReGLU and dReLU, every ISA and thread count here, widths with and
   without AVX-512's groups of 4 blocks, sets that fill and do not fill the passes of 8.
-- One token alone, in a batch, and the fired neurons alone sum the same terms.
+- One token alone, in a batch, and the fired neurons alone sum the same terms; more tokens
+  than a pass holds (split by neurons, by tokens), a token's row its own bits beside others.
 - ``PackedFFN``: ``with_q4_ups`` keeps the gate, up and down numbers (``rows_fp32``), the layout
   (bytes per neuron), ``select``; errors."""
 
@@ -81,6 +82,29 @@ def test_q4_ups_match_the_reference(kind, d_model, k, isa, threads):
     X = torch.randn(3, d_model, generator=torch.Generator().manual_seed(k))
     # one token: sparse_ffn_i8_q4g; several: sparse_ffn_i8 with the gates
     assert_one_batch_masked(ffn, X, idx, lambda x, i: reference(ffn, ups, apart, x, i))
+
+
+@pytest.mark.parametrize("T", [40, 90])
+def test_more_tokens_than_a_pass_holds(T, threads):
+    """More tokens than a pass of the per-token queues (16): 40 split between the threads by
+    neurons, 90 by tokens; with and without a mask, each row within the reference's tolerance,
+    and a token's row the same bits beside other tokens."""
+    ffn, apart = q4_ups_ffn("reglu", 64, 90, seed=T)
+    ups = ups_of(ffn)
+    idx = torch.arange(0, 90, 2, dtype=torch.int32)
+    X = torch.randn(T, 64, generator=torch.Generator().manual_seed(2))
+    mask = torch.rand(T, idx.numel(), generator=torch.Generator().manual_seed(3)) < 0.6
+    got = kernels.sparse_ffn_batch(X, ffn, idx, torch.full((T, 64), float("nan")))
+    got_m = kernels.sparse_ffn_batch(X, ffn, idx, torch.full((T, 64), float("nan")), mask)
+    for t in range(T):
+        want, tol = reference(ffn, ups, apart, X[t], idx)
+        torch.testing.assert_close(got[t].double(), want, rtol=0, atol=tol)
+        want, tol = reference(ffn, ups, apart, X[t], idx[mask[t]])
+        torch.testing.assert_close(got_m[t].double(), want, rtol=0, atol=tol)
+    X2 = torch.randn(T, 64, generator=torch.Generator().manual_seed(4))
+    X2[0] = X[0]
+    again = kernels.sparse_ffn_batch(X2, ffn, idx, torch.full((T, 64), float("nan")))
+    assert torch.equal(again[0], got[0])
 
 
 def test_one_token_a_batch_and_the_fired_alone_agree(isa):
