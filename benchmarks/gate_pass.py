@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 
 from sparseinfer import cpu
 from sparseinfer.bench import cpu_model, measure_read_bandwidth
 from sparseinfer.sparse.packed import empty_hugepages
+from timing import alternated
 
 D, F, LAYERS, SHARE = 4096, 11008, 8, 0.15
 W = D // 32 * 18  # a q4 row's bytes
@@ -42,18 +42,7 @@ def gate_rows(g: torch.Generator) -> torch.Tensor:
 
 
 def median_time(fn, rounds: int) -> float:
-    return statistics.median(alternated([fn], rounds)[0])
-
-
-def alternated(fns, rounds: int) -> list[list[float]]:
-    """Each of ``fns`` timed once a round, in turn, ``rounds`` times: the times of each."""
-    ts: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for f, t in zip(fns, ts):
-            t0 = time.perf_counter()
-            f()
-            t.append(time.perf_counter() - t0)
-    return ts
+    return statistics.median(alternated([lambda i: fn()], rounds)[0])
 
 
 def main() -> int:
@@ -72,8 +61,8 @@ def main() -> int:
         cpu.set_threads(threads)
         probe = measure_read_bandwidth(threads)
         gates, read = map(statistics.median, alternated(
-            [lambda: [cpu.sparse_q4_gates(r, i, x) for r, i in zip(layers, sets)],
-             lambda: [cpu.read_gather(r, W, W, i) for r, i in zip(layers, sets)]], a.rounds))
+            [lambda _: [cpu.sparse_q4_gates(r, i, x) for r, i in zip(layers, sets)],
+             lambda _: [cpu.read_gather(r, W, W, i) for r, i in zip(layers, sets)]], a.rounds))
         probe = max(probe, measure_read_bandwidth(threads))
         print(f"  {threads} thread(s): gate pass {nbytes / gates / 1e9:5.1f} GB/s, the same rows "
               f"read {nbytes / read / 1e9:5.1f} GB/s: {read / gates:.0%}; streaming read probe "

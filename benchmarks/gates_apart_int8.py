@@ -43,9 +43,9 @@ import math
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import alternated  # noqa: E402 (this folder, on the path above)
 
 
 def main() -> None:
@@ -127,27 +127,13 @@ def main() -> None:
         return
     fns = [int8_gates_first, q4_gates_then_int8, q4_gates_two_passes, q4_gates_one_pass,
            q4_ups_two_passes]
-    ta, tb, tc, td, te = (statistics.median(t) * 1e6 for t in blocks_of_8(fns, a.rounds))
+    ta, tb, tc, td, te = (statistics.median(t) * 1e6 for t in alternated(fns, a.rounds, 8))
     print(f"A int8 rows alone, gates first:         p50 {ta:6.0f} us")
     print(f"B q4 gate dots, then A over the fired:  p50 {tb:6.0f} us   B/A {tb / ta:.3f}")
     print(f"C q4 gates apart, two passes (1 token): p50 {tc:6.0f} us   C/A {tc / ta:.3f}")
     print(f"D q4 gates apart, A's one pass:         p50 {td:6.0f} us   D/A {td / ta:.3f}")
     print(f"E q4 gates and ups (q4i8), two passes:  p50 {te:6.0f} us   E/A {te / ta:.3f}   "
           f"E/C {te / tc:.3f}")
-
-
-def blocks_of_8(fns, rounds: int) -> list[list[float]]:
-    """Seconds of each call of each of ``fns`` (called with i + round), in blocks of 8 calls a
-    function a round, the functions' order reversed every other round."""
-    times: list[list[float]] = [[] for _ in fns]
-    for r in range(rounds):
-        order = list(zip(fns, times))
-        for fn, t in order if r % 2 == 0 else order[::-1]:
-            for i in range(8):
-                t0 = time.perf_counter()
-                fn(i + r)
-                t.append(time.perf_counter() - t0)
-    return times
 
 
 def split(rounds: int, apart, q4i8, sets, x, out) -> None:
@@ -198,7 +184,7 @@ def split(rounds: int, apart, q4i8, sets, x, out) -> None:
     for where, hot in (("from memory", False), ("in cache", True)):
         fns = calls(hot)
         p50 = {n: statistics.median(t) * 1e6
-               for n, t in zip(fns, blocks_of_8(list(fns.values()), rounds))}
+               for n, t in zip(fns, alternated(list(fns.values()), rounds, 8))}
         ups = p50["both"] - p50["gates"]
         print(f"{where}: C {p50['both']:.0f} us = gate pass {p50['gates']:.0f} "
               f"+ fired rows {ups:.0f} us; plain reads: gate rows {p50['read gates']:.0f} us "

@@ -31,7 +31,6 @@ import logging
 import math
 import os
 import statistics
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -41,6 +40,7 @@ from sparseinfer import cpu
 from sparseinfer.bench import cpu_model, measure_read_bandwidth
 from sparseinfer.sparse import kernels
 from sparseinfer.sparse.packed import PackedFFN, empty_hugepages
+from timing import call_times
 
 log = logging.getLogger("benchmarks.kernels")
 
@@ -74,17 +74,6 @@ def pool_of(ffn: PackedFFN, nbytes: int) -> list[PackedFFN]:
         layers.append(replace(ffn, rows=huge(ffn.rows), scales=clone(ffn.scales),
                               up_bias=clone(ffn.up_bias), gates=huge(ffn.gates)))
     return layers
-
-
-def call_times(fn, n_calls: int) -> list[float]:
-    """Seconds of each of ``n_calls`` calls ``fn(i)`` (after one warm-up call)."""
-    fn(0)
-    out = []
-    for i in range(1, n_calls + 1):
-        t0 = time.perf_counter()
-        fn(i)
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def time_dense(base: PackedFFN, x: torch.Tensor, weights: str, n_calls: int) -> list[float]:

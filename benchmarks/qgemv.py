@@ -46,6 +46,7 @@ import torch
 
 from sparseinfer import cpu
 from sparseinfer.bench import _parallel_sum
+from timing import call_times
 
 SHAPES = {  # rows x cols
     "llama-7b": [(4096, 4096), (11008, 4096), (4096, 11008)],
@@ -71,16 +72,6 @@ def cpu_info() -> tuple[str, str]:
     return model, " ".join(f for f in ISA_FLAGS if f in flags)
 
 
-def times(fn, n: int) -> list[float]:
-    fn(0)
-    out = []
-    for i in range(1, n + 1):
-        t0 = time.perf_counter()
-        fn(i)
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 IN_CACHE_SHAPE = (256, 4096)
 
 
@@ -96,7 +87,7 @@ def torch_int4(rows: int, cols: int, pool: int, n: int) -> list[float]:
         p, s = copies[i % pool]
         torch._weight_int4pack_mm_for_cpu(x, p, 32, s)
 
-    return times(call, n)
+    return call_times(call, n)
 
 
 def windows(buf: np.ndarray, type_name: str, rows: int, cols: int, n: int,
@@ -117,7 +108,7 @@ def ours(buf: np.ndarray, type_name: str, rows: int, cols: int, n: int,
     out = torch.empty(rows)
     x = torch.randn(cols)
     plans = [cpu.GemvPlan([m], [out]) for m in mats]
-    return times(lambda i: plans[i % k](x), calls), nbytes
+    return call_times(lambda i: plans[i % k](x), calls), nbytes
 
 
 def plain_read(buf: np.ndarray, type_name: str, rows: int, cols: int, n: int,
@@ -130,7 +121,7 @@ def plain_read(buf: np.ndarray, type_name: str, rows: int, cols: int, n: int,
     t = torch.from_numpy(buf)
     idx = [torch.arange(i * (rows // 16), (i + 1) * (rows // 16), dtype=torch.int32)
            for i in range(k)]
-    return times(lambda i: cpu.read_gather(t, run, run, idx[i % k]), calls)
+    return call_times(lambda i: cpu.read_gather(t, run, run, idx[i % k]), calls)
 
 
 BW_BYTES, BW_REPEATS = 64 * 2**20, 24  # per read: a few ms
