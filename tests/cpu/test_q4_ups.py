@@ -130,6 +130,12 @@ def test_packed_ffn_q4_ups_rules():
     assert q4i8_layout(4096, 32).width == 6912  # a 7B row: 512 + 2,304 + 4,096 bytes
     assert q4i8_layout(32, 32).width == 56  # 4 + 18 + 32, rounded up to 4
     assert ffn.dtype == "q4i8" and ffn.rows.shape == (20, 1, lay.width) and ffn.scales is None
+    g = torch.Generator().manual_seed(100)  # (q4_ups_ffn's draws: the up rows that went in)
+    _, up = (torch.randn(20, 64, generator=g) / 8 for _ in range(2))
+    b = ffn.rows[:, 0]  # the bundle byte by byte: down scales, q4 up row, int8 down row, padding
+    assert torch.equal(b[:, :lay.up], apart.scales[:, 1].contiguous().view(torch.uint8))
+    assert torch.equal(ups_of(ffn), quantize_q4_rows(up))
+    assert torch.equal(b[:, lay.down:lay.down + 64], apart.rows[:, 1].view(torch.uint8))
     assert ffn.stored_mats == 1 and ffn.n_mats == 3 and torch.equal(ffn.gates, apart.gates)
     w = ffn.rows_fp32()  # gate and up by gguf-py's decoder, down the int8 bundles' numbers
     assert torch.equal(w[:, 0].double(), gguf_rows(ffn.gates, 64))
