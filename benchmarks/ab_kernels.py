@@ -210,9 +210,14 @@ def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_b
     if apart:
         label += ", gates apart" + (", q4 ups" if apart == "q4i8" else "")
     mb = k * (base.rows[0, 0].numel() if gates else base.bytes_per_neuron) / 1e6
-    if apart:  # every selected neuron's gate row, the rest where it fired (about `fire` of them)
+    if apart:  # every selected neuron's gate row, the rest where it fired (counted: the gates'
+        # own arithmetic, sparseinfer.cpu's, over the sets)
+        from sparseinfer import cpu
+
         g_row = base.gates.shape[1]
-        mb = k * (g_row + fire * (base.bytes_per_neuron - g_row)) / 1e6
+        n_fired = statistics.fmean(int((cpu.sparse_q4_gates(base.gates, s, x) > 0).sum())
+                                   for s in sets)
+        mb = (k * g_row + n_fired * (base.bytes_per_neuron - g_row)) / 1e6
     fired = "" if fire is None else f", ReGLU with {fire:.0%} of the gates firing"
     where = ", in cache (--hot)" if hot else ""
     print(f"\nllama-7b {label}, 10% ({k} neurons, {mb:.2f} MB a call{fired}{where}); outputs "
