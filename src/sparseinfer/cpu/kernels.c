@@ -3604,11 +3604,9 @@ INLINE void i8_ups(const int R, const int32_t *nid, const float *g, const int8_t
             us[n] = scales + (size_t)nid[n] * nm * nbk + (nm - 2) * nbk;
             dr[n] = ur[n] + d_model, ds[n] = us[n] + nbk;
         }
-        for (int n0 = 0; n0 < R; n0 += 4) { /* (R a constant at each call: unrolled) */
-            const int m = R - n0 < 4 ? R - n0 : 4;
-            if (xqt) i8_dots_q(ur + n0, us + n0, m, xqt, d_model, block, zu + n0);
-            else i8_dots(ur + n0, us + n0, m, xt, d_model, block, zu + n0);
-        }
+        /* (R <= 4 here: UPS_QUEUE(0)) */
+        if (xqt) i8_dots_q(ur, us, R, xqt, d_model, block, zu);
+        else i8_dots(ur, us, R, xt, d_model, block, zu);
     }
     for (int n = 0; n < R; n++) {
         const float h = g[n] * act(ua, zu[n]);

@@ -109,6 +109,13 @@ class SparsePlan:
     # every neuron and the dense product is the faster way to it (``batch_ffn``)
     batch_dense: bool = False
 
+    def q4_rows_note(self, sep: str) -> str:
+        """What of the rows stays 4-bit beside the int8 rows, for the plan's lines ("" if
+        nothing), after ``sep``."""
+        if not self.q4_gates:
+            return ""
+        return sep + ("q4 gates and ups" if self.q4_ups else "q4 gates")
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -176,7 +183,7 @@ class Plan:
         lines = [f"plan: {self.config.name or self.config.arch}, --dtype {self.dtype}, device "
                  f"{self.device}, fused decode {'on' if self.fused_decode else 'off'}"
                  + (f", sparse FFN ({self.sparse.selector}, {self.sparse.ffn_dtype} rows"
-                    f"{q4_rows_note(self.sparse, ', ')}"
+                    f"{self.sparse.q4_rows_note(', ')}"
                     f"{', a dense copy for batches' if self.sparse.batch_dense else ''})"
                     if self.sparse else "")]
         for (storage, origin), (n, b) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
@@ -390,7 +397,7 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                 nbytes += sum(src.tensors[s].nbytes for s in ins) + dense_down_bytes(src, down)
             weights.append(WeightPlan(p + "ffn", "sparse", (*ins, down), (F, D), nbytes,
                                       f"{sparse.ffn_dtype} rows"
-                                      + q4_rows_note(sparse, " + ")
+                                      + sparse.q4_rows_note(" + ")
                                       + (" + a dense copy" if sparse.batch_dense else "")))
         else:
             ins = [p + f"ffn.{n}.weight" for n in (("gate", "up") if cfg.ffn.gated else ("up",))]
@@ -511,13 +518,6 @@ def q4_ups_apart(src: ModelSource) -> bool:
         if t is None or t.kind != "Q4_0" or tuple(t.shape) != (cfg.d_ff, cfg.d_model):
             return False
     return True
-
-
-def q4_rows_note(sparse: SparsePlan, sep: str) -> str:
-    """What of a sparse FFN's rows stays 4-bit beside its int8 rows, for the plan's lines."""
-    if not sparse.q4_gates:
-        return ""
-    return sep + ("q4 gates and ups" if sparse.q4_ups else "q4 gates")
 
 
 def dense_down_bytes(src: ModelSource, down: str) -> int:

@@ -61,9 +61,7 @@ def sparse_info(model, plan) -> SparseInfo | None:
     if sp is None:
         return None
     modules = [b.ffn for b in model.layers if isinstance(b.ffn, SparseFFN)]
-    from ..models.plan import q4_rows_note
-
-    rows = sp.ffn_dtype + q4_rows_note(sp, " + ")
+    rows = sp.ffn_dtype + sp.q4_rows_note(" + ")
     return SparseInfo(sp.selector, rows, sp.device, list(sp.thresholds),
                       list(sp.hot_counts), modules)
 
