@@ -13,24 +13,24 @@ import torch
 
 from sparseinfer import cpu
 from sparseinfer.cpu import reference as ref
-from sparseinfer.cpu.panels import from_panels, to_panels, to_panels_ref
+from sparseinfer.cpu.panels import from_panels, panel_type, to_panels, to_panels_ref
 
 gguf = pytest.importorskip("gguf")
 
 
-def checked_panels(raw: np.ndarray, type_name: str, rows: int, cols: int, threads: int
-                   ) -> np.ndarray:
+def checked_panels(raw: np.ndarray, type_name: str, rows: int, cols: int, threads: int,
+                   panel: str | None = None) -> np.ndarray:
     """``to_panels`` on ``threads`` threads, checked against the numpy rearrangement and undone
     exactly by ``from_panels``."""
     before = cpu.get_threads()
     cpu.set_threads(threads)
     try:
-        pan = to_panels(raw, type_name, rows, cols)
+        pan = to_panels(raw, type_name, rows, cols, panel)
     finally:
         cpu.set_threads(before)
     assert pan.shape == (raw.size,)
-    assert np.array_equal(pan, to_panels_ref(raw, type_name, rows, cols))
-    assert np.array_equal(from_panels(pan, type_name, rows, cols), raw)
+    assert np.array_equal(pan, to_panels_ref(raw, type_name, rows, cols, panel))
+    assert np.array_equal(from_panels(pan, type_name, rows, cols, panel), raw)
     return pan
 
 
@@ -134,6 +134,72 @@ def test_q6_k_round_trip_and_layout(threads):
         for u in range(32):  # ql words
             assert np.array_equal(blk[1312 + 64 * u + 4 * r:1316 + 64 * u + 4 * r],
                                   src[r, 4 * u:4 + 4 * u])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q6_k_bytes_round_trip_and_layout(threads):
+    """Q6_Kx16b (Q6_K's six-bit weights byte-aligned): the C rearrangement equals the numpy one
+    over 35 panels, both undo exactly, and each weight sits where qgemv.h says — the weights read
+    here from gguf-py's dequantization of blocks with d = 1 and every scale 1 (q - 32 exactly),
+    not from our own reading of ql and qh."""
+    rng = np.random.default_rng(3)
+    rows, cols = 560, 768
+    raw = k_rows("Q6_K", rows, cols, rng)
+    blocks = raw.reshape(rows, cols // 256, 210)
+    blocks[:, :, 192:208] = 1  # every sub-block's scale
+    blocks[:, :, 208:210] = np.array([1.0], np.float16).view(np.uint8)
+    pan = checked_panels(raw, "Q6_K", rows, cols, threads, "Q6_Kx16b")
+    q = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K).reshape(rows, cols) + 32
+    assert q.min() >= 0 and q.max() <= 63 and np.array_equal(q, np.round(q))
+    q = q.astype(np.int64)
+    for p, sb in ((1, 2), (34, 0)):  # panel, super-block column
+        blk = pan.reshape(rows // 16, cols // 256, 3360)[p, sb]
+        src = raw[16 * p:16 * p + 16, 210 * sb:210 * sb + 210]
+        d = src[:, 208:210].copy().view(np.uint16)[:, 0]
+        assert np.array_equal(blk[:32].view(np.uint16), d)
+        assert np.array_equal(blk[32:288].reshape(16, 16), src[:, 192:208].T)  # scale i, row r
+        w = q[16 * p:16 * p + 16, 256 * sb:256 * sb + 256].reshape(16, 16, 4, 4)  # r, i, c, e
+        words = blk[288:].reshape(16, 3, 16, 4)  # i, m, r, e
+        for m in range(3):
+            want = w[:, :, m, :] | ((w[:, :, 3, :] >> (2 * m)) & 3) << 6  # r, i, e
+            assert np.array_equal(words[:, m].transpose(1, 0, 2), want)
+
+
+def test_panel_type_by_isa_and_errors():
+    """Q6_K takes the byte-aligned panels on the 256-bit ISAs, its Q6_Kx16 ones on AVX-512; the
+    other types have one panel type; a panel type of another file type is refused."""
+    assert [panel_type("Q6_K", i) for i in ("avx2", "avx2_vnni", "avx2_128", "avx512")] == \
+        ["Q6_Kx16b", "Q6_Kx16b", "Q6_Kx16b", "Q6_Kx16"]
+    assert panel_type("Q4_K", "avx2") == "Q4_Kx16" and panel_type("Q3_K", "avx2") is None
+    raw = np.zeros(16 * 210, np.uint8)
+    with pytest.raises(ValueError, match=r"panel type of Q4_K: expected one of \['Q4_Kx16'\], "
+                                         r"got 'Q6_Kx16b'"):
+        to_panels_ref(raw, "Q4_K", 16, 256, "Q6_Kx16b")
+    with pytest.raises(ValueError, match="panel type of Q6_K: expected one of"):
+        from_panels(raw, "Q6_K", 16, 256, "Q4_Kx16")
+
+
+def test_q6_k_layouts_agree(isa, threads):
+    """Q6_Kx16b's kernels (the same 256-bit code on every ISA) do Q6_Kx16's integer sums and
+    float operations: the same bits for one x row and for batches, on every ISA and thread
+    count here; the GEMV of rows of 64 blocks or more reads two panels at once (5 panels: pairs
+    and one alone), rows of 1,024 columns one at a time."""
+    rng = np.random.default_rng(4)
+    for rows, cols in ((80, 2304), (48, 1024)):
+        assert_q6_k_layouts_agree(rows, cols, rng)
+
+
+def assert_q6_k_layouts_agree(rows: int, cols: int, rng: np.random.Generator) -> None:
+    raw = k_rows("Q6_K", rows, cols, rng)
+    mats = [cpu.QuantMatrix(p, to_panels(raw, "Q6_K", rows, cols, p), rows, cols)
+            for p in ("Q6_Kx16", "Q6_Kx16b")]
+    X = torch.randn(11, cols, generator=torch.Generator().manual_seed(1))
+    a, b = (cpu.gemm(m, X) for m in mats)
+    assert torch.equal(a, b)
+    for t in (0, 7):
+        outs = [torch.empty(rows), torch.empty(rows)]
+        cpu.gemv(mats, X[t].contiguous(), outs)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], b[t])
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K",

@@ -1174,7 +1174,7 @@ INLINE int panel_bytes(const int type) {
            : type == SI_Q5_1P ? 16 * 24
            : type == SI_Q4_KP ? 16 * 18 /* a super-block column's 16 x 144 bytes per 256 */
            : type == SI_Q5_KP ? 16 * 22 /* 16 x 176 per 256 */
-           : type == SI_Q6_KP ? 16 * 210 / 8
+           : type == SI_Q6_KP || type == SI_Q6_KB ? 16 * 210 / 8
                               : 16 * 34;
 }
 
@@ -1649,6 +1649,123 @@ INLINE __m256i q6p_word8(const uint8_t *pb, const int h, const int s, const int 
     return q6p_bits8(l, qh, s);
 }
 
+
+/* SI_Q6_KB (qgemv.h): sub-block i's word m at Q6B_QS + 192 i + 64 m. */
+#define Q6B_QS 288
+
+/* The 4 words of sub-block i (weights 16 i + 4 c .. 16 i + 4 c + 3, c = 0..3) of an SI_Q6_KB
+ * super-block column at pb, rows 8 rh .. 8 rh + 7, as unsigned bytes (q + 32): three words'
+ * low 6 bits, and the fourth word from their top 2 bits. */
+INLINE void q6b_words8(const uint8_t *pb, const int i, const int rh, __m256i *w) {
+    const uint8_t *q = pb + Q6B_QS + 192 * i + 32 * rh;
+    const __m256i m6 = _mm256_set1_epi8(0x3F), top = _mm256_set1_epi8((char)0xC0);
+    __m256i b[3];
+    for (int m = 0; m < 3; m++) {
+        b[m] = _mm256_loadu_si256((const __m256i *)(q + 64 * m));
+        w[m] = _mm256_and_si256(b[m], m6);
+    }
+    w[3] = _mm256_or_si256(_mm256_or_si256(_mm256_srli_epi16(_mm256_and_si256(b[0], top), 6),
+                                           _mm256_srli_epi16(_mm256_and_si256(b[1], top), 4)),
+                           _mm256_srli_epi16(_mm256_and_si256(b[2], top), 2));
+}
+
+/* 16 rows of Q6_K panels (kb: SI_Q6_KB, else SI_Q6_KP) against nt x rows in 256-bit vectors
+ * (the AVX2 builds' GEMM, and every build's for SI_Q6_KB): two halves of 8 rows, one after the
+ * other; the same integer sums (the products of two words summed in int16: at most 4 x 63 x 127
+ * = 32004) and float operations as panel_q6k. */
+INLINE void panel_q6k_256(const int kb, const uint8_t *p, const si_xq *x, const int nt, const int nsb,
+                          float *y, const int64_t ys) {
+    for (int rh = 0; rh < 2; rh++) {
+        __m256 acc[PANEL_T];
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+        for (int sb = 0; sb < nsb; sb++) {
+            const uint8_t *pb = p + (size_t)sb * Q6P_BYTES;
+            const __m256 d = _mm256_cvtph_ps(load128(pb + 16 * rh));
+            for (int h = 0; h < 2; h++) {
+                __m256i isum[PANEL_T];
+#pragma GCC unroll 8
+                for (int t = 0; t < nt; t++) isum[t] = _mm256_setzero_si256();
+                for (int k = 0; k < 8; k++) {
+                    const int s = k >> 1, c0 = 4 * (k & 1), i = 8 * h + k;
+                    if (rh == 0)
+                        prefetch(pb + PANEL_AHEAD + (Q6P_BYTES / 16) * i, Q6P_BYTES / 16, 0);
+                    __m256i w[4];
+                    if (kb) q6b_words8(pb, i, rh, w);
+                    else
+                        for (int c = 0; c < 4; c++) w[c] = q6p_word8(pb, h, s, c0 + c, rh);
+                    const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(pb + Q6P_SC + 16 * i + 8 * rh)));
+                    const size_t xo = 256 * (size_t)sb + 128 * h + 32 * s + 4 * c0;
+#pragma GCC unroll 8
+                    for (int t = 0; t < nt; t++) {
+                        int32_t xw[4];
+                        memcpy(xw, x[t].kq + xo, 16);
+                        const __m256i z = _mm256_setzero_si256();
+                        const __m256i a = chain_add(chain_add(z, w[0], _mm256_set1_epi32(xw[0])), w[1], _mm256_set1_epi32(xw[1]));
+                        const __m256i b = chain_add(chain_add(z, w[2], _mm256_set1_epi32(xw[2])), w[3], _mm256_set1_epi32(xw[3]));
+                        __m256i dot = _mm256_add_epi32(chain_sum(a), chain_sum(b));
+                        dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-32 * (int32_t)x[t].kbs[16 * (size_t)sb + i]));
+                        isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(dot, sc));
+                    }
+                }
+#pragma GCC unroll 8
+                for (int t = 0; t < nt; t++)
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]),
+                                             _mm256_mul_ps(d, _mm256_set1_ps(x[t].kd[2 * (size_t)sb + h])), acc[t]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * rh, acc[t]);
+    }
+}
+
+/* SI_Q6_KB for one x row, in 256-bit vectors on every build: np (1 or 2, a constant) panels
+ * pp[n] side by side (two streams in flight), their outputs at yy[n]; per sub-block, x's 4
+ * words broadcast once for every panel and half of 8 rows; the integer sums (exact) and float
+ * operations of panel_q6k, so the two layouts give the same bits. */
+INLINE void panel_q6kb_1s(const int np, const uint8_t *const *pp, const si_xq *x, const int nsb,
+                          float *const *yy) {
+    __m256 acc[2][2];
+    for (int n = 0; n < np; n++) acc[n][0] = acc[n][1] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const size_t o = (size_t)sb * Q6P_BYTES;
+        for (int h = 0; h < 2; h++) {
+            __m256i isum[2][2];
+            for (int n = 0; n < np; n++) isum[n][0] = isum[n][1] = _mm256_setzero_si256();
+            for (int k = 0; k < 8; k++) {
+                const int i = 8 * h + k;
+                for (int n = 0; n < np; n++) prefetch(pp[n] + o + PANEL_AHEAD + (Q6P_BYTES / 16) * i, Q6P_BYTES / 16, 0);
+                int32_t xw[4];
+                memcpy(xw, x->kq + 256 * (size_t)sb + 16 * i, 16);
+                const __m256i kb = _mm256_set1_epi32(-32 * (int32_t)x->kbs[16 * (size_t)sb + i]);
+                for (int n = 0; n < np; n++)
+                    for (int rh = 0; rh < 2; rh++) {
+                        __m256i w[4];
+                        q6b_words8(pp[n] + o, i, rh, w);
+                        const __m256i z = _mm256_setzero_si256();
+                        const __m256i a = chain_add(chain_add(z, w[0], _mm256_set1_epi32(xw[0])), w[1], _mm256_set1_epi32(xw[1]));
+                        const __m256i b = chain_add(chain_add(z, w[2], _mm256_set1_epi32(xw[2])), w[3], _mm256_set1_epi32(xw[3]));
+                        const __m256i dot = _mm256_add_epi32(_mm256_add_epi32(chain_sum(a), chain_sum(b)), kb);
+                        const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(pp[n] + o + Q6P_SC + 16 * i + 8 * rh)));
+                        isum[n][rh] = _mm256_add_epi32(isum[n][rh], _mm256_mullo_epi32(dot, sc));
+                    }
+            }
+            const __m256 dk = _mm256_set1_ps(x->kd[2 * (size_t)sb + h]);
+            for (int n = 0; n < np; n++)
+                for (int rh = 0; rh < 2; rh++)
+                    acc[n][rh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n][rh]),
+                                                 _mm256_mul_ps(_mm256_cvtph_ps(load128(pp[n] + o + 16 * rh)), dk), acc[n][rh]);
+        }
+    }
+    for (int n = 0; n < np; n++)
+        for (int rh = 0; rh < 2; rh++) _mm256_storeu_ps(yy[n] + 8 * rh, acc[n][rh]);
+}
+INLINE void panel_q6kb(const uint8_t *p, const si_xq *x, const int nt, const int nsb, float *y,
+                       const int64_t ys) {
+    if (nt == 1) panel_q6kb_1s(1, &p, x, nsb, &y);
+    else panel_q6k_256(1, p, x, nt, nsb, y, ys);
+}
+
 #if SI_AVX512
 /* Word c of group s of half h, all 16 rows. */
 INLINE __m512i q6p_word16(const uint8_t *pb, const int h, const int s, const int c) {
@@ -1747,54 +1864,10 @@ INLINE void panel_q6k_1(const uint8_t *p, const si_xq *x, const int nsb, float *
     }
     for (int rh = 0; rh < 2; rh++) _mm256_storeu_ps(y + 8 * rh, acc[rh]);
 }
-/* The AVX2 builds: two halves of 8 rows, one after the other; the same integer sums (the
- * products of two words summed in int16: at most 4 x 63 x 127 = 32004) and float operations. */
 INLINE void panel_q6k(const uint8_t *p, const si_xq *x, const int nt, const int nsb, float *y,
                       const int64_t ys) {
-    if (nt == 1) {
-        panel_q6k_1(p, x, nsb, y);
-        return;
-    }
-    for (int rh = 0; rh < 2; rh++) {
-        __m256 acc[PANEL_T];
-#pragma GCC unroll 8
-        for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
-        for (int sb = 0; sb < nsb; sb++) {
-            const uint8_t *pb = p + (size_t)sb * Q6P_BYTES;
-            const __m256 d = _mm256_cvtph_ps(load128(pb + 16 * rh));
-            for (int h = 0; h < 2; h++) {
-                __m256i isum[PANEL_T];
-#pragma GCC unroll 8
-                for (int t = 0; t < nt; t++) isum[t] = _mm256_setzero_si256();
-                for (int k = 0; k < 8; k++) {
-                    const int s = k >> 1, c0 = 4 * (k & 1), i = 8 * h + k;
-                    if (rh == 0)
-                        prefetch(pb + PANEL_AHEAD + (Q6P_BYTES / 16) * i, Q6P_BYTES / 16, 0);
-                    __m256i w[4];
-                    for (int c = 0; c < 4; c++) w[c] = q6p_word8(pb, h, s, c0 + c, rh);
-                    const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(pb + Q6P_SC + 16 * i + 8 * rh)));
-                    const size_t xo = 256 * (size_t)sb + 128 * h + 32 * s + 4 * c0;
-#pragma GCC unroll 8
-                    for (int t = 0; t < nt; t++) {
-                        int32_t xw[4];
-                        memcpy(xw, x[t].kq + xo, 16);
-                        const __m256i z = _mm256_setzero_si256();
-                        const __m256i a = chain_add(chain_add(z, w[0], _mm256_set1_epi32(xw[0])), w[1], _mm256_set1_epi32(xw[1]));
-                        const __m256i b = chain_add(chain_add(z, w[2], _mm256_set1_epi32(xw[2])), w[3], _mm256_set1_epi32(xw[3]));
-                        __m256i dot = _mm256_add_epi32(chain_sum(a), chain_sum(b));
-                        dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-32 * (int32_t)x[t].kbs[16 * (size_t)sb + i]));
-                        isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(dot, sc));
-                    }
-                }
-#pragma GCC unroll 8
-                for (int t = 0; t < nt; t++)
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]),
-                                             _mm256_mul_ps(d, _mm256_set1_ps(x[t].kd[2 * (size_t)sb + h])), acc[t]);
-            }
-        }
-#pragma GCC unroll 8
-        for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * rh, acc[t]);
-    }
+    if (nt == 1) panel_q6k_1(p, x, nsb, y);
+    else panel_q6k_256(0, p, x, nt, nsb, y, ys);
 }
 #endif
 
@@ -1812,6 +1885,10 @@ INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt
     }
     if (type == SI_Q6_KP) {
         panel_q6k(p, x, nt, nb / 8, y, ys);
+        return;
+    }
+    if (type == SI_Q6_KB) {
+        panel_q6kb(p, x, nt, nb / 8, y, ys);
         return;
     }
     if (type == SI_Q5_0P || type == SI_Q5_1P) {
@@ -1908,6 +1985,10 @@ INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt
         panel_q6k(p, x, nt, nb / 8, y, ys);
         return;
     }
+    if (type == SI_Q6_KB) {
+        panel_q6kb(p, x, nt, nb / 8, y, ys);
+        return;
+    }
     if (type == SI_Q8_0P) {
         if (nt == 1) panel_q8_1(p, x, nb, y);
         else panel_q8(p, x, nt, nb, y, ys);
@@ -1948,6 +2029,7 @@ static void panel_rows(const int type, const uint8_t *w, const int nrows, const 
         else if (type == SI_Q4_KP) PR(SI_Q4_KP, N);                                            \
         else if (type == SI_Q5_KP) PR(SI_Q5_KP, N);                                            \
         else if (type == SI_Q6_KP) PR(SI_Q6_KP, N);                                            \
+        else if (type == SI_Q6_KB) PR(SI_Q6_KB, N);                                            \
         else PR(SI_Q8_0P, N);                                                                  \
         break
         switch (nt) {
@@ -1999,6 +2081,19 @@ static void panel_gemv(const int type, const uint8_t *w, const int nrows, const 
     switch (type) {
         PG2(SI_Q4_0P); PG2(SI_Q4_1P); PG2(SI_Q5_0P); PG2(SI_Q5_1P);
         PG(SI_Q4_KP); PG(SI_Q5_KP); PG(SI_Q6_KP); PG(SI_Q8_0P);
+    case SI_Q6_KB: { /* every build: panel i beside panel i + np / 2 from PANEL_TWO_NB blocks */
+        const int np = nrows / SI_PANEL, half = nb >= PANEL_TWO_NB ? np / 2 : 0;
+        for (int i = 0; i < half; i++) {
+            const uint8_t *pp[2] = {w + (size_t)i * pb, w + (size_t)(i + half) * pb};
+            float *yy[2] = {y + SI_PANEL * i, y + SI_PANEL * (i + half)};
+            panel_q6kb_1s(2, pp, x, nb / 8, yy);
+        }
+        for (int i = 2 * half; i < np; i++) {
+            const uint8_t *p1 = w + (size_t)i * pb;
+            float *y1 = y + SI_PANEL * i;
+            panel_q6kb_1s(1, &p1, x, nb / 8, &y1);
+        }
+    } break;
     default: break; /* si_is_panel: one of these */
     }
 #undef PG2

@@ -77,9 +77,10 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q5_Kx16": (15, 256, 176),
     "Q6_Kx16": (16, 256, 210),
     "Q5_1x16": (17, 32, 24),
+    "Q6_Kx16b": (18, 256, 210),  # Q6_K panels, six-bit weights byte-aligned
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2, "avx2_vnni": 3}
-ABI_VERSION = 25
+ABI_VERSION = 26
 # ``SPARSEINFER_C_KERNELS=0`` in the environment: run as where the library cannot load (another
 # CPU architecture, an x86 CPU without AVX2): torch's kernels, the numba decode
 OFF_SWITCH = "SPARSEINFER_C_KERNELS"
@@ -286,14 +287,14 @@ def _check_rows_at(positions: torch.Tensor, slots: torch.Tensor, B: int, max_seq
             raise ValueError(f"{name}: expected values in [0, {hi}), got {t.tolist()}")
 
 
-def to_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
+def to_panels(raw: np.ndarray, type_name: str, rows: int, cols: int, panel: str) -> np.ndarray:
     """``panels.to_panels_ref`` on the library's pool: rows of a ``panels.PANEL_TYPES`` type as
-    the file stores them -> the same bytes in panels of 16 rows (a new array; qgemv.h has the
-    layout)."""
+    the file stores them -> the same bytes in panels of 16 rows of type ``panel`` (a new array;
+    qgemv.h has the layout)."""
     src = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8)).reshape(-1)
     check_panel_shape(src, type_name, rows, cols)
     out = np.empty(src.size, dtype=np.uint8)
-    _check(_lib.si_to_panels(TYPES[type_name][0], src.ctypes.data, rows, cols, out.ctypes.data),
+    _check(_lib.si_to_panels(TYPES[panel][0], src.ctypes.data, rows, cols, out.ctypes.data),
            "to_panels")
     return out
 
@@ -455,7 +456,8 @@ class QuantMatrix:
         """The blocks as the file lays them out: uint8 [rows, row bytes] (panels undone)."""
         raw = self.raw.numpy() if isinstance(self.raw, torch.Tensor) else np.asarray(self.raw)
         if self.type_name in FILE_TYPES:
-            return from_panels(raw, FILE_TYPES[self.type_name], self.rows, self.cols)
+            return from_panels(raw, FILE_TYPES[self.type_name], self.rows, self.cols,
+                               self.type_name)
         return raw.reshape(self.rows, -1)
 
 

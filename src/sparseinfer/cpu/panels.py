@@ -1,7 +1,9 @@
 """Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K weights rearranged in panels of 16 rows
 for the C kernels (types ``Q4_0x16`` ... ``Q5_1x16``; layout in ``qgemv.h``; Q5_0/Q5_1's fifth bits
 transposed within their word; Q4_K/Q5_K's six-bit scales and minima regrouped, each sub-block of
-32 a block to the kernels; Q6_K's scales row by row): one integer dot product then
+32 a block to the kernels; Q6_K's scales row by row, and in ``Q6_Kx16b`` its six-bit weights
+byte-aligned, three words holding four, the layout plain AVX2 unpacks fastest:
+``panel_type``): one integer dot product then
 multiplies 4 bytes of the input with 4 weights of each of 16 rows, and the products stay in one
 lane per row, so a GEMM over a few input rows does a third to half of the instructions of the
 row-major kernels (a batched decode step, a prompt). The bytes per row are the file's; the
@@ -10,6 +12,7 @@ rearranged copy replaces the mapped rows (``models/build.py`` releases their pag
     raw16 = to_panels(raw, "Q4_1", rows, cols)      # file rows -> panels (a new array, C)
     raw16 = to_panels_ref(raw, "Q4_1", rows, cols)  # the same in numpy
     raw = from_panels(raw16, "Q4_1", rows, cols)    # and back (the references decode that)
+    to_panels(raw, "Q6_K", rows, cols, panel_type("Q6_K", "avx2"))  # "Q6_Kx16b"
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ PANEL = 16  # rows per panel
 # the file's type -> its panel type (cpu.TYPES)
 PANEL_TYPES = {"Q4_0": "Q4_0x16", "Q4_1": "Q4_1x16", "Q8_0": "Q8_0x16", "Q5_0": "Q5_0x16",
                "Q4_K": "Q4_Kx16", "Q5_K": "Q5_Kx16", "Q6_K": "Q6_Kx16", "Q5_1": "Q5_1x16"}
-FILE_TYPES = {v: k for k, v in PANEL_TYPES.items()}
+# Q6_K's other layout (byte-aligned six-bit weights; every ISA's kernels take both)
+FILE_TYPES = {**{v: k for k, v in PANEL_TYPES.items()}, "Q6_Kx16b": "Q6_K"}
 # fp16 words (scale, Q4_1's minimum) per block, block bytes; the rest are 4-byte quant words
 _FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34), "Q5_0": (1, 22), "Q5_1": (2, 24),
            "Q4_K": (2, 144), "Q5_K": (2, 176), "Q6_K": (1, 210)}
@@ -41,6 +45,26 @@ def _transpose_bits(words: np.ndarray, inverse: bool = False) -> np.ndarray:
     return np.packbits(out, axis=-1, bitorder="little")
 
 
+def panel_type(type_name: str, isa: str) -> str | None:
+    """The panel type the kernels of ``isa`` (``cpu.ISAS``) read fastest for a matrix of
+    ``type_name`` (None: no panel layout): ``PANEL_TYPES``', except Q6_K off AVX-512, whose
+    256-bit kernels unpack ``Q6_Kx16b``'s byte-aligned weights with a third fewer operations
+    (benchmarks/RESULTS.md)."""
+    if type_name == "Q6_K" and isa != "avx512":
+        return "Q6_Kx16b"
+    return PANEL_TYPES.get(type_name)
+
+
+def _panel_of(type_name: str, panel: str | None) -> str:
+    """``panel`` (default: ``type_name``'s in ``PANEL_TYPES``) checked to be a panel type of
+    ``type_name``."""
+    panel = PANEL_TYPES.get(type_name) if panel is None else panel
+    if FILE_TYPES.get(panel) != type_name:
+        kinds = [k for k, v in FILE_TYPES.items() if v == type_name]
+        raise ValueError(f"panel type of {type_name}: expected one of {kinds}, got {panel!r}")
+    return panel
+
+
 def check_panel_shape(raw: np.ndarray, type_name: str, rows: int, cols: int
                       ) -> tuple[int, int, int]:
     """(scale words per row and block, block bytes, blocks per row) of a ``type_name`` matrix
@@ -59,20 +83,26 @@ def check_panel_shape(raw: np.ndarray, type_name: str, rows: int, cols: int
     return words, bsize, nb
 
 
-def to_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
-    """The file's rows of ``type_name`` blocks (uint8, rows x row bytes) as panels, a new flat
-    array, rearranged by the C library on its pool (``to_panels_ref``: the same in numpy)."""
+def to_panels(raw: np.ndarray, type_name: str, rows: int, cols: int,
+              panel: str | None = None) -> np.ndarray:
+    """The file's rows of ``type_name`` blocks (uint8, rows x row bytes) as panels of type
+    ``panel`` (default ``PANEL_TYPES[type_name]``), a new flat array, rearranged by the C library
+    on its pool (``to_panels_ref``: the same in numpy)."""
     from .ops import to_panels as on_pool  # the library loads on first use
 
-    return on_pool(raw, type_name, rows, cols)
+    return on_pool(raw, type_name, rows, cols, _panel_of(type_name, panel))
 
 
-def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
+def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int,
+                  panel: str | None = None) -> np.ndarray:
     """``to_panels`` in numpy: per panel and block column, the 16 rows' scales (and Q4_1's
     minima), then their quant words (4 per Q4 block, 8 per Q8_0; Q5_0/Q5_1: its fifth-bit word,
     transposed, then 4), word by word; the K-quants as qgemv.h lays them out."""
+    panel = _panel_of(type_name, panel)
     words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
     blk = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, bsize)
+    if panel == "Q6_Kx16b":
+        return _q6kb_to_panels(blk)
     if type_name == "Q6_K":
         return _q6k_to_panels(blk)
     if type_name in _ELEMS:
@@ -89,10 +119,14 @@ def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.n
     return out.reshape(-1)
 
 
-def from_panels(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
+def from_panels(raw: np.ndarray, type_name: str, rows: int, cols: int,
+                panel: str | None = None) -> np.ndarray:
     """``to_panels`` undone: the file's rows (uint8, rows x row bytes)."""
+    panel = _panel_of(type_name, panel)
     words, bsize, nb = check_panel_shape(raw, type_name, rows, cols)
     pan = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, nb, bsize * PANEL)
+    if panel == "Q6_Kx16b":
+        return _q6kb_from_panels(pan, rows)
     if type_name == "Q6_K":
         return _q6k_from_panels(pan, rows)
     if type_name in _ELEMS:
@@ -175,23 +209,72 @@ def _k45_from_panels(pan: np.ndarray, rows: int) -> np.ndarray:
 _Q6_PARTS = ((208, 210, 2, 0), (192, 208, 1, 32), (128, 192, 4, 288), (0, 128, 4, 1312))
 
 
-def _q6k_to_panels(blk: np.ndarray) -> np.ndarray:
-    """Q6_K blocks (P, 16 rows, nsb, 210) -> Q6_Kx16 panels, flat (layout in qgemv.h)."""
+def _q6k_to_panels(blk: np.ndarray, parts: tuple = _Q6_PARTS) -> np.ndarray:
+    """Q6_K blocks (P, 16 rows, nsb, 210) -> Q6_Kx16 panels, flat (layout in qgemv.h); only
+    ``parts`` of them (the rest left unset)."""
     P, _, nsb, _ = blk.shape
     out = np.empty((P, nsb, 3360), dtype=np.uint8)
-    for lo, hi, unit, off in _Q6_PARTS:  # each part's units (bytes or words) row-interleaved
+    for lo, hi, unit, off in parts:  # each part's units (bytes or words) row-interleaved
         n = (hi - lo) // unit
         part = blk[..., lo:hi].reshape(P, PANEL, nsb, n, unit).transpose(0, 2, 3, 1, 4)
         out[..., off:off + PANEL * (hi - lo)] = part.reshape(P, nsb, -1)
     return out.reshape(-1)
 
 
-def _q6k_from_panels(pan: np.ndarray, rows: int) -> np.ndarray:
-    """``_q6k_to_panels`` undone: the file's rows (uint8, rows x row bytes)."""
+def _q6k_from_panels(pan: np.ndarray, rows: int, parts: tuple = _Q6_PARTS) -> np.ndarray:
+    """``_q6k_to_panels`` undone: the file's rows (uint8, rows x row bytes); only ``parts``."""
     P, nsb, _ = pan.shape
     out = np.empty((P, PANEL, nsb, 210), dtype=np.uint8)
-    for lo, hi, unit, off in _Q6_PARTS:
+    for lo, hi, unit, off in parts:
         n = (hi - lo) // unit
         part = pan[..., off:off + PANEL * (hi - lo)].reshape(P, nsb, n, PANEL, unit)
         out[..., lo:hi] = part.transpose(0, 3, 1, 2, 4).reshape(P, PANEL, nsb, hi - lo)
     return out.reshape(rows, nsb * 210)
+
+
+# Q6_K's 256 six-bit codes in element order n: the low nibble is ql byte 64h + 32(g % 2) + l's
+# (high half for g >= 2), the top bits qh byte 32h + l's bits 2g, 2g + 1 (h = n // 128, g = n %
+# 128 // 32, l = n % 32)
+_N = np.arange(256)
+_Q6_QL = 64 * (_N // 128) + 32 * (_N % 128 // 32 % 2) + _N % 32
+_Q6_QH = 128 + 32 * (_N // 128) + _N % 32
+_Q6_LO_SHIFT = 4 * (_N % 128 // 64)
+_Q6_HI_SHIFT = 2 * (_N % 128 // 32)
+
+
+def _q6kb_to_panels(blk: np.ndarray) -> np.ndarray:
+    """Q6_K blocks (P, 16 rows, nsb, 210) -> Q6_Kx16b panels, flat (layout in qgemv.h): d and
+    the scales as Q6_Kx16, then per sub-block i three words of 16 rows x 4 bytes, byte e of word
+    m = weight 16i + 4m + e | bits 2m, 2m + 1 of weight 16i + 12 + e << 6."""
+    P, _, nsb, _ = blk.shape
+    lo = (blk[..., _Q6_QL] >> _Q6_LO_SHIFT) & 15
+    codes = lo | (((blk[..., _Q6_QH] >> _Q6_HI_SHIFT) & 3) << 4)
+    w = codes.reshape(P, PANEL, nsb, 16, 4, 4)  # (P, r, nsb, i, word c, e)
+    top = np.stack([(w[..., 3, :] >> (2 * m)) & 3 for m in range(3)], axis=-2)  # (.., i, m, e)
+    words = (w[..., :3, :] | (top << 6)).astype(np.uint8)
+    out = _q6k_to_panels(blk, _Q6_PARTS[:2]).reshape(P, nsb, 3360)  # d and the scales
+    out[..., 288:] = words.transpose(0, 2, 3, 4, 1, 5).reshape(P, nsb, -1)  # (P, nsb, i, m, r, e)
+    return out.reshape(-1)
+
+
+def _q6kb_from_panels(pan: np.ndarray, rows: int) -> np.ndarray:
+    """``_q6kb_to_panels`` undone: the file's rows (uint8, rows x row bytes)."""
+    P, nsb, _ = pan.shape
+    out = _q6k_from_panels(pan, rows, _Q6_PARTS[:2]).reshape(P, PANEL, nsb, 210)  # d, scales
+    words = pan[..., 288:].reshape(P, nsb, 16, 3, PANEL, 4).transpose(0, 4, 1, 2, 3, 5)
+    fourth = sum(((words[..., m, :] >> 6) & 3) << (2 * m) for m in range(3))
+    codes = np.concatenate([words & 63, fourth[..., None, :]], axis=-2).reshape(P, PANEL, nsb, 256)
+    ql = _q6_fold(codes & 15, _Q6_QL, _Q6_LO_SHIFT, 128)
+    qh = _q6_fold(codes >> 4, _Q6_QH - 128, _Q6_HI_SHIFT, 64)
+    out[..., :128], out[..., 128:192] = ql, qh
+    return out.reshape(rows, nsb * 210)
+
+
+def _q6_fold(values: np.ndarray, index: np.ndarray, shift: np.ndarray, n: int) -> np.ndarray:
+    """Bytes [..., n] with ``values[..., k] << shift[k]`` or-ed into byte ``index[k]`` (the
+    elements of one shift land on distinct bytes)."""
+    out = np.zeros(values.shape[:-1] + (n,), dtype=np.uint8)
+    for sh in np.unique(shift):
+        sel = shift == sh
+        out[..., index[sel]] |= (values[..., sel] << sh).astype(np.uint8)
+    return out

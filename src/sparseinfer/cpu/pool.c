@@ -29,15 +29,15 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 25
+#define SI_ABI_VERSION 26
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
 
 /* ------------------------------------------------------------------ types */
 
-static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32, 32, 256, 256, 256, 32};
-static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34, 22, 144, 176, 210, 24};
+static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32, 32, 256, 256, 256, 32, 256};
+static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34, 22, 144, 176, 210, 24, 210};
 
 int si_abi_version(void) { return SI_ABI_VERSION; }
 int si_block_elems(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_ELEMS[type] : 0; }
@@ -389,12 +389,12 @@ static int scratch(size_t nq, size_t nb, size_t nt, size_t ng) {
 }
 
 /* The weight types that read x in blocks of 128 (x->kq ...), by ISA: Q6_K on plain AVX2 and
- * AVX-512 (XK_Q6K), Q5_K on AVX-512 (XK_Q5K), Q6_K panels on every ISA (XK_Q6P). A job records
+ * AVX-512 (XK_Q6K), Q5_K on AVX-512 (XK_Q5K), Q6_K panels (either layout) on every ISA (XK_Q6P). A job records
  * the kinds its matrices are (xk_kind); whether x is made in blocks of 128 is decided when it
  * runs, on the ISA then. */
 enum { XK_Q6K = 1, XK_Q5K = 2, XK_Q6P = 4 };
 static int xk_kind(int type) {
-    return type == SI_Q6_K ? XK_Q6K : type == SI_Q5_K ? XK_Q5K : type == SI_Q6_KP ? XK_Q6P : 0;
+    return type == SI_Q6_K ? XK_Q6K : type == SI_Q5_K ? XK_Q5K : type == SI_Q6_KP || type == SI_Q6_KB ? XK_Q6P : 0;
 }
 static int xk_served(void) { /* the kinds this ISA's kernels take in blocks of 128 */
     return XK_Q6P | (g_isa == ISA_AVX512                              ? XK_Q6K | XK_Q5K
@@ -1803,6 +1803,25 @@ static void block_q6k(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
     for (int u = 0; u < 32; u++) memcpy(o + 1312 + 64 * u + 4 * r, q + 4 * u, 4);
 }
 
+/* Q6_K into SI_Q6_KB: d and the 16 scales as block_q6k, then each sub-block's 16 six-bit
+ * weights (the file's ql nibble | qh bits << 4) in three words, the fourth word's bits on top. */
+static void block_q6kb(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
+    (void)j;
+    memcpy(o + 2 * r, q + 208, 2);
+    for (int i = 0; i < 16; i++) o[32 + 16 * i + r] = q[192 + i];
+    for (int i = 0; i < 16; i++) {
+        uint8_t w[16]; /* sub-block i's weights 16 i .. 16 i + 15 */
+        for (int k = 0; k < 16; k++) {
+            const int n = 16 * i + k, h = n / 128, g = n % 128 / 32, l = n % 32;
+            const uint8_t lo = q[64 * h + 32 * (g & 1) + l] >> (4 * (g >> 1)) & 15;
+            w[k] = (uint8_t)(lo | (q[128 + 32 * h + l] >> (2 * g) & 3) << 4);
+        }
+        for (int m = 0; m < 3; m++)
+            for (int e = 0; e < 4; e++)
+                o[288 + 192 * i + 64 * m + 4 * r + e] = (uint8_t)(w[4 * m + e] | (w[12 + e] >> (2 * m) & 3) << 6);
+    }
+}
+
 static void panel_chunk(const void *jp, int64_t c) {
     const panel_job *j = jp;
     const size_t rb = (size_t)j->nb * j->bsize, pb = (size_t)SI_PANEL * j->bsize;
@@ -1816,21 +1835,37 @@ static void panel_chunk(const void *jp, int64_t c) {
         }
 }
 
-/* Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K rows (src: as the file stores them) into
- * panels of 16 rows (dst, the same size; layout of SI_Q4_0P ... SI_Q5_1P in qgemv.h), on the
- * pool. */
-int si_to_panels(int type, const uint8_t *src, int64_t rows, int cols, uint8_t *dst) {
+/* The file's type of a panel type's blocks; -1 for a type that is not a panel type. */
+static int panel_source(int panel) {
+    switch (panel) {
+    case SI_Q4_0P: return SI_Q4_0;
+    case SI_Q4_1P: return SI_Q4_1;
+    case SI_Q5_0P: return SI_Q5_0;
+    case SI_Q5_1P: return SI_Q5_1;
+    case SI_Q8_0P: return SI_Q8_0;
+    case SI_Q4_KP: return SI_Q4_K;
+    case SI_Q5_KP: return SI_Q5_K;
+    case SI_Q6_KP: case SI_Q6_KB: return SI_Q6_K;
+    default: return -1;
+    }
+}
+
+/* Rows of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (src: as the file stores
+ * them) into panels of 16 rows of type panel (SI_Q4_0P ... SI_Q6_KB; dst, the same size; layouts
+ * in qgemv.h), on the pool. */
+int si_to_panels(int panel, const uint8_t *src, int64_t rows, int cols, uint8_t *dst) {
+    const int type = panel_source(panel);
+    if (type < 0) return EINVAL;
     const int b32 = type == SI_Q4_0 || type == SI_Q4_1 || type == SI_Q5_0 || type == SI_Q5_1 ||
                     type == SI_Q8_0;
     const int k45 = type == SI_Q4_K || type == SI_Q5_K;
-    if (!(b32 || k45 || type == SI_Q6_K)) return EINVAL;
     const int elems = BLOCK_ELEMS[type];
     if (rows < SI_PANEL || rows % SI_PANEL || cols < elems || cols % elems) return EINVAL;
     const int words = !b32 ? 0 : type == SI_Q4_1 || type == SI_Q5_1 ? 2 : 1;
     panel_job j = {src, dst, words, b32 ? (BLOCK_BYTES[type] - 2 * words) / 4 : 0, BLOCK_BYTES[type],
                    cols / elems, type == SI_Q5_0 || type == SI_Q5_1 || type == SI_Q5_K, 0,
                    rows / SI_PANEL,
-                   b32 ? block_b32 : k45 ? block_k45 : block_q6k};
+                   b32 ? block_b32 : k45 ? block_k45 : panel == SI_Q6_KB ? block_q6kb : block_q6k};
     j.panels_per_chunk = (j.n_panels + 31) / 32; /* 32 chunks: the threads stay even */
     pthread_mutex_lock(&g_call_lock);
     pool_run(panel_chunk, &j, (j.n_panels + j.panels_per_chunk - 1) / j.panels_per_chunk);

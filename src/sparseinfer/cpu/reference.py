@@ -50,12 +50,12 @@ def quantize_xk_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 def x_block(type_name: str) -> int:
     """The block of x (32 or 128 elements, one scale each) the active kernels round ``x`` in for
     weights of ``type_name``: 128 for Q6_K on 256-bit AVX2 (with or without AVX-VNNI) and
-    AVX-512, for Q5_K on AVX-512 and for Q6_K panels, else 32."""
+    AVX-512, for Q5_K on AVX-512 and for Q6_K panels (either layout), else 32."""
     isa = get_isa()
     if (type_name == "Q6_K" and isa in ("avx2", "avx2_vnni", "avx512")) or (
             type_name == "Q5_K" and isa == "avx512"):
         return 128
-    if type_name == "Q6_Kx16":  # every ISA's kernel
+    if type_name in ("Q6_Kx16", "Q6_Kx16b"):  # every ISA's kernels
         return 128
     return 32
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..cpu import loads as cpu_loads
-from ..cpu.panels import FILE_TYPES, PANEL, PANEL_TYPES, to_panels
+from ..cpu.panels import FILE_TYPES, PANEL, PANEL_TYPES, panel_type, to_panels
 from ..errors import ModelFileError, SparseInferError
 from ..fileio import release_heap
 from ..quant import blocks as qb
@@ -182,7 +182,8 @@ class WeightSource:
         rows that llama.cpp permuted, copied back into rotate-half order, and (``panels``)
         matrices of whole panels of a type with a panel layout (``cpu.panels.PANEL_TYPES``),
         rearranged into panels of 16 rows (the C kernels' fastest layout for several input
-        rows, and as fast for one). A copy's mapped pages are released."""
+        rows, and as fast for one; the one the active ISA reads fastest, ``cpu.panels.
+        panel_type``). A copy's mapped pages are released."""
         parts = []
         for canon in self.names:
             t = self.src.tensors[canon]
@@ -191,9 +192,13 @@ class WeightSource:
             heads = self._qk_heads(canon)
             if heads:
                 raw = np.ascontiguousarray(raw[unpermute_qk(torch.arange(rows), heads).numpy()])
-            ptype = PANEL_TYPES.get(kind) if panels else None
+            ptype = None
+            if panels and kind in PANEL_TYPES:
+                from ..cpu.ops import get_isa  # (the library: the panels are its layouts)
+
+                ptype = panel_type(kind, get_isa())
             if ptype and rows % PANEL == 0:
-                raw = to_panels(raw, kind, rows, t.shape[1])
+                raw = to_panels(raw, kind, rows, t.shape[1], ptype)
                 kind = ptype
             if heads or kind in FILE_TYPES:  # a copy: the file's pages are not needed
                 t.release()
