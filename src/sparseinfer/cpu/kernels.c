@@ -2062,41 +2062,39 @@ static void panel_gemv(const int type, const uint8_t *w, const int nrows, const 
         for (int r = 0; r < nrows; r += SI_PANEL)                                              \
             panel(TY, w + (size_t)(r / SI_PANEL) * pb, x, 1, nb, y + r, 0);                    \
         break
-#if SI_AVX512
-#define PG2 PG
-#else /* Q4_0 ... Q5_1 rows of PANEL_TWO_NB blocks or more: panel i beside panel i + np / 2,
-       * two streams in flight (panel_q4_1s) */
-#define PG2(TY)                                                                                \
+/* Rows of PANEL_TWO_NB blocks or more: panel i beside panel i + np / 2 (two streams in flight),
+ * CALL with S = 2 panels at pp[0..1] (outputs yy[0..1]); the others and shorter rows one panel
+ * at a time, S = 1. */
+#define PGS(TY, CALL)                                                                          \
     case TY: {                                                                                 \
         const int np = nrows / SI_PANEL, half = nb >= PANEL_TWO_NB ? np / 2 : 0;               \
         for (int i = 0; i < half; i++) {                                                       \
             const uint8_t *pp[2] = {w + (size_t)i * pb, w + (size_t)(i + half) * pb};          \
             float *yy[2] = {y + SI_PANEL * i, y + SI_PANEL * (i + half)};                      \
-            panel_q4_1s(TY, pp, 2, x, nb, yy);                                                 \
+            const int S = 2;                                                                   \
+            CALL;                                                                              \
         }                                                                                      \
-        for (int i = 2 * half; i < np; i++)                                                    \
-            panel_q4_1(TY, w + (size_t)i * pb, x, nb, y + SI_PANEL * i);                       \
+        for (int i = 2 * half; i < np; i++) {                                                  \
+            const uint8_t *pp[1] = {w + (size_t)i * pb};                                       \
+            float *yy[1] = {y + SI_PANEL * i};                                                 \
+            const int S = 1;                                                                   \
+            CALL;                                                                              \
+        }                                                                                      \
     } break
-#endif
     switch (type) {
-        PG2(SI_Q4_0P); PG2(SI_Q4_1P); PG2(SI_Q5_0P); PG2(SI_Q5_1P);
+#if SI_AVX512
+        PG(SI_Q4_0P); PG(SI_Q4_1P); PG(SI_Q5_0P); PG(SI_Q5_1P);
+#else /* (panel_q4_1s: the pair's kernel; panel_q4_1, one panel's) */
+#define PG_Q4(TY) \
+    PGS(TY, if (S == 2) panel_q4_1s(TY, pp, 2, x, nb, yy); else panel_q4_1(TY, pp[0], x, nb, yy[0]))
+        PG_Q4(SI_Q4_0P); PG_Q4(SI_Q4_1P); PG_Q4(SI_Q5_0P); PG_Q4(SI_Q5_1P);
+#undef PG_Q4
+#endif
         PG(SI_Q4_KP); PG(SI_Q5_KP); PG(SI_Q6_KP); PG(SI_Q8_0P);
-    case SI_Q6_KB: { /* every build: panel i beside panel i + np / 2 from PANEL_TWO_NB blocks */
-        const int np = nrows / SI_PANEL, half = nb >= PANEL_TWO_NB ? np / 2 : 0;
-        for (int i = 0; i < half; i++) {
-            const uint8_t *pp[2] = {w + (size_t)i * pb, w + (size_t)(i + half) * pb};
-            float *yy[2] = {y + SI_PANEL * i, y + SI_PANEL * (i + half)};
-            panel_q6kb_1s(2, pp, x, nb / 8, yy);
-        }
-        for (int i = 2 * half; i < np; i++) {
-            const uint8_t *p1 = w + (size_t)i * pb;
-            float *y1 = y + SI_PANEL * i;
-            panel_q6kb_1s(1, &p1, x, nb / 8, &y1);
-        }
-    } break;
+        PGS(SI_Q6_KB, panel_q6kb_1s(S, pp, x, nb / 8, yy)); /* every build */
     default: break; /* si_is_panel: one of these */
     }
-#undef PG2
+#undef PGS
 #undef PG
 }
 
