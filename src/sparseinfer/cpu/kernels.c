@@ -1669,10 +1669,18 @@ INLINE void q6b_words8(const uint8_t *pb, const int i, const int rh, __m256i *w)
                            _mm256_srli_epi16(_mm256_and_si256(b[2], top), 2));
 }
 
+/* A sub-block's 4 words of 8 rows (unsigned, q + 32) against x's 4 words xw: the 8 rows' sums
+ * in int32 lanes (two int16 chains of two products: at most 4 x 63 x 127 = 32004). */
+INLINE __m256i q6_dot4(const __m256i *w, const int32_t *xw) {
+    const __m256i z = _mm256_setzero_si256();
+    const __m256i a = chain_add(chain_add(z, w[0], _mm256_set1_epi32(xw[0])), w[1], _mm256_set1_epi32(xw[1]));
+    const __m256i b = chain_add(chain_add(z, w[2], _mm256_set1_epi32(xw[2])), w[3], _mm256_set1_epi32(xw[3]));
+    return _mm256_add_epi32(chain_sum(a), chain_sum(b));
+}
+
 /* 16 rows of Q6_K panels (kb: SI_Q6_KB, else SI_Q6_KP) against nt x rows in 256-bit vectors
  * (the AVX2 builds' GEMM, and every build's for SI_Q6_KB): two halves of 8 rows, one after the
- * other; the same integer sums (the products of two words summed in int16: at most 4 x 63 x 127
- * = 32004) and float operations as panel_q6k. */
+ * other; the same integer sums and float operations as panel_q6k. */
 INLINE void panel_q6k_256(const int kb, const uint8_t *p, const si_xq *x, const int nt, const int nsb,
                           float *y, const int64_t ys) {
     for (int rh = 0; rh < 2; rh++) {
@@ -1700,10 +1708,7 @@ INLINE void panel_q6k_256(const int kb, const uint8_t *p, const si_xq *x, const 
                     for (int t = 0; t < nt; t++) {
                         int32_t xw[4];
                         memcpy(xw, x[t].kq + xo, 16);
-                        const __m256i z = _mm256_setzero_si256();
-                        const __m256i a = chain_add(chain_add(z, w[0], _mm256_set1_epi32(xw[0])), w[1], _mm256_set1_epi32(xw[1]));
-                        const __m256i b = chain_add(chain_add(z, w[2], _mm256_set1_epi32(xw[2])), w[3], _mm256_set1_epi32(xw[3]));
-                        __m256i dot = _mm256_add_epi32(chain_sum(a), chain_sum(b));
+                        __m256i dot = q6_dot4(w, xw);
                         dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-32 * (int32_t)x[t].kbs[16 * (size_t)sb + i]));
                         isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(dot, sc));
                     }
@@ -1742,10 +1747,7 @@ INLINE void panel_q6kb_1s(const int np, const uint8_t *const *pp, const si_xq *x
                     for (int rh = 0; rh < 2; rh++) {
                         __m256i w[4];
                         q6b_words8(pp[n] + o, i, rh, w);
-                        const __m256i z = _mm256_setzero_si256();
-                        const __m256i a = chain_add(chain_add(z, w[0], _mm256_set1_epi32(xw[0])), w[1], _mm256_set1_epi32(xw[1]));
-                        const __m256i b = chain_add(chain_add(z, w[2], _mm256_set1_epi32(xw[2])), w[3], _mm256_set1_epi32(xw[3]));
-                        const __m256i dot = _mm256_add_epi32(_mm256_add_epi32(chain_sum(a), chain_sum(b)), kb);
+                        const __m256i dot = _mm256_add_epi32(q6_dot4(w, xw), kb);
                         const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(pp[n] + o + Q6P_SC + 16 * i + 8 * rh)));
                         isum[n][rh] = _mm256_add_epi32(isum[n][rh], _mm256_mullo_epi32(dot, sc));
                     }
