@@ -1649,7 +1649,6 @@ INLINE __m256i q6p_word8(const uint8_t *pb, const int h, const int s, const int 
     return q6p_bits8(l, qh, s);
 }
 
-
 /* SI_Q6_KB (qgemv.h): sub-block i's word m at Q6B_QS + 192 i + 64 m. */
 #define Q6B_QS 288
 

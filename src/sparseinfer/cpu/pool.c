@@ -389,12 +389,14 @@ static int scratch(size_t nq, size_t nb, size_t nt, size_t ng) {
 }
 
 /* The weight types that read x in blocks of 128 (x->kq ...), by ISA: Q6_K on plain AVX2 and
- * AVX-512 (XK_Q6K), Q5_K on AVX-512 (XK_Q5K), Q6_K panels (either layout) on every ISA (XK_Q6P). A job records
- * the kinds its matrices are (xk_kind); whether x is made in blocks of 128 is decided when it
- * runs, on the ISA then. */
+ * AVX-512 (XK_Q6K), Q5_K on AVX-512 (XK_Q5K), Q6_K panels of either layout on every ISA
+ * (XK_Q6P). A job records the kinds its matrices are (xk_kind); whether x is made in blocks of
+ * 128 is decided when it runs, on the ISA then. */
 enum { XK_Q6K = 1, XK_Q5K = 2, XK_Q6P = 4 };
 static int xk_kind(int type) {
-    return type == SI_Q6_K ? XK_Q6K : type == SI_Q5_K ? XK_Q5K : type == SI_Q6_KP || type == SI_Q6_KB ? XK_Q6P : 0;
+    if (type == SI_Q6_K) return XK_Q6K;
+    if (type == SI_Q5_K) return XK_Q5K;
+    return type == SI_Q6_KP || type == SI_Q6_KB ? XK_Q6P : 0;
 }
 static int xk_served(void) { /* the kinds this ISA's kernels take in blocks of 128 */
     return XK_Q6P | (g_isa == ISA_AVX512                              ? XK_Q6K | XK_Q5K
@@ -1806,7 +1808,6 @@ static void block_q6k(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
 /* Q6_K into SI_Q6_KB: d and the 16 scales as block_q6k, then each sub-block's 16 six-bit
  * weights (the file's ql nibble | qh bits << 4) in three words, the fourth word's bits on top. */
 static void block_q6kb(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
-    (void)j;
     memcpy(o + 2 * r, q + 208, 2);
     for (int i = 0; i < 16; i++) o[32 + 16 * i + r] = q[192 + i];
     for (int i = 0; i < 16; i++) {

@@ -57,8 +57,8 @@ enum si_type {
     /* Q5_1 in panels: per block column [d x 16 (fp16), m x 16 (fp16), then SI_Q5_0P's fifth bits
      * (transposed) and quants]. */
     SI_Q5_1P = 17,
-    /* Q6_K in panels with its six-bit weights byte-aligned (plain AVX2's Q6_K panels: a third
-     * fewer operations to unpack than SI_Q6_KP): per super-block column, 3360 bytes: SI_Q6_KP's
+    /* Q6_K in panels with its six-bit weights byte-aligned (the 256-bit builds' Q6_K panels: a
+     * third fewer operations to unpack than SI_Q6_KP): per super-block column, 3360 bytes: SI_Q6_KP's
      * d and scales (288 bytes), then per sub-block i of 16 weights three words m = 0, 1, 2 of 16
      * rows x 4 bytes, where byte e of row r's word m holds in bits 0-5 the row's weight
      * 16 i + 4 m + e (the file's 6-bit code, q + 32) and in bits 6-7 bits 2 m, 2 m + 1 of its
@@ -66,7 +66,7 @@ enum si_type {
     SI_Q6_KB = 18,
     SI_N_TYPES = 19,
 };
-#define SI_PANEL 16 /* rows per panel of SI_Q4_0P ... SI_Q5_1P */
+#define SI_PANEL 16 /* rows per panel of SI_Q4_0P ... SI_Q6_KB */
 
 static inline int si_is_panel(int type) {
     return type == SI_Q4_0P || type == SI_Q4_1P || type == SI_Q8_0P || type == SI_Q5_0P ||
@@ -88,7 +88,8 @@ typedef struct {
     /* x in blocks of 128 (si_quantize_xk; llama.cpp's Q8_K takes 256): kq[cols] int8, kd[cols /
      * 128] scales, kbs[cols / 16] sums of kq per 16, ks[cols / 32] the rounded x's sums per 32
      * (kd times the sums of kq); for the kernels that sum half a super-block in integers (plain
-     * AVX2's Q6_K, AVX-512's Q5_K and Q6_K, every ISA's Q6_K panels of either layout); NULL elsewhere */
+     * AVX2's Q6_K, AVX-512's Q5_K and Q6_K, every ISA's Q6_K panels of either layout); NULL
+     * elsewhere */
     const int8_t *kq;
     const float *kd;
     const int16_t *kbs;
