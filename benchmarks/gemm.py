@@ -41,7 +41,7 @@ def main() -> None:
 
     from sparseinfer import cpu
     from sparseinfer.bench import cpu_model
-    from sparseinfer.cpu.panels import PANEL_TYPES, to_panels
+    from sparseinfer.cpu.panels import panel_type, to_panels
 
     Ts = [int(t) for t in a.rows_of_x.split(",")]
     rng = np.random.default_rng(0)
@@ -49,8 +49,9 @@ def main() -> None:
     def pair(rows: int, cols: int):
         raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
                                    gguf.GGMLQuantizationType[a.type])
+        pt = panel_type(a.type, cpu.get_isa())  # the loader's layout for it
         return (cpu.QuantMatrix(a.type, raw.reshape(-1), rows, cols),
-                cpu.QuantMatrix(PANEL_TYPES[a.type], to_panels(raw, a.type, rows, cols), rows, cols))
+                cpu.QuantMatrix(pt, to_panels(raw, a.type, rows, cols, pt), rows, cols))
 
     def product(m, X: torch.Tensor, out: torch.Tensor):
         if X.shape[0] == 1:
@@ -91,7 +92,7 @@ def k_quants(threads, Ts, rng, cpu_name: str, product) -> None:
     import torch
 
     from sparseinfer import cpu
-    from sparseinfer.cpu.panels import PANEL_TYPES, to_panels
+    from sparseinfer.cpu.panels import panel_type, to_panels
 
     rows = cols = 4096
     fp16_fields = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -103,9 +104,10 @@ def k_quants(threads, Ts, rng, cpu_name: str, product) -> None:
             scale = rng.uniform(0.0, 0.02, (blocks.shape[0], 1)).astype(np.float16)
             blocks[:, off:off + 2] = scale.view(np.uint8)
         mats[name] = cpu.QuantMatrix(name, blocks.reshape(-1), rows, cols)
-        if name in PANEL_TYPES:  # the loader's layout for it (cpu/panels.py)
-            mats[PANEL_TYPES[name]] = cpu.QuantMatrix(
-                PANEL_TYPES[name], to_panels(blocks.reshape(rows, -1), name, rows, cols), rows, cols)
+        pt = panel_type(name, cpu.get_isa())  # the loader's layout for it (cpu/panels.py)
+        if pt:
+            mats[pt] = cpu.QuantMatrix(pt, to_panels(blocks.reshape(rows, -1), name, rows, cols, pt),
+                                       rows, cols)
     print(f"# {cpu_name}; K-quants {rows}x{cols}, hot, best of 3 rounds, GMAC/s")
     for nt in threads:
         cpu.set_threads(nt)
