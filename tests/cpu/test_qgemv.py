@@ -147,7 +147,7 @@ def assert_gemv_rows(mat: cpu.QuantMatrix, X: torch.Tensor) -> None:
         assert torch.all((one.double() - want[t].double()).abs() <= x_rounding_bound(mat, X[t]))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0x16", "Q4_1x16", "Q5_0x16", "Q5_1x16"])
+@pytest.mark.parametrize("type_name", ["Q4_0x16", "Q4_1x16", "Q5_0x16", "Q5_1x16", "Q8_0x16"])
 @pytest.mark.parametrize("rows", [16, 48, 384, 1024])
 def test_panel_pairs_are_each_panel_alone(type_name, rows, isa, threads):
     """Rows of 65 blocks: the 256-bit GEMV reads the panels of each chunk of rows two at once

@@ -1963,18 +1963,28 @@ INLINE void panel_q8(const uint8_t *p, const si_xq *x, const int nt, const int n
         for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * h, acc[t]);
     }
 }
-/* panel_q8 for one x row: both halves per block column in one pass (the same bits). */
-INLINE void panel_q8_1(const uint8_t *p, const si_xq *x, const int nb, float *y) {
+/* panel_q8 for one x row: both halves per block column in one pass (the same bits), over np (1
+ * or 2, a constant) panels pp[n] side by side, outputs at yy[n] (two streams in flight). */
+INLINE void panel_q8_1s(const int np, const uint8_t *const *pp, const si_xq *x, const int nb,
+                        float *const *yy) {
     const int bb = panel_bytes(SI_Q8_0P);
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[2][2];
+    for (int n = 0; n < np; n++) acc[n][0] = acc[n][1] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const uint8_t *pb = p + (size_t)b * bb;
-        prefetch(pb + PANEL_AHEAD, bb, 0);
-        for (int h = 0; h < 2; h++)
-            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_half_dot(pb, h, x, b)),
-                                     _mm256_mul_ps(q8_half_d(pb, h), _mm256_set1_ps(x->d[b])), acc[h]);
+        const __m256 dx = _mm256_set1_ps(x->d[b]);
+        for (int n = 0; n < np; n++) {
+            const uint8_t *pb = pp[n] + (size_t)b * bb;
+            prefetch(pb + PANEL_AHEAD, bb, 0);
+            for (int h = 0; h < 2; h++)
+                acc[n][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_half_dot(pb, h, x, b)),
+                                            _mm256_mul_ps(q8_half_d(pb, h), dx), acc[n][h]);
+        }
     }
-    for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + 8 * h, acc[h]);
+    for (int n = 0; n < np; n++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(yy[n] + 8 * h, acc[n][h]);
+}
+INLINE void panel_q8_1(const uint8_t *p, const si_xq *x, const int nb, float *y) {
+    panel_q8_1s(1, &p, x, nb, &y);
 }
 INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
                   float *y, const int64_t ys) {
@@ -2084,14 +2094,15 @@ static void panel_gemv(const int type, const uint8_t *w, const int nrows, const 
     } break
     switch (type) {
 #if SI_AVX512
-        PG(SI_Q4_0P); PG(SI_Q4_1P); PG(SI_Q5_0P); PG(SI_Q5_1P);
+        PG(SI_Q4_0P); PG(SI_Q4_1P); PG(SI_Q5_0P); PG(SI_Q5_1P); PG(SI_Q8_0P);
 #else /* (panel_q4_1s: the pair's kernel; panel_q4_1, one panel's) */
 #define PG_Q4(TY) \
     PGS(TY, if (S == 2) panel_q4_1s(TY, pp, 2, x, nb, yy); else panel_q4_1(TY, pp[0], x, nb, yy[0]))
         PG_Q4(SI_Q4_0P); PG_Q4(SI_Q4_1P); PG_Q4(SI_Q5_0P); PG_Q4(SI_Q5_1P);
 #undef PG_Q4
+        PGS(SI_Q8_0P, panel_q8_1s(S, pp, x, nb, yy));
 #endif
-        PG(SI_Q4_KP); PG(SI_Q5_KP); PG(SI_Q6_KP); PG(SI_Q8_0P);
+        PG(SI_Q4_KP); PG(SI_Q5_KP); PG(SI_Q6_KP);
         PGS(SI_Q6_KB, panel_q6kb_1s(S, pp, x, nb / 8, yy)); /* every build */
     default: break; /* si_is_panel: one of these */
     }
