@@ -87,7 +87,8 @@ int main(void) {
         int type;
     } types[] = {{"Q4_0x16", SI_Q4_0P}, {"Q4_1x16", SI_Q4_1P}, {"Q5_0x16", SI_Q5_0P},
                  {"Q5_1x16", SI_Q5_1P}, {"Q8_0x16", SI_Q8_0P}, {"Q4_Kx16", SI_Q4_KP},
-                 {"Q5_Kx16", SI_Q5_KP}, {"Q6_Kx16", SI_Q6_KP}, {"Q6_Kx16b", SI_Q6_KB}};
+                 {"Q5_Kx16", SI_Q5_KP}, {"Q6_Kx16", SI_Q6_KP}, {"Q6_Kx16b", SI_Q6_KB},
+                 {"Q5_Kx16b", SI_Q5_KB}};
     for (size_t k = 0; k < sizeof types / sizeof types[0]; k++) {
         cur_type = types[k].type;
         const double ns = best_ns(call_panel, COLS / 32);

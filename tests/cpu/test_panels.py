@@ -165,11 +165,44 @@ def test_q6_k_bytes_round_trip_and_layout(threads):
             assert np.array_equal(words[:, m].transpose(1, 0, 2), want)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q5_k_bytes_round_trip_and_layout(threads):
+    """Q5_Kx16b (Q5_K's five-bit weights byte-aligned): the C rearrangement equals the numpy one
+    over 35 panels, both undo exactly, d, dmin, scales and minima sit as in Q5_Kx16, and each
+    weight where qgemv.h says — the weights read here from gguf-py's dequantization of blocks
+    with d = 1, dmin = 0 and every sub-block scale 1 (q exactly), not from our own reading of qs
+    and qh."""
+    rng = np.random.default_rng(5)
+    rows, cols = 560, 768
+    raw = k_rows("Q5_K", rows, cols, rng)
+    blocks = raw.reshape(rows, cols // 256, 176)
+    blocks[:, :, 0:2] = np.array([1.0], np.float16).view(np.uint8)
+    blocks[:, :, 2:4] = 0  # dmin
+    blocks[:, :, 4:16] = [1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1]  # six-bit scales 1, minima 0
+    pan = checked_panels(raw, "Q5_K", rows, cols, threads, "Q5_Kx16b")
+    q = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_K).reshape(rows, cols)
+    assert q.min() >= 0 and q.max() <= 31 and np.array_equal(q, np.round(q))
+    q = q.astype(np.int64)
+    old = to_panels(raw, "Q5_K", rows, cols).reshape(rows // 16, cols // 256, 2816)
+    for p, sb in ((1, 2), (34, 0)):  # panel, super-block column
+        blk = pan.reshape(rows // 16, cols // 256, 2816)[p, sb]
+        assert np.array_equal(blk[:256], old[p, sb, :256])
+        w = q[16 * p:16 * p + 16, 256 * sb:256 * sb + 256].reshape(16, 8, 8, 4)  # r, j, c, e
+        t = w[:, :, 5] | w[:, :, 6] << 5 | w[:, :, 7] << 10  # r, j, e
+        words = blk[256:].reshape(8, 5, 16, 4)  # j, m, r, e
+        for m in range(5):
+            want = w[:, :, m, :] | ((t >> (3 * m)) & 7) << 5
+            assert np.array_equal(words[:, m].transpose(1, 0, 2), want)
+
+
 def test_panel_type_by_isa_and_errors():
-    """Q6_K takes the byte-aligned panels on the 256-bit ISAs, its Q6_Kx16 ones on AVX-512; the
-    other types have one panel type; a panel type of another file type is refused."""
+    """Q6_K and Q5_K take the byte-aligned panels on the 256-bit ISAs, their x16 ones on
+    AVX-512; the other types have one panel type; a panel type of another file type is
+    refused."""
     assert [panel_type("Q6_K", i) for i in ("avx2", "avx2_vnni", "avx2_128", "avx512")] == \
         ["Q6_Kx16b", "Q6_Kx16b", "Q6_Kx16b", "Q6_Kx16"]
+    assert [panel_type("Q5_K", i) for i in ("avx2", "avx2_vnni", "avx2_128", "avx512")] == \
+        ["Q5_Kx16b", "Q5_Kx16b", "Q5_Kx16b", "Q5_Kx16"]
     assert panel_type("Q4_K", "avx2") == "Q4_Kx16" and panel_type("Q3_K", "avx2") is None
     raw = np.zeros(16 * 210, np.uint8)
     with pytest.raises(ValueError, match=r"panel type of Q4_K: expected one of \['Q4_Kx16'\], "
@@ -179,20 +212,21 @@ def test_panel_type_by_isa_and_errors():
         from_panels(raw, "Q6_K", 16, 256, "Q4_Kx16")
 
 
-def test_q6_k_layouts_agree(isa, threads):
-    """Q6_Kx16b's kernels (the same 256-bit code on every ISA) do Q6_Kx16's integer sums and
-    float operations: the same bits for one x row and for batches, on every ISA and thread
-    count here; the GEMV of rows of 64 blocks or more reads two panels at once (5 panels: pairs
-    and one alone), rows of 1,024 columns one at a time."""
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q5_K"])
+def test_byte_aligned_layouts_agree(type_name, isa, threads):
+    """Q6_Kx16b's and Q5_Kx16b's kernels (the same 256-bit code on every ISA) do Q6_Kx16's and
+    Q5_Kx16's integer sums and float operations: the same bits for one x row and for batches,
+    on every ISA and thread count here; Q6_K's GEMV of rows of 64 blocks or more reads two
+    panels at once (5 panels: pairs and one alone), rows of 1,024 columns one at a time."""
     rng = np.random.default_rng(4)
     for rows, cols in ((80, 2304), (48, 1024)):
-        assert_q6_k_layouts_agree(rows, cols, rng)
+        assert_layouts_agree(type_name, rows, cols, rng)
 
 
-def assert_q6_k_layouts_agree(rows: int, cols: int, rng: np.random.Generator) -> None:
-    raw = k_rows("Q6_K", rows, cols, rng)
-    mats = [cpu.QuantMatrix(p, to_panels(raw, "Q6_K", rows, cols, p), rows, cols)
-            for p in ("Q6_Kx16", "Q6_Kx16b")]
+def assert_layouts_agree(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> None:
+    raw = k_rows(type_name, rows, cols, rng)
+    mats = [cpu.QuantMatrix(p, to_panels(raw, type_name, rows, cols, p), rows, cols)
+            for p in (type_name + "x16", type_name + "x16b")]
     X = torch.randn(11, cols, generator=torch.Generator().manual_seed(1))
     a, b = (cpu.gemm(m, X) for m in mats)
     assert torch.equal(a, b)

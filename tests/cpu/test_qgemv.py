@@ -113,7 +113,7 @@ B32_FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2)}
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
                                        "Q4_0x16", "Q4_1x16", "Q5_0x16", "Q5_1x16", "Q4_Kx16",
-                                       "Q5_Kx16", "Q6_Kx16", "Q6_Kx16b"])
+                                       "Q5_Kx16", "Q6_Kx16", "Q6_Kx16b", "Q5_Kx16b"])
 def test_largest_integer_sums(type_name, isa, threads):
     """Every quant at its largest code (all bytes 0xFF: 4-bit 15, 5-bit 31, 6-bit 63, every
     K-quant sub-block scale 63) against x of one sign, so that every x byte quantizes to 127: the
@@ -178,7 +178,7 @@ def test_multi_matrix_call_shares_input(isa, threads):
     cols = 512
     specs = [("Q4_K", 64), ("Q6_K", 21), ("Q8_0", 21), ("Q4_0", 130), ("F16", 5), ("F32", 3),
              ("Q4_1x16", 32), ("Q5_0x16", 16), ("Q5_1x16", 16), ("Q4_Kx16", 32), ("Q5_Kx16", 16),
-             ("Q6_Kx16", 16), ("Q6_Kx16b", 32)]
+             ("Q6_Kx16", 16), ("Q6_Kx16b", 32), ("Q5_Kx16b", 16)]
     mats = [cpu.QuantMatrix(t, random_raw(t, r, cols, rng), r, cols) for t, r in specs]
     x = torch.from_numpy(rng.standard_normal(cols).astype(np.float32))
     outs = [torch.empty(m.rows) for m in mats]
@@ -197,7 +197,7 @@ def test_multi_matrix_call_shares_input(isa, threads):
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
                                        "Q6_K", "F16", "F32", "Q4_0x16", "Q4_1x16", "Q8_0x16",
                                        "Q5_0x16", "Q5_1x16", "Q4_Kx16", "Q5_Kx16", "Q6_Kx16",
-                                       "Q6_Kx16b"])
+                                       "Q6_Kx16b", "Q5_Kx16b"])
 @pytest.mark.parametrize("T", [1, pytest.param(3, marks=pytest.mark.slow), 8, 9, 13,
                                pytest.param(17, marks=pytest.mark.slow)])
 def test_gemm_matches_reference(type_name, T, isa, threads):
@@ -214,7 +214,8 @@ def test_gemm_matches_reference(type_name, T, isa, threads):
     rows, cols = 37, 576 if T % 2 == 0 else 224 if T == 9 else 512
     if type_name in FILE_TYPES:
         rows = 48
-    if type_name in ("Q4_K", "Q5_K", "Q6_K", "Q4_Kx16", "Q5_Kx16", "Q6_Kx16", "Q6_Kx16b"):
+    if type_name in ("Q4_K", "Q5_K", "Q6_K", "Q4_Kx16", "Q5_Kx16", "Q6_Kx16", "Q6_Kx16b",
+                     "Q5_Kx16b"):
         cols = 512
     mat = cpu.QuantMatrix(type_name, random_raw(type_name, rows, cols, rng), rows, cols)
     X = torch.from_numpy(rng.standard_normal((T, cols)).astype(np.float32))

@@ -1173,7 +1173,7 @@ INLINE int panel_bytes(const int type) {
            : type == SI_Q5_0P ? 16 * 22
            : type == SI_Q5_1P ? 16 * 24
            : type == SI_Q4_KP ? 16 * 18 /* a super-block column's 16 x 144 bytes per 256 */
-           : type == SI_Q5_KP ? 16 * 22 /* 16 x 176 per 256 */
+           : type == SI_Q5_KP || type == SI_Q5_KB ? 16 * 22 /* 16 x 176 per 256 */
            : type == SI_Q6_KP || type == SI_Q6_KB ? 16 * 210 / 8
                               : 16 * 34;
 }
@@ -1360,7 +1360,6 @@ INLINE void k4p_sm8(const uint8_t *pb, const k4p_fields8 *f, const int j, const 
     *S = _mm256_mul_ps(_mm256_cvtepi32_ps(k4p_six8(pb + 64, f->hs, j, h)), f->d);
     *M = _mm256_mul_ps(_mm256_cvtepi32_ps(k4p_six8(pb + 128, f->hm, j, h)), f->nmin);
 }
-#if !SI_AVX512
 /* A super-block column's six-bit scales (o[0]) and minima (o[1]) of all 16 rows as bytes,
  * o[f][j][r]: the numbers k4p_six8 gives, for all 8 sub-blocks at once in byte lanes (a pair
  * of sub-blocks a register: their low nibbles from one load, their top bits shifted into place
@@ -1393,7 +1392,6 @@ INLINE void k4p_sm8_dec(const uint8_t o[2][8][16], const __m256 d, const __m256 
     *S = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(o[0][j] + 8 * h)))), d);
     *M = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(o[1][j] + 8 * h)))), nmin);
 }
-#endif
 /* Word c of half h of sub-block j as unsigned bytes (Q5_K: bit j of its fifth-bit bytes, moved
  * to bit 4 by one 16-bit shift: no bit crosses a byte under the 0x10 mask). */
 INLINE __m256i k45p_word(const int five, const uint8_t *pb, const int j, const int h, const int c) {
@@ -1417,6 +1415,97 @@ INLINE __m256i k45p_half_dot(const int five, const __m256i *w, const si_xq *x, c
     }
     const __m256i sum = chain_sum(s16[0]);
     return five ? _mm256_add_epi32(sum, chain_sum(s16[1])) : sum;
+}
+
+/* SI_Q5_KB (qgemv.h): sub-block j's word m at K5B_QS + 320 j + 64 m. */
+#define K5B_QS 256
+
+/* The 8 words of sub-block j (weights 32 j + 4 c .. 32 j + 4 c + 3, c = 0..7) of an SI_Q5_KB
+ * super-block column at pb, rows 8 h .. 8 h + 7, as unsigned bytes: five words' low 5 bits,
+ * three more from their top 3 bits (t's bits 0-4, 5-9, 10-14). */
+INLINE void k5b_words8(const uint8_t *pb, const int j, const int h, __m256i *w) {
+    const uint8_t *q = pb + K5B_QS + 320 * j + 32 * h;
+    const __m256i m5 = _mm256_set1_epi8(0x1F);
+    __m256i b[5];
+    for (int m = 0; m < 5; m++) {
+        b[m] = _mm256_loadu_si256((const __m256i *)(q + 64 * m));
+        w[m] = _mm256_and_si256(b[m], m5);
+    }
+#define TOP(m, mask, n) _mm256_srli_epi16(_mm256_and_si256(b[m], _mm256_set1_epi8((char)(mask))), n)
+    w[5] = _mm256_or_si256(TOP(0, 0xE0, 5), TOP(1, 0x60, 2));                     /* t 0-2, 3-4 */
+    w[6] = _mm256_or_si256(_mm256_or_si256(TOP(1, 0x80, 7), TOP(2, 0xE0, 4)), TOP(3, 0x20, 1)); /* t 5-9 */
+    w[7] = _mm256_or_si256(TOP(3, 0xC0, 6), TOP(4, 0xE0, 3));                     /* t 10-14 */
+#undef TOP
+}
+
+/* 16 rows of Q4_K / Q5_K panels (five; kb: SI_Q5_KB, else SI_Q4_KP / SI_Q5_KP) against nt x rows
+ * in 256-bit vectors (the AVX2 builds' GEMM, and every build's for SI_Q5_KB): two halves of 8
+ * rows, one after the other, each sub-block's words decoded once for the nt x rows. */
+INLINE void panel_k45_256(const int five, const int kb, const uint8_t *p, const si_xq *x, const int nt,
+                          const int nsb, float *y, const int64_t ys) {
+    const int bb = k45p_bytes(five);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[PANEL_T], accm[PANEL_T];
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
+        for (int sb = 0; sb < nsb; sb++) {
+            const uint8_t *pb = p + (size_t)sb * bb;
+            const k4p_fields8 f = k4p_half_fields(pb, h);
+            for (int j = 0; j < 8; j++) {
+                if (h == 0)
+                    prefetch(pb + PANEL_AHEAD + (bb / 8) * j, bb / 8, 0);
+                __m256 S, M;
+                k4p_sm8(pb, &f, j, h, &S, &M);
+                __m256i w[8];
+                if (kb) k5b_words8(pb, j, h, w);
+                else
+                    for (int c = 0; c < 8; c++) w[c] = k45p_word(five, pb, j, h, c);
+                const int b = 8 * sb + j;
+#pragma GCC unroll 8
+                for (int t = 0; t < nt; t++) {
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k45p_half_dot(five, w, &x[t], b)),
+                                             _mm256_mul_ps(S, _mm256_set1_ps(x[t].d[b])), acc[t]);
+                    accm[t] = _mm256_fmadd_ps(M, _mm256_set1_ps(x[t].s[b]), accm[t]);
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * h, _mm256_add_ps(acc[t], accm[t]));
+    }
+}
+
+/* SI_Q5_KB for one x row, in 256-bit vectors on every build: per sub-block, both halves of 8
+ * rows; the integer sums (exact) and float operations, in order, of SI_Q5_KP's one-row pass, so
+ * the two layouts give the same bits. */
+INLINE void panel_k5b_1(const uint8_t *p, const si_xq *x, const int nsb, float *y) {
+    const int bb = k45p_bytes(1);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {acc[0], acc[1]};
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *pb = p + (size_t)sb * bb;
+        uint8_t sm[2][8][16];
+        k4p_decode(pb, sm);
+        __m256 d[2], nmin[2];
+        for (int h = 0; h < 2; h++) k4p_half_dmin(pb, h, &d[h], &nmin[h]);
+        for (int j = 0; j < 8; j++) {
+            prefetch(pb + PANEL_AHEAD + (bb / 8) * j, bb / 8, 0);
+            const int b = 8 * sb + j;
+            for (int h = 0; h < 2; h++) {
+                __m256i w[8];
+                k5b_words8(pb, j, h, w);
+                __m256 S, M;
+                k4p_sm8_dec(sm, d[h], nmin[h], j, h, &S, &M);
+                acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k45p_half_dot(1, w, x, b)),
+                                         _mm256_mul_ps(S, _mm256_set1_ps(x->d[b])), acc[h]);
+                accm[h] = _mm256_fmadd_ps(M, _mm256_set1_ps(x->s[b]), accm[h]);
+            }
+        }
+    }
+    for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + 8 * h, _mm256_add_ps(acc[h], accm[h]));
+}
+INLINE void panel_k5b(const uint8_t *p, const si_xq *x, const int nt, const int nsb, float *y,
+                      const int64_t ys) {
+    if (nt == 1) panel_k5b_1(p, x, nsb, y);
+    else panel_k45_256(1, 1, p, x, nt, nsb, y, ys);
 }
 
 #if SI_AVX512
@@ -1593,32 +1682,7 @@ INLINE void panel_k45(const int five, const uint8_t *p, const si_xq *x, const in
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + 8 * h, _mm256_add_ps(acc[h], accm[h]));
         return;
     }
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[PANEL_T], accm[PANEL_T];
-#pragma GCC unroll 8
-        for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
-        for (int sb = 0; sb < nsb; sb++) {
-            const uint8_t *pb = p + (size_t)sb * bb;
-            const k4p_fields8 f = k4p_half_fields(pb, h);
-            for (int j = 0; j < 8; j++) {
-                if (h == 0)
-                    prefetch(pb + PANEL_AHEAD + (bb / 8) * j, bb / 8, 0);
-                __m256 S, M;
-                k4p_sm8(pb, &f, j, h, &S, &M);
-                __m256i w[8];
-                for (int c = 0; c < 8; c++) w[c] = k45p_word(five, pb, j, h, c);
-                const int b = 8 * sb + j;
-#pragma GCC unroll 8
-                for (int t = 0; t < nt; t++) {
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k45p_half_dot(five, w, &x[t], b)),
-                                             _mm256_mul_ps(S, _mm256_set1_ps(x[t].d[b])), acc[t]);
-                    accm[t] = _mm256_fmadd_ps(M, _mm256_set1_ps(x[t].s[b]), accm[t]);
-                }
-            }
-        }
-#pragma GCC unroll 8
-        for (int t = 0; t < nt; t++) _mm256_storeu_ps(y + t * ys + 8 * h, _mm256_add_ps(acc[t], accm[t]));
-    }
+    panel_k45_256(five, 0, p, x, nt, nsb, y, ys);
 }
 #endif
 
@@ -1892,6 +1956,10 @@ INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt
         panel_q6kb(p, x, nt, nb / 8, y, ys);
         return;
     }
+    if (type == SI_Q5_KB) {
+        panel_k5b(p, x, nt, nb / 8, y, ys);
+        return;
+    }
     if (type == SI_Q5_0P || type == SI_Q5_1P) {
         if (nt == 1) panel_q4_1(type, p, x, nb, y);
         else panel_q4(type, p, x, nt, nb, y, ys);
@@ -2000,6 +2068,10 @@ INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt
         panel_q6kb(p, x, nt, nb / 8, y, ys);
         return;
     }
+    if (type == SI_Q5_KB) {
+        panel_k5b(p, x, nt, nb / 8, y, ys);
+        return;
+    }
     if (type == SI_Q8_0P) {
         if (nt == 1) panel_q8_1(p, x, nb, y);
         else panel_q8(p, x, nt, nb, y, ys);
@@ -2041,6 +2113,7 @@ static void panel_rows(const int type, const uint8_t *w, const int nrows, const 
         else if (type == SI_Q5_KP) PR(SI_Q5_KP, N);                                            \
         else if (type == SI_Q6_KP) PR(SI_Q6_KP, N);                                            \
         else if (type == SI_Q6_KB) PR(SI_Q6_KB, N);                                            \
+        else if (type == SI_Q5_KB) PR(SI_Q5_KB, N);                                            \
         else PR(SI_Q8_0P, N);                                                                  \
         break
         switch (nt) {
@@ -2102,7 +2175,7 @@ static void panel_gemv(const int type, const uint8_t *w, const int nrows, const 
 #undef PG_Q4
         PGS(SI_Q8_0P, panel_q8_1s(S, pp, x, nb, yy));
 #endif
-        PG(SI_Q4_KP); PG(SI_Q5_KP); PG(SI_Q6_KP);
+        PG(SI_Q4_KP); PG(SI_Q5_KP); PG(SI_Q6_KP); PG(SI_Q5_KB);
         PGS(SI_Q6_KB, panel_q6kb_1s(S, pp, x, nb / 8, yy)); /* every build */
     default: break; /* si_is_panel: one of these */
     }

@@ -78,6 +78,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q6_Kx16": (16, 256, 210),
     "Q5_1x16": (17, 32, 24),
     "Q6_Kx16b": (18, 256, 210),  # Q6_K panels, six-bit weights byte-aligned
+    "Q5_Kx16b": (19, 256, 176),  # Q5_K panels, five-bit weights byte-aligned
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2, "avx2_vnni": 3}
 ABI_VERSION = 26

@@ -1,8 +1,9 @@
 """Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K weights rearranged in panels of 16 rows
 for the C kernels (types ``Q4_0x16`` ... ``Q5_1x16``; layout in ``qgemv.h``; Q5_0/Q5_1's fifth bits
 transposed within their word; Q4_K/Q5_K's six-bit scales and minima regrouped, each sub-block of
-32 a block to the kernels; Q6_K's scales row by row, and in ``Q6_Kx16b`` its six-bit weights
-byte-aligned, three words holding four, the layout plain AVX2 unpacks fastest:
+32 a block to the kernels; Q6_K's scales row by row; and in ``Q6_Kx16b`` / ``Q5_Kx16b`` the
+six- / five-bit weights byte-aligned, three words holding four / five holding eight, the
+layouts plain AVX2 unpacks fastest:
 ``panel_type``): one integer dot product then
 multiplies 4 bytes of the input with 4 weights of each of 16 rows, and the products stay in one
 lane per row, so a GEMM over a few input rows does a third to half of the instructions of the
@@ -23,8 +24,8 @@ PANEL = 16  # rows per panel
 # the file's type -> its panel type (cpu.TYPES)
 PANEL_TYPES = {"Q4_0": "Q4_0x16", "Q4_1": "Q4_1x16", "Q8_0": "Q8_0x16", "Q5_0": "Q5_0x16",
                "Q4_K": "Q4_Kx16", "Q5_K": "Q5_Kx16", "Q6_K": "Q6_Kx16", "Q5_1": "Q5_1x16"}
-# Q6_K's other layout (byte-aligned six-bit weights; every ISA's kernels take both)
-FILE_TYPES = {**{v: k for k, v in PANEL_TYPES.items()}, "Q6_Kx16b": "Q6_K"}
+# Q6_K's and Q5_K's other layouts (byte-aligned weights; every ISA's kernels take both)
+FILE_TYPES = {**{v: k for k, v in PANEL_TYPES.items()}, "Q6_Kx16b": "Q6_K", "Q5_Kx16b": "Q5_K"}
 # fp16 words (scale, Q4_1's minimum) per block, block bytes; the rest are 4-byte quant words
 _FIELDS = {"Q4_0": (1, 18), "Q4_1": (2, 20), "Q8_0": (1, 34), "Q5_0": (1, 22), "Q5_1": (2, 24),
            "Q4_K": (2, 144), "Q5_K": (2, 176), "Q6_K": (1, 210)}
@@ -47,11 +48,11 @@ def _transpose_bits(words: np.ndarray, inverse: bool = False) -> np.ndarray:
 
 def panel_type(type_name: str, isa: str) -> str | None:
     """The panel type the kernels of ``isa`` (``cpu.ISAS``) read fastest for a matrix of
-    ``type_name`` (None: no panel layout): ``PANEL_TYPES``', except Q6_K off AVX-512, whose
-    256-bit kernels unpack ``Q6_Kx16b``'s byte-aligned weights with a third fewer operations
-    (benchmarks/RESULTS.md)."""
-    if type_name == "Q6_K" and isa != "avx512":
-        return "Q6_Kx16b"
+    ``type_name`` (None: no panel layout): ``PANEL_TYPES``', except Q6_K and Q5_K off AVX-512,
+    whose 256-bit kernels unpack the byte-aligned weights of ``Q6_Kx16b`` / ``Q5_Kx16b`` with
+    a third fewer operations (benchmarks/RESULTS.md)."""
+    if type_name in ("Q6_K", "Q5_K") and isa != "avx512":
+        return type_name + "x16b"
     return PANEL_TYPES.get(type_name)
 
 
@@ -103,6 +104,8 @@ def to_panels_ref(raw: np.ndarray, type_name: str, rows: int, cols: int,
     blk = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, PANEL, nb, bsize)
     if panel == "Q6_Kx16b":
         return _q6kb_to_panels(blk)
+    if panel == "Q5_Kx16b":
+        return _q5kb_to_panels(blk)
     if type_name == "Q6_K":
         return _q6k_to_panels(blk)
     if type_name in _ELEMS:
@@ -127,6 +130,8 @@ def from_panels(raw: np.ndarray, type_name: str, rows: int, cols: int,
     pan = np.asarray(raw, dtype=np.uint8).reshape(rows // PANEL, nb, bsize * PANEL)
     if panel == "Q6_Kx16b":
         return _q6kb_from_panels(pan, rows)
+    if panel == "Q5_Kx16b":
+        return _q5kb_from_panels(pan, rows)
     if type_name == "Q6_K":
         return _q6k_from_panels(pan, rows)
     if type_name in _ELEMS:
@@ -278,3 +283,46 @@ def _q6_fold(values: np.ndarray, index: np.ndarray, shift: np.ndarray, n: int) -
         sel = shift == sh
         out[..., index[sel]] |= (values[..., sel] << sh).astype(np.uint8)
     return out
+
+
+# Q5_K's 256 five-bit codes in element order n: the low nibble is qs byte 32(n // 64) + n % 32's
+# (high half for n % 64 >= 32), the fifth bit qh byte n % 32's bit n // 32 (qs at 48, qh at 16)
+_Q5_QS = 48 + 32 * (_N // 64) + _N % 32
+_Q5_QH = 16 + _N % 32
+_Q5_LO_SHIFT = 4 * (_N % 64 // 32)
+_Q5_HI_SHIFT = _N // 32
+
+
+def _q5kb_to_panels(blk: np.ndarray) -> np.ndarray:
+    """Q5_K blocks (P, 16 rows, nsb, 176) -> Q5_Kx16b panels, flat (layout in qgemv.h): Q5_Kx16's
+    first 256 bytes, then per sub-block j five words of 16 rows x 4 bytes, byte e of word m =
+    weight 32j + 4m + e | bits 3m .. 3m + 2 of t << 5 (t: weights 32j + 20 + e, 24 + e, 28 + e
+    as 5-bit fields)."""
+    P, _, nsb, _ = blk.shape
+    lo = (blk[..., _Q5_QS] >> _Q5_LO_SHIFT) & 15
+    codes = (lo | (((blk[..., _Q5_QH] >> _Q5_HI_SHIFT) & 1) << 4)).astype(np.int64)
+    w = codes.reshape(P, PANEL, nsb, 8, 8, 4)  # (P, r, nsb, j, word c, e)
+    t = w[..., 5, :] | (w[..., 6, :] << 5) | (w[..., 7, :] << 10)  # (.., j, e)
+    top = np.stack([(t >> (3 * m)) & 7 for m in range(5)], axis=-2)  # (.., j, m, e)
+    words = (w[..., :5, :] | (top << 5)).astype(np.uint8)
+    out = _k45_to_panels(blk).reshape(P, nsb, 2816)  # d, dmin, scales, minima: bytes 0-255
+    out[..., 256:] = words.transpose(0, 2, 3, 4, 1, 5).reshape(P, nsb, -1)  # (P, nsb, j, m, r, e)
+    return out.reshape(-1)
+
+
+def _q5kb_from_panels(pan: np.ndarray, rows: int) -> np.ndarray:
+    """``_q5kb_to_panels`` undone: the file's rows (uint8, rows x row bytes)."""
+    P, nsb, _ = pan.shape
+    out = _k45_from_panels(pan, rows).reshape(P, PANEL, nsb, 176)  # d, dmin, scales, minima
+    words = pan[..., 256:].reshape(P, nsb, 8, 5, PANEL, 4).transpose(0, 4, 1, 2, 3, 5)
+    t = sum(((words[..., m, :].astype(np.int64) >> 5) & 7) << (3 * m) for m in range(5))
+    last = np.stack([(t >> (5 * k)) & 31 for k in range(3)], axis=-2)  # words 5, 6, 7
+    codes = np.concatenate([words & 31, last], axis=-2).reshape(P, PANEL, nsb, 256)
+    out[..., 48:] = _q6_fold(codes & 15, _Q5_QS - 48, _Q5_LO_SHIFT, 128)
+    out[..., 16:48] = _q5_qh(codes >> 4)
+    return out.reshape(rows, nsb * 176)
+
+
+def _q5_qh(bits: np.ndarray) -> np.ndarray:
+    """Q5_K's 32 fifth-bit bytes from each element's fifth bit ([..., 256] in element order)."""
+    return _q6_fold(bits, _Q5_QH - 16, _Q5_HI_SHIFT, 32)

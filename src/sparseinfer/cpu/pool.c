@@ -36,8 +36,8 @@
 
 /* ------------------------------------------------------------------ types */
 
-static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32, 32, 256, 256, 256, 32, 256};
-static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34, 22, 144, 176, 210, 24, 210};
+static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32, 32, 256, 256, 256, 32, 256, 256};
+static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34, 22, 144, 176, 210, 24, 210, 176};
 
 int si_abi_version(void) { return SI_ABI_VERSION; }
 int si_block_elems(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_ELEMS[type] : 0; }
@@ -1823,6 +1823,23 @@ static void block_q6kb(const panel_job *j, const uint8_t *q, uint8_t *o, int r) 
     }
 }
 
+/* Q5_K into SI_Q5_KB: block_k45's d, dmin, scales and minima, then each sub-block's 32 five-bit
+ * weights (the file's qs nibble | qh bit << 4) in five words, the last three words' bits on top
+ * (over block_k45's fifth bits and quants, which SI_Q5_KB does not keep). */
+static void block_k5b(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
+    block_k45(j, q, o, r);
+    for (int s = 0; s < 8; s++) {
+        uint8_t w[32]; /* sub-block s's weights 32 s .. 32 s + 31 */
+        for (int l = 0; l < 32; l++)
+            w[l] = (uint8_t)((q[48 + 32 * (s / 2) + l] >> (4 * (s % 2)) & 15) | (q[16 + l] >> s & 1) << 4);
+        for (int e = 0; e < 4; e++) {
+            const unsigned t = w[20 + e] | w[24 + e] << 5 | w[28 + e] << 10;
+            for (int m = 0; m < 5; m++)
+                o[256 + 320 * s + 64 * m + 4 * r + e] = (uint8_t)(w[4 * m + e] | (t >> (3 * m) & 7) << 5);
+        }
+    }
+}
+
 static void panel_chunk(const void *jp, int64_t c) {
     const panel_job *j = jp;
     const size_t rb = (size_t)j->nb * j->bsize, pb = (size_t)SI_PANEL * j->bsize;
@@ -1845,14 +1862,14 @@ static int panel_source(int panel) {
     case SI_Q5_1P: return SI_Q5_1;
     case SI_Q8_0P: return SI_Q8_0;
     case SI_Q4_KP: return SI_Q4_K;
-    case SI_Q5_KP: return SI_Q5_K;
+    case SI_Q5_KP: case SI_Q5_KB: return SI_Q5_K;
     case SI_Q6_KP: case SI_Q6_KB: return SI_Q6_K;
     default: return -1;
     }
 }
 
 /* Rows of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (src: as the file stores
- * them) into panels of 16 rows of type panel (SI_Q4_0P ... SI_Q6_KB; dst, the same size; layouts
+ * them) into panels of 16 rows of type panel (SI_Q4_0P ... SI_Q5_KB; dst, the same size; layouts
  * in qgemv.h), on the pool. */
 int si_to_panels(int panel, const uint8_t *src, int64_t rows, int cols, uint8_t *dst) {
     const int type = panel_source(panel);
@@ -1866,7 +1883,11 @@ int si_to_panels(int panel, const uint8_t *src, int64_t rows, int cols, uint8_t 
     panel_job j = {src, dst, words, b32 ? (BLOCK_BYTES[type] - 2 * words) / 4 : 0, BLOCK_BYTES[type],
                    cols / elems, type == SI_Q5_0 || type == SI_Q5_1 || type == SI_Q5_K, 0,
                    rows / SI_PANEL,
-                   b32 ? block_b32 : k45 ? block_k45 : panel == SI_Q6_KB ? block_q6kb : block_q6k};
+                   b32                  ? block_b32
+                   : panel == SI_Q5_KB  ? block_k5b
+                   : k45                ? block_k45
+                   : panel == SI_Q6_KB  ? block_q6kb
+                                        : block_q6k};
     j.panels_per_chunk = (j.n_panels + 31) / 32; /* 32 chunks: the threads stay even */
     pthread_mutex_lock(&g_call_lock);
     pool_run(panel_chunk, &j, (j.n_panels + j.panels_per_chunk - 1) / j.panels_per_chunk);

@@ -1,7 +1,7 @@
 /* sparseinfer CPU kernels: shared declarations.
  *
  * Weights are GGUF blocks as the file stores them (row-major, each row a run of blocks), or
- * blocks rearranged in panels of 16 rows (SI_Q4_0P ... SI_Q6_KB below).
+ * blocks rearranged in panels of 16 rows (SI_Q4_0P ... SI_Q5_KB below).
  * The activation vector is quantized once per call into blocks of 32 int8 values with a float
  * scale d and s = d * sum(q) (the offset term of Q4_1/Q5_1/K-quant minima and Q4_0/Q5_0/Q6_K
  * zero points uses s).
@@ -64,14 +64,21 @@ enum si_type {
      * 16 i + 4 m + e (the file's 6-bit code, q + 32) and in bits 6-7 bits 2 m, 2 m + 1 of its
      * weight 16 i + 12 + e. */
     SI_Q6_KB = 18,
-    SI_N_TYPES = 19,
+    /* Q5_K in panels with its five-bit weights byte-aligned (the 256-bit builds' Q5_K panels):
+     * per super-block column, 2816 bytes: SI_Q4_KP's 256 bytes of d, dmin, scales and minima,
+     * then per sub-block j of 32 weights five words m = 0..4 of 16 rows x 4 bytes, where byte e
+     * of row r's word m holds in bits 0-4 the row's weight 32 j + 4 m + e (the file's 5-bit
+     * code) and in bits 5-7 bits 3 m .. 3 m + 2 of t = q(20 + e) | q(24 + e) << 5 | q(28 + e)
+     * << 10, the sub-block's weights 32 j + 20 + e, 24 + e, 28 + e. */
+    SI_Q5_KB = 19,
+    SI_N_TYPES = 20,
 };
-#define SI_PANEL 16 /* rows per panel of SI_Q4_0P ... SI_Q6_KB */
+#define SI_PANEL 16 /* rows per panel of SI_Q4_0P ... SI_Q5_KB */
 
 static inline int si_is_panel(int type) {
     return type == SI_Q4_0P || type == SI_Q4_1P || type == SI_Q8_0P || type == SI_Q5_0P ||
            type == SI_Q4_KP || type == SI_Q5_KP || type == SI_Q6_KP || type == SI_Q5_1P ||
-           type == SI_Q6_KB;
+           type == SI_Q6_KB || type == SI_Q5_KB;
 }
 
 /* One quantized activation vector: q[cols] int8, d[cols/32], s[cols/32]; f the fp32 source (F16
