@@ -1937,29 +1937,13 @@ INLINE void panel_q6k(const uint8_t *p, const si_xq *x, const int nt, const int 
 #endif
 
 #if SI_AVX512
-/* 16 rows (the panel at p, nb block columns) against nt <= PANEL_T x rows: y[t * ys + r]. Per
- * block column, 8 vectors of unsigned weight bytes, word c of the x block against vector c:
- * Q4's low nibbles (elements 4c..) then high ones (16 + 4c..); Q8_0's bytes made unsigned
- * (+128: xor 0x80), the 128 x sum(x) that adds taken back in float with the minima's FMA
- * (m = -128 d; Q4_0: -8 d; Q4_1: the block's m), against x's s. */
-INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
-                  float *y, const int64_t ys) {
-    if (type == SI_Q4_KP || type == SI_Q5_KP) {
-        panel_k45(type == SI_Q5_KP, p, x, nt, nb / 8, y, ys);
-        return;
-    }
-    if (type == SI_Q6_KP) {
-        panel_q6k(p, x, nt, nb / 8, y, ys);
-        return;
-    }
-    if (type == SI_Q6_KB) {
-        panel_q6kb(p, x, nt, nb / 8, y, ys);
-        return;
-    }
-    if (type == SI_Q5_KB) {
-        panel_k5b(p, x, nt, nb / 8, y, ys);
-        return;
-    }
+/* 16 rows of 32-weight blocks (the panel at p, nb block columns) against nt <= PANEL_T x rows:
+ * y[t * ys + r]. Per block column, 8 vectors of unsigned weight bytes, word c of the x block
+ * against vector c: Q4's low nibbles (elements 4c..) then high ones (16 + 4c..); Q8_0's bytes
+ * made unsigned (+128: xor 0x80), the 128 x sum(x) that adds taken back in float with the
+ * minima's FMA (m = -128 d; Q4_0: -8 d; Q4_1: the block's m), against x's s. */
+INLINE void panel_b32(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
+                      float *y, const int64_t ys) {
     if (type == SI_Q5_0P || type == SI_Q5_1P) {
         if (nt == 1) panel_q4_1(type, p, x, nb, y);
         else panel_q4(type, p, x, nt, nb, y, ys);
@@ -2054,6 +2038,21 @@ INLINE void panel_q8_1s(const int np, const uint8_t *const *pp, const si_xq *x, 
 INLINE void panel_q8_1(const uint8_t *p, const si_xq *x, const int nb, float *y) {
     panel_q8_1s(1, &p, x, nb, &y);
 }
+INLINE void panel_b32(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
+                      float *y, const int64_t ys) {
+    if (type == SI_Q8_0P) {
+        if (nt == 1) panel_q8_1(p, x, nb, y);
+        else panel_q8(p, x, nt, nb, y, ys);
+    } else if (nt == 1) {
+        panel_q4_1(type, p, x, nb, y);
+    } else {
+        panel_q4(type, p, x, nt, nb, y, ys);
+    }
+}
+#endif
+
+/* 16 rows (the panel at p of type type, nb block columns) against nt <= PANEL_T x rows:
+ * y[t * ys + r]; the K-quants' kernels, else panel_b32's. */
 INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
                   float *y, const int64_t ys) {
     if (type == SI_Q4_KP || type == SI_Q5_KP) {
@@ -2072,16 +2071,8 @@ INLINE void panel(const int type, const uint8_t *p, const si_xq *x, const int nt
         panel_k5b(p, x, nt, nb / 8, y, ys);
         return;
     }
-    if (type == SI_Q8_0P) {
-        if (nt == 1) panel_q8_1(p, x, nb, y);
-        else panel_q8(p, x, nt, nb, y, ys);
-    } else if (nt == 1) {
-        panel_q4_1(type, p, x, nb, y);
-    } else {
-        panel_q4(type, p, x, nt, nb, y, ys);
-    }
+    panel_b32(type, p, x, nt, nb, y, ys);
 }
-#endif
 
 /* nrows (a multiple of 16) panel rows at w against x rows x[0..T): y[t * ys + r]; x rows
  * PANEL_T at a time (the count a constant, so the accumulators stay in registers). AVX-512
