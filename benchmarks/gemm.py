@@ -106,8 +106,8 @@ def k_quants(threads, Ts, rng, cpu_name: str, product) -> None:
         mats[name] = cpu.QuantMatrix(name, blocks.reshape(-1), rows, cols)
         pt = panel_type(name, cpu.get_isa())  # the loader's layout for it (cpu/panels.py)
         if pt:
-            mats[pt] = cpu.QuantMatrix(pt, to_panels(blocks.reshape(rows, -1), name, rows, cols, pt),
-                                       rows, cols)
+            raw16 = to_panels(blocks.reshape(rows, -1), name, rows, cols, pt)
+            mats[pt] = cpu.QuantMatrix(pt, raw16, rows, cols)
     print(f"# {cpu_name}; K-quants {rows}x{cols}, hot, best of 3 rounds, GMAC/s")
     for nt in threads:
         cpu.set_threads(nt)

@@ -14,7 +14,8 @@ from sparseinfer import cpu
 from sparseinfer.cpu import build
 
 ROOT = Path(__file__).resolve().parents[2]
-TYPES = ["Q4_0x16", "Q4_1x16", "Q5_0x16", "Q5_1x16", "Q8_0x16", "Q4_Kx16", "Q5_Kx16", "Q6_Kx16"]
+TYPES = ["Q4_0x16", "Q4_1x16", "Q5_0x16", "Q5_1x16", "Q8_0x16", "Q4_Kx16", "Q5_Kx16", "Q6_Kx16",
+         "Q6_Kx16b", "Q5_Kx16b"]
 
 
 @pytest.mark.slow

@@ -3,8 +3,8 @@
 The weights are the tensor's bytes as the GGUF file stores them (row-major rows of blocks; e.g.
 ``gguf.GGUFReader`` tensor ``t.data`` viewed as uint8, a read-only memmap: not copied). Types:
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16 and F32, and Q4_0x16 ... Q5_1x16: Q4_0 /
-Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K / Q5_1 rearranged in panels of 16 rows (Q6_K also as
-Q6_Kx16b, its six-bit weights byte-aligned: ``panels.panel_type`` picks by ISA)
+Q4_1 / Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K / Q5_1 rearranged in panels of 16 rows (Q6_K and Q5_K
+also as Q6_Kx16b / Q5_Kx16b, their weights byte-aligned: ``panels.panel_type`` picks by ISA)
 (``panels.to_panels``;
 the loader does it for every such matrix whose rows are a multiple of 16: a GEMM over a few
 rows of x then takes a third to half of the instructions, and the GEMV is as fast or faster).
