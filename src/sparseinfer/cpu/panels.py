@@ -3,8 +3,7 @@ for the C kernels (types ``Q4_0x16`` ... ``Q5_1x16``; layout in ``qgemv.h``; Q5_
 transposed within their word; Q4_K/Q5_K's six-bit scales and minima regrouped, each sub-block of
 32 a block to the kernels; Q6_K's scales row by row; and in ``Q6_Kx16b`` / ``Q5_Kx16b`` the
 six- / five-bit weights byte-aligned, three words holding four / five holding eight, the
-layouts plain AVX2 unpacks fastest:
-``panel_type``): one integer dot product then
+layouts plain AVX2 unpacks fastest, ``panel_type``): one integer dot product then
 multiplies 4 bytes of the input with 4 weights of each of 16 rows, and the products stay in one
 lane per row, so a GEMM over a few input rows does a third to half of the instructions of the
 row-major kernels (a batched decode step, a prompt). The bytes per row are the file's; the
@@ -59,7 +58,9 @@ def panel_type(type_name: str, isa: str) -> str | None:
 def _panel_of(type_name: str, panel: str | None) -> str:
     """``panel`` (default: ``type_name``'s in ``PANEL_TYPES``) checked to be a panel type of
     ``type_name``."""
-    panel = PANEL_TYPES.get(type_name) if panel is None else panel
+    if type_name not in PANEL_TYPES:
+        raise ValueError(f"type: expected one of {list(PANEL_TYPES)}, got {type_name!r}")
+    panel = PANEL_TYPES[type_name] if panel is None else panel
     if FILE_TYPES.get(panel) != type_name:
         kinds = [k for k, v in FILE_TYPES.items() if v == type_name]
         raise ValueError(f"panel type of {type_name}: expected one of {kinds}, got {panel!r}")
