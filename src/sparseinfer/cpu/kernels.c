@@ -2035,13 +2035,10 @@ INLINE void panel_q8_1s(const int np, const uint8_t *const *pp, const si_xq *x, 
     for (int n = 0; n < np; n++)
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(yy[n] + 8 * h, acc[n][h]);
 }
-INLINE void panel_q8_1(const uint8_t *p, const si_xq *x, const int nb, float *y) {
-    panel_q8_1s(1, &p, x, nb, &y);
-}
 INLINE void panel_b32(const int type, const uint8_t *p, const si_xq *x, const int nt, const int nb,
                       float *y, const int64_t ys) {
     if (type == SI_Q8_0P) {
-        if (nt == 1) panel_q8_1(p, x, nb, y);
+        if (nt == 1) panel_q8_1s(1, &p, x, nb, &y);
         else panel_q8(p, x, nt, nb, y, ys);
     } else if (nt == 1) {
         panel_q4_1(type, p, x, nb, y);

@@ -270,13 +270,13 @@ def _q6kb_from_panels(pan: np.ndarray, rows: int) -> np.ndarray:
     words = pan[..., 288:].reshape(P, nsb, 16, 3, PANEL, 4).transpose(0, 4, 1, 2, 3, 5)
     fourth = sum(((words[..., m, :] >> 6) & 3) << (2 * m) for m in range(3))
     codes = np.concatenate([words & 63, fourth[..., None, :]], axis=-2).reshape(P, PANEL, nsb, 256)
-    ql = _q6_fold(codes & 15, _Q6_QL, _Q6_LO_SHIFT, 128)
-    qh = _q6_fold(codes >> 4, _Q6_QH - 128, _Q6_HI_SHIFT, 64)
+    ql = _or_bits(codes & 15, _Q6_QL, _Q6_LO_SHIFT, 128)
+    qh = _or_bits(codes >> 4, _Q6_QH - 128, _Q6_HI_SHIFT, 64)
     out[..., :128], out[..., 128:192] = ql, qh
     return out.reshape(rows, nsb * 210)
 
 
-def _q6_fold(values: np.ndarray, index: np.ndarray, shift: np.ndarray, n: int) -> np.ndarray:
+def _or_bits(values: np.ndarray, index: np.ndarray, shift: np.ndarray, n: int) -> np.ndarray:
     """Bytes [..., n] with ``values[..., k] << shift[k]`` or-ed into byte ``index[k]`` (the
     elements of one shift land on distinct bytes)."""
     out = np.zeros(values.shape[:-1] + (n,), dtype=np.uint8)
@@ -319,11 +319,6 @@ def _q5kb_from_panels(pan: np.ndarray, rows: int) -> np.ndarray:
     t = sum(((words[..., m, :].astype(np.int64) >> 5) & 7) << (3 * m) for m in range(5))
     last = np.stack([(t >> (5 * k)) & 31 for k in range(3)], axis=-2)  # words 5, 6, 7
     codes = np.concatenate([words & 31, last], axis=-2).reshape(P, PANEL, nsb, 256)
-    out[..., 48:] = _q6_fold(codes & 15, _Q5_QS - 48, _Q5_LO_SHIFT, 128)
-    out[..., 16:48] = _q5_qh(codes >> 4)
+    out[..., 48:] = _or_bits(codes & 15, _Q5_QS - 48, _Q5_LO_SHIFT, 128)
+    out[..., 16:48] = _or_bits(codes >> 4, _Q5_QH - 16, _Q5_HI_SHIFT, 32)
     return out.reshape(rows, nsb * 176)
-
-
-def _q5_qh(bits: np.ndarray) -> np.ndarray:
-    """Q5_K's 32 fifth-bit bytes from each element's fifth bit ([..., 256] in element order)."""
-    return _q6_fold(bits, _Q5_QH - 16, _Q5_HI_SHIFT, 32)

@@ -1770,8 +1770,7 @@ static void block_b32(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
 /* Q4_K / Q5_K (j->bits: Q5_K): d and dmin, the 8 six-bit scales and minima (the 12 bytes
  * unpacked as the kernels' scales_k does) regrouped, Q5_K's 8 fifth-bit words, the 32 quant
  * words. */
-static void block_k45(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
-    const int bs = j->bsize, qo = j->bits ? 768 : 256;
+static void k45_head(const uint8_t *q, uint8_t *o, int r) { /* d, dmin, scales, minima */
     const uint8_t *s = q + 4;
     uint8_t sc[8], m[8];
     for (int k = 0; k < 4; k++) {
@@ -1793,14 +1792,21 @@ static void block_k45(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
     }
     memcpy(o + 192 + 2 * r, &hs, 2);
     memcpy(o + 224 + 2 * r, &hm, 2);
+}
+static void block_k45(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
+    const int bs = j->bsize, qo = j->bits ? 768 : 256;
+    k45_head(q, o, r);
     for (int w = 0; j->bits && w < 8; w++) memcpy(o + 256 + 64 * w + 4 * r, q + 16 + 4 * w, 4);
     for (int w = 0; w < 32; w++) memcpy(o + qo + 64 * w + 4 * r, q + bs - 128 + 4 * w, 4);
 }
 
 /* Q6_K: d, the 16 scales, the 16 qh words, the 32 ql words. */
-static void block_q6k(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
+static void q6k_head(const uint8_t *q, uint8_t *o, int r) { /* d, the 16 scales */
     memcpy(o + 2 * r, q + 208, 2);
     for (int i = 0; i < 16; i++) o[32 + 16 * i + r] = q[192 + i];
+}
+static void block_q6k(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
+    q6k_head(q, o, r);
     for (int v = 0; v < 16; v++) memcpy(o + 288 + 64 * v + 4 * r, q + 128 + 4 * v, 4);
     for (int u = 0; u < 32; u++) memcpy(o + 1312 + 64 * u + 4 * r, q + 4 * u, 4);
 }
@@ -1808,8 +1814,7 @@ static void block_q6k(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
 /* Q6_K into SI_Q6_KB: d and the 16 scales as block_q6k, then each sub-block's 16 six-bit
  * weights (the file's ql nibble | qh bits << 4) in three words, the fourth word's bits on top. */
 static void block_q6kb(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
-    memcpy(o + 2 * r, q + 208, 2);
-    for (int i = 0; i < 16; i++) o[32 + 16 * i + r] = q[192 + i];
+    q6k_head(q, o, r);
     for (int i = 0; i < 16; i++) {
         uint8_t w[16]; /* sub-block i's weights 16 i .. 16 i + 15 */
         for (int k = 0; k < 16; k++) {
@@ -1824,10 +1829,9 @@ static void block_q6kb(const panel_job *j, const uint8_t *q, uint8_t *o, int r) 
 }
 
 /* Q5_K into SI_Q5_KB: block_k45's d, dmin, scales and minima, then each sub-block's 32 five-bit
- * weights (the file's qs nibble | qh bit << 4) in five words, the last three words' bits on top
- * (over block_k45's fifth bits and quants, which SI_Q5_KB does not keep). */
+ * weights (the file's qs nibble | qh bit << 4) in five words, the last three words' bits on top. */
 static void block_k5b(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
-    block_k45(j, q, o, r);
+    k45_head(q, o, r);
     for (int s = 0; s < 8; s++) {
         uint8_t w[32]; /* sub-block s's weights 32 s .. 32 s + 31 */
         for (int l = 0; l < 32; l++)
