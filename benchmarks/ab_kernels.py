@@ -1,5 +1,6 @@
 """Two builds of the C library against each other in one process: the sparse FFN kernels, or
-the GEMV of given block types (``--gemv``; with ``--rows-of-x``, their GEMM).
+the GEMV of given block types (``--gemv``; with ``--rows-of-x``, their GEMM), or the loader's
+repacking of a file's rows into those panel types (``--pack``).
 
     python benchmarks/ab_kernels.py --rev HEAD~1 [--isa avx2] [--dtypes q4 int8/32 q4-gates] [-t 2]
     python benchmarks/ab_kernels.py --rev HEAD~1 --dtypes q4g q4i8 --fire 0.4
@@ -7,6 +8,7 @@ the GEMV of given block types (``--gemv``; with ``--rows-of-x``, their GEMM).
     python benchmarks/ab_kernels.py --old path/to/libsicpu.so ... [--hot]
     python benchmarks/ab_kernels.py --same --isa avx2 --new-isa avx2_vnni --gemv Q4_Kx16 --hot
     python benchmarks/ab_kernels.py --rev HEAD~1 --isa avx512 --gemv Q4_1x16 --rows-of-x 8 --hot
+    python benchmarks/ab_kernels.py --rev HEAD~1 --pack Q4_0x16 Q6_Kx16b --rounds 8 --per-block 1
 
 ``--rev`` checks that revision out in a temporary git worktree, builds its library there and
 removes the worktree after; "new" is this tree's built library (``python -m
@@ -97,6 +99,7 @@ def load(path: Path, isa: str, threads: int) -> ctypes.CDLL:
     lib.si_sparse_q4_gates.argtypes = [vp, ctypes.c_size_t, vp, ci, ci, vp, ci, vp]
     lib.si_gemv.argtypes = [ci, vp, vp, vp, ci, vp, vp]
     lib.si_gemm.argtypes = [ci, vp, ctypes.c_int64, ci, vp, ctypes.c_int64, vp]
+    lib.si_to_panels.argtypes = [ci, vp, ctypes.c_int64, ci, vp]
     if lib.si_set_isa(ISAS[isa]) != 0:
         raise SystemExit(f"{path}: this CPU cannot run {isa}")
     if lib.si_set_threads(threads) != 0:
@@ -286,6 +289,38 @@ def run_gemv(libs: dict[str, ctypes.CDLL], type_name: str, rounds: int, per_bloc
               f"{rounds} rounds")
 
 
+def run_pack(libs: dict[str, ctypes.CDLL], panel: str, rounds: int, per_block: int) -> None:
+    """The loader's repacking (``si_to_panels``: a file's rows of random blocks into panels of
+    type ``panel``, each call into a new array, as the loader makes them, so the new pages' faults
+    are counted) at the 7B FFN's shapes with the two builds, alternated; outputs compared."""
+    from sparseinfer import cpu
+    from sparseinfer.cpu.panels import FILE_TYPES
+
+    code, elems, size = cpu.TYPES[panel]
+    rng = np.random.default_rng(0)
+    for rows, cols in GEMV_SHAPES[1:]:
+        raw = rng.integers(0, 256, rows * cols // elems * size, dtype=np.uint8)
+        outs: dict[str, np.ndarray] = {}
+
+        def call(name: str, i: int) -> None:
+            outs[name] = np.empty_like(raw)
+            if libs[name].si_to_panels(code, raw.ctypes.data, rows, cols,
+                                       outs[name].ctypes.data) != 0:
+                raise SystemExit(f"{name}: si_to_panels refused {panel}")
+
+        times, wins = alternate(call, rounds, per_block)
+        same = np.array_equal(outs["old"], outs["new"])
+        print(f"\n{FILE_TYPES[panel]} rows -> {panel} panels, {rows}x{cols} ({raw.nbytes / 1e6:.1f} MB);"
+              f" outputs {'equal' if same else 'DIFFER'}")
+        med = {}
+        for name, ts in times.items():
+            med[name] = np.median(ts)
+            print(f"  {name}: best {raw.nbytes / min(ts) / 1e9:5.2f} GB/s  p50 "
+                  f"{raw.nbytes / med[name] / 1e9:5.2f} GB/s  ({len(ts)} calls)")
+        print(f"  new / old speed at p50 {med['old'] / med['new']:.3f}; new faster in {wins} of "
+              f"{rounds} rounds")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -305,6 +340,8 @@ def main() -> None:
                    "gates apart, int8 up/down rows or q4 ups beside int8 down rows")
     p.add_argument("--gemv", nargs="+", metavar="TYPE", help="instead of the sparse FFN: the "
                    "GEMV of these cpu.TYPES (e.g. Q4_Kx16) at the 7B shapes")
+    p.add_argument("--pack", nargs="+", metavar="TYPE", help="instead of the sparse FFN: the "
+                   "loader's repacking of file rows into these panel types (e.g. Q6_Kx16b)")
     p.add_argument("--rows-of-x", type=int, default=1, help="with --gemv: a GEMM over this many "
                    "rows of x (a batched decode step's), not a GEMV")
     p.add_argument("--rounds", type=int, default=60, help="blocks of each build (default 60)")
@@ -336,7 +373,9 @@ def main() -> None:
           f"new {args.new}")
     for type_name in args.gemv or []:
         run_gemv(libs, type_name, args.rounds, args.per_block, args.hot, args.rows_of_x)
-    for name in [] if args.gemv else args.dtypes:
+    for panel in args.pack or []:
+        run_pack(libs, panel, args.rounds, args.per_block)
+    for name in [] if args.gemv or args.pack else args.dtypes:
         dtype, block = {"q4": ("q4", 0), "int8/row": ("int8", 0), "int8/32": ("int8", 32),
                         "q4-gates": ("q4", 0), "q4g": ("int8", 32), "q4i8": ("int8", 32)}[name]
         if name in ("q4g", "q4i8") and args.fire is None:

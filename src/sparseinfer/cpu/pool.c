@@ -1733,41 +1733,52 @@ int si_stack_decode_rows(void *const *blocks, int n, float *x, int B, const int3
 
 /* ------------------------------------------------------------------ panels (layout) */
 
-typedef struct panel_job panel_job;
-/* One row's block (q: in the file; o: its panel's block column; r: the row in its panel). */
-typedef void (*panel_block_fn)(const panel_job *j, const uint8_t *q, uint8_t *o, int r);
-struct panel_job {
+/* Little-endian words of the packers; BYTES8(v): v in each byte (the byte-aligned layouts work 4
+ * or 8 weights a byte each in an integer: shifts, then masks that keep no bit from another byte) */
+#define BYTES8(v) (0x0101010101010101ull * (uint64_t)(v))
+static uint64_t ld64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+static uint32_t ld32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+static void st32(uint8_t *p, const uint32_t v) { memcpy(p, &v, 4); }
+#define INLINE static inline __attribute__((always_inline))
+
+typedef struct {
     const uint8_t *src;
     uint8_t *dst;
-    int words, nq, bsize, nb; /* fp16 words, quant words (4 bytes) per block; bytes; blocks */
-    int bits; /* Q5_0 / Q5_1: quant word 0 is the fifth bits, stored transposed (bits_t);
-               * Q5_K's fifth bits */
+    int panel, bsize, nb; /* the panel type; a block's bytes; blocks a row */
     int64_t panels_per_chunk, n_panels;
-    panel_block_fn block;
-};
+} panel_job;
 
 /* A Q5_0 / Q5_1 block's 32 fifth bits as SI_Q5_0P / SI_Q5_1P store them: bit 8k + s =
- * bit 4s + k. */
-static uint32_t bits_t(uint32_t h) {
+ * bit 4s + k (nibble s of h spread over bit s of the four bytes). */
+static uint32_t bits_t(const uint32_t h) {
+    static const uint32_t spread[16] = {
+        0x00000000, 0x00000001, 0x00000100, 0x00000101, 0x00010000, 0x00010001, 0x00010100,
+        0x00010101, 0x01000000, 0x01000001, 0x01000100, 0x01000101, 0x01010000, 0x01010001,
+        0x01010100, 0x01010101};
     uint32_t o = 0;
-    for (int k = 0; k < 4; k++)
-        for (int s = 0; s < 8; s++) o |= ((h >> (4 * s + k)) & 1u) << (8 * k + s);
+    for (int s = 0; s < 8; s++) o |= spread[h >> (4 * s) & 15] << s;
     return o;
 }
 
-/* Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: the block's fp16 words, then its quant words. */
-static void block_b32(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
-    for (int w = 0; w < j->words; w++) memcpy(o + 32 * w + 2 * r, q + 2 * w, 2);
-    for (int k = 0; k < j->nq; k++) memcpy(o + 32 * j->words + 64 * k + 4 * r, q + 2 * j->words + 4 * k, 4);
-    if (j->bits) {
-        uint32_t h;
-        memcpy(&h, q + 2 * j->words, 4);
-        h = bits_t(h);
-        memcpy(o + 32 * j->words + 4 * r, &h, 4);
-    }
+/* Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (q: a row's block in the file; o: its panel's block column;
+ * r: the row in its panel): the block's fp16 words, then its nq quant words; Q5_0 / Q5_1's first
+ * (bits) transposed by bits_t. */
+INLINE void block_b32(const uint8_t *q, uint8_t *o, const int r, const int words, const int nq,
+                      const int bits) {
+    for (int w = 0; w < words; w++) memcpy(o + 32 * w + 2 * r, q + 2 * w, 2);
+    for (int k = 0; k < nq; k++) memcpy(o + 32 * words + 64 * k + 4 * r, q + 2 * words + 4 * k, 4);
+    if (bits) st32(o + 32 * words + 4 * r, bits_t(ld32(q + 2 * words)));
 }
 
-/* Q4_K / Q5_K (j->bits: Q5_K): d and dmin, the 8 six-bit scales and minima (the 12 bytes
+/* Q4_K / Q5_K (bits: Q5_K): d and dmin, the 8 six-bit scales and minima (the 12 bytes
  * unpacked as the kernels' scales_k does) regrouped, Q5_K's 8 fifth-bit words, the 32 quant
  * words. */
 static void k45_head(const uint8_t *q, uint8_t *o, int r) { /* d, dmin, scales, minima */
@@ -1793,10 +1804,10 @@ static void k45_head(const uint8_t *q, uint8_t *o, int r) { /* d, dmin, scales, 
     memcpy(o + 192 + 2 * r, &hs, 2);
     memcpy(o + 224 + 2 * r, &hm, 2);
 }
-static void block_k45(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
-    const int bs = j->bsize, qo = j->bits ? 768 : 256;
+INLINE void block_k45(const uint8_t *q, uint8_t *o, const int r, const int bits) {
+    const int bs = bits ? 176 : 144, qo = bits ? 768 : 256;
     k45_head(q, o, r);
-    for (int w = 0; j->bits && w < 8; w++) memcpy(o + 256 + 64 * w + 4 * r, q + 16 + 4 * w, 4);
+    for (int w = 0; bits && w < 8; w++) memcpy(o + 256 + 64 * w + 4 * r, q + 16 + 4 * w, 4);
     for (int w = 0; w < 32; w++) memcpy(o + qo + 64 * w + 4 * r, q + bs - 128 + 4 * w, 4);
 }
 
@@ -1805,56 +1816,94 @@ static void q6k_head(const uint8_t *q, uint8_t *o, int r) { /* d, the 16 scales 
     memcpy(o + 2 * r, q + 208, 2);
     for (int i = 0; i < 16; i++) o[32 + 16 * i + r] = q[192 + i];
 }
-static void block_q6k(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
+static void block_q6k(const uint8_t *q, uint8_t *o, const int r) {
     q6k_head(q, o, r);
     for (int v = 0; v < 16; v++) memcpy(o + 288 + 64 * v + 4 * r, q + 128 + 4 * v, 4);
     for (int u = 0; u < 32; u++) memcpy(o + 1312 + 64 * u + 4 * r, q + 4 * u, 4);
 }
 
 /* Q6_K into SI_Q6_KB: d and the 16 scales as block_q6k, then each sub-block's 16 six-bit
- * weights (the file's ql nibble | qh bits << 4) in three words, the fourth word's bits on top. */
-static void block_q6kb(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
+ * weights (the file's ql nibble | qh bits << 4: weight n = 128 h + 32 g + l from ql's byte
+ * 64 h + 32 (g & 1) + l, nibble g >> 1, and qh's byte 32 h + l, bits 2 g) in three words, the
+ * fourth word's bits on top (bits 2 m, 2 m + 1 of weight 12 + e in word m's byte e). */
+static void block_q6kb(const uint8_t *q, uint8_t *o, const int r) {
     q6k_head(q, o, r);
-    for (int i = 0; i < 16; i++) {
-        uint8_t w[16]; /* sub-block i's weights 16 i .. 16 i + 15 */
-        for (int k = 0; k < 16; k++) {
-            const int n = 16 * i + k, h = n / 128, g = n % 128 / 32, l = n % 32;
-            const uint8_t lo = q[64 * h + 32 * (g & 1) + l] >> (4 * (g >> 1)) & 15;
-            w[k] = (uint8_t)(lo | (q[128 + 32 * h + l] >> (2 * g) & 3) << 4);
-        }
+    for (int i = 0; i < 16; i++) { /* sub-block i: weights 16 i .. 16 i + 15 */
+        const int h = i / 8, g = i % 8 / 2, l = 16 * (i % 2);
+        uint64_t w[2]; /* its 16 weights, a byte each */
+        for (int k = 0; k < 2; k++)
+            w[k] = (ld64(q + 64 * h + 32 * (g & 1) + l + 8 * k) >> (4 * (g >> 1)) & BYTES8(15)) |
+                   (ld64(q + 128 + 32 * h + l + 8 * k) >> (2 * g) & BYTES8(3)) << 4;
+        const uint32_t t = (uint32_t)(w[1] >> 32); /* weights 12 .. 15 */
+        const uint32_t words[3] = {(uint32_t)w[0], (uint32_t)(w[0] >> 32), (uint32_t)w[1]};
         for (int m = 0; m < 3; m++)
-            for (int e = 0; e < 4; e++)
-                o[288 + 192 * i + 64 * m + 4 * r + e] = (uint8_t)(w[4 * m + e] | (w[12 + e] >> (2 * m) & 3) << 6);
+            st32(o + 288 + 192 * i + 64 * m + 4 * r,
+                 words[m] | (t >> (2 * m) & (uint32_t)BYTES8(3)) << 6);
     }
 }
 
 /* Q5_K into SI_Q5_KB: block_k45's d, dmin, scales and minima, then each sub-block's 32 five-bit
- * weights (the file's qs nibble | qh bit << 4) in five words, the last three words' bits on top. */
-static void block_k5b(const panel_job *j, const uint8_t *q, uint8_t *o, int r) {
+ * weights (the file's qs nibble | qh bit << 4) in five words, the last three words' bits on top:
+ * word m's byte e gets bits 3 m .. 3 m + 2 of w(20 + e) | w(24 + e) << 5 | w(28 + e) << 10. */
+static void block_k5b(const uint8_t *q, uint8_t *o, const int r) {
     k45_head(q, o, r);
+    const uint32_t m1 = (uint32_t)BYTES8(1), m2 = (uint32_t)BYTES8(3), m3 = (uint32_t)BYTES8(7);
     for (int s = 0; s < 8; s++) {
-        uint8_t w[32]; /* sub-block s's weights 32 s .. 32 s + 31 */
-        for (int l = 0; l < 32; l++)
-            w[l] = (uint8_t)((q[48 + 32 * (s / 2) + l] >> (4 * (s % 2)) & 15) | (q[16 + l] >> s & 1) << 4);
-        for (int e = 0; e < 4; e++) {
-            const unsigned t = w[20 + e] | w[24 + e] << 5 | w[28 + e] << 10;
-            for (int m = 0; m < 5; m++)
-                o[256 + 320 * s + 64 * m + 4 * r + e] = (uint8_t)(w[4 * m + e] | (t >> (3 * m) & 7) << 5);
+        uint8_t w[32]; /* sub-block s's weights 32 s .. 32 s + 31, a byte each */
+        for (int k = 0; k < 4; k++) {
+            const uint64_t v = (ld64(q + 48 + 32 * (s / 2) + 8 * k) >> (4 * (s % 2)) & BYTES8(15)) |
+                               (ld64(q + 16 + 8 * k) >> s & BYTES8(1)) << 4;
+            memcpy(w + 8 * k, &v, 8);
         }
+        const uint32_t a = ld32(w + 20), b = ld32(w + 24), c = ld32(w + 28);
+        const uint32_t top[5] = {a & m3, (a >> 3 & m2) | (b & m1) << 2, b >> 1 & m3,
+                                 (b >> 4 & m1) | (c & m2) << 1, c >> 2 & m3};
+        for (int m = 0; m < 5; m++) st32(o + 256 + 320 * s + 64 * m + 4 * r, ld32(w + 4 * m) | top[m] << 5);
     }
 }
 
+/* The blocks of panel p in the faster of two orders for the type (benchmarks/RESULTS.md), the
+ * block functions inlined with their type's constants (one switch a panel, not a call a block):
+ * the 32-weight blocks block column by block column (the column's 16 rows, so that its output
+ * lines stay in L1 while each row writes its 2 or 4 bytes of them), the K-quants' super-blocks
+ * row by row (each source row read front to back). */
+static void panel_blocks(const panel_job *j, const int64_t p) {
+    const size_t rb = (size_t)j->nb * j->bsize, pb = (size_t)SI_PANEL * j->bsize;
+    const uint8_t *const src = j->src + (size_t)p * SI_PANEL * rb;
+    uint8_t *const dst = j->dst + (size_t)p * j->nb * pb;
+#define BY_COLUMN(call)                                                                        \
+    for (int b = 0; b < j->nb; b++) {                                                          \
+        const uint8_t *q = src + (size_t)b * j->bsize;                                         \
+        uint8_t *o = dst + (size_t)b * pb;                                                     \
+        for (int r = 0; r < SI_PANEL; r++, q += rb) call;                                      \
+    }                                                                                          \
+    break
+#define BY_ROW(call)                                                                           \
+    for (int r = 0; r < SI_PANEL; r++) {                                                       \
+        const uint8_t *q = src + (size_t)r * rb;                                               \
+        uint8_t *o = dst;                                                                      \
+        for (int b = 0; b < j->nb; b++, q += j->bsize, o += pb) call;                          \
+    }                                                                                          \
+    break
+    switch (j->panel) {
+    case SI_Q4_0P: BY_COLUMN(block_b32(q, o, r, 1, 4, 0));
+    case SI_Q4_1P: BY_COLUMN(block_b32(q, o, r, 2, 4, 0));
+    case SI_Q5_0P: BY_COLUMN(block_b32(q, o, r, 1, 5, 1));
+    case SI_Q5_1P: BY_COLUMN(block_b32(q, o, r, 2, 5, 1));
+    case SI_Q8_0P: BY_COLUMN(block_b32(q, o, r, 1, 8, 0));
+    case SI_Q4_KP: BY_ROW(block_k45(q, o, r, 0));
+    case SI_Q5_KP: BY_ROW(block_k45(q, o, r, 1));
+    case SI_Q5_KB: BY_ROW(block_k5b(q, o, r));
+    case SI_Q6_KP: BY_ROW(block_q6k(q, o, r));
+    case SI_Q6_KB: BY_ROW(block_q6kb(q, o, r));
+    }
+#undef BY_COLUMN
+#undef BY_ROW
+}
 static void panel_chunk(const void *jp, int64_t c) {
     const panel_job *j = jp;
-    const size_t rb = (size_t)j->nb * j->bsize, pb = (size_t)SI_PANEL * j->bsize;
-    const int64_t p1 = (c + 1) * j->panels_per_chunk < j->n_panels ? (c + 1) * j->panels_per_chunk
-                                                                     : j->n_panels;
-    for (int64_t p = c * j->panels_per_chunk; p < p1; p++)
-        for (int r = 0; r < SI_PANEL; r++) { /* each source row read front to back */
-            const uint8_t *q = j->src + ((size_t)p * SI_PANEL + r) * rb;
-            uint8_t *o = j->dst + (size_t)p * j->nb * pb;
-            for (int b = 0; b < j->nb; b++, q += j->bsize, o += pb) j->block(j, q, o, r);
-        }
+    for (int64_t p = c * j->panels_per_chunk; p < (c + 1) * j->panels_per_chunk && p < j->n_panels; p++)
+        panel_blocks(j, p);
 }
 
 /* The file's type of a panel type's blocks; -1 for a type that is not a panel type. */
@@ -1878,20 +1927,9 @@ static int panel_source(int panel) {
 int si_to_panels(int panel, const uint8_t *src, int64_t rows, int cols, uint8_t *dst) {
     const int type = panel_source(panel);
     if (type < 0) return EINVAL;
-    const int b32 = type == SI_Q4_0 || type == SI_Q4_1 || type == SI_Q5_0 || type == SI_Q5_1 ||
-                    type == SI_Q8_0;
-    const int k45 = type == SI_Q4_K || type == SI_Q5_K;
     const int elems = BLOCK_ELEMS[type];
     if (rows < SI_PANEL || rows % SI_PANEL || cols < elems || cols % elems) return EINVAL;
-    const int words = !b32 ? 0 : type == SI_Q4_1 || type == SI_Q5_1 ? 2 : 1;
-    panel_job j = {src, dst, words, b32 ? (BLOCK_BYTES[type] - 2 * words) / 4 : 0, BLOCK_BYTES[type],
-                   cols / elems, type == SI_Q5_0 || type == SI_Q5_1 || type == SI_Q5_K, 0,
-                   rows / SI_PANEL,
-                   b32                  ? block_b32
-                   : panel == SI_Q5_KB  ? block_k5b
-                   : k45                ? block_k45
-                   : panel == SI_Q6_KB  ? block_q6kb
-                                        : block_q6k};
+    panel_job j = {src, dst, panel, BLOCK_BYTES[type], cols / elems, 0, rows / SI_PANEL};
     j.panels_per_chunk = (j.n_panels + 31) / 32; /* 32 chunks: the threads stay even */
     pthread_mutex_lock(&g_call_lock);
     pool_run(panel_chunk, &j, (j.n_panels + j.panels_per_chunk - 1) / j.panels_per_chunk);
