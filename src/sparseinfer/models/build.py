@@ -34,7 +34,7 @@ from ..quant.linear import FloatLinear, GGMLLinear, Int4Linear, Int8Linear
 from ..sparse.ffn import DenseCopy, SparseFFN
 from ..sparse.packed import DTYPES as PACKED_DTYPES
 from ..sparse.packed import (Q4_BYTES, Q4_GROUP, PackedFFN, empty_hugepages, int8_block,
-                             q4i8_rows, quantize_int8, quantize_q4_rows)
+                             q4i8_empty, quantize_int8, quantize_q4_rows)
 from ..threads import kernel_threads
 from .loading import FileTensor, ModelSource, open_source, unpermute_qk
 from .model import Norm, Transformer
@@ -268,17 +268,18 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
     # (tensor, its rows for this matrix): a fused w_in (Phi-3) gives the gate rows, then up's
     mats = [(c, h) for c in names
             for h in ((slice(0, F), slice(F, 2 * F)) if c.endswith("ffn.w_in.weight") else (None,))]
-    gates = ups = None
+    gates = bundles = None
+    block = int8_block(D) if dtype == "int8" else 0
 
-    def q4_apart(canon: str, what: str) -> torch.Tensor:
-        """The file's Q4_0 rows of ``canon`` as q4 rows."""
+    def q4_apart(canon: str, what: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The file's Q4_0 rows of ``canon`` as q4 rows (into ``out``: rows a stride apart)."""
         from ..cpu.ops import bundle_rows  # (the C library: loaded only where it is needed)
 
         t = src.tensors[canon]
         if t.kind != "Q4_0" or tuple(t.shape) != (F, D):
             raise ModelFileError(f"{src.path}: tensor {t.name!r}: expected Q4_0 {(F, D)} {what} "
                                  f"rows to keep apart, found {t.kind} {tuple(t.shape)}")
-        rows = empty_hugepages((F, D // Q4_GROUP * Q4_BYTES), torch.uint8)
+        rows = empty_hugepages((F, D // Q4_GROUP * Q4_BYTES), torch.uint8) if out is None else out
         bundle_rows(np.asarray(t.raw()).reshape(F, -1), "Q4_0", F, D, False, rows)
         t.release()
         return rows
@@ -286,14 +287,15 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
     if q4_gates:
         gates = q4_apart(names[0], "gate")
         mats = mats[1:]
-    if q4_ups:
-        ups = q4_apart(names[1], "up")
+    if q4_ups:  # "q4i8" bundles, written in place: the up rows, then the int8 down rows below
+        bundles, ups, down_rows, down_scales = q4i8_empty(F, D, block)
+        q4_apart(names[1], "up", ups)
         mats = mats[1:]
-    n_mats = len(mats)
-    width = D // Q4_GROUP * Q4_BYTES if dtype == "q4" else D
-    rows = empty_hugepages((F, n_mats, width), PACKED_DTYPES[dtype])
-    block = int8_block(D) if dtype == "int8" else 0
-    scales = torch.empty(F, n_mats, D // block) if dtype == "int8" else None
+        rows, scales = down_rows.unsqueeze(1), down_scales.unsqueeze(1)
+    else:
+        width = D // Q4_GROUP * Q4_BYTES if dtype == "q4" else D
+        rows = empty_hugepages((F, len(mats), width), PACKED_DTYPES[dtype])
+        scales = torch.empty(F, len(mats), D // block) if dtype == "int8" else None
     for m, (canon, half) in enumerate(mats):
         t = src.tensors[canon]
         down = canon.endswith("ffn.down.weight")
@@ -331,9 +333,8 @@ def _packed_ffn(src: ModelSource, names: tuple[str, ...], kind: str, dtype: str,
         else:
             rows[:, m] = w
         del w
-    if ups is not None:  # (int8 down rows alone in rows)
-        return PackedFFN(kind, "q4i8", D, F, q4i8_rows(ups, rows[:, 0], scales[:, 0], block),
-                         None, block, up_bias, gates)
+    if bundles is not None:
+        return PackedFFN(kind, "q4i8", D, F, bundles, None, block, up_bias, gates)
     return PackedFFN(kind, dtype, D, F, rows, scales, block, up_bias, gates)
 
 

@@ -133,13 +133,26 @@ def q4i8_layout(d_model: int, block: int) -> Q4i8Layout:
     return Q4i8Layout(up, down, -(-(down + d_model) // 4) * 4)
 
 
+def q4i8_empty(d_ff: int, d_model: int, block: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Bundles of dtype "q4i8" to fill (uint8 ``[d_ff, 1, width]``, in huge pages, the padding
+    zeroed) and views of their parts: the q4 up rows (uint8 ``[d_ff, d_model / 32 · 18]``), the
+    int8 down rows ``[d_ff, d_model]`` and their float32 scales ``[d_ff, ceil(d_model /
+    block)]`` — each a row a bundle apart, so the loader writes them in place."""
+    lay = q4i8_layout(d_model, block)
+    rows = empty_hugepages((d_ff, 1, lay.width), torch.uint8)
+    b = rows[:, 0]
+    b[:, lay.down + d_model :] = 0
+    return (rows, b[:, lay.up : lay.down], b[:, lay.down : lay.down + d_model].view(torch.int8),
+            b[:, : lay.up].view(torch.float32))
+
+
 def q4i8_rows(ups: torch.Tensor, down: torch.Tensor, down_scales: torch.Tensor,
               block: int) -> torch.Tensor:
     """Bundles of dtype "q4i8" (uint8 ``[d_ff, 1, width]``, in huge pages) of q4 up rows ``ups``
     (uint8 ``[d_ff, d_model / 32 · 18]``), int8 down rows ``down`` ``[d_ff, d_model]`` and their
     float32 scales ``down_scales`` ``[d_ff, ceil(d_model / block)]``."""
     d_ff, d_model = down.shape
-    lay = q4i8_layout(d_model, block)
     want = {"ups": (ups, torch.uint8, (d_ff, d_model // Q4_GROUP * Q4_BYTES)),
             "down": (down, torch.int8, (d_ff, d_model)),
             "down_scales": (down_scales, torch.float32, (d_ff, n_blocks(d_model, block)))}
@@ -147,12 +160,9 @@ def q4i8_rows(ups: torch.Tensor, down: torch.Tensor, down_scales: torch.Tensor,
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise ValueError(f"{name}: expected {str(dtype).removeprefix('torch.')} {shape}, got "
                              f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}")
-    rows = empty_hugepages((d_ff, 1, lay.width), torch.uint8)
-    b = rows[:, 0]
-    b[:, : lay.up] = down_scales.contiguous().view(torch.uint8)
-    b[:, lay.up : lay.down] = ups
-    b[:, lay.down : lay.down + d_model] = down.view(torch.uint8)
-    b[:, lay.down + d_model :] = 0
+    rows, *parts = q4i8_empty(d_ff, d_model, block)
+    for part, t in zip(parts, (ups, down, down_scales)):
+        part.copy_(t)
     return rows
 
 
