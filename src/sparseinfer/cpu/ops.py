@@ -732,6 +732,16 @@ def sparse_ffn_i8(rows: torch.Tensor, scales: torch.Tensor | None, block: int, g
     return out
 
 
+def _check_x_out(x: torch.Tensor, out: torch.Tensor, d_model: int | None = None) -> int:
+    """x and out: float32 [T, d_model] (d_model None: x's); T."""
+    if x.dim() != 2 or (d_model is not None and x.shape[1] != d_model):
+        raise ValueError(f"x: expected float32 [T, {d_model or 'd_model'}], got {list(x.shape)}")
+    T = x.shape[0]
+    _check_f32(x, (T, x.shape[1]), "x")
+    _check_f32(out, (T, x.shape[1]), "out")
+    return T
+
+
 def _check_i8(rows: torch.Tensor, scales: torch.Tensor | None, block: int, gated: bool,
               x: torch.Tensor, out: torch.Tensor, round_x: bool | None,
               apart: bool = False) -> tuple[int, int, int, bool]:
@@ -741,11 +751,7 @@ def _check_i8(rows: torch.Tensor, scales: torch.Tensor | None, block: int, gated
     if apart and rows.dtype == torch.uint8:
         return _check_q4u(rows, scales, block, gated, x, out, round_x)
     d_ff, n_mats, d_model = rows.shape
-    if x.dim() != 2 or x.shape[1] != d_model:
-        raise ValueError(f"x: expected float32 [T, {d_model}], got {list(x.shape)}")
-    T = x.shape[0]
-    _check_f32(x, (T, d_model), "x")
-    _check_f32(out, (T, d_model), "out")
+    T = _check_x_out(x, out, d_model)
     mats = "2 or 3" if apart else 3 if gated else 2
     if (rows.dtype != torch.int8 or not rows.is_contiguous()
             or n_mats not in ((2, 3) if apart else (3 if gated else 2,))):
@@ -769,11 +775,8 @@ def _check_q4u(rows: torch.Tensor, scales: torch.Tensor | None, block: int, gate
     """``_check_i8`` for bundles of q4 ups (``PackedFFN`` dtype "q4i8"; d_model is x's)."""
     from ..sparse.packed import q4i8_layout
 
-    if x.dim() != 2:
-        raise ValueError(f"x: expected float32 [T, d_model], got {list(x.shape)}")
-    T, d_model = x.shape
-    _check_f32(x, (T, d_model), "x")
-    _check_f32(out, (T, d_model), "out")
+    T = _check_x_out(x, out)
+    d_model = x.shape[1]
     if not gated or d_model % 32 or block <= 0 or block % 32 or block > d_model:
         raise ValueError(f"q4 ups: expected a gated FFN, d_model and block multiples of 32 with "
                          f"block <= d_model, got gated {gated}, {d_model}, {block}")
