@@ -1,11 +1,13 @@
-"""benchmarks/l1_cycles.c compiles the library's own kernels.c: it still builds against today's
-source, for each 256-bit ISA this CPU runs, and prints a figure for every panel type (and the
-gate pass where the build has one)."""
+"""The benchmark tools that reach into the library: benchmarks/l1_cycles.c compiles its own
+kernels.c (it still builds against today's source, for each 256-bit ISA this CPU runs, and prints
+a figure for every panel type, and the gate pass where the build has one); benchmarks/
+ab_kernels.py calls two builds' packers through ctypes."""
 
 from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,18 @@ def test_l1_cycles_builds_and_reports_every_type(isa, tmp_path):
     for name in names:
         m = re.search(rf"^{re.escape(name)}\s.*?([0-9.]+) cycles a block column$", out, re.M)
         assert m and float(m.group(1)) > 0, (name, out)
+
+
+@pytest.mark.slow
+def test_ab_kernels_pack_runs_and_the_builds_agree():
+    """benchmarks/ab_kernels.py --pack: the loader's repacking timed with two kernel variants of
+    this build (packing does not depend on the ISA: the outputs must be equal)."""
+    if build.other_machine() or not {"avx2", "avx2_128"} <= set(cpu.available_isas()):
+        pytest.skip("this CPU does not run avx2 and avx2_128")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/ab_kernels.py"), "--same",
+                          "--isa", "avx2", "--new-isa", "avx2_128", "--pack", "Q5_0x16",
+                          "Q6_Kx16b", "--rounds", "2", "--per-block", "1"],
+                         check=True, capture_output=True, text=True).stdout
+    for head in ("Q5_0 rows -> Q5_0x16 panels", "Q6_K rows -> Q6_Kx16b panels"):
+        assert len(re.findall(rf"^{re.escape(head)}, .*; outputs equal$", out, re.M)) == 2, out
+    assert "new / old speed at p50" in out
