@@ -7,6 +7,7 @@
     python benchmarks/big.py --shape 7b --out /tmp/big --rounds 5
     python benchmarks/big.py --shape 7b --out /tmp/big --qtype q4_k_m   # the Q4_K_M mix (or q5_k_m)
     python benchmarks/big.py --shape 7b --out /tmp/big --isa avx2_vnni  # another of our kernel variants
+    python benchmarks/big.py --shape 7b --out /tmp/big --scaling 3   # 1 thread against 2, both engines
 
 The file holds random weights (a few random matrices reused across layers: bytes are what
 matter for speed and memory, not values) and SmolLM2's tokenizer. Each engine runs in its own
@@ -224,10 +225,10 @@ def main() -> int:
                          "its Q4_K_M / Q5_K_M mix (needs llama-cpp-python; the mixes most GGUF "
                          "downloads use)")
     ap.add_argument("--scaling", type=int, default=0, metavar="ROUNDS",
-                    help="then our decode with 1 thread and with -t threads alternately, each in a "
-                         "fresh process after a read-bandwidth probe at its thread count, this "
-                         "many rounds (issue 14: what a second thread adds, against what the "
-                         "memory gives it)")
+                    help="then our decode with 1 thread and with -t threads alternately (and "
+                         "llama.cpp's, unless --no-llama-cpp), each in a fresh process after a "
+                         "read-bandwidth probe at its thread count, this many rounds (issue 14: "
+                         "what a second thread adds, against what the memory gives it)")
     ap.add_argument("--isa", default="auto", help="our C kernels' variant (cpu.set_isa; default "
                     "auto: the CPU's best)")
     ap.add_argument("--json", action="store_true")
@@ -315,40 +316,51 @@ def main() -> int:
                   f"{max(dec):.2f}x, {sum(r >= 1.0 for r in dec)} of {len(dec)} >= 1.0x); median "
                   f"prefill {statistics.median(pre):.2f}x")
     if args.scaling > 0 and args.threads > 1:
-        _scaling(our_args, args.threads, args.scaling)
+        _scaling(our_args, common if "llama.cpp" in rows else None, args.threads, args.scaling)
     if args.json:
         print(json.dumps(rows, indent=1, default=str))
     return 0
 
 
-def _scaling(common: dict, threads: int, rounds: int) -> None:
+def _scaling(ours: dict, cpp: dict | None, threads: int, rounds: int) -> None:
     """Our decode at 1 and at ``threads`` threads alternately, each run after a probe of the
-    read bandwidth at its own thread count: the decode's ratio beside the memory's."""
+    read bandwidth at its own thread count: the decode's ratio beside the memory's, and (``cpp``:
+    its arguments) llama.cpp's after ours at each thread count, its own ratio in the same
+    minutes."""
     import statistics
 
     from sparseinfer.bench import measure_read_bandwidth, run_isolated
 
-    print(f"\nscaling (ours, 1 thread then {threads}, each in a fresh process; decode tok/s, "
+    engines = {"ours": (_ours, ours)} | ({"cpp": (_llama_cpp, cpp)} if cpp else {})
+    print(f"\nscaling (1 thread then {threads}, each run in a fresh process; decode tok/s, "
           f"probe GB/s):")
-    print(f"{'round':>5} {'1t probe':>9} {'1t dec':>7} {f'{threads}t probe':>9} "
-          f"{f'{threads}t dec':>7} {'decode':>7} {'memory':>7}")
-    dec, mem = [], []
+    cols = [f"{n} {t}t" for t in (1, threads) for n in engines]
+    print(f"{'round':>5} {'1t probe':>9} {f'{threads}t probe':>9} "
+          + " ".join(f"{c:>8}" for c in cols) + " "
+          + " ".join(f"{n + ' x':>7}" for n in engines) + f" {'memory':>7}")
+    ratios: dict[str, list[float]] = {n: [] for n in engines}
+    mem = []
     for i in range(rounds):
-        got = []
+        bws, got = [], {n: [] for n in engines}
         for t in (1, threads):
-            bw = measure_read_bandwidth(t)
-            got.append((bw, run_isolated(_ours, **{**common, "threads": t})))
-        (bw1, a), (bwt, b) = got
-        if "error" in a or "error" in b:
-            print(f"{i + 1:5d} error: {a.get('error') or b.get('error')}")
+            bws.append(measure_read_bandwidth(t))
+            for n, (fn, kw) in engines.items():
+                got[n].append(run_isolated(fn, **{**kw, "threads": t}))
+        errors = [r["error"] for rs in got.values() for r in rs if "error" in r]
+        if errors:
+            print(f"{i + 1:5d} error: {errors[0]}")
             continue
-        dec.append(b["decode_tok_s"] / a["decode_tok_s"])
-        mem.append(bwt / bw1)
-        print(f"{i + 1:5d} {bw1:9.1f} {a['decode_tok_s']:7.2f} {bwt:9.1f} "
-              f"{b['decode_tok_s']:7.2f} {dec[-1]:6.2f}x {mem[-1]:6.2f}x")
-    if dec:
-        print(f"median: decode {statistics.median(dec):.2f}x with {threads} threads, the memory "
-              f"{statistics.median(mem):.2f}x")
+        mem.append(bws[1] / bws[0])
+        dec = {n: [r["decode_tok_s"] for r in rs] for n, rs in got.items()}
+        for n, (one, many) in dec.items():
+            ratios[n].append(many / one)
+        print(f"{i + 1:5d} {bws[0]:9.1f} {bws[1]:9.1f} "
+              + " ".join(f"{dec[n][k]:8.2f}" for k in (0, 1) for n in engines) + " "
+              + " ".join(f"{ratios[n][-1]:6.2f}x" for n in engines) + f" {mem[-1]:6.2f}x")
+    if mem:
+        print(f"median with {threads} threads: "
+              + ", ".join(f"{n} {statistics.median(r):.2f}x" for n, r in ratios.items())
+              + f", the memory {statistics.median(mem):.2f}x")
 
 
 if __name__ == "__main__":
