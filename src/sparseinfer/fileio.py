@@ -8,9 +8,12 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 from .errors import SparseInferError
 
@@ -97,6 +100,32 @@ def advise_random(addr: int, nbytes: int) -> bool:
         return False
     return lib.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(addr + nbytes - lo),
                        _MADV_RANDOM) == 0
+
+
+_MADV_NOHUGEPAGE = 15
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros (64-byte aligned) whose pages the system maps only when first
+    written: calloc's fresh mapping (numpy's ``zeros``, not ``torch.zeros``, which writes every
+    byte), in 4 KiB pages (``MADV_NOHUGEPAGE``: numpy asks for huge pages, and a first write
+    would map and clear 2 MiB). A KV cache preallocated for a long context then costs memory and
+    first-touch time for the positions used, not for all of them. Elsewhere than Linux: zeros
+    all the same, in whatever pages the allocator gives."""
+    import ctypes
+    import math
+
+    import torch
+
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    buf = np.zeros(nbytes + 64, np.uint8)
+    start = buf.ctypes.data
+    off = -start % 64
+    lib = libc()
+    if lib is not None and nbytes >= 2**21:
+        lo = start // PAGE * PAGE
+        lib.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(start + buf.nbytes - lo), _MADV_NOHUGEPAGE)
+    return torch.from_numpy(buf[off : off + nbytes]).view(dtype).view(shape)
 
 
 def available_memory() -> int:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import FFN_KINDS, ModelConfig
+from ..fileio import lazy_zeros
 from ..quant.linear import FloatLinear
 
 ACTIVATIONS = {
@@ -38,12 +39,16 @@ ACTIVATIONS = {
 class KVCache:
     """Preallocated keys/values for every layer: (L, B, n_kv_heads, max_seq, head_dim), in
     ``dtype`` (the model's ``kv_dtype``: float16 by default where the C blocks read it; readers
-    cast to the activations' type)."""
+    cast to the activations' type). On the CPU their pages are mapped as positions are first
+    written (``fileio.lazy_zeros``): a long context costs what it uses."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_seq: int, dtype: torch.dtype, device=None):
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_seq, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if device is None or torch.device(device).type == "cpu":
+            self.k, self.v = lazy_zeros(shape, dtype), lazy_zeros(shape, dtype)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_seq = max_seq
         # numpy views for the fused CPU kernels, owned by this cache (never keyed on an id)
         cpu32 = self.k.device.type == "cpu" and dtype == torch.float32
