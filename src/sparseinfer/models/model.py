@@ -44,7 +44,7 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, batch: int, max_seq: int, dtype: torch.dtype, device=None):
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_seq, cfg.head_dim)
-        if device is None or torch.device(device).type == "cpu":
+        if torch.device(device if device is not None else torch.get_default_device()).type == "cpu":
             self.k, self.v = lazy_zeros(shape, dtype), lazy_zeros(shape, dtype)
         else:
             self.k = torch.zeros(shape, dtype=dtype, device=device)
