@@ -237,6 +237,17 @@ def run(libs: dict[str, ctypes.CDLL], dtype: str, block: int, rounds: int, per_b
           f"mean {n[3] / o[3]:.3f}; new faster in {wins} of {rounds} rounds")
 
 
+def print_rates(times: dict[str, list[float]], wins: int, rounds: int, nbytes: int) -> None:
+    """Each build's best and p50 rate over ``nbytes`` a call, and new's speed against old's."""
+    med = {}
+    for name, ts in times.items():
+        med[name] = np.median(ts)
+        print(f"  {name}: best {nbytes / min(ts) / 1e9:5.2f} GB/s  p50 "
+              f"{nbytes / med[name] / 1e9:5.2f} GB/s  ({len(ts)} calls)")
+    print(f"  new / old speed at p50 {med['old'] / med['new']:.3f}; new faster in {wins} of "
+          f"{rounds} rounds")
+
+
 GEMV_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # llama-7b's projections
 GEMV_POOL = 1 << 30  # bytes of random blocks the matrices are windows of (past the L3 cache)
 
@@ -279,14 +290,7 @@ def run_gemv(libs: dict[str, ctypes.CDLL], type_name: str, rounds: int, per_bloc
         what = f"GEMM x{t_rows}" if t_rows > 1 else "GEMV"
         print(f"\n{type_name} {what} {rows}x{cols} ({nbytes / 1e6:.2f} MB a call"
               f"{', in cache (--hot)' if hot else ''}); outputs {'equal' if same else 'DIFFER'}")
-        med = {}
-        for name, ts in times.items():
-            a = np.array(ts)
-            med[name] = np.median(a)
-            print(f"  {name}: best {nbytes / a.min() / 1e9:5.1f} GB/s  p50 "
-                  f"{nbytes / med[name] / 1e9:5.1f} GB/s  ({len(a)} calls)")
-        print(f"  new / old speed at p50 {med['old'] / med['new']:.3f}; new faster in {wins} of "
-              f"{rounds} rounds")
+        print_rates(times, wins, rounds, nbytes)
 
 
 def run_pack(libs: dict[str, ctypes.CDLL], panel: str, rounds: int, per_block: int) -> None:
@@ -312,13 +316,7 @@ def run_pack(libs: dict[str, ctypes.CDLL], panel: str, rounds: int, per_block: i
         same = np.array_equal(outs["old"], outs["new"])
         print(f"\n{FILE_TYPES[panel]} rows -> {panel} panels, {rows}x{cols} ({raw.nbytes / 1e6:.1f} MB);"
               f" outputs {'equal' if same else 'DIFFER'}")
-        med = {}
-        for name, ts in times.items():
-            med[name] = np.median(ts)
-            print(f"  {name}: best {raw.nbytes / min(ts) / 1e9:5.2f} GB/s  p50 "
-                  f"{raw.nbytes / med[name] / 1e9:5.2f} GB/s  ({len(ts)} calls)")
-        print(f"  new / old speed at p50 {med['old'] / med['new']:.3f}; new faster in {wins} of "
-              f"{rounds} rounds")
+        print_rates(times, wins, rounds, raw.nbytes)
 
 
 def main() -> None:
