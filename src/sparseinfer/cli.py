@@ -30,7 +30,10 @@ ONE_THREAD_WHY = "a model this small runs faster on one without the C kernels; -
 
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", type=Path, default=None,
-                   help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M)")
+                   help="GGUF file or Hugging Face directory, or a model already on this machine: "
+                        "pulled with Ollama (llama3.2:1b) or in the Hugging Face cache "
+                        "(org/name, org/name:Q4_K_M); nothing is downloaded (default: embedded "
+                        "SmolLM2-135M)")
     p.add_argument("-t", "--threads", type=int, default=None,
                    help=f"CPU threads (default: the cores this process may use, "
                         f"{default_threads()} here; one for a small model without the C kernels; "
@@ -155,9 +158,10 @@ def _check_model_args(args) -> None:
     if ratio != 0 and not 1.0 < ratio < math.inf:
         raise SparseInferError(f"--batch-step-ratio: expected 0 (no budget) or a finite number "
                                f"> 1, got {ratio}")
-    if args.model is not None and not Path(args.model).exists():
-        raise SparseInferError(f"model not found: {args.model} (-m: expected a GGUF file or "
-                               f"a Hugging Face model directory)")
+    if args.model is not None:
+        from .models.find import find_model
+
+        find_model(args.model)  # a path, or an Ollama / Hugging Face cache name (no download)
 
 
 def _engine(args):

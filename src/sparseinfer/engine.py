@@ -99,7 +99,7 @@ class Engine:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.name = loaded.path.stem if loaded.path.is_file() else loaded.path.name
+        self.name = loaded.source.name  # the file's stem, or the Ollama / Hugging Face name
         self.n_ctx = min(n_ctx or 4096, loaded.config.max_seq_len)
         if threads:
             set_threads(threads)

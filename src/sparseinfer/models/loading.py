@@ -127,6 +127,9 @@ class ModelSource:
     qk_permuted: bool = False
     norm_shift: float = 0.0  # added to every norm weight on load (HF Gemma's x * (1 + w))
     qkv_grouped: bool = False  # fused q/k/v rows grouped per kv head (HF Falcon): regrouped
+    # what to call the model (the server's model id): the file's stem or directory's name, or
+    # the Ollama / Hugging Face name it was found by (find.py)
+    name: str = ""
 
     @property
     def file_bytes(self) -> int:
@@ -171,17 +174,20 @@ class ModelSource:
 
 def open_source(path: str | Path, max_seq_len: int | None = None,
                 ffn_kind: str | None = None) -> ModelSource:
-    """Open a GGUF file or a Hugging Face directory (config.json + *.safetensors + tokenizer);
-    reads metadata and the tensor index only. ``ffn_kind`` overrides the file's FFN kind."""
-    path = Path(path)
-    if not path.exists():
-        raise SparseInferError(f"model not found: {path}")
+    """Open a GGUF file or a Hugging Face directory (config.json + *.safetensors + tokenizer),
+    or a model pulled with Ollama or cached by Hugging Face (``find.find_model``); reads
+    metadata and the tensor index only. ``ffn_kind`` overrides the file's FFN kind."""
+    from .find import find_model
+
+    found = find_model(path)
+    path = found.path
     if path.is_dir():
-        return _open_hf(path, max_seq_len, ffn_kind)
+        return _open_hf(path, max_seq_len, ffn_kind, found.name)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic in (b"GGUF", POWERINFER_MAGIC):
-        return _open_gguf(path, max_seq_len, ffn_kind, powerinfer=magic == POWERINFER_MAGIC)
+        return _open_gguf(path, max_seq_len, ffn_kind, found.name,
+                          powerinfer=magic == POWERINFER_MAGIC)
     raise ModelFileError(
         f"{path}: not a model file: expected a GGUF file (magic b'GGUF' or PowerInfer's "
         f"b'PWRI') or a Hugging Face directory, found magic {magic!r}"
@@ -508,7 +514,7 @@ def _gguf_opt_config(path, arch, meta, names, kind, max_seq_len, key, reader) ->
 GGUF_CONFIG_READERS = {"opt": _gguf_opt_config}
 
 
-def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None,
+def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None, name: str,
                powerinfer: bool = False) -> ModelSource:
     reader = open_gguf(path, powerinfer)
     meta = read_gguf_metadata(reader)
@@ -570,7 +576,7 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None,
             t.canon = _swap_norm(t.canon, swap)
     cfg = _with_shared_norm(cfg, tensors)
     return ModelSource(path, "gguf", cfg, meta, tensors, extras, GGUF_ARCHS[arch], reader, every,
-                       qk_permuted=permuted, powerinfer=powerinfer)
+                       qk_permuted=permuted, powerinfer=powerinfer, name=name)
 
 
 # ---- Hugging Face directory --------------------------------------------------------------------
@@ -723,7 +729,8 @@ def _need(raw: dict[str, Any], k: str, path: Path) -> Any:
 
 
 
-def _open_hf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> ModelSource:
+def _open_hf(path: Path, max_seq_len: int | None, ffn_kind: str | None,
+             name: str) -> ModelSource:
     from safetensors import safe_open
 
     cfg_file = path / "config.json"
@@ -764,7 +771,7 @@ def _open_hf(path: Path, max_seq_len: int | None, ffn_kind: str | None) -> Model
     cfg = _with_shared_norm(cfg, tensors)
     return ModelSource(path, "hf", cfg, raw, tensors, extras, names, None, every, handles,
                        norm_shift=HF_NORM_SHIFT.get(cfg.arch, 0.0),
-                       qkv_grouped=cfg.arch in HF_QKV_GROUPED)
+                       qkv_grouped=cfg.arch in HF_QKV_GROUPED, name=name)
 
 
 def _swap_norm(canon: str, swap: dict[str, str]) -> str:
