@@ -186,6 +186,7 @@ def test_cli_and_engine_run_an_ollama_model(tmp_path, smollm2_path):
     assert "model not found: llama3.2:1b" in bad.stderr and "smollm2:latest" in bad.stderr
 
 
+@pytest.mark.slow
 def test_open_source_and_engine_carry_the_name(tmp_path, smollm2_path, monkeypatch):
     store = ollama_store(tmp_path / "ollama",
                          {"registry.ollama.ai/library/smollm2/latest": smollm2_path})
@@ -197,3 +198,22 @@ def test_open_source_and_engine_carry_the_name(tmp_path, smollm2_path, monkeypat
     from sparseinfer.engine import Engine
 
     assert Engine.load("smollm2", n_ctx=64).name == "smollm2:latest"  # the server's model id
+
+
+def test_a_cached_hugging_face_model_loads_as_its_directory(tmp_path, tiny_model_dir, monkeypatch):
+    """A safetensors model in the hub cache (files linked from blobs) loads by its id with the
+    logits of the same files read from their directory."""
+    import torch
+    from huggingface_hub import constants
+
+    from sparseinfer.models.loading import load_model
+
+    src_dir = tiny_model_dir("swiglu")
+    cache = hf_cache(tmp_path / "hub", "tiny/llama", {f.name: f for f in src_dir.iterdir()})
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    by_id, by_dir = load_model("tiny/llama"), load_model(src_dir)
+    assert by_id.source.name == "tiny/llama" and by_id.source.format == "hf"
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        logits = [m.model(ids, 0, m.model.new_cache(1, 8)) for m in (by_id, by_dir)]
+    assert torch.equal(*logits)

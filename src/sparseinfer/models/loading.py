@@ -514,7 +514,7 @@ def _gguf_opt_config(path, arch, meta, names, kind, max_seq_len, key, reader) ->
 GGUF_CONFIG_READERS = {"opt": _gguf_opt_config}
 
 
-def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None, name: str,
+def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None, model_name: str,
                powerinfer: bool = False) -> ModelSource:
     reader = open_gguf(path, powerinfer)
     meta = read_gguf_metadata(reader)
@@ -576,7 +576,7 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None, name: 
             t.canon = _swap_norm(t.canon, swap)
     cfg = _with_shared_norm(cfg, tensors)
     return ModelSource(path, "gguf", cfg, meta, tensors, extras, GGUF_ARCHS[arch], reader, every,
-                       qk_permuted=permuted, powerinfer=powerinfer, name=name)
+                       qk_permuted=permuted, powerinfer=powerinfer, name=model_name)
 
 
 # ---- Hugging Face directory --------------------------------------------------------------------
@@ -730,7 +730,7 @@ def _need(raw: dict[str, Any], k: str, path: Path) -> Any:
 
 
 def _open_hf(path: Path, max_seq_len: int | None, ffn_kind: str | None,
-             name: str) -> ModelSource:
+             model_name: str) -> ModelSource:
     from safetensors import safe_open
 
     cfg_file = path / "config.json"
@@ -771,7 +771,7 @@ def _open_hf(path: Path, max_seq_len: int | None, ffn_kind: str | None,
     cfg = _with_shared_norm(cfg, tensors)
     return ModelSource(path, "hf", cfg, raw, tensors, extras, names, None, every, handles,
                        norm_shift=HF_NORM_SHIFT.get(cfg.arch, 0.0),
-                       qkv_grouped=cfg.arch in HF_QKV_GROUPED, name=name)
+                       qkv_grouped=cfg.arch in HF_QKV_GROUPED, name=model_name)
 
 
 def _swap_norm(canon: str, swap: dict[str, str]) -> str:
