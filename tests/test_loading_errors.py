@@ -76,6 +76,27 @@ def test_unknown_gguf_architecture(tmp_path):
         load_model(path)
 
 
+def test_split_gguf(tmp_path, capsys):
+    """Parts written by gguf-py's own splitting writer (llama.cpp's gguf-split naming and
+    ``split.*`` keys): each part is refused with what to do, not a missing-tensor error."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama", split_max_tensors=1)
+    for i in range(3):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    parts = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert [p.name for p in parts] == [f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    with pytest.raises(ModelFileError, match=r"m-00001-of-00003\.gguf: part 1 of a model split "
+                                             r"into 3 files .*llama-gguf-split --merge"):
+        load_model(parts[0])
+    line = _cli_error(capsys, ["info", "-m", str(parts[1])])
+    assert "part 2 of a model split into 3 files" in line
+
+
 def test_unknown_hf_architecture(foreign_arch_dir):
     d = foreign_arch_dir("swiglu", "MambaForCausalLM")
     with pytest.raises(ModelFileError, match=r"unsupported architecture 'MambaForCausalLM'"):

@@ -145,6 +145,11 @@ def test_hf_cache_gguf_repository(tmp_path, tiny_gguf):
         find_model("org/Repo-GGUF:Q2_K", ollama=[], hf_cache=cache)
     one = hf_cache(tmp_path / "hub", "org/One", {"sub/One-Q4_0.gguf": tiny_gguf})
     assert find_model("org/One", ollama=[], hf_cache=one).path.name == "One-Q4_0.gguf"
+    split = hf_cache(tmp_path / "hub", "org/Big", {"Big-Q4_0-00001-of-00002.gguf": tiny_gguf,
+                                                   "Big-Q4_0-00002-of-00002.gguf": b"part 2"})
+    # a split model is found by its first part (whose loading says to merge the parts)
+    assert find_model("org/Big", ollama=[], hf_cache=split).path.name == \
+        "Big-Q4_0-00001-of-00002.gguf"
 
 
 def test_paths_win_and_missing_paths_say_so(tmp_path, tiny_gguf, monkeypatch):

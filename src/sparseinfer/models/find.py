@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from ..errors import SparseInferError
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 OLLAMA_HOST, OLLAMA_NAMESPACE, OLLAMA_TAG = "registry.ollama.ai", "library", "latest"
 PATH_SUFFIXES = (".gguf", ".bin", ".safetensors")  # a name ending so is a file, not a model name
+SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,8 @@ def _huggingface(spec: str, cache: Path) -> FoundModel | None:
         return None
     if not quant and (snap / "config.json").is_file():
         return FoundModel(snap, repo, "huggingface")
-    ggufs = sorted(snap.rglob("*.gguf"))
+    # a split model counts once, by its first part (the loader says what to do with it)
+    ggufs = sorted(g for g in snap.rglob("*.gguf") if not _later_split_part(g.name))
     if quant:
         ggufs = [g for g in ggufs if quant.lower() in g.name.lower()]
     names = ", ".join(str(g.relative_to(snap)) for g in ggufs)
@@ -157,6 +160,12 @@ def _huggingface(spec: str, cache: Path) -> FoundModel | None:
     raise SparseInferError(f"{spec}: the Hugging Face cache holds {len(ggufs)} GGUF files of "
                            f"{repo} ({names}); expected one: name a quant, e.g. "
                            f"{repo}:{_quant_hint(ggufs[0].stem)}")
+
+
+def _later_split_part(name: str) -> bool:
+    """``model-00002-of-00003.gguf`` (llama.cpp's gguf-split naming), not the first part."""
+    m = SPLIT_PART.search(name)
+    return m is not None and int(m.group(1)) > 1
 
 
 def _quant_hint(stem: str) -> str:

@@ -518,6 +518,12 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None, model_
                powerinfer: bool = False) -> ModelSource:
     reader = open_gguf(path, powerinfer)
     meta = read_gguf_metadata(reader)
+    if int(meta.get("split.count") or 1) > 1:
+        raise ModelFileError(
+            f"{path}: part {int(meta.get('split.no') or 0) + 1} of a model split into "
+            f"{int(meta['split.count'])} files (llama.cpp's gguf-split); expected the whole model "
+            f"in one file: merge the parts with `llama-gguf-split --merge FIRST-PART.gguf "
+            f"OUT.gguf`")
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHS:
         raise ModelFileError(
