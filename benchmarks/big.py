@@ -6,6 +6,7 @@
     python benchmarks/big.py --shape 1b --out /tmp/big               # TinyLlama-1.1B's shape
     python benchmarks/big.py --shape 7b --out /tmp/big --rounds 5
     python benchmarks/big.py --shape 7b --out /tmp/big --qtype q4_k_m   # the Q4_K_M mix (or q5_k_m)
+    python benchmarks/big.py --shape 7b --out /tmp/big --qtype bf16     # 16-bit floats (or f16)
     python benchmarks/big.py --shape 7b --out /tmp/big --isa avx2_vnni  # another of our kernel variants
     python benchmarks/big.py --shape 7b --out /tmp/big --scaling 3   # 1 thread against 2, both engines
 
@@ -220,10 +221,12 @@ def main() -> int:
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--rounds", type=int, default=0,
                     help="then run the two engines alternately this many times more")
-    ap.add_argument("--qtype", default="q4_0", choices=["q4_0", "q4_k_m", "q5_k_m"],
+    ap.add_argument("--qtype", default="q4_0",
+                    choices=["q4_0", "q4_k_m", "q5_k_m", "f16", "bf16"],
                     help="q4_k_m / q5_k_m: the Q4_0 file requantized by llama.cpp's quantizer to "
                          "its Q4_K_M / Q5_K_M mix (needs llama-cpp-python; the mixes most GGUF "
-                         "downloads use)")
+                         "downloads use); f16 / bf16: the Q4_0 file's numbers in 16-bit floats "
+                         "(llama.cpp's quantizer too; 13 GB at 7B)")
     ap.add_argument("--scaling", type=int, default=0, metavar="ROUNDS",
                     help="then our decode with 1 thread and with -t threads alternately (and "
                          "llama.cpp's, unless --no-llama-cpp), each in a fresh process after a "

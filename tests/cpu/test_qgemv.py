@@ -49,6 +49,9 @@ def random_raw(type_name: str, rows: int, cols: int, rng: np.random.Generator) -
     if type_name in ("F16", "F32"):
         w = rng.standard_normal((rows, cols)).astype(np.float16 if type_name == "F16" else np.float32)
         return w.view(np.uint8).reshape(-1)
+    if type_name == "BF16":  # float32's top halves (gguf-py's BF16 dequantization reads them)
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(-1)
     if type_name in GGUF_QUANTIZES:
         w = rng.standard_normal((rows, cols)).astype(np.float32)
         return gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name]).reshape(-1)
@@ -76,7 +79,7 @@ def x_rounding_bound(mat: cpu.QuantMatrix, x: torch.Tensor) -> torch.Tensor:
     """Per output row: the most the int8 rounding of x can move it (|x - q·d| <= d/2 per element)
     plus float32 summation slack."""
     w = ref.dequantize_ref(mat).double().abs()
-    if mat.type_name in ("F16", "F32"):
+    if mat.type_name in ("F16", "BF16", "F32"):
         step = torch.zeros(mat.cols, dtype=torch.float64)
     elif ref.x_block(mat.type_name) == 128:  # (Q6_K on plain AVX2 and AVX-512, Q5_K on AVX-512)
         _, d, _ = ref.quantize_xk_ref(x)
@@ -177,7 +180,7 @@ def test_multi_matrix_call_shares_input(isa, threads):
     rng = np.random.default_rng(1)
     cols = 512
     specs = [("Q4_K", 64), ("Q6_K", 21), ("Q8_0", 21), ("Q4_0", 130), ("F16", 5), ("F32", 3),
-             ("Q4_1x16", 32), ("Q5_0x16", 16), ("Q5_1x16", 16), ("Q4_Kx16", 32), ("Q5_Kx16", 16),
+             ("BF16", 7), ("Q4_1x16", 32), ("Q5_0x16", 16), ("Q5_1x16", 16), ("Q4_Kx16", 32), ("Q5_Kx16", 16),
              ("Q6_Kx16", 16), ("Q6_Kx16b", 32), ("Q5_Kx16b", 16)]
     mats = [cpu.QuantMatrix(t, random_raw(t, r, cols, rng), r, cols) for t, r in specs]
     x = torch.from_numpy(rng.standard_normal(cols).astype(np.float32))
@@ -195,7 +198,8 @@ def test_multi_matrix_call_shares_input(isa, threads):
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
-                                       "Q6_K", "F16", "F32", "Q4_0x16", "Q4_1x16", "Q8_0x16",
+                                       "Q6_K", "F16", "BF16", "F32", "Q4_0x16", "Q4_1x16",
+                                       "Q8_0x16",
                                        "Q5_0x16", "Q5_1x16", "Q4_Kx16", "Q5_Kx16", "Q6_Kx16",
                                        "Q6_Kx16b", "Q5_Kx16b"])
 @pytest.mark.parametrize("T", [1, pytest.param(3, marks=pytest.mark.slow), 8, 9, 13,

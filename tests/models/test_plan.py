@@ -412,3 +412,67 @@ def test_kv_cache_type(quant_gguf, converted, which):
             steps = [e.model(torch.tensor([[t]]), 6 + i, cache)[0, -1] for i, t in enumerate(ids[6:])]
         out[kv] = torch.cat([prompt, torch.stack(steps)])
     assert 0 < _rel(out["auto"], out["fp32"]) < 2e-2
+
+
+def _stepwise_logits(model, ids=IDS):
+    """Logits of each position fed one token at a time through the cache (the GEMV path)."""
+    cache = model.new_cache(1, len(ids))
+    with torch.inference_mode():
+        return torch.cat([model(torch.tensor([[t]]), i, cache)[0] for i, t in enumerate(ids)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["F16", "BF16"])
+def test_16_bit_files_stay_16_bit(quant_gguf, kind):
+    """F16 / BF16 projections run on the C kernels' 16-bit rows as the file stores them (not an
+    fp32 copy: half the memory and the bytes a token reads); logits as transformers' (which
+    dequantizes the file to fp32), for a prompt (GEMM) and token by token (GEMV, fused)."""
+    import transformers as tf
+
+    path = quant_gguf(kind)
+    plan = make_plan(open_source(path), "auto")
+    assert {(w.storage, w.origin) for w in plan.weights if w.module.startswith("layers.")} == \
+        {("ggml", "as stored")}
+    assert plan.weight("layers.0.ffn.w_in").nbytes == 2 * 2 * F * D
+    hf = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([IDS])).logits[0]
+    for fused in (False, True):
+        lm = load(path, "auto", kv_type="fp32", fused=fused)
+        lin = lm.model.layers[0].attn.wqkv
+        assert isinstance(lin, GGMLLinear) and {m.type_name for m in lin.mats} == {kind}
+        assert lm.plan.fused_decode == fused
+        assert _rel(_logits(lm.model), want) < 1e-4
+        assert _rel(_stepwise_logits(lm.model), want) < 1e-4
+
+
+def test_16_bit_without_the_c_kernels_is_fp32(quant_gguf, monkeypatch):
+    import sparseinfer.models.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "cpu_loads", lambda: False)
+    plan = make_plan(open_source(quant_gguf("BF16")), "auto")
+    assert plan.weight("layers.0.attn.wqkv").storage == "fp32"
+
+
+def test_bf16_safetensors_stay_bf16(tmp_path, tiny_model_dir):
+    """A Hugging Face model saved in bfloat16 (the usual checkpoint) loads as BF16 rows: the
+    safetensors bytes, copied once; logits as transformers' float32 load of the same files."""
+    import shutil
+
+    import transformers as tf
+
+    d = tmp_path / "bf16"
+    shutil.copytree(tiny_model_dir("swiglu"), d)
+    hf = tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    hf.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
+    plan = make_plan(open_source(d), "auto")
+    assert plan.weight("layers.0.attn.wqkv").storage == "ggml"
+    hf = tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ids = [1, 5, 9, 3, 7, 2]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    lm = load(d, "auto", kv_type="fp32", fused=True)
+    assert {m.type_name for m in lm.model.layers[1].ffn.w_in.mats} == {"BF16"}
+    assert _rel(_logits(lm.model, ids), want) < 1e-4
+    assert _rel(_stepwise_logits(lm.model, ids), want) < 1e-4

@@ -1134,6 +1134,25 @@ INLINE void rows_f16(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
     for (int r = 0; r < R; r++) y[r] = hsum(acc[r]);
 }
 
+/* ------------------------------------------------------------------ BF16 rows, fp32 x */
+
+/* bfloat16 is a float32's top 16 bits: widened and shifted, each weight is exact */
+INLINE void rows_bf16(const uint8_t *w, size_t rb, const int R, const si_xq *x, int cols,
+                      float *y, const uint8_t *pf, const int far) {
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int c = 0; c < cols; c += 8) {
+        const __m256 xv = _mm256_loadu_ps(x->f + c);
+        if (pf) prefetch(pf + (size_t)c * 2 * R, 16 * R, far);
+        for (int r = 0; r < R; r++) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)(w + (size_t)r * rb + 2 * (size_t)c));
+            const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            acc[r] = _mm256_fmadd_ps(wv, xv, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = hsum(acc[r]);
+}
+
 /* ------------------------------------------------------------------ F32 rows, fp32 x */
 
 INLINE void rows_f32(const uint8_t *w, size_t rb, const int R, const si_xq *x, int cols, float *y,
@@ -2260,6 +2279,10 @@ void FN(si_rows)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *
     case SI_F16:
         WALK(rows_f16(w + r * rb, rb, 4, x, cols, y + r, NEXT, far),
              rows_f16(w + r * rb, rb, 1, x, cols, y + r, NULL, far));
+        break;
+    case SI_BF16:
+        WALK(rows_bf16(w + r * rb, rb, 4, x, cols, y + r, NEXT, far),
+             rows_bf16(w + r * rb, rb, 1, x, cols, y + r, NULL, far));
         break;
     case SI_F32:
         WALK(rows_f32(w + r * rb, rb, 4, x, cols, y + r, NEXT, far),

@@ -79,9 +79,10 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "Q5_1x16": (17, 32, 24),
     "Q6_Kx16b": (18, 256, 210),  # Q6_K panels, six-bit weights byte-aligned
     "Q5_Kx16b": (19, 256, 176),  # Q5_K panels, five-bit weights byte-aligned
+    "BF16": (20, 1, 2),  # bfloat16 rows
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2, "avx2_vnni": 3}
-ABI_VERSION = 26
+ABI_VERSION = 27
 # ``SPARSEINFER_C_KERNELS=0`` in the environment: run as where the library cannot load (another
 # CPU architecture, an x86 CPU without AVX2): torch's kernels, the numba decode
 OFF_SWITCH = "SPARSEINFER_C_KERNELS"

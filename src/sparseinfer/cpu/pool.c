@@ -29,15 +29,15 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 26
+#define SI_ABI_VERSION 27
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
 
 /* ------------------------------------------------------------------ types */
 
-static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32, 32, 256, 256, 256, 32, 256, 256};
-static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34, 22, 144, 176, 210, 24, 210, 176};
+static const int BLOCK_ELEMS[SI_N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 1, 1, 32, 32, 32, 32, 256, 256, 256, 32, 256, 256, 1};
+static const int BLOCK_BYTES[SI_N_TYPES] = {18, 20, 22, 24, 34, 144, 176, 210, 2, 4, 18, 20, 34, 22, 144, 176, 210, 24, 210, 176, 2};
 
 int si_abi_version(void) { return SI_ABI_VERSION; }
 int si_block_elems(int type) { return type >= 0 && type < SI_N_TYPES ? BLOCK_ELEMS[type] : 0; }
@@ -393,6 +393,9 @@ static int scratch(size_t nq, size_t nb, size_t nt, size_t ng) {
  * (XK_Q6P). A job records the kinds its matrices are (xk_kind); whether x is made in blocks of
  * 128 is decided when it runs, on the ISA then. */
 enum { XK_Q6K = 1, XK_Q5K = 2, XK_Q6P = 4 };
+/* float rows (F16, BF16, F32) read x as float32: nothing to quantize */
+static int float_kind(int type) { return type == SI_F16 || type == SI_BF16 || type == SI_F32; }
+
 static int xk_kind(int type) {
     if (type == SI_Q6_K) return XK_Q6K;
     if (type == SI_Q5_K) return XK_Q5K;
@@ -529,7 +532,7 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
         j->rb[i] = (size_t)cols / BLOCK_ELEMS[types[i]] * BLOCK_BYTES[types[i]];
         j->out[i] = outs[i];
         j->ys[i] = rows[i];
-        j->need_q |= types[i] != SI_F16 && types[i] != SI_F32 && !xk_kind(types[i]);
+        j->need_q |= !float_kind(types[i]) && !xk_kind(types[i]);
         j->need_g |= types[i] == SI_Q4_0 || types[i] == SI_Q4_1 || types[i] == SI_Q5_0 ||
                      types[i] == SI_Q5_1;
         j->need_k |= xk_kind(types[i]);

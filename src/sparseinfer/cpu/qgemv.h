@@ -71,7 +71,9 @@ enum si_type {
      * code) and in bits 5-7 bits 3 m .. 3 m + 2 of t = q(20 + e) | q(24 + e) << 5 | q(28 + e)
      * << 10, the sub-block's weights 32 j + 20 + e, 24 + e, 28 + e. */
     SI_Q5_KB = 19,
-    SI_N_TYPES = 20,
+    /* bfloat16 rows (a float32's top half: Hugging Face's usual weights), as SI_F16's */
+    SI_BF16 = 20,
+    SI_N_TYPES = 21,
 };
 #define SI_PANEL 16 /* rows per panel of SI_Q4_0P ... SI_Q5_KB */
 

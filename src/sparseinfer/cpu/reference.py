@@ -82,7 +82,7 @@ def gemv_q8_ref(mats: Sequence[QuantMatrix], x: torch.Tensor,
     """As ``gemv_ref`` with ``x`` first rounded to int8 blocks as the kernels round it (F16/F32
     weights use ``x`` as is, as the kernels do)."""
     for m, o in zip(mats, outs):
-        xv = (x.double() if m.type_name in ("F16", "F32")
+        xv = (x.double() if m.type_name in ("F16", "BF16", "F32")
               else _xq_float(x, x_block(m.type_name)))
         o.copy_(torch.as_tensor(dequantize_ref(m).double() @ xv))
 

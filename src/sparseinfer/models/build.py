@@ -188,7 +188,7 @@ class WeightSource:
         for canon in self.names:
             t = self.src.tensors[canon]
             kind, rows = t.kind, t.shape[0]
-            raw = np.asarray(t.raw()).reshape(rows, -1)
+            raw = np.asarray(t.raw()).view(np.uint8).reshape(rows, -1)  # (F16: float16 items)
             heads = self._qk_heads(canon)
             if heads:
                 raw = np.ascontiguousarray(raw[unpermute_qk(torch.arange(rows), heads).numpy()])

@@ -70,9 +70,15 @@ class FileTensor:
 
     def raw(self) -> np.ndarray:
         """GGUF: the bytes as stored (a read-only view of the mapped file; quantized types as
-        uint8 ``[rows, bytes_per_row]``)."""
+        uint8 ``[rows, bytes_per_row]``). safetensors' 16-bit floats: their bytes (a copy, uint8
+        ``[rows, 2 · cols]``)."""
+        if self.st is not None and self.kind in ("F16", "BF16"):
+            handle, name = self.st
+            t = handle.get_tensor(name).contiguous()
+            return t.view(torch.uint8).numpy().reshape(self.shape[0], -1)
         if self.gguf is None:
-            raise ValueError(f"tensor {self.name}: raw blocks exist for GGUF tensors only")
+            raise ValueError(f"tensor {self.name}: raw blocks exist for GGUF tensors and "
+                             f"16-bit safetensors only")
         return self.gguf.data
 
     def float(self, start: int = 0, stop: int | None = None) -> torch.Tensor:

@@ -12,8 +12,10 @@ Storage, by ``--dtype``:
   LM head stay in the mapped file as they are (``ggml``: Q4_0 ... Q6_K blocks, computed by the
   C kernels of ``sparseinfer.cpu``: nothing copied or repacked except the Q/K rows llama.cpp
   permuted). Without that library: Q4_0 / Q4_1 / Q4_K become torch's int4 layout (``q4``, the
-  same blocks), other types per-row ``int8``. Float tensors stay ``fp32``. Nothing is
-  requantized to fewer bits than the file has.
+  same blocks), other types per-row ``int8``. 16-bit float projections (F16 / BF16, GGUF or
+  safetensors) stay 16-bit on the C kernels (``ggml`` too: a GGUF's mapped rows, a safetensors
+  file's copied); other float tensors, and 16-bit ones without the C library, are ``fp32``.
+  Nothing is requantized to fewer bits than the file has.
 - ``q4``: every projection 4-bit (the file's blocks where it has them, else Q4_1's rule), the LM
   head int8.
 - ``fp32`` / ``bf16``: every projection in that float type.
@@ -65,6 +67,8 @@ STORAGES = {
     "int8": lambda n, k: n * k + 6 * n,  # int8 + fp32 and bf16 row scales
 }
 GGML_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # sparseinfer.cpu
+# 16-bit float weights the C kernels read as stored (GGUF's type names, safetensors' dtypes)
+GGML_FLOATS = ("F16", "BF16")
 
 
 @dataclass(frozen=True)
@@ -308,6 +312,11 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
         if (ks and cpu and not transposed and all(k in GGML_TYPES for k in ks)
                 and shape[1] % block == 0 and cpu_loads()):
             return "ggml", "file blocks"
+        # 16-bit floats stay 16-bit (half fp32's memory and bytes a token): the C kernels' F16 /
+        # BF16 rows, except where rows are regrouped (HF Falcon's fused q/k/v)
+        if (ks and cpu and not transposed and all(k in GGML_FLOATS for k in ks)
+                and shape[1] % 32 == 0 and cpu_loads() and not src.qkv_grouped):
+            return "ggml", "as stored"
         if not ks or all(k in FLOAT_KINDS for k in ks) or not cpu:
             return float_dtype, "as stored" if not ks or all(k in FLOAT_KINDS for k in ks) \
                 else "dequantized"
