@@ -92,11 +92,11 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", pytest.param("Q4_0", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["Q4_1", pytest.param("Q4_0", marks=pytest.mark.slow), "BF16"])
 def test_float_rows_of_4_bit_tensors_equal_gguf_py(quant_gguf, smollm2_path, kind):
     """FileTensor.float (what --dtype fp32 and the profile load read) decodes Q4_0/Q4_1 blocks
-    with torch's ops: the values gguf-py's dequantize gives, for whole tensors and row ranges
-    (Q4_1: SmolLM2's own first layers)."""
+    with torch's ops, and BF16 by a shift: the values gguf-py's dequantize gives, for whole
+    tensors and row ranges (Q4_1: SmolLM2's own first layers)."""
     from gguf import GGMLQuantizationType, quants
 
     src = open_source(smollm2_path if kind == "Q4_1" else quant_gguf(kind))
@@ -434,6 +434,7 @@ def test_16_bit_files_stay_16_bit(quant_gguf, kind):
     assert {(w.storage, w.origin) for w in plan.weights if w.module.startswith("layers.")} == \
         {("ggml", "as stored")}
     assert plan.weight("layers.0.ffn.w_in").nbytes == 2 * 2 * F * D
+    assert plan.weight("tok_emb").storage == "file"  # rows read from the map on lookup
     hf = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                  dtype=torch.float32).eval()
     with torch.no_grad():

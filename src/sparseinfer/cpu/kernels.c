@@ -1137,6 +1137,11 @@ INLINE void rows_f16(const uint8_t *w, size_t rb, const int R, const si_xq *x, i
 /* ------------------------------------------------------------------ BF16 rows, fp32 x */
 
 /* bfloat16 is a float32's top 16 bits: widened and shifted, each weight is exact */
+INLINE __m256 bf16_ps(const uint8_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 INLINE void rows_bf16(const uint8_t *w, size_t rb, const int R, const si_xq *x, int cols,
                       float *y, const uint8_t *pf, const int far) {
     __m256 acc[4];
@@ -1144,13 +1149,34 @@ INLINE void rows_bf16(const uint8_t *w, size_t rb, const int R, const si_xq *x, 
     for (int c = 0; c < cols; c += 8) {
         const __m256 xv = _mm256_loadu_ps(x->f + c);
         if (pf) prefetch(pf + (size_t)c * 2 * R, 16 * R, far);
-        for (int r = 0; r < R; r++) {
-            const __m128i h = _mm_loadu_si128((const __m128i *)(w + (size_t)r * rb + 2 * (size_t)c));
-            const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-            acc[r] = _mm256_fmadd_ps(wv, xv, acc[r]);
-        }
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(bf16_ps(w + (size_t)r * rb + 2 * (size_t)c), xv, acc[r]);
     }
     for (int r = 0; r < R; r++) y[r] = hsum(acc[r]);
+}
+
+/* R <= 4 F16 (bf = 0) or BF16 (bf = 1) rows against nt <= F16_XT x rows, R x nt accumulators
+ * in registers: each 8 weights widened once for the x rows, each 8 of an x row loaded once for
+ * the weight rows (one weight row against many x rows waited on loads of x from L2). Every
+ * (row, x row) sums the same products in the same order as rows_f16 / rows_bf16: each GEMM row
+ * is its GEMV bit for bit. y[t * ys + r]. */
+#define F16_XT 3
+INLINE void tile_f16(const int bf, const uint8_t *w, const size_t rb, const int R,
+                     const si_xq *x, const int nt, const int cols, float *y, const int64_t ys) {
+    __m256 acc[4][F16_XT];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < nt; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int c = 0; c < cols; c += 8) {
+        __m256 xv[F16_XT];
+        for (int t = 0; t < nt; t++) xv[t] = _mm256_loadu_ps(x[t].f + c);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (size_t)r * rb + 2 * (size_t)c;
+            const __m256 wv = bf ? bf16_ps(p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+            for (int t = 0; t < nt; t++) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < nt; t++) y[t * ys + r] = hsum(acc[r][t]);
 }
 
 /* ------------------------------------------------------------------ F32 rows, fp32 x */
@@ -2732,11 +2758,36 @@ INLINE void prefetch_row(const uint8_t *w, const size_t rb, const int r, const i
  * Q6_K super-blocks when T > 1; avx2_128
  * and plain AVX2: Q4_0..Q5_1 8 blocks at a time; plain AVX2: Q4_K/Q5_K/Q6_K super-blocks, and
  * Q4_K/Q5_K passes of KT_MIN_T or more x rows with the rows in lanes, whose fixed cost of 8 lanes
- * only pays from there; every build: panels), else si_rows for each x row. */
+ * only pays from there; every build: panels, F16 and BF16 rows), else si_rows for each x row. */
 void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const si_xq *x, int T,
                        int cols, float *y, int64_t ys) {
     if (si_is_panel(type)) {
         panel_rows(type, w, nrows, x, T, cols / 32, y, ys);
+        return;
+    }
+    if ((type == SI_F16 || type == SI_BF16) && T > 1) {
+        /* tiles of 4 rows x F16_XT x rows, the type and both counts as constants (as
+         * multi_q4g's MQN): the accumulators stay in registers */
+#define TF(BF, R, NT) tile_f16(BF, w + (size_t)r * rb, rb, R, x + t0, NT, cols, y + t0 * ys + r, ys)
+#define TR(BF, R)                                                                              \
+    do {                                                                                       \
+        if (nt == 3) TF(BF, R, 3);                                                             \
+        else if (nt == 2) TF(BF, R, 2);                                                        \
+        else TF(BF, R, 1);                                                                     \
+    } while (0)
+        for (int t0 = 0; t0 < T; t0 += F16_XT) {
+            const int nt = T - t0 < F16_XT ? T - t0 : F16_XT;
+            int r = 0;
+            if (type == SI_BF16) {
+                for (; r + 4 <= nrows; r += 4) TR(1, 4);
+                for (; r < nrows; r++) TR(1, 1);
+            } else {
+                for (; r + 4 <= nrows; r += 4) TR(0, 4);
+                for (; r < nrows; r++) TR(0, 1);
+            }
+        }
+#undef TR
+#undef TF
         return;
     }
 #if SI_AVX512

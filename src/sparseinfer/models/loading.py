@@ -95,6 +95,8 @@ class FileTensor:
             arr = np.array(rows, dtype=np.float32)  # copy: the map is read-only
         elif self.kind == "F16":
             arr = np.asarray(rows).astype(np.float32)
+        elif self.kind == "BF16":  # a float32's top half: exact, without gguf-py's block loop
+            arr = (np.asarray(rows).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         elif self.kind in BLOCK_BYTES and len(self.shape) == 2:  # Q4_0 / Q4_1, the same
             # values as gguf-py's in half the time
             return from_gguf(np.asarray(rows), self.kind, (stop - start, self.shape[1])).dequantize()
