@@ -132,3 +132,35 @@ def test_unsupported_rope_scaling_named(arch_model_dir, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelFileError, match="rope scaling 'yarn' is not supported"):
         load_model(d)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3_tied", "llama3", "mistral", "gemma2", "gemma3",
+                                  "phi3", "falcon", "falcon40", "opt350m"])
+def test_bfloat16_safetensors_match_transformers(arch_model_dir, tmp_path, name):
+    """The same tiny models saved in bfloat16 (as most checkpoints ship): every projection the
+    C kernels take stays BF16 (the plan's default), against transformers in float32 over the
+    same bfloat16 numbers; prompt logits and greedy decoding."""
+    import shutil
+
+    from sparseinfer.models.build import load
+    from sparseinfer.quant.linear import GGMLLinear
+
+    d = tmp_path / name
+    shutil.copytree(arch_model_dir(name), d)
+    tiny_arch_model(name).to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
+    ref = tiny_arch_model(name)  # its parameters rounded to bfloat16 (not its rope buffers)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    lm = load(d, "auto", kv_type="fp32")
+    kinds = {m.type_name for mod in lm.model.modules() if isinstance(mod, GGMLLinear)
+             for m in mod.mats}
+    assert kinds == {"BF16"}
+    ids = torch.randint(3, lm.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(ids).logits
+    assert _rel_err(_ours(lm, ids), want) < 1e-4
+    prompt, n = ids[:1, :5], 12
+    with torch.no_grad():
+        hf = ref.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    assert _greedy(lm, prompt, n) == hf[0, prompt.shape[1]:].tolist()
