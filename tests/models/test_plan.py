@@ -458,7 +458,7 @@ def test_16_bit_without_the_c_kernels_is_fp32(quant_gguf, monkeypatch):
 
 def test_bf16_safetensors_stay_bf16(tmp_path, tiny_model_dir):
     """A Hugging Face model saved in bfloat16 (the usual checkpoint) loads as BF16 rows: the
-    safetensors bytes, copied once; logits as transformers' float32 load of the same files."""
+    safetensors file's bytes, mapped; logits as transformers' float32 load of the same files."""
     import shutil
 
     import transformers as tf
@@ -474,6 +474,15 @@ def test_bf16_safetensors_stay_bf16(tmp_path, tiny_model_dir):
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
     lm = load(d, "auto", kv_type="fp32", fused=True)
-    assert {m.type_name for m in lm.model.layers[1].ffn.w_in.mats} == {"BF16"}
+    mats = lm.model.layers[1].ffn.w_in.mats
+    assert {m.type_name for m in mats} == {"BF16"}
+    # the file's own bytes, mapped (not a copy): the same numbers safetensors reads
+    from safetensors.torch import load_file
+
+    st = load_file(d / "model.safetensors")
+    assert all(not m.raw.flags.writeable and not m.raw.flags.owndata for m in mats)
+    want_gate = st["model.layers.1.mlp.gate_proj.weight"]
+    assert torch.equal(torch.from_numpy(np.array(mats[0].raw)).view(torch.bfloat16)
+                       .reshape(want_gate.shape), want_gate)
     assert _rel(_logits(lm.model, ids), want) < 1e-4
     assert _rel(_stepwise_logits(lm.model, ids), want) < 1e-4

@@ -59,6 +59,7 @@ class FileTensor:
     canon: str | None = None  # our canonical name (None: not a model tensor)
     gguf: Any = None  # gguf ReaderTensor (memory-mapped)
     st: Any = None  # (safetensors handle, name)
+    span: Any = None  # safetensors: (the file mapped, uint8; start, end of the tensor's bytes)
 
     @property
     def info(self) -> TensorInfo:
@@ -70,12 +71,11 @@ class FileTensor:
 
     def raw(self) -> np.ndarray:
         """GGUF: the bytes as stored (a read-only view of the mapped file; quantized types as
-        uint8 ``[rows, bytes_per_row]``). safetensors' 16-bit floats: their bytes (a copy, uint8
-        ``[rows, 2 · cols]``)."""
-        if self.st is not None and self.kind in ("F16", "BF16"):
-            handle, name = self.st
-            t = handle.get_tensor(name).contiguous()
-            return t.view(torch.uint8).numpy().reshape(self.shape[0], -1)
+        uint8 ``[rows, bytes_per_row]``). safetensors' 16-bit floats: their bytes, a read-only
+        view of the mapped file too (uint8 ``[rows, 2 · cols]``)."""
+        if self.span is not None and self.kind in ("F16", "BF16"):
+            mapped, start, end = self.span
+            return mapped[start:end].reshape(self.shape[0], -1)
         if self.gguf is None:
             raise ValueError(f"tensor {self.name}: raw blocks exist for GGUF tensors and "
                              f"16-bit safetensors only")
@@ -762,6 +762,7 @@ def _open_hf(path: Path, max_seq_len: int | None, ffn_kind: str | None,
         try:
             st = safe_open(f, framework="pt")
             handles.append(st)
+            mapped, spans = _safetensors_spans(f)
             for name in st.keys():
                 sl = st.get_slice(name)
                 shape = tuple(int(n) for n in sl.get_shape())
@@ -769,7 +770,7 @@ def _open_hf(path: Path, max_seq_len: int | None, ffn_kind: str | None,
                 elt = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1}.get(dtype, 4)
                 canon = map_name(name, compiled)
                 ft = FileTensor(name, dtype, shape, int(np.prod(shape)) * elt, canon,
-                                st=(st, name))
+                                st=(st, name), span=(mapped, *spans[name]))
                 every.append(ft)
                 if canon is None:
                     if not name.startswith("blk."):  # predictors/statistics are expected extras
@@ -786,6 +787,19 @@ def _open_hf(path: Path, max_seq_len: int | None, ffn_kind: str | None,
     return ModelSource(path, "hf", cfg, raw, tensors, extras, names, None, every, handles,
                        norm_shift=HF_NORM_SHIFT.get(cfg.arch, 0.0),
                        qkv_grouped=cfg.arch in HF_QKV_GROUPED, name=model_name)
+
+
+def _safetensors_spans(f: Path) -> tuple[np.memmap, dict[str, tuple[int, int]]]:
+    """``f`` mapped read-only, and where each tensor's bytes are in it (the format: an 8-byte
+    little-endian header length, the JSON header whose ``data_offsets`` count from its end).
+    safetensors' own API gives copies, and none of bfloat16 in numpy."""
+    with open(f, "rb") as fh:
+        n = struct.unpack("<Q", fh.read(8))[0]
+        header = json.loads(fh.read(n))
+    base = 8 + n
+    spans = {k: (base + int(v["data_offsets"][0]), base + int(v["data_offsets"][1]))
+             for k, v in header.items() if k != "__metadata__"}
+    return np.memmap(f, dtype=np.uint8, mode="r"), spans
 
 
 def _swap_norm(canon: str, swap: dict[str, str]) -> str:

@@ -13,8 +13,8 @@ Storage, by ``--dtype``:
   C kernels of ``sparseinfer.cpu``: nothing copied or repacked except the Q/K rows llama.cpp
   permuted). Without that library: Q4_0 / Q4_1 / Q4_K become torch's int4 layout (``q4``, the
   same blocks), other types per-row ``int8``. 16-bit float projections (F16 / BF16, GGUF or
-  safetensors) stay 16-bit on the C kernels (``ggml`` too: a GGUF's mapped rows, a safetensors
-  file's copied); other float tensors, and 16-bit ones without the C library, are ``fp32``.
+  safetensors) stay 16-bit on the C kernels (``ggml`` too: the rows where the file is mapped);
+  other float tensors, and 16-bit ones without the C library, are ``fp32``.
   Nothing is requantized to fewer bits than the file has.
 - ``q4``: every projection 4-bit (the file's blocks where it has them, else Q4_1's rule), the LM
   head int8.
