@@ -1,5 +1,6 @@
 """Models of PowerInfer's size: load time, peak memory, prefill and decode of a Llama-2-7B (or
-13B) shaped Q4_0 (or Q4_K_M) GGUF, sparseinfer against llama.cpp on the same file, in one run.
+13B) shaped Q4_0 (or Q4_K_M, Q5_K_M, F16, BF16) GGUF, sparseinfer against llama.cpp on the same
+file, in one run.
 
     python benchmarks/big.py --shape 7b --out /tmp/big          # writes /tmp/big/llama-7b.q4_0.gguf
     python benchmarks/big.py --shape 13b --out /tmp/big --tokens 8
