@@ -102,30 +102,28 @@ def advise_random(addr: int, nbytes: int) -> bool:
                        _MADV_RANDOM) == 0
 
 
-_MADV_NOHUGEPAGE = 15
-
-
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of zeros (64-byte aligned) whose pages the system maps only when first
-    written: calloc's fresh mapping (numpy's ``zeros``, not ``torch.zeros``, which writes every
-    byte), in 4 KiB pages (``MADV_NOHUGEPAGE``: numpy asks for huge pages, and a first write
-    would map and clear 2 MiB). A KV cache preallocated for a long context then costs memory and
-    first-touch time for the positions used, not for all of them. Elsewhere than Linux: zeros
-    all the same, in whatever pages the allocator gives."""
-    import ctypes
+    """A CPU tensor of zeros (page-aligned) whose pages the system maps only when first written:
+    an anonymous mapping of its own (not ``torch.zeros``, which writes every byte, nor calloc,
+    which may hand back heap memory it must clear when the allocator's mmap threshold has moved),
+    in 4 KiB pages (``MADV_NOHUGEPAGE``: a first write would otherwise map and clear 2 MiB). A KV
+    cache preallocated for a long context then costs memory and first-touch time for the
+    positions used, not for all of them. Where anonymous mappings are not offered (Windows):
+    ``torch.zeros``."""
     import math
+    import mmap
 
     import torch
 
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    buf = np.zeros(nbytes + 64, np.uint8)
-    start = buf.ctypes.data
-    off = -start % 64
-    lib = libc()
-    if lib is not None and nbytes >= 2**21:
-        lo = start // PAGE * PAGE
-        lib.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(start + buf.nbytes - lo), _MADV_NOHUGEPAGE)
-    return torch.from_numpy(buf[off : off + nbytes]).view(dtype).view(shape)
+    anon = getattr(mmap, "MAP_ANONYMOUS", None)
+    if nbytes == 0 or anon is None:
+        return torch.zeros(shape, dtype=dtype)
+    mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | anon)
+    if nbytes >= 2**21 and hasattr(mmap, "MADV_NOHUGEPAGE"):
+        mapped.madvise(mmap.MADV_NOHUGEPAGE)
+    # the array (and so the tensor) holds the mapping; it is unmapped when they are gone
+    return torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def available_memory() -> int:

@@ -54,3 +54,32 @@ def test_a_long_context_costs_the_positions_used():
     used = _resident(cache.k) + _resident(cache.v)
     assert 2 * 64 * PAGE <= used <= 2 * 2 * 64 * PAGE, used  # a page or two per head row
     assert float(cache.k[:, :, :, 16:].float().abs().sum()) == 0.0  # unwritten: zeros
+
+
+_RAISED_THRESHOLD = """
+import ctypes, numpy as np, torch
+from sparseinfer.fileio import lazy_zeros
+libc = ctypes.CDLL(None)
+assert libc.mallopt(-3, 512 * 2**20) == 1  # M_MMAP_THRESHOLD: large callocs come from the heap
+for _ in range(3):  # heap memory used and freed, which calloc must clear when it hands it back
+    x = np.ones(160 * 2**20, np.uint8); del x
+t = lazy_zeros((64 * 2**20 // 2,), torch.float16)
+page = 4096
+vec = np.zeros(t.numel() * 2 // page, np.uint8)
+assert libc.mincore(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(vec.size * page),
+                    vec.ctypes.data_as(ctypes.c_void_p)) == 0
+print(int((vec & 1).sum()))
+"""
+
+
+@linux
+def test_zeros_stay_unmapped_whatever_the_allocator():
+    """The cache's zeros are a mapping of their own: with glibc's mmap threshold raised above
+    their size (so calloc serves them from a heap it must clear), none of their pages is
+    resident before a write. In a subprocess: the allocator setting is process-wide."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _RAISED_THRESHOLD], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) == 0
