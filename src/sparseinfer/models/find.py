@@ -144,19 +144,20 @@ def _huggingface(spec: str, cache: Path) -> FoundModel | None:
         return None
     if not quant and (snap / "config.json").is_file():
         return FoundModel(snap, repo, "huggingface")
+    every = sorted(snap.rglob("*.gguf"))
     # a split model counts once, by its first part (the loader says what to do with it)
-    ggufs = sorted(g for g in snap.rglob("*.gguf") if not _later_split_part(g.name))
+    ggufs = [g for g in every if not _later_split_part(g.name)]
     if quant:
         ggufs = [g for g in ggufs if quant.lower() in g.name.lower()]
-    names = ", ".join(str(g.relative_to(snap)) for g in ggufs)
     if len(ggufs) == 1:
         return FoundModel(ggufs[0], spec, "huggingface")
     if not ggufs:
         what = f"no GGUF file whose name has {quant!r}" if quant else \
             "neither config.json nor a GGUF file"
-        have = ", ".join(str(g.relative_to(snap)) for g in sorted(snap.rglob("*.gguf")))
+        have = ", ".join(str(g.relative_to(snap)) for g in every)
         raise SparseInferError(f"{repo} in the Hugging Face cache ({snap}) has {what}"
                                f"{f' (it has {have})' if have else ''}")
+    names = ", ".join(str(g.relative_to(snap)) for g in ggufs)
     raise SparseInferError(f"{spec}: the Hugging Face cache holds {len(ggufs)} GGUF files of "
                            f"{repo} ({names}); expected one: name a quant, e.g. "
                            f"{repo}:{_quant_hint(ggufs[0].stem)}")

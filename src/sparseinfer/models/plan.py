@@ -309,15 +309,14 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
         # take them (rows of whole blocks: 256 weights for K-quants, 32 for the others)
         transposed = any(s.endswith("down_t.weight") for s in sources)
         block = 256 if any(k.endswith("_K") for k in ks) else 32
-        if (ks and cpu and not transposed and all(k in GGML_TYPES for k in ks)
-                and shape[1] % block == 0 and cpu_loads()):
-            return "ggml", "file blocks"
-        # 16-bit floats stay 16-bit (half fp32's memory and bytes a token): the C kernels' F16 /
-        # BF16 rows, except rows the loader regroups (HF Falcon's fused q/k/v)
-        regrouped = src.qkv_grouped and any(".attn.wqkv." in s for s in sources)
-        if (ks and cpu and not transposed and all(k in GGML_FLOATS for k in ks)
-                and shape[1] % 32 == 0 and cpu_loads() and not regrouped):
-            return "ggml", "as stored"
+        if ks and cpu and not transposed and shape[1] % block == 0 and cpu_loads():
+            if all(k in GGML_TYPES for k in ks):
+                return "ggml", "file blocks"
+            # 16-bit floats stay 16-bit (half fp32's memory and bytes a token): the C kernels'
+            # F16 / BF16 rows, except rows the loader regroups (HF Falcon's fused q/k/v)
+            regrouped = src.qkv_grouped and any(".attn.wqkv." in s for s in sources)
+            if all(k in GGML_FLOATS for k in ks) and not regrouped:
+                return "ggml", "as stored"
         if not ks or all(k in FLOAT_KINDS for k in ks) or not cpu:
             return float_dtype, "as stored" if not ks or all(k in FLOAT_KINDS for k in ks) \
                 else "dequantized"
