@@ -76,9 +76,10 @@ def test_unknown_gguf_architecture(tmp_path):
         load_model(path)
 
 
-def test_split_gguf(tmp_path, capsys):
+def test_split_gguf_with_a_part_missing(tmp_path, capsys):
     """Parts written by gguf-py's own splitting writer (llama.cpp's gguf-split naming and
-    ``split.*`` keys): each part is refused with what to do, not a missing-tensor error."""
+    ``split.*`` keys), one of them gone: the error names it, from whichever part is given
+    (tests/models/test_split_gguf.py reads a whole split model)."""
     import gguf
 
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama", split_max_tensors=1)
@@ -90,11 +91,12 @@ def test_split_gguf(tmp_path, capsys):
     w.close()
     parts = sorted(tmp_path.glob("m-*-of-*.gguf"))
     assert [p.name for p in parts] == [f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
-    with pytest.raises(ModelFileError, match=r"m-00001-of-00003\.gguf: part 1 of a model split "
-                                             r"into 3 files .*llama-gguf-split --merge"):
+    parts[2].unlink()
+    with pytest.raises(ModelFileError, match=r"m-00001-of-00003\.gguf: part of a model split "
+                                             r"into 3 files.*missing m-00003-of-00003\.gguf"):
         load_model(parts[0])
     line = _cli_error(capsys, ["info", "-m", str(parts[1])])
-    assert "part 2 of a model split into 3 files" in line
+    assert "split into 3 files" in line and "missing m-00003-of-00003.gguf" in line
 
 
 def test_unknown_hf_architecture(foreign_arch_dir):

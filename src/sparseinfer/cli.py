@@ -383,7 +383,8 @@ def cmd_info(args) -> int:
     src = open_source(args.model or default_model_path())  # metadata and tensor index only
     cfg = src.config
     kind = "GGUF from PowerInfer's converter (magic PWRI)" if src.powerinfer else src.format
-    print(f"file:   {src.path}  ({src.file_bytes / 2**20:.1f} MiB, {kind})")
+    split = f", split in {len(src.parts) + 1} parts" if src.parts else ""
+    print(f"file:   {src.path}  ({src.file_bytes / 2**20:.1f} MiB, {kind}{split})")
     print(f"name:   {cfg.name}")
     for k, v in vars(cfg).items():
         print(f"  {k:16s} {v}")

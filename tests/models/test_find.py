@@ -147,7 +147,7 @@ def test_hf_cache_gguf_repository(tmp_path, tiny_gguf):
     assert find_model("org/One", ollama=[], hf_cache=one).path.name == "One-Q4_0.gguf"
     split = hf_cache(tmp_path / "hub", "org/Big", {"Big-Q4_0-00001-of-00002.gguf": tiny_gguf,
                                                    "Big-Q4_0-00002-of-00002.gguf": b"part 2"})
-    # a split model is found by its first part (whose loading says to merge the parts)
+    # a split model is found by its first part (the loader reads the others beside it)
     assert find_model("org/Big", ollama=[], hf_cache=split).path.name == \
         "Big-Q4_0-00001-of-00002.gguf"
 

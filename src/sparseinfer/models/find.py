@@ -24,7 +24,8 @@ from ..errors import SparseInferError
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 OLLAMA_HOST, OLLAMA_NAMESPACE, OLLAMA_TAG = "registry.ollama.ai", "library", "latest"
 PATH_SUFFIXES = (".gguf", ".bin", ".safetensors")  # a name ending so is a file, not a model name
-SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+# llama.cpp's gguf-split names its parts PREFIX-00001-of-00003.gguf
+SPLIT_PART = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,9 @@ def find_model(spec: str | Path, *, ollama: list[Path] | None = None,
     tools' own). Raises ``SparseInferError`` naming every place looked in."""
     path = Path(spec).expanduser()
     if path.exists():
-        return FoundModel(path, path.stem if path.is_file() else path.name, "path")
+        split = SPLIT_PART.match(path.name)
+        name = split["prefix"] if split else path.stem if path.is_file() else path.name
+        return FoundModel(path, name, "path")
     text = str(spec)
     if path.is_absolute() or text.startswith((".", "~")) or path.suffix in PATH_SUFFIXES:
         raise SparseInferError(f"model not found: {text} (no such file or directory)")
@@ -145,7 +148,7 @@ def _huggingface(spec: str, cache: Path) -> FoundModel | None:
     if not quant and (snap / "config.json").is_file():
         return FoundModel(snap, repo, "huggingface")
     every = sorted(snap.rglob("*.gguf"))
-    # a split model counts once, by its first part (the loader says what to do with it)
+    # a split model counts once, by its first part (the loader reads the others beside it)
     ggufs = [g for g in every if not _later_split_part(g.name)]
     if quant:
         ggufs = [g for g in ggufs if quant.lower() in g.name.lower()]
@@ -165,8 +168,8 @@ def _huggingface(spec: str, cache: Path) -> FoundModel | None:
 
 def _later_split_part(name: str) -> bool:
     """``model-00002-of-00003.gguf`` (llama.cpp's gguf-split naming), not the first part."""
-    m = SPLIT_PART.search(name)
-    return m is not None and int(m.group(1)) > 1
+    m = SPLIT_PART.match(name)
+    return m is not None and int(m["no"]) > 1
 
 
 def _quant_hint(stem: str) -> str:

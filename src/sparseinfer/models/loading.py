@@ -26,6 +26,7 @@ from ..config import FFN_KINDS, ModelConfig
 from ..errors import ModelFileError, SparseInferError
 from ..fileio import drop_pages, read_json
 from ..quant.blocks import BLOCK_BYTES, from_gguf
+from .find import SPLIT_PART, find_model
 from .names import (ARCH_FIELDS, GATED_ACT_TO_KIND, GGUF_ARCH_FIELDS, GGUF_ARCHS, GGUF_FFN_KIND,
                     GGUF_ROPE_INTERLEAVED, GGUF_ROPE_THETA_LOCAL, GGUF_SPARSE_FFN_KINDS,
                     GGUF_SWAPPED_NORMS, GGUF_WINDOW_PATTERN, HF_ARCHS, HF_NORM_SHIFT,
@@ -138,12 +139,14 @@ class ModelSource:
     # what to call the model (the server's model id): the file's stem or directory's name, or
     # the Ollama / Hugging Face name it was found by (find.py)
     name: str = ""
+    # GGUF split by llama.cpp's gguf-split: the parts after ``path`` (the first)
+    parts: tuple[Path, ...] = ()
 
     @property
     def file_bytes(self) -> int:
         if self.path.is_dir():
             return sum(f.stat().st_size for f in self.path.glob("*.safetensors"))
-        return self.path.stat().st_size
+        return sum(f.stat().st_size for f in (self.path, *self.parts))
 
     @property
     def infos(self) -> list[TensorInfo]:
@@ -185,8 +188,6 @@ def open_source(path: str | Path, max_seq_len: int | None = None,
     """Open a GGUF file or a Hugging Face directory (config.json + *.safetensors + tokenizer),
     or a model pulled with Ollama or cached by Hugging Face (``find.find_model``); reads
     metadata and the tensor index only. ``ffn_kind`` overrides the file's FFN kind."""
-    from .find import find_model
-
     found = find_model(path)
     path = found.path
     if path.is_dir():
@@ -526,12 +527,10 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None, model_
                powerinfer: bool = False) -> ModelSource:
     reader = open_gguf(path, powerinfer)
     meta = read_gguf_metadata(reader)
+    parts = [(path, reader)]
     if int(meta.get("split.count") or 1) > 1:
-        raise ModelFileError(
-            f"{path}: part {int(meta.get('split.no') or 0) + 1} of a model split into "
-            f"{int(meta['split.count'])} files (llama.cpp's gguf-split); expected the whole model "
-            f"in one file: merge the parts with `llama-gguf-split --merge FIRST-PART.gguf "
-            f"OUT.gguf`")
+        parts, meta = _split_parts(path, reader, meta, powerinfer)
+        path, reader = parts[0][0], SplitReader(parts)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHS:
         raise ModelFileError(
@@ -568,12 +567,12 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None, model_
     # them; README).
     permuted = cfg.pos == "rope" and GGUF_ROPE_INTERLEAVED[arch] and not powerinfer
     cfg = replace(cfg, rope_interleaved=permuted)
-    size = path.stat().st_size
     compiled = compile_names(GGUF_ARCHS[arch])
     tensors, extras, every = {}, {}, []
-    for t in reader.tensors:
+    for part, t in ((part, t) for part, r in parts for t in r.tensors):
+        size = part.stat().st_size
         if int(t.data_offset) + int(t.n_bytes) > size:
-            raise ModelFileError(f"{path}: tensor {t.name!r} ends at byte "
+            raise ModelFileError(f"{part}: tensor {t.name!r} ends at byte "
                                  f"{int(t.data_offset) + int(t.n_bytes)} but the file has {size} "
                                  f"(truncated or corrupt file?)")
         canon = map_name(t.name, compiled)
@@ -590,7 +589,55 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None, model_
             t.canon = _swap_norm(t.canon, swap)
     cfg = _with_shared_norm(cfg, tensors)
     return ModelSource(path, "gguf", cfg, meta, tensors, extras, GGUF_ARCHS[arch], reader, every,
-                       qk_permuted=permuted, powerinfer=powerinfer, name=model_name)
+                       qk_permuted=permuted, powerinfer=powerinfer, name=model_name,
+                       parts=tuple(part for part, _ in parts[1:]))
+
+
+class SplitReader:
+    """The parts of a model split by llama.cpp's gguf-split, read as one file: the first part's
+    metadata and every part's tensors in order, each still mapped from its own part."""
+
+    def __init__(self, parts: list[tuple[Path, Any]]):
+        self.parts = parts
+        self.fields = parts[0][1].fields
+        self.tensors = [t for _, r in parts for t in r.tensors]
+
+
+def _split_parts(path: Path, reader, meta: dict[str, Any], powerinfer: bool
+                 ) -> tuple[list[tuple[Path, Any]], dict[str, Any]]:
+    """Every part of a split model, opened, whichever part ``path`` (opened as ``reader``, with
+    metadata ``meta``) names, and the first part's metadata; checked against the ``split.*``
+    keys (count, each part's number, the tensors in all)."""
+    count = int(meta["split.count"])
+    m = SPLIT_PART.match(path.name)
+    if m is None or int(m["count"]) != count:
+        raise ModelFileError(
+            f"{path}: part {int(meta.get('split.no') or 0) + 1} of a model split into {count} "
+            f"files (llama.cpp's gguf-split), but its name does not say where the others are: "
+            f"expected a name like MODEL-00001-of-{count:05d}.gguf, or merge the parts with "
+            f"`llama-gguf-split --merge FIRST-PART.gguf OUT.gguf`")
+    names = [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf")
+             for i in range(1, count + 1)]
+    missing = [p.name for p in names if not p.is_file()]
+    if missing:
+        raise ModelFileError(f"{path}: part of a model split into {count} files; expected all "
+                             f"of them in {path.parent}, missing {', '.join(missing)}")
+    parts = []
+    for i, p in enumerate(names):
+        r = reader if p == path else open_gguf(p, powerinfer)
+        found = {k: _field_value(r.fields[k]) for k in ("split.no", "split.count")
+                 if k in r.fields}
+        if found != {"split.no": i, "split.count": count}:
+            raise ModelFileError(f"{p}: expected part {i + 1} of {count} (split.no {i}, "
+                                 f"split.count {count}), found {found or 'no split keys'}")
+        parts.append((p, r))
+    first = meta if names[0] == path else read_gguf_metadata(parts[0][1])
+    total = sum(len(r.tensors) for _, r in parts)
+    if int(first.get("split.tensors.count", total)) != total:
+        raise ModelFileError(f"{names[0]}: split.tensors.count says {first['split.tensors.count']} "
+                             f"tensors, its {count} parts hold {total}")
+    log.info("%s: a model split into %d files, read as one", names[0], count)
+    return parts, first
 
 
 # ---- Hugging Face directory --------------------------------------------------------------------

@@ -50,7 +50,7 @@ GGUF_ARCH_NAMES = {"llama": "llama", "opt": "opt", "qwen2": "qwen2", "qwen3": "q
                    "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "falcon": "falcon"}
 HF_ARCHS = ("llama", "opt")
 SKIP_KV = ("GGUF.", "general.architecture", "general.file_type", "general.alignment",
-           "powerinfer.", "sparseinfer.")
+           "powerinfer.", "sparseinfer.", "split.")
 
 
 @dataclass(frozen=True)
