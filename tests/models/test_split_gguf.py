@@ -116,3 +116,25 @@ def test_parts_out_of_order_are_refused(smollm2_parts, tmp_path):
     with pytest.raises(ModelFileError, match=r"model-00002-of-00003\.gguf: expected part 2 of 3 "
                                              r"\(split\.no 1, split\.count 3\), found "):
         open_source(tmp_path / names[0])
+
+
+@pytest.mark.slow
+def test_a_split_model_converts_to_one_sparse_file(smollm2_parts, tmp_path):
+    """The offline pipeline takes a split model: its output is one file (no ``split.*`` keys)
+    holding the source's tensors, which loads."""
+    from sparseinfer.offline.pipeline import ConvertOptions, convert
+    from sparseinfer.offline.profile import ProfileOptions
+    from sparseinfer.offline.train import TrainOptions
+
+    torch.set_num_threads(2)
+    options = ConvertOptions(profile=ProfileOptions(chunk_len=128, max_tokens=256, min_tokens=1),
+                             train=TrainOptions(ranks=(8,), epochs=1, min_steps=10))
+    out = tmp_path / "sparse.gguf"
+    convert(smollm2_parts[0], out, options)
+    r = gguf.GGUFReader(out)
+    assert not [k for k in r.fields if k.startswith("split.")]
+    names = {t.name for t in r.tensors}
+    assert {t.name for p in smollm2_parts for t in gguf.GGUFReader(p).tensors} <= \
+        names | {f"blk.{i}.ffn_down.weight" for i in range(30)}  # down stored transposed
+    sparse = load_model(out, max_seq_len=256)
+    assert sparse.config.n_layers == 30 and not sparse.source.parts
