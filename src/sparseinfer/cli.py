@@ -41,7 +41,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "q4"],
                    help="weights: auto (default) keeps every tensor as the file stores it "
-                        "(quantized blocks computed in place by the C kernels, float as fp32); "
+                        "(quantized blocks and F16 / BF16 weights computed in place by the C kernels, "
+                        "F32 as fp32); "
                         "q4 = every projection 4-bit (torch's int4 kernel) with an int8 LM head; "
                         "fp32 / bf16")
     p.add_argument("-ct", "--cache-type", default="auto", choices=["auto", "fp32", "fp16"],
