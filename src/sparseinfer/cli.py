@@ -444,7 +444,8 @@ def cmd_serve(args) -> int:
         serve(engine, host=args.host, port=args.port, api_key=args.api_key,
               max_queue=args.max_queue, default_max_tokens=args.default_max_tokens or None,
               max_tokens_limit=args.max_tokens_limit or None,
-              max_generation_seconds=args.max_generation_seconds or None)
+              max_generation_seconds=args.max_generation_seconds or None,
+              pooling=args.pooling)
     finally:
         close = getattr(engine, "close", None)  # the batch loop of --parallel
         if close is not None:
@@ -541,6 +542,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-generation-seconds", type=float, default=300.0, metavar="S",
                    help="a generation running longer ends with finish_reason 'length' "
                         "(0: no limit; default 300)")
+    s.add_argument("--pooling", choices=["mean", "last"], default="mean",  # generate.POOLINGS
+                   help="how /v1/embeddings makes one vector of a text from the model's "
+                        "final-normed hidden states: mean over its tokens (default) or the last "
+                        "token's (llama.cpp's --pooling); unit length either way")
     s.set_defaults(func=cmd_serve)
 
     from .offline.cli import add_offline_commands

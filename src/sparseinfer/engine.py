@@ -62,7 +62,8 @@ class EngineProtocol(Protocol):
     """What the server needs. Optional capabilities, used when present: ``stream(...,
     processors=, logprobs=)`` keywords (logit_bias, grammars, logprobs), ``score(ids, top)``
     (prompt logprobs for ``echo``), ``vocab_size`` / ``eos_ids`` / ``tokenizer_json()``
-    (grammars), ``parallel`` (how many streams may run at once; default 1)."""
+    (grammars), ``parallel`` (how many streams may run at once; default 1), ``embed(ids,
+    pooling)`` (``/v1/embeddings``)."""
 
     name: str  # model id shown by /v1/models
     n_ctx: int  # context window in tokens
@@ -207,6 +208,13 @@ class Engine:
                 f"shorten the prompt or raise the context size (-c)"
             )
 
+    def check_embeddable(self, n: int) -> None:
+        if n == 0:
+            raise SparseInferError("the input is empty: expected at least one token")
+        if n > self.n_ctx:
+            raise ContextOverflowError(f"the input has {n} tokens but the context holds "
+                                       f"{self.n_ctx}; shorten it or raise the context size (-c)")
+
     def score(self, ids, top: int = 0) -> list[TokenScore]:
         """Teacher-forced logprobs of every token of ``ids`` given the ones before it (the first
         has none), with ``top`` alternatives per position; runs from position 0 (no reuse)."""
@@ -223,6 +231,17 @@ class Engine:
                 zip(top_ids[i].tolist(), top_lp[i].tolist()))
             out.append(TokenScore(tok, float(lp[i]), alts))
         return out
+
+    def embed(self, ids, pooling: str = "mean") -> list[float]:
+        """The text ``ids`` as one unit-length vector (``generate.embedding``); runs from
+        position 0 (no reuse). Unlike a prompt, a text may fill the whole context."""
+        from .generate import embedding
+
+        ids = list(ids)
+        self.check_embeddable(len(ids))
+        self._cached_ids = []  # the cache is overwritten from position 0
+        with self._torch.inference_mode():
+            return embedding(self.model, ids, self._cache, pooling).tolist()
 
     def stream(self, prompt_ids, params: SamplingParams, cancel=None, *,
                processors=(), logprobs: int | None = None,

@@ -144,6 +144,29 @@ def score(model: Transformer, ids: Sequence[int], cache: KVCache, top: int = 0
     return token_logprobs(logits, torch.tensor(list(ids[1:]), dtype=torch.long), top)
 
 
+# how one vector is made of a text's final-normed hidden states (T, D): llama.cpp's --pooling
+POOLINGS: dict[str, Callable[[Tensor], Tensor]] = {
+    "mean": lambda h: h.mean(0),  # every token's (the BOS included, as llama.cpp's)
+    "last": lambda h: h[-1],  # the last token's, which has seen the whole text
+}
+
+
+def embedding(model: Transformer, ids: Sequence[int], cache: KVCache, pooling: str = "mean"
+              ) -> Tensor:
+    """The text ``ids`` as one float32 vector (D,) of unit length (llama.cpp's default
+    normalization): its final-normed hidden states, run from position 0 into ``cache`` in
+    PREFILL_CHUNK pieces, pooled by ``POOLINGS[pooling]``."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling: expected one of {sorted(POOLINGS)}, got {pooling!r}")
+    if not ids:
+        raise ValueError("embedding: expected at least one token, got none")
+    rows = []
+    for start in range(0, len(ids), PREFILL_CHUNK):
+        chunk = torch.tensor([ids[start:start + PREFILL_CHUNK]], dtype=torch.long)
+        rows.append(model.hidden(chunk, start, cache)[0].float())
+    return torch.nn.functional.normalize(POOLINGS[pooling](torch.cat(rows)), dim=0)
+
+
 @dataclass(frozen=True)
 class ContextShift:
     """llama.cpp's context shift (``--context-shift``, ``--keep N``): when the cache is full,

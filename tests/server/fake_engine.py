@@ -6,7 +6,8 @@ cycle, one word per token, unless the prompt contains ``[[say:...]]``: then it y
 and stops (reason "stop", like an end-of-text token). ``[[fail]]`` raises after two tokens.
 
 With ``logprobs=k`` each token reports logprob ``-n / 10`` (n-th token) and ``k`` alternatives;
-``score`` gives prompt token i the logprob ``-(i % 5) / 10 - 0.5``. ``processors`` are recorded,
+``score`` gives prompt token i the logprob ``-(i % 5) / 10 - 0.5``; ``embed`` the unit vector
+along (token count, id sum, 1 for mean pooling or 2 for last). ``processors`` are recorded,
 not applied (the words are scripted).
 
 ``token_delay`` / ``prefill_delay`` make timing deterministic for queue tests; the engine records
@@ -72,6 +73,13 @@ class FakeEngine:
             TokenScore(t, -(i % 5) / 10 - 0.5, self._top(t, -(i % 5) / 10 - 0.5, top))
             for i, t in enumerate(ids[1:], 1)
         ]
+
+    def embed(self, ids: list[int], pooling: str = "mean") -> list[float]:
+        """(token count, id sum, 1 for mean pooling / 2 for last), scaled to unit length."""
+        with self._enter():
+            v = [float(len(ids)), float(sum(ids)), 1.0 if pooling == "mean" else 2.0]
+            norm = sum(x * x for x in v) ** 0.5
+            return [x / norm for x in v]
 
     @staticmethod
     def _top(tok: int, lp: float, k: int) -> tuple[tuple[int, float], ...]:

@@ -8,10 +8,12 @@ running plus ``max_queue`` waiting, then 429.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -328,6 +330,22 @@ def test_batched_features(batched):
             "name": "x", "schema": {"type": "object", "properties": {
                 "ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}}})
     assert r.choices[0].message.content in ('{"ok": true}', '{"ok": false}')
+
+
+def test_batched_embeddings_equal_the_engines(batched, real_engine_server):
+    """``BatchEngine.embed`` (between steps, in a free slot's cache) gives ``Engine.embed``'s
+    vector, also while other requests generate."""
+    srv, be = batched
+    engine = real_engine_server[1]
+    text = "It is a truth universally acknowledged"
+    want = engine.embed(engine.encode(text))  # (the batch loop is idle between tests)
+    client = openai_client(srv, timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(client.completions.create, model=be.name, prompt="Once upon a time",
+                           max_tokens=12, temperature=0)
+        got = client.embeddings.create(model=be.name, input=text).data[0].embedding
+        busy.result()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
 class ParallelFake(FakeEngine):

@@ -91,6 +91,27 @@ def test_errors_with_real_engine(real):
         client.completions.create(model="not-" + engine.name, prompt="x")
 
 
+def test_embeddings_real(real, smollm2_hf):
+    """The official client's (base64) vectors against transformers' float32 reading of the same
+    file (mean of the final-normed hidden states, unit length): the served engine's default
+    4-bit weights move them a little. A chat after it still gives the reference answer (the
+    cache it overwrote is not reused)."""
+    srv, engine, ids, text, _ = real
+    texts = ["The capital of France is Paris.", "Pride and Prejudice was written by Jane Austen."]
+    r = openai_client(srv, timeout=60).embeddings.create(model=engine.name, input=texts)
+    for d, t in zip(r.data, texts):
+        tokens = engine.encode(t)
+        with torch.no_grad():
+            h = smollm2_hf.model(torch.tensor([tokens])).last_hidden_state[0].mean(0)
+        got = torch.tensor(d.embedding)
+        assert abs(float(got.norm()) - 1) < 1e-5
+        assert float(got @ (h / h.norm())) > 0.99
+    assert r.usage.prompt_tokens == sum(len(engine.encode(t)) for t in texts)
+    chat = openai_client(srv, timeout=60).chat.completions.create(
+        model=engine.name, messages=MSGS, max_tokens=N, temperature=0)
+    assert chat.choices[0].message.content == text
+
+
 # -- determinism and sampling edge cases --------------------------------------------------------
 
 

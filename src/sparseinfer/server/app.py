@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server over an engine (``sparseinfer.engine.EngineProtocol``).
 
 Routes: ``GET /health`` (never needs a key), ``GET /v1/models``, ``GET /v1/models/{id}``,
-``POST /v1/chat/completions`` and ``POST /v1/completions`` (both also as SSE streams).
+``POST /v1/chat/completions`` and ``POST /v1/completions`` (both also as SSE streams),
+``POST /v1/embeddings``.
 
 How requests are served
 - Every generation request becomes a job in a bounded FIFO (``queue.Scheduler``): one job runs
@@ -36,6 +37,11 @@ Choices
   are prompted as a system message and an answer of calls comes back as ``tool_calls``: one or
   more (a JSON array) unless ``parallel_tool_calls`` is false or ``tool_choice`` names a tool,
   each with its own id; streamed as one chunk per call (its ``index``, id, name, arguments).
+- ``/v1/embeddings``: one unit-length vector per text (a string or token ids; up to 256 a
+  request), the model's final-normed hidden states pooled as ``serve --pooling`` says (mean over
+  every token by default, or the last token's; llama.cpp's ``--pooling``), as floats or
+  ``encoding_format: "base64"`` (little-endian float32, what the official client asks for). A
+  text may fill the whole context; ``dimensions`` is a 400.
 - Every other field a client sends that this server does not implement is a 400 naming it.
 - Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status;
   ``/openapi.json`` declares the request bodies and these error shapes.
@@ -67,6 +73,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import SamplingParams
 from ..engine import EngineProtocol, FinishEvent, TokenEvent
 from ..errors import ContextOverflowError, SparseInferError
+from ..generate import POOLINGS
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .protocol import (
@@ -83,6 +90,10 @@ from .protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    Embedding,
+    EmbeddingList,
+    EmbeddingRequest,
+    EmbeddingUsage,
     ErrorResponse,
     FunctionCallDelta,
     FunctionCallOut,
@@ -320,9 +331,13 @@ class OpenAIServer:
         max_body_bytes: int,
         limits: _Limits | None = None,
         metrics: Metrics | None = None,
+        pooling: str = "mean",
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes: expected >= 1, got {max_body_bytes}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling: expected one of {sorted(POOLINGS)}, got {pooling!r}")
+        self.pooling = pooling
         self.engine = engine
         self.model_name = model_name or engine.name
         self.api_key = api_key
@@ -479,27 +494,27 @@ class OpenAIServer:
                 ) from None
             raise
 
-    def _text_ids(self, prompt: str | list[int]) -> list[int]:
+    def _text_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, list):
             vocab = getattr(self.engine, "vocab_size", None)
             bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
             if bad:
                 raise APIError(
                     400,
-                    f"prompt: token id {bad[0]} is outside the vocabulary"
+                    f"{param}: token id {bad[0]} is outside the vocabulary"
                     + (f" [0, {vocab})" if vocab is not None else ""),
-                    param="prompt",
+                    param=param,
                 )
             if vocab is None:  # let the tokenizer judge the ids (it raises for unknown ones)
                 try:
                     self.engine.decode(prompt)
                 except (SparseInferError, ValueError, IndexError, KeyError, OverflowError) as exc:
-                    raise APIError(400, f"prompt: {exc}", param="prompt") from None
+                    raise APIError(400, f"{param}: {exc}", param=param) from None
             return prompt
         try:
             return self.engine.encode(prompt, add_bos=True)
         except UnicodeError as exc:
-            raise APIError(400, f"prompt: text is not encodable: {exc}", param="prompt") from None
+            raise APIError(400, f"{param}: text is not encodable: {exc}", param=param) from None
 
     def _work(self, call: _Call) -> Callable[[Job], None]:
         engine = self.engine
@@ -635,8 +650,8 @@ class OpenAIServer:
             code="internal_error",
         )
 
-    async def run(self, request: Request, call: _Call) -> Response:
-        job = Job(self._work(call), asyncio.get_running_loop())
+    def _submit(self, work: Callable[[Job], None]) -> Job:
+        job = Job(work, asyncio.get_running_loop())
         try:
             ahead = self.scheduler.submit(job)
         except QueueFullError as exc:
@@ -648,6 +663,10 @@ class OpenAIServer:
                 headers={"Retry-After": "1"},
             ) from None
         logger.debug("job %d queued behind %d", job.id, ahead)
+        return job
+
+    async def run(self, request: Request, call: _Call) -> Response:
+        job = self._submit(self._work(call))
         watcher = asyncio.create_task(self._watch_disconnect(request, job))
         handed_off = False
         try:
@@ -905,6 +924,55 @@ class OpenAIServer:
         )
         return await self.run(request, call)
 
+    async def embeddings(self, request: Request) -> Response:
+        req: EmbeddingRequest = await self.parse(request, EmbeddingRequest)
+        self.check_common(req)
+        if not callable(getattr(self.engine, "embed", None)):
+            raise APIError(400, "input: this engine does not compute embeddings", param="input")
+        texts = req.texts()
+        engine, pooling, n_ctx = self.engine, self.pooling, self.engine.n_ctx
+
+        def work(job: Job) -> None:
+            ids = [self._text_ids(t, "input") for t in texts]  # every text checked first
+            for i, one in enumerate(ids):
+                if len(one) > n_ctx:
+                    raise APIError(
+                        400,
+                        f"input{f'[{i}]' if len(ids) > 1 else ''}: this model's maximum context "
+                        f"length is {n_ctx} tokens but the input has {len(one)} tokens",
+                        param="input",
+                        code="context_length_exceeded",
+                    )
+            out = []
+            for one in ids:
+                if job.cancel.is_set():
+                    return
+                out.append(engine.embed(one, pooling))
+            job.emit((out, sum(len(one) for one in ids)))
+
+        job = self._submit(work)
+        watcher = asyncio.create_task(self._watch_disconnect(request, job))
+        try:
+            item = await job.get()
+            if item is _GONE:
+                return Response(status_code=499)
+            if isinstance(item, JobFailed):
+                raise self._failure(item)
+            if item is END:  # cancelled without running: the server is shutting down
+                raise APIError(503, "the server is shutting down", type="server_error")
+        finally:
+            watcher.cancel()
+            self.scheduler.cancel(job)
+        vectors, n_tokens = item
+        data = [
+            Embedding(index=i, embedding=_base64_floats(v) if req.encoding_format == "base64"
+                      else v)
+            for i, v in enumerate(vectors)
+        ]
+        body = EmbeddingList(data=data, model=self.model_name,
+                             usage=EmbeddingUsage(prompt_tokens=n_tokens, total_tokens=n_tokens))
+        return Response(body.model_dump_json(), media_type="application/json")
+
     def model_card(self) -> ModelCard:
         return ModelCard(id=self.model_name, created=self.created)
 
@@ -922,7 +990,8 @@ class _CountRequests:
     streamed bodies and disconnects pass through untouched)."""
 
     _ROUTES = frozenset(
-        {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
+        {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+         "/v1/embeddings"}
     )
 
     def __init__(self, app: Any, metrics: Metrics) -> None:
@@ -948,6 +1017,15 @@ class _CountRequests:
             route = path if path in self._ROUTES else (
                 "/v1/models/{id}" if path.startswith("/v1/models/") else "other")
             self.metrics.request(route, status)
+
+
+def _base64_floats(values: list[float]) -> str:
+    """OpenAI's base64 embedding: the float32 values, little-endian, base64-encoded."""
+    import base64
+
+    import numpy as np
+
+    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
 
 
 def _error_response(exc: APIError) -> JSONResponse:
@@ -989,6 +1067,7 @@ def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
         for path, model in (
             ("/v1/chat/completions", ChatCompletionRequest),
             ("/v1/completions", CompletionRequest),
+            ("/v1/embeddings", EmbeddingRequest),
         ):
             schema["paths"][path]["post"]["requestBody"] = {
                 "required": True,
@@ -1023,12 +1102,14 @@ def create_app(
     default_max_tokens: int | None = None,
     max_tokens_limit: int | None = None,
     max_generation_seconds: float | None = None,
+    pooling: str = "mean",
 ) -> FastAPI:
     """The FastAPI app serving ``engine``. Its worker thread runs while the app's lifespan does.
 
     ``default_max_tokens``: the budget of a request that names none (None: until end of text or
     the context is full); ``max_tokens_limit``: a request asking for more is a 400;
-    ``max_generation_seconds``: a generation running longer ends with finish_reason "length".
+    ``max_generation_seconds``: a generation running longer ends with finish_reason "length";
+    ``pooling``: how ``/v1/embeddings`` makes one vector of a text (``generate.POOLINGS``).
     """
     server = OpenAIServer(
         engine,
@@ -1037,6 +1118,7 @@ def create_app(
         max_queue=max_queue,
         max_body_bytes=max_body_bytes,
         limits=_Limits(default_max_tokens, max_tokens_limit, max_generation_seconds),
+        pooling=pooling,
     )
     server.metrics.watch(lambda: server.scheduler.queued, lambda: server.scheduler.running)
 
@@ -1166,6 +1248,15 @@ def create_app(
     async def completions(request: Request) -> Response:
         return await server.completions(request)
 
+    @app.post(
+        "/v1/embeddings",
+        dependencies=auth,
+        response_model=EmbeddingList,
+        responses=_errors(400, 401, 404, 413, 429, 500, 503),
+    )
+    async def embeddings(request: Request) -> Response:
+        return await server.embeddings(request)
+
     return app
 
 
@@ -1226,6 +1317,7 @@ def serve(
     default_max_tokens: int | None = None,
     max_tokens_limit: int | None = None,
     max_generation_seconds: float | None = None,
+    pooling: str = "mean",
     log_level: str = "info",
     **uvicorn_kw: Any,
 ) -> None:
@@ -1244,6 +1336,7 @@ def serve(
         default_max_tokens=default_max_tokens,
         max_tokens_limit=max_tokens_limit,
         max_generation_seconds=max_generation_seconds,
+        pooling=pooling,
     )
     sock = _bind(host, port)
     bound = sock.getsockname()[1]

@@ -40,7 +40,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,9 +259,21 @@ class BatchEngine:
     def score(self, ids: list[int], top: int = 0) -> list[TokenScore]:
         """``Engine.score``, run on the loop thread between steps."""
         self.engine.check_fits(len(ids))
+        return self._between_steps(lambda: self._score(list(ids), top))
+
+    def embed(self, ids: list[int], pooling: str = "mean") -> list[float]:
+        """``Engine.embed``, run on the loop thread between steps."""
+        from ..generate import embedding
+
+        self.engine.check_embeddable(len(ids))
+        return self._between_steps(
+            lambda: embedding(self.model, list(ids), self._scratch_cache(), pooling).tolist())
+
+    def _between_steps(self, task: Callable[[], Any]) -> Any:
+        """``task()``'s value (or exception), run on the loop thread between two steps."""
         done: queue.Queue = queue.Queue()
         with self._cv:
-            self._tasks.append((lambda: self._score(list(ids), top), done))
+            self._tasks.append((task, done))
             self._cv.notify()
         ok, value = done.get()
         if not ok:
@@ -468,16 +480,19 @@ class BatchEngine:
             return
         seq.pending = tok
 
+    def _scratch_cache(self):
+        """A free slot's cache, forgetting what it held (or, with none free, a temporary
+        cache), for work that runs from position 0 and keeps nothing."""
+        if self._free:
+            self._held[self._free[0]] = []  # overwritten by the caller
+            return self._views[self._free[0]]
+        return self.model.new_cache(1, self.n_ctx)
+
     def _score(self, ids: list[int], top: int) -> list[TokenScore]:
-        """Prompt logprobs in a free slot (or, with none free, a temporary cache)."""
+        """Prompt logprobs in a scratch cache."""
         from ..generate import score
 
-        if self._free:
-            cache = self._views[self._free[0]]
-            self._held[self._free[0]] = []  # overwritten below
-        else:
-            cache = self.model.new_cache(1, self.n_ctx)
-        lp, top_lp, top_ids = score(self.model, ids, cache, top)
+        lp, top_lp, top_ids = score(self.model, ids, self._scratch_cache(), top)
         out = [TokenScore(ids[0], None, ())]
         for i, tok in enumerate(ids[1:]):
             alts = () if top_ids is None else tuple(zip(top_ids[i].tolist(), top_lp[i].tolist()))

@@ -352,6 +352,41 @@ class CompletionRequest(_SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
 
+MAX_EMBEDDING_INPUTS = 256  # texts per /v1/embeddings request (OpenAI takes 2048): bounded work
+
+
+class EmbeddingRequest(_Request):
+    # a string, token ids, or a list of either (one vector per text, in order)
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None  # accepted, not used
+
+    def unsupported(self) -> APIError | None:
+        if self.dimensions is not None:
+            return APIError(400, "dimensions: not supported by this server (its vectors have "
+                            "the model's hidden size)", param="dimensions")
+        return None
+
+    def texts(self) -> list[str | list[int]]:
+        """The request's texts (one or several); an empty one, or too many, is a 400."""
+        p = self.input
+        if not p:
+            raise APIError(400, f"input: expected a non-empty string, token ids or a list of "
+                           f"either, got {p!r}", param="input")
+        if isinstance(p, str) or isinstance(p[0], int):
+            return [p if isinstance(p, str) else list(p)]  # type: ignore[list-item]
+        if len(p) > MAX_EMBEDDING_INPUTS:
+            raise APIError(400, f"input: {len(p)} texts is more than {MAX_EMBEDDING_INPUTS} "
+                           f"per request", param="input")
+        for i, t in enumerate(p):
+            if not t:
+                raise APIError(400, f"input[{i}]: expected a non-empty string or token ids, "
+                               f"got {t!r}", param="input")
+        return list(p)  # type: ignore[arg-type]
+
+
 # -- responses ----------------------------------------------------------------------------------
 
 
@@ -502,3 +537,21 @@ class Health(_Response):
     running: int
     queued: int
     max_queue: int
+
+
+class Embedding(_Response):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64: the float32 values, little-endian
+
+
+class EmbeddingUsage(_Response):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(_Response):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
