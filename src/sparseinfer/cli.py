@@ -507,7 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(i)
     i.set_defaults(func=cmd_info)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s = sub.add_parser("serve", help="HTTP server speaking the OpenAI API (/v1) and Ollama's "
+                                     "(/api)")
     _add_model(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)

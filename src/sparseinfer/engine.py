@@ -149,6 +149,22 @@ class Engine:
         engine.dtype = loaded.plan.label
         return engine
 
+    def details(self) -> dict:
+        """What Ollama's ``/api/tags`` and ``/api/show`` say of the model: its family, format,
+        parameter count, the weights' main type in the file, hidden size and file size."""
+        import math
+        from collections import Counter
+
+        src, cfg = self.loaded.source, self.loaded.config
+        n = sum(math.prod(t.shape) for t in src.tensors.values())
+        by_kind: Counter[str] = Counter()
+        for t in src.tensors.values():
+            by_kind[t.kind.upper()] += t.nbytes
+        return {"family": cfg.arch, "format": "gguf" if src.format == "gguf" else "safetensors",
+                "parameter_size": f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M",
+                "quantization_level": by_kind.most_common(1)[0][0] if by_kind else "",
+                "embedding_length": cfg.d_model, "file_bytes": src.file_bytes}
+
     # ---- text ----------------------------------------------------------------------------------
 
     @property

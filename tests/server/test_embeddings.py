@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from .fake_engine import BOS, OFFSET, FakeEngine
-from .helpers import assert_error, openai_client
+from .helpers import assert_error
 
 
 def _ids(text: str) -> list[int]:

@@ -2,7 +2,7 @@
 
 Routes: ``GET /health`` (never needs a key), ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (both also as SSE streams),
-``POST /v1/embeddings``.
+``POST /v1/embeddings``; and Ollama's own API, ``/api/*`` (``server/ollama.py``).
 
 How requests are served
 - Every generation request becomes a job in a bounded FIFO (``queue.Scheduler``): one job runs
@@ -1257,6 +1257,9 @@ def create_app(
     async def embeddings(request: Request) -> Response:
         return await server.embeddings(request)
 
+    from .ollama import add_routes
+
+    add_routes(app, server, auth)  # Ollama's own API, /api/*
     return app
 
 

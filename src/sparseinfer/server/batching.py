@@ -256,6 +256,9 @@ class BatchEngine:
 
     # -- generation --
 
+    def details(self) -> dict:
+        return self.engine.details()
+
     def score(self, ids: list[int], top: int = 0) -> list[TokenScore]:
         """``Engine.score``, run on the loop thread between steps."""
         self.engine.check_fits(len(ids))
