@@ -65,7 +65,7 @@ def test_ndjson_wire_format(fake_server):
 def test_options_map_onto_sampling(oc, fake_server):
     engine = fake_server[1]
     oc.generate(model="fake-model", prompt="x", options={
-        "temperature": 0.3, "top_k": 7, "top_p": 0.5, "min_p": 0.1, "seed": 42,
+        "temperature": 0.3, "top_k": 7.0, "top_p": 0.5, "min_p": 0.1, "seed": 42,
         "num_predict": 4, "stop": ["zz"], "repeat_penalty": 1.2, "repeat_last_n": 16,
         "num_ctx": 4096, "num_thread": 2, "mirostat": 0})  # the last three: ignored
     assert engine.params[-1] == SamplingParams(
@@ -151,6 +151,8 @@ def test_an_empty_prompt_only_loads(oc):
                        "options": {"temperature": "hot"}}, 400, "options.temperature"),
     ("/api/generate", {"model": "fake-model", "prompt": "x", "options": {"num_predict": -3}},
      400, "options.num_predict"),
+    ("/api/generate", {"model": "fake-model", "prompt": "x", "options": {"top_k": 4.5}},
+     400, "options.top_k: expected an integer"),
     ("/api/embed", {"model": "fake-model", "input": ""}, 400, "input"),
     ("/api/show", {"model": "nope"}, 404, "not found"),
 ])

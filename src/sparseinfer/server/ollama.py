@@ -54,6 +54,7 @@ SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "to
                     "min_p": "min_p", "repeat_penalty": "repeat_penalty",
                     "repeat_last_n": "repeat_last_n", "presence_penalty": "presence_penalty",
                     "frequency_penalty": "frequency_penalty"}
+INTEGER_OPTIONS = {"top_k", "repeat_last_n"}
 
 
 # -- requests (lenient about fields Ollama's clients send and this server need not read) --------
@@ -175,10 +176,13 @@ class OllamaAPI:
         ignored = []
         for key, value in options.items():
             if key in SAMPLING_OPTIONS:
-                if not isinstance(value, (int, float)) or isinstance(value, bool):
-                    raise APIError(400, f"options.{key}: expected a number, got {value!r}",
+                whole = key in INTEGER_OPTIONS
+                if (isinstance(value, bool) or not isinstance(value, (int, float))
+                        or (whole and value != int(value))):
+                    want = "an integer" if whole else "a number"
+                    raise APIError(400, f"options.{key}: expected {want}, got {value!r}",
                                    param=f"options.{key}")
-                kw[SAMPLING_OPTIONS[key]] = value
+                kw[SAMPLING_OPTIONS[key]] = int(value) if whole else float(value)
             elif key == "seed":
                 if not isinstance(value, int) or isinstance(value, bool):
                     raise APIError(400, f"options.seed: expected an integer, got {value!r}",
@@ -355,7 +359,10 @@ class OllamaAPI:
                 out.append(self.engine.embed(ids, server.pooling))
             job.emit((out, used))
 
-        vectors, used = await self.one_result(request, work)
+        result = await self.one_result(request, work)
+        if result is None:
+            return Response(status_code=499)
+        vectors, used = result
         if legacy:
             return JSONResponse({"embedding": vectors[0]})
         return JSONResponse({"model": self.tag, "embeddings": vectors,
@@ -365,7 +372,8 @@ class OllamaAPI:
     # -- running ----------------------------------------------------------------------------
 
     async def one_result(self, request: Request, work: Callable[[Any], None]) -> Any:
-        """Run ``work`` as a job on the server's queue; the one item it emits."""
+        """Run ``work`` as a job on the server's queue; the one item it emits (None if the
+        client went away first)."""
         server = self.server
         job = server._submit(work)
         watcher = asyncio.create_task(server._watch_disconnect(request, job))
@@ -375,9 +383,7 @@ class OllamaAPI:
                 raise server._failure(item)
             if item is END:
                 raise APIError(503, "the server is shutting down", type="server_error")
-            if not isinstance(item, tuple):  # the client went away
-                raise asyncio.CancelledError
-            return item
+            return item if isinstance(item, tuple) else None  # None: the client went away
         finally:
             watcher.cancel()
             server.scheduler.cancel(job)
@@ -395,9 +401,11 @@ class OllamaAPI:
         watcher = asyncio.create_task(server._watch_disconnect(request, job))
         t0 = time.monotonic()
         first = await job.get()
-        if isinstance(first, JobFailed):
+        if isinstance(first, JobFailed) or first is END:
             watcher.cancel()
             server.scheduler.cancel(job)
+            if first is END:  # cancelled without running: the server is shutting down
+                raise APIError(503, "the server is shutting down", type="server_error")
             raise server._failure(first)
         lines = self.lines(job, first, watcher, shape, t0)
         if stream:
@@ -541,8 +549,6 @@ def add_routes(app: FastAPI, server: Any, auth: list[Any]) -> None:
                 return await handler(request)
             except APIError as exc:
                 return _error(exc.status, exc.message)
-            except asyncio.CancelledError:
-                return Response(status_code=499)
 
         return run
 
