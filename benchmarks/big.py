@@ -10,6 +10,8 @@ file, in one run.
     python benchmarks/big.py --shape 7b --out /tmp/big --qtype bf16     # 16-bit floats (or f16)
     python benchmarks/big.py --shape 7b --out /tmp/big --isa avx2_vnni  # another of our kernel variants
     python benchmarks/big.py --shape 7b --out /tmp/big --scaling 3   # 1 thread against 2, both engines
+    python benchmarks/big.py --shape 7b --out /tmp/big --qtype bf16 --hf 3  # the same numbers as
+        # a Hugging Face directory (bf16 safetensors shards): ours on each, alternately
 
 The file holds random weights (a few random matrices reused across layers: bytes are what
 matter for speed and memory, not values) and SmolLM2's tokenizer. Each engine runs in its own
@@ -125,6 +127,98 @@ def requantize(src: Path, dst: Path, ftype: str, threads: int) -> Path:
     return dst
 
 
+def write_hf_dir(src: Path, out: Path, shard_bytes: int = 2 << 30) -> Path:
+    """The 16-bit GGUF ``src`` as a Hugging Face directory (what most checkpoints ship):
+    LlamaForCausalLM's config.json, the same numbers in safetensors shards of the GGUF's own
+    dtype (Q/K rows back in the checkpoint's rotate-half order) and its tokenizer.json."""
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    from sparseinfer.models.loading import open_source, unpermute_qk
+    from sparseinfer.tokenizer import Tokenizer
+
+    srcm = open_source(src)
+    cfg, reader = srcm.config, srcm.reader
+    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+             "output": "lm_head", "attn_norm": "input_layernorm",
+             "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+             "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    torch_of = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    out.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    index: dict[str, str] = {}
+    n_shards = 0
+
+    def flush() -> None:
+        nonlocal shard, n_shards
+        if shard:
+            n_shards += 1
+            name = f"model-{n_shards:05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            index.update({k: name for k in shard})
+            shard = {}
+
+    for t in reader.tensors:
+        base, _, _ = t.name.rpartition(".")
+        if base.startswith("blk."):
+            _, layer, kind = base.split(".")
+            name = f"model.layers.{layer}.{names[kind]}.weight"
+        else:
+            kind, name = base, names[base] + ".weight"
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        w = torch.from_numpy(np.array(t.data)).view(torch_of[t.tensor_type.name])
+        w = w.reshape(shape)
+        if kind in ("attn_q", "attn_k"):
+            w = unpermute_qk(w, cfg.n_heads if kind == "attn_q" else cfg.n_kv_heads).contiguous()
+        shard[name] = w
+        if sum(v.numel() * v.element_size() for v in shard.values()) >= shard_bytes:
+            flush()
+    flush()
+    dtype = {gguf.GGMLQuantizationType.BF16: "bfloat16", gguf.GGMLQuantizationType.F16:
+             "float16"}[next(t.tensor_type for t in reader.tensors if t.name.endswith("attn_q.weight"))]
+    tok = Tokenizer.from_gguf(reader, src)
+    (out / "tokenizer.json").write_text(tok.backend_json())
+    meta = srcm.metadata
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
+              "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+              "num_key_value_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size,
+              "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+              "rope_theta": cfg.rope_theta, "hidden_act": "silu", "tie_word_embeddings": False,
+              "torch_dtype": dtype, "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+              "eos_token_id": meta.get("tokenizer.ggml.eos_token_id")}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": index}, indent=1))
+    return out
+
+
+def _hf_rounds(our_args: dict, hf_dir: Path, rounds: int) -> None:
+    """Ours on the GGUF and on the same numbers as a Hugging Face directory, alternately, each in
+    a fresh process: load, peak memory, prefill and decode of both formats, and whether both
+    generate the same tokens."""
+    from sparseinfer.bench import run_isolated
+
+    print(f"\nGGUF against the Hugging Face directory {hf_dir} (ours on each, fresh processes; "
+          f"{our_args['n_tokens']} tokens):")
+    print(f"{'round':>5} {'format':>7} {'load s':>7} {'peak RSS':>9} {'prefill':>8} {'decode':>7} "
+          f"{'same tokens':>11}")
+    for i in range(rounds):
+        a = run_isolated(_ours, **our_args)
+        b = run_isolated(_ours, **{**our_args, "path": str(hf_dir)})
+        for name, r in (("gguf", a), ("hf", b)):
+            if "error" in r:
+                print(f"{i + 1:5d} {name:>7} error: {r['error']}")
+                continue
+            same = "" if name == "gguf" or "error" in a else str(a["ids"] == r["ids"])
+            print(f"{i + 1:5d} {name:>7} {r['load_s']:7.1f} {r['peak_rss_mb']:8.0f}M "
+                  f"{r['prefill_tok_s']:8.2f} {r['decode_tok_s']:7.2f} {same:>11}")
+
+
 def _rss_mb() -> float:
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
@@ -167,8 +261,10 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, isa: str = "auto")
     params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     list(engine.stream(ids[:4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
     engine.forget_prefix()
-    timing = False
+    timing, out = False, []
     for ev in engine.stream(ids, params):
+        if isinstance(ev, TokenEvent):
+            out.append(ev.token_id)
         if isinstance(ev, TokenEvent) and not timing:  # the prompt is in: time the decode steps
             cpu.block_times(reset=True)
             cpu.set_block_timing(timing := True)
@@ -183,7 +279,7 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, isa: str = "auto")
             "prefill_tok_s": fin.prompt_tokens / fin.prefill_seconds,
             "decode_tok_s": (fin.completion_tokens - 1) / fin.decode_seconds,
             "bytes_per_token": per_tok, "plan": plan.summary(), "dtype": engine.dtype,
-            "token_ms": split,
+            "token_ms": split, "ids": out,
             "kv_mb": engine._cache.nbytes / 2**20}
 
 
@@ -233,6 +329,11 @@ def main() -> int:
                          "llama.cpp's, unless --no-llama-cpp), each in a fresh process after a "
                          "read-bandwidth probe at its thread count, this many rounds (issue 14: "
                          "what a second thread adds, against what the memory gives it)")
+    ap.add_argument("--hf", type=int, default=0, metavar="ROUNDS",
+                    help="with --qtype bf16 / f16: also write the file's numbers as a Hugging "
+                         "Face directory (safetensors shards, config.json, tokenizer.json) and "
+                         "run ours on the GGUF and on it alternately, this many rounds (instead "
+                         "of llama.cpp, which does not read safetensors)")
     ap.add_argument("--isa", default="auto", help="our C kernels' variant (cpu.set_isa; default "
                     "auto: the CPU's best)")
     ap.add_argument("--json", action="store_true")
@@ -255,6 +356,18 @@ def main() -> int:
             print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in "
                   f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
     size = path.stat().st_size
+    if args.hf:
+        if args.qtype not in ("bf16", "f16"):
+            raise SystemExit("--hf: expected --qtype bf16 or f16 (what checkpoints ship)")
+        hf_dir = args.out / f"llama-{args.shape}.{args.qtype}-hf"
+        if not (hf_dir / "config.json").exists():
+            t0 = time.perf_counter()
+            write_hf_dir(path, hf_dir)
+            print(f"wrote {hf_dir} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        print(f"CPU: {cpu_model()}; {args.threads} threads; our kernels {args.isa}")
+        _hf_rounds(dict(path=str(path), threads=args.threads, n_tokens=args.tokens,
+                        n_ctx=args.ctx, isa=args.isa), hf_dir, args.hf)
+        return 0
     print(f"CPU: {cpu_model()}; {args.threads} threads; our kernels {args.isa}; file "
           f"{size / 2**30:.2f} GiB",
           file=sys.stderr)

@@ -469,6 +469,7 @@ def test_bf16_safetensors_stay_bf16(tmp_path, tiny_model_dir):
     hf.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
     plan = make_plan(open_source(d), "auto")
     assert plan.weight("layers.0.attn.wqkv").storage == "ggml"
+    assert plan.weight("tok_emb").storage == "file"
     hf = tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     ids = [1, 5, 9, 3, 7, 2]
     with torch.no_grad():
@@ -486,3 +487,26 @@ def test_bf16_safetensors_stay_bf16(tmp_path, tiny_model_dir):
                        .reshape(want_gate.shape), want_gate)
     assert _rel(_logits(lm.model, ids), want) < 1e-4
     assert _rel(_stepwise_logits(lm.model, ids), want) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_safetensors_embedding_stays_mapped(tmp_path, tiny_model_dir, dtype):
+    """A 16-bit checkpoint's token embedding is read where the file is mapped, a row at a time
+    (not widened to float32 at load): each looked-up row equals safetensors' own reading."""
+    import shutil
+
+    import transformers as tf
+    from safetensors.torch import load_file
+
+    from sparseinfer.models.build import FileEmbedding
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir("swiglu"), d)
+    tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to(dtype).save_pretrained(
+        d, safe_serialization=True)
+    lm = load(d, "auto")
+    assert isinstance(lm.model.tok_emb, FileEmbedding)
+    ids = torch.tensor([[0, 7, 3, 7], [lm.config.vocab_size - 1, 2, 1, 5]])
+    want = load_file(d / "model.safetensors")["model.embed_tokens.weight"][ids].float()
+    assert torch.equal(lm.model.tok_emb(ids), want)
+

@@ -49,8 +49,9 @@ FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class FileEmbedding(nn.Module):
-    """Token embeddings left in the mapped file in their own (quantized) type; the rows of the
-    tokens looked up are dequantized on the way out (one row per decoded token)."""
+    """Token embeddings left in the mapped file in their own type (a GGUF's quantized or 16-bit
+    rows, a safetensors file's 16-bit rows); the rows of the tokens looked up are made float on
+    the way out (one row per decoded token)."""
 
     def __init__(self, n: int, d: int, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -70,11 +71,7 @@ class FileEmbedding(nn.Module):
         return self.tensor.float().to(self.dtype)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        from gguf import quants
-
-        ids = tokens.reshape(-1).cpu().numpy()
-        raw = np.asarray(self.tensor.raw())
-        rows = quants.dequantize(raw[ids], self.tensor.gguf.tensor_type)
+        rows = self.tensor.rows(tokens.reshape(-1).cpu().numpy())
         out = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).to(self.dtype)
         return out.view(*tokens.shape, self.embedding_dim).to(tokens.device)
 

@@ -108,6 +108,19 @@ class FileTensor:
         return torch.from_numpy(np.ascontiguousarray(arr).reshape(stop - start, *self.shape[1:])
                                 if len(self.shape) > 1 else np.ascontiguousarray(arr))
 
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` as float32, read where the file is mapped (an embedding's lookup): a
+        GGUF's quantized or 16-bit rows, or a safetensors file's 16-bit rows."""
+        raw = np.asarray(self.raw())[ids]
+        if self.kind in ("F16", "BF16"):
+            bits = raw.view(np.uint16)  # GGUF: 16-bit items; safetensors: their bytes
+            if self.kind == "F16":
+                return bits.view(np.float16).astype(np.float32)
+            return (bits.astype(np.uint32) << 16).view(np.float32)  # a float32's top half
+        from gguf import quants
+
+        return quants.dequantize(raw, self.gguf.tensor_type)
+
     def release(self) -> None:
         """Drop this tensor's mapped pages from the process (they stay in the page cache)."""
         if self.gguf is not None:
@@ -569,12 +582,11 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None, model_
     cfg = replace(cfg, rope_interleaved=permuted)
     compiled = compile_names(GGUF_ARCHS[arch])
     tensors, extras, every = {}, {}, []
-    for part, t in ((part, t) for part, r in parts for t in r.tensors):
+    for part, r in parts:
         size = part.stat().st_size
-        if int(t.data_offset) + int(t.n_bytes) > size:
-            raise ModelFileError(f"{part}: tensor {t.name!r} ends at byte "
-                                 f"{int(t.data_offset) + int(t.n_bytes)} but the file has {size} "
-                                 f"(truncated or corrupt file?)")
+        for t in r.tensors:
+            _check_in_file(part, size, t)
+    for t in reader.tensors:
         canon = map_name(t.name, compiled)
         ft = gguf_file_tensor(t, canon)
         every.append(ft)
@@ -591,6 +603,13 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None, model_
     return ModelSource(path, "gguf", cfg, meta, tensors, extras, GGUF_ARCHS[arch], reader, every,
                        qk_permuted=permuted, powerinfer=powerinfer, name=model_name,
                        parts=tuple(part for part, _ in parts[1:]))
+
+
+def _check_in_file(path: Path, size: int, t) -> None:
+    if int(t.data_offset) + int(t.n_bytes) > size:
+        raise ModelFileError(f"{path}: tensor {t.name!r} ends at byte "
+                             f"{int(t.data_offset) + int(t.n_bytes)} but the file has {size} "
+                             f"(truncated or corrupt file?)")
 
 
 class SplitReader:

@@ -19,8 +19,8 @@ Storage, by ``--dtype``:
 - ``q4``: every projection 4-bit (the file's blocks where it has them, else Q4_1's rule), the LM
   head int8.
 - ``fp32`` / ``bf16``: every projection in that float type.
-Token embeddings of quantized and 16-bit GGUFs stay in the mapped file (``file``: rows
-dequantized on lookup). A file with predictors gets sparse FFN layers (``sparse``) unless ``dense`` is asked.
+Token embeddings of quantized GGUFs and of 16-bit GGUFs and safetensors stay in the mapped file
+(``file``: rows made float on lookup). A file with predictors gets sparse FFN layers (``sparse``) unless ``dense`` is asked.
 
 Where the C library does not load (``cpu.loads()``: another CPU architecture, an x86 CPU without
 AVX2, ``SPARSEINFER_C_KERNELS=0``) the plan keeps to torch's and numba's kernels: the weights as
@@ -360,8 +360,9 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
 
     check("tok_emb.weight")
     emb = src.tensors["tok_emb.weight"]
-    # a GGUF's quantized or 16-bit embedding stays in the map (rows dequantized on lookup)
-    if dtype == "auto" and (emb.quantized or (emb.gguf is not None and emb.kind in GGML_FLOATS)):
+    # a quantized or 16-bit embedding stays in the map (rows made float on lookup)
+    mapped = emb.gguf is not None or emb.span is not None
+    if dtype == "auto" and (emb.quantized or (mapped and emb.kind in GGML_FLOATS)):
         weights.append(WeightPlan("tok_emb", "file", ("tok_emb.weight",), (cfg.vocab_size, E),
                                   emb.nbytes, "mapped"))
     else:
