@@ -1161,6 +1161,10 @@ INLINE void rows_bf16(const uint8_t *w, size_t rb, const int R, const si_xq *x, 
  * (row, x row) sums the same products in the same order as rows_f16 / rows_bf16: each GEMM row
  * is its GEMV bit for bit. y[t * ys + r]. */
 #define F16_XT 3
+/* si_rows_multi takes a chunk's rows F16_RB at a time through every x row: those rows' weights
+ * (64 KiB of F16 at 4096 columns) stay in L2 for all the x rows, instead of each group of
+ * F16_XT x rows streaming the whole chunk (megabytes) again */
+#define F16_RB 16
 INLINE void tile_f16(const int bf, const uint8_t *w, const size_t rb, const int R,
                      const si_xq *x, const int nt, const int cols, float *y, const int64_t ys) {
     __m256 acc[4][F16_XT];
@@ -2767,7 +2771,7 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
     }
     if ((type == SI_F16 || type == SI_BF16) && T > 1) {
         /* tiles of 4 rows x F16_XT x rows, the type and both counts as constants (as
-         * multi_q4g's MQN): the accumulators stay in registers */
+         * multi_q4g's MQN): the accumulators stay in registers; F16_RB rows at a time */
 #define TF(BF, R, NT) tile_f16(BF, w + (size_t)r * rb, rb, R, x + t0, NT, cols, y + t0 * ys + r, ys)
 #define TR(BF, R)                                                                              \
     do {                                                                                       \
@@ -2775,15 +2779,18 @@ void FN(si_rows_multi)(int type, const uint8_t *w, size_t rb, int nrows, const s
         else if (nt == 2) TF(BF, R, 2);                                                        \
         else TF(BF, R, 1);                                                                     \
     } while (0)
-        for (int t0 = 0; t0 < T; t0 += F16_XT) {
-            const int nt = T - t0 < F16_XT ? T - t0 : F16_XT;
-            int r = 0;
-            if (type == SI_BF16) {
-                for (; r + 4 <= nrows; r += 4) TR(1, 4);
-                for (; r < nrows; r++) TR(1, 1);
-            } else {
-                for (; r + 4 <= nrows; r += 4) TR(0, 4);
-                for (; r < nrows; r++) TR(0, 1);
+        for (int r0 = 0; r0 < nrows; r0 += F16_RB) {
+            const int r1 = nrows - r0 < F16_RB ? nrows : r0 + F16_RB;
+            for (int t0 = 0; t0 < T; t0 += F16_XT) {
+                const int nt = T - t0 < F16_XT ? T - t0 : F16_XT;
+                int r = r0;
+                if (type == SI_BF16) {
+                    for (; r + 4 <= r1; r += 4) TR(1, 4);
+                    for (; r < r1; r++) TR(1, 1);
+                } else {
+                    for (; r + 4 <= r1; r += 4) TR(0, 4);
+                    for (; r < r1; r++) TR(0, 1);
+                }
             }
         }
 #undef TR
