@@ -1162,7 +1162,7 @@ INLINE void rows_bf16(const uint8_t *w, size_t rb, const int R, const si_xq *x, 
  * is its GEMV bit for bit. y[t * ys + r]. */
 #define F16_XT 3
 /* si_rows_multi takes a chunk's rows F16_RB at a time through every x row: those rows' weights
- * (64 KiB of F16 at 4096 columns) stay in L2 for all the x rows, instead of each group of
+ * (128 KiB of F16 at 4096 columns) stay in L2 for all the x rows, instead of each group of
  * F16_XT x rows streaming the whole chunk (megabytes) again */
 #define F16_RB 16
 INLINE void tile_f16(const int bf, const uint8_t *w, const size_t rb, const int R,
