@@ -665,18 +665,36 @@ class OpenAIServer:
         logger.debug("job %d queued behind %d", job.id, ahead)
         return job
 
+    async def first_event(self, job: Job) -> Any:
+        """The job's first event (``_GONE``: the client went away); its failure raised as an
+        ``APIError``, a shutdown before it ran as a 503."""
+        first = await job.get()
+        if isinstance(first, JobFailed):
+            raise self._failure(first)
+        if first is END:  # cancelled without running: the server is shutting down
+            raise APIError(503, "the server is shutting down", type="server_error")
+        return first
+
+    async def one_result(self, request: Request, work: Callable[[Job], None]) -> Any:
+        """Run ``work`` as a job on the queue: the one item it emits (None if the client went
+        away first)."""
+        job = self._submit(work)
+        watcher = asyncio.create_task(self._watch_disconnect(request, job))
+        try:
+            item = await self.first_event(job)
+            return None if item is _GONE else item
+        finally:
+            watcher.cancel()
+            self.scheduler.cancel(job)
+
     async def run(self, request: Request, call: _Call) -> Response:
         job = self._submit(self._work(call))
         watcher = asyncio.create_task(self._watch_disconnect(request, job))
         handed_off = False
         try:
-            first = await job.get()
+            first = await self.first_event(job)
             if first is _GONE:
                 return Response(status_code=499)
-            if isinstance(first, JobFailed):
-                raise self._failure(first)
-            if first is END:  # cancelled without running: the server is shutting down
-                raise APIError(503, "the server is shutting down", type="server_error")
             rid = ("chatcmpl-" if call.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
             if call.stream:
                 handed_off = True
@@ -950,19 +968,9 @@ class OpenAIServer:
                 out.append(engine.embed(one, pooling))
             job.emit((out, sum(len(one) for one in ids)))
 
-        job = self._submit(work)
-        watcher = asyncio.create_task(self._watch_disconnect(request, job))
-        try:
-            item = await job.get()
-            if item is _GONE:
-                return Response(status_code=499)
-            if isinstance(item, JobFailed):
-                raise self._failure(item)
-            if item is END:  # cancelled without running: the server is shutting down
-                raise APIError(503, "the server is shutting down", type="server_error")
-        finally:
-            watcher.cancel()
-            self.scheduler.cancel(job)
+        item = await self.one_result(request, work)
+        if item is None:
+            return Response(status_code=499)
         vectors, n_tokens = item
         data = [
             Embedding(index=i, embedding=_base64_floats(v) if req.encoding_format == "base64"

@@ -359,7 +359,7 @@ class OllamaAPI:
                 out.append(self.engine.embed(ids, server.pooling))
             job.emit((out, used))
 
-        result = await self.one_result(request, work)
+        result = await self.server.one_result(request, work)
         if result is None:
             return Response(status_code=499)
         vectors, used = result
@@ -370,23 +370,6 @@ class OllamaAPI:
                              "prompt_eval_count": used})
 
     # -- running ----------------------------------------------------------------------------
-
-    async def one_result(self, request: Request, work: Callable[[Any], None]) -> Any:
-        """Run ``work`` as a job on the server's queue; the one item it emits (None if the
-        client went away first)."""
-        server = self.server
-        job = server._submit(work)
-        watcher = asyncio.create_task(server._watch_disconnect(request, job))
-        try:
-            item = await job.get()
-            if isinstance(item, JobFailed):
-                raise server._failure(item)
-            if item is END:
-                raise APIError(503, "the server is shutting down", type="server_error")
-            return item if isinstance(item, tuple) else None  # None: the client went away
-        finally:
-            watcher.cancel()
-            server.scheduler.cancel(job)
 
     async def generate_with(self, request: Request, prompt: Callable[[], list[int]],
                             params: SamplingParams, grammar: Any, stream: bool,
@@ -400,13 +383,12 @@ class OllamaAPI:
         job = server._submit(server._work(call))
         watcher = asyncio.create_task(server._watch_disconnect(request, job))
         t0 = time.monotonic()
-        first = await job.get()
-        if isinstance(first, JobFailed) or first is END:
+        try:
+            first = await server.first_event(job)
+        except APIError:
             watcher.cancel()
             server.scheduler.cancel(job)
-            if first is END:  # cancelled without running: the server is shutting down
-                raise APIError(503, "the server is shutting down", type="server_error")
-            raise server._failure(first)
+            raise
         lines = self.lines(job, first, watcher, shape, t0)
         if stream:
             return StreamingResponse(lines, media_type=NDJSON)
