@@ -75,6 +75,18 @@ def test_options_map_onto_sampling(oc, fake_server):
     assert engine.params[-1].max_tokens > 0  # the room the context leaves (server clamps -1)
 
 
+def test_num_predict_against_the_servers_budget(start_server):
+    """Unset: the server's default budget; -1 / -2 (no bound): the server's limit, if any."""
+    srv, engine = start_server(default_max_tokens=5, max_tokens_limit=50)
+    oc = ollama.Client(host=srv.url)
+    for options, want in (({}, 5), ({"num_predict": -1}, 50), ({"num_predict": 7}, 7)):
+        oc.generate(model="fake-model", prompt="x", options=options)
+        assert engine.params[-1].max_tokens == want, options
+    with pytest.raises(ollama.ResponseError) as e:
+        oc.generate(model="fake-model", prompt="x", options={"num_predict": 51})
+    assert e.value.status_code == 400 and "at most 50 tokens" in e.value.error
+
+
 def test_generate_templates_unless_raw_and_continues_a_context(oc, fake_server):
     engine = fake_server[1]
     r = oc.generate(model="fake-model", prompt="hello", system="be brief",

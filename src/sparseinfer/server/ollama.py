@@ -202,8 +202,11 @@ class OllamaAPI:
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < -2):
             raise APIError(400, f"options.num_predict: expected an integer >= -2, got {n!r}",
                            param="options.num_predict")
-        asked = None if n is None or n < 0 else n
-        kw["max_tokens"] = self.server.limits.max_tokens(asked, "options.num_predict")
+        limits = self.server.limits
+        if n is not None and n < 0:  # asked for no bound: the server's own limit, if it has one
+            kw["max_tokens"] = limits.max_tokens_limit or -1
+        else:  # unset: the server's default budget
+            kw["max_tokens"] = limits.max_tokens(n, "options.num_predict")
         if kw.get("temperature", 1.0) < 0:
             raise APIError(400, "options.temperature: expected >= 0", param="options.temperature")
         return SamplingParams(**kw)
