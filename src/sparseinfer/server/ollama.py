@@ -1,6 +1,6 @@
-"""Ollama's own HTTP API (``/api/*``) beside the OpenAI routes, over the same engine and queue:
-tools written for Ollama (its Python and JavaScript clients, LangChain's ``ChatOllama``, Open
-WebUI's Ollama connection) work against ``sparseinfer serve --port 11434``.
+"""Ollama's own HTTP API (``/api/*``) beside the OpenAI routes, over the same engine and queue,
+so tools written for Ollama can point at ``sparseinfer serve --port 11434`` (tested through
+Ollama's Python client; README says what else was tried).
 
 Routes: ``GET /api/tags``, ``/api/ps``, ``/api/version``; ``POST /api/show``, ``/api/chat``,
 ``/api/generate``, ``/api/embed`` and the older ``/api/embeddings``.
