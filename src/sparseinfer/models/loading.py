@@ -94,10 +94,8 @@ class FileTensor:
         rows = data.reshape(self.shape[0], -1)[start:stop] if len(self.shape) > 1 else data
         if self.kind == "F32":
             arr = np.array(rows, dtype=np.float32)  # copy: the map is read-only
-        elif self.kind == "F16":
-            arr = np.asarray(rows).astype(np.float32)
-        elif self.kind == "BF16":  # a float32's top half: exact, without gguf-py's block loop
-            arr = (np.asarray(rows).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        elif self.kind in ("F16", "BF16"):
+            arr = _float16_rows(rows, self.kind)
         elif self.kind in BLOCK_BYTES and len(self.shape) == 2:  # Q4_0 / Q4_1, the same
             # values as gguf-py's in half the time
             return from_gguf(np.asarray(rows), self.kind, (stop - start, self.shape[1])).dequantize()
@@ -113,10 +111,7 @@ class FileTensor:
         GGUF's quantized or 16-bit rows, or a safetensors file's 16-bit rows."""
         raw = np.asarray(self.raw())[ids]
         if self.kind in ("F16", "BF16"):
-            bits = raw.view(np.uint16)  # GGUF: 16-bit items; safetensors: their bytes
-            if self.kind == "F16":
-                return bits.view(np.float16).astype(np.float32)
-            return (bits.astype(np.uint32) << 16).view(np.float32)  # a float32's top half
+            return _float16_rows(raw, self.kind)
         from gguf import quants
 
         return quants.dequantize(raw, self.gguf.tensor_type)
@@ -125,6 +120,15 @@ class FileTensor:
         """Drop this tensor's mapped pages from the process (they stay in the page cache)."""
         if self.gguf is not None:
             drop_pages(self.gguf.data)
+
+
+def _float16_rows(raw, kind: str) -> np.ndarray:
+    """F16 or BF16 values (a GGUF's 16-bit items, or a safetensors file's bytes) as float32;
+    BF16 is a float32's top half: exact, without gguf-py's block loop."""
+    bits = np.asarray(raw).view(np.uint16)
+    if kind == "F16":
+        return bits.view(np.float16).astype(np.float32)
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 # ---- the opened file -----------------------------------------------------------------------------
@@ -617,7 +621,6 @@ class SplitReader:
     metadata and every part's tensors in order, each still mapped from its own part."""
 
     def __init__(self, parts: list[tuple[Path, Any]]):
-        self.parts = parts
         self.fields = parts[0][1].fields
         self.tensors = [t for _, r in parts for t in r.tensors]
 

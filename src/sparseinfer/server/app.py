@@ -238,6 +238,14 @@ def _tool_prompt(tools: list[Tool], choice: Any, several: bool) -> str:
     return "You can call these tools:\n" + json.dumps(specs) + "\n" + how
 
 
+def with_system_text(messages: list[dict[str, str]], text: str) -> None:
+    """Add ``text`` to the chat's system message (after its own, or as a new first one)."""
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + text}
+    else:
+        messages.insert(0, {"role": "system", "content": text})
+
+
 def _parse_tool_calls(text: str, names: tuple[str, ...], several: bool) -> list[ToolCall] | None:
     """The tool calls a (grammar-constrained) answer spells: one JSON call object or, with
     ``several``, an array of them; each call gets its own id. None if it is plain text."""
@@ -891,11 +899,7 @@ class OpenAIServer:
             several = named is None and req.parallel_tool_calls is not False
             specs = [(t.function.name, t.function.parameters) for t in chosen]
             grammar = self._compile(lambda g: g.tool_calls(specs, mode, several), "tools")
-            hint = {"role": "system", "content": _tool_prompt(chosen, req.tool_choice, several)}
-            if messages[0]["role"] == "system":
-                messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + hint["content"]}
-            else:
-                messages.insert(0, hint)
+            with_system_text(messages, _tool_prompt(chosen, req.tool_choice, several))
         elif fmt is not None and fmt.type == "json_object":
             grammar = self._compile(lambda g: g.json_schema(None), "response_format")
         elif fmt is not None and fmt.type == "json_schema":

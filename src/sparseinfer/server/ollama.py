@@ -283,16 +283,12 @@ class OllamaAPI:
         params = self.sampling(req.options)
         grammar, names = self.grammar(req), ()
         if req.tools:
-            from .app import _tool_prompt
+            from .app import _tool_prompt, with_system_text
 
             names = tuple(t.function.name for t in req.tools)
             specs = [(t.function.name, t.function.parameters) for t in req.tools]
             grammar = self.server._compile(lambda g: g.tool_calls(specs, "auto", True), "tools")
-            hint = _tool_prompt(req.tools, None, True)
-            if messages[0]["role"] == "system":
-                messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + hint}
-            else:
-                messages.insert(0, {"role": "system", "content": hint})
+            with_system_text(messages, _tool_prompt(req.tools, None, True))
         prompt = lambda: self.server._chat_ids(messages)  # noqa: E731 (run on the worker)
         return await self.generate_with(request, prompt, params, grammar, req.stream,
                                         _ChatShape(names))
