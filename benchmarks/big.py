@@ -37,6 +37,10 @@ SHAPES = {  # d_model, d_ff, layers, heads, kv heads
     "13b": (5120, 13824, 40, 40, 40),
     "1b": (2048, 5632, 22, 32, 4),  # TinyLlama-1.1B's
     "tiny": (256, 768, 2, 4, 4),  # a smoke test of this script
+    # a mixture of experts (Mixtral's layout, "llama" with experts): Qwen3-30B-A3B's widths
+    # (d_model 2048, 128 experts of 768, 8 a token, head size 128, 4 kv heads) in 12 layers of
+    # its 48 and 16 heads of its 32; + (experts, experts a token)
+    "moe": (2048, 768, 12, 16, 4, 128, 8),
 }
 PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good "
           "fortune, must be in want of a wife.")
@@ -62,7 +66,7 @@ def write_model(path: Path, shape: str) -> Path:
     from sparseinfer.data import default_model_path
     from sparseinfer.offline.export import _copy_fields
 
-    D, F, L, H, KV = SHAPES[shape]
+    D, F, L, H, KV, *moe = SHAPES[shape]
     src = gguf.GGUFReader(default_model_path())
     vocab = len(src.fields["tokenizer.ggml.tokens"].data)
     rng = np.random.default_rng(0)
@@ -77,6 +81,9 @@ def write_model(path: Path, shape: str) -> Path:
     w.add_head_count_kv(KV)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(2)  # MOSTLY_Q4_0
+    if moe:
+        w.add_expert_count(moe[0])
+        w.add_expert_used_count(moe[1])
     _copy_fields(w, src, lambda k: k.startswith("tokenizer."))
     sq, ff_in, ff_out = _tiled_q4_0(D, D, rng), _tiled_q4_0(F, D, rng), _tiled_q4_0(D, F, rng)
     kv = _tiled_q4_0(KV * (D // H), D, rng)
@@ -94,6 +101,14 @@ def write_model(path: Path, shape: str) -> Path:
         add(f"blk.{i}.attn_v.weight", kv, (KV * (D // H), D), Q.Q4_0)
         add(f"blk.{i}.attn_output.weight", sq, (D, D), Q.Q4_0)
         add(f"blk.{i}.ffn_norm.weight", norm, None, Q.F32)
+        if moe:  # the router (random: tokens spread over the experts), every expert stacked
+            E = moe[0]
+            add(f"blk.{i}.ffn_gate_inp.weight",
+                rng.standard_normal((E, D)).astype(np.float32), None, Q.F32)
+            add(f"blk.{i}.ffn_gate_exps.weight", np.stack([ff_in] * E), None, Q.Q4_0)
+            add(f"blk.{i}.ffn_up_exps.weight", np.stack([ff_in] * E), None, Q.Q4_0)
+            add(f"blk.{i}.ffn_down_exps.weight", np.stack([ff_out] * E), None, Q.Q4_0)
+            continue
         add(f"blk.{i}.ffn_gate.weight", ff_in, (F, D), Q.Q4_0)
         add(f"blk.{i}.ffn_up.weight", ff_in, (F, D), Q.Q4_0)
         add(f"blk.{i}.ffn_down.weight", ff_out, (D, F), Q.Q4_0)
@@ -273,7 +288,10 @@ def _ours(path: str, threads: int, n_tokens: int, n_ctx: int, isa: str = "auto")
     cpu.set_block_timing(False)
     split = token_split(cpu.block_times(reset=True), fin.decode_seconds, fin.completion_tokens - 1)
     plan = engine.loaded.plan
-    per_tok = sum(w.nbytes for w in plan.weights if w.module != "tok_emb")
+    cfg = plan.config  # a mixture of experts reads k of its E experts a token
+    share = cfg.n_experts_used / cfg.n_experts if cfg.n_experts else 1.0
+    per_tok = sum(w.nbytes * (share if ".experts." in w.module else 1.0)
+                  for w in plan.weights if w.module != "tok_emb")
     return {"import_s": t_import, "load_s": t_load, "rss_runtime_mb": rss0,
             "rss_loaded_mb": rss_loaded, "peak_rss_mb": _peak_mb(),
             "prefill_tok_s": fin.prompt_tokens / fin.prefill_seconds,
@@ -301,7 +319,11 @@ def _llama_cpp(path: str, threads: int, n_tokens: int, n_ctx: int) -> dict:
     import gguf
 
     r = gguf.GGUFReader(path)
-    per_tok = sum(int(t.n_bytes) for t in r.tensors if t.name != "token_embd.weight")
+    n_exp = int(r.fields["llama.expert_count"].parts[-1][0]) \
+        if "llama.expert_count" in r.fields else 0
+    share = int(r.fields["llama.expert_used_count"].parts[-1][0]) / n_exp if n_exp else 1.0
+    per_tok = sum(int(t.n_bytes) * (share if "_exps." in t.name else 1.0)
+                  for t in r.tensors if t.name != "token_embd.weight")
     return {"import_s": t_import, "load_s": t_load, "rss_runtime_mb": rss0,
             "rss_loaded_mb": rss_loaded, "peak_rss_mb": _peak_mb(),
             "prefill_tok_s": len(ids) / t_prefill, "decode_tok_s": (n_tokens - 1) / t_dec,

@@ -210,6 +210,16 @@ TINY_ARCHS = {
         vocab_size=TINY_VOCAB, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32,
         sliding_window=8, final_logit_softcapping=5.0, tie_word_embeddings=True,
         attn_implementation="eager")),
+    # mixtures of experts: 4 experts, 2 a token (Mixtral: each expert intermediate_size wide;
+    # Qwen3-MoE: moe_intermediate_size, q/k norms; without norm_topk_prob the picked experts'
+    # softmax weights are not renormalized; the tokenizer's vocabulary, so the engine can
+    # decode whatever a random model picks)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        vocab_size=TINY_VOCAB, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=TINY_VOCAB, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, norm_topk_prob=True)),
+    "qwen3moe_nonorm": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=TINY_VOCAB, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, norm_topk_prob=False)),
 }
 
 
@@ -290,11 +300,11 @@ def llamacpp_convert(tmp_path_factory):
         tf_.extractall(dl, members=members, filter="data")
     root = next(dl.glob("llama_cpp_python-*/vendor/llama.cpp"))
 
-    def convert(hf_dir: Path) -> Path:
-        out = hf_dir / "model-f32.gguf"
+    def convert(hf_dir: Path, outtype: str = "f32") -> Path:
+        out = hf_dir / f"model-{outtype}.gguf"
         if not out.exists():
             r = subprocess.run([sys.executable, "-c", _CONVERT, str(root / "gguf-py"), str(root),
-                                str(hf_dir), "--outtype", "f32", "--outfile", str(out)],
+                                str(hf_dir), "--outtype", outtype, "--outfile", str(out)],
                                capture_output=True, text=True, timeout=300)
             if r.returncode:
                 raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{r.stderr[-3000:]}")

@@ -80,6 +80,12 @@ class ModelConfig:
     emb_dim: int = 0  # embedding / LM-head width with project_in/out to d_model; 0 = d_model
     ffn_bias: bool = False  # up/down biases (ungated MLPs)
     tie_embeddings: bool = False
+    # mixture of experts (Mixtral, Qwen3-MoE): every layer's FFN is ``n_experts`` FFNs of width
+    # d_ff, of which a router picks ``n_experts_used`` per token, weighted by the router's
+    # softmax over all experts (``experts_norm``: renormalized over the picked ones); 0 = dense
+    n_experts: int = 0
+    n_experts_used: int = 0
+    experts_norm: bool = True
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -99,6 +105,9 @@ class ModelConfig:
         if self.rope_factors and len(self.rope_factors) != self.head_dim // 2:
             raise ValueError(f"rope_factors: expected head_dim/2 = {self.head_dim // 2} factors, "
                              f"got {len(self.rope_factors)}")
+        if self.n_experts and not 0 < self.n_experts_used <= self.n_experts:
+            raise ValueError(f"n_experts_used: expected 1 to n_experts ({self.n_experts}) "
+                             f"experts a token, got {self.n_experts_used}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
@@ -115,7 +124,8 @@ class ModelConfig:
     @property
     def plain_block(self) -> bool:
         """Pre-norm attention and FFN with nothing else (no q/k norms, windows, soft-capping,
-        custom scale or post-norms): what the fused decode kernels implement."""
+        custom scale or post-norms): what the fused decode kernels implement (the FFN a module
+        they call, a mixture of experts too)."""
         return not (self.qk_norm or any(self.attn_windows) or self.attn_softcap
                     or self.attn_scale or self.post_norms or self.parallel or self.post_norm)
 

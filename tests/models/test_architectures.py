@@ -75,11 +75,15 @@ EXPECT = {  # ModelConfig fields each architecture must come out with (from eith
                    final_softcap=3.0, post_norms=True, scale_embeddings=True, qk_norm=False),
     "gemma3": dict(ffn_kind="geglu_tanh", attn_windows=(8,) * 5 + (0,), rope_theta=1e6,
                    rope_theta_local=10000.0, final_softcap=5.0, qk_norm=True, post_norms=True),
+    "mixtral": dict(n_experts=4, n_experts_used=2, experts_norm=True, d_ff=192),
+    "qwen3moe": dict(n_experts=4, n_experts_used=2, experts_norm=True, d_ff=96, qk_norm=True),
+    "qwen3moe_nonorm": dict(n_experts=4, n_experts_used=2, experts_norm=False),
 }
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_tied", "llama3", "mistral", "gemma2",
-                                  "gemma3", "phi3", "falcon", "falcon40", "opt350m"])
+                                  "gemma3", "phi3", "falcon", "falcon40", "opt350m", "mixtral",
+                                  "qwen3moe", "qwen3moe_nonorm"])
 def test_safetensors_match_transformers(arch_model_dir, name):
     lm = load_model(arch_model_dir(name))
     for k, v in EXPECT[name].items():
@@ -93,7 +97,7 @@ def test_safetensors_match_transformers(arch_model_dir, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_tied", "llama3", "mistral_nowindow",
                                   "gemma2", "gemma3", "phi3", "phi3_nowindow", "falcon",
-                                  "falcon40_nobias"])
+                                  "falcon40_nobias", "mixtral", "qwen3moe"])
 def test_llamacpp_gguf_matches_transformers(arch_model_dir, llamacpp_convert, name):
     path = llamacpp_convert(arch_model_dir(name))
     lm = load_model(path)
@@ -135,7 +139,7 @@ def test_unsupported_rope_scaling_named(arch_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3_tied", "llama3", "mistral", "gemma2", "gemma3",
-                                  "phi3", "falcon", "falcon40", "opt350m"])
+                                  "phi3", "falcon", "falcon40", "opt350m", "mixtral", "qwen3moe"])
 def test_bfloat16_safetensors_match_transformers(arch_model_dir, tmp_path, name):
     """The same tiny models saved in bfloat16 (as most checkpoints ship): every projection the
     C kernels take stays BF16 (the plan's default), against transformers in float32 over the

@@ -27,7 +27,7 @@ from ..errors import ModelFileError, SparseInferError
 from ..fileio import drop_pages, read_json
 from ..quant.blocks import BLOCK_BYTES, from_gguf
 from .find import SPLIT_PART, find_model
-from .names import (ARCH_FIELDS, GATED_ACT_TO_KIND, GGUF_ARCH_FIELDS, GGUF_ARCHS, GGUF_FFN_KIND,
+from .names import (ARCH_FIELDS, EXPERT_STACKS, GATED_ACT_TO_KIND, GGUF_ARCH_FIELDS, GGUF_ARCHS, GGUF_FFN_KIND,
                     GGUF_ROPE_INTERLEAVED, GGUF_ROPE_THETA_LOCAL, GGUF_SPARSE_FFN_KINDS,
                     GGUF_SWAPPED_NORMS, GGUF_WINDOW_PATTERN, HF_ARCHS, HF_NORM_SHIFT,
                     HF_QKV_GROUPED, UNGATED_ACT_TO_KIND, compile_names, map_name, source_name)
@@ -473,6 +473,7 @@ def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) 
     if rope_dims != head_dim:
         raise ModelFileError(f"{path}: partial rotary embeddings ({arch}.rope.dimension_count "
                              f"{rope_dims} of head size {head_dim}) are not supported")
+    n_experts, used, d_ff, experts_norm = _gguf_experts(path, arch, meta, key)
     window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
     windows: tuple[int, ...] = ()
     if window and window < ctx:
@@ -485,9 +486,10 @@ def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) 
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(key("attention.head_count_kv", n_heads)),
-        d_ff=int(key("feed_forward_length")),
+        d_ff=d_ff,
         max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
         head_dim=int(key("attention.key_length", d_model // n_heads)),
+        n_experts=n_experts, n_experts_used=used, experts_norm=experts_norm,
         ffn_kind=kind,
         norm_eps=float(key("attention.layer_norm_rms_epsilon",
                            meta.get(f"{arch}.attention.layer_norm_epsilon", 1e-5))),
@@ -503,6 +505,61 @@ def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) 
         name=str(meta.get("general.name", path.stem)),
         **{**ARCH_FIELDS[arch], **GGUF_ARCH_FIELDS.get(arch, {})},
     )
+
+
+def _gguf_experts(path, arch, meta, key) -> tuple[int, int, int, bool]:
+    """(experts, experts a token, FFN width, renormalized top-k weights) from llama.cpp's
+    ``{arch}.expert_*`` keys; (0, 0, feed_forward_length, True) for a dense model. Only what
+    Mixtral and Qwen3-MoE use: softmax routing, no shared experts, no weight scale."""
+    n = int(meta.get(f"{arch}.expert_count") or 0)
+    if not n:
+        return 0, 0, int(key("feed_forward_length")), True
+    shared = int(meta.get(f"{arch}.expert_shared_count") or 0)
+    gating = int(meta.get(f"{arch}.expert_gating_func") or 1)  # llama.cpp: 1 softmax, 2 sigmoid
+    scale = float(meta.get(f"{arch}.expert_weights_scale") or 1.0)
+    if shared or gating != 1 or scale != 1.0:
+        raise ModelFileError(f"{path}: mixture of experts with {shared} shared experts, gating "
+                             f"function {gating}, weights scale {scale} is not supported; "
+                             f"expected Mixtral's / Qwen3-MoE's (no shared experts, softmax "
+                             f"gating (1), scale 1)")
+    d_ff = int(meta.get(f"{arch}.expert_feed_forward_length") or key("feed_forward_length"))
+    return (n, int(key("expert_used_count")), d_ff,
+            bool(meta.get(f"{arch}.expert_weights_norm", True)))
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """One expert's matrix of a GGUF tensor that stacks every expert's ([experts, rows, cols]),
+    standing in for gguf-py's ReaderTensor: its bytes are a view of the mapped file."""
+
+    name: str
+    tensor_type: Any
+    data: np.ndarray
+    n_bytes: int
+    data_offset: int
+
+
+def _expert_tensors(tensors: dict[str, FileTensor]) -> dict[str, FileTensor]:
+    """``tensors`` with each stacked experts tensor (``names.EXPERT_STACKS``) replaced by one
+    2-D tensor per expert, views of its bytes: the projections of expert e are then named and
+    planned as a dense FFN's are (``layers.{i}.ffn.experts.{e}.gate.weight`` ...)."""
+    out = {}
+    for canon, t in tensors.items():
+        layer, _, leaf = canon.rpartition(".weight")[0].partition(".ffn.")
+        each = EXPERT_STACKS.get("ffn." + leaf) if layer else None
+        if each is None or t.gguf is None:
+            out[canon] = t
+            continue
+        if len(t.shape) != 3:
+            raise ModelFileError(f"tensor {t.name!r}: expected [experts, rows, cols], found shape "
+                                 f"{t.shape}")
+        n, per = t.shape[0], t.nbytes // t.shape[0]
+        for e in range(n):
+            name = f"{layer}.{each.format(e=e)}.weight"
+            g = ExpertSlice(f"{t.name}[{e}]", t.gguf.tensor_type, t.gguf.data[e], per,
+                            int(t.gguf.data_offset) + e * per)
+            out[name] = FileTensor(g.name, t.kind, t.shape[1:], per, name, gguf=g)
+    return out
 
 
 def _gguf_rope_factors(reader) -> tuple[float, ...]:
@@ -603,6 +660,8 @@ def _open_gguf(path: Path, max_seq_len: int | None, ffn_kind: str | None, model_
         tensors = {_swap_norm(c, swap): t for c, t in tensors.items()}
         for t in tensors.values():
             t.canon = _swap_norm(t.canon, swap)
+    if cfg.n_experts:
+        tensors = _expert_tensors(tensors)
     cfg = _with_shared_norm(cfg, tensors)
     return ModelSource(path, "gguf", cfg, meta, tensors, extras, GGUF_ARCHS[arch], reader, every,
                        qk_permuted=permuted, powerinfer=powerinfer, name=model_name,
@@ -731,9 +790,22 @@ def hf_config(path: Path, raw: dict[str, Any], max_seq_len: int | None,
             raise ModelFileError(f"{path}: mlp_bias=true (biased gated MLP) is not supported")
         head_dim = int(raw.get("head_dim") or 0) or int(need("hidden_size")) // int(
             need("num_attention_heads"))
+        # mixtures of experts (Mixtral: num_local_experts; Qwen3-MoE: num_experts and each
+        # expert moe_intermediate_size wide, every layer sparse)
+        n_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+        if n_experts and (raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step")
+                                                               or 1) != 1):
+            raise ModelFileError(f"{path / 'config.json'}: dense layers among the experts' "
+                                 f"(mlp_only_layers {raw.get('mlp_only_layers')}, "
+                                 f"decoder_sparse_step {raw.get('decoder_sparse_step')}) are not "
+                                 f"supported; expected experts in every layer")
         cfg_kw = dict(
             n_kv_heads=int(raw.get("num_key_value_heads") or need("num_attention_heads")),
-            d_ff=int(need("intermediate_size")), norm="rms",
+            d_ff=int(raw.get("moe_intermediate_size") or need("intermediate_size"))
+            if n_experts else int(need("intermediate_size")), norm="rms",
+            n_experts=n_experts,
+            n_experts_used=int(need("num_experts_per_tok")) if n_experts else 0,
+            experts_norm=bool(raw.get("norm_topk_prob", True)),
             norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
             head_dim=head_dim,

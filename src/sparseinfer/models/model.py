@@ -352,6 +352,47 @@ class FFN(nn.Module):
         return self.down(self.activations(x))
 
 
+class MoE(nn.Module):
+    """Mixture of experts (Mixtral, Qwen3-MoE): a router scores every expert, each token runs
+    the ``n_experts_used`` best-scored dense FFNs and sums their outputs weighted by the router's
+    softmax (renormalized over the picked experts with ``experts_norm``)."""
+
+    def __init__(self, cfg: ModelConfig, modules, prefix: str):
+        super().__init__()
+        self.k, self.renorm = cfg.n_experts_used, cfg.experts_norm
+        self.router = modules.linear(prefix + "router", cfg.d_model, cfg.n_experts, False)
+        self.experts = nn.ModuleList(FFN(cfg, modules, f"{prefix}experts.{e}.")
+                                     for e in range(cfg.n_experts))
+        # one token on the C kernels (fused/experts.py), made on first use when the experts
+        # are the C kernels' matrices; False: they are not
+        self._one = None
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Rows x (n, d_model) -> (weights (n, k) float32, experts (n, k)), best first."""
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, chosen = probs.topk(self.k, dim=-1)
+        if self.renorm:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, chosen
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] == 1 and self._one is not False and not rows.is_meta:
+            if self._one is None:
+                from ..fused.experts import ExpertsDecode
+
+                self._one = ExpertsDecode.of(self) or False
+            if self._one:
+                return self._one(rows[0].float().contiguous()).to(x.dtype).view_as(x)
+        weights, chosen = self.route(rows)
+        out = torch.zeros_like(rows)
+        for e in chosen.unique().tolist():  # each expert once, over the rows that picked it
+            picked, slot = (chosen == e).nonzero(as_tuple=True)
+            y = self.experts[e](rows[picked])
+            out.index_add_(0, picked, y * weights[picked, slot, None].to(y.dtype))
+        return out.view_as(x)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, modules, layer: int):
         super().__init__()
@@ -359,7 +400,8 @@ class Block(nn.Module):
         self.attn_norm, self.attn = Norm(cfg), Attention(cfg, modules, p + "attn.")
         self.ffn_norm = None if cfg.shared_norm else Norm(cfg)
         self.parallel, self.post_norm = cfg.parallel, cfg.post_norm
-        self.ffn = modules.ffn(layer, cfg) or FFN(cfg, modules, p + "ffn.")
+        self.ffn = modules.ffn(layer, cfg) or (MoE if cfg.n_experts else FFN)(cfg, modules,
+                                                                             p + "ffn.")
         # norms of the attention and FFN outputs before the residual add (Gemma 2/3)
         self.attn_post_norm = Norm(cfg) if cfg.post_norms else nn.Identity()
         self.ffn_post_norm = Norm(cfg) if cfg.post_norms else nn.Identity()

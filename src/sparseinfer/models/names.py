@@ -34,12 +34,24 @@ _GGUF_COMMON = (
 # sparse GGUFs (ours and PowerInfer's) store the down projection transposed: [d_ff, d_model]
 _DOWN_T = ("blk.{i}.ffn_down_t", "layers.{i}.ffn.down_t")
 
+# mixture of experts (Mixtral is written as "llama", Qwen3-MoE as "qwen3moe"): the router, and
+# each projection of every expert as one 3-D tensor [experts, rows, cols], which the loader reads
+# as one matrix per expert (``layers.{i}.ffn.experts.{e}.gate`` ...: ``EXPERT_STACKS``)
+_GGUF_MOE = {_gguf(T.FFN_GATE_INP): "layers.{i}.ffn.router",
+             _gguf(T.FFN_GATE_EXP): "layers.{i}.ffn.gate_exps",
+             _gguf(T.FFN_UP_EXP): "layers.{i}.ffn.up_exps",
+             _gguf(T.FFN_DOWN_EXP): "layers.{i}.ffn.down_exps"}
+# a stacked experts tensor's canonical leaf -> each expert's own
+EXPERT_STACKS = {"ffn.gate_exps": "ffn.experts.{e}.gate", "ffn.up_exps": "ffn.experts.{e}.up",
+                 "ffn.down_exps": "ffn.experts.{e}.down"}
+
 GGUF_LLAMA_NAMES = {**{_gguf(t): c for t, c in _GGUF_COMMON},
-                    _gguf(T.FFN_GATE): "layers.{i}.ffn.gate", _DOWN_T[0]: _DOWN_T[1]}
+                    _gguf(T.FFN_GATE): "layers.{i}.ffn.gate", _DOWN_T[0]: _DOWN_T[1],
+                    **_GGUF_MOE}
 # per-head q/k RMSNorm (Qwen3, Gemma 3)
 _GGUF_QK_NORM = {_gguf(T.ATTN_Q_NORM): "layers.{i}.attn.q_norm",
                  _gguf(T.ATTN_K_NORM): "layers.{i}.attn.k_norm"}
-GGUF_QWEN3_NAMES = {**GGUF_LLAMA_NAMES, **_GGUF_QK_NORM}
+GGUF_QWEN3_NAMES = {**GGUF_LLAMA_NAMES, **_GGUF_QK_NORM}  # (and Qwen3-MoE's experts)
 # Phi-3: q/k/v in one tensor, gate and up in one (gate rows first, as our fused w_in)
 GGUF_PHI3_NAMES = {**{_gguf(t): c for t, c in _GGUF_COMMON if t not in
                       (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.FFN_UP)},
@@ -76,6 +88,20 @@ HF_LLAMA_NAMES = {
 HF_QWEN3_NAMES = {**HF_LLAMA_NAMES,
                   "model.layers.{i}.self_attn.q_norm": "layers.{i}.attn.q_norm",
                   "model.layers.{i}.self_attn.k_norm": "layers.{i}.attn.k_norm"}
+
+# mixtures of experts: the router, then each expert's gated MLP under its own index
+HF_MIXTRAL_NAMES = {**{k: v for k, v in HF_LLAMA_NAMES.items() if ".mlp." not in k},
+                    "model.layers.{i}.block_sparse_moe.gate": "layers.{i}.ffn.router",
+                    "model.layers.{i}.block_sparse_moe.experts.{e}.w1":
+                        "layers.{i}.ffn.experts.{e}.gate",
+                    "model.layers.{i}.block_sparse_moe.experts.{e}.w3":
+                        "layers.{i}.ffn.experts.{e}.up",
+                    "model.layers.{i}.block_sparse_moe.experts.{e}.w2":
+                        "layers.{i}.ffn.experts.{e}.down"}
+HF_QWEN3MOE_NAMES = {**{k: v for k, v in HF_QWEN3_NAMES.items() if ".mlp." not in k},
+                     "model.layers.{i}.mlp.gate": "layers.{i}.ffn.router",
+                     **{f"model.layers.{{i}}.mlp.experts.{{e}}.{n}_proj":
+                        f"layers.{{i}}.ffn.experts.{{e}}.{n}" for n in ("gate", "up", "down")}}
 
 HF_PHI3_NAMES = {**{k: v for k, v in HF_LLAMA_NAMES.items() if not k.endswith(
                       ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))},
@@ -131,6 +157,8 @@ HF_ARCHS = {  # config.json "architectures"[0] -> (family, name map)
     "MistralForCausalLM": ("mistral", HF_LLAMA_NAMES),
     "Qwen2ForCausalLM": ("qwen2", HF_LLAMA_NAMES),
     "Qwen3ForCausalLM": ("qwen3", HF_QWEN3_NAMES),
+    "MixtralForCausalLM": ("mixtral", HF_MIXTRAL_NAMES),
+    "Qwen3MoeForCausalLM": ("qwen3moe", HF_QWEN3MOE_NAMES),
     "Phi3ForCausalLM": ("phi3", HF_PHI3_NAMES),
     "FalconForCausalLM": ("falcon", HF_FALCON_NAMES),
     "Gemma2ForCausalLM": ("gemma2", HF_GEMMA_NAMES),
@@ -139,6 +167,7 @@ HF_ARCHS = {  # config.json "architectures"[0] -> (family, name map)
 }
 # general.architecture -> name map (llama.cpp writes Mistral as "llama")
 GGUF_ARCHS = {"llama": GGUF_LLAMA_NAMES, "qwen2": GGUF_LLAMA_NAMES, "qwen3": GGUF_QWEN3_NAMES,
+              "qwen3moe": GGUF_QWEN3_NAMES,
               "phi3": GGUF_PHI3_NAMES, "falcon": GGUF_FALCON_NAMES, "gemma2": GGUF_GEMMA_NAMES, "gemma3": GGUF_GEMMA_NAMES, "opt": GGUF_OPT_NAMES,
               "bamboo": GGUF_LLAMA_NAMES}  # bamboo: PowerInfer's dReLU llama variant
 
@@ -151,6 +180,8 @@ ARCH_FIELDS: dict[str, dict] = {
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    "qwen3moe": {"qk_norm": True},
+    "mixtral": {},
     "phi3": {},
     "falcon": {"norm": "layer"},
     "gemma2": {"scale_embeddings": True, "post_norms": True},
@@ -163,7 +194,8 @@ GGUF_FFN_KIND = {"gemma2": "geglu_tanh", "gemma3": "geglu_tanh", "falcon": "gelu
 # ... and in files with predictors (PowerInfer's models are ReLU-family: ReluLLaMA/ProSparse
 # are ReGLU, Bamboo dReLU, OPT and ReluFalcon a ReLU MLP)
 GGUF_SPARSE_FFN_KINDS = {"llama": "reglu", "bamboo": "drelu", "opt": "relu", "falcon": "relu"}
-GGUF_ROPE_INTERLEAVED = {"llama": True, "bamboo": True, "opt": True, "qwen2": False, "qwen3": False, "phi3": False,
+GGUF_ROPE_INTERLEAVED = {"llama": True, "bamboo": True, "opt": True, "qwen2": False, "qwen3": False,
+                         "qwen3moe": False, "phi3": False,
                          "falcon": False,
                          "gemma2": False, "gemma3": False}
 # fields GGUF files of an architecture imply (llama.cpp's Falcon graph is always parallel)
@@ -187,7 +219,8 @@ Compiled = list[tuple[re.Pattern, str]]
 def compile_names(names: dict[str, str]) -> Compiled:
     out = []
     for src, dst in names.items():
-        pat = re.escape(src).replace(re.escape("{i}"), r"(?P<i>\d+)")
+        pat = (re.escape(src).replace(re.escape("{i}"), r"(?P<i>\d+)")
+               .replace(re.escape("{e}"), r"(?P<e>\d+)"))
         out.append((re.compile(pat + r"\.(?P<suffix>weight|bias)$"), dst))
     return out
 
@@ -198,7 +231,8 @@ def map_name(name: str, compiled: Compiled) -> str | None:
         m = pat.match(name)
         if m:
             d = m.groupdict()
-            return dst.replace("{i}", d.get("i") or "") + "." + d["suffix"]
+            return (dst.replace("{i}", d.get("i") or "").replace("{e}", d.get("e") or "")
+                    + "." + d["suffix"])
     return None
 
 
@@ -207,7 +241,14 @@ def source_name(canon: str, names: dict[str, str]) -> str | None:
     m = re.match(r"^(?:layers\.(\d+)\.)?(.*)\.(weight|bias)$", canon)
     if m:
         i, rest, suffix = m.groups()
+        e = re.search(r"experts\.(\d+)\.", rest)
+        if e:
+            rest = rest.replace(e.group(0), "experts.{e}.")
         for src, dst in names.items():
             if dst == (f"layers.{{i}}.{rest}" if i is not None else rest):
-                return src.replace("{i}", i or "") + "." + suffix
+                return (src.replace("{i}", i or "").replace("{e}", e.group(1) if e else "")
+                        + "." + suffix)
+        for stack, each in EXPERT_STACKS.items():  # GGUF: one tensor of every expert's
+            if e and rest == each:
+                return source_name(f"layers.{i}.{stack}.{suffix}", names)
     return None

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -332,7 +333,8 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
     def expected(canon: str) -> tuple[int, ...] | None:
         """The shape a canonical tensor must have (None: not checked here)."""
         leaf = canon.split(".", 2)[-1] if canon.startswith("layers.") else canon
-        return {"attn.wqkv.weight": (q_out + 2 * kv_out, D), "ffn.w_in.weight": (2 * F, D),
+        leaf = re.sub(r"^ffn\.experts\.\d+\.", "ffn.", leaf)  # each expert: a dense FFN's
+        return {"ffn.router.weight": (cfg.n_experts, D),"attn.wqkv.weight": (q_out + 2 * kv_out, D), "ffn.w_in.weight": (2 * F, D),
                 "attn.wq.weight": (q_out, D), "attn.wk.weight": (kv_out, D),
                 "attn.wv.weight": (kv_out, D), "attn.wo.weight": (D, q_out),
                 "ffn.gate.weight": (F, D), "ffn.up.weight": (F, D), "ffn.down.weight": (D, F),
@@ -410,6 +412,12 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
                                       f"{sparse.ffn_dtype} rows"
                                       + sparse.q4_rows_note(" + ")
                                       + (" + a dense copy" if sparse.batch_dense else "")))
+        elif cfg.n_experts:  # the router, then each expert as a dense FFN
+            add(p + "ffn.router", [p + "ffn.router.weight"], (cfg.n_experts, D))
+            for e in range(cfg.n_experts):
+                q = f"{p}ffn.experts.{e}."
+                add(q + "w_in", [q + "gate.weight", q + "up.weight"], (2 * F, D))
+                add(q + "down", [q + "down.weight"], (D, F))
         else:
             ins = [p + f"ffn.{n}.weight" for n in (("gate", "up") if cfg.ffn.gated else ("up",))]
             if p + "ffn.w_in.weight" in src.tensors:  # Phi-3: gate and up as one tensor

@@ -166,7 +166,13 @@ def load(model_path: str | Path | None, dtype: str | None = None):
 
 def run_profile(loaded, corpus: Sequence[Path], out_dir: str | Path,
                 options: ProfileOptions = ProfileOptions(), bars: Bars | None = None) -> Profile:
-    chunk_len = min(options.chunk_len, loaded.config.max_seq_len)  # learned positions end
+    cfg = loaded.config
+    if cfg.n_experts:
+        raise SparseInferError(f"{loaded.path}: a mixture of experts ({cfg.n_experts} experts, "
+                               f"{cfg.n_experts_used} a token) cannot be converted: expected a "
+                               f"dense model, whose FFN neurons the pipeline profiles; run this "
+                               f"one as it is (its router already picks each token's experts)")
+    chunk_len = min(options.chunk_len, cfg.max_seq_len)  # learned positions end
     if chunk_len < options.chunk_len:
         log.info("chunks of %d tokens: the model's context is %d", chunk_len, chunk_len)
     chunks = corpus_chunks(loaded.tokenizer, read_corpus(corpus), chunk_len,
