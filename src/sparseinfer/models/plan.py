@@ -334,7 +334,8 @@ def make_plan(src: ModelSource, dtype: str = "auto", *, device: str = "cpu",
         """The shape a canonical tensor must have (None: not checked here)."""
         leaf = canon.split(".", 2)[-1] if canon.startswith("layers.") else canon
         leaf = re.sub(r"^ffn\.experts\.\d+\.", "ffn.", leaf)  # each expert: a dense FFN's
-        return {"ffn.router.weight": (cfg.n_experts, D),"attn.wqkv.weight": (q_out + 2 * kv_out, D), "ffn.w_in.weight": (2 * F, D),
+        return {"attn.wqkv.weight": (q_out + 2 * kv_out, D), "ffn.w_in.weight": (2 * F, D),
+                "ffn.router.weight": (cfg.n_experts, D),
                 "attn.wq.weight": (q_out, D), "attn.wk.weight": (kv_out, D),
                 "attn.wv.weight": (kv_out, D), "attn.wo.weight": (D, q_out),
                 "ffn.gate.weight": (F, D), "ffn.up.weight": (F, D), "ffn.down.weight": (D, F),
