@@ -109,6 +109,61 @@ def test_gemv_matches_reference(type_name, rows, cols, isa, threads):
     assert torch.all((out.double() - want_q8.double()).abs() <= summation_bound(mat, x))
 
 
+@pytest.mark.parametrize("type_name", list(cpu.TYPES))
+def test_gemv_each_matrix_on_its_own_row(type_name, isa, threads):
+    """``gemv_each`` (a mixture of experts' down products: matrix i against x row i, one
+    dispatch): each output equals ``gemv`` of that matrix on that row bit for bit, and the
+    pure-torch reference (``gemv_each_ref``) within the int8 rounding of x; 16 matrices of
+    several heights."""
+    rng = np.random.default_rng(7)
+    rows_cols = shapes_for(type_name)
+    cols = max(c for _, c in rows_cols)
+    heights = [r for r, c in rows_cols if c == cols] * 3
+    mats = [cpu.QuantMatrix(type_name, random_raw(type_name, r, cols, rng), r, cols)
+            for r in (heights * 16)[:16]]
+    x = torch.from_numpy(rng.standard_normal((len(mats), cols)).astype(np.float32))
+    outs = [torch.empty(m.rows) for m in mats]
+    cpu.gemv_each(mats, x, outs)
+    for m, xi, out in zip(mats, x, outs):
+        alone = torch.empty(m.rows)
+        cpu.gemv([m], xi.contiguous(), [alone])
+        assert torch.equal(out, alone)
+    wants = [torch.empty(m.rows) for m in mats]
+    ref.gemv_each_ref(mats, x, wants)
+    for m, xi, out, want in zip(mats, x, outs, wants):
+        assert torch.all((out.double() - want.double()).abs() <= x_rounding_bound(m, xi))
+
+
+@pytest.mark.parametrize("type_name", list(cpu.TYPES))
+def test_gemm_each_matrix_on_its_own_rows(type_name, isa, threads):
+    """``gemm_each`` (a mixture of experts' prompt: matrix i against its own next counts[i] rows
+    of x, one dispatch): each output row equals ``gemv`` of its matrix on that row bit for bit
+    (the GEMM's rows are its GEMV's), and the pure-torch reference within the int8 rounding of
+    x, for counts of 1 to 9 rows."""
+    rng = np.random.default_rng(8)
+    rows_cols = shapes_for(type_name)
+    cols = max(c for _, c in rows_cols)
+    heights = [r for r, c in rows_cols if c == cols]
+    counts = [1, 3, 2, 9, 1, 4, 5, 1, 2, 7, 1, 1, 3, 6, 2, 8]
+    mats = [cpu.QuantMatrix(type_name, random_raw(type_name, r, cols, rng), r, cols)
+            for r in (heights * 16)[:16]]
+    x = torch.from_numpy(rng.standard_normal((sum(counts), cols)).astype(np.float32))
+    outs = [torch.empty(c, m.rows) for c, m in zip(counts, mats)]
+    cpu.gemm_each(mats, x, counts, outs)
+    wants = [torch.empty(c, m.rows) for c, m in zip(counts, mats)]
+    ref.gemm_each_ref(mats, x, counts, wants)
+    at = 0
+    for m, c, out, want in zip(mats, counts, outs, wants):
+        for t in range(c):
+            alone = torch.empty(m.rows)
+            cpu.gemv([m], x[at + t].contiguous(), [alone])
+            assert torch.equal(out[t], alone)
+            assert torch.all((out[t].double() - want[t].double()).abs()
+                             <= x_rounding_bound(m, x[at + t]))
+        at += c
+    with pytest.raises(ValueError, match="expected contiguous float32"):
+        cpu.gemm_each(mats[:2], x[:3], [1, 1], outs[:2])
+
 
 # fp16 fields of the 32-weight block types (d; Q4_1 / Q5_1: d, m)
 B32_FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2)}

@@ -120,7 +120,7 @@ def test_route_picks_the_top_experts_by_brute_force(arch_model_dir):
 def test_engine_and_batch_engine_generate_transformers_tokens(arch_model_dir, name):
     """The engine (the CLI's and server's load) greedy-decodes what transformers generates —
     Mixtral's blocks through the fused decode (attention in C over a float16 cache, the experts
-    by ``fused.experts.ExpertsDecode``), Qwen3-MoE's (q/k norms: no C block with experts) through
+    by ``fused.experts.CExperts``), Qwen3-MoE's (q/k norms: no C block with experts) through
     the torch modules; the batch engine gives each of two concurrent requests the same tokens."""
     from sparseinfer.config import SamplingParams
     from sparseinfer.engine import Engine, TokenEvent
@@ -157,26 +157,28 @@ def test_engine_and_batch_engine_generate_transformers_tokens(arch_model_dir, na
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3moe_nonorm"])
-def test_one_token_experts_match_the_loop(arch_model_dir, tmp_path, name):
-    """``fused.experts.ExpertsDecode`` (one token: the picked experts' gate and up rows in one
-    C call, router weights folded into the down products' inputs) against ``MoE.forward``'s
-    loop over experts on the same module (two rows: the loop), with the experts on the C
-    kernels' BF16 rows (a bfloat16 checkpoint)."""
-    from sparseinfer.fused.experts import ExpertsDecode
+def test_grouped_c_experts_match_the_loop(arch_model_dir, tmp_path, name):
+    """``fused.experts.CExperts`` (the experts' products grouped into few C calls, router
+    weights folded into the down products' inputs) against ``MoE.loop`` (each picked expert's
+    own modules) on the same layers, with the experts on the C kernels' BF16 rows (a bfloat16
+    checkpoint): one token, and 1 to 37 rows (experts with one row, several, none)."""
+    from sparseinfer.fused.experts import CExperts
 
     d = tmp_path / name
     shutil.copytree(arch_model_dir(name), d)
     tiny_arch_model(name).to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
     lm = load(d, "auto")
-    x = torch.randn(6, lm.config.d_model, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(37, lm.config.d_model, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         for blk in lm.model.layers:
-            one = ExpertsDecode.of(blk.ffn)
-            assert one is not None
-            for t in range(6):
-                want = blk.ffn(x[t].expand(2, -1).contiguous())[0]
-                assert torch.allclose(one(x[t].contiguous()), want, rtol=1e-5, atol=1e-6)
-    assert ExpertsDecode.of(load_model(d).model.layers[0].ffn) is None  # fp32: torch's matmul
+            c = CExperts.of(blk.ffn)
+            assert c is not None
+            for t in range(4):
+                assert torch.allclose(c.one(x[t].contiguous()), blk.ffn.loop(x[t:t + 1])[0],
+                                      rtol=1e-5, atol=1e-6)
+            for n in (1, 2, 5, 37):
+                assert torch.allclose(c.rows(x[:n]), blk.ffn.loop(x[:n]), rtol=1e-5, atol=1e-6)
+    assert CExperts.of(load_model(d).model.layers[0].ffn) is None  # fp32: torch's matmul
 
 
 def test_convert_refuses_a_mixture_of_experts(arch_model_dir, tmp_path):

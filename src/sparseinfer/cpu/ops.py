@@ -82,7 +82,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "BF16": (20, 1, 2),  # bfloat16 rows
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2, "avx2_vnni": 3}
-ABI_VERSION = 27
+ABI_VERSION = 28
 # ``SPARSEINFER_C_KERNELS=0`` in the environment: run as where the library cannot load (another
 # CPU architecture, an x86 CPU without AVX2): torch's kernels, the numba decode
 OFF_SWITCH = "SPARSEINFER_C_KERNELS"
@@ -112,6 +112,8 @@ def _load() -> ctypes.CDLL:
                               f": {fix}")
     vp, i64, ci = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.si_gemv.argtypes = [ci, vp, vp, vp, ci, vp, vp]
+    lib.si_gemv_each.argtypes = [ci, vp, vp, vp, ci, vp, vp]
+    lib.si_gemm_each.argtypes = [ci, vp, vp, vp, ci, vp, vp, vp]
     lib.si_gemm.argtypes = [ci, vp, i64, ci, vp, i64, vp]
     lib.si_quantize_x.argtypes = [vp, ci, vp, vp, vp]
     lib.si_quantize_xk.argtypes = [vp, ci, vp, vp, vp, vp]
@@ -465,11 +467,13 @@ class QuantMatrix:
 
 class GemvPlan:
     """``gemv(mats, x, outs)`` with its argument arrays built once: ``plan(x)`` for the hot path
-    (``outs`` are fixed; ``x`` must be a contiguous float32 CPU tensor/array of ``cols``)."""
+    (``outs`` are fixed; ``x`` must be a contiguous float32 CPU tensor/array of ``cols``, or with
+    ``each``, of [len(mats), cols]: ``gemv_each``)."""
 
-    __slots__ = ("mats", "outs", "cols", "_n", "_types", "_ptrs", "_rows", "_outp")
+    __slots__ = ("mats", "outs", "cols", "_n", "_types", "_ptrs", "_rows", "_outp", "_x", "_call")
 
-    def __init__(self, mats: Sequence[QuantMatrix], outs: Sequence[torch.Tensor | np.ndarray]):
+    def __init__(self, mats: Sequence[QuantMatrix], outs: Sequence[torch.Tensor | np.ndarray],
+                 each: bool = False):
         if not mats or len(mats) != len(outs):
             raise ValueError(f"expected as many outputs as matrices (>= 1), got {len(mats)} "
                              f"matrices and {len(outs)} outputs")
@@ -486,12 +490,15 @@ class GemvPlan:
         self._ptrs = (ctypes.c_void_p * n)(*[m.ptr for m in mats])
         self._rows = (ctypes.c_int64 * n)(*[m.rows for m in mats])
         self._outp = (ctypes.c_void_p * n)(*[_ptr(o) for o in outs])
+        self._x = (n, self.cols) if each else (self.cols,)
+        self._call = _lib.si_gemv_each if each else _gemv
 
     def __call__(self, x: torch.Tensor | np.ndarray) -> None:
-        if not (type(x) is torch.Tensor and x.dtype is torch.float32 and x.shape == (self.cols,)
+        if not (type(x) is torch.Tensor and x.dtype is torch.float32 and x.shape == self._x
                 and x.is_contiguous() and not x.is_cuda):
-            _check_f32(x, (self.cols,), "x")  # numpy arrays, or the error
-        rc = _gemv(self._n, self._types, self._ptrs, self._rows, self.cols, _ptr(x), self._outp)
+            _check_f32(x, self._x, "x")  # numpy arrays, or the error
+        rc = self._call(self._n, self._types, self._ptrs, self._rows, self.cols, _ptr(x),
+                        self._outp)
         if rc:
             _check(rc, "gemv")
 
@@ -517,6 +524,49 @@ def gemv(mats: Sequence[QuantMatrix], x: torch.Tensor | np.ndarray,
             _plans.clear()
         _plans[key] = plan
     plan(x)
+
+
+def gemv_each(mats: Sequence[QuantMatrix], x: torch.Tensor | np.ndarray,
+              outs: Sequence[torch.Tensor | np.ndarray]) -> None:
+    """``outs[i] = mats[i] @ x[i]``: matrices sharing one width, each against its own row of
+    ``x`` (float32 [len(mats), cols]) — the rows quantized in one pass, all the products in one
+    pool dispatch (a mixture of experts' down products). Plans cached as ``gemv``'s."""
+    key = ("each", *mats, *[(_ptr(o), o.shape, o.dtype) for o in outs])
+    plan = _plans.get(key)
+    if plan is None:
+        plan = GemvPlan(mats, outs, each=True)
+        if len(_plans) >= MAX_CACHED_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    plan(x)
+
+
+def gemm_each(mats: Sequence[QuantMatrix], x: torch.Tensor, counts: Sequence[int],
+              outs: Sequence[torch.Tensor]) -> None:
+    """``outs[i] = x_i @ mats[i].T`` where ``x_i`` are the next ``counts[i]`` rows of ``x``
+    (float32 [sum(counts), cols], taken in order): matrices sharing one width, each against its
+    own rows (a mixture of experts' prompt: each expert the rows of the tokens that picked it),
+    up to 16 a call; ``outs[i]`` contiguous float32 [counts[i], rows_i]. The rows are quantized
+    in one pass and all the products go to the pool in one dispatch; each row's result is its
+    ``gemv`` bit for bit."""
+    n = len(mats)
+    if not 1 <= n <= 16 or len(counts) != n or len(outs) != n:
+        raise ValueError(f"expected 1 to 16 matrices with as many row counts and outputs, got "
+                         f"{n} matrices, {len(counts)} counts, {len(outs)} outputs")
+    cols = mats[0].cols
+    if any(m.cols != cols for m in mats) or min(counts) < 1:
+        raise ValueError(f"expected matrices of one width and row counts >= 1, got cols "
+                         f"{sorted({m.cols for m in mats})} and counts {list(counts)}")
+    _check_f32(x, (sum(counts), cols), "x")
+    for i, (m, c, o) in enumerate(zip(mats, counts, outs)):
+        _check_f32(o, (c, m.rows), f"outs[{i}]")
+    rc = _lib.si_gemm_each(n, (ctypes.c_int * n)(*[m.code for m in mats]),
+                           (ctypes.c_void_p * n)(*[m.ptr for m in mats]),
+                           (ctypes.c_int64 * n)(*[m.rows for m in mats]), cols, _ptr(x),
+                           (ctypes.c_int64 * n)(*counts),
+                           (ctypes.c_void_p * n)(*[_ptr(o) for o in outs]))
+    if rc:
+        _check(rc, "gemm_each")
 
 
 def gemm(mat: QuantMatrix, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

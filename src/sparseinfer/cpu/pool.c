@@ -29,7 +29,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 27
+#define SI_ABI_VERSION 28
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
@@ -486,6 +486,10 @@ typedef struct {
     int64_t first[MAX_MATS + 1]; /* first chunk of each matrix */
     rows_fn rows_kernel;
     const si_xq *xq;
+    /* each matrix its own rows of x (si_gemv_each, si_gemm_each): matrix i against the tn[i]
+     * rows from row toff[i]; else every matrix against all T rows */
+    int each;
+    int64_t toff[MAX_MATS], tn[MAX_MATS];
 } job_t;
 
 static void gemv_chunk(const void *jp, int64_t c) {
@@ -494,12 +498,14 @@ static void gemv_chunk(const void *jp, int64_t c) {
     while (c >= j->first[i + 1]) i++;
     const int64_t r0 = (c - j->first[i]) * j->ch;
     const int64_t r1 = r0 + j->ch < j->rows[i] ? r0 + j->ch : j->rows[i];
-    if (j->T == 1)
-        j->rows_kernel(j->type[i], j->w[i] + r0 * j->rb[i], j->rb[i], (int)(r1 - r0), j->xq,
+    const si_xq *xq = j->each ? j->xq + j->toff[i] : j->xq;
+    const int64_t T = j->each ? j->tn[i] : j->T;
+    if (T == 1)
+        j->rows_kernel(j->type[i], j->w[i] + r0 * j->rb[i], j->rb[i], (int)(r1 - r0), xq,
                        j->cols, j->out[i] + r0);
     else /* the chunk's rows against every x row, weight blocks decoded once per few x rows */
-        g_rows_multi(j->type[i], j->w[i] + r0 * j->rb[i], j->rb[i], (int)(r1 - r0), j->xq,
-                     (int)j->T, j->cols, j->out[i] + r0, j->ys[i]);
+        g_rows_multi(j->type[i], j->w[i] + r0 * j->rb[i], j->rb[i], (int)(r1 - r0), xq, (int)T,
+                     j->cols, j->out[i] + r0, j->ys[i]);
 }
 
 static int check_mat(int type, int64_t rows, int cols) {
@@ -518,6 +524,7 @@ static int setup_job(job_t *j, int nmat, const int *types, const void *const *w,
     j->nmat = nmat;
     j->cols = cols;
     j->T = T;
+    j->each = 0;
     j->rows_kernel = g_rows;
     j->need_q = j->need_g = j->need_k = 0;
     int64_t total_rows = 0;
@@ -594,6 +601,44 @@ static int run(int nmat, const int *types, const void *const *w, const int64_t *
 int si_gemv(int nmat, const int *types, const void *const *w, const int64_t *rows, int cols,
             const float *x, float *const *outs) {
     return run(nmat, types, w, rows, cols, x, 1, outs);
+}
+
+/* outs[i] [tn[i], rows[i]] = x_i W_i^T: matrices of one width, each against its own tn[i] rows
+ * of x [sum tn, cols], taken in order (a mixture of experts: each expert the rows of the tokens
+ * that picked it); the rows quantized in one pass, every matrix's rows in one dispatch. */
+int si_gemm_each(int nmat, const int *types, const void *const *w, const int64_t *rows, int cols,
+                 const float *x, const int64_t *tn, float *const *outs) {
+    if (nmat < 1 || nmat > MAX_MATS) return EINVAL;
+    int64_t total = 0, most = 1;
+    for (int i = 0; i < nmat; i++) {
+        if (tn[i] < 1) return EINVAL;
+        total += tn[i];
+        most = tn[i] > most ? tn[i] : most;
+    }
+    pthread_mutex_lock(&g_call_lock);
+    job_t j;
+    int err = setup_job(&j, nmat, types, w, rows, cols, most, outs);
+    if (!err) err = quantize_rows(x, total, cols, j.need_q, j.need_g, j.need_k);
+    if (!err) {
+        j.each = 1;
+        int64_t off = 0;
+        for (int i = 0; i < nmat; off += tn[i], i++) j.toff[i] = off, j.tn[i] = tn[i];
+        j.rows_kernel = g_rows;
+        j.xq = S.xq;
+        pool_run(gemv_chunk, &j, j.first[j.nmat]);
+    }
+    pthread_mutex_unlock(&g_call_lock);
+    return err;
+}
+
+/* outs[i] = W_i x_i: each matrix against its own row of x [nmat, cols] (si_gemm_each of one row
+ * each: a mixture of experts' down products for one token). */
+int si_gemv_each(int nmat, const int *types, const void *const *w, const int64_t *rows, int cols,
+                 const float *x, float *const *outs) {
+    if (nmat < 1 || nmat > MAX_MATS) return EINVAL;
+    int64_t ones[MAX_MATS];
+    for (int i = 0; i < nmat; i++) ones[i] = 1;
+    return si_gemm_each(nmat, types, w, rows, cols, x, ones, outs);
 }
 
 int si_gemm(int type, const void *w, int64_t rows, int cols, const float *x, int64_t T, float *out) {

@@ -96,6 +96,21 @@ def gemm_ref(mat: QuantMatrix, x: torch.Tensor, out: torch.Tensor | None = None)
     return y
 
 
+def gemm_each_ref(mats: Sequence[QuantMatrix], x: torch.Tensor, counts: Sequence[int],
+                  outs: Sequence[torch.Tensor]) -> None:
+    """``outs[i] = x_i @ dequantize(mats[i]).T``, ``x_i`` the next ``counts[i]`` rows of ``x``."""
+    at = 0
+    for m, c, o in zip(mats, counts, outs):
+        gemm_ref(m, x[at:at + c], o)
+        at += c
+
+
+def gemv_each_ref(mats: Sequence[QuantMatrix], x: torch.Tensor,
+                  outs: Sequence[torch.Tensor]) -> None:
+    """``outs[i] = dequantize(mats[i]) @ x[i]``."""
+    gemm_each_ref(mats, x, [1] * len(mats), [o.view(1, -1) for o in outs])
+
+
 _ACTS = {None: lambda t: t, "relu": torch.relu, "silu": torch.nn.functional.silu,
          "gelu": torch.nn.functional.gelu,
          "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}

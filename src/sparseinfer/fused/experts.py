@@ -1,10 +1,13 @@
-"""One token through a mixture of experts on the C kernels (``models.model.MoE``'s decode step).
+"""A mixture of experts on the C kernels (``models.model.MoE`` when its experts are the C
+kernels' matrices).
 
 ``MoE.forward`` loops over the experts the rows picked, each a dense FFN of ``GGMLLinear``
-products: for one token that is three C calls, a few torch operations and the pool's wake-up per
-picked expert. Here the picked experts' gate and up rows go to the pool in one GEMV call (the
-input quantized once), their activations are computed together, and each expert's down product
-takes its router weight folded into its input. ``MoE.forward``'s loop is the reference
+products: three C calls, a few torch operations and a pool wake-up per picked expert — for one
+token 8 experts' worth, for a prompt nearly every expert's. Here the rows are grouped by expert
+and each projection of all the picked experts goes to the pool in one call of up to 16
+matrices, each against its own rows (``cpu.gemv`` for one token's gate and up rows, which share
+its input; ``cpu.gemm_each`` otherwise); the activations are computed together and each row's
+router weight is folded into its down product's input. ``MoE.forward``'s loop is the reference
 (``tests/models/test_moe.py`` compares them).
 """
 
@@ -16,32 +19,34 @@ from torch import Tensor
 from .. import cpu
 from ..quant.linear import GGMLLinear
 
-# matrices one GEMV call takes (cpu.GemvPlan)
+# matrices one call of the C library takes (cpu.GemvPlan, cpu.gemm_each)
 MAX_MATS = 16
 
 
-class ExpertsDecode:
-    """The decode step of a ``MoE`` whose experts are all ``GGMLLinear`` without biases: build
-    with ``ExpertsDecode.of(moe)`` (None when it cannot take the module), call with the token's
-    FFN input (d_model,)."""
+class CExperts:
+    """The experts of a ``MoE`` that are all ``GGMLLinear`` gated FFNs without biases: build
+    with ``CExperts.of(moe)`` (None when it cannot take the module); ``one(x)`` for a token's
+    FFN input (d_model,), ``rows(x)`` for several (n, d_model)."""
 
     def __init__(self, moe) -> None:
         first = moe.experts[0]
         self.route, self.k = moe.route, moe.k
         self.act_gate, self.act_up = first.act_gate, first.act_up
-        self.ins = [e.w_in.mats for e in moe.experts]  # each expert's gate and up matrices
-        self.downs = [e.down.mats for e in moe.experts]
-        F, D = first.d_ff, first.down.out_features
-        self.gate_up = torch.empty(self.k, 2, F)
+        self.gates = [e.w_in.mats[0] for e in moe.experts]
+        self.ups = [e.w_in.mats[1] for e in moe.experts]
+        self.downs = [e.down.mats[0] for e in moe.experts]
+        self.d_ff, self.d_model = first.d_ff, first.down.out_features
+        # one token: the picked experts' gate and up rows, their down products
+        self.gate_up = torch.empty(self.k, 2, self.d_ff)
         self.outs = [self.gate_up[j, s] for j in range(self.k) for s in range(2)]
-        self.y = torch.empty(self.k, D)
+        self.y = torch.empty(self.k, self.d_model)
         self.y_rows = list(self.y)
 
     @classmethod
-    def of(cls, moe) -> ExpertsDecode | None:
-        """The fast step for ``moe``, or None: an expert that is not a gated FFN of the C
-        kernels' matrices (the plan's "ggml" storage), with one matrix for each of gate, up and
-        down, and no biases."""
+    def of(cls, moe) -> CExperts | None:
+        """The C path for ``moe``, or None: an expert that is not a gated FFN of the C kernels'
+        matrices (the plan's "ggml" storage) with one matrix for each of gate, up and down and
+        no biases."""
         for e in moe.experts:
             if not (e.gated and isinstance(e.w_in, GGMLLinear) and isinstance(e.down, GGMLLinear)
                     and len(e.w_in.mats) == 2 and len(e.down.mats) == 1
@@ -49,15 +54,49 @@ class ExpertsDecode:
                 return None
         return cls(moe)
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def one(self, x: Tensor) -> Tensor:
         """x (d_model,) float32 contiguous -> the layer's FFN output (d_model,)."""
         weights, chosen = self.route(x.view(1, -1))
         picked = chosen[0].tolist()
-        mats = [m for e in picked for m in self.ins[e]]
-        for s in range(0, len(mats), MAX_MATS):
+        mats = [m for e in picked for m in (self.gates[e], self.ups[e])]
+        for s in range(0, len(mats), MAX_MATS):  # they share the input: quantized once
             cpu.gemv(mats[s:s + MAX_MATS], x, self.outs[s:s + MAX_MATS])
         h = self.act_gate(self.gate_up[:, 0]) * self.act_up(self.gate_up[:, 1])
         h.mul_(weights[0].view(-1, 1))  # down(w h) = w down(h)
-        for j, e in enumerate(picked):
-            cpu.gemv(self.downs[e], h[j], self.y_rows[j:j + 1])
+        downs = [self.downs[e] for e in picked]
+        for s in range(0, len(downs), MAX_MATS):  # each against its own input
+            cpu.gemv_each(downs[s:s + MAX_MATS], h[s:s + MAX_MATS], self.y_rows[s:s + MAX_MATS])
         return self.y.sum(0)
+
+    def rows(self, x: Tensor) -> Tensor:
+        """x (n, d_model) float32 contiguous -> the FFN outputs (n, d_model): each expert's
+        products over the rows that picked it, up to 16 experts a call."""
+        weights, chosen = self.route(x)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (row, pick) pairs grouped by expert
+        token = order // self.k
+        counts = torch.bincount(flat, minlength=len(self.downs))
+        used = counts.nonzero().reshape(-1).tolist()
+        n_rows = counts[used].tolist()
+        xs = x[token].contiguous()
+        gate, up = torch.empty(len(order), self.d_ff), torch.empty(len(order), self.d_ff)
+        self._each(self.gates, used, n_rows, xs, gate)
+        self._each(self.ups, used, n_rows, xs, up)
+        h = self.act_gate(gate).mul_(self.act_up(up))
+        h.mul_(weights.reshape(-1)[order].view(-1, 1))  # down(w h) = w down(h)
+        y = torch.empty(len(order), self.d_model)
+        self._each(self.downs, used, n_rows, h, y)
+        return torch.zeros(x.shape[0], self.d_model).index_add_(0, token, y)
+
+    @staticmethod
+    def _each(mats, used: list[int], n_rows: list[int], x: Tensor, out: Tensor) -> None:
+        """out's rows = x's rows through mats[used[i]], n_rows[i] rows each, in order."""
+        at = 0
+        for s in range(0, len(used), MAX_MATS):
+            counts = n_rows[s:s + MAX_MATS]
+            outs, off = [], at
+            for c in counts:
+                outs.append(out[off:off + c])
+                off += c
+            cpu.gemm_each([mats[e] for e in used[s:s + MAX_MATS]], x[at:off], counts, outs)
+            at = off

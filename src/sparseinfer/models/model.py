@@ -363,9 +363,9 @@ class MoE(nn.Module):
         self.router = modules.linear(prefix + "router", cfg.d_model, cfg.n_experts, False)
         self.experts = nn.ModuleList(FFN(cfg, modules, f"{prefix}experts.{e}.")
                                      for e in range(cfg.n_experts))
-        # one token on the C kernels (fused/experts.py), made on first use when the experts
-        # are the C kernels' matrices; False: they are not
-        self._one = None
+        # the experts' products grouped into few C calls (fused/experts.py), made on first use
+        # when the experts are the C kernels' matrices; False: they are not
+        self._c = None
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Rows x (n, d_model) -> (weights (n, k) float32, experts (n, k)), best first."""
@@ -377,20 +377,26 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] == 1 and self._one is not False and not rows.is_meta:
-            if self._one is None:
-                from ..fused.experts import ExpertsDecode
+        if self._c is None:
+            from ..fused.experts import CExperts
 
-                self._one = ExpertsDecode.of(self) or False
-            if self._one:
-                return self._one(rows[0].float().contiguous()).to(x.dtype).view_as(x)
+            self._c = CExperts.of(self) or False
+        if self._c:
+            xf = rows.float().contiguous()
+            y = self._c.one(xf[0]) if rows.shape[0] == 1 else self._c.rows(xf)
+            return y.to(x.dtype).view_as(x)
+        return self.loop(rows).view_as(x)
+
+    def loop(self, rows: Tensor) -> Tensor:
+        """Rows (n, d_model) through each picked expert's own modules, expert by expert: the
+        reference of the grouped C calls (fused/experts.py), and the path of other weights."""
         weights, chosen = self.route(rows)
         out = torch.zeros_like(rows)
         for e in chosen.unique().tolist():  # each expert once, over the rows that picked it
             picked, slot = (chosen == e).nonzero(as_tuple=True)
             y = self.experts[e](rows[picked])
             out.index_add_(0, picked, y * weights[picked, slot, None].to(y.dtype))
-        return out.view_as(x)
+        return out
 
 
 class Block(nn.Module):
