@@ -493,6 +493,18 @@ class GemvPlan:
         self._x = (n, self.cols) if each else (self.cols,)
         self._call = _lib.si_gemv_each if each else _gemv
 
+    def set_mats(self, mats: Sequence[QuantMatrix]) -> None:
+        """Other matrices of the same heights and width into the same outputs (a mixture of
+        experts' picked experts, token by token), without building the plan again."""
+        if len(mats) != self._n:
+            raise ValueError(f"expected {self._n} matrices, got {len(mats)}")
+        for i, m in enumerate(mats):
+            if m.cols != self.cols or m.rows != self._rows[i]:
+                raise ValueError(f"mats[{i}]: expected [{self._rows[i]}, {self.cols}], got "
+                                 f"[{m.rows}, {m.cols}]")
+            self._types[i], self._ptrs[i] = m.code, m.ptr
+        self.mats = list(mats)
+
     def __call__(self, x: torch.Tensor | np.ndarray) -> None:
         if not (type(x) is torch.Tensor and x.dtype is torch.float32 and x.shape == self._x
                 and x.is_contiguous() and not x.is_cuda):

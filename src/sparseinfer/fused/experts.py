@@ -23,6 +23,11 @@ from ..quant.linear import GGMLLinear
 MAX_MATS = 16
 
 
+def _groups(items):
+    """``items`` in runs of at most MAX_MATS (a list, or a tensor's rows)."""
+    return [items[s:s + MAX_MATS] for s in range(0, len(items), MAX_MATS)]
+
+
 class CExperts:
     """The experts of a ``MoE`` that are all ``GGMLLinear`` gated FFNs without biases: build
     with ``CExperts.of(moe)`` (None when it cannot take the module); ``one(x)`` for a token's
@@ -36,11 +41,17 @@ class CExperts:
         self.ups = [e.w_in.mats[1] for e in moe.experts]
         self.downs = [e.down.mats[0] for e in moe.experts]
         self.d_ff, self.d_model = first.d_ff, first.down.out_features
-        # one token: the picked experts' gate and up rows, their down products
+        # one token: the picked experts' gate and up rows, their down products, into fixed
+        # buffers by plans whose matrices change token by token (cpu.GemvPlan.set_mats)
         self.gate_up = torch.empty(self.k, 2, self.d_ff)
-        self.outs = [self.gate_up[j, s] for j in range(self.k) for s in range(2)]
+        outs = [self.gate_up[j, s] for j in range(self.k) for s in range(2)]
         self.y = torch.empty(self.k, self.d_model)
-        self.y_rows = list(self.y)
+        y_rows = list(self.y)
+        pairs = [m for _ in range(self.k) for m in (self.gates[0], self.ups[0])]  # (any, to
+        # start with: the picked experts' are set before each call)
+        self.in_plans = [cpu.GemvPlan(ms, os) for ms, os in zip(_groups(pairs), _groups(outs))]
+        self.down_plans = [cpu.GemvPlan(ms, os, each=True)
+                           for ms, os in zip(_groups([self.downs[0]] * self.k), _groups(y_rows))]
 
     @classmethod
     def of(cls, moe) -> CExperts | None:
@@ -59,13 +70,15 @@ class CExperts:
         weights, chosen = self.route(x.view(1, -1))
         picked = chosen[0].tolist()
         mats = [m for e in picked for m in (self.gates[e], self.ups[e])]
-        for s in range(0, len(mats), MAX_MATS):  # they share the input: quantized once
-            cpu.gemv(mats[s:s + MAX_MATS], x, self.outs[s:s + MAX_MATS])
+        for plan, ms in zip(self.in_plans, _groups(mats)):  # they share x: quantized once
+            plan.set_mats(ms)
+            plan(x)
         h = self.act_gate(self.gate_up[:, 0]) * self.act_up(self.gate_up[:, 1])
         h.mul_(weights[0].view(-1, 1))  # down(w h) = w down(h)
-        downs = [self.downs[e] for e in picked]
-        for s in range(0, len(downs), MAX_MATS):  # each against its own input
-            cpu.gemv_each(downs[s:s + MAX_MATS], h[s:s + MAX_MATS], self.y_rows[s:s + MAX_MATS])
+        for plan, ms, hs in zip(self.down_plans, _groups([self.downs[e] for e in picked]),
+                                _groups(h)):  # each against its own input
+            plan.set_mats(ms)
+            plan(hs)
         return self.y.sum(0)
 
     def rows(self, x: Tensor) -> Tensor:
