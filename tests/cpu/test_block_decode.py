@@ -113,6 +113,37 @@ def test_gemma_and_qwen3_options(isa, threads, opts, pos):
     check(kw, pos)
 
 
+@pytest.mark.parametrize("pos", [0, 13])
+@pytest.mark.parametrize("opts", ["plain", "qk_norm"])
+def test_attention_only_block(isa, threads, opts, pos):
+    """d_ff 0 and no FFN matrices (a mixture of experts' block: its experts come after, in
+    Python): ``x += wo(attention)`` only — the reference with an FFN that adds nothing — and the
+    cache written; refused in a ``DecodeStack``, and with an FFN post-norm."""
+    rng = np.random.default_rng(12)
+    kw = make(rng)
+    if opts == "qk_norm":
+        kw.update(q_norm=torch.from_numpy(rng.uniform(0.5, 1.5, 16).astype(np.float32)),
+                  k_norm=torch.from_numpy(rng.uniform(0.5, 1.5, 16).astype(np.float32)))
+    g = torch.Generator().manual_seed(pos)
+    kc, vc = torch.randn(2, 48, 16, generator=g), torch.randn(2, 48, 16, generator=g)
+    kr, vr = kc.clone(), vc.clone()
+    x = torch.randn(64, generator=g)
+    cos, sin = rope_row(16, pos)
+    want = ref.block_decode_ref(**kw, x=x.clone(), pos=pos, k_cache=kr, v_cache=vr, cos=cos,
+                                sin=sin, ffn=lambda h, x: torch.zeros_like(h))
+    block = cpu.DecodeBlock(**{**kw, "d_ff": 0, "w_in": [], "down": []})
+    assert block.attn_only
+    got = x.clone()
+    block(got, pos, kc, vc, cos, sin)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+    torch.testing.assert_close(kc, kr, rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="attention-only"):
+        cpu.DecodeStack([block])
+    with pytest.raises(ValueError, match="block: expected"):
+        cpu.DecodeBlock(**{**kw, "d_ff": 0, "w_in": [], "down": []},
+                        ffn_post_norm=torch.ones(64))
+
+
 def rope_tables(hd: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows = [rope_row(hd, p) for p in range(n)]
     return torch.stack([c for c, _ in rows]), torch.stack([s for _, s in rows])

@@ -82,7 +82,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "BF16": (20, 1, 2),  # bfloat16 rows
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2, "avx2_vnni": 3}
-ABI_VERSION = 28
+ABI_VERSION = 29
 # ``SPARSEINFER_C_KERNELS=0`` in the environment: run as where the library cannot load (another
 # CPU architecture, an x86 CPU without AVX2): torch's kernels, the numba decode
 OFF_SWITCH = "SPARSEINFER_C_KERNELS"
@@ -1171,7 +1171,9 @@ class DecodeBlock:
     RMSNorm the attention and FFN outputs before their residual adds; ``window`` attends to the
     last ``window`` positions only; ``scale`` replaces 1/sqrt(head_dim) on the scores;
     ``softcap`` > 0 soft-caps them, ``cap · tanh(score / cap)`` (Gemma 2), before the softmax.
-    (Reference: ``reference.block_decode_ref``.)"""
+    ``d_ff`` 0 with no ``w_in``, ``down`` or ``ffn_post_norm``: attention only, ``x +=
+    wo(attend(...))``, the caller computing the FFN (a mixture of experts; not in a
+    ``DecodeStack``). (Reference: ``reference.block_decode_ref``.)"""
 
     def __init__(self, *, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, d_ff: int,
                  gated: bool, gate_act: str | None, up_act: str | None, interleaved: bool,
@@ -1209,6 +1211,7 @@ class DecodeBlock:
                        scale=scale or 0.0, softcap=softcap)
         self.hd, self.d_model, self.nkv = head_dim, d_model, n_kv_heads
         self.sparse = sparse is not None
+        self.attn_only = d_ff == 0 and sparse is None
         norms = []
         for field, w, n in (("attn_norm", attn_norm, d_model), ("ffn_norm", ffn_norm, d_model),
                             ("q_norm", q_norm, head_dim), ("k_norm", k_norm, head_dim),
@@ -1224,6 +1227,8 @@ class DecodeBlock:
         if sparse is not None:
             d.sparse = sparse.desc(d_model, d_ff, gated)
         for field, mats in (("qkv", qkv), ("wo", wo), ("w_in", w_in), ("down", down)):
+            if d_ff == 0 and sparse is None and field in ("w_in", "down") and not mats:
+                continue  # attention only: the caller computes the FFN
             if sparse is not None and field in ("w_in", "down") and not mats:
                 b = biases.get(field)
                 if b is not None:  # the sparse FFN's output bias
@@ -1330,6 +1335,9 @@ class DecodeStack:
         self.d_model, self.hd, self.nkv = blocks[0].d_model, blocks[0].hd, blocks[0].nkv
         if any((b.d_model, b.hd, b.nkv) != (self.d_model, self.hd, self.nkv) for b in blocks):
             raise ValueError("blocks: expected one d_model, head_dim and kv-head count for all")
+        if any(b.attn_only for b in blocks):
+            raise ValueError("blocks: expected whole blocks, found attention-only ones (d_ff 0: "
+                             "their FFN is the caller's)")
         self._handles = (ctypes.c_void_p * self.n)(*[b._handle for b in self.blocks])
 
     def rope_tables(self, tables: Sequence[tuple[torch.Tensor, torch.Tensor]]):

@@ -29,7 +29,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 28
+#define SI_ABI_VERSION 29
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
@@ -1118,7 +1118,8 @@ static float *block_out(const block_t *b, int k) {
 }
 
 static int block_jobs(block_t *b) {
-    for (int k = 0; k < (b->d.sparse.rows ? 2 : 4); k++) { /* (a sparse FFN: no w_in, down) */
+    /* (a sparse FFN, or attention only: no w_in, down) */
+    for (int k = 0; k < (b->d.sparse.rows || !b->d.d_ff ? 2 : 4); k++) {
         const si_linear *l = block_linear(&b->d, k);
         float *o[SI_LINEAR_MATS];
         int64_t off = 0;
@@ -1192,14 +1193,19 @@ static int sparse_ffn_bad(const si_block_desc *d) {
 void *si_block_new(const si_block_desc *desc, int *err) {
     const si_block_desc *d = desc;
     *err = EINVAL;
+    /* d_ff 0, no FFN matrices: attention only (the caller computes the FFN: a mixture of experts) */
+    const int attn_only = d->d_ff == 0 && !d->sparse.rows && !d->w_in.n && !d->down.n &&
+                          !d->ffn_post_norm;
     if (d->d_model <= 0 || d->n_heads <= 0 || d->n_kv_heads <= 0 || d->head_dim <= 0 ||
-        d->head_dim % 2 || d->n_heads % d->n_kv_heads || d->d_ff <= 0 || !d->attn_norm ||
+        d->head_dim % 2 || d->n_heads % d->n_kv_heads || (d->d_ff <= 0 && !attn_only) ||
+        !d->attn_norm ||
         !d->ffn_norm || d->gate_act < 0 || d->gate_act > 4 || d->up_act < 0 || d->up_act > 4 ||
         d->window < 0 || !(d->scale >= 0.0f) || !(d->softcap >= 0.0f) || isinf(d->softcap))
         return NULL;
     const int64_t qkv_rows = (int64_t)(d->n_heads + 2 * d->n_kv_heads) * d->head_dim;
     const int sparse = d->sparse.rows != NULL;
-    const int dense = !sparse || d->w_in.n || d->down.n; /* (a sparse FFN's dense copy) */
+    /* (with a sparse FFN: its dense copy) */
+    const int dense = !attn_only && (!sparse || d->w_in.n || d->down.n);
     if (linear_rows(&d->qkv) != qkv_rows || linear_rows(&d->wo) != d->d_model ||
         (dense && (linear_rows(&d->w_in) != (int64_t)(d->gated ? 2 : 1) * d->d_ff ||
                    linear_rows(&d->down) != d->d_model)) ||
@@ -1509,6 +1515,7 @@ static int block_steps(block_t *b, float *x, int B, int max_seq) {
     /* FFN */
     each_row(row_ffn_in, b, B);
     phase_end(PH_REST);
+    if (!d->d_ff) return 0; /* attention only: the caller's FFN follows */
     if (d->sparse.rows && !(B > 1 && d->w_in.n && d->sparse.mode && *d->sparse.mode == 3)) {
         if ((err = block_sparse_ffn(b, B))) return err;
     } else {
@@ -1770,6 +1777,8 @@ int si_stack_decode_rows(void *const *blocks, int n, float *x, int B, const int3
     int err = check_rows(B, pos, slots, max_seq);
     if (err) return err;
     if (n < 1) return EINVAL;
+    for (int l = 0; l < n; l++) /* a whole block each: none attention only */
+        if (!((const block_t *)blocks[l])->d.d_ff) return EINVAL;
     pthread_mutex_lock(&g_call_lock);
     for (int l = 0; l < n && !err; l++)
         err = rows_call(blocks[l], x, B, pos, slots, (uint8_t *)kc + l * layer_stride * kv_size(kv16),

@@ -199,7 +199,9 @@ typedef struct {
  * with Gemma's and Qwen3's extras as options: RMSNorm of each q and k head before rope (q_norm,
  * k_norm [head_dim]), RMSNorm of the attention and FFN outputs before their residual adds
  * (attn_post_norm, ffn_post_norm [d_model]), attention over the last `window` positions only
- * (0: all), and a score scale other than 1/sqrt(head_dim) (scale > 0). NULL / 0: not used. */
+ * (0: all), and a score scale other than 1/sqrt(head_dim) (scale > 0). NULL / 0: not used.
+ * d_ff 0 with no w_in, down, sparse FFN or ffn_post_norm: attention only (x += the attention's
+ * output; the caller computes the FFN — a mixture of experts); not in a stack of blocks. */
 typedef struct {
     int d_model, n_heads, n_kv_heads, head_dim, d_ff, gated, gate_act, up_act, interleaved;
     float eps;

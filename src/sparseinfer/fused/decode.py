@@ -148,6 +148,9 @@ class FusedDecode:
         self._rope_key = None  # the tables self._cos/self._sin view (numba's path)
         self._ptrs_key = None  # the tables self._rope_ptrs address (the C calls)
         self._c = _c_block(block, layer) if self._want_c else None
+        # the C block computes the attention only: the block's norm and FFN module follow
+        self.attn_only = self._c is not None and self._c.attn_only
+        self.ffn_norm = block.ffn_norm
         self._attend_c = None  # a float16 cache's attention (numba reads float32 only), in C
         if self._c is None and not cfg.plain_block:  # the plan fuses such blocks only for C
             raise RuntimeError(f"fused decode of a {cfg.arch} block (q/k norms, post-norms, "
@@ -228,6 +231,8 @@ class FusedDecode:
         ro = pos * self.hd * 4
         x1 = x.reshape(-1).clone()  # the residual stream, updated in place
         self._c.run(x1.data_ptr(), pos, k, v, cos_p + ro, sin_p + ro, cache.max_seq, kv16)
+        if self.attn_only:
+            x1 += self.ffn(self.ffn_norm(x1.view(1, -1))).reshape(-1)
         return x1.view(1, 1, -1)
 
     def rows(self, x: Tensor, layer: int, rows, cache: KVCache, rope) -> Tensor:
@@ -242,6 +247,8 @@ class FusedDecode:
         pos32, slots32 = rows.c_positions, rows.c_slots
         self._c.run_rows(x1.data_ptr(), B, pos32.data_ptr(), slots32.data_ptr(), k, v,
                          cache.k.stride(1), cos_p, sin_p, cache.max_seq, kv16)
+        if self.attn_only:
+            x1 += self.ffn(self.ffn_norm(x1))
         return x1.view(B, 1, -1)
 
 
@@ -298,7 +305,7 @@ def stack_of(model) -> FusedStack | None:
     """``FusedStack`` of ``model`` when every block is on the C library, else None."""
     blocks = []
     for i, block in enumerate(model.layers):
-        if block.fused is None or not block.fused.takes_rows(i):
+        if block.fused is None or not block.fused.takes_rows(i) or block.fused.attn_only:
             return None
         blocks.append(block.fused._c)
     return FusedStack(model, blocks)
@@ -309,16 +316,18 @@ def _c_block(block: Block, layer: int):
     file's blocks in ``GGMLLinear``, or fp32 ``FloatLinear``) and its FFN is the dense one on them
     or a sparse FFN the C block takes (``SparseFFN.c_block_ffn``); else None (the numba kernels
     around the block's own modules)."""
-    from ..models.model import FFN
+    from ..models.model import FFN, MoE
     from ..quant.linear import FloatLinear, GGMLLinear
     from ..sparse.ffn import SparseFFN
 
     attn, ffn = block.attn, block.ffn
     lins = {"qkv": attn.wqkv, "wo": attn.wo}
     sparse = ffn.c_block_ffn() if type(ffn) is SparseFFN else None
+    # a mixture of experts: the block's attention in C, its experts after it (fused/experts.py)
+    attn_only = type(ffn) is MoE
     if type(ffn) is FFN:
         lins.update(w_in=ffn.w_in, down=ffn.down)
-    if len(lins) < (2 if sparse else 4) or not all(
+    if len(lins) < (2 if sparse or attn_only else 4) or not all(
             type(m) in (GGMLLinear, FloatLinear) and m.mats for m in lins.values()):
         return None
     from .. import cpu
@@ -326,17 +335,20 @@ def _c_block(block: Block, layer: int):
 
     cfg = attn.cfg
     kind = FFN_KINDS[ffn.kind_name if sparse else cfg.ffn_kind]
-    if len(lins["qkv"].mats) > 4 or (not sparse and len(lins["w_in"].mats) > 4):
+    if len(lins["qkv"].mats) > 4 or ("w_in" in lins and len(lins["w_in"].mats) > 4):
         return None
     if cfg.parallel or cfg.post_norm or block.ffn_norm is None:
         return None
+    if attn_only and not isinstance(block.ffn_post_norm, torch.nn.Identity):
+        return None  # (the C block's attention-only mode has no FFN post-norm)
 
     def weight(norm):  # a Norm, or nn.Identity where the architecture has none
         return getattr(norm, "weight", None) if norm is not None else None
 
     return cpu.DecodeBlock(
         d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-        head_dim=cfg.head_dim, d_ff=cfg.d_ff, gated=kind.gated, gate_act=kind.gate_act,
+        head_dim=cfg.head_dim, d_ff=0 if attn_only else cfg.d_ff, gated=kind.gated,
+        gate_act=kind.gate_act,
         up_act=kind.up_act, interleaved=bool(cfg.rope_interleaved), eps=float(block.attn_norm.eps),
         attn_norm=block.attn_norm.weight, ffn_norm=block.ffn_norm.weight,
         **{"w_in": [], "down": [], **{name: m.mats for name, m in lins.items()}},

@@ -485,6 +485,8 @@ def _c_blocks(cfg: ModelConfig, weights: list[WeightPlan], sparse) -> bool:
         if _not_in_c_block(cfg, *sparse) is not None:
             return False
         linears = _BLOCK_LINEARS[:2]
+    if cfg.n_experts:  # the C block's attention, the experts after it (fused/experts.py)
+        linears = _BLOCK_LINEARS[:2]
     storage = {w.module: w.storage for w in weights}
     return all(storage.get(f"layers.{i}.{name}") in ("ggml", "fp32")
                for i in range(cfg.n_layers) for name in linears)
