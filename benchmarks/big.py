@@ -5,6 +5,8 @@ file, in one run.
     python benchmarks/big.py --shape 7b --out /tmp/big          # writes /tmp/big/llama-7b.q4_0.gguf
     python benchmarks/big.py --shape 13b --out /tmp/big --tokens 8
     python benchmarks/big.py --shape 1b --out /tmp/big               # TinyLlama-1.1B's shape
+    python benchmarks/big.py --shape moe --out /tmp/big   # a mixture of experts (Qwen3-30B-A3B's
+        # widths in 12 layers; moe48: in all 48, 30B parameters, 16 GB)
     python benchmarks/big.py --shape 7b --out /tmp/big --rounds 5
     python benchmarks/big.py --shape 7b --out /tmp/big --qtype q4_k_m   # the Q4_K_M mix (or q5_k_m)
     python benchmarks/big.py --shape 7b --out /tmp/big --qtype bf16     # 16-bit floats (or f16)
@@ -41,6 +43,7 @@ SHAPES = {  # d_model, d_ff, layers, heads, kv heads
     # (d_model 2048, 128 experts of 768, 8 a token, head size 128, 4 kv heads) in 12 layers of
     # its 48 and 16 heads of its 32; + (experts, experts a token)
     "moe": (2048, 768, 12, 16, 4, 128, 8),
+    "moe48": (2048, 768, 48, 16, 4, 128, 8),  # the same in all 48 layers: 30B parameters
 }
 PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good "
           "fortune, must be in want of a wife.")
