@@ -13,6 +13,7 @@ router weight is folded into its down product's input. ``MoE.forward``'s loop is
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -36,6 +37,7 @@ class CExperts:
     def __init__(self, moe) -> None:
         first = moe.experts[0]
         self.route, self.k = moe.route, moe.k
+        self.router, self.renorm = moe.router, moe.renorm
         self.act_gate, self.act_up = first.act_gate, first.act_up
         self.gates = [e.w_in.mats[0] for e in moe.experts]
         self.ups = [e.w_in.mats[1] for e in moe.experts]
@@ -67,19 +69,29 @@ class CExperts:
 
     def one(self, x: Tensor) -> Tensor:
         """x (d_model,) float32 contiguous -> the layer's FFN output (d_model,)."""
-        weights, chosen = self.route(x.view(1, -1))
-        picked = chosen[0].tolist()
+        weights, picked = self.route_one(x)
         mats = [m for e in picked for m in (self.gates[e], self.ups[e])]
         for plan, ms in zip(self.in_plans, _groups(mats)):  # they share x: quantized once
             plan.set_mats(ms)
             plan(x)
         h = self.act_gate(self.gate_up[:, 0]) * self.act_up(self.gate_up[:, 1])
-        h.mul_(weights[0].view(-1, 1))  # down(w h) = w down(h)
+        h.mul_(weights.view(-1, 1))  # down(w h) = w down(h)
         for plan, ms, hs in zip(self.down_plans, _groups([self.downs[e] for e in picked]),
                                 _groups(h)):  # each against its own input
             plan.set_mats(ms)
             plan(hs)
         return self.y.sum(0)
+
+    def route_one(self, x: Tensor) -> tuple[Tensor, list[int]]:
+        """``MoE.route`` of one row in numpy (torch's operations on 128 numbers cost more than
+        the arithmetic): the router's softmax weights of the k best experts (renormalized as the
+        module does) and the experts, best first."""
+        logits = self.router(x.view(1, -1)).reshape(-1).numpy()
+        best = np.argpartition(-logits, self.k - 1)[:self.k]
+        best = best[np.argsort(-logits[best], kind="stable")]
+        e = np.exp(logits - logits.max())
+        w = e[best] / (e[best].sum() if self.renorm else e.sum())
+        return torch.from_numpy(w.astype(np.float32)), best.tolist()
 
     def rows(self, x: Tensor) -> Tensor:
         """x (n, d_model) float32 contiguous -> the FFN outputs (n, d_model): each expert's
