@@ -116,19 +116,32 @@ def test_route_picks_the_top_experts_by_brute_force(arch_model_dir):
             assert torch.allclose(got[t], want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3moe"])
-def test_engine_and_batch_engine_generate_transformers_tokens(arch_model_dir, name):
-    """The engine (the CLI's and server's load) greedy-decodes what transformers generates —
-    Mixtral's blocks through the fused decode (attention in C over a float16 cache, the experts
-    by ``fused.experts.CExperts``), Qwen3-MoE's (q/k norms: no C block with experts) through
-    the torch modules; the batch engine gives each of two concurrent requests the same tokens."""
+def test_engine_and_batch_engine_generate_transformers_tokens(arch_model_dir, tmp_path, name,
+                                                             bf16):
+    """The engine (the CLI's and server's load) greedy-decodes what transformers generates:
+    each block's attention in the C block (attention only; Qwen3-MoE's q/k norms too), the
+    experts after it — as float32 modules (``MoE.loop``), or, from a bfloat16 checkpoint, on the
+    C kernels' BF16 rows (``fused.experts.CExperts``; transformers then runs the same numbers
+    in float32); the batch engine gives each of two concurrent requests the same tokens."""
     from sparseinfer.config import SamplingParams
     from sparseinfer.engine import Engine, TokenEvent
+    from sparseinfer.fused.experts import CExperts
     from sparseinfer.server.batching import BatchEngine
 
-    ref = tiny_arch_model(name)
-    eng = Engine.load(arch_model_dir(name), threads=1)
+    ref, d = tiny_arch_model(name), arch_model_dir(name)
+    if bf16:
+        d = tmp_path / name
+        shutil.copytree(arch_model_dir(name), d)
+        tiny_arch_model(name).to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+    eng = Engine.load(d, threads=1)
     assert eng.loaded.plan.fused_decode
+    assert all(blk.fused is not None for blk in eng.loaded.model.layers)
+    assert (CExperts.of(eng.loaded.model.layers[0].ffn) is not None) == bf16
     prompts = [[1, 17, 42, 99, 7], [1, 5, 6, 150, 33, 2]]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -141,6 +154,7 @@ def test_engine_and_batch_engine_generate_transformers_tokens(arch_model_dir, na
             hf = ref.generate(torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10,
                               do_sample=False)
         assert tokens(eng, ids) == hf[0, len(ids):].tolist()
+    assert all(blk.fused.attn_only for blk in eng.loaded.model.layers)  # (made by the decode)
     single = [tokens(eng, ids) for ids in prompts]
     be = BatchEngine(eng, parallel=2, prefill_chunk=4, cache_prompt=False)
     try:
