@@ -109,11 +109,11 @@ def test_gemv_matches_reference(type_name, rows, cols, isa, threads):
     assert torch.all((out.double() - want_q8.double()).abs() <= summation_bound(mat, x))
 
 
-# (gemv_each is gemm_each of one row each: every type is in gemm_each's test)
+# (one row each is gemm_each of one row each: every type is in gemm_each's test)
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_0x16", "Q8_0x16", "Q4_Kx16", "Q6_K", "BF16"])
 def test_gemv_each_matrix_on_its_own_row(type_name, isa, threads):
-    """``gemv_each`` (a mixture of experts' down products: matrix i against x row i, one
-    dispatch): each output equals ``gemv`` of that matrix on that row bit for bit, and the
+    """``GemvPlan(..., each=True)`` (a mixture of experts' down products: matrix i against x row
+    i, one dispatch): each output equals ``gemv`` of that matrix on that row bit for bit, and the
     pure-torch reference (``gemv_each_ref``) within the int8 rounding of x; 16 matrices of
     several heights."""
     rng = np.random.default_rng(7)
@@ -124,7 +124,7 @@ def test_gemv_each_matrix_on_its_own_row(type_name, isa, threads):
             for r in (heights * 16)[:16]]
     x = torch.from_numpy(rng.standard_normal((len(mats), cols)).astype(np.float32))
     outs = [torch.empty(m.rows) for m in mats]
-    cpu.gemv_each(mats, x, outs)
+    cpu.GemvPlan(mats, outs, each=True)(x)
     for m, xi, out in zip(mats, x, outs):
         alone = torch.empty(m.rows)
         cpu.gemv([m], xi.contiguous(), [alone])

@@ -17,8 +17,8 @@ llama.cpp's q8_0) and each block of weights is an integer dot product with it (F
     cpu.gemv([wq, wk, wv], x, [q, k, v])                 # x quantized once, one pool dispatch
     plan = cpu.GemvPlan([wg, wu], [g, u]); plan(x)        # the same with per-call work hoisted
     y = cpu.gemm(wq, X)                                  # X [T, cols] -> [T, rows]
-    cpu.gemv_each([w1, w2], X2, [y1, y2])                # matrix i against its own row X2[i]
-    cpu.gemm_each([w1, w2], X, [3, 5], [Y1, Y2])         # ... against its own next rows of X
+    cpu.gemm_each([w1, w2], X, [3, 5], [Y1, Y2])         # matrix i against its own next rows of X
+    cpu.GemvPlan([w1, w2], [y1, y2], each=True)(X2)      # ... against its own row X2[i]
     cpu.sparse_ffn_q4(rows, gated, idx, X, out, ga, ua)   # sparse FFN over Q4_0 neuron bundles
     z = cpu.sparse_q4_gates(rows, idx, x)                # ... their raw gate dot products alone
     cpu.sparse_ffn_i8(rows8, scales, 32, gated, idx, X, out, ga, ua)  # ... over int8 bundles
@@ -68,7 +68,6 @@ __all__ = [
     "best_isa",
     "gemm",
     "gemv",
-    "gemv_each",
     "gemm_each",
     "get_isa",
     "get_threads",

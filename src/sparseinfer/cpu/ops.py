@@ -467,8 +467,9 @@ class QuantMatrix:
 
 class GemvPlan:
     """``gemv(mats, x, outs)`` with its argument arrays built once: ``plan(x)`` for the hot path
-    (``outs`` are fixed; ``x`` must be a contiguous float32 CPU tensor/array of ``cols``, or with
-    ``each``, of [len(mats), cols]: ``gemv_each``)."""
+    (``outs`` are fixed; ``x`` must be a contiguous float32 CPU tensor/array of ``cols``). With
+    ``each``, matrix i against its own row i of ``x`` [len(mats), cols] (``gemm_each`` of one
+    row each, one dispatch: a mixture of experts' down products for one token)."""
 
     __slots__ = ("mats", "outs", "cols", "_n", "_types", "_ptrs", "_rows", "_outp", "_x", "_call")
 
@@ -532,21 +533,6 @@ def gemv(mats: Sequence[QuantMatrix], x: torch.Tensor | np.ndarray,
         if mats:
             _check_f32(x, (mats[0].cols,), "x")
         plan = GemvPlan(mats, outs)
-        if len(_plans) >= MAX_CACHED_PLANS:
-            _plans.clear()
-        _plans[key] = plan
-    plan(x)
-
-
-def gemv_each(mats: Sequence[QuantMatrix], x: torch.Tensor | np.ndarray,
-              outs: Sequence[torch.Tensor | np.ndarray]) -> None:
-    """``outs[i] = mats[i] @ x[i]``: matrices sharing one width, each against its own row of
-    ``x`` (float32 [len(mats), cols]) — the rows quantized in one pass, all the products in one
-    pool dispatch (a mixture of experts' down products). Plans cached as ``gemv``'s."""
-    key = ("each", *mats, *[(_ptr(o), o.shape, o.dtype) for o in outs])
-    plan = _plans.get(key)
-    if plan is None:
-        plan = GemvPlan(mats, outs, each=True)
         if len(_plans) >= MAX_CACHED_PLANS:
             _plans.clear()
         _plans[key] = plan

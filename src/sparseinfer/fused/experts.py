@@ -5,10 +5,10 @@ kernels' matrices).
 products: three C calls, a few torch operations and a pool wake-up per picked expert — for one
 token 8 experts' worth, for a prompt nearly every expert's. Here the rows are grouped by expert
 and each projection of all the picked experts goes to the pool in one call of up to 16
-matrices, each against its own rows (``cpu.gemv`` for one token's gate and up rows, which share
-its input; ``cpu.gemm_each`` otherwise); the activations are computed together and each row's
-router weight is folded into its down product's input. ``MoE.forward``'s loop is the reference
-(``tests/models/test_moe.py`` compares them).
+matrices, each against its own rows (one token: ``cpu.GemvPlan``s, its gate and up rows sharing
+its input, its down rows each their own; several rows: ``cpu.gemm_each``); the activations are
+computed together and each row's router weight is folded into its down product's input.
+``MoE.loop`` is the reference (``tests/models/test_moe.py`` compares them).
 """
 
 from __future__ import annotations

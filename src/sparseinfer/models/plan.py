@@ -480,13 +480,13 @@ def _c_blocks(cfg: ModelConfig, weights: list[WeightPlan], sparse) -> bool:
     (or every neuron) over the C kernels' rows (q4, or int8 with d_model a multiple of 32)."""
     if cfg.parallel or cfg.post_norm:
         return False
-    linears = _BLOCK_LINEARS
-    if sparse is not None:
-        if _not_in_c_block(cfg, *sparse) is not None:
-            return False
-        linears = _BLOCK_LINEARS[:2]
-    if cfg.n_experts:  # the C block's attention, the experts after it (fused/experts.py)
-        linears = _BLOCK_LINEARS[:2]
+    if sparse is not None and _not_in_c_block(cfg, *sparse) is not None:
+        return False
+    if cfg.n_experts and cfg.post_norms:  # (the C block's attention-only mode has no FFN post-norm)
+        return False
+    # a sparse FFN inside the C block, or experts after its attention (fused/experts.py): the C
+    # block's products are the attention's two
+    linears = _BLOCK_LINEARS[:2] if sparse is not None or cfg.n_experts else _BLOCK_LINEARS
     storage = {w.module: w.storage for w in weights}
     return all(storage.get(f"layers.{i}.{name}") in ("ggml", "fp32")
                for i in range(cfg.n_layers) for name in linears)
