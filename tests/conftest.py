@@ -4,7 +4,9 @@ reference), and the embedded SmolLM2 model, loaded once per session."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -152,13 +154,42 @@ def smollm2(smollm2_path):
     return load_model(smollm2_path, max_seq_len=2048)
 
 
+_PARSED: dict[tuple, object] = {}  # gguf_parsed_once's readers, for the whole session
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """While transformers reads a GGUF as a reference, gguf-py parses each file once instead of
+    once for the config, again for the tokenizer and again for the weights (Gemma-3's
+    262,144-token vocabulary took 15-30 s a parse here): the same gguf-py reader, handed out
+    again while the file is unchanged (for the whole session). Only the references' reads run
+    inside; ours subclass the real ``GGUFReader`` and never see this."""
+    import gguf
+
+    real = gguf.GGUFReader
+
+    def reader(path, mode="r"):
+        st = os.stat(path)
+        key = (os.fspath(path), mode, st.st_size, st.st_mtime_ns)
+        if key not in _PARSED:
+            _PARSED[key] = real(path, mode)
+        return _PARSED[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_path):
     """transformers' own load of the same GGUF: the independent reference."""
     import transformers as tf
 
-    model = tf.AutoModelForCausalLM.from_pretrained(
-        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32)
+    with gguf_parsed_once():
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32)
     return model.eval()
 
 

@@ -91,6 +91,29 @@ def test_chat_two_turns(tiny_model_dir, monkeypatch, capsys):
     assert out.count("\n") >= 2  # one line per reply
 
 
+def test_chat_template_kwargs(tiny_model_dir, monkeypatch, capsys):
+    """--chat-template-kwargs reaches the template (Qwen3's enable_thinking, say); not a JSON
+    object is refused by the parser."""
+    from sparseinfer.tokenizer import Tokenizer
+
+    seen = []
+    render = Tokenizer.apply_chat_template
+
+    def recording(self, messages, add_generation_prompt=True, template_kwargs=None):
+        seen.append(template_kwargs)
+        return render(self, messages, add_generation_prompt, template_kwargs)
+
+    monkeypatch.setattr(Tokenizer, "apply_chat_template", recording)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n\n"))
+    assert main(["chat", "-m", str(tiny_model_dir("swiglu")), "-n", "2", "--no-warmup",
+                 "--chat-template-kwargs", '{"enable_thinking": false}']) == 0
+    assert seen == [{"enable_thinking": False}]
+    with pytest.raises(SystemExit) as exc:
+        main(["chat", "--chat-template-kwargs", "[1]"])
+    assert exc.value.code == 2
+    assert "expected a JSON object, got '[1]'" in capsys.readouterr().err
+
+
 def _reference_perplexity(kind: str, ids: list[int], n_ctx: int) -> float:
     """llama.cpp's method computed with the transformers model: score the second half of every
     n_ctx-token chunk."""

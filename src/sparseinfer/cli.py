@@ -7,6 +7,7 @@ and exit status 1 (``-v`` shows the traceback and INFO logs).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import sys
@@ -324,7 +325,7 @@ def cmd_chat(args) -> int:
         if not line or not line.strip():
             return 0
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        ids = engine.chat_prompt(messages)
+        ids = engine.chat_prompt(messages, args.chat_template_kwargs)
         reply = []
         for ev in engine.stream(ids, params, context_shift=shift):
             if isinstance(ev, FinishEvent):
@@ -445,7 +446,8 @@ def cmd_serve(args) -> int:
               max_queue=args.max_queue, default_max_tokens=args.default_max_tokens or None,
               max_tokens_limit=args.max_tokens_limit or None,
               max_generation_seconds=args.max_generation_seconds or None,
-              pooling=args.pooling)
+              pooling=args.pooling, reasoning_format=args.reasoning_format,
+              chat_template_kwargs=args.chat_template_kwargs)
     finally:
         close = getattr(engine, "close", None)  # the batch loop of --parallel
         if close is not None:
@@ -476,6 +478,23 @@ def _check_port(host: str, port: int) -> None:
 # ---- parser ------------------------------------------------------------------------------------
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _add_template_kwargs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help="more variables for the chat template, e.g. "
+                        "'{\"enable_thinking\": false}' to turn Qwen3's thinking off "
+                        "(llama.cpp's --chat-template-kwargs)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparseinfer", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"sparseinfer {__version__}")
@@ -493,6 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(c)
     c.add_argument("--system", default=None, help="system message")
     c.add_argument("--timings", action="store_true", help="print tokens/s after each reply")
+    _add_template_kwargs(c)
     c.set_defaults(func=cmd_chat, n_predict=512)
 
     pp = sub.add_parser("perplexity", help="llama.cpp-style chunked perplexity of a text file")
@@ -547,6 +567,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how /v1/embeddings makes one vector of a text from the model's "
                         "final-normed hidden states: mean over its tokens (default) or the last "
                         "token's (llama.cpp's --pooling); unit length either way")
+    s.add_argument("--reasoning-format", choices=["auto", "deepseek", "none"], default="auto",
+                   help="a thinking model's thoughts (<think>...</think>: DeepSeek-R1, QwQ, "
+                        "Qwen3): auto/deepseek (default) return them apart from the answer, as "
+                        "reasoning_content (OpenAI routes) and thinking (Ollama's); none leaves "
+                        "them in the answer (llama.cpp's --reasoning-format)")
+    _add_template_kwargs(s)
     s.set_defaults(func=cmd_serve)
 
     from .offline.cli import add_offline_commands

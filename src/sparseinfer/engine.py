@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from .config import SamplingParams
 from .errors import ContextOverflowError, SparseInferError
+from .reasoning import ThinkTags, template_tags
 from .threads import default_threads, small_model_threads
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ class EngineProtocol(Protocol):
     processors=, logprobs=)`` keywords (logit_bias, grammars, logprobs), ``score(ids, top)``
     (prompt logprobs for ``echo``), ``vocab_size`` / ``eos_ids`` / ``tokenizer_json()``
     (grammars), ``parallel`` (how many streams may run at once; default 1), ``embed(ids,
-    pooling)`` (``/v1/embeddings``)."""
+    pooling)`` (``/v1/embeddings``), ``think_tags`` (a ``reasoning.ThinkTags`` when the model
+    writes its thoughts before its answer)."""
 
     name: str  # model id shown by /v1/models
     n_ctx: int  # context window in tokens
@@ -72,8 +74,10 @@ class EngineProtocol(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Render ``messages`` with the model's chat template (generation prompt added), tokenize."""
+    def chat_prompt(self, messages: list[dict[str, str]],
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Render ``messages`` with the model's chat template (generation prompt added; more
+        template variables from ``template_kwargs``, e.g. ``enable_thinking``), tokenize."""
         ...
 
     def stream(
@@ -185,8 +189,15 @@ class Engine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    @property
+    def think_tags(self) -> ThinkTags | None:
+        """The tags around the model's thoughts if its chat template is a thinking model's."""
+        return template_tags(self.tokenizer.chat_template)
+
+    def chat_prompt(self, messages: list[dict[str, str]],
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  template_kwargs=template_kwargs)
         # the template writes BOS itself when the model wants one
         return self.tokenizer.encode(text, add_bos=False)
 

@@ -164,6 +164,10 @@ _GGUF_NAMED_TOKENS = {
 _HF_NAMED_TOKENS = tuple(_GGUF_NAMED_TOKENS)  # keys of tokenizer_config.json
 
 
+# what apply_chat_template itself gives a template (template_kwargs may not set these)
+TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "documents")
+
+
 class Tokenizer:
     """Encode, decode and render chat prompts the way the model expects.
 
@@ -381,12 +385,17 @@ class Tokenizer:
     # --- chat ---------------------------------------------------------------------------------
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for a conversation, rendered with the model's chat template.
 
         ``messages`` are ``{"role": ..., "content": ...}`` dicts. Without a template in the model,
-        ChatML is used (with a warning).
+        ChatML is used (with a warning). ``template_kwargs`` are more variables for the template
+        (llama.cpp's ``chat_template_kwargs``, transformers' keyword arguments), e.g.
+        ``{"enable_thinking": False}`` for Qwen3.
         """
         if isinstance(messages, str) or not isinstance(messages, Sequence) or not all(
             isinstance(m, Mapping) for m in messages
@@ -395,6 +404,13 @@ class Tokenizer:
                 "apply_chat_template expects a list of {'role': ..., 'content': ...} dicts, "
                 f"got {type(messages).__name__}"
             )
+        extra = dict(template_kwargs or {})
+        taken = sorted(set(extra) & set(TEMPLATE_VARIABLES))
+        if taken:
+            raise SparseInferError(
+                f"chat template variables: expected names other than "
+                f"{', '.join(TEMPLATE_VARIABLES)}, got {', '.join(taken)}"
+            )
         template = self._template()
         try:
             return template.render(
@@ -402,7 +418,7 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 tools=None,
                 documents=None,
-                **self._template_tokens,
+                **{**self._template_tokens, **extra},
             )
         except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
             raise SparseInferError(

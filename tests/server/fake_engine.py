@@ -3,7 +3,13 @@
 Tokens are bytes (id = byte + 3; BOS 1, EOS 2). The chat template renders ``<|role|>content\\n``
 per message and ends with ``<|assistant|>``. Generation yields whole words from ``SCRIPT`` in a
 cycle, one word per token, unless the prompt contains ``[[say:...]]``: then it yields those words
-and stops (reason "stop", like an end-of-text token). ``[[fail]]`` raises after two tokens.
+and stops (reason "stop", like an end-of-text token); ``[[spell:...]]`` yields those characters,
+one a token. ``[[fail]]`` raises after two tokens.
+
+``think=True`` makes it a thinking model (``think_tags``) whose template takes Qwen3's
+``enable_thinking`` (false: an empty thought closes the prompt); ``think="open"`` also opens the
+thought at the end of the prompt, as DeepSeek-R1's template does. Template variables are
+recorded (``template_kwargs``).
 
 With ``logprobs=k`` each token reports logprob ``-n / 10`` (n-th token) and ``k`` alternatives;
 ``score`` gives prompt token i the logprob ``-(i % 5) / 10 - 0.5``; ``embed`` the unit vector
@@ -24,10 +30,12 @@ from collections.abc import Iterator
 from sparseinfer.config import SamplingParams
 from sparseinfer.engine import FinishEvent, StreamEvent, TokenEvent, TokenScore
 from sparseinfer.errors import ContextOverflowError
+from sparseinfer.reasoning import THINK
 
 SCRIPT = "one two three four five six seven eight nine ten".split()
 BOS, EOS, OFFSET = 1, 2, 3
 _SAY = re.compile(r"\[\[say:(.*?)\]\]", re.S)
+_SPELL = re.compile(r"\[\[spell:(.*?)\]\]", re.S)
 
 
 class FakeEngine:
@@ -39,8 +47,12 @@ class FakeEngine:
         n_ctx: int = 256,
         token_delay: float = 0.0,
         prefill_delay: float = 0.0,
+        think: bool | str = False,
     ) -> None:
         self.name = name
+        self.think = think
+        self.think_tags = THINK if think else None
+        self.template_kwargs: list[dict | None] = []
         self.n_ctx = n_ctx
         self.token_delay = token_delay
         self.prefill_delay = prefill_delay
@@ -61,11 +73,16 @@ class FakeEngine:
     def decode(self, ids: list[int]) -> str:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode("utf-8", errors="replace")
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, str]], template_kwargs=None) -> list[int]:
         for m in messages:
             if m["role"] not in ("system", "user", "assistant"):
                 raise ValueError(f"role: expected system, user or assistant, got {m['role']!r}")
+        self.template_kwargs.append(template_kwargs)
         text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>"
+        if self.think and (template_kwargs or {}).get("enable_thinking") is False:
+            text += "<think>\n\n</think>\n\n"
+        elif self.think == "open":
+            text += "<think>\n"
         return self.encode(text)
 
     def score(self, ids: list[int], top: int = 0) -> list[TokenScore]:
@@ -134,8 +151,11 @@ class FakeEngine:
             prompt = self.decode(prompt_ids)
             self.started.append(prompt)
             self.params.append(params)
-            said = _SAY.search(prompt)
+            said, spelled = _SAY.search(prompt), _SPELL.search(prompt)
             words = said.group(1).split() if said else None
+            if spelled:
+                words = list(spelled.group(1))
+            sep = "" if spelled else " "
             limit = room if params.max_tokens < 0 else params.max_tokens
             if self.prefill_delay and cancel.wait(self.prefill_delay):
                 self.cancelled += 1
@@ -162,7 +182,7 @@ class FakeEngine:
                     return
                 word = (words or SCRIPT)[n % len(words or SCRIPT)]
                 n += 1
-                pending += word if n == 1 else " " + word
+                pending += word if n == 1 else sep + word
                 hit = [pending.index(s) for s in params.stop if s in pending]
                 if hit:
                     yield self._token(100 + n, pending[: min(hit)], n)

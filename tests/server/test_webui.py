@@ -100,3 +100,29 @@ def test_stop_button_cancels_the_stream(chat):
     assert page.locator("#send").text_content() == "Send"
     assert wait_until(lambda: engine.cancelled == 1, timeout=5.0)
     assert len(page.locator(".msg.assistant").last.text_content().split()) < 200
+
+
+@pytest.mark.slow
+def test_page_shows_a_thinking_models_thoughts_apart(browser):
+    """A thinking model's reasoning_content streams into a folding block above the answer; the
+    conversation sent back holds only the answer."""
+    engine = FakeEngine(n_ctx=4096, token_delay=0.01, think=True)
+    with ServerThread(create_app(engine)) as srv:
+        page = browser.new_page(viewport={"width": 1100, "height": 700})
+        page.goto(srv.url + "/")
+        page.wait_for_selector("#model:has-text('fake-model')")
+        page.fill("#input", "[[spell:<think>\nAdd them.\n</think>\n\nIt is 4.]]")
+        page.press("#input", "Enter")
+        page.wait_for_selector(".stats:has-text('finish: stop')")
+        thoughts = page.locator("details.thinking")
+        assert thoughts.count() == 1
+        assert thoughts.locator("summary").text_content() == "Thinking"
+        assert thoughts.locator("div").text_content() == "Add them."
+        assert thoughts.get_attribute("open") is None  # folded once the answer came
+        assert page.locator(".msg.assistant").last.text_content() == "It is 4."
+        page.fill("#input", "[[spell:ok]]")
+        page.press("#input", "Enter")
+        page.wait_for_function("() => document.querySelectorAll('.stats').length == 2")
+        assert "<|assistant|>It is 4.\n" in engine.started[-1]
+        assert engine.started[-1].count("Add them") == 1  # in the user's turn only
+        page.close()

@@ -42,6 +42,12 @@ Choices
   every token by default, or the last token's; llama.cpp's ``--pooling``), as floats or
   ``encoding_format: "base64"`` (little-endian float32, what the official client asks for). A
   text may fill the whole context; ``dimensions`` is a 400.
+- A thinking model's thoughts (``engine.think_tags``: its template names ``<think>``) come back
+  as ``message.reasoning_content`` / ``delta.reasoning_content`` apart from the answer
+  (``reasoning.py``; llama.cpp's default), unless ``reasoning_format`` (the request's, else
+  ``serve --reasoning-format``) is "none" or the answer is constrained (``response_format``,
+  ``tools``). ``chat_template_kwargs`` (the server's, then the request's) are more variables
+  for the chat template, e.g. Qwen3's ``enable_thinking``.
 - Every other field a client sends that this server does not implement is a 400 naming it.
 - Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status;
   ``/openapi.json`` declares the request bodies and these error shapes.
@@ -58,7 +64,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -74,6 +80,8 @@ from ..config import SamplingParams
 from ..engine import EngineProtocol, FinishEvent, TokenEvent
 from ..errors import ContextOverflowError, SparseInferError
 from ..generate import POOLINGS
+from ..reasoning import ThinkTags, ThoughtSplitter
+from ..tokenizer import TEMPLATE_VARIABLES
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .protocol import (
@@ -118,6 +126,8 @@ logger = logging.getLogger(__name__)
 _GONE = object()  # event injected when the client disconnects
 _DRAIN_LIMIT = 64 << 20  # bytes of an oversized body read and dropped so the client sees the 413
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+REASONING_FORMATS = ("auto", "deepseek", "none")  # llama.cpp's --reasoning-format (deepseek = auto)
+_PROMPT_TAIL = 16  # tokens at the end of a chat prompt looked at for a thought left open
 
 
 class _ClientGone(Exception):
@@ -141,10 +151,19 @@ class _Call:
     processors: Callable[[], list[Any]] | None = None  # fresh logits processors per choice
     tools: tuple[str, ...] = ()  # names of the tools the answer may call
     several: bool = False  # the answer may be a JSON array of calls (parallel_tool_calls)
+    thoughts: ThinkTags | None = None  # a thinking model's thoughts come apart (``Thought``)
 
     @property
     def n_choices(self) -> int:
         return len(self.prompts) * self.n
+
+
+@dataclass(frozen=True)
+class Thought:
+    """Text of a thinking model's thoughts (the event that carries it: ``reasoning_content`` /
+    Ollama's ``thinking``), sent on the job before the answer's tokens."""
+
+    text: str
 
 
 @dataclass(frozen=True)
@@ -274,6 +293,7 @@ class _Choices:
 
     def __init__(self, n: int) -> None:
         self.text = [""] * n
+        self.thinking: list[str | None] = [None] * n
         self.echo: list[_Echo | None] = [None] * n
         self.logprobs: list[list[_Logprob]] = [[] for _ in range(n)]
         self.finish: list[FinishEvent | None] = [None] * n
@@ -281,12 +301,39 @@ class _Choices:
     def add(self, index: int, event: Any, lp: _Logprob | None) -> None:
         if isinstance(event, _Echo):
             self.echo[index] = event
+        elif isinstance(event, Thought):
+            self.thinking[index] = (self.thinking[index] or "") + event.text
         elif isinstance(event, TokenEvent):
             self.text[index] += event.text
             if lp is not None:
                 self.logprobs[index].append(lp)
         elif isinstance(event, FinishEvent):
             self.finish[index] = event
+
+
+def _apart(events: Iterator[Any], splitter: ThoughtSplitter) -> Iterator[Any]:
+    """A generation's events with its thoughts apart: each token's text split into a
+    ``Thought`` and the answer's part (the token event, its text replaced); what the splitter
+    still holds at the end comes out before the finish."""
+    try:
+        for event in events:
+            if isinstance(event, TokenEvent):
+                thinking, answer = splitter.push(event.text)
+                if thinking:
+                    yield Thought(thinking)
+                yield replace(event, text=answer)
+                continue
+            if isinstance(event, FinishEvent):
+                thinking, answer = splitter.flush()
+                if thinking:
+                    yield Thought(thinking)
+                if answer:
+                    yield TokenEvent(-1, answer)
+            yield event
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
 
 
 def _usage(finishes: list[FinishEvent | None], n: int) -> Usage:
@@ -340,12 +387,19 @@ class OpenAIServer:
         limits: _Limits | None = None,
         metrics: Metrics | None = None,
         pooling: str = "mean",
+        reasoning_format: str = "auto",
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes: expected >= 1, got {max_body_bytes}")
         if pooling not in POOLINGS:
             raise ValueError(f"pooling: expected one of {sorted(POOLINGS)}, got {pooling!r}")
+        if reasoning_format not in REASONING_FORMATS:
+            raise ValueError(f"reasoning_format: expected one of {list(REASONING_FORMATS)}, "
+                             f"got {reasoning_format!r}")
         self.pooling = pooling
+        self.reasoning_format = reasoning_format
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.engine = engine
         self.model_name = model_name or engine.name
         self.api_key = api_key
@@ -484,8 +538,28 @@ class OpenAIServer:
 
     # -- prompt building (worker thread) ---------------------------------------------------
 
-    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def thoughts(self, reasoning_format: str | None) -> ThinkTags | None:
+        """The think tags whose thoughts come apart from the answer: the model's, unless the
+        request's (else the server's) reasoning format is "none"."""
+        if (reasoning_format or self.reasoning_format) == "none":
+            return None
+        return getattr(self.engine, "think_tags", None)
+
+    def template_kwargs(self, asked: dict[str, Any] | None,
+                        param: str = "chat_template_kwargs") -> dict[str, Any] | None:
+        """The chat template's extra variables: the server's, then the request's."""
+        taken = sorted(set(asked or ()) & set(TEMPLATE_VARIABLES))
+        if taken:
+            raise APIError(400, f"{param}: expected names other than "
+                           f"{', '.join(TEMPLATE_VARIABLES)}, got {', '.join(taken)}", param=param)
+        merged = {**self.chat_template_kwargs, **(asked or {})}
+        return merged or None
+
+    def _chat_ids(self, messages: list[dict[str, str]],
+                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
         try:
+            if template_kwargs:
+                return self.engine.chat_prompt(messages, template_kwargs)
             return self.engine.chat_prompt(messages)
         except UnicodeError as exc:
             raise APIError(
@@ -567,6 +641,8 @@ class OpenAIServer:
                         )
                     text = call.echo_texts[p] if p < len(call.echo_texts) else None
                     echo = _Echo(engine.decode(ids) if text is None else text, scores)
+                opened = call.thoughts is not None and call.thoughts.opened_by(
+                    engine.decode(ids[-_PROMPT_TAIL:]))
                 room = n_ctx - len(ids)
                 params = call.params
                 if params.max_tokens < 0 or params.max_tokens > room:
@@ -583,9 +659,10 @@ class OpenAIServer:
                         continue
                     if call.processors is not None:
                         kwargs["processors"] = call.processors()
-                    if not self._generate(job, index, engine.stream(ids, choice, job.cancel,
-                                                                    **kwargs),
-                                          len(ids), deadline, entry, call):
+                    events = engine.stream(ids, choice, job.cancel, **kwargs)
+                    if call.thoughts is not None:
+                        events = _apart(events, ThoughtSplitter(call.thoughts, opened))
+                    if not self._generate(job, index, events, len(ids), deadline, entry, call):
                         return
 
         return work
@@ -598,6 +675,9 @@ class OpenAIServer:
         try:
             for event in events:
                 lp = None
+                if isinstance(event, Thought):
+                    job.emit((index, event, None))
+                    continue
                 if isinstance(event, TokenEvent) and event.token_id >= 0:
                     n_out += 1
                     now = time.monotonic()
@@ -742,10 +822,11 @@ class OpenAIServer:
                 reason = got.finish[i].reason  # type: ignore[union-attr]
                 text = got.text[i]
                 tools = _parse_tool_calls(text, call.tools, call.several) if call.tools else None
+                thinking = got.thinking[i]
                 message = (
-                    AssistantMessage(content=None, tool_calls=tools)
+                    AssistantMessage(content=None, tool_calls=tools, reasoning_content=thinking)
                     if tools is not None
-                    else AssistantMessage(content=text)
+                    else AssistantMessage(content=text, reasoning_content=thinking)
                 )
                 choices.append(
                     ChatChoice(
@@ -819,7 +900,10 @@ class OpenAIServer:
                     started.add(index)
                     delta = ChatDelta(role="assistant", content="")
                     yield self._chunk(call, rid, created, ChatChunkChoice(index=index, delta=delta))
-                if isinstance(event, _Echo):
+                if isinstance(event, Thought):
+                    delta = ChatDelta(reasoning_content=event.text)
+                    yield self._chunk(call, rid, created, ChatChunkChoice(index=index, delta=delta))
+                elif isinstance(event, _Echo):
                     logprobs = _completion_logprobs(list(event.logprobs)) if event.logprobs else None
                     choice = CompletionChoice(index=index, text=event.text, logprobs=logprobs)
                     yield self._chunk(call, rid, created, choice)
@@ -908,9 +992,10 @@ class OpenAIServer:
         want_lp = bool(req.logprobs)
         if want_lp and not self._supports("logprobs"):
             raise APIError(400, "logprobs: this engine does not report logprobs", param="logprobs")
+        template_kwargs = self.template_kwargs(req.chat_template_kwargs)
         call = _Call(
             kind="chat",
-            prompts=[lambda: self._chat_ids(messages)],
+            prompts=[lambda: self._chat_ids(messages, template_kwargs)],
             prompt_param="messages",
             params=_sampling(req, self.limits.max_tokens(req.token_limit, "max_tokens")),
             stream=req.stream,
@@ -920,6 +1005,8 @@ class OpenAIServer:
             processors=self._processors(req, grammar),
             tools=tools,
             several=several,
+            # a constrained answer (JSON, tool calls) starts at its first token: no thoughts
+            thoughts=self.thoughts(req.reasoning_format) if grammar is None else None,
         )
         return await self.run(request, call)
 
@@ -1115,13 +1202,18 @@ def create_app(
     max_tokens_limit: int | None = None,
     max_generation_seconds: float | None = None,
     pooling: str = "mean",
+    reasoning_format: str = "auto",
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine``. Its worker thread runs while the app's lifespan does.
 
     ``default_max_tokens``: the budget of a request that names none (None: until end of text or
     the context is full); ``max_tokens_limit``: a request asking for more is a 400;
     ``max_generation_seconds``: a generation running longer ends with finish_reason "length";
-    ``pooling``: how ``/v1/embeddings`` makes one vector of a text (``generate.POOLINGS``).
+    ``pooling``: how ``/v1/embeddings`` makes one vector of a text (``generate.POOLINGS``);
+    ``reasoning_format``: "auto" (a thinking model's thoughts apart from its answer) or "none"
+    (left in it); ``chat_template_kwargs``: variables every chat template rendering gets
+    (a request's own take precedence).
     """
     server = OpenAIServer(
         engine,
@@ -1131,6 +1223,8 @@ def create_app(
         max_body_bytes=max_body_bytes,
         limits=_Limits(default_max_tokens, max_tokens_limit, max_generation_seconds),
         pooling=pooling,
+        reasoning_format=reasoning_format,
+        chat_template_kwargs=chat_template_kwargs,
     )
     server.metrics.watch(lambda: server.scheduler.queued, lambda: server.scheduler.running)
 
@@ -1333,6 +1427,8 @@ def serve(
     max_tokens_limit: int | None = None,
     max_generation_seconds: float | None = None,
     pooling: str = "mean",
+    reasoning_format: str = "auto",
+    chat_template_kwargs: dict[str, Any] | None = None,
     log_level: str = "info",
     **uvicorn_kw: Any,
 ) -> None:
@@ -1352,6 +1448,8 @@ def serve(
         max_tokens_limit=max_tokens_limit,
         max_generation_seconds=max_generation_seconds,
         pooling=pooling,
+        reasoning_format=reasoning_format,
+        chat_template_kwargs=chat_template_kwargs,
     )
     sock = _bind(host, port)
     bound = sock.getsockname()[1]

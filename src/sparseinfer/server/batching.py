@@ -40,7 +40,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,7 @@ from ..config import SamplingParams
 from ..engine import Engine, FinishEvent, StopStrings, StreamEvent, TokenEvent, TokenScore
 from ..generate import Uniforms, apply_penalties, sample, token_logprobs
 from ..models.batch import decode_step, slot_cache
+from ..reasoning import ThinkTags
 
 logger = logging.getLogger(__name__)
 
@@ -240,8 +241,13 @@ class BatchEngine:
     def decode(self, ids: list[int]) -> str:
         return self.engine.decode(ids)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.engine.chat_prompt(messages)
+    def chat_prompt(self, messages: list[dict[str, str]],
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        return self.engine.chat_prompt(messages, template_kwargs)
+
+    @property
+    def think_tags(self) -> ThinkTags | None:
+        return self.engine.think_tags
 
     @property
     def vocab_size(self) -> int:

@@ -22,8 +22,13 @@ As Ollama does:
 - ``format``: ``"json"`` or a JSON schema, by constrained decoding (as ``response_format``);
   ``tools`` as on ``/v1/chat/completions``, answered as ``message.tool_calls`` with arguments as
   objects.
-- Errors are ``{"error": "..."}`` with a 4xx/5xx status. ``images``, ``suffix``, ``template``
-  and ``think: true`` are 400s naming the field (this server has no such model).
+- ``think``: a thinking model's thoughts (its template names ``<think>``: DeepSeek-R1, QwQ,
+  Qwen3) come as ``message.thinking`` / ``thinking`` apart from the answer (unless the answer is
+  constrained by ``format`` or ``tools``, or ``raw``); ``think: true`` / ``false`` sets the
+  template's ``enable_thinking`` (Qwen3's switch), unset keeps the model's default.
+  ``think: true`` on another model, and levels ("low" / "high"), are 400s.
+- Errors are ``{"error": "..."}`` with a 4xx/5xx status. ``images``, ``suffix`` and ``template``
+  are 400s naming the field (this server has no such model).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from ..config import SamplingParams
 from ..engine import FinishEvent, TokenEvent
 from .protocol import APIError, Tool, validation_error
 from .queue import END, JobFailed
+from .app import Thought
 
 logger = logging.getLogger(__name__)
 
@@ -229,10 +235,22 @@ class OllamaAPI:
         vocab = getattr(self.engine, "vocab_size", None) or 0
         return lambda: [GrammarProcessor(grammar, vocab)]
 
-    @staticmethod
-    def refuse_think(req: _Generating) -> None:
-        if req.think not in (None, False, "", "false"):
-            raise APIError(400, "think: this model does not support thinking", param="think")
+    def think(self, req: _Generating) -> dict[str, Any] | None:
+        """The chat template's variables for ``think``: a thinking model's ``enable_thinking``
+        (true / false), nothing when unset (the model's default); a 400 for ``think: true`` on a
+        model that does not think, and for levels ("low" / "high": gpt-oss's)."""
+        think = {"true": True, "false": False, "": None}.get(req.think, req.think) if isinstance(
+            req.think, str) else req.think
+        if think is None:
+            return None
+        if not isinstance(think, bool):
+            raise APIError(400, f"think: this model takes true or false, got {req.think!r}",
+                           param="think")
+        if getattr(self.engine, "think_tags", None) is None:
+            if think:
+                raise APIError(400, "think: this model does not support thinking", param="think")
+            return None
+        return self.server.template_kwargs({"enable_thinking": think}, "think")
 
     # -- routes ---------------------------------------------------------------------------------
 
@@ -258,6 +276,8 @@ class OllamaAPI:
         d = self.described()
         caps = ["completion"] + (["embedding"] if callable(getattr(self.engine, "embed", None))
                                  else [])
+        if getattr(self.engine, "think_tags", None) is not None:
+            caps.append("thinking")
         family = d.get("family", "")
         model_info: dict[str, Any] = {}
         if family:  # llama.cpp's GGUF keys, as Ollama shows them
@@ -272,7 +292,7 @@ class OllamaAPI:
     async def chat(self, request: Request) -> Response:
         req: ChatRequest = await self.parse(request, ChatRequest)
         self.check_model(req.model)
-        self.refuse_think(req)
+        template_kwargs = self.think(req)
         if not req.messages:
             return self.loaded(req.stream, {"message": {"role": "assistant", "content": ""}})
         for i, m in enumerate(req.messages):
@@ -289,14 +309,14 @@ class OllamaAPI:
             specs = [(t.function.name, t.function.parameters) for t in req.tools]
             grammar = self.server._compile(lambda g: g.tool_calls(specs, "auto", True), "tools")
             with_system_text(messages, _tool_prompt(req.tools, None, True))
-        prompt = lambda: self.server._chat_ids(messages)  # noqa: E731 (run on the worker)
+        prompt = lambda: self.server._chat_ids(messages, template_kwargs)  # noqa: E731 (worker)
         return await self.generate_with(request, prompt, params, grammar, req.stream,
                                         _ChatShape(names))
 
     async def generate(self, request: Request) -> Response:
         req: GenerateRequest = await self.parse(request, GenerateRequest)
         self.check_model(req.model)
-        self.refuse_think(req)
+        template_kwargs = self.think(req)
         for field in ("images", "suffix", "template"):
             if getattr(req, field):
                 raise APIError(400, f"{field}: not supported by this server", param=field)
@@ -312,12 +332,12 @@ class OllamaAPI:
             else:
                 turn = ([{"role": "system", "content": req.system}] if req.system else []) + [
                     {"role": "user", "content": req.prompt}]
-                ids = self.server._chat_ids(turn)
+                ids = self.server._chat_ids(turn, template_kwargs)
             shape.prompt = context + ids
             return shape.prompt
 
         return await self.generate_with(request, prompt, params, self.grammar(req), req.stream,
-                                        shape)
+                                        shape, raw=req.raw)
 
     def loaded(self, stream: bool, fields: dict[str, Any]) -> Response:
         body = {"model": self.tag, "created_at": _now(), **fields, "done": True,
@@ -372,12 +392,15 @@ class OllamaAPI:
 
     async def generate_with(self, request: Request, prompt: Callable[[], list[int]],
                             params: SamplingParams, grammar: Any, stream: bool,
-                            shape: _Shape) -> Response:
+                            shape: _Shape, raw: bool = False) -> Response:
+        """Generate from ``prompt`` and answer in ``shape``; a thinking model's thoughts apart
+        (Ollama's ``thinking``) unless constrained by ``grammar`` or ``raw``."""
         from .app import _Call
 
         call = _Call(kind="chat", prompts=[prompt], prompt_param="messages" if isinstance(
             shape, _ChatShape) else "prompt", params=params, stream=stream,
-            include_usage=False, processors=self.processors(grammar))
+            include_usage=False, processors=self.processors(grammar),
+            thoughts=self.server.thoughts(None) if grammar is None and not raw else None)
         server = self.server
         job = server._submit(server._work(call))
         watcher = asyncio.create_task(server._watch_disconnect(request, job))
@@ -411,7 +434,9 @@ class OllamaAPI:
                 if not isinstance(item, tuple):  # the client went away
                     return
                 _, event, _ = item
-                if isinstance(event, TokenEvent):
+                if isinstance(event, Thought):
+                    yield self.line(shape.thought(event.text), done=False)
+                elif isinstance(event, TokenEvent):
                     fields = shape.token(event)
                     if fields is not None:
                         yield self.line(fields, done=False)
@@ -445,8 +470,12 @@ class _Shape:
 
     def __init__(self) -> None:
         self.text: list[str] = []
+        self.thinking: list[str] = []
 
     def token(self, event: TokenEvent) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def thought(self, text: str) -> dict[str, Any]:
         raise NotImplementedError
 
     def end(self) -> list[dict[str, Any]]:
@@ -471,6 +500,10 @@ class _ChatShape(_Shape):
             return None
         return {"message": {"role": "assistant", "content": event.text}}
 
+    def thought(self, text: str) -> dict[str, Any]:
+        self.thinking.append(text)
+        return {"message": {"role": "assistant", "content": "", "thinking": text}}
+
     def end(self) -> list[dict[str, Any]]:
         if not self.tools:
             return []
@@ -491,6 +524,8 @@ class _ChatShape(_Shape):
     def whole(self, last: dict[str, Any]) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant",
                                    "content": "" if self.calls else "".join(self.text)}
+        if self.thinking:
+            message["thinking"] = "".join(self.thinking)
         if self.calls:
             message["tool_calls"] = self.calls
         return {**last, "message": message}
@@ -508,11 +543,16 @@ class _GenerateShape(_Shape):
         self.text.append(event.text)
         return {"response": event.text} if event.text else None
 
+    def thought(self, text: str) -> dict[str, Any]:
+        self.thinking.append(text)
+        return {"response": "", "thinking": text}
+
     def final(self) -> dict[str, Any]:
         return {"response": "", "context": self.prompt + self.ids}
 
     def whole(self, last: dict[str, Any]) -> dict[str, Any]:
-        return {**last, "response": "".join(self.text)}
+        thinking = {"thinking": "".join(self.thinking)} if self.thinking else {}
+        return {**last, "response": "".join(self.text), **thinking}
 
 
 # -- the routes ------------------------------------------------------------------------------------

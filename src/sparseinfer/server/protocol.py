@@ -1,8 +1,8 @@
 """Pydantic models of the OpenAI HTTP API subset that sparseinfer serves.
 
 Requests are validated strictly (``"12"`` is not an integer, ``1.0`` is not ``n``) so that a wrong
-type is a 400 naming the field rather than a silent coercion. Unknown fields are ignored, as
-OpenAI-compatible servers commonly do, so clients that send extra options keep working.
+type is a 400 naming the field rather than a silent coercion. Unknown fields are a 400 naming
+them too, so an option this server does not implement is never silently dropped.
 
 Responses mirror the shapes of ``openai.types`` (``chat.completion``, ``chat.completion.chunk``,
 ``text_completion``, ``list`` of ``model``) so the official client parses them.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 # -- errors -------------------------------------------------------------------------------------
 
@@ -196,6 +196,9 @@ class ChatMessage(_Request):
     tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool's answer
     refusal: str | None = None
+    # an earlier answer's thoughts, as this server returned them: not shown to the model again
+    # (thinking models' templates drop earlier turns' thoughts too)
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -266,6 +269,11 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call per answer
+    # llama.cpp server extensions: more variables for the chat template (e.g. Qwen3's
+    # {"enable_thinking": false}), and whether a thinking model's thoughts come apart from its
+    # answer ("auto" / "deepseek": as reasoning_content; "none": left in the content)
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_format: Literal["auto", "deepseek", "none"] | None = None
 
     def unsupported(self) -> APIError | None:
         if self.max_tokens == 0:
@@ -444,7 +452,21 @@ class ChatLogprobs(_Response):
     refusal: list[TokenLogprob] | None = None
 
 
-class AssistantMessage(_Response):
+class _WithReasoning(_Response):
+    """A message or delta whose ``reasoning_content`` (a thinking model's thoughts, as
+    llama.cpp's server names them) appears only when there is some."""
+
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_reasoning(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("reasoning_content") is None:
+            out.pop("reasoning_content", None)
+        return out
+
+
+class AssistantMessage(_WithReasoning):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
@@ -479,7 +501,7 @@ class ToolCallDelta(_Response):
     function: FunctionCallDelta | None = None
 
 
-class ChatDelta(_Response):
+class ChatDelta(_WithReasoning):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
