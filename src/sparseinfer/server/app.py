@@ -2,7 +2,8 @@
 
 Routes: ``GET /health`` (never needs a key), ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (both also as SSE streams),
-``POST /v1/embeddings``; and Ollama's own API, ``/api/*`` (``server/ollama.py``).
+``POST /v1/embeddings``; OpenAI's Responses API, ``POST /v1/responses``
+(``server/responses.py``); and Ollama's own API, ``/api/*`` (``server/ollama.py``).
 
 How requests are served
 - Every generation request becomes a job in a bounded FIFO (``queue.Scheduler``): one job runs
@@ -1366,6 +1367,9 @@ def create_app(
     from .ollama import add_routes
 
     add_routes(app, server, auth)  # Ollama's own API, /api/*
+    from .responses import add_routes as add_responses
+
+    add_responses(app, server, auth)  # OpenAI's Responses API, /v1/responses
     return app
 
 
