@@ -99,7 +99,9 @@ def test_stop_strings_hold_back_prefixes():
         if hit:
             break
     assert "".join(out) == "Hello ENding ok"
-    assert hit
+    assert hit and s.hit == "\n\n"
+    first = StopStrings(("b", "ab"))  # the earliest match in the text, not in the list
+    assert first.push("xaby") == ("x", True) and first.hit == "ab"
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +140,7 @@ def test_stop_string_cuts_output(tiny_engine):
     assert stop and stop in full
     cut, _, fin = _run(tiny_engine, "Mr. Knightley", SamplingParams(
         max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stop,)))
-    assert fin.reason == "stop"
+    assert fin.reason == "stop" and fin.stop_string == stop
     assert cut == full[: full.index(stop)]
 
 
@@ -149,7 +151,7 @@ def test_eos_ends_generation(tiny_engine):
     prompt = [eos]
     p = SamplingParams(max_tokens=20, temperature=0.0, presence_penalty=-1e4)
     _, ids, fin = _run_ids(tiny_engine, prompt, p)
-    assert fin.reason == "stop" and ids == []
+    assert fin.reason == "stop" and ids == [] and fin.stop_string is None
 
 
 def _run_ids(engine, prompt_ids, params):

@@ -54,6 +54,7 @@ class FinishEvent:
     completion_tokens: int
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    stop_string: str | None = None  # reason "stop" by this stop string (not end of text)
 
 
 StreamEvent = TokenEvent | FinishEvent
@@ -358,7 +359,8 @@ class Engine:
                 self._cached_ids.pop()
         t_end = time.perf_counter()
         t_first = t_first or t_end
-        yield FinishEvent(reason, len(prompt_ids), n_out, t_first - t0, t_end - t_first)
+        yield FinishEvent(reason, len(prompt_ids), n_out, t_first - t0, t_end - t_first,
+                          stopper.hit)
 
 
 class StopStrings:
@@ -367,14 +369,16 @@ class StopStrings:
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(s for s in stops if s)
         self.pending = ""
+        self.hit: str | None = None  # the stop string that ended the text, once one has
 
     def push(self, text: str, final: bool = False) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
         if not self.stops:
             return text, False
         self.pending += text
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if found:
+            cut, self.hit = min(found, key=lambda f: f[0])
             out, self.pending = self.pending[:cut], ""
             return out, True
         if final:

@@ -183,10 +183,11 @@ class FakeEngine:
                 word = (words or SCRIPT)[n % len(words or SCRIPT)]
                 n += 1
                 pending += word if n == 1 else sep + word
-                hit = [pending.index(s) for s in params.stop if s in pending]
+                hit = [(pending.index(s), s) for s in params.stop if s in pending]
                 if hit:
-                    yield self._token(100 + n, pending[: min(hit)], n)
-                    yield FinishEvent("stop", len(prompt_ids), n)
+                    cut, stop = min(hit, key=lambda h: h[0])
+                    yield self._token(100 + n, pending[:cut], n)
+                    yield FinishEvent("stop", len(prompt_ids), n, stop_string=stop)
                     return
                 keep = max(
                     (k for s in params.stop for k in range(1, len(s)) if pending.endswith(s[:k])),

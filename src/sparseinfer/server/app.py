@@ -3,7 +3,8 @@
 Routes: ``GET /health`` (never needs a key), ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (both also as SSE streams),
 ``POST /v1/embeddings``; OpenAI's Responses API, ``POST /v1/responses``
-(``server/responses.py``); and Ollama's own API, ``/api/*`` (``server/ollama.py``).
+(``server/responses.py``); Anthropic's Messages API, ``POST /v1/messages``
+(``server/anthropic.py``); and Ollama's own API, ``/api/*`` (``server/ollama.py``).
 
 How requests are served
 - Every generation request becomes a job in a bounded FIFO (``queue.Scheduler``): one job runs
@@ -418,12 +419,13 @@ class OpenAIServer:
         if self.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        ):
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise APIError(
                 401,
-                "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
+                "missing or incorrect API key: send the header 'Authorization: Bearer <key>' "
+                "(or 'x-api-key: <key>')",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
@@ -1248,6 +1250,10 @@ def create_app(
             logger.warning(
                 "%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message
             )
+        if request.url.path.startswith("/v1/messages"):  # Anthropic's shape (a key refused)
+            from .anthropic import error_body
+
+            return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
         return _error_response(exc)
 
     @app.exception_handler(_ClientGone)
@@ -1370,6 +1376,9 @@ def create_app(
     from .responses import add_routes as add_responses
 
     add_responses(app, server, auth)  # OpenAI's Responses API, /v1/responses
+    from .anthropic import add_routes as add_anthropic
+
+    add_anthropic(app, server, auth)  # Anthropic's Messages API, /v1/messages
     return app
 
 

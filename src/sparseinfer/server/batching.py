@@ -349,7 +349,8 @@ class BatchEngine:
                 self._cv.notify()
         t_end = time.perf_counter()
         t_first = seq.t_first or t_end
-        yield FinishEvent(reason, len(prompt), n_out, t_first - seq.t_start, t_end - t_first)
+        yield FinishEvent(reason, len(prompt), n_out, t_first - seq.t_start, t_end - t_first,
+                          stopper.hit)
 
     def close(self, timeout: float = 10.0) -> None:
         with self._cv:
