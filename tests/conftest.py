@@ -245,6 +245,8 @@ TINY_ARCHS = {
     # Qwen3-MoE: moe_intermediate_size, q/k norms; without norm_topk_prob the picked experts'
     # softmax weights are not renormalized; the tokenizer's vocabulary, so the engine can
     # decode whatever a random model picks)
+    # SmolLM3: every 4th layer without rope (no_rope_layers; llama.cpp fixes the 4)
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=4, pad_token_id=0)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         vocab_size=TINY_VOCAB, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(

@@ -81,7 +81,8 @@ def test_shift_matches_fresh_run_tiny(tiny_model_dir, kind):
     _check_shift(lm.model, prompt, n_ctx=24, keep=3, n_new=50)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "llama3"])  # per-layer rope bases and windows; factors
+# per-layer rope bases and windows; factors; a layer without rope
+@pytest.mark.parametrize("name", ["gemma3", "llama3", "smollm3"])
 def test_shift_matches_fresh_run_arch(arch_model_dir, name):
     lm = load_model(arch_model_dir(name))
     prompt = list(range(3, 13))
@@ -115,7 +116,8 @@ def _one_layer(**fields) -> Transformer:
     {}, {"rope_interleaved": True},
     {"attn_windows": (16,), "rope_theta_local": 500.0, "rope_theta": 1e6},
     {"rope_factors": tuple(1.0 + i for i in range(8))},
-], ids=["rotate-half", "adjacent-pairs", "local-base", "factors"])
+    {"nope_layers": (0,)},
+], ids=["rotate-half", "adjacent-pairs", "local-base", "factors", "nope"])
 def test_rotation_matches_fresh_run_one_layer(fields):
     model = _one_layer(**fields)
     model.new_cache(1, 64)  # rope tables

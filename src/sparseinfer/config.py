@@ -68,6 +68,8 @@ class ModelConfig:
     # context); () = no layer windowed (Mistral: one window for every layer)
     attn_windows: tuple[int, ...] = ()
     rope_theta_local: float = 0.0  # rope base of the windowed layers (Gemma 3); 0 = rope_theta
+    # layers whose queries and keys get no rotation at all (SmolLM3: every 4th, "NoPE")
+    nope_layers: tuple[int, ...] = ()
     attn_scale: float = 0.0  # q·k scale; 0 = 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-1/2)
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0 = off
     final_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (Gemma 2/3); 0 = off
@@ -97,11 +99,14 @@ class ModelConfig:
             raise ValueError(f"norm: expected 'rms' or 'layer', got {self.norm!r}")
         if self.pos not in ("rope", "learned"):
             raise ValueError(f"pos: expected 'rope' or 'learned', got {self.pos!r}")
-        for name in ("rope_factors", "attn_windows"):  # JSON gives lists
+        for name in ("rope_factors", "attn_windows", "nope_layers"):  # JSON gives lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.attn_windows and len(self.attn_windows) != self.n_layers:
             raise ValueError(f"attn_windows: expected one window per layer ({self.n_layers}), "
                              f"got {len(self.attn_windows)}")
+        if any(not 0 <= i < self.n_layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers: expected layer numbers below {self.n_layers}, got "
+                             f"{list(self.nope_layers)}")
         if self.rope_factors and len(self.rope_factors) != self.head_dim // 2:
             raise ValueError(f"rope_factors: expected head_dim/2 = {self.head_dim // 2} factors, "
                              f"got {len(self.rope_factors)}")

@@ -277,7 +277,8 @@ class FusedStack:
 
     def _ropes(self):
         model = self._model[0]
-        key = (model.rope[0], None if model.rope_local is None else model.rope_local[0])
+        key = (model.rope[0], None if model.rope_local is None else model.rope_local[0],
+               None if model.rope_none is None else model.rope_none[0])
         if self._ropes_key is None or any(a is not b for a, b in zip(key, self._ropes_key)):
             tables = [model.rope_of(i) for i in range(model.cfg.n_layers)]
             self._ropes_arrays = self._stack.rope_tables(tables)

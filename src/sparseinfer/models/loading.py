@@ -29,7 +29,7 @@ from ..quant.blocks import BLOCK_BYTES, from_gguf
 from .find import SPLIT_PART, find_model
 from .names import (ARCH_FIELDS, EXPERT_STACKS, GATED_ACT_TO_KIND, GGUF_ARCH_FIELDS, GGUF_ARCHS,
                     GGUF_FFN_KIND, GGUF_ROPE_INTERLEAVED, GGUF_ROPE_THETA_LOCAL, GGUF_SPARSE_FFN_KINDS,
-                    GGUF_SWAPPED_NORMS, GGUF_WINDOW_PATTERN, HF_ARCHS, HF_NORM_SHIFT,
+                    GGUF_NOPE_EVERY, GGUF_SWAPPED_NORMS, GGUF_WINDOW_PATTERN, HF_ARCHS, HF_NORM_SHIFT,
                     HF_QKV_GROUPED, UNGATED_ACT_TO_KIND, compile_names, map_name, source_name)
 
 log = logging.getLogger(__name__)
@@ -499,6 +499,8 @@ def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) 
         rope_factors=_gguf_rope_factors(reader),
         attn_windows=windows,
         rope_theta_local=GGUF_ROPE_THETA_LOCAL.get(arch, 0.0) if windows else 0.0,
+        nope_layers=tuple(i for i in range(n_layers) if GGUF_NOPE_EVERY.get(arch)
+                          and (i + 1) % GGUF_NOPE_EVERY[arch] == 0),
         attn_softcap=float(meta.get(f"{arch}.attn_logit_softcapping") or 0.0),
         final_softcap=float(meta.get(f"{arch}.final_logit_softcapping") or 0.0),
         tie_embeddings="output.weight" not in names,
@@ -812,6 +814,9 @@ def hf_config(path: Path, raw: dict[str, Any], max_seq_len: int | None,
             rope_factors=_hf_rope_factors(path, params, head_dim),
             attn_windows=windows,
             rope_theta_local=theta_local if any(windows) else 0.0,
+            # SmolLM3: no_rope_layers holds 1 where a layer uses rope, 0 where it has none
+            nope_layers=tuple(i for i, use in enumerate(raw.get("no_rope_layers") or ())
+                              if not use),
             attn_scale=float(q_scalar) ** -0.5 if q_scalar else 0.0,
             attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
             final_softcap=float(raw.get("final_logit_softcapping") or 0.0),

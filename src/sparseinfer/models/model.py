@@ -460,6 +460,7 @@ class Transformer(nn.Module):
         self.lm_head = modules.linear("lm_head", E, cfg.vocab_size, False)
         self.rope: tuple[Tensor, Tensor] | None = None
         self.rope_local: tuple[Tensor, Tensor] | None = None  # windowed layers' own base
+        self.rope_none: tuple[Tensor, Tensor] | None = None  # NoPE layers: cos 1, sin 0
         self.emb_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
         self._dtype = dtype  # activations, norms
         self.kv_dtype = kv_dtype or dtype  # the KV cache's elements (the plan's kv_dtype)
@@ -483,6 +484,8 @@ class Transformer(nn.Module):
                 cos, sin = rope_tables(self.cfg, max_seq, local=True)
                 self.rope_local = (cos.to(self.device, self.dtype),
                                    sin.to(self.device, self.dtype))
+            if self.cfg.nope_layers:  # the identity rotation: x * 1 + rotated(x) * 0 == x
+                self.rope_none = (torch.ones_like(self.rope[0]), torch.zeros_like(self.rope[1]))
         return KVCache(self.cfg, batch, max_seq, self.kv_dtype, self.device)
 
     @property
@@ -509,9 +512,12 @@ class Transformer(nn.Module):
             turns[True] = rope_angles(cfg, back, local=True)
         src, dst = slice(keep + discard, n_past), slice(keep, n_past - discard)
         for layer in range(cfg.n_layers):
-            cos, sin = turns[self.rope_local is not None and bool(cfg.window(layer))]
-            k = apply_rope(cache.k[layer, :, :, src].float(), cos, sin, cfg.rope_interleaved)
-            cache.k[layer, :, :, dst] = k.to(cache.k.dtype)  # k is a new tensor: no overlap
+            if layer in cfg.nope_layers:  # keys without positions: moved as they are
+                cache.k[layer, :, :, dst] = cache.k[layer, :, :, src].clone()
+            else:
+                cos, sin = turns[self.rope_local is not None and bool(cfg.window(layer))]
+                k = apply_rope(cache.k[layer, :, :, src].float(), cos, sin, cfg.rope_interleaved)
+                cache.k[layer, :, :, dst] = k.to(cache.k.dtype)  # a new tensor: no overlap
             cache.v[layer, :, :, dst] = cache.v[layer, :, :, src].clone()
 
     def hidden(self, tokens: Tensor, pos: int, cache: KVCache) -> Tensor:
@@ -584,7 +590,9 @@ class Transformer(nn.Module):
 
     def rope_of(self, layer: int) -> tuple[Tensor, Tensor] | None:
         """The rope tables (cos, sin) ``layer`` uses: windowed layers of a model with a local
-        base have their own."""
+        base have their own, NoPE layers the identity."""
+        if self.rope_none is not None and layer in self.cfg.nope_layers:
+            return self.rope_none
         local = self.rope_local is not None and self.cfg.window(layer)
         return self.rope_local if local else self.rope
 

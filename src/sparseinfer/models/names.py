@@ -160,6 +160,7 @@ HF_ARCHS = {  # config.json "architectures"[0] -> (family, name map)
     "MixtralForCausalLM": ("mixtral", HF_MIXTRAL_NAMES),
     "Qwen3MoeForCausalLM": ("qwen3moe", HF_QWEN3MOE_NAMES),
     "Phi3ForCausalLM": ("phi3", HF_PHI3_NAMES),
+    "SmolLM3ForCausalLM": ("smollm3", HF_LLAMA_NAMES),
     "FalconForCausalLM": ("falcon", HF_FALCON_NAMES),
     "Gemma2ForCausalLM": ("gemma2", HF_GEMMA_NAMES),
     "Gemma3ForCausalLM": ("gemma3", HF_GEMMA_NAMES),
@@ -169,7 +170,8 @@ HF_ARCHS = {  # config.json "architectures"[0] -> (family, name map)
 GGUF_ARCHS = {"llama": GGUF_LLAMA_NAMES, "qwen2": GGUF_LLAMA_NAMES, "qwen3": GGUF_QWEN3_NAMES,
               "qwen3moe": GGUF_QWEN3_NAMES,
               "phi3": GGUF_PHI3_NAMES, "falcon": GGUF_FALCON_NAMES, "gemma2": GGUF_GEMMA_NAMES, "gemma3": GGUF_GEMMA_NAMES, "opt": GGUF_OPT_NAMES,
-              "bamboo": GGUF_LLAMA_NAMES}  # bamboo: PowerInfer's dReLU llama variant
+              "bamboo": GGUF_LLAMA_NAMES,  # bamboo: PowerInfer's dReLU llama variant
+              "smollm3": GGUF_LLAMA_NAMES}
 
 # family -> the ModelConfig fields it fixes, whatever the file says (the rest is read from the
 # file's hyper-parameters). ``rope_interleaved`` applies to GGUF files only: llama.cpp permutes
@@ -188,13 +190,15 @@ ARCH_FIELDS: dict[str, dict] = {
     "gemma3": {"scale_embeddings": True, "post_norms": True, "qk_norm": True},
     "opt": {},
     "bamboo": {},
+    "smollm3": {},
 }
 GGUF_FFN_KIND = {"gemma2": "geglu_tanh", "gemma3": "geglu_tanh", "falcon": "gelu",
                  "bamboo": "drelu", "opt": "relu"}  # default: swiglu
 # ... and in files with predictors (PowerInfer's models are ReLU-family: ReluLLaMA/ProSparse
 # are ReGLU, Bamboo dReLU, OPT and ReluFalcon a ReLU MLP)
 GGUF_SPARSE_FFN_KINDS = {"llama": "reglu", "bamboo": "drelu", "opt": "relu", "falcon": "relu"}
-GGUF_ROPE_INTERLEAVED = {"llama": True, "bamboo": True, "opt": True, "qwen2": False, "qwen3": False,
+GGUF_ROPE_INTERLEAVED = {"llama": True, "bamboo": True, "opt": True, "smollm3": True,
+                         "qwen2": False, "qwen3": False,
                          "qwen3moe": False, "phi3": False,
                          "falcon": False,
                          "gemma2": False, "gemma3": False}
@@ -212,6 +216,8 @@ HF_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
 # layers use their own rope base.
 GGUF_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 GGUF_ROPE_THETA_LOCAL = {"gemma3": 10000.0}
+# every n-th layer without rope (llama.cpp's n_no_rope_layer_step; the file says nothing)
+GGUF_NOPE_EVERY = {"smollm3": 4}
 
 Compiled = list[tuple[re.Pattern, str]]
 
