@@ -247,6 +247,11 @@ TINY_ARCHS = {
     # decode whatever a random model picks)
     # SmolLM3: every 4th layer without rope (no_rope_layers; llama.cpp fixes the 4)
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=4, pad_token_id=0)),
+    # Granite: embeddings, residual branches, scores and logits each scaled by its multiplier
+    # (values float32 holds exactly: GGUF stores them so)
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        embedding_multiplier=3.0, residual_multiplier=0.25, attention_multiplier=0.0625,
+        logits_scaling=4.0)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         vocab_size=TINY_VOCAB, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(

@@ -74,6 +74,12 @@ class ModelConfig:
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0 = off
     final_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (Gemma 2/3); 0 = off
     scale_embeddings: bool = False  # token embeddings times sqrt(d_model) (Gemma)
+    # Granite's multipliers: token embeddings times embedding_scale (0: as scale_embeddings
+    # says), each attention and FFN output times residual_scale before its residual add, the
+    # logits divided by logit_scale
+    embedding_scale: float = 0.0
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
     post_norms: bool = False  # a norm on the attention and FFN outputs too (Gemma 2/3)
     parallel: bool = False  # x + attn(norm(x)) + ffn(norm'(x)): one residual add (Falcon)
     shared_norm: bool = False  # parallel blocks with one input norm for both (Falcon-7B)
@@ -132,7 +138,8 @@ class ModelConfig:
         custom scale or post-norms): what the fused decode kernels implement (the FFN a module
         they call, a mixture of experts too)."""
         return not (self.qk_norm or any(self.attn_windows) or self.attn_softcap
-                    or self.attn_scale or self.post_norms or self.parallel or self.post_norm)
+                    or self.attn_scale or self.post_norms or self.parallel or self.post_norm
+                    or self.residual_scale != 1.0)
 
 
 @dataclass(frozen=True)

@@ -89,11 +89,12 @@ def test_ffn_kinds_rope_layouts_and_biases(isa, gated, gate_act, up_act, interle
 
 
 @pytest.mark.parametrize("pos", [0, 5, 30])
-@pytest.mark.parametrize("opts", ["qk_norm", "post_norms", "window", "scale", "softcap", "gemma"])
+@pytest.mark.parametrize("opts", ["qk_norm", "post_norms", "window", "scale", "softcap",
+                                  "residual", "gemma"])
 def test_gemma_and_qwen3_options(isa, threads, opts, pos):
     """q/k head norms (Qwen3, Gemma 3), post-norms (Gemma 2/3), a sliding window shorter and
     longer than the cache so far, a custom score scale, soft-capped scores (Gemma 2; a cap these
-    random scores reach), and all of them at once."""
+    random scores reach), a residual multiplier (Granite), and all of them at once."""
     rng = np.random.default_rng(11)
     kw = make(rng, gated=True, gate_act="gelu_tanh", hd=16)
 
@@ -110,6 +111,8 @@ def test_gemma_and_qwen3_options(isa, threads, opts, pos):
         kw.update(scale=0.1)
     if opts in ("softcap", "gemma"):
         kw.update(softcap=0.5 if opts == "softcap" else 0.05)
+    if opts in ("residual", "gemma"):
+        kw.update(residual=0.22)
     check(kw, pos)
 
 
@@ -164,7 +167,7 @@ def test_rows_equal_one_row_calls(isa, threads, opts, B):
             return torch.from_numpy(rng.uniform(0.5, 1.5, n).astype(np.float32))
 
         kw.update(q_norm=vec(32), k_norm=vec(32), attn_post_norm=vec(128),
-                  ffn_post_norm=vec(128), window=8, scale=0.1, softcap=0.3)
+                  ffn_post_norm=vec(128), window=8, scale=0.1, softcap=0.3, residual=0.5)
     n_slots, S = 10, 64
     g = torch.Generator().manual_seed(B)
     kc = torch.randn(n_slots, 2, S, 32, generator=g)
@@ -274,6 +277,8 @@ def test_bad_options_say_what_was_expected():
         cpu.DecodeBlock(**kw, q_norm=torch.ones(64))  # head_dim is 16
     with pytest.raises(ValueError, match="softcap: expected a finite float >= 0"):
         cpu.DecodeBlock(**kw, softcap=-1.0)
+    with pytest.raises(ValueError, match="residual: expected a finite float > 0"):
+        cpu.DecodeBlock(**kw, residual=0.0)
 
 
 def test_activation_tails_saturate():

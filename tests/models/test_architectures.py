@@ -1,5 +1,5 @@
 """Qwen2, Qwen3, Llama 3.1 (llama3 rope scaling), Mistral (sliding window), Gemma 2, Gemma 3,
-SmolLM3 (layers without rope) and the rest of TINY_ARCHS against transformers on tiny random models: read from the Hugging Face safetensors directory and
+SmolLM3 (layers without rope), Granite (its multipliers) and the rest of TINY_ARCHS against transformers on tiny random models: read from the Hugging Face safetensors directory and
 from a GGUF written by llama.cpp's own converter (``convert_hf_to_gguf.py``, not our exporter).
 Logits within 1e-4 relative, and greedy decoding through the KV cache equal to ``generate``."""
 
@@ -79,12 +79,14 @@ EXPECT = {  # ModelConfig fields each architecture must come out with (from eith
     "qwen3moe": dict(n_experts=4, n_experts_used=2, experts_norm=True, d_ff=96, qk_norm=True),
     "qwen3moe_nonorm": dict(n_experts=4, n_experts_used=2, experts_norm=False),
     "smollm3": dict(nope_layers=(3,), rope_interleaved=True, qk_norm=False),
+    "granite": dict(embedding_scale=3.0, residual_scale=0.25, attn_scale=0.0625, logit_scale=4.0,
+                    rope_interleaved=True),
 }
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_tied", "llama3", "mistral", "gemma2",
                                   "gemma3", "phi3", "falcon", "falcon40", "opt350m", "mixtral",
-                                  "qwen3moe", "qwen3moe_nonorm", "smollm3"])
+                                  "qwen3moe", "qwen3moe_nonorm", "smollm3", "granite"])
 def test_safetensors_match_transformers(arch_model_dir, name):
     lm = load_model(arch_model_dir(name))
     for k, v in EXPECT[name].items():
@@ -98,7 +100,8 @@ def test_safetensors_match_transformers(arch_model_dir, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_tied", "llama3", "mistral_nowindow",
                                   "gemma2", "gemma3", "phi3", "phi3_nowindow", "falcon",
-                                  "falcon40_nobias", "mixtral", "qwen3moe", "smollm3"])
+                                  "falcon40_nobias", "mixtral", "qwen3moe", "smollm3",
+                                  "granite"])
 def test_llamacpp_gguf_matches_transformers(arch_model_dir, llamacpp_convert, name):
     path = llamacpp_convert(arch_model_dir(name))
     lm = load_model(path)
@@ -141,7 +144,7 @@ def test_unsupported_rope_scaling_named(arch_model_dir, tmp_path):
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3_tied", "llama3", "mistral", "gemma2", "gemma3",
                                   "phi3", "falcon", "falcon40", "opt350m", "mixtral", "qwen3moe",
-                                  "smollm3"])
+                                  "smollm3", "granite"])
 def test_bfloat16_safetensors_match_transformers(arch_model_dir, tmp_path, name):
     """The same tiny models saved in bfloat16 (as most checkpoints ship): every projection the
     C kernels take stays BF16 (the plan's default), against transformers in float32 over the

@@ -82,7 +82,7 @@ TYPES: dict[str, tuple[int, int, int]] = {
     "BF16": (20, 1, 2),  # bfloat16 rows
 }
 ISAS = {"avx2": 0, "avx512": 1, "avx2_128": 2, "avx2_vnni": 3}
-ABI_VERSION = 29
+ABI_VERSION = 30
 # ``SPARSEINFER_C_KERNELS=0`` in the environment: run as where the library cannot load (another
 # CPU architecture, an x86 CPU without AVX2): torch's kernels, the numba decode
 OFF_SWITCH = "SPARSEINFER_C_KERNELS"
@@ -1044,7 +1044,7 @@ class _BlockDesc(ctypes.Structure):
         (name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "attn_post_norm",
                                              "ffn_post_norm")] + [
         ("window", ctypes.c_int), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
-        ("sparse", _SparseDesc)]
+        ("sparse", _SparseDesc), ("residual", ctypes.c_float)]
 
 
 @dataclass(frozen=True)
@@ -1156,8 +1156,9 @@ class DecodeBlock:
     RMSNorm each q and k head before rope; ``attn_post_norm``/``ffn_post_norm`` [d_model]
     RMSNorm the attention and FFN outputs before their residual adds; ``window`` attends to the
     last ``window`` positions only; ``scale`` replaces 1/sqrt(head_dim) on the scores;
-    ``softcap`` > 0 soft-caps them, ``cap · tanh(score / cap)`` (Gemma 2), before the softmax.
-    ``d_ff`` 0 with no ``w_in``, ``down`` or ``ffn_post_norm``: attention only, ``x +=
+    ``softcap`` > 0 soft-caps them, ``cap · tanh(score / cap)`` (Gemma 2), before the softmax;
+    ``residual`` multiplies the attention's and the FFN's outputs before their residual adds
+    (Granite's residual_multiplier). ``d_ff`` 0 with no ``w_in``, ``down`` or ``ffn_post_norm``: attention only, ``x +=
     wo(attend(...))``, the caller computing the FFN (a mixture of experts; not in a
     ``DecodeStack``). (Reference: ``reference.block_decode_ref``.)"""
 
@@ -1171,7 +1172,7 @@ class DecodeBlock:
                  attn_post_norm: torch.Tensor | None = None,
                  ffn_post_norm: torch.Tensor | None = None, window: int = 0,
                  scale: float | None = None, softcap: float = 0.0,
-                 sparse: SparseBlockFFN | None = None):
+                 sparse: SparseBlockFFN | None = None, residual: float = 1.0):
         biases = {k: v for k, v in (biases or {}).items() if v is not None}
         if sparse is not None and (w_in or down or "w_in" in biases):
             raise ValueError("w_in, down: expected none (and no w_in bias) with a sparse FFN "
@@ -1187,6 +1188,8 @@ class DecodeBlock:
             raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
         if not (0.0 <= softcap < math.inf):
             raise ValueError(f"softcap: expected a finite float >= 0 (0: none), got {softcap!r}")
+        if not (0.0 < residual < math.inf):
+            raise ValueError(f"residual: expected a finite float > 0 (1: none), got {residual!r}")
         for name in ("gate_act", "up_act"):
             act = locals()[name]
             if act not in ACTS:
@@ -1194,7 +1197,7 @@ class DecodeBlock:
         d = _BlockDesc(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                        d_ff=d_ff, gated=int(gated), gate_act=ACTS[gate_act], up_act=ACTS[up_act],
                        interleaved=int(interleaved), eps=eps, window=window,
-                       scale=scale or 0.0, softcap=softcap)
+                       scale=scale or 0.0, softcap=softcap, residual=residual)
         self.hd, self.d_model, self.nkv = head_dim, d_model, n_kv_heads
         self.sparse = sparse is not None
         self.attn_only = d_ff == 0 and sparse is None

@@ -29,7 +29,7 @@
 
 #include "qgemv.h"
 
-#define SI_ABI_VERSION 29
+#define SI_ABI_VERSION 30
 #define MAX_THREADS 256
 #define MAX_MATS 16
 #define GEMM_MIN_ROWS 128
@@ -1200,7 +1200,8 @@ void *si_block_new(const si_block_desc *desc, int *err) {
         d->head_dim % 2 || d->n_heads % d->n_kv_heads || (d->d_ff <= 0 && !attn_only) ||
         !d->attn_norm ||
         !d->ffn_norm || d->gate_act < 0 || d->gate_act > 4 || d->up_act < 0 || d->up_act > 4 ||
-        d->window < 0 || !(d->scale >= 0.0f) || !(d->softcap >= 0.0f) || isinf(d->softcap))
+        d->window < 0 || !(d->scale >= 0.0f) || !(d->softcap >= 0.0f) || isinf(d->softcap) ||
+        !(d->residual >= 0.0f) || isinf(d->residual))
         return NULL;
     const int64_t qkv_rows = (int64_t)(d->n_heads + 2 * d->n_kv_heads) * d->head_dim;
     const int sparse = d->sparse.rows != NULL;
@@ -1326,13 +1327,19 @@ static void add_bias(float *y, const float *bias, int64_t n) {
         for (int64_t i = 0; i < n; i++) y[i] += bias[i];
 }
 
-/* x[t] += post_norm(b->a[t] + bias) for row t (bias, post_norm: NULL when not used) */
+/* x[t] += r * post_norm(b->a[t] + bias) for row t (bias, post_norm: NULL when not used; r the
+ * residual multiplier, 1 unless set) */
 static void add_residual(const block_t *b, int t, const float *bias, const float *post_norm) {
     const int D = b->d.d_model;
     float *a = b->a + (size_t)t * D, *xt = b->x + (size_t)t * D;
     add_bias(a, bias, D);
     if (post_norm) rms_norm(a, post_norm, D, b->d.eps, a);
-    for (int i = 0; i < D; i++) xt[i] += a[i];
+    if (b->d.residual > 0.0f && b->d.residual != 1.0f) {
+        const float r = b->d.residual;
+        for (int i = 0; i < D; i++) xt[i] += r * a[i];
+    } else {
+        for (int i = 0; i < D; i++) xt[i] += a[i];
+    }
 }
 
 /* The per-row steps of block_rows between its pool jobs (each_row's chunks: row t). */

@@ -214,6 +214,8 @@ typedef struct {
     si_sparse_ffn sparse; /* sparse.rows not NULL: the FFN is this; w_in and down then n 0 (down's
                            * bias the FFN's output bias), or the same FFN as dense matrices for
                            * calls of several rows in mode 3 (w_in's bias: gate rows' 0, up's) */
+    float residual; /* > 0: the attention's and FFN's outputs times this before their residual
+                     * adds (Granite's residual_multiplier); 0: 1 */
 } si_block_desc;
 
 SI_DECLARE(avx2)

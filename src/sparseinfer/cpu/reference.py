@@ -120,13 +120,14 @@ def block_decode_ref(*, d_model, n_heads, n_kv_heads, head_dim, d_ff, gated, gat
                      interleaved, eps, attn_norm, ffn_norm, qkv, wo, w_in, down, biases=None,
                      q_norm=None, k_norm=None, attn_post_norm=None, ffn_post_norm=None,
                      window=0, scale=None, softcap=0.0, x, pos, k_cache, v_cache, cos, sin,
-                     ffn=None) -> torch.Tensor:
+                     ffn=None, residual=1.0) -> torch.Tensor:
     """``DecodeBlock(...)(x, pos, k_cache, v_cache, cos, sin)`` in float64 torch: each product is
     ``gemv_q8_ref`` (the input rounded as the kernels round it), attention a plain softmax over
     the cache with rope applied to q and k (the scores soft-capped when ``softcap``). Returns
     the new ``x``; writes the caches. ``ffn`` (a sparse FFN's reference): ``ffn(h, x)`` of the
     FFN's normed input and the residual stream (float64 [d_model]) replaces ``w_in``/``down``'s
-    FFN, the down bias still added."""
+    FFN, the down bias still added. ``residual`` multiplies both branches' outputs before their
+    residual adds."""
     biases = biases or {}
     nh, nkv, hd = n_heads, n_kv_heads, head_dim
 
@@ -169,15 +170,16 @@ def block_decode_ref(*, d_model, n_heads, n_kv_heads, head_dim, d_ff, gated, gat
     probs = torch.softmax(scores, -1)  # (nh, n)
     att = (probs.unsqueeze(1) @ vals).reshape(nh * hd)
     a = lin("wo", wo, att)
-    x = x + (norm(a, attn_post_norm) if attn_post_norm is not None else a)
+    x = x + residual * (norm(a, attn_post_norm) if attn_post_norm is not None else a)
     if ffn is not None:
         y = ffn(norm(x, ffn_norm), x).double()
         y = y + biases["down"].double() if biases.get("down") is not None else y
-        return (x + (norm(y, ffn_post_norm) if ffn_post_norm is not None else y)).float()
+        return (x + residual * (norm(y, ffn_post_norm) if ffn_post_norm is not None
+                                else y)).float()
     f = lin("w_in", w_in, norm(x, ffn_norm))
     if gated:
         h = _ACTS[gate_act](f[:d_ff]) * _ACTS[up_act](f[d_ff:])
     else:
         h = _ACTS[up_act](f)
     y = lin("down", down, h)
-    return (x + (norm(y, ffn_post_norm) if ffn_post_norm is not None else y)).float()
+    return (x + residual * (norm(y, ffn_post_norm) if ffn_post_norm is not None else y)).float()

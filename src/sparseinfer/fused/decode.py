@@ -154,8 +154,8 @@ class FusedDecode:
         self._attend_c = None  # a float16 cache's attention (numba reads float32 only), in C
         if self._c is None and not cfg.plain_block:  # the plan fuses such blocks only for C
             raise RuntimeError(f"fused decode of a {cfg.arch} block (q/k norms, post-norms, "
-                               "windows or a custom scale) needs the C block: expected its four "
-                               "products on the C kernels")
+                               "windows, a custom scale or residual multiplier) needs the C "
+                               "block: expected its four products on the C kernels")
         self._ready = True
 
     def __call__(self, x: Tensor, layer: int, pos: int, cache: KVCache, rope) -> Tensor:
@@ -340,8 +340,9 @@ def _c_block(block: Block, layer: int):
         return None
     if cfg.parallel or cfg.post_norm or block.ffn_norm is None:
         return None
-    if attn_only and not isinstance(block.ffn_post_norm, torch.nn.Identity):
-        return None  # (the C block's attention-only mode has no FFN post-norm)
+    if attn_only and (not isinstance(block.ffn_post_norm, torch.nn.Identity)
+                      or cfg.residual_scale != 1.0):
+        return None  # (the C block's attention-only mode has no FFN post-norm or multiplier)
 
     def weight(norm):  # a Norm, or nn.Identity where the architecture has none
         return getattr(norm, "weight", None) if norm is not None else None
@@ -359,7 +360,7 @@ def _c_block(block: Block, layer: int):
         q_norm=weight(attn.q_norm), k_norm=weight(attn.k_norm),
         attn_post_norm=weight(block.attn_post_norm), ffn_post_norm=weight(block.ffn_post_norm),
         window=int(cfg.window(layer) or 0), scale=cfg.attn_scale or None,
-        softcap=float(cfg.attn_softcap or 0.0))
+        softcap=float(cfg.attn_softcap or 0.0), residual=float(cfg.residual_scale))
 
 
 def supports(model) -> bool:

@@ -64,7 +64,7 @@ def decode_step(model: Transformer, tokens: Tensor, positions: Tensor, cache: KV
             return h.new_empty(0, model.cfg.vocab_size, dtype=torch.float32)
     head = getattr(model.lm_head, "forward_rows", None)  # a kernel made for a few rows
     if head is not None:
-        return model.softcap(head(h).float())  # (B, V)
+        return model.finish_logits(head(h).float())  # (B, V)
     if B == 1:  # a module may take another kernel for a lone row (Int8Linear's fp32 GEMV):
         h = h.expand(2, -1)  # two rows keep a sequence's numbers independent of the batch
-    return model.softcap(model.lm_head(h).float()[:B])  # (B, V)
+    return model.finish_logits(model.lm_head(h).float()[:B])  # (B, V)

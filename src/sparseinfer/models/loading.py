@@ -503,6 +503,11 @@ def _gguf_llama_config(path, arch, meta, names, kind, max_seq_len, key, reader) 
                           and (i + 1) % GGUF_NOPE_EVERY[arch] == 0),
         attn_softcap=float(meta.get(f"{arch}.attn_logit_softcapping") or 0.0),
         final_softcap=float(meta.get(f"{arch}.final_logit_softcapping") or 0.0),
+        # Granite's multipliers (llama.cpp's names)
+        attn_scale=float(meta.get(f"{arch}.attention.scale") or 0.0),
+        embedding_scale=float(meta.get(f"{arch}.embedding_scale") or 0.0),
+        residual_scale=float(meta.get(f"{arch}.residual_scale") or 1.0),
+        logit_scale=float(meta.get(f"{arch}.logit_scale") or 1.0),
         tie_embeddings="output.weight" not in names,
         name=str(meta.get("general.name", path.stem)),
         **{**ARCH_FIELDS[arch], **GGUF_ARCH_FIELDS.get(arch, {})},
@@ -817,7 +822,11 @@ def hf_config(path: Path, raw: dict[str, Any], max_seq_len: int | None,
             # SmolLM3: no_rope_layers holds 1 where a layer uses rope, 0 where it has none
             nope_layers=tuple(i for i, use in enumerate(raw.get("no_rope_layers") or ())
                               if not use),
-            attn_scale=float(q_scalar) ** -0.5 if q_scalar else 0.0,
+            attn_scale=float(q_scalar) ** -0.5 if q_scalar
+            else float(raw.get("attention_multiplier") or 0.0),  # Granite
+            embedding_scale=float(raw.get("embedding_multiplier") or 0.0),
+            residual_scale=float(raw.get("residual_multiplier") or 1.0),
+            logit_scale=float(raw.get("logits_scaling") or 1.0),
             attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
             final_softcap=float(raw.get("final_logit_softcapping") or 0.0),
             attn_bias=bool(raw.get("attention_bias") or False),

@@ -406,6 +406,7 @@ class Block(nn.Module):
         self.attn_norm, self.attn = Norm(cfg), Attention(cfg, modules, p + "attn.")
         self.ffn_norm = None if cfg.shared_norm else Norm(cfg)
         self.parallel, self.post_norm = cfg.parallel, cfg.post_norm
+        self.residual = cfg.residual_scale
         self.ffn = modules.ffn(layer, cfg) or (MoE if cfg.n_experts else FFN)(cfg, modules,
                                                                              p + "ffn.")
         # norms of the attention and FFN outputs before the residual add (Gemma 2/3)
@@ -426,16 +427,21 @@ class Block(nn.Module):
                     return self.fused.rows(x, layer, pos, cache, rope)
             elif x.shape[0] == 1 and x.shape[1] == 1:
                 return self.fused(x, layer, pos, cache, rope)
+        r = self.scaled  # each branch's output before its residual add (Granite: times r)
         if self.post_norm:  # OPT-350m: norm after each residual add
-            x = self.attn_norm(x + self.attn(x, layer, pos, cache, rope))
-            return self.ffn_norm(x + self.ffn(x, x))
+            x = self.attn_norm(x + r(self.attn(x, layer, pos, cache, rope)))
+            return self.ffn_norm(x + r(self.ffn(x, x)))
         h = self.attn_norm(x)
         a = self.attn_post_norm(self.attn(h, layer, pos, cache, rope))
         if self.parallel:  # both read the block input; one residual add
-            return x + a + self.ffn(h if self.ffn_norm is None else self.ffn_norm(x), x)
-        x = x + a
+            return x + r(a + self.ffn(h if self.ffn_norm is None else self.ffn_norm(x), x))
+        x = x + r(a)
         # the residual goes along: predictors of PowerInfer's files read it
-        return x + self.ffn_post_norm(self.ffn(self.ffn_norm(x), x))
+        return x + r(self.ffn_post_norm(self.ffn(self.ffn_norm(x), x)))
+
+    def scaled(self, out: Tensor) -> Tensor:
+        """A branch's output as its residual add takes it: times ``residual_scale``."""
+        return out if self.residual == 1.0 else out * self.residual
 
 
 class Transformer(nn.Module):
@@ -461,7 +467,8 @@ class Transformer(nn.Module):
         self.rope: tuple[Tensor, Tensor] | None = None
         self.rope_local: tuple[Tensor, Tensor] | None = None  # windowed layers' own base
         self.rope_none: tuple[Tensor, Tensor] | None = None  # NoPE layers: cos 1, sin 0
-        self.emb_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
+        self.emb_scale = cfg.embedding_scale or (math.sqrt(cfg.d_model) if cfg.scale_embeddings
+                                                 else 1.0)
         self._dtype = dtype  # activations, norms
         self.kv_dtype = kv_dtype or dtype  # the KV cache's elements (the plan's kv_dtype)
         self._stack = None  # fused.decode.FusedStack, made on first use (see blocks)
@@ -614,8 +621,11 @@ class Transformer(nn.Module):
                 self._stack = stack_of(self) or False
         return self._stack or None
 
-    def softcap(self, logits: Tensor) -> Tensor:
-        """The final soft-capping of float32 ``logits`` (Gemma 2/3), if any."""
+    def finish_logits(self, logits: Tensor) -> Tensor:
+        """The head's float32 output as logits: divided by ``logit_scale`` (Granite), then
+        soft-capped (Gemma 2/3), where the architecture does either."""
+        if self.cfg.logit_scale != 1.0:
+            logits = logits / self.cfg.logit_scale
         return soft_cap(logits, self.cfg.final_softcap)
 
     def forward(self, tokens: Tensor, pos: int, cache: KVCache, last_only: bool = False) -> Tensor:
@@ -623,4 +633,4 @@ class Transformer(nn.Module):
         h = self.hidden(tokens, pos, cache)
         if last_only:
             h = h[:, -1:]
-        return self.softcap(self.lm_head(h).float())
+        return self.finish_logits(self.lm_head(h).float())

@@ -161,6 +161,7 @@ HF_ARCHS = {  # config.json "architectures"[0] -> (family, name map)
     "Qwen3MoeForCausalLM": ("qwen3moe", HF_QWEN3MOE_NAMES),
     "Phi3ForCausalLM": ("phi3", HF_PHI3_NAMES),
     "SmolLM3ForCausalLM": ("smollm3", HF_LLAMA_NAMES),
+    "GraniteForCausalLM": ("granite", HF_LLAMA_NAMES),
     "FalconForCausalLM": ("falcon", HF_FALCON_NAMES),
     "Gemma2ForCausalLM": ("gemma2", HF_GEMMA_NAMES),
     "Gemma3ForCausalLM": ("gemma3", HF_GEMMA_NAMES),
@@ -171,7 +172,7 @@ GGUF_ARCHS = {"llama": GGUF_LLAMA_NAMES, "qwen2": GGUF_LLAMA_NAMES, "qwen3": GGU
               "qwen3moe": GGUF_QWEN3_NAMES,
               "phi3": GGUF_PHI3_NAMES, "falcon": GGUF_FALCON_NAMES, "gemma2": GGUF_GEMMA_NAMES, "gemma3": GGUF_GEMMA_NAMES, "opt": GGUF_OPT_NAMES,
               "bamboo": GGUF_LLAMA_NAMES,  # bamboo: PowerInfer's dReLU llama variant
-              "smollm3": GGUF_LLAMA_NAMES}
+              "smollm3": GGUF_LLAMA_NAMES, "granite": GGUF_LLAMA_NAMES}
 
 # family -> the ModelConfig fields it fixes, whatever the file says (the rest is read from the
 # file's hyper-parameters). ``rope_interleaved`` applies to GGUF files only: llama.cpp permutes
@@ -191,6 +192,7 @@ ARCH_FIELDS: dict[str, dict] = {
     "opt": {},
     "bamboo": {},
     "smollm3": {},
+    "granite": {},
 }
 GGUF_FFN_KIND = {"gemma2": "geglu_tanh", "gemma3": "geglu_tanh", "falcon": "gelu",
                  "bamboo": "drelu", "opt": "relu"}  # default: swiglu
@@ -198,6 +200,7 @@ GGUF_FFN_KIND = {"gemma2": "geglu_tanh", "gemma3": "geglu_tanh", "falcon": "gelu
 # are ReGLU, Bamboo dReLU, OPT and ReluFalcon a ReLU MLP)
 GGUF_SPARSE_FFN_KINDS = {"llama": "reglu", "bamboo": "drelu", "opt": "relu", "falcon": "relu"}
 GGUF_ROPE_INTERLEAVED = {"llama": True, "bamboo": True, "opt": True, "smollm3": True,
+                         "granite": True,
                          "qwen2": False, "qwen3": False,
                          "qwen3moe": False, "phi3": False,
                          "falcon": False,
