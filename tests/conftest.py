@@ -252,6 +252,12 @@ TINY_ARCHS = {
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
         embedding_multiplier=3.0, residual_multiplier=0.25, attention_multiplier=0.0625,
         logits_scaling=4.0)),
+    # Granite's mixture of experts (GGUF only: its experts are one 3-D tensor per layer in
+    # transformers' checkpoints, which are not read)
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        vocab_size=TINY_VOCAB, num_local_experts=4, num_experts_per_tok=2,
+        embedding_multiplier=3.0, residual_multiplier=0.25, attention_multiplier=0.0625,
+        logits_scaling=4.0)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         vocab_size=TINY_VOCAB, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(

@@ -81,6 +81,8 @@ EXPECT = {  # ModelConfig fields each architecture must come out with (from eith
     "smollm3": dict(nope_layers=(3,), rope_interleaved=True, qk_norm=False),
     "granite": dict(embedding_scale=3.0, residual_scale=0.25, attn_scale=0.0625, logit_scale=4.0,
                     rope_interleaved=True),
+    "granitemoe": dict(n_experts=4, n_experts_used=2, experts_norm=True, residual_scale=0.25,
+                       logit_scale=4.0),
 }
 
 
@@ -101,7 +103,7 @@ def test_safetensors_match_transformers(arch_model_dir, name):
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_tied", "llama3", "mistral_nowindow",
                                   "gemma2", "gemma3", "phi3", "phi3_nowindow", "falcon",
                                   "falcon40_nobias", "mixtral", "qwen3moe", "smollm3",
-                                  "granite"])
+                                  "granite", "granitemoe"])
 def test_llamacpp_gguf_matches_transformers(arch_model_dir, llamacpp_convert, name):
     path = llamacpp_convert(arch_model_dir(name))
     lm = load_model(path)

@@ -1,4 +1,4 @@
-"""Mixtures of experts (Mixtral, Qwen3-MoE) beyond the float checks of test_architectures.py:
+"""Mixtures of experts (Mixtral, Qwen3-MoE, Granite-MoE) beyond the float checks of test_architectures.py:
 quantized experts on the C kernels from files llama.cpp's converter wrote (against transformers
 reading the same GGUF, or gguf-py's dequantization of it), the engine and the batch engine end to
 end, and the errors for what is not supported."""
@@ -166,6 +166,38 @@ def test_engine_and_batch_engine_generate_transformers_tokens(arch_model_dir, tm
         for t in threads:
             t.join(120)
         assert [got[0], got[1]] == single
+    finally:
+        be.close()
+
+
+@pytest.mark.slow
+def test_granitemoe_gguf_decodes_transformers_tokens(arch_model_dir, llamacpp_convert):
+    """Granite's mixture of experts from llama.cpp's converter: its residual multiplier inside
+    the C block's attention-only mode and on the experts' output after it (and in the batch
+    engine's steps); greedy tokens equal transformers' on the checkpoint the file came from."""
+    from sparseinfer.config import SamplingParams
+    from sparseinfer.engine import Engine, TokenEvent
+    from sparseinfer.server.batching import BatchEngine
+
+    path = llamacpp_convert(arch_model_dir("granitemoe"))
+    ref = tiny_arch_model("granitemoe")
+    eng = Engine.load(path, threads=1)
+    assert eng.loaded.plan.fused_decode and eng.loaded.config.residual_scale == 0.25
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    ids = [1, 17, 42, 99, 7]
+
+    def tokens(engine):
+        return [e.token_id for e in engine.stream(ids, params)
+                if isinstance(e, TokenEvent) and e.token_id >= 0]
+
+    with torch.no_grad():
+        hf = ref.generate(torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10,
+                          do_sample=False)
+    assert tokens(eng) == hf[0, len(ids):].tolist()
+    assert all(blk.fused.attn_only for blk in eng.loaded.model.layers)
+    be = BatchEngine(eng, parallel=2, prefill_chunk=4, cache_prompt=False)
+    try:
+        assert tokens(be) == hf[0, len(ids):].tolist()
     finally:
         be.close()
 

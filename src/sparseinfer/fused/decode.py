@@ -151,6 +151,7 @@ class FusedDecode:
         # the C block computes the attention only: the block's norm and FFN module follow
         self.attn_only = self._c is not None and self._c.attn_only
         self.ffn_norm = block.ffn_norm
+        self.scaled = block.scaled  # the FFN's output as its residual add takes it (Granite)
         self._attend_c = None  # a float16 cache's attention (numba reads float32 only), in C
         if self._c is None and not cfg.plain_block:  # the plan fuses such blocks only for C
             raise RuntimeError(f"fused decode of a {cfg.arch} block (q/k norms, post-norms, "
@@ -232,7 +233,7 @@ class FusedDecode:
         x1 = x.reshape(-1).clone()  # the residual stream, updated in place
         self._c.run(x1.data_ptr(), pos, k, v, cos_p + ro, sin_p + ro, cache.max_seq, kv16)
         if self.attn_only:
-            x1 += self.ffn(self.ffn_norm(x1.view(1, -1))).reshape(-1)
+            x1 += self.scaled(self.ffn(self.ffn_norm(x1.view(1, -1)))).reshape(-1)
         return x1.view(1, 1, -1)
 
     def rows(self, x: Tensor, layer: int, rows, cache: KVCache, rope) -> Tensor:
@@ -248,7 +249,7 @@ class FusedDecode:
         self._c.run_rows(x1.data_ptr(), B, pos32.data_ptr(), slots32.data_ptr(), k, v,
                          cache.k.stride(1), cos_p, sin_p, cache.max_seq, kv16)
         if self.attn_only:
-            x1 += self.ffn(self.ffn_norm(x1))
+            x1 += self.scaled(self.ffn(self.ffn_norm(x1)))
         return x1.view(B, 1, -1)
 
 
@@ -340,9 +341,8 @@ def _c_block(block: Block, layer: int):
         return None
     if cfg.parallel or cfg.post_norm or block.ffn_norm is None:
         return None
-    if attn_only and (not isinstance(block.ffn_post_norm, torch.nn.Identity)
-                      or cfg.residual_scale != 1.0):
-        return None  # (the C block's attention-only mode has no FFN post-norm or multiplier)
+    if attn_only and not isinstance(block.ffn_post_norm, torch.nn.Identity):
+        return None  # (the C block's attention-only mode has no FFN post-norm)
 
     def weight(norm):  # a Norm, or nn.Identity where the architecture has none
         return getattr(norm, "weight", None) if norm is not None else None

@@ -172,7 +172,8 @@ GGUF_ARCHS = {"llama": GGUF_LLAMA_NAMES, "qwen2": GGUF_LLAMA_NAMES, "qwen3": GGU
               "qwen3moe": GGUF_QWEN3_NAMES,
               "phi3": GGUF_PHI3_NAMES, "falcon": GGUF_FALCON_NAMES, "gemma2": GGUF_GEMMA_NAMES, "gemma3": GGUF_GEMMA_NAMES, "opt": GGUF_OPT_NAMES,
               "bamboo": GGUF_LLAMA_NAMES,  # bamboo: PowerInfer's dReLU llama variant
-              "smollm3": GGUF_LLAMA_NAMES, "granite": GGUF_LLAMA_NAMES}
+              "smollm3": GGUF_LLAMA_NAMES, "granite": GGUF_LLAMA_NAMES,
+              "granitemoe": GGUF_LLAMA_NAMES}
 
 # family -> the ModelConfig fields it fixes, whatever the file says (the rest is read from the
 # file's hyper-parameters). ``rope_interleaved`` applies to GGUF files only: llama.cpp permutes
@@ -193,6 +194,7 @@ ARCH_FIELDS: dict[str, dict] = {
     "bamboo": {},
     "smollm3": {},
     "granite": {},
+    "granitemoe": {},
 }
 GGUF_FFN_KIND = {"gemma2": "geglu_tanh", "gemma3": "geglu_tanh", "falcon": "gelu",
                  "bamboo": "drelu", "opt": "relu"}  # default: swiglu
@@ -200,7 +202,7 @@ GGUF_FFN_KIND = {"gemma2": "geglu_tanh", "gemma3": "geglu_tanh", "falcon": "gelu
 # are ReGLU, Bamboo dReLU, OPT and ReluFalcon a ReLU MLP)
 GGUF_SPARSE_FFN_KINDS = {"llama": "reglu", "bamboo": "drelu", "opt": "relu", "falcon": "relu"}
 GGUF_ROPE_INTERLEAVED = {"llama": True, "bamboo": True, "opt": True, "smollm3": True,
-                         "granite": True,
+                         "granite": True, "granitemoe": True,
                          "qwen2": False, "qwen3": False,
                          "qwen3moe": False, "phi3": False,
                          "falcon": False,

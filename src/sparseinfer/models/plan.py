@@ -482,8 +482,8 @@ def _c_blocks(cfg: ModelConfig, weights: list[WeightPlan], sparse) -> bool:
         return False
     if sparse is not None and _not_in_c_block(cfg, *sparse) is not None:
         return False
-    if cfg.n_experts and (cfg.post_norms or cfg.residual_scale != 1.0):
-        return False  # (the experts' add follows the C block's attention-only mode in Python)
+    if cfg.n_experts and cfg.post_norms:  # (the C block's attention-only mode has no FFN post-norm)
+        return False
     # a sparse FFN inside the C block, or experts after its attention (fused/experts.py): the C
     # block's products are the attention's two
     linears = _BLOCK_LINEARS[:2] if sparse is not None or cfg.n_experts else _BLOCK_LINEARS
