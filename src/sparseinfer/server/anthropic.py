@@ -276,15 +276,8 @@ class MessagesAPI:
         req: MessagesRequest = await server.parse(request, MessagesRequest)
         self.check_model(req.model)
         messages, grammar, names, several, template_kwargs = self.prompt(req)
-        processors = None
-        if grammar is not None:
-            if not server._supports("processors"):
-                raise APIError(400, "tools / output_config.format: this engine has no logits "
-                               "processors", param="tools" if names else "output_config")
-            from .structured import GrammarProcessor
-
-            vocab = getattr(server.engine, "vocab_size", None) or 0
-            processors = lambda: [GrammarProcessor(grammar, vocab)]  # noqa: E731
+        processors = server.grammar_processors(grammar,
+                                               "tools" if names else "output_config.format")
         kw: dict[str, Any] = {"max_tokens": server.limits.max_tokens(req.max_tokens, "max_tokens"),
                               "stop": tuple(s for s in req.stop_sequences or () if s)}
         for field in ("temperature", "top_p", "top_k"):
@@ -297,17 +290,11 @@ class MessagesAPI:
             answer.prompt_tokens = len(ids)
             return ids
 
-        call = _Call(kind="chat", prompts=[prompt], prompt_param="messages", params=SamplingParams(**kw), stream=req.stream,
-                     include_usage=False, processors=processors,
+        call = _Call(kind="chat", prompts=[prompt], prompt_param="messages",
+                     params=SamplingParams(**kw), stream=req.stream, include_usage=False,
+                     processors=processors,
                      thoughts=server.thoughts(None) if grammar is None else None)
-        job = server._submit(server._work(call))
-        watcher = asyncio.create_task(server._watch_disconnect(request, job))
-        try:
-            first = await server.first_event(job)
-        except APIError:
-            watcher.cancel()
-            server.scheduler.cancel(job)
-            raise
+        job, first, watcher = await server.start(request, call)
         events = self.events(job, first, watcher, answer)
         if req.stream:
             return StreamingResponse(events, media_type="text/event-stream",

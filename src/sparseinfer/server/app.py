@@ -778,6 +778,29 @@ class OpenAIServer:
             watcher.cancel()
             self.scheduler.cancel(job)
 
+    def grammar_processors(self, grammar: Any, param: str) -> Callable[[], list[Any]] | None:
+        """A factory of a fresh grammar processor per generation (None without a grammar); a
+        400 blaming ``param`` when the engine takes no logits processors."""
+        if grammar is None:
+            return None
+        if not self._supports("processors"):
+            raise APIError(400, f"{param}: this engine has no logits processors", param=param)
+        vocab = getattr(self.engine, "vocab_size", None) or 0
+        return lambda: [GrammarProcessor(grammar, vocab)]
+
+    async def start(self, request: Request, call: _Call) -> tuple[Job, Any, asyncio.Task[None]]:
+        """``call`` queued as a job: (the job, its first event, the task watching the client);
+        a failure before the first event (a bad prompt, a full queue) raised as its APIError.
+        The routes of other APIs (Ollama's, Responses, Anthropic's) spell the events."""
+        job = self._submit(self._work(call))
+        watcher = asyncio.create_task(self._watch_disconnect(request, job))
+        try:
+            return job, await self.first_event(job), watcher
+        except APIError:
+            watcher.cancel()
+            self.scheduler.cancel(job)
+            raise
+
     async def run(self, request: Request, call: _Call) -> Response:
         job = self._submit(self._work(call))
         watcher = asyncio.create_task(self._watch_disconnect(request, job))

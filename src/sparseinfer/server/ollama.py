@@ -225,16 +225,6 @@ class OllamaAPI:
             return self.server._compile(lambda g: g.json_schema(schema), "format")
         return None
 
-    def processors(self, grammar: Any) -> Callable[[], list[Any]] | None:
-        if grammar is None:
-            return None
-        if not self.server._supports("processors"):
-            raise APIError(400, "format: this engine has no logits processors", param="format")
-        from .structured import GrammarProcessor
-
-        vocab = getattr(self.engine, "vocab_size", None) or 0
-        return lambda: [GrammarProcessor(grammar, vocab)]
-
     def think(self, req: _Generating) -> dict[str, Any] | None:
         """The chat template's variables for ``think``: a thinking model's ``enable_thinking``
         (true / false), nothing when unset (the model's default); a 400 for ``think: true`` on a
@@ -399,18 +389,10 @@ class OllamaAPI:
 
         call = _Call(kind="chat", prompts=[prompt], prompt_param="messages" if isinstance(
             shape, _ChatShape) else "prompt", params=params, stream=stream,
-            include_usage=False, processors=self.processors(grammar),
+            include_usage=False, processors=self.server.grammar_processors(grammar, "format"),
             thoughts=self.server.thoughts(None) if grammar is None and not raw else None)
-        server = self.server
-        job = server._submit(server._work(call))
-        watcher = asyncio.create_task(server._watch_disconnect(request, job))
         t0 = time.monotonic()
-        try:
-            first = await server.first_event(job)
-        except APIError:
-            watcher.cancel()
-            server.scheduler.cancel(job)
-            raise
+        job, first, watcher = await self.server.start(request, call)
         lines = self.lines(job, first, watcher, shape, t0)
         if stream:
             return StreamingResponse(lines, media_type=NDJSON)

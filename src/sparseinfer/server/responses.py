@@ -267,15 +267,7 @@ class ResponsesAPI:
         elif fmt is not None and fmt.type == "json_schema":
             schema = fmt.schema_
             grammar = server._compile(lambda g: g.json_schema(schema), "text.format.schema")
-        processors = None
-        if grammar is not None:
-            if not server._supports("processors"):
-                raise APIError(400, "text.format / tools: this engine has no logits processors",
-                               param="text.format" if fmt is not None else "tools")
-            from .structured import GrammarProcessor
-
-            vocab = getattr(server.engine, "vocab_size", None) or 0
-            processors = lambda: [GrammarProcessor(grammar, vocab)]  # noqa: E731
+        processors = server.grammar_processors(grammar, "tools" if names else "text.format")
         effort = req.reasoning.effort if req.reasoning else None
         asked = {"enable_thinking": False} if effort in ("none", "minimal") and getattr(
             server.engine, "think_tags", None) is not None else None
@@ -289,14 +281,7 @@ class ResponsesAPI:
                      prompt_param="input", params=SamplingParams(**kw), stream=req.stream,
                      include_usage=False, processors=processors,
                      thoughts=server.thoughts(None) if grammar is None else None)
-        job = server._submit(server._work(call))
-        watcher = asyncio.create_task(server._watch_disconnect(request, job))
-        try:
-            first = await server.first_event(job)
-        except APIError:
-            watcher.cancel()
-            server.scheduler.cancel(job)
-            raise
+        job, first, watcher = await server.start(request, call)
         answer = _Answer(req, server.model_name, names, several)
         events = self.events(job, first, watcher, answer)
         if req.stream:
