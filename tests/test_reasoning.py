@@ -20,8 +20,8 @@ def reference(text: str, opened: bool = False) -> tuple[str, str]:
     """(thinking, answer) by regular expressions over the whole text: a thought only at the
     start (after whitespace), its text stripped, the answer's leading whitespace after it
     dropped; a thought never closed takes the rest."""
-    if opened:
-        text = "<think>" + text
+    if opened:  # the model may open the thought again: one such tag is dropped
+        text = "<think>" + re.sub(r"^\s*<think>", "", text, count=1)
     closed = re.fullmatch(r"\s*<think>(.*?)</think>\s*(.*)", text, re.S)
     if closed:
         return closed.group(1).strip(), closed.group(2)
@@ -51,6 +51,8 @@ TEXTS = [
     "<think>",
     "</think>stray close",
     "<think>nested <think> open</think> done",
+    "  <think> <think>twice</think> x",
+    " <thi",
 ]
 
 

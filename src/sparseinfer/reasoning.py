@@ -61,13 +61,14 @@ class ThoughtSplitter:
     """One generation's text, pushed piece by piece, split into (thinking, answer) pieces.
 
     ``opened``: the prompt left a thought open (``ThinkTags.opened_by``), so the text starts
-    inside it. Whitespace at either end of the thought and at the start of an answer after a
+    inside it (an opening tag the model writes again first is dropped). Whitespace at either end of the thought and at the start of an answer after a
     thought is dropped.
     """
 
     def __init__(self, tags: ThinkTags = THINK, opened: bool = False) -> None:
         self.tags = tags
         self.state = _State.THOUGHT if opened else _State.START
+        self.opened = opened  # until the thought starts: its tag may come again
         self.held = ""
         self.thought_started = False  # leading whitespace of the thought is dropped
 
@@ -89,6 +90,12 @@ class ThoughtSplitter:
             if self.state is _State.THOUGHT:
                 if not self.thought_started:
                     self.held = self.held.lstrip()
+                    # a thought the prompt opened may be opened again by the model: one tag
+                    if self.opened and self.held.startswith(self.tags.open):
+                        self.held, self.opened = self.held[len(self.tags.open):], False
+                        continue
+                    if self.opened and self.held and self.tags.open.startswith(self.held):
+                        return thinking, answer  # a beginning of that tag: wait
                     self.thought_started = bool(self.held)
                 end = self.held.find(self.tags.close)
                 if end >= 0:

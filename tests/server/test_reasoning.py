@@ -66,6 +66,10 @@ def test_open_thought_in_the_prompt(start_server):
         model="fake-model", messages=spell("Hmm.\n</think>\nYes."))
     assert r.choices[0].message.content == "Yes."
     assert r.choices[0].message.model_extra["reasoning_content"] == "Hmm."
+    again = openai_client(srv).chat.completions.create(  # the model opening it once more
+        model="fake-model", messages=spell("<think>Hmm.</think>Yes."))
+    assert again.choices[0].message.model_extra["reasoning_content"] == "Hmm."
+    assert again.choices[0].message.content == "Yes."
     cut = openai_client(srv).chat.completions.create(
         model="fake-model", messages=spell("still thinking"), max_tokens=5)
     assert cut.choices[0].finish_reason == "length"
