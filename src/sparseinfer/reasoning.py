@@ -61,8 +61,8 @@ class ThoughtSplitter:
     """One generation's text, pushed piece by piece, split into (thinking, answer) pieces.
 
     ``opened``: the prompt left a thought open (``ThinkTags.opened_by``), so the text starts
-    inside it (an opening tag the model writes again first is dropped). Whitespace at either end of the thought and at the start of an answer after a
-    thought is dropped.
+    inside it (an opening tag the model writes again first is dropped). Whitespace at either
+    end of the thought and at the start of an answer after a thought is dropped.
     """
 
     def __init__(self, tags: ThinkTags = THINK, opened: bool = False) -> None:

@@ -15,8 +15,9 @@ What is served (tested through Anthropic's official Python client, its stream he
   (``input_schema``) with ``tool_choice`` auto / any / tool / none and
   ``disable_parallel_tool_use``, by the chat route's constrained decoding, answered as
   ``tool_use`` blocks (``stop_reason: "tool_use"``); ``output_config.format`` (or the older
-  ``output_format``) ``json_schema`` the same way; ``thinking`` enabled / disabled sets a thinking model's ``enable_thinking``, and its
-  thoughts come back as a ``thinking`` block (with an empty ``signature``: nothing is signed).
+  ``output_format``) ``json_schema`` the same way; ``thinking`` enabled / disabled sets a
+  thinking model's ``enable_thinking``, and its thoughts come back as a ``thinking`` block (with
+  an empty ``signature``: nothing is signed).
 - ``stream``: ``message_start``, ``content_block_start`` / ``_delta`` (``text_delta``,
   ``thinking_delta``, ``input_json_delta``) / ``_stop``, ``message_delta`` (stop reason, output
   tokens) and ``message_stop`` SSE events.
@@ -47,7 +48,7 @@ from .responses import _id
 
 logger = logging.getLogger(__name__)
 
-# -- requests ---------------------------------------------------------------------------------------
+# -- requests -------------------------------------------------------------------------------------
 
 
 class _Strict(BaseModel):
@@ -166,7 +167,7 @@ class CountRequest(MessagesRequest):
     max_tokens: int = 1  # counting needs none
 
 
-# -- errors -----------------------------------------------------------------------------------------
+# -- errors ---------------------------------------------------------------------------------------
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
@@ -178,7 +179,7 @@ def error_body(exc: APIError) -> dict[str, Any]:
                                        "message": exc.message}}
 
 
-# -- the routes -------------------------------------------------------------------------------------
+# -- the routes -----------------------------------------------------------------------------------
 
 
 def _text(content: str | list[TextBlock]) -> str:
