@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import gguf_parsed_once
 from sparseinfer.models.loading import load_model, permute_qk
 
 pytestmark = pytest.mark.slow  # every GGUF type against transformers: ~45 s
@@ -118,8 +119,9 @@ def _file_and_reference(tmp_path, tiny_llama, tiny_model_dir, qtype):
 
     path = tmp_path / f"tiny-{qtype}.gguf"
     _write_gguf(path, tiny_llama, tiny_model_dir("swiglu") / "tokenizer.json", qtype)
-    ref = tf.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
-                                                  dtype=torch.float32).eval()
+    with gguf_parsed_once():
+        ref = tf.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+                                                      dtype=torch.float32).eval()
     return path, ref
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_KINDS, tiny_hf_model
+from conftest import TINY_KINDS, gguf_parsed_once, tiny_hf_model
 from sparseinfer.models.loading import load_model
 
 
@@ -71,7 +71,8 @@ def test_smollm2_logits_match_transformers(smollm2, smollm2_hf):
     import transformers as tf
 
     p = smollm2.path
-    tok = tf.AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    with gguf_parsed_once():
+        tok = tf.AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
     ids = torch.tensor([tok(HELDOUT_TEXT.read_text()[:1500])["input_ids"][:300]])
     assert ids.shape[1] == 300
     with torch.no_grad():

@@ -16,6 +16,7 @@ from pathlib import Path
 import gguf
 import pytest
 
+from conftest import gguf_parsed_once
 from sparseinfer.data import DEFAULT_CORPUS, HELDOUT_TEXT, default_model_path
 from sparseinfer.errors import ModelFileError, SparseInferError
 from sparseinfer.tokenizer import Tokenizer
@@ -74,7 +75,8 @@ def smol(smol_reader):
 def smol_ref():
     transformers = pytest.importorskip("transformers")
     path = default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with gguf_parsed_once():
+        return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 @pytest.mark.slow

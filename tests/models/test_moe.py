@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from conftest import tiny_arch_model
+from conftest import gguf_parsed_once, tiny_arch_model
 from sparseinfer.errors import ModelFileError, SparseInferError
 from sparseinfer.models.build import load
 from sparseinfer.models.loading import load_model
@@ -82,8 +82,9 @@ def test_qwen3moe_q8_0_experts_on_c_kernels_match_transformers_gguf(arch_model_d
     assert _expert_types(lm) and all(t.startswith("Q8_0") for t in _expert_types(lm))
     # (transformers' GGUF reader misses qwen3moe.expert_feed_forward_length: the directory's
     # config.json gives the shapes, the GGUF every weight)
-    ref = tf.AutoModelForCausalLM.from_pretrained(d, gguf_file=path.name,
-                                                  config=tf.AutoConfig.from_pretrained(d)).eval()
+    with gguf_parsed_once():
+        ref = tf.AutoModelForCausalLM.from_pretrained(
+            d, gguf_file=path.name, config=tf.AutoConfig.from_pretrained(d)).eval()
     with torch.no_grad():
         want = ref(IDS).logits
     exact = load(path, "fp32")  # gguf-py's dequantization through our float path

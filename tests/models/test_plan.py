@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import gguf_parsed_once
 from sparseinfer.errors import SparseInferError
 from sparseinfer.models.build import load
 from sparseinfer.models.loading import open_source
@@ -161,8 +162,9 @@ def test_quantized_file_logits_against_transformers(quant_gguf, kind):
     import transformers as tf
 
     path = quant_gguf(kind)
-    hf = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=torch.float32).eval()
+    with gguf_parsed_once():
+        hf = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=torch.float32).eval()
     with torch.no_grad():
         want = hf(torch.tensor([IDS])).logits[0]
     fp32 = load(path, "fp32")
@@ -435,8 +437,9 @@ def test_16_bit_files_stay_16_bit(quant_gguf, kind):
         {("ggml", "as stored")}
     assert plan.weight("layers.0.ffn.w_in").nbytes == 2 * 2 * F * D
     assert plan.weight("tok_emb").storage == "file"  # rows read from the map on lookup
-    hf = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=torch.float32).eval()
+    with gguf_parsed_once():
+        hf = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=torch.float32).eval()
     with torch.no_grad():
         want = hf(torch.tensor([IDS])).logits[0]
     for fused in (False, True):
