@@ -30,20 +30,18 @@ What is served (tested through Anthropic's official Python client, its stream he
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..config import SamplingParams
 from ..engine import FinishEvent, TokenEvent
 from .protocol import APIError, FunctionDef, Tool
-from .queue import END, JobFailed
 from .responses import _id
 
 logger = logging.getLogger(__name__)
@@ -295,51 +293,7 @@ class MessagesAPI:
                      params=SamplingParams(**kw), stream=req.stream, include_usage=False,
                      processors=processors,
                      thoughts=server.thoughts(None) if grammar is None else None)
-        job, first, watcher = await server.start(request, call)
-        events = self.events(job, first, watcher, answer)
-        if req.stream:
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache",
-                                              "X-Accel-Buffering": "no"})
-        async for _ in events:
-            pass
-        if answer.failed is not None:
-            raise answer.failed
-        if answer.finish is None:
-            return Response(status_code=499)
-        return JSONResponse(answer.message())
-
-    async def events(self, job: Any, item: Any, watcher: asyncio.Task[None],
-                     answer: _Answer) -> AsyncIterator[str]:
-        from .app import Thought
-
-        server = self.server
-        try:
-            while item is not END:
-                if isinstance(item, JobFailed):
-                    answer.failed = server._failure(item)
-                    yield _sse("error", error_body(answer.failed))
-                    return
-                if not isinstance(item, tuple):  # the client went away
-                    return
-                _, event, _ = item
-                if not answer.started:
-                    yield answer.start()
-                if isinstance(event, Thought):
-                    for out in answer.thought(event.text):
-                        yield out
-                elif isinstance(event, TokenEvent):
-                    for out in answer.token(event):
-                        yield out
-                elif isinstance(event, FinishEvent):
-                    if event.reason == "cancelled":
-                        return
-                    for out in answer.end(event):
-                        yield out
-                item = await job.get()
-        finally:
-            watcher.cancel()
-            server.scheduler.cancel(job)
+        return await server.spelled(request, call, answer)
 
 
 def _sse(kind: str, body: dict[str, Any]) -> str:
@@ -347,7 +301,8 @@ def _sse(kind: str, body: dict[str, Any]) -> str:
 
 
 class _Answer:
-    """One message as it is generated: its content blocks and the stream's events."""
+    """One message as it is generated: its content blocks and the stream's events
+    (``OpenAIServer.spelled`` calls them)."""
 
     def __init__(self, model: str, tools: tuple[str, ...], several: bool) -> None:
         self.model, self.tools, self.several = model, tools, several
@@ -355,18 +310,20 @@ class _Answer:
         self.blocks: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the block being streamed
         self.held = ""  # the answer's text while tools are offered (calls are parsed at the end)
-        self.started = False
         self.prompt_tokens = 0
         self.finish: FinishEvent | None = None
         self.failed: APIError | None = None
 
-    def start(self) -> str:
+    def begin(self) -> list[str]:
         """``message_start`` (the prompt's tokens were counted as it was built)."""
-        self.started = True
-        return _sse("message_start", {"type": "message_start", "message": {
-            **self.message(), "content": [], "stop_reason": None, "stop_sequence": None}})
+        return [_sse("message_start", {"type": "message_start", "message": {
+            **self.whole(), "content": [], "stop_reason": None, "stop_sequence": None}})]
 
-    def begin(self, block: dict[str, Any]) -> list[str]:
+    @staticmethod
+    def error(exc: APIError) -> str:
+        return _sse("error", error_body(exc))
+
+    def open_block(self, block: dict[str, Any]) -> list[str]:
         out = self.close()
         self.blocks.append(block)
         self.open = block
@@ -398,7 +355,7 @@ class _Answer:
     def thought(self, text: str) -> list[str]:
         out = []
         if self.open is None or self.open["type"] != "thinking":
-            out += self.begin({"type": "thinking", "thinking": "", "signature": ""})
+            out += self.open_block({"type": "thinking", "thinking": "", "signature": ""})
         self.open["thinking"] += text
         out.append(self.delta({"type": "thinking_delta", "thinking": text}))
         return out
@@ -411,7 +368,7 @@ class _Answer:
             return self.close()
         out = []
         if self.open is None or self.open["type"] != "text":
-            out += self.begin({"type": "text", "text": ""})
+            out += self.open_block({"type": "text", "text": ""})
         self.open["text"] += event.text
         out.append(self.delta({"type": "text_delta", "text": event.text}))
         return out
@@ -426,13 +383,13 @@ class _Answer:
         if calls is not None:
             for call in calls:
                 args = call.function.arguments
-                out += self.begin({"type": "tool_use", "id": "toolu_" + call.id[5:],
+                out += self.open_block({"type": "tool_use", "id": "toolu_" + call.id[5:],
                                    "name": call.function.name, "input": {}})
                 self.open["input"] = json.loads(args)
                 out.append(self.delta({"type": "input_json_delta", "partial_json": args}))
         elif self.held or not self.blocks or self.blocks[-1]["type"] != "text":
             if self.open is None or self.open["type"] != "text":
-                out += self.begin({"type": "text", "text": ""})
+                out += self.open_block({"type": "text", "text": ""})
             if self.held:
                 self.open["text"] += self.held
                 out.append(self.delta({"type": "text_delta", "text": self.held}))
@@ -456,7 +413,7 @@ class _Answer:
             return "stop_sequence", finish.stop_string
         return "end_turn", None
 
-    def message(self) -> dict[str, Any]:
+    def whole(self) -> dict[str, Any]:
         reason, stop = self.stop_reason(any(b["type"] == "tool_use" for b in self.blocks))
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": json.loads(json.dumps(self.blocks)), "stop_reason": reason,

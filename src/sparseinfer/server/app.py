@@ -561,9 +561,7 @@ class OpenAIServer:
     def _chat_ids(self, messages: list[dict[str, str]],
                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
         try:
-            if template_kwargs:
-                return self.engine.chat_prompt(messages, template_kwargs)
-            return self.engine.chat_prompt(messages)
+            return self.engine.chat_prompt(messages, template_kwargs)
         except UnicodeError as exc:
             raise APIError(
                 400, f"messages: text is not encodable: {exc}", param="messages"
@@ -800,6 +798,56 @@ class OpenAIServer:
             watcher.cancel()
             self.scheduler.cancel(job)
             raise
+
+    async def spelled(self, request: Request, call: _Call, answer: Any) -> Response:
+        """``call`` run and answered as ``answer`` spells it — another API's events (Responses,
+        Anthropic's): ``begin()`` (the stream's first events), ``thought(text)``,
+        ``token(event)`` and ``end(finish)`` (each a list of SSE events; ``end`` sets
+        ``answer.finish``), ``error(exc)`` (the event of a failure) and ``whole()`` (the body
+        without a stream). Streamed with ``call.stream``; else the events run unsent and the
+        body is answered, or the failure raised."""
+        job, first, watcher = await self.start(request, call)
+        events = self._spell(job, first, watcher, answer)
+        if call.stream:
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers=_SSE_HEADERS)
+        async for _ in events:
+            pass
+        if answer.failed is not None:
+            raise answer.failed
+        if answer.finish is None:  # the client went away
+            return Response(status_code=499)
+        return JSONResponse(answer.whole())
+
+    async def _spell(self, job: Job, item: Any, watcher: asyncio.Task[None],
+                     answer: Any) -> AsyncIterator[str]:
+        try:
+            for out in answer.begin():
+                yield out
+            while item is not END:
+                if isinstance(item, JobFailed):
+                    answer.failed = self._failure(item)
+                    yield answer.error(answer.failed)
+                    return
+                if item is _GONE:
+                    return
+                _, event, _ = item
+                if isinstance(event, Thought):
+                    outs = answer.thought(event.text)
+                elif isinstance(event, TokenEvent):
+                    outs = answer.token(event)
+                elif isinstance(event, FinishEvent):
+                    if event.reason == "cancelled":
+                        return
+                    outs = answer.end(event)
+                else:
+                    outs = []
+                for out in outs:
+                    yield out
+                item = await job.get()
+        finally:
+            watcher.cancel()
+            self.scheduler.cancel(job)
 
     async def run(self, request: Request, call: _Call) -> Response:
         job = self._submit(self._work(call))

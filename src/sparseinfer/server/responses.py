@@ -24,21 +24,18 @@ What is served (tested through the official Python client, its stream accumulato
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ..config import SamplingParams
 from ..engine import FinishEvent, TokenEvent
 from .protocol import APIError, FunctionDef, Tool
-from .queue import END, JobFailed
 
 # -- requests --------------------------------------------------------------------------------------
 
@@ -281,59 +278,13 @@ class ResponsesAPI:
                      prompt_param="input", params=SamplingParams(**kw), stream=req.stream,
                      include_usage=False, processors=processors,
                      thoughts=server.thoughts(None) if grammar is None else None)
-        job, first, watcher = await server.start(request, call)
-        answer = _Answer(req, server.model_name, names, several)
-        events = self.events(job, first, watcher, answer)
-        if req.stream:
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache",
-                                              "X-Accel-Buffering": "no"})
-        async for _ in events:
-            pass
-        if answer.failed is not None:
-            raise answer.failed
-        if answer.finish is None:
-            return Response(status_code=499)
-        return JSONResponse(answer.response())
-
-    async def events(self, job: Any, item: Any, watcher: asyncio.Task[None],
-                     answer: _Answer) -> AsyncIterator[str]:
-        """The job's events as the stream's SSE events (also run, unsent, for a whole answer)."""
-        from .app import Thought
-
-        server = self.server
-        try:
-            yield answer.event("response.created", response=answer.response("in_progress"))
-            yield answer.event("response.in_progress", response=answer.response("in_progress"))
-            while item is not END:
-                if isinstance(item, JobFailed):
-                    answer.failed = server._failure(item)
-                    yield answer.event("error", code=answer.failed.code,
-                                       message=answer.failed.message, param=answer.failed.param)
-                    return
-                if not isinstance(item, tuple):  # the client went away
-                    return
-                _, event, _ = item
-                if isinstance(event, Thought):
-                    for out in answer.thought(event.text):
-                        yield out
-                elif isinstance(event, TokenEvent):
-                    for out in answer.token(event):
-                        yield out
-                elif isinstance(event, FinishEvent):
-                    if event.reason == "cancelled":
-                        return
-                    for out in answer.end(event):
-                        yield out
-                item = await job.get()
-        finally:
-            watcher.cancel()
-            server.scheduler.cancel(job)
+        return await server.spelled(request, call, _Answer(req, server.model_name, names,
+                                                           several))
 
 
 class _Answer:
-    """One response as it is generated: its output items, the stream's events for each step,
-    and the response object at any point."""
+    """One response as it is generated: its output items, the stream's events for each step
+    (``OpenAIServer.spelled`` calls them), and the response object at any point."""
 
     def __init__(self, req: ResponseRequest, model: str, tools: tuple[str, ...],
                  several: bool) -> None:
@@ -354,6 +305,16 @@ class _Answer:
         return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
 
     # -- steps ----------------------------------------------------------------------------------
+
+    def begin(self) -> list[str]:
+        return [self.event(kind, response=self.response("in_progress"))
+                for kind in ("response.created", "response.in_progress")]
+
+    def error(self, exc: APIError) -> str:
+        return self.event("error", code=exc.code, message=exc.message, param=exc.param)
+
+    def whole(self) -> dict[str, Any]:
+        return self.response()
 
     def thought(self, text: str) -> list[str]:
         out = []
