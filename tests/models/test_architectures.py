@@ -1,5 +1,6 @@
 """Qwen2, Qwen3, Llama 3.1 (llama3 rope scaling), Mistral (sliding window), Gemma 2, Gemma 3,
-SmolLM3 (layers without rope), Granite (its multipliers) and the rest of TINY_ARCHS against transformers on tiny random models: read from the Hugging Face safetensors directory and
+SmolLM3 (layers without rope), Granite (its multipliers) and the rest of TINY_ARCHS against
+transformers on tiny random models: read from the Hugging Face safetensors directory and
 from a GGUF written by llama.cpp's own converter (``convert_hf_to_gguf.py``, not our exporter).
 Logits within 1e-4 relative, and greedy decoding through the KV cache equal to ``generate``."""
 

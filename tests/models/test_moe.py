@@ -1,5 +1,5 @@
-"""Mixtures of experts (Mixtral, Qwen3-MoE, Granite-MoE) beyond the float checks of test_architectures.py:
-quantized experts on the C kernels from files llama.cpp's converter wrote (against transformers
+"""Mixtures of experts (Mixtral, Qwen3-MoE, Granite-MoE) beyond the float checks of
+test_architectures.py: quantized experts on the C kernels from files llama.cpp's converter wrote (against transformers
 reading the same GGUF, or gguf-py's dequantization of it), the engine and the batch engine end to
 end, and the errors for what is not supported."""
 

@@ -33,6 +33,31 @@ def wait_until(
     return bool(predicate())
 
 
+def event_classes(union) -> dict[str, type]:
+    """An SDK's stream event models by their ``type``, from its union of every event (an
+    ``Annotated`` union, as openai's and anthropic's are)."""
+    from typing import get_args
+
+    return {get_args(c.model_fields["type"].annotation)[0]: c for c in get_args(get_args(union)[0])}
+
+
+def streamed_events(url: str, body: dict, classes: dict[str, type]) -> list[dict]:
+    """``body`` POSTed to ``url`` with ``stream: true``: its SSE events' data, each one's
+    ``event:`` line naming its type, each validated (not merely constructed, as an SDK does)
+    against ``classes[type]``."""
+    import json
+
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=10) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = list(r.iter_lines())
+    names = [ln[7:] for ln in lines if ln.startswith("event: ")]
+    data = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ")]
+    assert names == [d["type"] for d in data]
+    for d in data:
+        classes[d["type"]].model_validate(d)
+    return data
+
+
 def assert_error(
     resp: httpx.Response, status: int, *, param: str | None = None, code: str | None = None
 ) -> dict:

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from .fake_engine import FakeEngine
+from .helpers import event_classes, streamed_events
 from .test_responses import THOUGHTFUL, ToolRoleFake
 
 anthropic = pytest.importorskip("anthropic")
@@ -191,12 +192,9 @@ def test_every_event_and_message_validates_strictly(start_server):
     """Each streamed event validated (not merely constructed, as the SDK does) against the
     SDK's model of its type, each whole answer against ``Message``: text, cut short, stopped,
     thinking, tool use."""
-    from typing import get_args
-
     from anthropic.types import Message, RawMessageStreamEvent
 
-    classes = {get_args(c.model_fields["type"].annotation)[0]: c
-               for c in get_args(get_args(RawMessageStreamEvent)[0])}
+    classes = event_classes(RawMessageStreamEvent)
     srv, _ = start_server(ToolRoleFake(n_ctx=4096, think=True))
     url = srv.url + "/v1/messages"
     say = {"model": "fake-model", "max_tokens": 50}
@@ -211,11 +209,5 @@ def test_every_event_and_message_validates_strictly(start_server):
     for body in bodies:
         reasons.add(Message.model_validate(httpx.post(url, json=body, timeout=10).json())
                     .stop_reason)
-        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=10) as r:
-            lines = list(r.iter_lines())
-        names = [ln[7:] for ln in lines if ln.startswith("event: ")]
-        data = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ")]
-        assert names == [d["type"] for d in data]
-        for d in data:
-            classes[d["type"]].model_validate(d)
+        streamed_events(url, body, classes)
     assert reasons == {"end_turn", "max_tokens", "stop_sequence", "tool_use"}

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from .fake_engine import FakeEngine
-from .helpers import assert_error, openai_client
+from .helpers import assert_error, event_classes, openai_client, streamed_events
 from .test_tool_calls import ToolFake
 
 THOUGHTFUL = "<think>\nCount: 2 + 2.\n</think>\n\nIt is 4."
@@ -147,23 +147,13 @@ def test_function_tools_round_trip(start_server):
     assert json.loads(r.output_text) == {"a": 1}
 
 
-def _event_classes() -> dict:
-    """The SDK's stream event types by their ``type`` (its union of every event)."""
-    from typing import get_args
-
-    import openai.types.responses as types
-
-    union = get_args(types.ResponseStreamEvent)[0]
-    return {get_args(c.model_fields["type"].annotation)[0]: c for c in get_args(union)}
-
-
 def test_every_event_and_response_validates_strictly(start_server):
     """Each streamed event, validated (not merely constructed, as the SDK does) against the
     SDK's model of its type, and each whole response against ``Response``: plain, cut short,
     thinking, tool calls."""
-    from openai.types.responses import Response
+    from openai.types.responses import Response, ResponseStreamEvent
 
-    classes = _event_classes()
+    classes = event_classes(ResponseStreamEvent)
     srv, _ = start_server(ToolRoleFake(n_ctx=4096, think=True))
     tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
     bodies = [{"input": "[[say:a b]]"}, {"input": "count", "max_output_tokens": 2},
@@ -173,16 +163,8 @@ def test_every_event_and_response_validates_strictly(start_server):
     for body in bodies:
         whole = httpx.post(srv.base_url + "/responses", json=body, timeout=10).json()
         Response.model_validate(whole)
-        with httpx.stream("POST", srv.base_url + "/responses", json={**body, "stream": True},
-                          timeout=10) as r:
-            assert r.headers["content-type"].startswith("text/event-stream")
-            lines = list(r.iter_lines())
-        names = [ln[7:] for ln in lines if ln.startswith("event: ")]
-        data = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ")]
-        assert names == [d["type"] for d in data]
-        for d in data:
-            classes[d["type"]].model_validate(d)
-            seen.add(d["type"])
+        data = streamed_events(srv.base_url + "/responses", body, classes)
+        seen |= {d["type"] for d in data}
         Response.model_validate(data[-1]["response"])
     assert {"response.incomplete", "response.reasoning_text.delta",
             "response.function_call_arguments.done"} <= seen

@@ -1158,7 +1158,8 @@ class DecodeBlock:
     last ``window`` positions only; ``scale`` replaces 1/sqrt(head_dim) on the scores;
     ``softcap`` > 0 soft-caps them, ``cap · tanh(score / cap)`` (Gemma 2), before the softmax;
     ``residual`` multiplies the attention's and the FFN's outputs before their residual adds
-    (Granite's residual_multiplier). ``d_ff`` 0 with no ``w_in``, ``down`` or ``ffn_post_norm``: attention only, ``x +=
+    (Granite's residual_multiplier). ``d_ff`` 0 with no ``w_in``, ``down`` or
+    ``ffn_post_norm``: attention only, ``x +=
     wo(attend(...))``, the caller computing the FFN (a mixture of experts; not in a
     ``DecodeStack``). (Reference: ``reference.block_decode_ref``.)"""
 

@@ -29,8 +29,8 @@ from ..quant.blocks import BLOCK_BYTES, from_gguf
 from .find import SPLIT_PART, find_model
 from .names import (ARCH_FIELDS, EXPERT_STACKS, GATED_ACT_TO_KIND, GGUF_ARCH_FIELDS, GGUF_ARCHS,
                     GGUF_FFN_KIND, GGUF_ROPE_INTERLEAVED, GGUF_ROPE_THETA_LOCAL, GGUF_SPARSE_FFN_KINDS,
-                    GGUF_NOPE_EVERY, GGUF_SWAPPED_NORMS, GGUF_WINDOW_PATTERN, HF_ARCHS, HF_NORM_SHIFT,
-                    HF_QKV_GROUPED, UNGATED_ACT_TO_KIND, compile_names, map_name, source_name)
+                    GGUF_NOPE_EVERY, GGUF_SWAPPED_NORMS, GGUF_WINDOW_PATTERN, HF_ARCHS,
+                    HF_NORM_SHIFT, HF_QKV_GROUPED, UNGATED_ACT_TO_KIND, compile_names, map_name, source_name)
 
 log = logging.getLogger(__name__)
 
